@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv on first use, then runs
+#   ./dev.sh demo [ARGS]   the main job on embedded defaults (fanout demo)
+#   ./dev.sh test [ARGS]   the test suite (pytest, slow soaks excluded)
+#   ./dev.sh lint          ruff check + ruff format --check + mypy src
+#   ./dev.sh fanout ARGS   any fanout subcommand inside the venv
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${FANOUT_VENV:-.venv}
+stamp="$VENV/.fanout-installed"
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
+  # Keep a torch the user already installed (any >=2.9) instead of replacing it.
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+  fi
+  "$VENV/bin/pip" install -q -e ".[dev]"
+  touch "$stamp"
+fi
+cmd=${1:-help}; shift || true
+case "$cmd" in
+  demo) exec "$VENV/bin/fanout" demo "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest -m "not slow" "$@" ;;
+  lint) "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && exec "$VENV/bin/mypy" ;;
+  fanout) exec "$VENV/bin/fanout" "$@" ;;
+  *) sed -n '2,7p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,66 @@
+"""The `fanout` command: `fanout prepare | produce | train | status | sweep | bench | demo`.
+
+    fanout --help
+    fanout status --run-dir runs/demo --json
+
+Each subcommand lives in the module that owns it; this file only maps names to
+`add_arguments(parser)` / `run(args) -> int` pairs, imported lazily so that
+`fanout status` never pays for importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fanout.errors import FanoutError
+
+# name -> (module, one-line help). Each module defines add_arguments(p) and run(args) -> int.
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def _register(name: str, module: str, help_text: str) -> None:
+    COMMANDS[name] = (module, help_text)
+
+
+_register(
+    "status", "fanout.status", "show the state of a run directory (windows, consumers, leases)"
+)
+_register(
+    "sweep", "fanout.status", "remove temp debris and orphan window files from a run directory"
+)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fanout", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        # Only import the module whose flags we need (keeps `fanout status` light).
+        if name == wanted:
+            importlib.import_module(module).add_arguments(p, name)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args, args.command) or 0)
+    except FanoutError as e:
+        print(f"fanout {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"fanout {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

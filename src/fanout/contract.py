@@ -1,0 +1,119 @@
+"""Capture contract: everything that lets several consumers share one capture.
+
+    from fanout.contract import CaptureContract
+    c = CaptureContract.load("runs/demo/contract.json"); print(c.stream_id)
+
+Two consumers can share a producer's windows iff they agree on every field
+here. Consumer-side choices (block size, loss, lr, seed) are deliberately not
+in it. The hash of the contract names the stream; a window file carries it in
+its metadata so a file from another contract is never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fanout.errors import ConfigError, ContractMismatch
+
+CONTRACT_FORMAT_VERSION = 1
+
+
+class CaptureContract(BaseModel):
+    """What a window means. Frozen; unknown fields are rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format_version: int = Field(CONTRACT_FORMAT_VERSION, description="Window format version.")
+    verifier_config_hash: str = Field(
+        description="sha256 of the verifier's config.json (canonical)."
+    )
+    verifier_weights_fingerprint: str = Field(
+        description="Fingerprint of the verifier weights (headers + sizes + sampled bytes)."
+    )
+    verifier_num_layers: int = Field(gt=0, description="Decoder layers in the verifier.")
+    hidden_size: int = Field(gt=0, description="Verifier hidden size H.")
+    vocab_size: int = Field(gt=0, description="Verifier vocabulary size (lm_head rows).")
+    target_layer_ids: tuple[int, ...] = Field(
+        description="Decoder layers whose outputs are captured, in order."
+    )
+    storage_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of hidden_states on disk."
+    )
+    target_kind: Literal["greedy_ids"] = Field(
+        "greedy_ids", description="What target_ids holds: the verifier's argmax next token."
+    )
+    store_last_hidden_states: bool = Field(
+        False, description="Whether windows also carry last_hidden_states [R, T, H]."
+    )
+    dataset_fingerprint: str = Field(description="Fingerprint of the packed-row source.")
+    tokenizer_fingerprint: str = Field(description="Fingerprint of tokenizer files + template.")
+    seq_len: int = Field(gt=0, description="Tokens per packed row (T).")
+    window_rows: int = Field(gt=0, description="Rows per window (R).")
+    shuffle_seed: int = Field(description="Seed of the per-epoch row shuffle.")
+
+    @field_validator("target_layer_ids")
+    @classmethod
+    def _layers_valid(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v:
+            raise ValueError("target_layer_ids must not be empty")
+        if len(set(v)) != len(v):
+            raise ValueError(f"target_layer_ids has duplicates: {v}")
+        if any(i < 0 for i in v):
+            raise ValueError(f"target_layer_ids must be >= 0: {v}")
+        return v
+
+    @property
+    def stream_id(self) -> str:
+        """Short hash naming the stream (16 hex chars of sha256 of the canonical JSON)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def diff(self, other: CaptureContract) -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ: {field: (self's value, other's value)}."""
+        a, b = self.model_dump(mode="json"), other.model_dump(mode="json")
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+    def require(self, expected: dict[str, Any], where: str = "") -> None:
+        """Raise ContractMismatch naming every field of `expected` that differs.
+
+        Consumers pass only what their flags imply (e.g. target_layer_ids, seq_len);
+        unknown field names are a ConfigError, not a silent pass.
+        """
+        mine = self.model_dump(mode="json")
+        unknown = sorted(set(expected) - set(mine))
+        if unknown:
+            raise ConfigError(f"unknown contract fields {unknown}; known: {sorted(mine)}")
+        normalized = {
+            k: list(v) if isinstance(v, tuple) else v for k, v in expected.items() if v is not None
+        }
+        bad = {k: (mine[k], v) for k, v in normalized.items() if mine[k] != v}
+        if bad:
+            raise ContractMismatch(bad, where)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically (temp + fsync + rename), 0644."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        data = json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CaptureContract:
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: no contract.json (has a producer run here yet?)") from None
+        except ValueError as e:
+            raise ConfigError(f"{path}: invalid contract: {e}") from None

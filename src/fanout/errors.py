@@ -1,0 +1,84 @@
+"""Typed errors a caller can act on. Every message names what and where.
+
+Each class is raised by one component and documented there; they live together
+so that a caller (CLI, trainer, harness) can catch them without importing the
+heavier modules that raise them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class FanoutError(Exception):
+    """Base of every error fanout raises on purpose."""
+
+
+class ContractMismatch(FanoutError):
+    """A consumer's (or restarted producer's) capture contract differs from the run's.
+
+    `fields` maps each differing field to (run's value, caller's value).
+    """
+
+    def __init__(self, fields: dict[str, tuple[Any, Any]], where: str = "") -> None:
+        self.fields = fields
+        parts = [f"{k}: run has {a!r}, you asked for {b!r}" for k, (a, b) in sorted(fields.items())]
+        loc = f" ({where})" if where else ""
+        super().__init__(f"capture contract mismatch{loc}; differing fields: " + "; ".join(parts))
+
+
+class StaleLease(FanoutError):
+    """A write carried a fencing token that is no longer current (the caller was
+    reclaimed as lost, detached, or superseded by a newer registration)."""
+
+
+class Detached(FanoutError):
+    """The consumer was detached by the `detach` lag policy; it must re-register."""
+
+
+class WindowGone(FanoutError):
+    """The window a consumer needs was evicted and the lag policy cannot bring it back."""
+
+
+class AcquireTimeout(FanoutError):
+    """A blocking coordinator call (acquire, backpressure wait) ran out of time."""
+
+
+class StorageError(FanoutError):
+    """A filesystem call failed while publishing; the window was aborted, nothing committed."""
+
+
+class StorageFull(StorageError):
+    """ENOSPC/EDQUOT while publishing; the temp file was removed, nothing committed."""
+
+
+class CorruptWindow(FanoutError):
+    """A window file failed validation (truncated, bad header, checksum mismatch)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"corrupt window {path}: {reason}")
+
+
+class BadRow(FanoutError):
+    """An input row cannot be used. Names file, line (1-based, or row index) and field."""
+
+    def __init__(self, file: str, line: int, field: str, reason: str) -> None:
+        self.file = file
+        self.line = line
+        self.field = field
+        self.reason = reason
+        super().__init__(f"{file}:{line}: field {field!r}: {reason}")
+
+
+class UnsupportedFilesystem(FanoutError):
+    """The coordinator database was asked to live on a filesystem SQLite WAL cannot use."""
+
+
+class SchemaVersionError(FanoutError):
+    """The coordinator database has a schema version this code does not know."""
+
+
+class ConfigError(FanoutError):
+    """A configuration value is invalid; the message names the field and the source."""

@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fanout.contract import CaptureContract
+from fanout.errors import ConfigError, ContractMismatch
+
+
+def make(**over: object) -> CaptureContract:
+    base: dict[str, object] = dict(
+        verifier_config_hash="c" * 8,
+        verifier_weights_fingerprint="w" * 8,
+        verifier_num_layers=4,
+        hidden_size=64,
+        vocab_size=1000,
+        target_layer_ids=(1, 2),
+        dataset_fingerprint="d",
+        tokenizer_fingerprint="t",
+        seq_len=128,
+        window_rows=4,
+        shuffle_seed=0,
+    )
+    base.update(over)
+    return CaptureContract.model_validate(base)
+
+
+def test_hash_changes_with_any_field_and_roundtrips(tmp_path: Path) -> None:
+    a = make()
+    assert a.stream_id == make().stream_id
+    assert a.stream_id != make(target_layer_ids=(1, 3)).stream_id
+    a.save(tmp_path / "contract.json")
+    assert CaptureContract.load(tmp_path / "contract.json") == a
+    assert (tmp_path / "contract.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_require_names_differing_fields() -> None:
+    a = make()
+    a.require({"target_layer_ids": [1, 2], "seq_len": 128})
+    with pytest.raises(ContractMismatch) as e:
+        a.require({"target_layer_ids": (1, 3), "seq_len": 64})
+    assert set(e.value.fields) == {"target_layer_ids", "seq_len"}
+    assert "seq_len" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown contract fields"):
+        a.require({"block_size": 8})
+
+
+def test_invalid_layers_rejected() -> None:
+    with pytest.raises(ValueError, match="duplicates"):
+        make(target_layer_ids=(1, 1))
