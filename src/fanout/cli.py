@@ -30,6 +30,7 @@ _register(
 _register(
     "sweep", "fanout.status", "remove temp debris and orphan window files from a run directory"
 )
+_register("prepare", "fanout.prepare", "chat data → packed, loss-masked token rows (cached)")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

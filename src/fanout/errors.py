@@ -82,3 +82,8 @@ class SchemaVersionError(FanoutError):
 
 class ConfigError(FanoutError):
     """A configuration value is invalid; the message names the field and the source."""
+
+
+class CoordinatorBusy(FanoutError):
+    """The coordinator database stayed locked past the bounded retry window
+    (another process holds a write transaction far longer than any fanout call does)."""

@@ -1,0 +1,230 @@
+"""Store I/O benchmark: publish and read of one window against raw file I/O.
+
+    .venv/bin/python benchmarks/store_io.py                         # 256 MiB window, 3 reps
+    .venv/bin/python benchmarks/store_io.py --size-mib 32 --reps 2 --json out.json
+
+Same run, same bytes, one window of bf16 rows (`hidden_states [R, T, n·H]` plus
+the int32/uint8 [R, T] tensors of DESIGN.md):
+
+- publish_vs_raw = raw time / publish time, where raw = open + write the same
+  tensor buffers + fsync + close, and publish = Store.publish (header, write,
+  xxh3 checksum, fsync, link, unlink temp, fsync dir). Both go through the page
+  cache and end with an fsync, so both pay the same writeback. Goal >= 0.9.
+- read_vs_raw = raw time / read time, where raw = open + readinto a
+  preallocated, already-touched buffer, and read = WindowReader (mmap, header
+  validation, checksum over every byte) + every row's views built and touched.
+  Page cache: warm for both (the file was just written; nothing is dropped, and
+  a warm-up pass of each runs before timing). Goal >= 0.8.
+
+Times are medians over --reps alternating runs. `bench_publish` / `bench_read`
+are importable (benchmarks/store_coordinator.py combines them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from fanout.store import RunDir, Store, WindowMeta, WindowReader
+
+MiB = 1 << 20
+T, D = 1024, 4096  # tokens per row, n·H (e.g. 4 captured layers of H=1024): 8 MiB/row in bf16
+
+
+def make_tensors(nbytes: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A window whose tensors total about `nbytes` (hidden_states dominates)."""
+    per_row = T * D * 2 + T * (4 * 4 + 1)  # hidden_states + 4 int32 + 1 uint8 tensors
+    rows = max(1, round(nbytes / per_row))
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda: torch.randint(0, 151_000, (rows, T), generator=g, dtype=torch.int32)  # noqa: E731
+    return {
+        "hidden_states": torch.randn(rows, T, D, generator=g).bfloat16(),  # [R, T, n·H]
+        "target_ids": ids(),  # [R, T]
+        "input_ids": ids(),  # [R, T]
+        "document_ids": ids(),  # [R, T]
+        "position_ids": torch.arange(T, dtype=torch.int32).repeat(rows, 1),  # [R, T]
+        "loss_mask": torch.ones(rows, T, dtype=torch.uint8),  # [R, T]
+    }
+
+
+def _meta(rows: int, window: int) -> WindowMeta:
+    return WindowMeta(contract_hash="bench", window=window, generation=0, epoch=0,
+                      row_start=window * rows, row_end=(window + 1) * rows)  # fmt: skip
+
+
+def _raw_write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors.values():
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_publish(tmpdir: str | Path, nbytes: int, reps: int = 3) -> dict[str, Any]:
+    """Median raw write+fsync vs Store.publish time for one ~nbytes window."""
+    tensors = make_tensors(nbytes)
+    rows = tensors["input_ids"].shape[0]
+    store = Store(RunDir(Path(tmpdir) / "run_publish").create())
+    raw_path = Path(tmpdir) / "raw_write.bin"
+    raw_s, pub_s, size = [], [], 0
+    for i in range(reps + 1):  # rep 0 is a warm-up (allocator, page cache, dir entries)
+        t0 = time.perf_counter()
+        _raw_write(raw_path, tensors)
+        t1 = time.perf_counter()
+        pub = store.publish(tensors, _meta(rows, i))
+        t2 = time.perf_counter()
+        size = pub.nbytes
+        raw_path.unlink()
+        store.remove(pub.name)
+        if i:
+            raw_s.append(t1 - t0)
+            pub_s.append(t2 - t1)
+    raw, publish = statistics.median(raw_s), statistics.median(pub_s)
+    return {
+        "file_bytes": size,
+        "rows": rows,
+        "raw_write_fsync_s": raw,
+        "publish_s": publish,
+        "raw_GBps": size / raw / 1e9,
+        "publish_GBps": size / publish / 1e9,
+        "publish_vs_raw": raw / publish,
+        "goal_publish_vs_raw": 0.9,
+    }
+
+
+def bench_read(tmpdir: str | Path, nbytes: int, reps: int = 3) -> dict[str, Any]:
+    """Median raw readinto vs (mmap + validate + checksum + touch every row) time."""
+    tensors = make_tensors(nbytes, seed=1)
+    rows = tensors["input_ids"].shape[0]
+    store = Store(RunDir(Path(tmpdir) / "run_read").create())
+    pub = store.publish(tensors, _meta(rows, 0))
+    del tensors
+    buf = bytearray(pub.nbytes)  # preallocated and touched: raw pays no page faults for it
+    sink = 0
+
+    def raw() -> None:
+        with open(pub.path, "rb", buffering=0) as f:
+            assert f.readinto(buf) == pub.nbytes
+
+    def read() -> None:
+        nonlocal sink
+        with WindowReader(pub.path, verify=True) as r:
+            for i in range(r.rows):
+                for t in r.row(i).values():  # touch: first and last element of each row view
+                    flat = t.reshape(-1)
+                    sink += int(flat[0].item() != 0) + int(flat[-1].item() != 0)
+
+    raw_s, read_s = [], []
+    for i in range(reps + 1):  # rep 0 is a warm-up
+        t0 = time.perf_counter()
+        raw()
+        t1 = time.perf_counter()
+        read()
+        t2 = time.perf_counter()
+        if i:
+            raw_s.append(t1 - t0)
+            read_s.append(t2 - t1)
+    store.remove(pub.name)
+    r_raw, r_read = statistics.median(raw_s), statistics.median(read_s)
+    return {
+        "file_bytes": pub.nbytes,
+        "rows": rows,
+        "raw_read_s": r_raw,
+        "mmap_verify_touch_s": r_read,
+        "raw_GBps": pub.nbytes / r_raw / 1e9,
+        "read_GBps": pub.nbytes / r_read / 1e9,
+        "read_vs_raw": r_raw / r_read,
+        "goal_read_vs_raw": 0.8,
+        "page_cache": "warm (file just written, nothing dropped; warm-up pass before timing)",
+    }
+
+
+def bench_xxh3(nbytes: int) -> float:
+    """xxh3-128 throughput over an in-memory buffer, GB/s (context for the ratios)."""
+    data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()
+    xxhash.xxh3_128(data).hexdigest()
+    t0 = time.perf_counter()
+    xxhash.xxh3_128(data).hexdigest()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _fs_type(path: Path) -> str:
+    best, kind = "", "?"
+    p = str(path.resolve())
+    for line in Path("/proc/mounts").read_text().splitlines():
+        _, mnt, fstype, *_ = line.split()
+        if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+            best, kind = mnt, fstype
+    return f"{kind} ({best})"
+
+
+def hardware(tmpdir: Path) -> dict[str, Any]:
+    cpu = platform.processor() or "?"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    return {
+        "cpu": cpu,
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "ram_GiB": round(mem_kib / 2**20, 1),
+        "filesystem": _fs_type(tmpdir),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "xxhash": xxhash.VERSION,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mib", type=int, default=256, help="window size in MiB (default 256)")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median; default 3)")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
+    ap.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results as JSON")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="fanout-store-io-") as d:
+        hw = hardware(Path(d))
+        nbytes = args.size_mib * MiB
+        pub = bench_publish(d, nbytes, args.reps)
+        rd = bench_read(d, nbytes, args.reps)
+    xx = bench_xxh3(64 * MiB)
+    print(f"store I/O — {hw['cpu']}, {hw['cpus_usable']} CPUs, {hw['ram_GiB']} GiB, fs {hw['filesystem']}")
+    print(f"window {pub['file_bytes'] / MiB:.1f} MiB ({pub['rows']} rows x {T} tok x {D} bf16), "
+          f"median of {args.reps}; xxh3-128 {xx:.1f} GB/s")  # fmt: skip
+    rows = [
+        ("raw write+fsync", pub["raw_write_fsync_s"], pub["raw_GBps"], ""),
+        ("publish", pub["publish_s"], pub["publish_GBps"],
+         f"publish_vs_raw {pub['publish_vs_raw']:.2f} (goal >= 0.9)"),
+        ("raw read (warm)", rd["raw_read_s"], rd["raw_GBps"], ""),
+        ("mmap+verify+touch", rd["mmap_verify_touch_s"], rd["read_GBps"],
+         f"read_vs_raw {rd['read_vs_raw']:.2f} (goal >= 0.8)"),
+    ]  # fmt: skip
+    print(f"{'step':<20}{'seconds':>10}{'GB/s':>8}  ratio")
+    for name, s, gbps, note in rows:
+        print(f"{name:<20}{s:>10.4f}{gbps:>8.2f}  {note}")
+    if args.json:
+        out = {"hardware": hw, "size_mib": args.size_mib, "reps": args.reps,
+               "xxh3_128_GBps": xx, "publish": pub, "read": rd}  # fmt: skip
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

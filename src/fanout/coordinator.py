@@ -1,0 +1,684 @@
+"""The coordinator: windows, consumers, leases, cursors, eviction, backpressure, fencing.
+
+    from fanout.coordinator import Coordinator, RunConfig
+    coord = Coordinator.create("runs/demo", contract, RunConfig(max_live_windows=4))
+    p = coord.register_producer(contract)                       # producer side
+    while coord.wait_for_capacity(p, timeout_s=60) and (c := coord.claim(p)):
+        coord.publish_ready(c, store.publish(tensors, meta))
+    reg = Coordinator.open("runs/demo").register_consumer("draft-b8", dp_rank=0)
+    lease = coord.acquire(reg, timeout_s=600); ...; coord.ack(lease)   # consumer side
+
+One SQLite database (see fanout.schema for where it may live and how writes are
+made safe) shared by one producer and N consumers, each holding its own
+`Coordinator` (one connection, one thread). Every state change is one short
+`BEGIN IMMEDIATE` transaction fenced by a token: a consumer's epoch token, a
+lease token, the producer's token or its claim token. Tokens come from one
+counter and are never reused, so a process that was reclaimed, detached or
+superseded ("zombie") gets StaleLease/Detached on its next write and changes
+nothing. Liveness (who is lost) lives in fanout.liveness; the file side of
+eviction and quarantine goes through fanout.store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout import retention, schema
+from fanout.contract import CaptureContract
+from fanout.errors import (
+    AcquireTimeout,
+    ConfigError,
+    ContractMismatch,
+    Detached,
+    StaleLease,
+    WindowGone,
+)
+from fanout.leases import Claim, ConsumerReg, Lease, ProducerReg, PublishedLike, WindowFiles
+from fanout.liveness import Reclaimer
+
+log = logging.getLogger(__name__)
+
+DB_NAME = "coordinator.sqlite3"
+DB_POINTER = "coordinator.dbpath"  # written when --db-path puts the database elsewhere
+
+
+class RunConfig(BaseModel):
+    """How a run shares its windows. Stored in the database at create time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_live_windows: int = Field(
+        4, ge=2, description="K: most window files that exist at once (ready + capturing)."
+    )
+    lag_policy: Literal["hold", "recapture", "detach"] = Field(
+        "hold",
+        description="What to do about a consumer that holds the producer at K: hold "
+        "(producer waits), recapture (evict what only laggards need; recapture it on "
+        "demand), detach (after detach_after_s, drop the slowest consumer).",
+    )
+    expected_consumers: int = Field(
+        1, ge=1, description="Nothing is evicted until this many consumers have registered."
+    )
+    total_windows: int | None = Field(
+        None, ge=1, description="Windows in the run; None = endless stream."
+    )
+    ttl_s: float = Field(
+        30.0, gt=0, description="Seconds without a heartbeat before a process is lost."
+    )
+    detach_after_s: float | None = Field(
+        None, gt=0, description="Seconds the producer may be blocked before detach; None = ttl_s."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Failed captures of one window before it is marked failed."
+    )
+    busy_timeout_s: float = Field(
+        5.0, ge=5.0, description="SQLite busy timeout per statement (seconds)."
+    )
+
+    @property
+    def detach_after(self) -> float:
+        return self.ttl_s if self.detach_after_s is None else self.detach_after_s
+
+
+def _root(run_dir: Any) -> Path:
+    """A run directory given as a path or as a fanout.store.RunDir."""
+    return Path(run_dir if isinstance(run_dir, (str, os.PathLike)) else run_dir.root).absolute()
+
+
+def _now() -> float:
+    return time.time()  # wall clock: display (heartbeat age) only, never for decisions
+
+
+class Coordinator:
+    """One connection to a run's coordinator database. Not thread-safe: one per thread."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        root: Path,
+        db_path: Path,
+        *,
+        store: WindowFiles | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conn, self.root, self.db_path, self.clock = conn, root, db_path, clock
+        schema.check_schema(conn, db_path)
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        self.config = RunConfig.model_validate_json(meta["config"])
+        self.contract = CaptureContract.model_validate_json(meta["contract"])
+        self._store = store
+        self._reclaimer = Reclaimer(self.config.ttl_s, clock)
+        self._blocked_since: float | None = None  # producer's own clock, for `detach`
+
+    # ---- opening -----------------------------------------------------------------
+
+    @staticmethod
+    def resolve_db_path(root: Path, db_path: str | os.PathLike[str] | None) -> Path:
+        """--db-path if given, else the path recorded by create(), else root/coordinator.sqlite3."""
+        if db_path is not None:
+            return Path(db_path).absolute()
+        pointer = root / DB_POINTER
+        if pointer.is_file():
+            return Path(pointer.read_text().strip())
+        return root / DB_NAME
+
+    @classmethod
+    def create(
+        cls,
+        run_dir: str | os.PathLike[str],
+        contract: CaptureContract,
+        config: RunConfig | None = None,
+        *,
+        db_path: str | os.PathLike[str] | None = None,
+        allow_network_fs: bool = False,
+        mountinfo: str | None = None,
+        store: WindowFiles | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Coordinator:
+        """Create the database of a new run (refused if one exists) and write contract.json."""
+        config = config or RunConfig()
+        root = _root(run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        path = cls.resolve_db_path(root, db_path)
+        if path.exists():
+            raise ConfigError(f"{path}: a coordinator database already exists; use open()")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not allow_network_fs:
+            schema.check_local_filesystem(path, mountinfo)
+        if path != root / DB_NAME:
+            (root / DB_POINTER).write_text(f"{path}\n")
+        contract.save(root / "contract.json")
+        conn = schema.connect(path, busy_timeout_s=config.busy_timeout_s)
+        schema.create_schema(
+            conn,
+            {
+                "config": config.model_dump_json(),
+                "contract": contract.model_dump_json(),
+                "stream_id": contract.stream_id,
+            },
+        )
+        log.info("created coordinator %s (stream %s, %s)", path, contract.stream_id, config)
+        return cls(conn, root, path, store=store, clock=clock)
+
+    @classmethod
+    def open(
+        cls,
+        run_dir: str | os.PathLike[str],
+        *,
+        db_path: str | os.PathLike[str] | None = None,
+        allow_network_fs: bool = False,
+        mountinfo: str | None = None,
+        store: WindowFiles | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Coordinator:
+        """Open an existing run's database (SchemaVersionError if it is not one we know)."""
+        root = _root(run_dir)
+        path = cls.resolve_db_path(root, db_path)
+        if not allow_network_fs:
+            schema.check_local_filesystem(path, mountinfo)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no coordinator database (has a producer created the run?)")
+        conn = schema.open_existing(path)
+        return cls(conn, root, path, store=store, clock=clock)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def store(self) -> WindowFiles:
+        if self._store is None:
+            # Imported lazily: `fanout status` must not pay for torch.
+            from fanout.filesystem import FileSystem
+            from fanout.store import RunDir, Store
+
+            self._store = Store(RunDir(self.root), FileSystem())
+        return self._store
+
+    # ---- small helpers -----------------------------------------------------------
+
+    def meta(self, key: str) -> Any:
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    @staticmethod
+    def _bump(cur: sqlite3.Cursor, key: str, n: int = 1) -> int:
+        cur.execute("UPDATE meta SET value = value + ? WHERE key=?", (n, key))
+        return int(cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
+
+    def _rows(self, window: int) -> tuple[int, int]:
+        r = self.contract.window_rows
+        return (window * r, (window + 1) * r)
+
+    def _write(self) -> Any:
+        return schema.write(self.conn)
+
+    def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
+        """Sleep until another connection commits (PRAGMA data_version) or max_s passes."""
+        end = time.monotonic() + max_s
+        if deadline is not None:
+            end = min(end, deadline)
+        v0 = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        pause = 0.0005
+        while time.monotonic() < end:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+            if self.conn.execute("PRAGMA data_version").fetchone()[0] != v0:
+                return
+
+    # ---- consumer side -----------------------------------------------------------
+
+    def register_consumer(
+        self,
+        name: str,
+        dp_rank: int = 0,
+        expect: dict[str, Any] | None = None,
+        cursor: int | None = None,
+    ) -> ConsumerReg:
+        """Join (or rejoin) as `name:dp<rank>`; `cursor` resumes from a checkpoint.
+
+        A rejoin keeps the stored cursor unless `cursor` is given (which may move it
+        back: that window is then recaptured), fences the previous incarnation and
+        drops its leases. ContractMismatch names every expected field that differs.
+        """
+        if not name or ":" in name:
+            raise ConfigError(f"consumer name {name!r}: must be non-empty without ':'")
+        cid = f"{name}:dp{dp_rank}"
+        self.contract.require(expect or {}, where=f"consumer {cid}")
+        expect_json = json.dumps(expect or {}, sort_keys=True)
+        with self._write() as cur:
+            token = self._bump(cur, "next_token")
+            row = cur.execute("SELECT cursor FROM consumers WHERE id=?", (cid,)).fetchone()
+            start = cursor if cursor is not None else (row[0] if row else 0)
+            if start < 0:
+                raise ConfigError(f"consumer {cid}: cursor must be >= 0, got {start}")
+            cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
+            cur.execute(
+                "INSERT INTO consumers(id, expect, cursor, hb_wall, state, token) "
+                "VALUES (?, ?, ?, ?, 'active', ?) ON CONFLICT(id) DO UPDATE SET "
+                "expect=excluded.expect, cursor=excluded.cursor, hb_wall=excluded.hb_wall, "
+                "state='active', token=excluded.token, note=NULL",
+                (cid, expect_json, start, _now(), token),
+            )
+        self._reclaimer.own(cid)
+        log.info("consumer %s registered at cursor %d (token %d)", cid, start, token)
+        return ConsumerReg(cid, token, start)
+
+    def resume(self, reg: ConsumerReg, cursor: int) -> ConsumerReg:
+        """Re-register `reg`'s consumer at `cursor` (its checkpoint's)."""
+        name, _, rank = reg.consumer_id.rpartition(":dp")
+        return self.register_consumer(name, int(rank), cursor=cursor)
+
+    def _check_consumer(self, cur: sqlite3.Cursor, cid: str, token: int) -> int:
+        """Return the consumer's cursor; raise Detached / StaleLease if fenced off."""
+        row = cur.execute(
+            "SELECT cursor, state, token FROM consumers WHERE id=?", (cid,)
+        ).fetchone()
+        if row is None:
+            raise StaleLease(f"consumer {cid} is not registered")
+        cursor, state, current = row
+        if state == "detached":
+            raise Detached(f"consumer {cid} was detached by the lag policy; register again")
+        if current != token or state != "active":
+            raise StaleLease(
+                f"consumer {cid}: token {token} is stale (now {current}, state {state}); "
+                "it was reclaimed as lost or superseded — register again"
+            )
+        return int(cursor)
+
+    def heartbeat(self, reg: ConsumerReg | ProducerReg) -> None:
+        """Prove liveness (increments the heartbeat counter). Fenced."""
+        with self._write() as cur:
+            if isinstance(reg, ProducerReg):
+                self._check_producer(cur, reg.token)
+                cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (_now(),))
+            else:
+                self._check_consumer(cur, reg.consumer_id, reg.token)
+                cur.execute(
+                    "UPDATE consumers SET hb_seq=hb_seq+1, hb_wall=? WHERE id=?",
+                    (_now(), reg.consumer_id),
+                )
+
+    def acquire(
+        self, reg: ConsumerReg, timeout_s: float | None = None, window: int | None = None
+    ) -> Lease | None:
+        """Lease the window at the cursor (or `window` ≥ cursor), waiting until it is ready.
+
+        Returns None at the end of a finite stream. An evicted window is put on
+        demand and captured again (new generation); a failed one raises WindowGone.
+        Raises AcquireTimeout after `timeout_s` (None waits forever).
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._write() as cur:
+                cursor = self._check_consumer(cur, reg.consumer_id, reg.token)
+                w = cursor if window is None else window
+                if w < cursor:
+                    raise ConfigError(f"{reg.consumer_id}: window {w} is behind cursor {cursor}")
+                total = self.config.total_windows
+                if total is not None and w >= total:
+                    return None
+                lease, state = self._try_lease(cur, reg, w)
+            if lease is not None:
+                return lease
+            self.reclaim_lost()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise AcquireTimeout(
+                    f"{reg.consumer_id}: window {w} not ready after {timeout_s} s (state {state})"
+                )
+            self._wait_change(deadline)
+
+    def _try_lease(self, cur: sqlite3.Cursor, reg: ConsumerReg, w: int) -> tuple[Lease | None, str]:
+        cid = reg.consumer_id
+        row = cur.execute(
+            "SELECT state, generation, name, path, last_error FROM windows WHERE window=?", (w,)
+        ).fetchone()
+        if row is None:
+            if w >= int(self._meta_cur(cur, "next_window")):
+                return None, "not yet produced"
+            # An evicted row that compaction deleted: same as evicted.
+            cur.execute(
+                "INSERT INTO windows(window, state, demand, updated_at) VALUES (?, 'queued', 1, ?)",
+                (w, _now()),
+            )
+            return None, "evicted; queued for recapture"
+        state, gen, name, path, err = row
+        if state == "ready":
+            held = cur.execute(
+                "SELECT token FROM leases WHERE consumer=? AND window=?", (cid, w)
+            ).fetchone()
+            if held is not None:
+                token = int(held[0])
+            else:
+                token = self._bump(cur, "next_token")
+                cur.execute(
+                    "INSERT INTO leases(token, consumer, window, generation, epoch, acquired_wall) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (token, cid, w, gen, reg.token, _now()),
+                )
+            return Lease(cid, w, gen, name, path, token, reg.token, self._rows(w)), state
+        if state in ("evicted", "evicting"):
+            cur.execute(
+                "UPDATE windows SET state='queued', demand=1, attempts=0, name=NULL, path=NULL, "
+                "updated_at=? WHERE window=?",
+                (_now(), w),
+            )
+            log.info("window %d wanted by %s after eviction: queued for recapture", w, cid)
+            return None, "evicted; queued for recapture"
+        if state == "queued":
+            cur.execute("UPDATE windows SET demand=1 WHERE window=? AND demand=0", (w,))
+            return None, "queued for recapture"
+        if state == "failed":
+            raise WindowGone(f"window {w} failed {self.config.max_attempts} captures: {err}")
+        return None, state
+
+    @staticmethod
+    def _meta_cur(cur: sqlite3.Cursor, key: str) -> Any:
+        return cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0]
+
+    def _held_lease(self, cur: sqlite3.Cursor, lease: Lease) -> None:
+        self._check_consumer(cur, lease.consumer_id, lease.epoch)
+        held = cur.execute(
+            "SELECT 1 FROM leases WHERE token=? AND consumer=?", (lease.token, lease.consumer_id)
+        ).fetchone()
+        if held is None:
+            raise StaleLease(
+                f"{lease.consumer_id}: lease {lease.token} on window {lease.window} is not held"
+            )
+
+    def ack(self, lease: Lease) -> None:
+        """The window was consumed: drop the lease, advance the cursor (never backwards)."""
+        with self._write() as cur:
+            self._held_lease(cur, lease)
+            cur.execute("DELETE FROM leases WHERE token=?", (lease.token,))
+            cur.execute(
+                "UPDATE consumers SET cursor=MAX(cursor, ?) WHERE id=?",
+                (lease.window + 1, lease.consumer_id),
+            )
+            doomed = retention.mark_evictable(cur, self.config.expected_consumers)
+        self._finish_evictions(doomed)
+
+    def release(self, lease: Lease) -> bool:
+        """Give a lease back without consuming it (cursor unchanged). False if not held."""
+        with self._write() as cur:
+            n = cur.execute(
+                "DELETE FROM leases WHERE token=? AND consumer=?", (lease.token, lease.consumer_id)
+            ).rowcount
+        return n > 0
+
+    def finish(self, reg: ConsumerReg) -> None:
+        """The consumer is done for good: its cursor stops holding windows back."""
+        with self._write() as cur:
+            self._check_consumer(cur, reg.consumer_id, reg.token)
+            cur.execute("DELETE FROM leases WHERE consumer=?", (reg.consumer_id,))
+            cur.execute("UPDATE consumers SET state='finished' WHERE id=?", (reg.consumer_id,))
+            doomed = retention.mark_evictable(cur, self.config.expected_consumers)
+        self._finish_evictions(doomed)
+
+    def report_corrupt(self, lease: Lease, reason: str) -> None:
+        """Quarantine the leased file and queue the window for recapture (new generation)."""
+        with self._write() as cur:
+            self._held_lease(cur, lease)
+        self.store.quarantine(lease.name)  # a file already gone is fine (another reporter)
+        with self._write() as cur:
+            cur.execute("DELETE FROM leases WHERE token=?", (lease.token,))
+            n = cur.execute(
+                "UPDATE windows SET state='queued', demand=1, name=NULL, path=NULL, nbytes=0, "
+                "last_error=?, updated_at=? WHERE window=? AND generation=? AND state='ready'",
+                (f"corrupt: {reason}", _now(), lease.window, lease.generation),
+            ).rowcount
+            if n:
+                self._bump(cur, "corrupt")
+        log.warning(
+            "window %d g%d corrupt (%s): quarantined", lease.window, lease.generation, reason
+        )
+
+    # ---- producer side -----------------------------------------------------------
+
+    def register_producer(self, contract: CaptureContract, owner: str = "") -> ProducerReg:
+        """Become the run's producer; fences the previous one and releases its claims."""
+        if contract != self.contract:
+            raise ContractMismatch(self.contract.diff(contract), where="producer")
+        owner = owner or f"pid {os.getpid()}"
+        with self._write() as cur:
+            token = self._bump(cur, "next_token")
+            cur.execute(
+                "INSERT INTO producer(id, token, hb_wall, state, owner) VALUES (1, ?, ?, 'active', ?) "
+                "ON CONFLICT(id) DO UPDATE SET token=excluded.token, hb_wall=excluded.hb_wall, "
+                "state='active', owner=excluded.owner",
+                (token, _now(), owner),
+            )
+            self._release_claims(cur)
+        self._reclaimer.own("producer")
+        log.info("producer %s registered (token %d)", owner, token)
+        return ProducerReg(token, owner)
+
+    @staticmethod
+    def _release_claims(cur: sqlite3.Cursor) -> None:
+        # Queued with demand so the window is captured again first, under a new generation.
+        cur.execute(
+            "UPDATE windows SET state='queued', demand=1, claim_token=NULL WHERE state='capturing'"
+        )
+
+    def _check_producer(self, cur: sqlite3.Cursor, token: int) -> None:
+        row = cur.execute("SELECT token, state FROM producer").fetchone()
+        if row is None or row[0] != token or row[1] != "active":
+            raise StaleLease(f"producer token {token} is stale (now {row}); register again")
+
+    def claim(self, preg: ProducerReg) -> Claim | None:
+        """Claim the next window to capture: demand first, then the next in order.
+
+        None when there is nothing to claim now: at capacity (call wait_for_capacity
+        first) or the finite stream is fully produced and nothing is on demand.
+        """
+        with self._write() as cur:
+            self._check_producer(cur, preg.token)
+            if not retention.has_capacity(cur, self.config.max_live_windows):
+                return None
+            row = cur.execute(
+                "SELECT window, captures FROM windows WHERE state='queued' "
+                "ORDER BY demand DESC, window LIMIT 1"
+            ).fetchone()
+            if row is not None:
+                w, captures = int(row[0]), int(row[1])
+                if captures:
+                    self._bump(cur, "recaptures")
+            else:
+                w, captures = int(self._meta_cur(cur, "next_window")), 0
+                total = self.config.total_windows
+                if total is not None and w >= total:
+                    return None
+                self._bump(cur, "next_window")
+                cur.execute(
+                    "INSERT INTO windows(window, state, updated_at) VALUES (?, 'queued', ?)",
+                    (w, _now()),
+                )
+            gen = self._bump(cur, "next_generation")
+            token = self._bump(cur, "next_token")
+            cur.execute(
+                "UPDATE windows SET state='capturing', generation=?, claim_token=?, updated_at=? "
+                "WHERE window=?",
+                (gen, token, _now(), w),
+            )
+        return Claim(w, gen, token, preg.token, self._rows(w))
+
+    def _check_claim(self, cur: sqlite3.Cursor, claim: Claim) -> None:
+        self._check_producer(cur, claim.producer_token)
+        row = cur.execute(
+            "SELECT 1 FROM windows WHERE window=? AND state='capturing' AND claim_token=?",
+            (claim.window, claim.token),
+        ).fetchone()
+        if row is None:
+            raise StaleLease(f"claim {claim.token} on window {claim.window} is no longer held")
+
+    def renew(self, claim: Claim) -> None:
+        """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
+        with self._write() as cur:
+            self._check_claim(cur, claim)
+            cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (_now(),))
+
+    def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
+        """Record a durable, final-named window file (Store.publish's result) as ready."""
+        with self._write() as cur:
+            self._check_claim(cur, claim)
+            cur.execute(
+                "UPDATE windows SET state='ready', name=?, path=?, nbytes=?, checksum=?, "
+                "captures=captures+1, demand=0, attempts=0, claim_token=NULL, last_error=NULL, "
+                "updated_at=? WHERE window=?",
+                (
+                    published.name,
+                    str(published.path),
+                    int(published.nbytes),
+                    str(published.checksum),
+                    _now(),
+                    claim.window,
+                ),
+            )
+            n, nbytes = cur.execute(
+                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
+            ).fetchone()
+            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='hw_windows'", (n,))
+            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='hw_bytes'", (nbytes,))
+
+    def fail(self, claim: Claim, reason: str) -> None:
+        """A capture failed: requeue the window (retried first) or, after max_attempts, fail it."""
+        with self._write() as cur:
+            self._check_claim(cur, claim)
+            attempts = cur.execute(
+                "UPDATE windows SET attempts=attempts+1, last_error=?, claim_token=NULL, "
+                "demand=1, updated_at=? WHERE window=? RETURNING attempts",
+                (reason, _now(), claim.window),
+            ).fetchone()[0]
+            state = "failed" if attempts >= self.config.max_attempts else "queued"
+            cur.execute("UPDATE windows SET state=? WHERE window=?", (state, claim.window))
+        log.warning(
+            "window %d capture failed (%s); attempt %d → %s", claim.window, reason, attempts, state
+        )
+
+    def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
+        """Block while K windows are live; apply the lag policy. False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        cfg = self.config
+        while True:
+            self.reclaim_lost()
+            with self._write() as cur:
+                self._check_producer(cur, preg.token)
+                doomed = retention.mark_evictable(cur, cfg.expected_consumers, recover=True)
+                if not doomed:
+                    if retention.has_capacity(cur, cfg.max_live_windows, extra=False):
+                        self._blocked_since = None
+                        return True
+                    # The lag policy may make room below K before the extra slot is used.
+                    doomed = self._apply_lag_policy(cur)
+                    if not doomed and retention.has_capacity(cur, cfg.max_live_windows):
+                        self._blocked_since = None
+                        return True
+            if doomed:
+                self._finish_evictions(doomed)
+                continue
+            if time.monotonic() >= deadline:
+                return False
+            self._wait_change(deadline)
+
+    def _apply_lag_policy(self, cur: sqlite3.Cursor) -> retention.Doomed:
+        cfg = self.config
+        if cfg.lag_policy == "hold" or not retention.enough_registered(cur, cfg.expected_consumers):
+            return []
+        if cfg.lag_policy == "recapture":
+            return retention.recapture_victim(cur)
+        now = self.clock()  # detach: blocked for detach_after on the producer's own clock
+        if self._blocked_since is None:
+            self._blocked_since = now
+        if now - self._blocked_since < cfg.detach_after:
+            return []
+        gone = retention.detach_laggard(cur, self._bump(cur, "next_token"))
+        if gone is None:
+            return []
+        log.warning("detached laggard %s at cursor %d (leader at %d)", *gone)
+        self._blocked_since = now
+        return retention.mark_evictable(cur, cfg.expected_consumers)
+
+    # ---- eviction ----------------------------------------------------------------
+
+    def _finish_evictions(self, doomed: retention.Doomed) -> None:
+        """File first (unlink), then row (evicted): a row never names a missing ready file."""
+        if not doomed:
+            return
+        for _, name in doomed:
+            if name:
+                self.store.remove(name)
+        with self._write() as cur:
+            retention.finish_evicted(cur, [w for w, _ in doomed])
+
+    def evict(self) -> int:
+        """Evict every evictable window now (also done by ack and the producer's wait)."""
+        with self._write() as cur:
+            doomed = retention.mark_evictable(cur, self.config.expected_consumers, recover=True)
+        self._finish_evictions(doomed)
+        return len(doomed)
+
+    # ---- liveness and sweeping ---------------------------------------------------
+
+    def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
+        """Declare lost every process whose heartbeat counter stood still for ttl_s
+        on this process's own clock; release its leases/claims and fence it."""
+        rows = self.conn.execute(
+            "SELECT id, token, hb_seq FROM consumers WHERE state='active' UNION ALL "
+            "SELECT 'producer', token, hb_seq FROM producer WHERE state='active'"
+        ).fetchall()
+        lost = self._reclaimer.observe([(r[0], r[1], r[2]) for r in rows], exclude)
+        done = []
+        for pid, token, seq in lost:
+            with self._write() as cur:
+                new = self._bump(cur, "next_token")
+                if pid == "producer":
+                    n = cur.execute(
+                        "UPDATE producer SET state='lost', token=? WHERE token=? AND hb_seq=? "
+                        "AND state='active'",
+                        (new, token, seq),
+                    ).rowcount
+                    if n:
+                        self._release_claims(cur)
+                else:
+                    n = cur.execute(
+                        "UPDATE consumers SET state='lost', token=? WHERE id=? AND token=? AND "
+                        "hb_seq=? AND state='active'",
+                        (new, pid, token, seq),
+                    ).rowcount
+                    if n:
+                        cur.execute("DELETE FROM leases WHERE consumer=?", (pid,))
+                if n:
+                    self._bump(cur, "reclaims")
+                    done.append(pid)
+        for pid in done:
+            log.warning(
+                "%s lost: no heartbeat for %.1f s; leases/claims released", pid, self.config.ttl_s
+            )
+        return done
+
+    def is_live(self, window: int, generation: int) -> bool:
+        """For the sweeper: is window `window` generation `generation` ready or being captured?"""
+        row = self.conn.execute(
+            "SELECT 1 FROM windows WHERE window=? AND generation=? AND state IN ('ready','capturing')",
+            (window, generation),
+        ).fetchone()
+        return row is not None
+
+    def sweep(self) -> Any:
+        """Finish interrupted evictions, then let the store remove debris and orphans."""
+        self.evict()
+        return self.store.sweep(self.is_live)

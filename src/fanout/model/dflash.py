@@ -1,0 +1,490 @@
+"""The DFlash draft model: block-diffusion drafter conditioned on verifier hidden states.
+
+    from fanout.model.dflash import DFlashDraft
+    draft = DFlashDraft.from_verifier("path/to/Qwen3-8B", target_layer_ids=[1, 9, 17, 25, 33],
+                                      block_size=16, num_layers=1, mask_token_id=151669)
+    out = draft.loss(batch, torch.Generator().manual_seed(0))  # batch: dict of window rows
+    out.loss.backward(); print(out.per_slot_acc, out.eal)
+
+Architecture (DFlash paper; speculators `DFlashDraftModel`; SpecForge `OnlineDFlashModel`):
+- context = concat of the verifier's hidden states at `target_layer_ids` `[B, T, n·H]`
+  -> bias-free `fc` (n·H -> H) -> RMSNorm `hidden_norm`; the same context is injected as
+  extra keys/values (through each layer's own k/v projections and k-norm) into every
+  draft layer and is not updated by the layers;
+- queries come only from the noise blocks: the anchor's real token followed by
+  `block_size - 1` copies of `mask_token_id`, embedded with the verifier's frozen
+  embedding; Qwen3 decoder layers (q/k RMSNorm, RoPE, SwiGLU MLP); final RMSNorm `norm`
+  (initialised from the verifier's final norm) and the verifier's frozen `lm_head`
+  (optionally restricted to a draft vocabulary, `d2t`/`t2d` as in speculators);
+- RoPE positions come from the row's `position_ids` (restart per packed document):
+  context t at `position_ids[t]`, block slot k at `position_ids[anchor] + k`;
+- anchors and the attention mask: see `fanout.model.anchors`.
+
+Loss (`DFlashDraft.loss`): slot k >= 1 of the block at anchor a predicts token a+k; its
+label is `target_ids[a+k-1]` (the verifier's greedy prediction of token a+k) or, with
+`label_source="input_ids"`, `input_ids[a+k]`; supervised slots are those of
+`anchors.slot_supervision`. Per-slot CE comes from the fused linear CE (no
+`[slots, vocab]` logits) and is weighted by `exp(-(k-1)/gamma)` or D-PACE, summed, and
+divided by the number of supervised slots (the speculators normalisation).
+
+Metrics: `per_slot_acc[k-1]` = greedy-argmax accuracy of slot k over supervised slots;
+`eal` = expected acceptance length under greedy verification, measured per block as
+1 (the verifier's own token) + the length of the exact-match prefix of slots 1, 2, ...
+(stopping at the first wrong *or unsupervised* slot), averaged over blocks whose slot 1
+is supervised — the empirical form of `1 + sum_k prod_{j<=k} acc_j`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors import safe_open
+from torch import nn
+
+from fanout.errors import ConfigError
+from fanout.model.anchors import (
+    block_attention_mask,
+    block_positions,
+    select_anchors,
+    slot_supervision,
+)
+from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay gamma by block size: 4 for 8, 5 for 10, 7 for 16 (DFlash paper's values).
+    Other sizes: `bs / 2` up to 10, then `5 + (bs - 10) / 3` — the piecewise-linear
+    interpolation through those three points."""
+    return block_size / 2 if block_size <= 10 else 5 + (block_size - 10) / 3
+
+
+class DFlashConfig(BaseModel):
+    """Shape and training semantics of one DFlash draft. Validated at construction."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden_size: int = Field(gt=0, description="H: verifier (and draft) hidden size")
+    intermediate_size: int = Field(gt=0, description="SwiGLU MLP width of each draft layer")
+    num_layers: int = Field(1, gt=0, description="number of draft decoder layers")
+    num_attention_heads: int = Field(gt=0, description="query heads")
+    num_key_value_heads: int = Field(gt=0, description="key/value heads (GQA)")
+    head_dim: int = Field(gt=0, description="per-head width")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    rope_theta: float = Field(1e6, gt=0, description="RoPE base")
+    max_position_embeddings: int = Field(40960, gt=0, description="verifier's max positions")
+    vocab_size: int = Field(gt=0, description="verifier vocabulary size")
+    draft_vocab_size: int | None = Field(
+        None, gt=0, description="reduced draft vocabulary size (None = full verifier vocab)"
+    )
+    block_size: int = Field(16, ge=2, description="tokens per draft block (anchor + masks)")
+    max_anchors: int = Field(512, gt=0, description="anchors drawn per row per step")
+    mask_token_id: int = Field(ge=0, description="token id of the noise/mask slots")
+    target_layer_ids: list[int] = Field(
+        min_length=1, description="verifier layers whose hidden states form the context"
+    )
+    gamma: float | None = Field(
+        None, gt=0, description="exp loss decay; None = default_gamma(block_size)"
+    )
+    loss_weighting: Literal["exp", "dpace"] = Field("exp", description="per-slot loss weights")
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE confidence smoothing")
+    label_source: Literal["target_ids", "input_ids"] = Field(
+        "target_ids", description="labels: verifier greedy predictions or the data tokens"
+    )
+    tie_word_embeddings: bool = Field(False, description="verifier ties lm_head to embeddings")
+
+    @model_validator(mode="after")
+    def _check(self) -> DFlashConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mask_token_id >= self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} >= vocab_size {self.vocab_size}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size")
+        return self
+
+    @property
+    def resolved_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
+
+
+@dataclass
+class LossOutput:
+    """What one `DFlashDraft.loss` call returns (tensors detached except `loss`)."""
+
+    loss: torch.Tensor  # [] differentiable
+    per_slot_acc: torch.Tensor  # [block_size - 1] accuracy of slots 1..bs-1 (0 where no labels)
+    per_slot_count: torch.Tensor  # [block_size - 1] supervised slots per position
+    eal: torch.Tensor  # [] expected acceptance length (see module docstring)
+    n_tokens: int  # supervised slots in the loss
+    n_blocks: int  # valid anchors (blocks) drawn
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rope(nn.Module):
+    """Qwen3/Llama "rotate half" RoPE from explicit positions."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        self.register_buffer("inv_freq", inv.float(), persistent=False)
+
+    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        f = pos.float()[..., None] * self.inv_freq  # [B, L, hd/2]
+        emb = torch.cat((f, f), dim=-1)  # [B, L, hd]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, h, L, hd]; cos/sin [B, L, hd]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Queries from the block; keys/values from [context ; block] (context injected)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.nkv * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.nkv * hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, Q, H] block states (after input_layernorm)
+        ctx: torch.Tensor,  # [B, T, H] injected context
+        rope_q: tuple[torch.Tensor, torch.Tensor],  # [B, Q, hd] x2
+        rope_k: tuple[torch.Tensor, torch.Tensor],  # [B, T+Q, hd] x2
+        mask: torch.Tensor,  # [B, 1, Q, T+Q] bool
+    ) -> torch.Tensor:
+        b, q_len, _ = x.shape
+        kv_in = torch.cat([ctx, x], dim=1)  # [B, T+Q, H]
+        kv_len = kv_in.shape[1]
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.nh, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(b, kv_len, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, kv_len, self.nkv, self.hd).transpose(1, 2)
+        q = _apply_rope(q, *rope_q)  # [B, nh, Q, hd]
+        k = _apply_rope(k, *rope_k)  # [B, nkv, T+Q, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(o.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))  # [B, Q, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraft(nn.Module):
+    """Trainable: `layers`, `fc`, `hidden_norm`, `norm`. Frozen buffers (not in
+    `state_dict`): `embed_weight` [V, H], `lm_head_weight` [V or draft V, H],
+    `verifier_norm_weight` [H], and for a draft vocabulary `d2t`/`t2d`/`t2d_index`."""
+
+    def __init__(
+        self,
+        cfg: DFlashConfig,
+        embed_weight: torch.Tensor,  # [V, H]
+        lm_head_weight: torch.Tensor,  # [V, H]
+        verifier_norm_weight: torch.Tensor,  # [H]
+        draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        if embed_weight.shape != (cfg.vocab_size, h) or lm_head_weight.shape != (cfg.vocab_size, h):
+            raise ConfigError(
+                f"verifier embed/lm_head shapes {tuple(embed_weight.shape)} / "
+                f"{tuple(lm_head_weight.shape)} do not match vocab_size x hidden_size "
+                f"({cfg.vocab_size}, {h})"
+            )
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta)
+        self.reset_parameters()
+        with torch.no_grad():
+            self.norm.weight.copy_(verifier_norm_weight)  # head expects verifier-normed input
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("verifier_norm_weight", verifier_norm_weight.detach(), persistent=False)
+        head = lm_head_weight.detach()
+        self.d2t: torch.Tensor | None
+        self.t2d: torch.Tensor | None
+        self.register_buffer("d2t", None, persistent=False)
+        self.register_buffer("t2d", None, persistent=False)
+        if cfg.draft_vocab_size is not None:
+            if draft_vocab_ids is None or draft_vocab_ids.numel() != cfg.draft_vocab_size:
+                raise ConfigError(
+                    f"draft_vocab_size={cfg.draft_vocab_size} needs draft_vocab_ids with that "
+                    "many verifier token ids (e.g. the most frequent tokens of the data)"
+                )
+            ids = draft_vocab_ids.long().sort().values
+            # speculators mapping: draft id d -> verifier id d + d2t[d]; t2d marks kept ids
+            t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            self.register_buffer("d2t", ids - torch.arange(ids.numel()), persistent=False)
+            self.register_buffer("t2d", t2d, persistent=False)
+            t2d_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+            t2d_index[ids] = torch.arange(ids.numel())
+            self.register_buffer("t2d_index", t2d_index, persistent=False)
+            head = head[ids]
+        self.register_buffer("lm_head_weight", head, persistent=False)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: normal(0, std) linears, unit norms."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.RMSNorm) and m.weight is not None:
+                nn.init.ones_(m.weight)
+
+    # ---- construction from a local verifier directory -------------------------------
+
+    @classmethod
+    def from_verifier(
+        cls,
+        verifier_dir: str | Path,
+        *,
+        draft_vocab_ids: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        **overrides: Any,
+    ) -> DFlashDraft:
+        """Build a draft from a local HF verifier: shapes from its `config.json`, and only
+        `embed_tokens`, `lm_head` (or the tied embedding) and the final norm read from its
+        safetensors (`safe_open`, one tensor at a time). `overrides` are DFlashConfig fields
+        (e.g. `num_layers`, `block_size`, `target_layer_ids`, `mask_token_id`)."""
+        vdir = Path(verifier_dir)
+        vcfg = read_verifier_config(vdir)
+        fields = {**vcfg, **overrides}
+        fields.setdefault("target_layer_ids", default_target_layers(vcfg["_num_hidden_layers"]))
+        fields.setdefault("mask_token_id", vcfg["vocab_size"] - 1)
+        fields.pop("_num_hidden_layers")
+        try:
+            cfg = DFlashConfig(**fields)
+        except ValueError as e:
+            raise ConfigError(f"DFlash config from {vdir / 'config.json'} + overrides: {e}") from e
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not cfg.tie_word_embeddings:
+            names.append("lm_head.weight")
+        t = read_verifier_tensors(vdir, names)
+        embed = t["model.embed_tokens.weight"].to(dtype)
+        head = embed if cfg.tie_word_embeddings else t["lm_head.weight"].to(dtype)
+        draft = cls(cfg, embed, head, t["model.norm.weight"].to(dtype), draft_vocab_ids)
+        return draft.to(device=device, dtype=dtype)
+
+    # ---- forward ---------------------------------------------------------------------
+
+    def block_hidden(
+        self,
+        batch: dict[str, torch.Tensor],
+        anchors: torch.Tensor,  # [B, A]
+        valid: torch.Tensor,  # [B, A]
+    ) -> torch.Tensor:
+        """Final-norm hidden states of every block slot: `[B, A, bs, H]`."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        dt = self.fc.weight.dtype
+        hs = batch["hidden_states"].to(dt)  # [B, T, n·H]
+        ids = batch["input_ids"].long()  # [B, T]
+        pos_ids = batch["position_ids"].long()  # [B, T]
+        b, t = ids.shape
+        a = anchors.shape[1]
+        ctx = self.hidden_norm(self.fc(hs))  # [B, T, H]
+        tok = torch.full((b, a, bs), cfg.mask_token_id, dtype=torch.long, device=ids.device)
+        tok[:, :, 0] = ids.gather(1, anchors)  # slot 0 = the anchor's real token
+        x = F.embedding(tok.view(b, a * bs), self.embed_weight).to(dt)  # [B, A·bs, H]
+        pos_q = (pos_ids.gather(1, anchors)[:, :, None] + torch.arange(bs, device=ids.device))
+        pos_q = pos_q.view(b, a * bs)  # [B, A·bs] block slot k at anchor_pos + k
+        rope_q = self.rope(pos_q, dt)
+        rope_k = self.rope(torch.cat([pos_ids, pos_q], dim=1), dt)  # [B, T+A·bs, hd]
+        mask = block_attention_mask(batch["document_ids"], anchors, valid, bs)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_k, mask)
+        return self.norm(x).view(b, a, bs, -1)  # [B, A, bs, H]
+
+    def labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+        """Verifier-vocab label of every slot `[B, A, bs]` (slot 0's is meaningless)."""
+        bs = self.cfg.block_size
+        t = batch["input_ids"].shape[1]
+        pos = block_positions(anchors, bs)  # [B, A, bs]
+        if self.cfg.label_source == "target_ids":
+            src, pos = batch["target_ids"], pos - 1  # target_ids[p-1] predicts token p
+        else:
+            src = batch["input_ids"]
+        flat = pos.clamp(0, t - 1).flatten(1)
+        return src.long().gather(1, flat).view_as(pos)
+
+    def loss(
+        self, batch: dict[str, torch.Tensor], generator: torch.Generator | None
+    ) -> LossOutput:
+        """Draw anchors from `generator`, run the blocks, return loss and metrics.
+        `batch`: hidden_states [B,T,n·H], target_ids, input_ids, loss_mask, document_ids,
+        position_ids [B,T] (as in a window row)."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        _check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size)
+        anchors, valid = select_anchors(
+            batch["loss_mask"], batch["document_ids"], cfg.max_anchors, bs, generator
+        )
+        sup = slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs)
+        label = self.labels(batch, anchors)  # [B, A, bs]
+        if cfg.draft_vocab_size is not None:
+            label = self.t2d_index[label]  # verifier id -> draft id (-100 if not kept)
+            sup = sup & (label >= 0)
+        hid = self.block_hidden(batch, anchors, valid)  # [B, A, bs, H]
+        rows = hid[sup]  # [M, H] only supervised slots reach the head
+        ce, pred = linear_cross_entropy_and_argmax(
+            rows, self.lm_head_weight, label[sup], reduction="none"
+        )  # [M], [M]
+        slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M] slot index k
+        w = self._slot_weights(ce.detach(), sup, slot)  # [M]
+        n_tok = int(sup.sum())
+        loss = (ce * w).sum() / max(n_tok, 1)
+        with torch.no_grad():
+            correct = torch.zeros_like(sup)
+            correct[sup] = pred == label[sup]
+            cnt = sup[:, :, 1:].sum(dim=(0, 1))  # [bs-1]
+            acc = correct[:, :, 1:].sum(dim=(0, 1)) / cnt.clamp(min=1)
+            run = torch.cumprod(correct[:, :, 1:].long(), dim=2).sum(dim=2)  # [B, A]
+            has = sup[:, :, 1]
+            eal = (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
+        return LossOutput(loss, acc.float(), cnt, eal, n_tok, int(valid.sum()))
+
+    def _slot_weights(self, ce: torch.Tensor, sup: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        if self.cfg.loss_weighting == "exp":
+            return torch.exp(-(slot - 1).clamp(min=0).float() / self.cfg.resolved_gamma)
+        # D-PACE (speculators dpace_loss_decay): q = exp(-CE) confidence, smoothed
+        # (1-α)q + α on supervised slots (1 elsewhere), prefix products along the block,
+        # weight of slot k = sum over supervised slots m >= k of prefix_m.
+        alpha = self.cfg.dpace_alpha
+        q = torch.ones(sup.shape, dtype=torch.float32, device=sup.device)  # [B, A, bs]
+        q[sup] = (1 - alpha) * torch.exp(-ce.float()) + alpha
+        prefix = torch.cumprod(q, dim=2) * sup
+        weight = prefix.flip(2).cumsum(2).flip(2)
+        return weight[sup]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """Weights in speculators DFlash key names (`fc.weight`, `layers.0.self_attn...`)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rope.")}
+
+
+def _check_batch(batch: dict[str, torch.Tensor], width: int) -> None:
+    need = ["hidden_states", "input_ids", "loss_mask", "document_ids", "position_ids"]
+    for k in need:
+        if k not in batch:
+            raise ConfigError(f"DFlash batch is missing {k!r} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    if batch["hidden_states"].shape != (b, t, width):
+        raise ConfigError(
+            f"hidden_states {tuple(batch['hidden_states'].shape)} != [B, T, n·H] = "
+            f"{(b, t, width)}: target_layer_ids/hidden_size disagree with the capture"
+        )
+
+
+def default_target_layers(num_hidden_layers: int, n: int = 5) -> list[int]:
+    """DFlash's default spread: `n` layers evenly from 1 to L-3 (fewer for tiny models)."""
+    lo, hi = 1, max(1, num_hidden_layers - 3)
+    n = max(1, min(n, hi - lo + 1))
+    if n == 1:
+        return [lo]
+    return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
+
+
+def read_verifier_config(vdir: Path) -> dict[str, Any]:
+    """DFlashConfig fields from a HF Qwen3-style `config.json` (+ `_num_hidden_layers`)."""
+    path = vdir / "config.json"
+    try:
+        c = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read verifier config {path}: {e}") from e
+    c = c.get("text_config", c)  # multimodal wrappers nest the LM config
+    try:
+        rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta") or 1e4
+        return {
+            "hidden_size": c["hidden_size"],
+            "intermediate_size": c["intermediate_size"],
+            "num_attention_heads": c["num_attention_heads"],
+            "num_key_value_heads": c.get("num_key_value_heads", c["num_attention_heads"]),
+            "head_dim": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            "rms_norm_eps": c.get("rms_norm_eps", 1e-6),
+            "rope_theta": float(rope),
+            "max_position_embeddings": c.get("max_position_embeddings", 40960),
+            "vocab_size": c["vocab_size"],
+            "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+            "_num_hidden_layers": c["num_hidden_layers"],
+        }
+    except KeyError as e:
+        raise ConfigError(f"{path}: missing field {e.args[0]!r}") from e
+
+
+def read_verifier_tensors(vdir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Read only `names` from the verifier's (possibly sharded) safetensors files."""
+    index = vdir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {n: "model.safetensors" for n in names}
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        if n not in weight_map:
+            raise ConfigError(f"{index}: tensor {n!r} not in weight_map")
+        f = vdir / weight_map[n]
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                if n not in sf.keys():  # noqa: SIM118 - safe_open has no __contains__
+                    raise ConfigError(f"{f}: verifier tensor {n!r} not found")
+                out[n] = sf.get_tensor(n)
+        except OSError as e:
+            raise ConfigError(f"cannot read verifier weights {f}: {e}") from e
+    return out
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameter count."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDraft",
+    "LossOutput",
+    "count_parameters",
+    "default_gamma",
+    "default_target_layers",
+]

@@ -1,0 +1,146 @@
+"""Retention: which window files may exist, and which must go (eviction, lag policy).
+
+    from fanout.retention import mark_evictable, has_capacity
+    with schema.write(conn) as cur:
+        doomed = mark_evictable(cur, expected_consumers=2)   # [(window, file name)]
+
+Pure rules over the coordinator's tables, each run inside the caller's
+`BEGIN IMMEDIATE` transaction; fanout.coordinator decides when to call them and
+does the file side (unlink first, then mark the row evicted).
+
+Rules:
+- a ready window is evictable when at least `expected_consumers` consumers have
+  registered, every *counted* consumer (active, or lost but not detached) has a
+  cursor past it, and no lease holds it;
+- capacity: at most K windows are live (ready + capturing + evicting); one more
+  only for the window the slowest counted consumer waits on, else K ready
+  windows that it also needs would deadlock it;
+- `recapture`: when blocked, the oldest unleased ready window that the leading
+  consumer has passed (so only laggards need it) is evicted to make room;
+- `detach`: when blocked long enough, the counted consumer with the lowest cursor
+  behind the leader is detached (fenced, leases dropped).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+COUNTED_STATES = "('active','lost')"  # consumers whose cursors hold windows back
+EVICTED_ROWS_KEPT = 64  # older evicted rows are deleted, so metadata stays flat forever
+_FAR = 1 << 62
+
+Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'
+
+
+def _mark(cur: sqlite3.Cursor, sql: str, args: tuple[object, ...]) -> Doomed:
+    rows = [(int(w), n) for w, n in cur.execute(sql, args).fetchall()]
+    cur.executemany(
+        "UPDATE windows SET state='evicting', updated_at=? WHERE window=?",
+        [(time.time(), w) for w, _ in rows],
+    )
+    return rows
+
+
+def enough_registered(cur: sqlite3.Cursor, expected_consumers: int) -> bool:
+    n = cur.execute("SELECT COUNT(*) FROM consumers").fetchone()[0]
+    return bool(n >= expected_consumers)
+
+
+def cursor_bounds(cur: sqlite3.Cursor) -> tuple[int | None, int | None]:
+    """(lowest, highest) cursor among counted consumers; (None, None) if there are none."""
+    lo, hi = cur.execute(
+        f"SELECT MIN(cursor), MAX(cursor) FROM consumers WHERE state IN {COUNTED_STATES}"
+    ).fetchone()
+    return lo, hi
+
+
+def mark_evictable(cur: sqlite3.Cursor, expected_consumers: int, recover: bool = False) -> Doomed:
+    """Mark every evictable ready window 'evicting'; with `recover`, also return rows a
+    crashed process left 'evicting' (their files may still exist)."""
+    stale: Doomed = []
+    if recover:
+        rows = cur.execute("SELECT window, name FROM windows WHERE state='evicting'").fetchall()
+        stale = [(int(w), n) for w, n in rows]
+    if not enough_registered(cur, expected_consumers):
+        return stale
+    low, _ = cursor_bounds(cur)
+    return stale + _mark(
+        cur,
+        "SELECT window, name FROM windows w WHERE state='ready' AND window < ? AND NOT "
+        "EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) ORDER BY window",
+        (_FAR if low is None else low,),
+    )
+
+
+def finish_evicted(cur: sqlite3.Cursor, windows: list[int]) -> int:
+    """Mark 'evicting' rows evicted (their files are gone) and compact old evicted rows."""
+    n = 0
+    for w in windows:
+        n += cur.execute(
+            "UPDATE windows SET state='evicted', path=NULL, updated_at=? "
+            "WHERE window=? AND state='evicting'",
+            (time.time(), w),
+        ).rowcount
+    if windows:
+        # A missing row below next_window reads as "evicted", so old rows can go.
+        cur.execute(
+            "DELETE FROM windows WHERE state='evicted' AND window < ?",
+            (max(windows) - EVICTED_ROWS_KEPT,),
+        )
+    cur.execute("UPDATE meta SET value=value+? WHERE key='evictions'", (n,))
+    return n
+
+
+def has_capacity(cur: sqlite3.Cursor, max_live_windows: int, extra: bool = True) -> bool:
+    """May the producer claim one more window now? `extra`: count the K+1st slot that
+    only the window the slowest consumer waits for may use."""
+    live = cur.execute(
+        "SELECT COUNT(*) FROM windows WHERE state IN ('ready','capturing','evicting')"
+    ).fetchone()[0]
+    if live != max_live_windows or not extra:
+        return bool(live < max_live_windows)
+    low, _ = cursor_bounds(cur)
+    wanted = cur.execute(
+        "SELECT 1 FROM windows WHERE state='queued' AND demand=1 AND window=?", (low,)
+    ).fetchone()
+    return wanted is not None
+
+
+def recapture_victim(cur: sqlite3.Cursor) -> Doomed:
+    """Mark the oldest unleased ready window the leader has passed; [] if none."""
+    _, lead = cursor_bounds(cur)
+    if lead is None:
+        return []
+    return _mark(
+        cur,
+        "SELECT window, name FROM windows w WHERE state='ready' AND window < ? AND NOT "
+        "EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) ORDER BY window LIMIT 1",
+        (lead,),
+    )
+
+
+def detach_laggard(cur: sqlite3.Cursor, new_token: int) -> tuple[str, int, int] | None:
+    """Detach the counted consumer with the lowest cursor behind the leader.
+
+    Returns (consumer id, its cursor, leader's cursor), or None when every counted
+    consumer is at the same cursor (then nobody is holding the others back).
+    """
+    _, lead = cursor_bounds(cur)
+    if lead is None:
+        return None
+    row = cur.execute(
+        f"SELECT id, cursor FROM consumers WHERE state IN {COUNTED_STATES} AND cursor < ? "
+        "ORDER BY cursor, id LIMIT 1",
+        (lead,),
+    ).fetchone()
+    if row is None:
+        return None
+    cid, cursor = str(row[0]), int(row[1])
+    cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
+    cur.execute(
+        "UPDATE consumers SET state='detached', token=?, note=? WHERE id=?",
+        (new_token, f"detached at cursor {cursor} (leader at {lead})", cid),
+    )
+    cur.execute("UPDATE meta SET value=value+1 WHERE key='detaches'")
+    return cid, cursor, int(lead)

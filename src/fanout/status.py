@@ -1,0 +1,162 @@
+"""`fanout status` and `fanout sweep`: look at a run directory, clean up its debris.
+
+    fanout status --run-dir runs/demo            # compact table
+    fanout status --run-dir runs/demo --json     # machine-readable (see snapshot())
+    fanout sweep --run-dir runs/demo             # remove temp debris and orphan files
+
+`status` only reads the database (no write transaction, no torch import).
+`sweep` finishes interrupted evictions, then removes tmp/ debris and window files
+no ready or capturing row names (Store.sweep with Coordinator.is_live); it is
+safe while a producer and consumers run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from fanout.coordinator import Coordinator
+
+STATES = ("queued", "capturing", "ready", "evicting", "evicted", "failed")
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument(
+        "--run-dir", default=".", help="run directory (default: current directory)"
+    )
+    parser.add_argument(
+        "--db-path",
+        default=None,
+        help="coordinator database if it is not in the run dir (default: as recorded at create)",
+    )
+    parser.add_argument(
+        "--allow-network-fs",
+        action="store_true",
+        help="open a database on a network filesystem anyway (unsafe with WAL; tests/experts)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def snapshot(co: Coordinator) -> dict[str, Any]:
+    """Everything `fanout status --json` prints. Heartbeat ages use the wall clock and
+    are for people only; liveness decisions never use them."""
+    q = co.conn.execute
+    now = time.time()
+    counts = dict(q("SELECT state, COUNT(*) FROM windows GROUP BY state").fetchall())
+    windows = {s: int(counts.get(s, 0)) for s in STATES}
+    windows["evicted"] = int(co.meta("evictions"))  # old evicted rows are compacted away
+    live_bytes = q("SELECT COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'").fetchone()[0]
+    frontier = int(co.meta("next_window"))
+    consumers = [
+        {
+            "id": cid,
+            "state": state,
+            "cursor": cursor,
+            "lag_windows": max(0, frontier - cursor),
+            "heartbeats": hb_seq,
+            "heartbeat_age_s": round(now - hb_wall, 3),
+            "note": note,
+        }
+        for cid, state, cursor, hb_seq, hb_wall, note in q(
+            "SELECT id, state, cursor, hb_seq, hb_wall, note FROM consumers ORDER BY id"
+        )
+    ]
+    leases = [
+        {"consumer": c, "window": w, "generation": g, "token": t, "age_s": round(now - a, 3)}
+        for c, w, g, t, a in q(
+            "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
+        )
+    ]
+    prod = q("SELECT state, owner, hb_seq, hb_wall FROM producer").fetchone()
+    producer = (
+        {"state": "none"}
+        if prod is None
+        else {
+            "state": prod[0],
+            "owner": prod[1],
+            "heartbeats": prod[2],
+            "heartbeat_age_s": round(now - prod[3], 3),
+        }
+    )
+    cfg = co.config
+    return {
+        "run_dir": str(co.root),
+        "db_path": str(co.db_path),
+        "stream_id": co.meta("stream_id"),
+        "config": cfg.model_dump(mode="json"),
+        "windows": windows,
+        "produced_windows": frontier,
+        "live_bytes": int(live_bytes),
+        "high_water": {"windows": int(co.meta("hw_windows")), "bytes": int(co.meta("hw_bytes"))},
+        "consumers": consumers,
+        "leases": leases,
+        "recaptures": int(co.meta("recaptures")),
+        "evictions": int(co.meta("evictions")),
+        "corrupt": int(co.meta("corrupt")),
+        "detaches": int(co.meta("detaches")),
+        "reclaims": int(co.meta("reclaims")),
+        "producer": producer,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_table(s: dict[str, Any]) -> str:
+    cfg = s["config"]
+    total = cfg["total_windows"] if cfg["total_windows"] is not None else "∞"
+    w = s["windows"]
+    lines = [
+        f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
+        f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
+        f"windows  produced {s['produced_windows']}/{total}  "
+        + "  ".join(f"{k} {w[k]}" for k in STATES if w[k] or k in ("ready", "evicted")),
+        f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
+        f"({s['high_water']['windows']} windows)",
+        f"events   recaptures {s['recaptures']}  corrupt {s['corrupt']}  "
+        f"detaches {s['detaches']}  reclaims {s['reclaims']}",
+        f"producer {s['producer']['state']}"
+        + (
+            f"  {s['producer']['owner']}  heartbeat {s['producer']['heartbeat_age_s']:.1f}s ago"
+            if "owner" in s["producer"]
+            else ""
+        ),
+        "",
+        f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  leases",
+    ]
+    held: dict[str, list[str]] = {}
+    for lease in s["leases"]:
+        held.setdefault(lease["consumer"], []).append(f"{lease['window']}.g{lease['generation']}")
+    for c in s["consumers"]:
+        lines.append(
+            f"{c['id']:<24} {c['state']:<9} {c['cursor']:>7} {c['lag_windows']:>5} "
+            f"{c['heartbeat_age_s']:>7.1f}s  {' '.join(held.get(c['id'], [])) or '-'}"
+        )
+    if not s["consumers"]:
+        lines.append("(no consumers registered)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, name: str) -> int:
+    with Coordinator.open(
+        args.run_dir, db_path=args.db_path, allow_network_fs=args.allow_network_fs
+    ) as co:
+        if name == "sweep":
+            report = co.sweep()
+            if args.json:
+                print(json.dumps({"tmp_removed": report.tmp_removed,
+                                  "orphans_removed": report.orphans_removed,
+                                  "kept": report.kept}))  # fmt: skip
+            else:
+                print(
+                    f"sweep {co.root}: {report.removed} removed "
+                    f"({len(report.tmp_removed)} temp, {len(report.orphans_removed)} orphan), "
+                    f"{report.kept} live kept"
+                )
+            return 0
+        s = snapshot(co)
+        print(json.dumps(s, indent=2) if args.json else format_table(s))
+    return 0

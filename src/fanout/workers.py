@@ -1,0 +1,276 @@
+"""A persistent, warm pool of tokenizer worker processes shared by every caller.
+
+    from fanout.workers import shared_pool, usable_cpus
+    pool = shared_pool()                 # sized from affinity + cgroup quota (or FANOUT_WORKERS)
+    pool.prewarm(spec)                   # workers load tokenizer + template in the background
+    for res in pool.map_ordered(encode_chunk, tasks, inflight=8):   # results in task order
+        ...
+
+Why a pool of its own (not `datasets.map(num_proc=…)`): it is started once per
+process and stays warm, each worker loads the tokenizer once, work is handed out in
+chunks of hundreds of rows (raw JSONL bytes in, flat numpy arrays out, so pickling
+is per chunk and never per row), results come back in submission order whatever
+the worker count, and concurrent callers share one FIFO queue with a bounded
+number of chunks in flight each, so none starves the others and there is no
+per-batch-size tuning. Workers are `spawn`ed: they import numpy, tokenizers,
+jinja2 and pydantic, never torch or transformers (start-up is well under a second).
+With one worker the work runs in the calling thread (no process at all).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from fanout.chat import ChatFormat, to_conversation
+from fanout.errors import BadRow, ConfigError
+from fanout.template import ChatEncoder, ChatSpec
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def _cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPU quota in cores from cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`), if any."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        for d in (root / "cpu", root / "cpu,cpuacct", root):
+            q, p = d / "cpu.cfs_quota_us", d / "cpu.cfs_period_us"
+            if q.is_file() and p.is_file():
+                quota_us = int(q.read_text())
+                return None if quota_us <= 0 else quota_us / int(p.read_text())
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def usable_cpus(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may actually use: affinity mask, capped by the cgroup quota."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpus(cgroup_root)
+    if quota is not None:
+        n = min(n, max(1, int(quota + 0.5)))  # 1.5 cores of quota → 2 busy processes
+    return max(1, n)
+
+
+def resolve_workers(requested: int | None = None) -> int:
+    """--workers, else FANOUT_WORKERS, else usable_cpus()."""
+    if requested is None:
+        env = os.environ.get("FANOUT_WORKERS")
+        if env:
+            try:
+                requested = int(env)
+            except ValueError:
+                raise ConfigError(f"FANOUT_WORKERS={env!r}: not an integer") from None
+    if requested is None or requested == 0:
+        return usable_cpus()
+    if requested < 0:
+        raise ConfigError(f"workers: must be >= 0 (0 = all usable cores), got {requested}")
+    return requested
+
+
+# --------------------------------------------------------------------------- worker side
+
+_ENCODERS: dict[str, ChatEncoder] = {}
+
+
+def _init_worker() -> None:
+    # One process per core already; the Rust thread pool inside would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def encoder_for(spec: ChatSpec) -> ChatEncoder:
+    """The per-process ChatEncoder for a spec (loaded once, then warm)."""
+    enc = _ENCODERS.get(spec.tokenizer_json)
+    if enc is None:
+        enc = _ENCODERS[spec.tokenizer_json] = ChatEncoder(spec)
+    return enc
+
+
+def _warm(spec: ChatSpec) -> int:
+    encoder_for(spec)
+    return os.getpid()
+
+
+@dataclass
+class ChunkTask:
+    """One unit of work: a chunk of rows from one file. Pickled once per chunk."""
+
+    spec: ChatSpec
+    fmt: ChatFormat
+    file: str
+    first_line: int
+    items: list[Any]  # (line, raw JSONL bytes) when raw, else parsed records
+    raw: bool
+    skip_bad: bool
+    nbytes: int = 0
+
+
+@dataclass
+class ChunkResult:
+    """Flat arrays for a chunk's documents, in input order."""
+
+    ids: np.ndarray  # int32 [N] all documents concatenated
+    mask: np.ndarray  # uint8 [N]
+    lengths: np.ndarray  # int64 [D]
+    lines: np.ndarray  # int64 [D] source line (or row) of each document
+    file: str
+    rows_in: int
+    nbytes: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    error: tuple[str, int, str, str] | None = None  # first bad row when not skipping
+
+
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|:.*$")
+
+
+def _reason_key(reason: str) -> str:
+    """'unknown role 'bot'' → 'unknown role' (the summary counts by kind, not by value)."""
+    return _QUOTED.sub("", reason).strip() or reason
+
+
+def encode_chunk(task: ChunkTask) -> ChunkResult:
+    """Parse → convert → render → tokenize → mask one chunk (runs in a worker)."""
+    import json
+
+    enc = encoder_for(task.spec)
+    texts: list[str] = []
+    lines: list[int] = []
+    skipped: dict[str, int] = {}
+    error = None
+    for k, item in enumerate(task.items):
+        line = item[0] if task.raw else task.first_line + k
+        try:
+            try:
+                rec = json.loads(item[1]) if task.raw else item
+            except ValueError as e:
+                raise BadRow(task.file, line, "<json>", f"bad JSON: {e}") from None
+            conv = to_conversation(rec, task.fmt, task.file, line)
+            bad = enc.check(conv)
+            if bad is not None:
+                raise BadRow(task.file, line, *bad)
+            try:
+                text = enc.render(conv)
+            except Exception as e:  # the template's raise_exception, or a type it rejects
+                raise BadRow(task.file, line, "<template>", f"chat template failed: {e}") from None
+        except BadRow as e:
+            if not task.skip_bad:
+                error = (e.file, e.line, e.field, e.reason)
+                break
+            key = _reason_key(e.reason)
+            skipped[key] = skipped.get(key, 0) + 1
+            continue
+        texts.append(text)
+        lines.append(line)
+    ids, lengths = enc.encode_texts(texts)
+    mask = enc.assistant_mask(ids)
+    return ChunkResult(
+        ids=ids,
+        mask=mask,
+        lengths=lengths,
+        lines=np.asarray(lines, dtype=np.int64),
+        file=task.file,
+        rows_in=len(task.items),
+        nbytes=task.nbytes,
+        skipped=skipped,
+        error=error,
+    )
+
+
+# --------------------------------------------------------------------------- pool
+
+
+class WorkerPool:
+    """`workers` processes (spawned lazily once, kept warm); 1 worker = in-process."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ConfigError(f"workers: need >= 1, got {workers}")
+        self.workers = workers
+        self._ex: ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._ex is None:
+                self._ex = ProcessPoolExecutor(
+                    self.workers, mp_context=get_context("spawn"), initializer=_init_worker
+                )
+            return self._ex
+
+    def prewarm(self, spec: ChatSpec) -> None:
+        """Start the workers and load the tokenizer in each, without waiting."""
+        if self.workers == 1:
+            return
+        ex = self._executor()
+        for _ in range(self.workers):
+            ex.submit(_warm, spec)
+
+    def map_ordered(
+        self, fn: Callable[[T], R], tasks: Iterable[T], inflight: int | None = None
+    ) -> Iterator[R]:
+        """Apply fn to each task; yield results in task order, at most `inflight` pending.
+
+        Bounded in-flight work keeps memory flat for any input size and lets several
+        callers share the queue; each caller only ever waits on its own futures.
+        """
+        if self.workers == 1:
+            for t in tasks:
+                yield fn(t)
+            return
+        ex = self._executor()
+        limit = inflight or 2 * self.workers + 2
+        pending: deque[Future[R]] = deque()
+        try:
+            for t in tasks:
+                pending.append(ex.submit(fn, t))
+                if len(pending) >= limit:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:  # caller stopped early: don't leave work queued
+                f.cancel()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._ex is not None:
+                self._ex.shutdown(wait=True, cancel_futures=True)
+                self._ex = None
+
+
+_POOLS: dict[int, WorkerPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def shared_pool(workers: int | None = None) -> WorkerPool:
+    """The process-wide pool for this worker count (created once, reused by every caller)."""
+    n = resolve_workers(workers)
+    with _POOLS_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = _POOLS[n] = WorkerPool(n)
+        return pool
+
+
+@atexit.register
+def _shutdown_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()

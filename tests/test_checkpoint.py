@@ -1,0 +1,125 @@
+"""Checkpoints: speculators layout, atomic commit, pruning, exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from fanout.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.errors import ConfigError
+from fanout.model.dflash import DFlashDraft
+from fanout.ops.adamw import make_optimizer
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("verifier")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, intermediate_size=64, vocab_size=256,
+    )
+    Qwen3ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+def _draft(vdir: Path, seed: int = 1, **kw) -> DFlashDraft:
+    torch.manual_seed(seed)
+    args = {"target_layer_ids": [1, 2], "block_size": 4, "max_anchors": 6, "mask_token_id": 255}
+    return DFlashDraft.from_verifier(vdir, **(args | kw))
+
+
+def _batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    b, t = 2, 40
+    return {
+        "hidden_states": torch.randn(b, t, 64, generator=g),
+        "input_ids": torch.randint(0, 250, (b, t), generator=g),
+        "target_ids": torch.randint(0, 250, (b, t), generator=g),
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8),
+        "document_ids": torch.zeros(b, t, dtype=torch.int32),
+        "position_ids": torch.arange(t).expand(b, t),
+    }
+
+
+def _step(d: DFlashDraft, opt: torch.optim.Optimizer, gen: torch.Generator, i: int) -> float:
+    out = d.loss(_batch(i), gen)
+    opt.zero_grad()
+    out.loss.backward()
+    opt.step()
+    return out.loss.item()
+
+
+def test_resume_gives_identical_next_step(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        _step(d, opt, gen, i)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 3, "epoch": 0, "cursor": 12},
+                           generators={"anchors": gen})
+    expect = [_step(d, opt, gen, i) for i in (3, 4)]
+
+    d2 = _draft(verifier_dir, seed=99)  # different init: everything must come from disk
+    opt2, _ = make_optimizer(d2.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
+    gen2 = torch.Generator().manual_seed(12345)
+    state = load_checkpoint(path, d2, opt2, generators={"anchors": gen2})
+    assert state == {"step": 3, "epoch": 0, "cursor": 12}
+    got = [_step(d2, opt2, gen2, i) for i in (3, 4)]
+    assert got == expect  # bit-identical, not approximately equal
+
+
+def test_layout_is_speculators_dflash(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path="tiny")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dflash"
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2]
+    assert cfg["block_size"] == 4 and cfg["mask_token_id"] == 255
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight",
+            "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_norm.weight",
+            "layers.0.mlp.down_proj.weight", "layers.0.input_layernorm.weight"} <= keys
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    assert (path / MARKER).is_file()
+    assert oct((path / "model.safetensors").stat().st_mode & 0o777) == "0o644"
+
+
+def test_keep_two_and_uncommitted_is_ignored(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    for s in (1, 2, 3):
+        save_checkpoint(tmp_path, d, opt, {"step": s})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["checkpoint-00000002", "checkpoint-00000003"]
+    # a crash after rename but before the marker: newer dir without COMMITTED
+    (tmp_path / "checkpoint-00000004").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-00000003"
+    with pytest.raises(ConfigError, match="not a committed"):
+        load_checkpoint(tmp_path / "checkpoint-00000004", d, opt)
+    assert latest_checkpoint(tmp_path / "nope") is None
+
+
+def test_load_refuses_other_shape(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0})
+    other = _draft(verifier_dir, block_size=8)
+    with pytest.raises(ConfigError, match="block_size"):
+        load_checkpoint(path, other, None)
+
+
+def test_bad_step_rejected(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    with pytest.raises(ConfigError, match="step"):
+        save_checkpoint(tmp_path, d, opt, {"epoch": 1})

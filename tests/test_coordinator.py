@@ -1,0 +1,516 @@
+"""Coordinator behaviour in one process (several connections): fencing, eviction,
+lag policies, liveness on an injected clock, corrupt windows, schema, filesystems.
+
+    .venv/bin/pytest tests/test_coordinator.py -x -q
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from fanout import schema
+from fanout.cli import main as cli_main
+from fanout.contract import CaptureContract
+from fanout.coordinator import Coordinator, RunConfig
+from fanout.errors import (
+    AcquireTimeout,
+    ContractMismatch,
+    CorruptWindow,
+    Detached,
+    SchemaVersionError,
+    StaleLease,
+    UnsupportedFilesystem,
+)
+from fanout.leases import Claim, ProducerReg
+from fanout.liveness import Heartbeat, Reclaimer
+from fanout.store import Published, RunDir, Store, WindowMeta, window_name
+
+
+def make_contract(**kw: object) -> CaptureContract:
+    base: dict[str, object] = dict(
+        verifier_config_hash="cfg",
+        verifier_weights_fingerprint="w",
+        verifier_num_layers=4,
+        hidden_size=8,
+        vocab_size=32,
+        target_layer_ids=(1, 2),
+        dataset_fingerprint="data",
+        tokenizer_fingerprint="tok",
+        seq_len=4,
+        window_rows=2,
+        shuffle_seed=0,
+    )
+    base.update(kw)
+    return CaptureContract.model_validate(base)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def new_run(tmp_path: Path, **cfg: object) -> tuple[Coordinator, Store, CaptureContract]:
+    c = make_contract()
+    rd = RunDir(tmp_path / "run").create()
+    return Coordinator.create(rd.root, c, RunConfig.model_validate(cfg)), Store(rd), c
+
+
+def produce(co: Coordinator, p: ProducerReg, store: Store, c: CaptureContract) -> Claim:
+    """Capture one real window file (tiny tensors) and mark it ready."""
+    assert co.wait_for_capacity(p, timeout_s=0.0), "producer unexpectedly at capacity"
+    cl = co.claim(p)
+    assert cl is not None
+    t = torch.arange(cl.rows[0], cl.rows[1], dtype=torch.int32).repeat_interleave(4).view(2, 4)
+    meta = WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)
+    co.publish_ready(cl, store.publish({"input_ids": t}, meta))
+    return cl
+
+
+def files(store: Store) -> list[str]:
+    return store.list_windows()
+
+
+# ---- transactions, schema, filesystems -------------------------------------------------
+
+
+def test_every_write_begins_immediate(tmp_path: Path) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=2)
+    stmts: list[str] = []
+    co.conn.set_trace_callback(stmts.append)
+    p = co.register_producer(c)
+    reg = co.register_consumer("a")
+    produce(co, p, store, c)
+    produce(co, p, store, c)
+    lease = co.acquire(reg, timeout_s=1)
+    assert lease is not None
+    co.heartbeat(reg)
+    co.heartbeat(p)
+    co.ack(lease)
+    lease = co.acquire(reg, timeout_s=1)
+    assert lease is not None
+    co.report_corrupt(lease, "test")
+    cl = co.claim(p)
+    assert cl is not None
+    co.renew(cl)
+    co.fail(cl, "boom")
+    co.reclaim_lost()
+    co.evict()
+    co.finish(reg)
+    in_txn, writes = False, 0
+    for s in stmts:
+        head = s.strip().split()[0].upper()
+        if head == "BEGIN":
+            assert s.strip().upper() == "BEGIN IMMEDIATE", s
+            assert not in_txn
+            in_txn = True
+        elif head in ("COMMIT", "ROLLBACK"):
+            in_txn = False
+        elif head in ("INSERT", "UPDATE", "DELETE", "REPLACE"):
+            assert in_txn, f"write outside BEGIN IMMEDIATE: {s}"
+            writes += 1
+    assert writes > 20
+
+
+def test_schema_version_refused(tmp_path: Path) -> None:
+    co, _, _ = new_run(tmp_path)
+    with schema.write(co.conn) as cur:
+        cur.execute("UPDATE meta SET value=99 WHERE key='schema_version'")
+    with pytest.raises(SchemaVersionError, match="version 99"):
+        Coordinator.open(tmp_path / "run")
+    other = tmp_path / "x" / "coordinator.sqlite3"
+    other.parent.mkdir()
+    sqlite3.connect(other).execute("CREATE TABLE t(a)").connection.commit()
+    with pytest.raises(SchemaVersionError, match="not a fanout"):
+        Coordinator.open(other.parent)
+
+
+MOUNTINFO = """\
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+40 27 0:50 / {nfs} rw,relatime - nfs4 server:/export rw,vers=4.2
+41 40 0:51 / {nfs}/local\\040disk rw - ext4 /dev/vdb rw
+"""
+
+
+def test_network_filesystem_refused(tmp_path: Path) -> None:
+    nfs = tmp_path / "shared"
+    info = MOUNTINFO.format(nfs=nfs)
+    assert schema.filesystem_type(nfs / "run", info) == ("nfs4", str(nfs))
+    local = nfs / "local disk"  # octal-escaped space, longest prefix wins
+    assert schema.filesystem_type(local / "run", info) == ("ext4", str(local))
+    with pytest.raises(UnsupportedFilesystem, match=r"nfs4.*--db-path"):
+        Coordinator.create(nfs / "run", make_contract(), mountinfo=info)
+    assert not (nfs / "run" / "coordinator.sqlite3").exists()
+    # Artifacts on NFS, database on a local disk: fine, and open() finds it again.
+    co = Coordinator.create(
+        nfs / "run", make_contract(), db_path=local / "db.sqlite3", mountinfo=info
+    )
+    co.close()
+    assert Coordinator.open(nfs / "run", mountinfo=info).db_path == local / "db.sqlite3"
+    with pytest.raises(UnsupportedFilesystem):
+        Coordinator.open(nfs / "run", db_path=nfs / "x.sqlite3", mountinfo=info)
+    Coordinator.create(nfs / "r2", make_contract(), mountinfo=info, allow_network_fs=True)
+
+
+def test_contract_mismatch_names_fields(tmp_path: Path) -> None:
+    co, _, c = new_run(tmp_path)
+    with pytest.raises(ContractMismatch, match=r"seq_len.*target_layer_ids") as e:
+        co.register_consumer("a", expect={"seq_len": 8, "target_layer_ids": [1, 3]})
+    assert set(e.value.fields) == {"seq_len", "target_layer_ids"}
+    co.register_consumer("a", expect={"seq_len": 4, "target_layer_ids": [1, 2]})
+    with pytest.raises(ContractMismatch, match="hidden_size"):
+        co.register_producer(make_contract(hidden_size=16))
+
+
+# ---- consumer flow, fencing, eviction ------------------------------------------------
+
+
+def test_two_consumers_every_window_in_order_then_evicted(tmp_path: Path) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=3, expected_consumers=2, total_windows=6)
+    p = co.register_producer(c)
+    a, b = Coordinator.open(tmp_path / "run"), Coordinator.open(tmp_path / "run")
+    ra = a.register_consumer("a")
+    produce(co, p, store, c)
+    co.evict()
+    assert len(files(store)) == 1  # only one consumer registered yet: nothing evicted
+    rb = b.register_consumer("b", dp_rank=1)
+    assert rb.consumer_id == "b:dp1"
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+    done: set[str] = set()
+    for step in range(100):
+        while co.wait_for_capacity(p, 0.0) and (cl := co.claim(p)) is not None:
+            t = torch.zeros(2, 4, dtype=torch.int32)
+            meta = WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)
+            co.publish_ready(cl, store.publish({"x": t}, meta))
+        assert len(files(store)) <= 3
+        for who, co_, reg in (("a", a, ra), ("b", b, rb)):
+            if who in done or (who == "b" and step % 2):  # b is half as fast
+                continue
+            try:
+                lease = co_.acquire(reg, timeout_s=0.001)
+            except AcquireTimeout:
+                continue  # held back: a is 3 windows ahead of b
+            if lease is None:
+                done.add(who)
+                continue
+            seen[who].append(lease.window)
+            co_.ack(lease)
+    assert done == {"a", "b"}
+    assert seen == {"a": list(range(6)), "b": list(range(6))}
+    assert files(store) == []
+    assert co.meta("evictions") == 6
+
+
+def test_ack_is_fenced_and_never_moves_cursor_back(tmp_path: Path) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=4)
+    p = co.register_producer(c)
+    for _ in range(3):
+        produce(co, p, store, c)
+    r1 = co.register_consumer("a")
+    l0 = co.acquire(r1, timeout_s=1)
+    assert l0 is not None
+    assert co.acquire(r1, timeout_s=1) == l0  # re-acquire returns the same lease
+    r2 = co.register_consumer("a")  # a restart supersedes the old incarnation
+    with pytest.raises(StaleLease):
+        co.ack(l0)
+    with pytest.raises(StaleLease):
+        co.heartbeat(r1)
+    l0b = co.acquire(r2, timeout_s=1)
+    l1 = co.acquire(r2, timeout_s=1, window=1)  # read-ahead
+    assert l0b is not None and l1 is not None
+    co.ack(l1)
+    co.ack(l0b)
+    cursor = co.conn.execute("SELECT cursor FROM consumers").fetchone()[0]
+    assert cursor == 2
+    with pytest.raises(StaleLease):
+        co.ack(l0b)  # twice
+    assert co.release(l0b) is False
+
+
+def test_acquire_times_out_then_resumes_with_recapture(tmp_path: Path) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=2)
+    p = co.register_producer(c)
+    r = co.register_consumer("a")
+    with pytest.raises(AcquireTimeout, match="window 0"):
+        co.acquire(r, timeout_s=0.05)
+    for _ in range(2):
+        produce(co, p, store, c)
+        lease = co.acquire(r, timeout_s=1)
+        assert lease is not None
+        co.ack(lease)
+    assert files(store) == []
+    # The trainer's checkpoint says cursor 0: window 0 is gone, so it is captured again.
+    r = co.resume(r, cursor=0)
+    with pytest.raises(AcquireTimeout, match="recapture"):
+        co.acquire(r, timeout_s=0.01)
+    cl = produce(co, p, store, c)
+    assert (cl.window, cl.generation) == (0, 3)
+    lease = co.acquire(r, timeout_s=1)
+    assert lease is not None and lease.generation == 3
+    assert co.meta("recaptures") == 1
+
+
+def test_corrupt_window_is_quarantined_and_recaptured(tmp_path: Path) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=2)
+    p = co.register_producer(c)
+    r = co.register_consumer("a")
+    first = produce(co, p, store, c)
+    path = store.path(window_name(0, first.generation))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # flip a data bit
+    path.write_bytes(bytes(raw))
+    lease = co.acquire(r, timeout_s=1)
+    assert lease is not None
+    with pytest.raises(CorruptWindow) as e:
+        store.open(lease.name, expect_contract=c.stream_id, expect_window=0)
+    co.report_corrupt(lease, e.value.reason)
+    assert files(store) == []
+    assert len(list((tmp_path / "run" / "quarantine").iterdir())) == 1
+    with pytest.raises(AcquireTimeout):
+        co.acquire(r, timeout_s=0.01)  # never handed the corrupt file again
+    again = produce(co, p, store, c)
+    assert again.window == 0 and again.generation > first.generation
+    lease = co.acquire(r, timeout_s=1)
+    assert lease is not None and lease.generation == again.generation
+    with store.open(lease.name, expect_contract=c.stream_id, expect_window=0) as w:
+        assert w.get("input_ids").tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]
+    assert co.meta("corrupt") == 1 and co.meta("recaptures") == 1
+
+
+def test_failed_capture_requeues_then_fails(tmp_path: Path) -> None:
+    co, _, c = new_run(tmp_path, max_attempts=2)
+    p = co.register_producer(c)
+    gens = []
+    for _ in range(2):
+        cl = co.claim(p)
+        assert cl is not None and cl.window == 0
+        gens.append(cl.generation)
+        co.fail(cl, "verifier OOM")
+    assert gens[1] > gens[0]
+    r = co.register_consumer("a")
+    with pytest.raises(Exception, match="verifier OOM"):
+        co.acquire(r, timeout_s=1)
+
+
+def test_new_producer_fences_old_one(tmp_path: Path) -> None:
+    co, store, c = new_run(tmp_path)
+    p1 = co.register_producer(c)
+    cl = co.claim(p1)
+    assert cl is not None
+    p2 = Coordinator.open(tmp_path / "run").register_producer(c)
+    fake = Published("x", store.path("x"), 1, "xxh3_128:0")
+    with pytest.raises(StaleLease):
+        co.publish_ready(cl, fake)
+    cl2 = co.claim(p2)
+    assert cl2 is not None and cl2.window == 0 and cl2.generation > cl.generation
+    assert co.is_live(0, cl2.generation) and not co.is_live(0, cl.generation)
+
+
+# ---- backpressure and lag policies ---------------------------------------------------
+
+
+def _two_consumers(tmp_path: Path, **cfg: object):  # type: ignore[no-untyped-def]
+    co, store, c = new_run(tmp_path, max_live_windows=2, expected_consumers=2, **cfg)
+    p = co.register_producer(c)
+    fast, slow = Coordinator.open(tmp_path / "run"), Coordinator.open(tmp_path / "run")
+    return co, store, c, p, fast, fast.register_consumer("fast"), slow, slow.register_consumer("slow")
+
+
+def test_hold_blocks_producer_at_k(tmp_path: Path) -> None:
+    co, store, c, p, fast, rf, _slow, _rs = _two_consumers(tmp_path)
+    for _ in range(2):
+        produce(co, p, store, c)
+        lease = fast.acquire(rf, timeout_s=1)
+        assert lease is not None
+        fast.ack(lease)
+    assert co.wait_for_capacity(p, timeout_s=0.1) is False
+    assert co.claim(p) is None
+    assert len(files(store)) == 2
+
+
+def test_recapture_policy_evicts_what_only_laggards_need(tmp_path: Path) -> None:
+    co, store, c, p, fast, rf, slow, rs = _two_consumers(tmp_path, lag_policy="recapture")
+    for _ in range(6):
+        produce(co, p, store, c)
+        assert len(files(store)) <= 2
+        lease = fast.acquire(rf, timeout_s=1)
+        assert lease is not None
+        fast.ack(lease)
+    assert co.meta("evictions") >= 4
+    # The laggard asks for window 0: recaptured on demand (new generation), first in line.
+    with pytest.raises(AcquireTimeout):
+        slow.acquire(rs, timeout_s=0.01)
+    cl = produce(co, p, store, c)
+    assert cl.window == 0 and cl.generation == 7
+    assert len(files(store)) <= 2
+    lease = slow.acquire(rs, timeout_s=1)
+    assert lease is not None and lease.generation == 7
+    slow.ack(lease)
+    assert co.meta("recaptures") == 1
+
+
+def test_detach_policy_drops_the_laggard_after_detach_after(tmp_path: Path) -> None:
+    clock = FakeClock()
+    c = make_contract()
+    rd = RunDir(tmp_path / "run").create()
+    cfg = RunConfig(max_live_windows=2, expected_consumers=2, lag_policy="detach", ttl_s=10)
+    co = Coordinator.create(rd.root, c, cfg, clock=clock)
+    store = Store(rd)
+    p = co.register_producer(c)
+    rf, rs = co.register_consumer("fast"), co.register_consumer("slow")
+    for _ in range(2):
+        produce(co, p, store, c)
+        lease = co.acquire(rf, timeout_s=1)
+        assert lease is not None
+        co.ack(lease)
+    assert co.wait_for_capacity(p, 0.0) is False  # blocked: starts the detach clock
+    clock.t += 9.9
+    assert co.wait_for_capacity(p, 0.0) is False
+    clock.t += 0.2
+    assert co.wait_for_capacity(p, 0.0) is True
+    assert files(store) == []
+    with pytest.raises(Detached):
+        co.acquire(rs, timeout_s=1)
+    assert co.meta("detaches") == 1
+    again = co.register_consumer("slow")  # it may come back (as a new joiner)
+    assert again.cursor == 0
+
+
+# ---- liveness ------------------------------------------------------------------------
+
+
+def test_lost_consumer_reclaimed_on_own_clock_only(tmp_path: Path) -> None:
+    clock = FakeClock()
+    c = make_contract()
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, c, RunConfig(max_live_windows=2, ttl_s=10), clock=clock)
+    store = Store(rd)
+    p = co.register_producer(c)
+    produce(co, p, store, c)
+    zombie = Coordinator.open(rd.root)
+    rz = zombie.register_consumer("a")
+    lease = zombie.acquire(rz, timeout_s=1)
+    assert lease is not None
+    for _ in range(5):  # watched continuously, 9.5 s < ttl: not lost
+        assert co.reclaim_lost() == []
+        clock.t += 1.9
+    zombie.heartbeat(rz)  # the counter moved: the ttl restarts
+    for _ in range(5):
+        assert co.reclaim_lost() == []
+        clock.t += 1.9
+    clock.t += 0.6
+    assert co.reclaim_lost() == ["a:dp0"]
+    assert co.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
+    co.evict()
+    assert len(files(store)) == 1  # a lost consumer still holds its cursor's windows
+    with pytest.raises(StaleLease):
+        zombie.ack(lease)
+    r2 = zombie.register_consumer("a")
+    assert r2.cursor == 0
+    lease = zombie.acquire(r2, timeout_s=1)
+    assert lease is not None
+    zombie.ack(lease)
+    assert files(store) == []
+
+
+def test_reclaimer_forgets_what_it_saw_while_not_watching() -> None:
+    clock = FakeClock()
+    rec = Reclaimer(ttl_s=10, clock=clock)
+    assert rec.observe([("a", 1, 5)]) == []
+    clock.t += 100  # the reclaimer itself was paused: no conclusions from that
+    assert rec.observe([("a", 1, 5)]) == []
+    for _ in range(4):  # a: watched 16 s; b: first seen 4 s later, watched 12 s
+        clock.t += 4
+        lost = rec.observe([("a", 1, 5), ("b", 2, 0)])
+    assert lost == [("a", 1, 5), ("b", 2, 0)]
+    rec.own("b")
+    assert rec.observe([("a", 1, 5), ("b", 2, 0)], exclude=["a"]) == []
+
+
+def test_heartbeat_thread_beats_and_reports_fencing(tmp_path: Path) -> None:
+    co, _, _ = new_run(tmp_path)
+    reg = co.register_consumer("a")
+    with Heartbeat(tmp_path / "run", reg, interval_s=0.01) as hb:
+        for _ in range(500):
+            if hb.beats >= 3:
+                break
+            co._wait_change(None, 0.01)
+        assert hb.beats >= 3
+        co.register_consumer("a")  # supersede: the thread's next beat is fenced
+        hb._thread.join(timeout=5)
+        with pytest.raises(StaleLease):
+            hb.check()
+    seq = co.conn.execute("SELECT hb_seq FROM consumers").fetchone()[0]
+    assert seq >= 3
+
+
+# ---- status / sweep CLI --------------------------------------------------------------
+
+
+def test_status_json_and_sweep_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=3)
+    p = co.register_producer(c)
+    r = co.register_consumer("a")
+    produce(co, p, store, c)
+    produce(co, p, store, c)
+    lease = co.acquire(r, timeout_s=1)
+    assert lease is not None
+    (tmp_path / "run" / "tmp" / "00000009.g9.safetensors.1-ab.tmp").write_bytes(b"x")
+    (tmp_path / "run" / "windows" / window_name(7, 99)).write_bytes(b"orphan")
+    run = str(tmp_path / "run")
+    assert cli_main(["status", "--run-dir", run, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["windows"]["ready"] == 2 and s["live_bytes"] > 0
+    assert s["high_water"]["windows"] == 2
+    assert s["consumers"][0]["id"] == "a:dp0" and s["consumers"][0]["lag_windows"] == 2
+    assert s["leases"][0]["window"] == 0
+    assert s["producer"]["state"] == "active"
+    assert cli_main(["status", "--run-dir", run]) == 0
+    human = capsys.readouterr().out
+    assert "a:dp0" in human and "ready" in human
+    assert cli_main(["sweep", "--run-dir", run]) == 0
+    out = capsys.readouterr().out
+    assert "2 removed" in out
+    assert files(store) == [window_name(0, 1), window_name(1, 2)]
+    assert list((tmp_path / "run" / "tmp").iterdir()) == []
+
+
+def test_retention_metadata_stays_flat(tmp_path: Path) -> None:
+    """Metadata-only windows: rows and database size stop growing (slow soak: 100k)."""
+    _retention_soak(tmp_path, 3000)
+
+
+@pytest.mark.slow
+def test_retention_flat_over_100k_windows(tmp_path: Path) -> None:
+    _retention_soak(tmp_path, 100_000)
+
+
+def _retention_soak(tmp_path: Path, n: int) -> None:
+    co, store, c = new_run(tmp_path, max_live_windows=4)
+    p = co.register_producer(c)
+    r = co.register_consumer("a")
+    sizes = []
+    for i in range(n):
+        assert co.wait_for_capacity(p, 0.0)
+        cl = co.claim(p)
+        assert cl is not None
+        name = window_name(cl.window, cl.generation)  # no file: eviction's unlink is a no-op
+        co.publish_ready(cl, Published(name, store.path(name), 10, "xxh3_128:0"))
+        lease = co.acquire(r, timeout_s=1)
+        assert lease is not None and lease.window == i
+        co.ack(lease)
+        if i in (n // 3, n - 1):
+            co.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            db = co.db_path
+            sizes.append(db.stat().st_size)
+    rows = co.conn.execute("SELECT COUNT(*) FROM windows").fetchone()[0]
+    assert rows <= 64 + 5
+    assert sizes[1] <= sizes[0] * 1.2 + 8192, sizes
+    assert co.meta("evictions") == n

@@ -1,0 +1,304 @@
+"""Coordinator under real processes: contention, SIGKILL mid-transaction, publish
+crash points, a killed lease holder, a SIGSTOPped zombie.
+
+    .venv/bin/pytest tests/test_coordinator_procs.py -x -q
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fanout import schema
+from fanout.contract import CaptureContract
+from fanout.coordinator import Coordinator, RunConfig
+from fanout.errors import FanoutError, StaleLease
+from fanout.filesystem import FileSystem
+from fanout.liveness import Heartbeat
+from fanout.store import Published, RunDir, Store, WindowMeta, parse_window_name, window_name
+
+CTX = mp.get_context("spawn")
+
+
+def make_contract() -> CaptureContract:
+    return CaptureContract(
+        verifier_config_hash="cfg",
+        verifier_weights_fingerprint="w",
+        verifier_num_layers=4,
+        hidden_size=8,
+        vocab_size=32,
+        target_layer_ids=(1, 2),
+        dataset_fingerprint="data",
+        tokenizer_fingerprint="tok",
+        seq_len=4,
+        window_rows=2,
+        shuffle_seed=0,
+    )
+
+
+def fake_publish(co: Coordinator, p: Any, n: int) -> None:
+    """Metadata-only windows (no files): eviction's unlink is a harmless no-op."""
+    for _ in range(n):
+        cl = co.claim(p)
+        assert cl is not None
+        name = window_name(cl.window, cl.generation)
+        co.publish_ready(cl, Published(name, co.root / "windows" / name, 10, "xxh3_128:0"))
+
+
+def wait_for(pred: Any, timeout: float = 30.0, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+# ---- 8 processes × 500 acquire/ack cycles --------------------------------------------
+
+
+def _cycler(root: str, rank: int, cycles: int, out: Any) -> None:
+    co = Coordinator.open(root)
+    reg = co.register_consumer("stress", dp_rank=rank)
+    grants: list[tuple[int, int]] = []
+    errors: list[str] = []
+    for _ in range(cycles):
+        try:
+            lease = co.acquire(reg, timeout_s=60)
+            assert lease is not None
+            grants.append((lease.window, lease.token))
+            co.ack(lease)
+        except (FanoutError, sqlite3.OperationalError) as e:  # must never happen
+            errors.append(repr(e))
+    out.put((rank, grants, errors))
+
+
+def test_eight_processes_no_lock_errors_no_double_grants(tmp_path: Path) -> None:
+    procs, cycles = 8, 500
+    rd = RunDir(tmp_path / "run").create()
+    cfg = RunConfig(max_live_windows=cycles + 2, expected_consumers=procs)
+    co = Coordinator.create(rd.root, make_contract(), cfg)
+    fake_publish(co, co.register_producer(make_contract()), cycles)
+    q = CTX.Queue()
+    ps = [CTX.Process(target=_cycler, args=(str(rd.root), r, cycles, q)) for r in range(procs)]
+    for p in ps:
+        p.start()
+    results = [q.get(timeout=240) for _ in ps]
+    for p in ps:
+        p.join(timeout=30)
+    tokens: set[int] = set()
+    for rank, grants, errors in results:
+        assert errors == [], f"rank {rank}: {errors[:3]}"
+        assert [w for w, _ in grants] == list(range(cycles))  # in order, no gaps
+        tokens.update(t for _, t in grants)
+    assert len(tokens) == procs * cycles  # no lease token granted twice
+    cursors = [c for (c,) in co.conn.execute("SELECT cursor FROM consumers")]
+    assert cursors == [cycles] * procs  # acks == grants
+    assert co.meta("evictions") == cycles
+    assert co.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
+
+
+# ---- SIGKILL inside a write transaction -------------------------------------------------
+
+
+def _die_in_txn(root: str, ready: Any) -> None:
+    co = Coordinator.open(root)
+    with schema.write(co.conn) as cur:
+        cur.execute("UPDATE consumers SET cursor=999")
+        cur.execute("UPDATE meta SET value=123456 WHERE key='evictions'")
+        ready.set()
+        time.sleep(600)  # SIGKILLed here, holding the write lock
+
+
+def test_sigkill_inside_write_transaction(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig())
+    reg = co.register_consumer("a")
+    ready = CTX.Event()
+    p = CTX.Process(target=_die_in_txn, args=(str(rd.root), ready))
+    p.start()
+    assert ready.wait(60)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        other = sqlite3.connect(co.db_path, timeout=0.05, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    t0 = time.monotonic()
+    co.heartbeat(reg)  # a write: needs the lock the dead process held
+    assert time.monotonic() - t0 < co.config.busy_timeout_s + 1
+    assert co.conn.execute("SELECT cursor FROM consumers").fetchone()[0] == 0
+    assert co.meta("evictions") == 0
+    assert co.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+# ---- publish crash points -----------------------------------------------------------
+
+
+class KillAt(FileSystem):
+    """SIGKILL this process right before the n-th call of `op` (a crash, not an error)."""
+
+    def __init__(self, op: str, n: int) -> None:
+        self.op, self.n, self.seen = op, n, 0
+
+    def _before(self, op: str, arg: object) -> None:
+        if op == self.op:
+            self.seen += 1
+            if self.seen == self.n:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _crashing_producer(root: str, op: str, n: int, before_commit: bool) -> None:
+    c = make_contract()
+    co = Coordinator.open(root)
+    store = Store(RunDir(Path(root)), KillAt(op, n), chunk_bytes=64)
+    p = co.register_producer(c)
+    while co.wait_for_capacity(p, 10) and (cl := co.claim(p)) is not None:
+        t = torch.full((2, 64), cl.window, dtype=torch.int32)  # 512 B: several 64 B chunks
+        pub = store.publish({"x": t}, WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows))
+        if before_commit and cl.window == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        co.publish_ready(cl, pub)
+
+
+CRASH_POINTS = [
+    ("mid-write", "write", 3, False),
+    ("after fsync", "close", 2, False),  # second window: first one committed
+    ("after link", "unlink", 1, False),
+    ("after dir fsync", "fsync_dir", 2, False),
+    ("before commit", "never", 0, True),
+]
+
+
+@pytest.mark.parametrize(("label", "op", "n", "before_commit"), CRASH_POINTS)
+def test_publish_crash_points(
+    tmp_path: Path, label: str, op: str, n: int, before_commit: bool
+) -> None:
+    c = make_contract()
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, c, RunConfig(max_live_windows=3, total_windows=3))
+    p = CTX.Process(target=_crashing_producer, args=(str(rd.root), op, n, before_commit))
+    p.start()
+    p.join(120)
+    assert p.exitcode == -signal.SIGKILL, f"{label}: producer was not killed ({p.exitcode})"
+    # Restart: a new producer fences the dead one; the sweeper removes its debris.
+    co.sweep()
+    assert list(rd.tmp.iterdir()) == []
+    store = Store(rd)
+    for name in store.list_windows():  # every final-named file is complete and committed
+        w, g = parse_window_name(name) or (-1, -1)
+        assert co.is_live(w, g), f"{label}: orphan {name} survived the sweep"
+        row = co.conn.execute(
+            "SELECT state, checksum FROM windows WHERE window=? AND generation=?", (w, g)
+        ).fetchone()
+        with store.open(name, expect_contract=c.stream_id) as r:
+            assert r.meta.checksum == row[1]
+    pr = co.register_producer(c)
+    while co.wait_for_capacity(pr, 1) and (cl := co.claim(pr)) is not None:
+        t = torch.full((2, 64), cl.window, dtype=torch.int32)
+        meta = WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)
+        co.publish_ready(cl, store.publish({"x": t}, meta))
+    co.sweep()
+    names = store.list_windows()
+    assert [parse_window_name(x)[0] for x in names] == [0, 1, 2], names  # type: ignore[index]
+    ready = co.conn.execute("SELECT window FROM windows WHERE state='ready' ORDER BY 1").fetchall()
+    assert ready == [(0,), (1,), (2,)]
+    for name in names:
+        with store.open(name, expect_contract=c.stream_id) as r:
+            assert int(r.get("x")[0, 0]) == r.meta.window
+    assert list(rd.tmp.iterdir()) == []
+
+
+# ---- a consumer killed while holding a lease ----------------------------------------
+
+
+def _lease_holder(root: str, name: str, ready: Any) -> None:
+    co = Coordinator.open(root)
+    reg = co.register_consumer(name)
+    assert co.acquire(reg, timeout_s=30) is not None
+    ready.set()
+    time.sleep(600)
+
+
+def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(tmp_path: Path) -> None:
+    ttl = 1.0
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=ttl, max_live_windows=2))
+    fake_publish(co, co.register_producer(make_contract()), 1)
+    ready = CTX.Event()
+    p = CTX.Process(target=_lease_holder, args=(str(rd.root), "a", ready))
+    p.start()
+    assert ready.wait(60)
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    t0 = time.monotonic()
+    lost: list[str] = []
+    while not lost:
+        lost = co.reclaim_lost()
+        co.evict()
+        held = co.conn.execute("SELECT state FROM windows WHERE window=0").fetchone()[0]
+        assert held == "ready"  # never evicted under the lease (or, later, the lost cursor)
+        time.sleep(0.02)
+        assert time.monotonic() - t0 < 2 * ttl + 0.5, "not reclaimed within 2·ttl"
+    assert time.monotonic() - t0 >= ttl
+    assert lost == ["a:dp0"]
+    assert co.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
+    # A restarted consumer resumes at its cursor.
+    reg = co.register_consumer("a")
+    lease = co.acquire(reg, timeout_s=1)
+    assert reg.cursor == 0 and lease is not None and lease.window == 0
+    co.ack(lease)
+    assert co.conn.execute("SELECT state FROM windows WHERE window=0").fetchone()[0] == "evicted"
+
+
+# ---- SIGSTOPped zombie ------------------------------------------------------------------
+
+
+def _zombie(root: str, ready: Any, go: Any, out: Any) -> None:
+    co = Coordinator.open(root)
+    reg = co.register_consumer("z")
+    first = co.acquire(reg, timeout_s=30)
+    assert first is not None
+    co.ack(first)
+    lease = co.acquire(reg, timeout_s=30)
+    assert lease is not None and lease.window == 1
+    with Heartbeat(root, reg, interval_s=0.05):
+        ready.set()
+        go.wait(120)  # SIGSTOPped in here, past ttl, then SIGCONTed
+        try:
+            co.ack(lease)
+            out.put("acked")
+        except StaleLease as e:
+            out.put(f"stale: {e}")
+
+
+def test_zombie_ack_is_refused_and_cursor_never_moves_back(tmp_path: Path) -> None:
+    ttl = 0.5
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=ttl, max_live_windows=8))
+    fake_publish(co, co.register_producer(make_contract()), 5)
+    ready, go, out = CTX.Event(), CTX.Event(), CTX.Queue()
+    p = CTX.Process(target=_zombie, args=(str(rd.root), ready, go, out))
+    p.start()
+    assert ready.wait(60)
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: co.reclaim_lost() == ["z:dp0"], 10, "zombie reclaimed")
+        reg = co.register_consumer("z")  # the restarted incarnation moves on
+        assert reg.cursor == 1
+        for _ in range(2):
+            lease = co.acquire(reg, timeout_s=1)
+            assert lease is not None
+            co.ack(lease)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    go.set()
+    assert str(out.get(timeout=60)).startswith("stale")
+    p.join(30)
+    assert co.conn.execute("SELECT cursor, token FROM consumers").fetchone() == (3, reg.token)

@@ -1,0 +1,254 @@
+"""End to end: prepare → cache → reopen; online mode; bad rows; workers; CLI.
+
+.venv/bin/pytest tests/test_prepare.py -x -q
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fanout.chat import load_conversations
+from fanout.cli import main as cli_main
+from fanout.errors import BadRow, ConfigError
+from fanout.packing import ROW_KEYS, concat_batches
+from fanout.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
+from fanout.template import ChatEncoder, load_chat_spec
+from fanout.workers import resolve_workers, usable_cpus
+
+FASTCHAT = "chat/fastchat/dummy_conversation.json"
+GLAIVE = "chat/llama-factory/glaive_toolcall_en_demo.json"
+MTBENCH = "chat/mt-bench-101/mtbench101.jsonl"
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.getbasetemp() / "fanout-cache"
+
+
+@pytest.fixture
+def base(
+    shared_data: Path, qwen3_tokenizer_dir: Path, cache_root: Path, tmp_path: Path
+) -> dict[str, Any]:
+    return {
+        "data": [str(shared_data / FASTCHAT), str(shared_data / GLAIVE)],
+        "tokenizer": str(qwen3_tokenizer_dir),
+        "seq_len": 1024,
+        "cache_dir": str(tmp_path / "cache"),
+        "workers": 1,
+        "progress": False,
+    }
+
+
+@pytest.fixture(autouse=True)
+def _tokenizer_cache(monkeypatch: pytest.MonkeyPatch, cache_root: Path) -> None:
+    # Share the built tokenizer between tests (the build runs transformers once).
+    monkeypatch.setenv("FANOUT_CACHE", str(cache_root))
+
+
+def all_rows(ds: Any) -> dict[str, np.ndarray]:
+    return ds.rows(np.arange(ds.num_rows))
+
+
+def test_prepare_rows_match_encoder_and_cache_hit(base: dict[str, Any], tmp_path: Path) -> None:
+    cfg = PrepareConfig(**base, out=str(tmp_path / "out"))
+    ds = prepare(cfg)
+    rows = all_rows(ds)
+    assert ds.seq_len == 1024 and rows["input_ids"].shape == (ds.num_rows, 1024)
+    assert rows["input_ids"].dtype == np.int32 and rows["loss_mask"].dtype == np.uint8
+    # Same tokens and masks as the encoder (verified against HF in test_template.py).
+    enc = ChatEncoder(load_chat_spec(base["tokenizer"]))
+    convs = [c for p in base["data"] for c in load_conversations(p)]
+    ids, mask, lengths = enc.encode(convs)
+    s = ds.summary
+    assert s["input_rows"] == len(convs) == 800
+    assert s["tokens"] == int(lengths.sum()) == int((rows["document_ids"] >= 0).sum())
+    assert s["masked_tokens"] == int(mask.sum()) == int(rows["loss_mask"].sum())
+    assert (
+        np.bincount(ids, minlength=152000).tolist()
+        == np.bincount(rows["input_ids"][rows["document_ids"] >= 0], minlength=152000).tolist()
+    )
+    assert s["fill"] > 0.9 and s["formats"][base["data"][0]].startswith("sharegpt")
+    # Second run: loaded from the cache (shards not rewritten), same fingerprint and rows.
+    entry = Path(base["cache_dir"]) / "prepared" / ds.fingerprint
+    mtimes = {f.name: f.stat().st_mtime_ns for f in entry.iterdir()}
+    ds2 = prepare(cfg)
+    assert {f.name: f.stat().st_mtime_ns for f in entry.iterdir()} == mtimes
+    assert ds2.fingerprint == ds.fingerprint
+    again = open_packed(tmp_path / "out")
+    idx = np.array([3, 0, 3, ds.num_rows - 1])
+    for k in ROW_KEYS:
+        assert (again.rows(idx)[k] == rows[k][idx]).all()
+    assert again.tokenizer_fingerprint == ds.tokenizer_fingerprint
+    assert again.pad_token_id == 151643
+    # The fingerprint follows every option that changes rows.
+    assert prepare(PrepareConfig(**{**base, "seq_len": 2048})).fingerprint != ds.fingerprint
+
+
+def test_workers_do_not_change_output_and_online_matches(base: dict[str, Any]) -> None:
+    base = {**base, "data": [*base["data"], base["data"][0].replace(FASTCHAT, MTBENCH)]}
+    one = all_rows(prepare(PrepareConfig(**base, no_cache=False)))
+    cfg2 = PrepareConfig(
+        **{
+            **base,
+            "workers": 2,
+            "chunk_rows": 97,
+            "no_cache": True,
+            "out": base["cache_dir"] + "/w2",
+        }
+    )
+    two = all_rows(prepare(cfg2))
+    online = concat_batches(list(iter_packed_rows(cfg2)))
+    for k in ROW_KEYS:
+        assert (one[k] == two[k]).all() and (one[k] == online[k]).all()
+    # Concurrent callers share the warm pool and still each get the exact rows.
+    results: list[dict[str, np.ndarray]] = []
+
+    def consume() -> None:
+        results.append(concat_batches(list(iter_packed_rows(cfg2))))
+
+    threads = [threading.Thread(target=consume) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3
+    for r in results:
+        assert all((r[k] == one[k]).all() for k in ROW_KEYS)
+
+
+def bad_file(tmp_path: Path) -> Path:
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    lines = [
+        json.dumps(good),
+        "{not json",
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}),
+        json.dumps(
+            {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "a"}]}
+        ),
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "<|im_end|>"},
+                    {"role": "assistant", "content": "a"},
+                ]
+            }
+        ),
+        json.dumps(good),
+    ]
+    p = tmp_path / "bad.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_bad_rows_error_names_location_or_skip_counts(base: dict[str, Any], tmp_path: Path) -> None:
+    p = bad_file(tmp_path)
+    cfg = PrepareConfig(**{**base, "data": [str(p)], "no_cache": True, "out": str(tmp_path / "o")})
+    with pytest.raises(BadRow) as ei:
+        prepare(cfg)
+    assert (ei.value.file, ei.value.line, ei.value.field) == (str(p), 2, "<json>")
+    ds = prepare(cfg.model_copy(update={"on_bad_row": "skip"}))
+    s = ds.summary
+    assert s["input_rows"] == 6 and s["documents"] == 2 and s["skipped_bad_rows"] == 4
+    assert s["skipped_by_reason"] == {
+        "bad JSON": 1,
+        "contains a ChatML control token": 1,
+        "empty content": 1,
+        "unknown role": 1,
+    }
+
+
+def test_over_length_policies(base: dict[str, Any], tmp_path: Path, shared_data: Path) -> None:
+    cfg = PrepareConfig(
+        **{
+            **base,
+            "data": [str(shared_data / GLAIVE)],
+            "seq_len": 512,
+            "no_cache": True,
+            "out": str(tmp_path / "o"),
+        }
+    )
+    split = prepare(cfg).summary
+    drop = prepare(cfg.model_copy(update={"over_length": "drop"})).summary
+    assert split["split_over_length"] == drop["dropped_over_length"] > 0
+    assert split["masked_tokens"] > drop["masked_tokens"]
+    with pytest.raises(BadRow, match=r"glaive_toolcall_en_demo.json:\d+: field '<tokens>'"):
+        prepare(cfg.model_copy(update={"over_length": "error"}))
+
+
+def test_config_validation(base: dict[str, Any], tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such file"):
+        PrepareConfig(**{**base, "data": [str(tmp_path / "nope.jsonl")]})
+    with pytest.raises(ValueError, match="seq_len"):
+        PrepareConfig(**{**base, "seq_len": 1})
+    with pytest.raises(ConfigError, match="--no-cache needs --out"):
+        prepare(PrepareConfig(**base, no_cache=True))
+
+
+def test_usable_cpus_reads_cgroup_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    n_aff = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) == n_aff
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert usable_cpus(tmp_path) == 1
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(v1) == 1
+    monkeypatch.setenv("FANOUT_WORKERS", "3")
+    assert resolve_workers(None) == 3 and resolve_workers(5) == 5
+    monkeypatch.setenv("FANOUT_WORKERS", "x")
+    with pytest.raises(ConfigError, match="FANOUT_WORKERS"):
+        resolve_workers(None)
+
+
+def test_cli_prepare_json(
+    base: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli"
+    rc = cli_main(
+        [
+            "prepare",
+            "--data",
+            base["data"][0],
+            "--tokenizer",
+            base["tokenizer"],
+            "--seq-len",
+            "2048",
+            "--workers",
+            "1",
+            "--cache-dir",
+            base["cache_dir"],
+            "--out",
+            str(out),
+            "--no-progress",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["input_rows"] == 500 and rep["dir"] == str(out)
+    assert open_packed(out).num_rows == rep["rows"]
+    assert (
+        cli_main(
+            [
+                "prepare",
+                "--data",
+                base["data"][0],
+                "--tokenizer",
+                base["tokenizer"],
+                "--role-map",
+                "x=narrator",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
