@@ -17,6 +17,7 @@ at the largest vocab), `adamw_speedup` (foreach ms / fused ms, ~50M params),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -48,10 +49,8 @@ def _maxrss_bytes() -> int:
 def _reset_peak() -> None:
     """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0), so import
     and setup transients do not hide the op's own peak."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def ce_worker(variant: str, rows: int, hidden: int, vocab: int, repeats: int) -> dict[str, Any]:
@@ -90,8 +89,16 @@ def bench_ce(
     res: dict[str, Any] = {}
     for vocab in vocabs:
         for variant in variants:
-            cmd = [sys.executable, __file__, "--_ce-worker", variant, str(rows), str(hidden),
-                   str(vocab), str(repeats)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--_ce-worker",
+                variant,
+                str(rows),
+                str(hidden),
+                str(vocab),
+                str(repeats),
+            ]
             env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
             out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
             res[f"{variant}@{vocab}"] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -108,8 +115,13 @@ def bench_adamw(n_layers: int = 48, width: int = 1024, steps: int = 10) -> dict[
         params = [torch.nn.Parameter(torch.randn(width, width) * 0.02) for _ in range(n_layers)]
         for p in params:
             p.grad = torch.randn_like(p) * 1e-3
-        opt, chosen = make_optimizer(params, lr=1e-4, weight_decay=0.01, backend=backend,  # type: ignore[arg-type]
-                                     max_grad_norm=1.0)
+        opt, chosen = make_optimizer(
+            params,
+            lr=1e-4,
+            weight_decay=0.01,
+            backend=backend,  # type: ignore[arg-type]
+            max_grad_norm=1.0,
+        )
         for _ in range(3):
             opt.step()
         times = []
@@ -126,10 +138,19 @@ def bench_dflash(steps: int = 5) -> dict[str, Any]:
     from fanout.model.dflash import DFlashConfig, DFlashDraft
     from fanout.ops.adamw import make_optimizer
 
-    cfg = DFlashConfig(hidden_size=256, intermediate_size=768, num_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                       vocab_size=32000, block_size=8, max_anchors=64, mask_token_id=31999,
-                       target_layer_ids=[1, 5, 9])
+    cfg = DFlashConfig(
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+        block_size=8,
+        max_anchors=64,
+        mask_token_id=31999,
+        target_layer_ids=[1, 5, 9],
+    )
     g = torch.Generator().manual_seed(0)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
     draft = DFlashDraft(cfg, embed, embed, torch.ones(cfg.hidden_size))
@@ -152,8 +173,17 @@ def bench_dflash(steps: int = 5) -> dict[str, Any]:
         opt.step()
         if i >= 2:
             times.append((time.perf_counter() - t0) * 1e3)
-    config = {"rows": b, "T": t, "max_anchors": 64, "block_size": 8, "hidden": 256,
-              "layers": 1, "vocab": 32000, "n_ctx_layers": 3, "dtype": "fp32 (bf16 inputs)"}
+    config = {
+        "rows": b,
+        "T": t,
+        "max_anchors": 64,
+        "block_size": 8,
+        "hidden": 256,
+        "layers": 1,
+        "vocab": 32000,
+        "n_ctx_layers": 3,
+        "dtype": "fp32 (bf16 inputs)",
+    }
     return {"ms": statistics.median(times), "config": config}
 
 
@@ -166,9 +196,13 @@ def hardware() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cpus_usable": len(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+    return {
+        "cpu": cpu,
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,10 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=1024, help="linear CE width H (default 1024)")
     ap.add_argument("--vocabs", default="151936,32000", help="comma list of vocab sizes")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per CE variant")
-    ap.add_argument("--ce-variants", default="naive,chunked,torch",
-                    help="linear CE variants to run (naive and chunked are needed for the keys)")
-    ap.add_argument("--only", action="append", choices=["ce", "adamw", "dflash"],
-                    help="run only these parts (repeatable; default all)")
+    ap.add_argument(
+        "--ce-variants",
+        default="naive,chunked,torch",
+        help="linear CE variants to run (naive and chunked are needed for the keys)",
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        choices=["ce", "adamw", "dflash"],
+        help="run only these parts (repeatable; default all)",
+    )
     ap.add_argument("--json", type=Path, help="write results to this JSON file")
     ap.add_argument("--_ce-worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -197,18 +238,25 @@ def main(argv: list[str] | None = None) -> int:
         result["ce"] = {"rows": args.rows, "hidden": args.hidden, "results": ce}
         top = max(vocabs)
         result["ce_mem_vs_naive"] = ce[f"chunked@{top}"]["peak_extra_bytes"] / max(
-            ce[f"naive@{top}"]["peak_extra_bytes"], 1)
+            ce[f"naive@{top}"]["peak_extra_bytes"], 1
+        )
         result["ce_time_vs_naive"] = ce[f"chunked@{top}"]["ms"] / ce[f"naive@{top}"]["ms"]
         for k, v in ce.items():
-            rows_out.append((f"linear CE {k} (rows={args.rows}, H={args.hidden}, fp32)",
-                             f"{v['ms']:.0f} ms, peak +{v['peak_extra_bytes'] / 2**20:.0f} MiB"))
+            rows_out.append(
+                (
+                    f"linear CE {k} (rows={args.rows}, H={args.hidden}, fp32)",
+                    f"{v['ms']:.0f} ms, peak +{v['peak_extra_bytes'] / 2**20:.0f} MiB",
+                )
+            )
         rows_out.append(("ce_mem_vs_naive", f"{result['ce_mem_vs_naive']:.3f}"))
         rows_out.append(("ce_time_vs_naive", f"{result['ce_time_vs_naive']:.3f}"))
     if "adamw" in parts:
         ad = bench_adamw()
         result["adamw"] = ad
         result["adamw_speedup"] = ad["foreach"] / ad["fused"]
-        rows_out.append((f"AdamW step fused ({ad['params'] / 1e6:.0f}M params)", f"{ad['fused']:.1f} ms"))
+        rows_out.append(
+            (f"AdamW step fused ({ad['params'] / 1e6:.0f}M params)", f"{ad['fused']:.1f} ms")
+        )
         rows_out.append(("AdamW step foreach", f"{ad['foreach']:.1f} ms"))
         rows_out.append(("adamw_speedup", f"{result['adamw_speedup']:.2f}x"))
     if "dflash" in parts:
@@ -217,8 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         result["dflash_step_ms"] = df["ms"]
         rows_out.append(("dflash_step_ms (fwd+bwd+AdamW, config below)", f"{df['ms']:.0f} ms"))
     hw = result["hardware"]
-    print(f"\nhardware: {hw['cpu']}, {hw['cpus_usable']} usable CPUs, torch {hw['torch']}, "
-          f"{hw['torch_threads']} threads, cuda={hw['cuda']}")
+    print(
+        f"\nhardware: {hw['cpu']}, {hw['cpus_usable']} usable CPUs, torch {hw['torch']}, "
+        f"{hw['torch_threads']} threads, cuda={hw['cuda']}"
+    )
     width = max(len(a) for a, _ in rows_out) if rows_out else 10
     for a, b in rows_out:
         print(f"{a:<{width}}  {b}")

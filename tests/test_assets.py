@@ -1,6 +1,6 @@
 """The project's own demo assets: corpus, BPE tokenizer with chat template, tiny trained Qwen3, cache.
 
-    .venv/bin/pytest tests/test_assets.py -x -q
+.venv/bin/pytest tests/test_assets.py -x -q
 """
 
 from __future__ import annotations

@@ -21,8 +21,13 @@ def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("verifier")
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=64, vocab_size=256,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=256,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(d)
     return d
@@ -61,8 +66,9 @@ def test_resume_gives_identical_next_step(verifier_dir: Path, tmp_path: Path) ->
     gen = torch.Generator().manual_seed(0)
     for i in range(3):
         _step(d, opt, gen, i)
-    path = save_checkpoint(tmp_path, d, opt, {"step": 3, "epoch": 0, "cursor": 12},
-                           generators={"anchors": gen})
+    path = save_checkpoint(
+        tmp_path, d, opt, {"step": 3, "epoch": 0, "cursor": 12}, generators={"anchors": gen}
+    )
     expect = [_step(d, opt, gen, i) for i in (3, 4)]
 
     d2 = _draft(verifier_dir, seed=99)  # different init: everything must come from disk
@@ -86,9 +92,15 @@ def test_layout_is_speculators_dflash(verifier_dir: Path, tmp_path: Path) -> Non
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("fc.weight").dtype == torch.bfloat16
-    assert {"fc.weight", "hidden_norm.weight", "norm.weight",
-            "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_norm.weight",
-            "layers.0.mlp.down_proj.weight", "layers.0.input_layernorm.weight"} <= keys
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_norm.weight",
+        "layers.0.mlp.down_proj.weight",
+        "layers.0.input_layernorm.weight",
+    } <= keys
     assert not any("embed" in k or "lm_head" in k for k in keys)
     assert (path / MARKER).is_file()
     assert oct((path / "model.safetensors").stat().st_mode & 0o777) == "0o644"

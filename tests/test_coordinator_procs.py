@@ -170,9 +170,9 @@ def _crashing_producer(root: str, op: str, n: int, before_commit: bool) -> None:
 CRASH_POINTS = [
     ("mid-write", "write", 3, False),
     ("after fsync", "close", 2, False),  # second window: first one committed
-    ("after link", "unlink", 1, False),
-    ("after dir fsync", "fsync_dir", 2, False),
-    ("before commit", "never", 0, True),
+    ("after link, before temp unlink", "unlink", 1, False),
+    ("before dir fsync", "fsync_dir", 2, False),
+    ("after dir fsync, before commit", "never", 0, True),
 ]
 
 
@@ -187,7 +187,9 @@ def test_publish_crash_points(
     p.start()
     p.join(120)
     assert p.exitcode == -signal.SIGKILL, f"{label}: producer was not killed ({p.exitcode})"
-    # Restart: a new producer fences the dead one; the sweeper removes its debris.
+    # Restart: a new producer fences the dead one (its claim is released), then the
+    # sweeper removes its debris.
+    pr = co.register_producer(c)
     co.sweep()
     assert list(rd.tmp.iterdir()) == []
     store = Store(rd)
@@ -199,7 +201,6 @@ def test_publish_crash_points(
         ).fetchone()
         with store.open(name, expect_contract=c.stream_id) as r:
             assert r.meta.checksum == row[1]
-    pr = co.register_producer(c)
     while co.wait_for_capacity(pr, 1) and (cl := co.claim(pr)) is not None:
         t = torch.full((2, 64), cl.window, dtype=torch.int32)
         meta = WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)

@@ -21,8 +21,13 @@ def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("verifier")
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(d)
     return d
@@ -35,8 +40,14 @@ def tied_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tied")
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        tie_word_embeddings=True,
     )
     Qwen3ForCausalLM(cfg).save_pretrained(d)
     return d
@@ -81,9 +92,16 @@ def test_from_verifier_reads_shapes_and_frozen_tensors(verifier_dir: Path) -> No
 
 def test_config_validation_names_field() -> None:
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        DFlashConfig(hidden_size=64, intermediate_size=8, num_attention_heads=4,
-                     num_key_value_heads=3, head_dim=16, vocab_size=10, mask_token_id=1,
-                     target_layer_ids=[1])
+        DFlashConfig(
+            hidden_size=64,
+            intermediate_size=8,
+            num_attention_heads=4,
+            num_key_value_heads=3,
+            head_dim=16,
+            vocab_size=10,
+            mask_token_id=1,
+            target_layer_ids=[1],
+        )
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7, 5, 4)
 
 

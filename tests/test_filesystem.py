@@ -1,6 +1,6 @@
 """The filesystem seam: real calls behave, and FaultyFileSystem fails exactly when told.
 
-    .venv/bin/pytest tests/test_filesystem.py -x -q
+.venv/bin/pytest tests/test_filesystem.py -x -q
 """
 
 from __future__ import annotations
@@ -96,7 +96,15 @@ def test_faulty_persistent_and_ops_filter(tmp_path: Path) -> None:
     fs.close(fd)
     assert (tmp_path / "f").read_bytes() == b"a"
     assert fs.calls == 4 and fs.failures == 3
-    assert [op for op, _ in fs.log] == ["open_new", "write", "write", "write", "write", "fsync", "close"]
+    assert [op for op, _ in fs.log] == [
+        "open_new",
+        "write",
+        "write",
+        "write",
+        "write",
+        "fsync",
+        "close",
+    ]
 
 
 def test_faulty_close_still_releases_fd(tmp_path: Path) -> None:

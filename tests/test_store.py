@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,9 @@ from fanout.store import (
 CONTRACT = "c0ffee" * 4
 
 
-def make_window(rows: int = 4, t: int = 16, h: int = 8, n: int = 3, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_window(
+    rows: int = 4, t: int = 16, h: int = 8, n: int = 3, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """The DESIGN row tensors, random, small."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda: torch.randint(0, 151_000, (rows, t), generator=g, dtype=torch.int32)  # noqa: E731
@@ -54,7 +57,9 @@ def make_window(rows: int = 4, t: int = 16, h: int = 8, n: int = 3, seed: int = 
     }
 
 
-def make_meta(window: int = 3, generation: int = 0, rows: int = 4, contract: str = CONTRACT) -> WindowMeta:
+def make_meta(
+    window: int = 3, generation: int = 0, rows: int = 4, contract: str = CONTRACT
+) -> WindowMeta:
     return WindowMeta(
         contract_hash=contract,
         window=window,
@@ -112,19 +117,39 @@ def test_round_trip_tensors_and_metadata(run: RunDir) -> None:
 
 @given(
     dtypes=st.lists(
-        st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64,
-                         torch.int32, torch.int16, torch.uint8, torch.int8, torch.bool]),
-        min_size=1, max_size=5,
+        st.sampled_from(
+            [
+                torch.bfloat16,
+                torch.float16,
+                torch.float32,
+                torch.float64,
+                torch.int64,
+                torch.int32,
+                torch.int16,
+                torch.uint8,
+                torch.int8,
+                torch.bool,
+            ]
+        ),
+        min_size=1,
+        max_size=5,
     ),
     rows=st.integers(1, 5),
     inner=st.lists(st.integers(0, 7), max_size=2),
     seed=st.integers(0, 2**16),
 )
-def test_round_trip_random_dtypes_shapes(tmp_path_factory: pytest.TempPathFactory, dtypes: list[torch.dtype], rows: int, inner: list[int], seed: int) -> None:
+def test_round_trip_random_dtypes_shapes(
+    tmp_path_factory: pytest.TempPathFactory,
+    dtypes: list[torch.dtype],
+    rows: int,
+    inner: list[int],
+    seed: int,
+) -> None:
     run = RunDir(tmp_path_factory.mktemp("h")).create()
     g = torch.Generator().manual_seed(seed)
     tensors = {
-        f"t{i}": (torch.randn(rows, *inner, generator=g) * 100).to(dt) for i, dt in enumerate(dtypes)
+        f"t{i}": (torch.randn(rows, *inner, generator=g) * 100).to(dt)
+        for i, dt in enumerate(dtypes)
     }
     pub = Store(run, chunk_bytes=7).publish(tensors, make_meta(rows=rows))
     with WindowReader(pub.path) as r:
@@ -166,8 +191,14 @@ def test_window_names() -> None:
     assert window_name(42, 3) == "00000042.g3.safetensors"
     assert parse_window_name("00000042.g3.safetensors") == (42, 3)
     assert parse_window_name(window_name(123_456_789, 0)) == (123_456_789, 0)
-    for bad in ("42.g3.safetensors", "00000042.g03.safetensors", "00000042.g3.safetensors.tmp",
-                "coordinator.sqlite3", "00000042.safetensors", "x00000042.g3.safetensors"):
+    for bad in (
+        "42.g3.safetensors",
+        "00000042.g03.safetensors",
+        "00000042.g3.safetensors.tmp",
+        "coordinator.sqlite3",
+        "00000042.safetensors",
+        "x00000042.g3.safetensors",
+    ):
         assert parse_window_name(bad) is None, bad
     with pytest.raises(ValueError):
         window_name(-1, 0)
@@ -425,8 +456,13 @@ def _populate(run: RunDir) -> dict[str, list[str]]:
     (run.windows / "notes.txt").write_bytes(b"not ours")
     (run.windows / "coordinator.sqlite3").write_bytes(b"misplaced db")
     (run.tmp / "other.sqlite3-wal").write_bytes(b"misplaced wal")
-    return {"live": live, "orphans": orphans, "tmp_dead": tmp_dead + junk, "tmp_live": tmp_live,
-            "root": keep_root}
+    return {
+        "live": live,
+        "orphans": orphans,
+        "tmp_dead": tmp_dead + junk,
+        "tmp_live": tmp_live,
+        "root": keep_root,
+    }
 
 
 def _is_live(w: int, g: int) -> bool:
@@ -493,13 +529,14 @@ def test_sweep_skips_file_another_sweeper_removed_first(run: RunDir) -> None:
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("needs root to mount a tmpfs")
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"mount -t tmpfs failed: {r.stderr.strip()}")
     try:
@@ -516,7 +553,7 @@ def test_real_enospc_on_tmpfs(tiny_tmpfs: Path) -> None:
     filler = tiny_tmpfs / "filler"
     with open(filler, "wb") as f:
         f.write(b"\0" * (700 << 10))
-    with pytest.raises(StorageFull, match="00000003.g0"):
+    with pytest.raises(StorageFull, match=r"00000003\.g0"):
         store.publish(tensors, make_meta())
     assert _listing(run) == ([], [])
     filler.unlink()  # space freed: the same publish now works

@@ -1,6 +1,6 @@
 """Verifier capture: layer convention, packed rows, chunked greedy ids, identity hashes, load errors.
 
-    .venv/bin/pytest tests/test_verifier.py -x -q
+.venv/bin/pytest tests/test_verifier.py -x -q
 """
 
 from __future__ import annotations

@@ -231,7 +231,9 @@ def load_checkpoint(
     mine = draft.cfg.model_dump()
     diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
     if diff:
-        parts = "; ".join(f"{k}: checkpoint {a!r}, draft {b!r}" for k, (a, b) in sorted(diff.items()))
+        parts = "; ".join(
+            f"{k}: checkpoint {a!r}, draft {b!r}" for k, (a, b) in sorted(diff.items())
+        )
         raise ConfigError(f"{p / 'config.json'}: draft config differs: {parts}")
     dev = next(draft.parameters()).device
     t = load_file(str(p / "resume.safetensors"))

@@ -30,6 +30,8 @@ _register(
 _register(
     "sweep", "fanout.status", "remove temp debris and orphan window files from a run directory"
 )
+_register("produce", "fanout.producer", "run the verifier over packed rows and publish windows")
+_register("train", "fanout.train", "train one DFlash draft as a consumer of a run")
 _register("prepare", "fanout.prepare", "chat data → packed, loss-masked token rows (cached)")
 
 

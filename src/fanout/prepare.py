@@ -93,6 +93,12 @@ class PrepareConfig(BaseModel):
             raise ValueError(f"no such file(s): {missing}")
         return v
 
+    @field_validator("role_map")
+    @classmethod
+    def _roles_known(cls, v: dict[str, str]) -> dict[str, str]:
+        ChatFormat(role_map=v)  # one place validates roles
+        return v
+
     def chat_format(self) -> ChatFormat:
         return ChatFormat(
             format=self.format,

@@ -31,7 +31,7 @@ only; padding, document id −1, attends only to itself), and the caller's
 `position_ids` restart at 0 per document, so each document is computed exactly as if
 it ran alone (tested: max abs diff ≤ 1e-4 in fp32). Supported attention
 implementations: `sdpa` (boolean mask) and `eager` (additive mask); both accept a
-prepared 4D mask unchanged in transformers ≥ 4.5x/5.x.
+prepared 4D mask unchanged (transformers 5.x; tested with 5.24).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) ->
         return [num_verifier_layers // 2]
     start, end = 1, num_verifier_layers - 3
     span = end - start
-    ids = [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+    ids = [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
     if span < 0 or len(set(ids)) != len(ids):
         raise ConfigError(
             f"the DFlash layer rule gives {ids} for a {num_verifier_layers}-layer verifier and "
@@ -267,7 +267,7 @@ def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     document_ids [B, T] int; −1 marks padding, which attends only to itself (so no
     query row is empty, which would give NaN in softmax).
     """
-    b, t = document_ids.shape
+    t = document_ids.shape[1]
     d = document_ids
     causal = torch.ones(t, t, dtype=torch.bool, device=d.device).tril()  # [T, T]
     same = (d[:, :, None] == d[:, None, :]) & (d >= 0)[:, :, None]  # [B, T, T]
@@ -341,9 +341,11 @@ class Verifier:
         input_ids, position_ids, document_ids: [B, T] integer tensors (any device);
         position_ids restart at 0 for each document, document_ids are −1 on padding.
         """
-        for name, t in (("position_ids", position_ids), ("document_ids", document_ids)):
-            if t.shape != input_ids.shape:
-                raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids {tuple(input_ids.shape)}")
+        for name, x in (("position_ids", position_ids), ("document_ids", document_ids)):
+            if x.shape != input_ids.shape:
+                raise ValueError(
+                    f"{name} shape {tuple(x.shape)} != input_ids {tuple(input_ids.shape)}"
+                )
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
@@ -368,9 +370,7 @@ class Verifier:
 
             handles.append(self.layers[layer_id].register_forward_hook(hook))
         try:
-            out = self.base(
-                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False
-            )
+            out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         finally:
             for hd in handles:
                 hd.remove()
@@ -437,7 +437,7 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
     else:
         dtype = _DTYPES[cfg.dtype]
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             root,
             dtype=dtype,
             local_files_only=True,

@@ -99,7 +99,7 @@ def slot_supervision(
     """Which slots carry a loss: `[B, A, bs]` bool. Slot 0 (the anchor's own, known token)
     never does; slot k >= 1 does when its position is supervised and in the anchor's
     document, and the block is a real (valid) one."""
-    b, t = loss_mask.shape
+    t = loss_mask.shape[1]
     pos = block_positions(anchors, block_size).clamp(max=t - 1)  # [B, A, bs]
     flat = pos.flatten(1)  # [B, A·bs]
     sup = loss_mask.bool().gather(1, flat).view_as(pos)

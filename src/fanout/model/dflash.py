@@ -138,6 +138,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Rope(nn.Module):
     """Qwen3/Llama "rotate half" RoPE from explicit positions."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -217,6 +219,11 @@ class DFlashDraft(nn.Module):
     `state_dict`): `embed_weight` [V, H], `lm_head_weight` [V or draft V, H],
     `verifier_norm_weight` [H], and for a draft vocabulary `d2t`/`t2d`/`t2d_index`."""
 
+    embed_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+    verifier_norm_weight: torch.Tensor
+    t2d_index: torch.Tensor
+
     def __init__(
         self,
         cfg: DFlashConfig,
@@ -243,7 +250,9 @@ class DFlashDraft(nn.Module):
         with torch.no_grad():
             self.norm.weight.copy_(verifier_norm_weight)  # head expects verifier-normed input
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
-        self.register_buffer("verifier_norm_weight", verifier_norm_weight.detach(), persistent=False)
+        self.register_buffer(
+            "verifier_norm_weight", verifier_norm_weight.detach(), persistent=False
+        )
         head = lm_head_weight.detach()
         self.d2t: torch.Tensor | None
         self.t2d: torch.Tensor | None
@@ -324,13 +333,13 @@ class DFlashDraft(nn.Module):
         hs = batch["hidden_states"].to(dt)  # [B, T, n·H]
         ids = batch["input_ids"].long()  # [B, T]
         pos_ids = batch["position_ids"].long()  # [B, T]
-        b, t = ids.shape
+        b = ids.shape[0]
         a = anchors.shape[1]
         ctx = self.hidden_norm(self.fc(hs))  # [B, T, H]
         tok = torch.full((b, a, bs), cfg.mask_token_id, dtype=torch.long, device=ids.device)
         tok[:, :, 0] = ids.gather(1, anchors)  # slot 0 = the anchor's real token
         x = F.embedding(tok.view(b, a * bs), self.embed_weight).to(dt)  # [B, A·bs, H]
-        pos_q = (pos_ids.gather(1, anchors)[:, :, None] + torch.arange(bs, device=ids.device))
+        pos_q = pos_ids.gather(1, anchors)[:, :, None] + torch.arange(bs, device=ids.device)
         pos_q = pos_q.view(b, a * bs)  # [B, A·bs] block slot k at anchor_pos + k
         rope_q = self.rope(pos_q, dt)
         rope_k = self.rope(torch.cat([pos_ids, pos_q], dim=1), dt)  # [B, T+A·bs, hd]
@@ -351,9 +360,7 @@ class DFlashDraft(nn.Module):
         flat = pos.clamp(0, t - 1).flatten(1)
         return src.long().gather(1, flat).view_as(pos)
 
-    def loss(
-        self, batch: dict[str, torch.Tensor], generator: torch.Generator | None
-    ) -> LossOutput:
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
         """Draw anchors from `generator`, run the blocks, return loss and metrics.
         `batch`: hidden_states [B,T,n·H], target_ids, input_ids, loss_mask, document_ids,
         position_ids [B,T] (as in a window row)."""
@@ -386,7 +393,9 @@ class DFlashDraft(nn.Module):
             eal = (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
         return LossOutput(loss, acc.float(), cnt, eal, n_tok, int(valid.sum()))
 
-    def _slot_weights(self, ce: torch.Tensor, sup: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    def _slot_weights(
+        self, ce: torch.Tensor, sup: torch.Tensor, slot: torch.Tensor
+    ) -> torch.Tensor:
         if self.cfg.loss_weighting == "exp":
             return torch.exp(-(slot - 1).clamp(min=0).float() / self.cfg.resolved_gamma)
         # D-PACE (speculators dpace_loss_decay): q = exp(-CE) confidence, smoothed

@@ -1,6 +1,6 @@
 """Fused training ops: linear cross-entropy without full logits, AdamW backend choice.
 
-    from fanout.ops import linear_cross_entropy, make_optimizer
+from fanout.ops import linear_cross_entropy, make_optimizer
 """
 
 from fanout.ops.adamw import AdamWBackend, ClippedAdamW, make_optimizer

@@ -116,16 +116,17 @@ def make_optimizer(
         >>> opt, chosen = make_optimizer(torch.nn.Linear(4, 4).parameters(), lr=1e-3)
     """
     if lr <= 0 or weight_decay < 0 or eps <= 0:
-        raise ConfigError(f"AdamW: lr must be > 0, weight_decay >= 0, eps > 0 (got {lr}, "
-                          f"{weight_decay}, {eps})")
+        raise ConfigError(
+            f"AdamW: lr must be > 0, weight_decay >= 0, eps > 0 (got {lr}, {weight_decay}, {eps})"
+        )
     if not all(0.0 <= b < 1.0 for b in betas):
         raise ConfigError(f"AdamW: betas must lie in [0, 1), got {betas}")
     if max_grad_norm is not None and max_grad_norm <= 0:
         raise ConfigError(f"AdamW: max_grad_norm must be > 0 or None, got {max_grad_norm}")
-    items = list(params)
+    items: list[Any] = list(params)
     if items and isinstance(items[0], dict):
         groups: list[Any] = [
-            {**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items  # type: ignore[index]
+            {**g, "params": [p for p in g["params"] if p.requires_grad]} for g in items
         ]
         flat = [p for g in groups for p in g["params"]]
     else:
@@ -158,4 +159,3 @@ def make_optimizer(
         foreach=chosen == "foreach",
     )
     return opt, chosen
-

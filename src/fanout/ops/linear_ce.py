@@ -90,7 +90,7 @@ def _softmax_grad_chunk(
 
 class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,  # [N, H]
         weight: torch.Tensor,  # [V, H]
@@ -149,7 +149,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         return out, preds
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, _g_pred: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor, _g_pred: Any) -> tuple[Any, ...]:
         if ctx.defer:
             return _ChunkedLinearCE._recompute_backward(ctx, g)
         gx, gw, n_keep = ctx.saved_tensors
@@ -236,7 +236,7 @@ def linear_cross_entropy(
     chosen = resolve_backend(backend, x, reduction)
     if chosen == "chunked":
         loss, _ = _ChunkedLinearCE.apply(x, weight, target, ignore_index, reduction, chunk_rows)
-        return loss  # type: ignore[no-any-return]
+        return loss
     if chosen == "torch":
         opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows)
         return F.linear_cross_entropy(
@@ -245,7 +245,7 @@ def linear_cross_entropy(
     if chosen == "liger":  # pragma: no cover - CUDA + liger only
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-        return liger_fused_linear_cross_entropy(  # type: ignore[no-any-return]
+        return liger_fused_linear_cross_entropy(
             x, weight, target, ignore_index=ignore_index, reduction=reduction
         )
     if chosen == "naive":

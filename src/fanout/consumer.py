@@ -1,0 +1,250 @@
+"""The consumer stream: one trainer's ordered, resumable view of a run's windows.
+
+    from fanout.consumer import ConsumerConfig, ConsumerStream
+    with ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8")) as s:
+        for batch in s.batches(rows_per_step=4):
+            loss = step(batch.tensors)                  # forward/backward/optimizer step
+            s.ack(batch)                                # only after the optimizer step
+
+Registers with the coordinator (`name:dp<rank>`), acquires the window at its
+cursor, prefetches (acquire + mmap + checksum) the next window in a background
+thread while the current one trains, heartbeats in another, and acks a window
+only after the step that consumed its last row. Rows within a window are
+shuffled with the consumer's own seed (so different drafts see different
+orders) yet reproducibly, so a resume at (cursor, rows_done) continues exactly.
+A corrupt window is reported (quarantined + recaptured) and waited for again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.coordinator import Coordinator
+from fanout.errors import CorruptWindow
+from fanout.filesystem import FileSystem
+from fanout.leases import ConsumerReg, Lease
+from fanout.liveness import Heartbeat
+from fanout.store import RunDir, Store, WindowReader
+
+log = logging.getLogger(__name__)
+
+ROW_TENSORS = (
+    "hidden_states",
+    "target_ids",
+    "input_ids",
+    "loss_mask",
+    "document_ids",
+    "position_ids",
+)
+
+
+class ConsumerConfig(BaseModel):
+    """How one trainer reads a run. Flags of scripts/train.py map onto these fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str = Field(description="run directory the producer writes")
+    consumer_id: str = Field(description="consumer name (scoped by data-parallel rank)")
+    dp_rank: int = Field(0, ge=0, description="data-parallel rank: consumer id is name:dp<rank>")
+    db_path: str | None = Field(None, description="coordinator database path if not in run dir")
+    acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
+    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s); keep < ttl/3")
+    row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
+    prefetch: bool = Field(True, description="acquire + verify the next window in background")
+    max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
+
+
+@dataclass
+class OpenWindow:
+    lease: Lease
+    reader: WindowReader
+    order: np.ndarray  # row indices in consumption order
+
+    @property
+    def window(self) -> int:
+        return self.lease.window
+
+
+@dataclass
+class Batch:
+    """Rows for one optimizer step and what to ack once the step is done."""
+
+    tensors: dict[str, torch.Tensor]  # each [B, ...]
+    rows: list[tuple[int, int]]  # (window, row-in-window) of every row, in order
+    completes: list[OpenWindow] = field(default_factory=list)  # ack these after the step
+    next_position: tuple[int, int] = (0, 0)  # (cursor window, rows done in it) after the step
+    wait_s: float = 0.0  # time spent waiting for windows while assembling this batch
+
+
+def row_order(window: int, rows: int, seed: int) -> np.ndarray:
+    """Consumption order of a window's rows: a permutation seeded by (seed, window)."""
+    return np.random.default_rng([seed, window]).permutation(rows)
+
+
+class ConsumerStream:
+    """Iterate a run's windows for one consumer. Not thread-safe; one per trainer process."""
+
+    def __init__(
+        self,
+        cfg: ConsumerConfig,
+        expect: dict[str, Any] | None = None,
+        *,
+        cursor: int | None = None,
+        skip_rows: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = RunDir(Path(cfg.run_dir))
+        self.store = Store(self.run_dir, FileSystem())
+        self.coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
+        self.reg: ConsumerReg = self.coord.register_consumer(
+            cfg.consumer_id, cfg.dp_rank, expect=expect, cursor=cursor
+        )
+        self._skip = skip_rows
+        self._hb = Heartbeat(
+            self.run_dir.root, self.reg, cfg.heartbeat_s, open_kwargs={"db_path": cfg.db_path}
+        ).start()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-prefetch")
+        self._local = threading.local()
+        self._held: dict[int, OpenWindow] = {}  # leased, not yet acked (incl. prefetched)
+        self.finished = False
+        self.wait_s = 0.0
+
+    @property
+    def contract_hash(self) -> str:
+        return self.coord.contract.stream_id
+
+    # ---- windows ------------------------------------------------------------------
+
+    def _thread_coord(self) -> Coordinator:
+        # sqlite3 connections are per thread; the prefetch thread gets its own.
+        c = getattr(self._local, "coord", None)
+        if c is None:
+            c = Coordinator.open(self.run_dir.root, db_path=self.cfg.db_path, store=self.store)
+            self._local.coord = c
+        return c
+
+    def _open(self, window: int) -> OpenWindow | None:
+        """Acquire + open + verify `window` (any thread). None at the end of the stream."""
+        on_main = threading.current_thread() is threading.main_thread()
+        coord = self.coord if on_main else self._thread_coord()
+        while True:
+            lease = coord.acquire(self.reg, timeout_s=self.cfg.acquire_timeout_s, window=window)
+            if lease is None:
+                return None
+            try:
+                reader = self.store.open(
+                    lease.name, expect_contract=self.contract_hash, expect_window=lease.window
+                )
+            except CorruptWindow as e:
+                log.error("%s: %s — reported; waiting for its recapture", self.reg.consumer_id, e)
+                coord.report_corrupt(lease, e.reason)
+                continue
+            order = row_order(lease.window, reader.rows, self.cfg.row_shuffle_seed)
+            ow = OpenWindow(lease, reader, order)
+            self._held[lease.window] = ow
+            return ow
+
+    def windows(self) -> Iterator[OpenWindow]:
+        """Windows from the cursor on, in order; the next one prefetched meanwhile."""
+        w = self.reg.cursor
+        pending: Future[OpenWindow | None] | None = None
+        while self.cfg.max_windows is None or w < self.cfg.max_windows:
+            self._hb.check()
+            t0 = time.monotonic()
+            cur = pending.result() if pending is not None else self._open(w)
+            self.wait_s += time.monotonic() - t0
+            if cur is None:
+                self.finished = True
+                return
+            nxt = w + 1
+            if self.cfg.prefetch and (self.cfg.max_windows is None or nxt < self.cfg.max_windows):
+                pending = self._pool.submit(self._open, nxt)
+            else:
+                pending = None
+            yield cur
+            w = nxt
+        self.finished = True
+
+    def batches(self, rows_per_step: int) -> Iterator[Batch]:
+        """Batches of `rows_per_step` rows; a batch may span windows (acks follow)."""
+        if rows_per_step < 1:
+            raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
+        parts: list[dict[str, torch.Tensor]] = []
+        rows: list[tuple[int, int]] = []
+        completes: list[OpenWindow] = []
+        waited = self.wait_s
+        skip = self._skip
+        for ow in self.windows():
+            names = [n for n in ow.reader.names() if n in ROW_TENSORS or n == "last_hidden_states"]
+            full = {n: ow.reader.get(n) for n in names}
+            order = ow.order[skip:]
+            skip = 0
+            start = 0
+            while start < len(order):
+                take = order[start : start + rows_per_step - len(rows)]
+                idx = torch.from_numpy(take)
+                parts.append({n: full[n].index_select(0, idx) for n in names})
+                rows.extend((ow.window, int(i)) for i in take)
+                start += len(take)
+                done_window = start >= len(order)
+                if done_window:
+                    completes.append(ow)
+                if len(rows) == rows_per_step:
+                    consumed = len(ow.order) - len(order) + start  # rows of this window so far
+                    pos = (ow.window + 1, 0) if done_window else (ow.window, consumed)
+                    yield self._assemble(parts, rows, completes, pos, self.wait_s - waited)
+                    parts, rows, completes, waited = [], [], [], self.wait_s
+        if rows:  # the stream's last partial batch
+            last = rows[-1][0]
+            yield self._assemble(parts, rows, completes, (last + 1, 0), self.wait_s - waited)
+
+    @staticmethod
+    def _assemble(
+        parts: list[dict[str, torch.Tensor]],
+        rows: list[tuple[int, int]],
+        completes: list[OpenWindow],
+        pos: tuple[int, int],
+        wait_s: float,
+    ) -> Batch:
+        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}  # [B, ...]
+        return Batch(tensors, list(rows), list(completes), pos, wait_s)
+
+    # ---- acks and shutdown --------------------------------------------------------
+
+    def ack(self, batch: Batch) -> None:
+        """After the optimizer step that consumed `batch`: ack its completed windows."""
+        for ow in batch.completes:
+            self.coord.ack(ow.lease)
+            self._held.pop(ow.window, None)
+            ow.reader.close()
+
+    def close(self) -> None:
+        """Release leases held (prefetched), stop threads, mark finished if the stream ended."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._hb.stop()
+        try:
+            for ow in list(self._held.values()):  # un-acked: give back so eviction proceeds
+                self.coord.release(ow.lease)
+                ow.reader.close()
+            self._held.clear()
+            if self.finished:
+                self.coord.finish(self.reg)
+        finally:
+            self.coord.close()
+
+    def __enter__(self) -> ConsumerStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

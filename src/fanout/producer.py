@@ -1,0 +1,435 @@
+"""The producer: run the verifier once per row, publish windows, never outrun consumers.
+
+    fanout produce --run-dir runs/r1 --verifier-name-or-path VERIFIER_DIR \
+        --data ../shared/data/chat/fastchat/dummy_conversation.json \
+        --tokenizer ../shared/data/tokenizers/qwen3 --seq-len 512 --window-rows 8 \
+        --max-live-windows 4 --epochs 1 --expected-consumers 3
+
+Loop: reclaim lost processes → wait for capacity (backpressure at K, lag policy)
+→ claim the next window (demand first) → gather its rows from the prepared
+dataset in stream order → verifier forward in batches of `capture_batch_rows`
+(hooks on the target layers, chunked greedy ids) → Store.publish (tmp → fsync →
+link → dir fsync) → coordinator commit. A failed publish fails the claim (the
+window is retried under a new generation); SIGINT/SIGTERM finish nothing
+half-way: the window in flight is discarded, its claim released, exit 0.
+
+Stream: row s of the endless stream is row perm_e[s mod N] of the prepared
+dataset, e = s div N, perm_e a permutation seeded by (seed, e). Window w holds
+rows [w·R, (w+1)·R) of that stream, so a recapture reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.contract import CaptureContract
+from fanout.coordinator import Coordinator, RunConfig
+from fanout.errors import ConfigError, StaleLease, StorageError
+from fanout.filesystem import FileSystem
+from fanout.flags import add_model_flags, model_from_args
+from fanout.leases import Claim, ProducerReg
+from fanout.liveness import Heartbeat
+from fanout.store import RunDir, Store, WindowMeta
+
+log = logging.getLogger(__name__)
+
+
+class ProducerConfig(BaseModel):
+    """Every `fanout produce` flag. Fields marked (contract) change what windows mean."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str = Field(description="run directory (windows/, coordinator.sqlite3, ...)")
+    verifier_name_or_path: str = Field(description="local HF verifier directory")
+    data: list[str] = Field(min_length=1, description="chat data files (JSON, JSONL, Parquet)")
+    tokenizer: str | None = Field(None, description="tokenizer dir (default: the verifier dir)")
+    seq_len: int = Field(4096, ge=8, description="tokens per packed row T (contract)")
+    window_rows: int = Field(16, ge=1, description="rows per window R (contract)")
+    max_live_windows: int = Field(4, ge=2, description="K: window files alive at once")
+    lag_policy: Literal["hold", "recapture", "detach"] = Field(
+        "hold", description="what to do about a consumer that holds the producer at K"
+    )
+    expected_consumers: int = Field(1, ge=1, description="no eviction until this many registered")
+    epochs: int = Field(1, ge=1, description="passes over the data (each reshuffled)")
+    seed: int = Field(0, description="per-epoch shuffle seed (contract)")
+    target_layer_ids: list[int] | None = Field(
+        None, description="verifier layers to capture (contract); default: DFlash rule"
+    )
+    num_draft_layers: int = Field(5, ge=1, description="draft layers for the DFlash layer rule")
+    device: str = Field("auto", description="verifier device: auto | cpu | cuda | cuda:N")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="verifier compute dtype; auto = bf16 on CUDA, fp32 on CPU"
+    )
+    storage_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype of hidden_states on disk (contract)"
+    )
+    store_last_hidden_states: bool = Field(
+        False, description="also store final hidden states [R, T, H] (contract)"
+    )
+    capture_batch_rows: int = Field(4, ge=1, description="rows per verifier forward")
+    ttl_s: float = Field(30.0, gt=0, description="seconds without heartbeat before lost")
+    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (seconds)")
+    max_windows: int | None = Field(
+        None, ge=1, description="stop after publishing this many windows (tests, benchmarks)"
+    )
+    exit_when_idle_s: float = Field(
+        30.0,
+        ge=0,
+        description="after the stream is fully produced, exit once no demand "
+        "arrived for this long (recapture policy keeps serving demand until then)",
+    )
+    workers: int | None = Field(None, ge=0, description="data-prep workers; default all cores")
+    cache_dir: str | None = Field(None, description="data-prep cache root")
+    format: Literal["auto", "sharegpt", "openai", "pairs"] = Field(
+        "auto", description="input data shape"
+    )
+    on_bad_row: Literal["error", "skip"] = Field("error", description="bad input rows")
+    over_length: Literal["split", "drop", "error"] = Field(
+        "split", description="conversations longer than seq_len"
+    )
+    db_path: str | None = Field(None, description="coordinator database path (local disk)")
+    progress: bool = Field(True, description="progress bar on stderr")
+
+
+def window_count(num_rows: int, epochs: int, window_rows: int) -> int:
+    return math.ceil(num_rows * epochs / window_rows)
+
+
+def stream_rows(
+    window: int, window_rows: int, num_rows: int, epochs: int, seed: int
+) -> tuple[np.ndarray, int]:
+    """Dataset row indices of window `window` and the epoch of its first row."""
+    start = window * window_rows
+    stop = min((window + 1) * window_rows, num_rows * epochs)
+    s = np.arange(start, stop, dtype=np.int64)  # stream positions
+    epochs_of = s // num_rows
+    out = np.empty_like(s)
+    for e in np.unique(epochs_of):
+        perm = np.random.default_rng([seed, int(e)]).permutation(num_rows)
+        sel = epochs_of == e
+        out[sel] = perm[s[sel] % num_rows]
+    return out, int(start // num_rows)
+
+
+@dataclass
+class ProducerStats:
+    windows: int = 0
+    rows: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    failures: int = 0
+    waits_s: float = 0.0
+    capture_s: float = 0.0
+    publish_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict[str, Any]:
+        el = max(time.monotonic() - self.started, 1e-9)
+        return {
+            "windows": self.windows,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "failures": self.failures,
+            "elapsed_s": round(el, 3),
+            "tokens_per_s": round(self.tokens / el, 1),
+            "bytes_per_s": round(self.bytes / el, 1),
+            "backpressure_wait_s": round(self.waits_s, 3),
+            "capture_s": round(self.capture_s, 3),
+            "publish_s": round(self.publish_s, 3),
+        }
+
+
+class Producer:
+    """One producer process. Build with `Producer(cfg)`, then `run()`."""
+
+    def __init__(self, cfg: ProducerConfig, *, fs: FileSystem | None = None) -> None:
+        from fanout.prepare import PrepareConfig, prepare
+        from fanout.verifier import load_verifier
+
+        self.cfg = cfg
+        self.run_dir = RunDir(Path(cfg.run_dir)).create()
+        self.store = Store(self.run_dir, fs or FileSystem())
+        tokenizer = cfg.tokenizer or cfg.verifier_name_or_path
+        self.dataset = prepare(
+            PrepareConfig(
+                data=cfg.data,
+                tokenizer=tokenizer,
+                seq_len=cfg.seq_len,
+                format=cfg.format,
+                workers=cfg.workers,
+                cache_dir=cfg.cache_dir or str(self.run_dir.root / "cache"),
+                on_bad_row=cfg.on_bad_row,
+                over_length=cfg.over_length,
+                progress=cfg.progress,
+            )
+        )
+        if self.dataset.num_rows == 0:
+            raise ConfigError(f"{cfg.data}: no usable rows after preparation")
+        self.verifier = load_verifier(
+            cfg.verifier_name_or_path,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            target_layer_ids=tuple(cfg.target_layer_ids) if cfg.target_layer_ids else None,
+            num_draft_layers=cfg.num_draft_layers,
+            storage_dtype=cfg.storage_dtype,
+            store_last_hidden_states=cfg.store_last_hidden_states,
+        )
+        self.contract = CaptureContract(
+            **self.verifier.contract_fields(),
+            dataset_fingerprint=self.dataset.fingerprint,
+            tokenizer_fingerprint=self.dataset.tokenizer_fingerprint,
+            seq_len=cfg.seq_len,
+            window_rows=cfg.window_rows,
+            shuffle_seed=cfg.seed,
+        )
+        self.total_windows = window_count(self.dataset.num_rows, cfg.epochs, cfg.window_rows)
+        self.coord = self._open_coordinator()
+        self._write_stream_info()
+        self.stats = ProducerStats()
+        self._stop = False
+
+    def _open_coordinator(self) -> Coordinator:
+        cfg = self.cfg
+        run_cfg = RunConfig(
+            max_live_windows=cfg.max_live_windows,
+            lag_policy=cfg.lag_policy,
+            expected_consumers=cfg.expected_consumers,
+            total_windows=self.total_windows,
+            ttl_s=cfg.ttl_s,
+        )
+        db = Coordinator.resolve_db_path(self.run_dir.root, cfg.db_path)
+        if db.exists():
+            coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
+            if coord.config != run_cfg:
+                log.warning("run settings stored in %s win over flags: %s", db, coord.config)
+            return coord
+        return Coordinator.create(
+            self.run_dir.root, self.contract, run_cfg, db_path=cfg.db_path, store=self.store
+        )
+
+    def _write_stream_info(self) -> None:
+        """stream.json: what consumers need to turn `--epochs` into windows."""
+        import json
+
+        info = {
+            "stream_id": self.contract.stream_id,
+            "num_rows": self.dataset.num_rows,
+            "window_rows": self.cfg.window_rows,
+            "epochs": self.cfg.epochs,
+            "total_windows": self.total_windows,
+            "dataset_summary": self.dataset.summary,
+        }
+        path = self.run_dir.root / "stream.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        tmp.replace(path)
+
+    # ---- one window ---------------------------------------------------------------
+
+    def capture_window(self, claim: Claim) -> dict[str, Any]:
+        """Rows of `claim.window` through the verifier: the window's tensors (CPU)."""
+        import torch
+
+        cfg = self.cfg
+        idx, _ = stream_rows(
+            claim.window, cfg.window_rows, self.dataset.num_rows, cfg.epochs, cfg.seed
+        )
+        rows = self.dataset.rows(idx)  # dict of [R, T] numpy arrays
+        r, t = rows["input_ids"].shape
+        n, h = len(self.verifier.target_layer_ids), self.verifier.hidden_size
+        sdt = self.verifier.storage_dtype
+        hidden = torch.empty(r, t, n * h, dtype=sdt)  # [R, T, n·H]
+        target = torch.empty(r, t, dtype=torch.int32)  # [R, T]
+        last = torch.empty(r, t, h, dtype=sdt) if cfg.store_last_hidden_states else None
+        as_t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()}
+        b = cfg.capture_batch_rows
+        for s in range(0, r, b):
+            cap = self.verifier.capture(
+                as_t["input_ids"][s : s + b],
+                as_t["position_ids"][s : s + b],
+                as_t["document_ids"][s : s + b],
+            )
+            hidden[s : s + b] = cap.hidden_states.cpu()
+            target[s : s + b] = cap.target_ids.cpu()
+            if last is not None and cap.last_hidden_states is not None:
+                last[s : s + b] = cap.last_hidden_states.cpu()
+        tensors: dict[str, Any] = {
+            "hidden_states": hidden,
+            "target_ids": target,
+            "input_ids": as_t["input_ids"].to(torch.int32),
+            "loss_mask": as_t["loss_mask"].to(torch.uint8),
+            "document_ids": as_t["document_ids"].to(torch.int32),
+            "position_ids": as_t["position_ids"].to(torch.int32),
+        }
+        if last is not None:
+            tensors["last_hidden_states"] = last
+        return tensors
+
+    def produce_one(self, preg: ProducerReg, claim: Claim) -> None:
+        t0 = time.monotonic()
+        tensors = self.capture_window(claim)
+        self.coord.renew(claim)  # StaleLease here: we were superseded; publish nothing
+        t1 = time.monotonic()
+        _, epoch = stream_rows(
+            claim.window,
+            self.cfg.window_rows,
+            self.dataset.num_rows,
+            self.cfg.epochs,
+            self.cfg.seed,
+        )
+        r = int(tensors["input_ids"].shape[0])
+        meta = WindowMeta(
+            contract_hash=self.contract.stream_id,
+            window=claim.window,
+            generation=claim.generation,
+            epoch=epoch,
+            row_start=claim.rows[0],
+            row_end=claim.rows[0] + r,
+        )
+        published = self.store.publish(tensors, meta)
+        try:
+            self.coord.publish_ready(claim, published)
+        except StaleLease:
+            self.store.remove(published.name)  # our claim is gone: the file is an orphan
+            raise
+        self.stats.capture_s += t1 - t0
+        self.stats.publish_s += time.monotonic() - t1
+        self.stats.windows += 1
+        self.stats.rows += r
+        self.stats.tokens += int((tensors["document_ids"] >= 0).sum())
+        self.stats.bytes += published.nbytes
+
+    # ---- the loop -----------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            log.warning("signal %d: stopping after releasing the window in flight", signum)
+            self._stop = True
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def _stream_done(self) -> bool:
+        q = self.coord.conn.execute
+        frontier = int(self.coord.meta("next_window"))
+        pending = q("SELECT COUNT(*) FROM windows WHERE state IN ('queued','capturing')").fetchone()
+        if frontier < self.total_windows or pending[0]:
+            return False
+        if self.cfg.lag_policy != "recapture":
+            return True
+        # Under recapture a laggard may still demand windows: wait for consumers to finish.
+        active = q(
+            "SELECT COUNT(*) FROM consumers WHERE state='active' AND cursor < ?",
+            (self.total_windows,),
+        ).fetchone()[0]
+        return active == 0
+
+    def run(self) -> dict[str, Any]:
+        """Produce until the stream is done, max_windows, or a signal. Returns the summary."""
+        from tqdm import tqdm
+
+        self._install_signals()
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        preg = self.coord.register_producer(self.contract, owner=owner)
+        swept = self.coord.sweep()
+        log.info("producer %s: %s; swept %s", owner, self.verifier, swept)
+        bar = tqdm(
+            total=self.total_windows,
+            desc="produce",
+            unit="win",
+            disable=not self.cfg.progress,
+            initial=int(self.coord.meta("next_window")),
+        )
+        idle_since: float | None = None
+        with Heartbeat(
+            self.run_dir.root,
+            preg,
+            self.cfg.heartbeat_s,
+            reclaim=True,
+            open_kwargs={"db_path": self.cfg.db_path},
+        ) as hb:
+            while not self._stop:
+                hb.check()
+                if self.cfg.max_windows and self.stats.windows >= self.cfg.max_windows:
+                    break
+                w0 = time.monotonic()
+                if not self.coord.wait_for_capacity(preg, timeout_s=0.5):
+                    self.stats.waits_s += time.monotonic() - w0
+                    bar.set_postfix_str("waiting on consumers (K live)")
+                    continue
+                self.stats.waits_s += time.monotonic() - w0
+                claim = self.coord.claim(preg)
+                if claim is None:
+                    if self._stream_done():
+                        break
+                    now = time.monotonic()
+                    idle_since = idle_since or now
+                    if (
+                        int(self.coord.meta("next_window")) >= self.total_windows
+                        and now - idle_since > self.cfg.exit_when_idle_s
+                    ):
+                        break
+                    time.sleep(0.05)
+                    continue
+                idle_since = None
+                try:
+                    self.produce_one(preg, claim)
+                except StorageError as e:
+                    self.stats.failures += 1
+                    log.error("window %d: %s; will retry", claim.window, e)
+                    self.coord.fail(claim, str(e))
+                    time.sleep(1.0)
+                    continue
+                except BaseException:
+                    self._release(claim)
+                    raise
+                bar.update(1)
+                bar.set_postfix(
+                    live=self.coord.conn.execute(
+                        "SELECT COUNT(*) FROM windows WHERE state='ready'"
+                    ).fetchone()[0],
+                    tok_s=f"{self.stats.summary()['tokens_per_s']:.0f}",
+                )
+        bar.close()
+        summary = self.stats.summary()
+        summary["stream_id"] = self.contract.stream_id
+        summary["total_windows"] = self.total_windows
+        log.info("producer done: %s", summary)
+        return summary
+
+    def _release(self, claim: Claim) -> None:
+        try:
+            self.coord.fail(claim, "producer interrupted")
+        except Exception as e:  # the claim may already be gone; never mask the original
+            log.warning("could not release claim on window %d: %s", claim.window, e)
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "produce") -> None:
+    add_model_flags(p, ProducerConfig)
+    p.add_argument("--summary-json", default=None, help="write the final summary here (JSON)")
+
+
+def run(args: argparse.Namespace, name: str = "produce") -> int:
+    import json
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = model_from_args(ProducerConfig, args)
+    summary = Producer(cfg).run()
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.summary_json:
+        Path(args.summary_json).write_text(text + "\n")
+    return 0

@@ -1,0 +1,360 @@
+"""The DFlash trainer: one consumer of a run, training one draft.
+
+    python scripts/train.py --run-dir runs/r1 --consumer-id draft-b8 \
+        --verifier-name-or-path VERIFIER_DIR --block-size 8 --max-anchors 64 \
+        --lr 3e-4 --rows-per-step 2 --max-steps 200 --save-path runs/r1/drafts/b8
+
+Reads rows from fanout.consumer (lease → train → ack after the optimizer step),
+trains fanout.model.dflash with the fused linear CE and fused AdamW, logs JSONL
+(loss, per-slot accuracy, EAL, step ms split fetch/fwd/bwd/opt, tokens/s,
+window wait) and saves speculators-format checkpoints that carry the consumer
+cursor, so `--resume` continues at the exact next row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.consumer import Batch, ConsumerConfig, ConsumerStream
+from fanout.contract import CaptureContract
+from fanout.errors import ConfigError, Detached
+from fanout.flags import add_model_flags, model_from_args
+from fanout.model.dflash import DFlashDraft
+from fanout.ops.adamw import make_optimizer
+
+log = logging.getLogger(__name__)
+
+EXIT_DETACHED = 3
+
+
+class TrainConfig(BaseModel):
+    """Every scripts/train.py flag (speculators trainer names where the meaning is the same)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str = Field(description="run directory the producer writes")
+    consumer_id: str = Field(description="this trainer's consumer name")
+    dp_rank: int = Field(0, ge=0, description="data-parallel rank (consumer id name:dp<rank>)")
+    db_path: str | None = Field(None, description="coordinator database if not in the run dir")
+    verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
+    num_layers: int = Field(1, ge=1, description="draft decoder layers")
+    block_size: int = Field(8, ge=2, description="tokens per draft block (anchor + masks)")
+    max_anchors: int = Field(64, ge=1, description="anchors drawn per row per step")
+    mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
+    target_layer_ids: list[int] | None = Field(
+        None, description="verifier layers of the context; default: the run's contract"
+    )
+    draft_vocab_size: int | None = Field(
+        None, description="reduced draft vocab (not supported yet)"
+    )
+    label_source: Literal["target_ids", "input_ids"] = Field(
+        "target_ids", description="labels: verifier greedy predictions or the data tokens"
+    )
+    gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
+    per_position_loss_weight: Literal["exp", "dpace"] = Field(
+        "exp", description="per-slot loss weights"
+    )
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE smoothing")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps warming up")
+    scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="lr schedule after warm-up"
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip global grad norm; none = off")
+    adamw_backend: Literal["auto", "fused", "foreach"] = Field(
+        "auto", description="AdamW implementation (auto: fused where supported)"
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="passes over the data to read; default: the whole stream"
+    )
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    rows_per_step: int = Field(2, ge=1, description="window rows per optimizer step")
+    save_path: str = Field(description="checkpoint directory")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
+    resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
+    log_every: int = Field(1, ge=1, description="steps between log records")
+    logger: Literal["jsonl", "tensorboard"] = Field("jsonl", description="metrics sink")
+    device: str = Field("cpu", description="training device: cpu | cuda | cuda:N")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype (bf16 autocast on CUDA)"
+    )
+    seed: int = Field(0, description="seeds init, anchors and row order within windows")
+    acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
+    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s)")
+
+
+def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
+    """Windows to read: `epochs` × windows per epoch (from the producer's stream.json)."""
+    if epochs is None:
+        return None
+    info = run_dir / "stream.json"
+    if not info.is_file():
+        raise ConfigError(f"--epochs needs {info} (written by the producer); use --max-steps")
+    s = json.loads(info.read_text())
+    return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
+
+
+def _wait_for_contract(run_dir: Path, timeout_s: float) -> CaptureContract:
+    path = run_dir / "contract.json"
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"{path}: no contract after {timeout_s:.0f} s; is a producer running?"
+            )
+        time.sleep(0.2)
+    return CaptureContract.load(path)
+
+
+def lr_lambda(cfg: TrainConfig, total: int | None) -> Any:
+    warm = int(cfg.warmup_ratio * total) if total else 0
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.scheduler_type == "constant" or not total:
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        if cfg.scheduler_type == "linear":
+            return max(0.0, 1.0 - frac)
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+class MetricsLog:
+    """JSONL metrics (always) + TensorBoard scalars (optional)."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = path.open("a")
+        self.tb: Any = None
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(path.parent / "tb"))
+            except ImportError:
+                log.warning("tensorboard not installed; logging JSONL only")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        if cfg.draft_vocab_size is not None:
+            raise ConfigError(
+                "--draft-vocab-size: reduced draft vocabularies are not supported yet"
+            )
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.device = torch.device(cfg.device)
+        run_dir = Path(cfg.run_dir)
+        contract = _wait_for_contract(run_dir, cfg.acquire_timeout_s)
+        layers = cfg.target_layer_ids or list(contract.target_layer_ids)
+        self.expect = {"target_layer_ids": layers} if cfg.target_layer_ids else {}
+        overrides: dict[str, Any] = dict(
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            max_anchors=cfg.max_anchors,
+            target_layer_ids=layers,
+            gamma=cfg.gamma,
+            loss_weighting=cfg.per_position_loss_weight,
+            dpace_alpha=cfg.dpace_alpha,
+            label_source=cfg.label_source,
+        )
+        if cfg.mask_token_id is not None:
+            overrides["mask_token_id"] = cfg.mask_token_id
+        self.draft = DFlashDraft.from_verifier(
+            cfg.verifier_name_or_path, device=self.device, **overrides
+        )
+        self.opt, self.backend = make_optimizer(
+            self.draft.parameters(),
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            backend=cfg.adamw_backend,
+            max_grad_norm=cfg.max_grad_norm,
+        )
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.max_windows = _stream_windows(run_dir, cfg.epochs)
+        rows_total = None
+        if self.max_windows is not None:
+            rows_total = self.max_windows * contract.window_rows
+        total_steps = cfg.max_steps or (rows_total // cfg.rows_per_step if rows_total else None)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total_steps))
+        self.state: dict[str, Any] = {"step": 0, "cursor": None, "rows_done": 0, "epoch": 0}
+        if cfg.resume and (ckpt := latest_checkpoint(cfg.save_path)) is not None:
+            self.state = load_checkpoint(
+                ckpt, self.draft, self.opt, generators={"anchors": self.gen}
+            )
+            self.sched.load_state_dict(self.state.pop("scheduler"))
+            log.info(
+                "resumed from %s at step %d, cursor %s",
+                ckpt,
+                self.state["step"],
+                self.state["cursor"],
+            )
+        self.metrics = MetricsLog(Path(cfg.save_path) / "train_log.jsonl", cfg.logger)
+
+    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in batch.tensors.items():
+            v = v.to(self.device, non_blocking=True)
+            out[k] = v.float() if v.is_floating_point() else v.long()
+        return out
+
+    def save(self) -> Path:
+        state = dict(self.state, scheduler=self.sched.state_dict(), adamw_backend=self.backend)
+        return save_checkpoint(
+            self.cfg.save_path,
+            self.draft,
+            self.opt,
+            state,
+            generators={"anchors": self.gen},
+            verifier_name_or_path=self.cfg.verifier_name_or_path,
+        )
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        ccfg = ConsumerConfig(
+            run_dir=cfg.run_dir,
+            consumer_id=cfg.consumer_id,
+            dp_rank=cfg.dp_rank,
+            db_path=cfg.db_path,
+            acquire_timeout_s=cfg.acquire_timeout_s,
+            heartbeat_s=cfg.heartbeat_s,
+            row_shuffle_seed=cfg.seed,
+            max_windows=self.max_windows,
+        )
+        stream = ConsumerStream(
+            ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
+        )
+        log.info(
+            "%s: draft %d params, AdamW %s, from cursor %d",
+            stream.reg.consumer_id,
+            sum(p.numel() for p in self.draft.parameters() if p.requires_grad),
+            self.backend,
+            stream.reg.cursor,
+        )
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda" and cfg.dtype == "bfloat16"
+            else torch.autocast("cpu", enabled=False)
+        )
+        first = last = None
+        try:
+            t_fetch = time.perf_counter()
+            for batch in stream.batches(cfg.rows_per_step):
+                t0 = time.perf_counter()
+                inputs = self._to_device(batch)
+                with autocast:
+                    out = self.draft.loss(inputs, self.gen)
+                t1 = time.perf_counter()
+                out.loss.backward()
+                t2 = time.perf_counter()
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                t3 = time.perf_counter()
+                stream.ack(batch)  # only now: the step that consumed these rows is done
+                self.state["step"] += 1
+                self.state["cursor"], self.state["rows_done"] = batch.next_position
+                step = self.state["step"]
+                rec = {
+                    "step": step,
+                    "loss": round(float(out.loss.detach()), 6),
+                    "eal": round(float(out.eal), 4),
+                    "acc": [round(float(a), 4) for a in out.per_slot_acc],
+                    "lr": self.sched.get_last_lr()[0],
+                    "tokens": out.n_tokens,
+                    "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
+                    "fwd_ms": round((t1 - t0) * 1e3, 2),
+                    "bwd_ms": round((t2 - t1) * 1e3, 2),
+                    "opt_ms": round((t3 - t2) * 1e3, 2),
+                    "tokens_per_s": round(out.n_tokens / max(t3 - t_fetch, 1e-9), 1),
+                    "window_wait_ms": round(batch.wait_s * 1e3, 2),
+                    "windows": sorted({w for w, _ in batch.rows}),
+                    "acked": [ow.window for ow in batch.completes],
+                    "time": time.time(),
+                }
+                if first is None:
+                    first = rec
+                last = rec
+                if step % cfg.log_every == 0:
+                    self.metrics.write(rec)
+                if step % cfg.checkpoint_every == 0:
+                    self.save()
+                if cfg.max_steps and step >= cfg.max_steps:
+                    break
+                t_fetch = time.perf_counter()
+            if self.state["step"]:
+                self.save()
+        finally:
+            stream.close()
+            self.metrics.close()
+        return {
+            "consumer": stream.reg.consumer_id,
+            "steps": self.state["step"],
+            "cursor": self.state["cursor"],
+            "finished_stream": stream.finished,
+            "adamw_backend": self.backend,
+            "first_loss": first and first["loss"],
+            "last_loss": last and last["loss"],
+            "first_eal": first and first["eal"],
+            "last_eal": last and last["eal"],
+        }
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "train") -> None:
+    add_model_flags(p, TrainConfig)
+
+
+def run(args: argparse.Namespace, name: str = "train") -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = model_from_args(TrainConfig, args)
+    try:
+        summary = Trainer(cfg).run()
+    except Detached as e:
+        print(
+            f"{cfg.consumer_id}: detached by the run's lag policy: {e}. "
+            "Restart with --resume to rejoin (recapture) or give it its own run.",
+            file=sys.stderr,
+        )
+        return EXIT_DETACHED
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    from fanout.errors import FanoutError
+
+    try:
+        return run(p.parse_args(argv))
+    except FanoutError as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 1
