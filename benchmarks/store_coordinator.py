@@ -80,7 +80,10 @@ def bench_cycles(tmpdir: Path, procs: int, cycles: int) -> dict[str, Any]:
         co.publish_ready(cl, Published(name, rd.windows / name, 1, "xxh3_128:0"))
     ctx = mp.get_context("spawn")
     start, out = ctx.Event(), ctx.Queue()
-    ps = [ctx.Process(target=_consumer, args=(str(rd.root), r, cycles, start, out)) for r in range(procs)]
+    ps = [
+        ctx.Process(target=_consumer, args=(str(rd.root), r, cycles, start, out))
+        for r in range(procs)
+    ]
     for proc in ps:
         proc.start()
     # Every consumer must be registered before the clock starts (expected_consumers).

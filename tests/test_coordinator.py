@@ -160,7 +160,7 @@ def test_network_filesystem_refused(tmp_path: Path) -> None:
 
 
 def test_contract_mismatch_names_fields(tmp_path: Path) -> None:
-    co, _, c = new_run(tmp_path)
+    co, _, _ = new_run(tmp_path)
     with pytest.raises(ContractMismatch, match=r"seq_len.*target_layer_ids") as e:
         co.register_consumer("a", expect={"seq_len": 8, "target_layer_ids": [1, 3]})
     assert set(e.value.fields) == {"seq_len", "target_layer_ids"}
@@ -320,7 +320,16 @@ def _two_consumers(tmp_path: Path, **cfg: object):  # type: ignore[no-untyped-de
     co, store, c = new_run(tmp_path, max_live_windows=2, expected_consumers=2, **cfg)
     p = co.register_producer(c)
     fast, slow = Coordinator.open(tmp_path / "run"), Coordinator.open(tmp_path / "run")
-    return co, store, c, p, fast, fast.register_consumer("fast"), slow, slow.register_consumer("slow")
+    return (
+        co,
+        store,
+        c,
+        p,
+        fast,
+        fast.register_consumer("fast"),
+        slow,
+        slow.register_consumer("slow"),
+    )
 
 
 def test_hold_blocks_producer_at_k(tmp_path: Path) -> None:

@@ -161,7 +161,9 @@ def _crashing_producer(root: str, op: str, n: int, before_commit: bool) -> None:
     p = co.register_producer(c)
     while co.wait_for_capacity(p, 10) and (cl := co.claim(p)) is not None:
         t = torch.full((2, 64), cl.window, dtype=torch.int32)  # 512 B: several 64 B chunks
-        pub = store.publish({"x": t}, WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows))
+        pub = store.publish(
+            {"x": t}, WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)
+        )
         if before_commit and cl.window == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         co.publish_ready(cl, pub)

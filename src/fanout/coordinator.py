@@ -28,65 +28,26 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from fanout import retention, schema
+from fanout.claims import ProducerSide
 from fanout.contract import CaptureContract
 from fanout.errors import (
     AcquireTimeout,
     ConfigError,
-    ContractMismatch,
     Detached,
     StaleLease,
     WindowGone,
 )
-from fanout.leases import Claim, ConsumerReg, Lease, ProducerReg, PublishedLike, WindowFiles
+from fanout.leases import ConsumerReg, Lease, ProducerReg, WindowFiles
 from fanout.liveness import Reclaimer
+from fanout.retention import RunConfig
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "coordinator.sqlite3"
 DB_POINTER = "coordinator.dbpath"  # written when --db-path puts the database elsewhere
-
-
-class RunConfig(BaseModel):
-    """How a run shares its windows. Stored in the database at create time."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_live_windows: int = Field(
-        4, ge=2, description="K: most window files that exist at once (ready + capturing)."
-    )
-    lag_policy: Literal["hold", "recapture", "detach"] = Field(
-        "hold",
-        description="What to do about a consumer that holds the producer at K: hold "
-        "(producer waits), recapture (evict what only laggards need; recapture it on "
-        "demand), detach (after detach_after_s, drop the slowest consumer).",
-    )
-    expected_consumers: int = Field(
-        1, ge=1, description="Nothing is evicted until this many consumers have registered."
-    )
-    total_windows: int | None = Field(
-        None, ge=1, description="Windows in the run; None = endless stream."
-    )
-    ttl_s: float = Field(
-        30.0, gt=0, description="Seconds without a heartbeat before a process is lost."
-    )
-    detach_after_s: float | None = Field(
-        None, gt=0, description="Seconds the producer may be blocked before detach; None = ttl_s."
-    )
-    max_attempts: int = Field(
-        3, ge=1, description="Failed captures of one window before it is marked failed."
-    )
-    busy_timeout_s: float = Field(
-        5.0, ge=5.0, description="SQLite busy timeout per statement (seconds)."
-    )
-
-    @property
-    def detach_after(self) -> float:
-        return self.ttl_s if self.detach_after_s is None else self.detach_after_s
 
 
 def _root(run_dir: Any) -> Path:
@@ -98,7 +59,7 @@ def _now() -> float:
     return time.time()  # wall clock: display (heartbeat age) only, never for decisions
 
 
-class Coordinator:
+class Coordinator(ProducerSide):
     """One connection to a run's coordinator database. Not thread-safe: one per thread."""
 
     def __init__(
@@ -116,6 +77,7 @@ class Coordinator:
         self.config = RunConfig.model_validate_json(meta["config"])
         self.contract = CaptureContract.model_validate_json(meta["contract"])
         self._store = store
+        self._busy_ms = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
         self._reclaimer = Reclaimer(self.config.ttl_s, clock)
         self._blocked_since: float | None = None  # producer's own clock, for `detach`
 
@@ -217,15 +179,17 @@ class Coordinator:
 
     @staticmethod
     def _bump(cur: sqlite3.Cursor, key: str, n: int = 1) -> int:
-        cur.execute("UPDATE meta SET value = value + ? WHERE key=?", (n, key))
-        return int(cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0])
+        row = cur.execute(
+            "UPDATE meta SET value = value + ? WHERE key=? RETURNING value", (n, key)
+        ).fetchone()
+        return int(row[0])
 
     def _rows(self, window: int) -> tuple[int, int]:
         r = self.contract.window_rows
         return (window * r, (window + 1) * r)
 
     def _write(self) -> Any:
-        return schema.write(self.conn)
+        return schema.write(self.conn, busy_ms=self._busy_ms)
 
     def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
         """Sleep until another connection commits (PRAGMA data_version) or max_s passes."""
@@ -446,171 +410,6 @@ class Coordinator:
         log.warning(
             "window %d g%d corrupt (%s): quarantined", lease.window, lease.generation, reason
         )
-
-    # ---- producer side -----------------------------------------------------------
-
-    def register_producer(self, contract: CaptureContract, owner: str = "") -> ProducerReg:
-        """Become the run's producer; fences the previous one and releases its claims."""
-        if contract != self.contract:
-            raise ContractMismatch(self.contract.diff(contract), where="producer")
-        owner = owner or f"pid {os.getpid()}"
-        with self._write() as cur:
-            token = self._bump(cur, "next_token")
-            cur.execute(
-                "INSERT INTO producer(id, token, hb_wall, state, owner) VALUES (1, ?, ?, 'active', ?) "
-                "ON CONFLICT(id) DO UPDATE SET token=excluded.token, hb_wall=excluded.hb_wall, "
-                "state='active', owner=excluded.owner",
-                (token, _now(), owner),
-            )
-            self._release_claims(cur)
-        self._reclaimer.own("producer")
-        log.info("producer %s registered (token %d)", owner, token)
-        return ProducerReg(token, owner)
-
-    @staticmethod
-    def _release_claims(cur: sqlite3.Cursor) -> None:
-        # Queued with demand so the window is captured again first, under a new generation.
-        cur.execute(
-            "UPDATE windows SET state='queued', demand=1, claim_token=NULL WHERE state='capturing'"
-        )
-
-    def _check_producer(self, cur: sqlite3.Cursor, token: int) -> None:
-        row = cur.execute("SELECT token, state FROM producer").fetchone()
-        if row is None or row[0] != token or row[1] != "active":
-            raise StaleLease(f"producer token {token} is stale (now {row}); register again")
-
-    def claim(self, preg: ProducerReg) -> Claim | None:
-        """Claim the next window to capture: demand first, then the next in order.
-
-        None when there is nothing to claim now: at capacity (call wait_for_capacity
-        first) or the finite stream is fully produced and nothing is on demand.
-        """
-        with self._write() as cur:
-            self._check_producer(cur, preg.token)
-            if not retention.has_capacity(cur, self.config.max_live_windows):
-                return None
-            row = cur.execute(
-                "SELECT window, captures FROM windows WHERE state='queued' "
-                "ORDER BY demand DESC, window LIMIT 1"
-            ).fetchone()
-            if row is not None:
-                w, captures = int(row[0]), int(row[1])
-                if captures:
-                    self._bump(cur, "recaptures")
-            else:
-                w, captures = int(self._meta_cur(cur, "next_window")), 0
-                total = self.config.total_windows
-                if total is not None and w >= total:
-                    return None
-                self._bump(cur, "next_window")
-                cur.execute(
-                    "INSERT INTO windows(window, state, updated_at) VALUES (?, 'queued', ?)",
-                    (w, _now()),
-                )
-            gen = self._bump(cur, "next_generation")
-            token = self._bump(cur, "next_token")
-            cur.execute(
-                "UPDATE windows SET state='capturing', generation=?, claim_token=?, updated_at=? "
-                "WHERE window=?",
-                (gen, token, _now(), w),
-            )
-        return Claim(w, gen, token, preg.token, self._rows(w))
-
-    def _check_claim(self, cur: sqlite3.Cursor, claim: Claim) -> None:
-        self._check_producer(cur, claim.producer_token)
-        row = cur.execute(
-            "SELECT 1 FROM windows WHERE window=? AND state='capturing' AND claim_token=?",
-            (claim.window, claim.token),
-        ).fetchone()
-        if row is None:
-            raise StaleLease(f"claim {claim.token} on window {claim.window} is no longer held")
-
-    def renew(self, claim: Claim) -> None:
-        """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
-        with self._write() as cur:
-            self._check_claim(cur, claim)
-            cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (_now(),))
-
-    def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
-        """Record a durable, final-named window file (Store.publish's result) as ready."""
-        with self._write() as cur:
-            self._check_claim(cur, claim)
-            cur.execute(
-                "UPDATE windows SET state='ready', name=?, path=?, nbytes=?, checksum=?, "
-                "captures=captures+1, demand=0, attempts=0, claim_token=NULL, last_error=NULL, "
-                "updated_at=? WHERE window=?",
-                (
-                    published.name,
-                    str(published.path),
-                    int(published.nbytes),
-                    str(published.checksum),
-                    _now(),
-                    claim.window,
-                ),
-            )
-            n, nbytes = cur.execute(
-                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
-            ).fetchone()
-            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='hw_windows'", (n,))
-            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='hw_bytes'", (nbytes,))
-
-    def fail(self, claim: Claim, reason: str) -> None:
-        """A capture failed: requeue the window (retried first) or, after max_attempts, fail it."""
-        with self._write() as cur:
-            self._check_claim(cur, claim)
-            attempts = cur.execute(
-                "UPDATE windows SET attempts=attempts+1, last_error=?, claim_token=NULL, "
-                "demand=1, updated_at=? WHERE window=? RETURNING attempts",
-                (reason, _now(), claim.window),
-            ).fetchone()[0]
-            state = "failed" if attempts >= self.config.max_attempts else "queued"
-            cur.execute("UPDATE windows SET state=? WHERE window=?", (state, claim.window))
-        log.warning(
-            "window %d capture failed (%s); attempt %d → %s", claim.window, reason, attempts, state
-        )
-
-    def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
-        """Block while K windows are live; apply the lag policy. False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        cfg = self.config
-        while True:
-            self.reclaim_lost()
-            with self._write() as cur:
-                self._check_producer(cur, preg.token)
-                doomed = retention.mark_evictable(cur, cfg.expected_consumers, recover=True)
-                if not doomed:
-                    if retention.has_capacity(cur, cfg.max_live_windows, extra=False):
-                        self._blocked_since = None
-                        return True
-                    # The lag policy may make room below K before the extra slot is used.
-                    doomed = self._apply_lag_policy(cur)
-                    if not doomed and retention.has_capacity(cur, cfg.max_live_windows):
-                        self._blocked_since = None
-                        return True
-            if doomed:
-                self._finish_evictions(doomed)
-                continue
-            if time.monotonic() >= deadline:
-                return False
-            self._wait_change(deadline)
-
-    def _apply_lag_policy(self, cur: sqlite3.Cursor) -> retention.Doomed:
-        cfg = self.config
-        if cfg.lag_policy == "hold" or not retention.enough_registered(cur, cfg.expected_consumers):
-            return []
-        if cfg.lag_policy == "recapture":
-            return retention.recapture_victim(cur)
-        now = self.clock()  # detach: blocked for detach_after on the producer's own clock
-        if self._blocked_since is None:
-            self._blocked_since = now
-        if now - self._blocked_since < cfg.detach_after:
-            return []
-        gone = retention.detach_laggard(cur, self._bump(cur, "next_token"))
-        if gone is None:
-            return []
-        log.warning("detached laggard %s at cursor %d (leader at %d)", *gone)
-        self._blocked_since = now
-        return retention.mark_evictable(cur, cfg.expected_consumers)
 
     # ---- eviction ----------------------------------------------------------------
 

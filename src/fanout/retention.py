@@ -1,4 +1,4 @@
-"""Retention: which window files may exist, and which must go (eviction, lag policy).
+"""Retention: which window files may exist, and which must go (RunConfig, eviction, lag policy).
 
     from fanout.retention import mark_evictable, has_capacity
     with schema.write(conn) as cur:
@@ -25,10 +25,52 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 COUNTED_STATES = "('active','lost')"  # consumers whose cursors hold windows back
 EVICTED_ROWS_KEPT = 64  # older evicted rows are deleted, so metadata stays flat forever
 _FAR = 1 << 62
+
+
+class RunConfig(BaseModel):
+    """How a run shares its windows. Stored in the database at create time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_live_windows: int = Field(
+        4, ge=2, description="K: most window files that exist at once (ready + capturing)."
+    )
+    lag_policy: Literal["hold", "recapture", "detach"] = Field(
+        "hold",
+        description="What to do about a consumer that holds the producer at K: hold "
+        "(producer waits), recapture (evict what only laggards need; recapture it on "
+        "demand), detach (after detach_after_s, drop the slowest consumer).",
+    )
+    expected_consumers: int = Field(
+        1, ge=1, description="Nothing is evicted until this many consumers have registered."
+    )
+    total_windows: int | None = Field(
+        None, ge=1, description="Windows in the run; None = endless stream."
+    )
+    ttl_s: float = Field(
+        30.0, gt=0, description="Seconds without a heartbeat before a process is lost."
+    )
+    detach_after_s: float | None = Field(
+        None, gt=0, description="Seconds the producer may be blocked before detach; None = ttl_s."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Failed captures of one window before it is marked failed."
+    )
+    busy_timeout_s: float = Field(
+        5.0, ge=5.0, description="SQLite busy timeout per statement (seconds)."
+    )
+
+    @property
+    def detach_after(self) -> float:
+        return self.ttl_s if self.detach_after_s is None else self.detach_after_s
+
 
 Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'
 
@@ -62,9 +104,12 @@ def mark_evictable(cur: sqlite3.Cursor, expected_consumers: int, recover: bool =
     if recover:
         rows = cur.execute("SELECT window, name FROM windows WHERE state='evicting'").fetchall()
         stale = [(int(w), n) for w, n in rows]
-    if not enough_registered(cur, expected_consumers):
+    # One query for both conditions: this runs on every ack.
+    n, low = cur.execute(
+        f"SELECT COUNT(*), MIN(CASE WHEN state IN {COUNTED_STATES} THEN cursor END) FROM consumers"
+    ).fetchone()
+    if n < expected_consumers:
         return stale
-    low, _ = cursor_bounds(cur)
     return stale + _mark(
         cur,
         "SELECT window, name FROM windows w WHERE state='ready' AND window < ? AND NOT "

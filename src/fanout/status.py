@@ -23,9 +23,7 @@ STATES = ("queued", "capturing", "ready", "evicting", "evicted", "failed")
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument(
-        "--run-dir", default=".", help="run directory (default: current directory)"
-    )
+    parser.add_argument("--run-dir", default=".", help="run directory (default: current directory)")
     parser.add_argument(
         "--db-path",
         default=None,

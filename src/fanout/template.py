@@ -183,8 +183,20 @@ def compile_template(source: str) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
+    class GenerationTag(jinja2.ext.Extension):
+        # `{% generation %}…{% endgeneration %}` marks assistant text for HF's
+        # return_assistant_tokens_mask; rendering ignores it (as transformers does).
+        tags = {"generation"}  # noqa: RUF012 (jinja2's class attribute)
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, GenerationTag],
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception

@@ -292,6 +292,12 @@ class Verifier:
                 f"verifier {config.path}: {type(model).__name__} has no base_model.layers / "
                 "lm_head; only decoder-only causal LMs (Llama/Qwen-style) are supported"
             )
+        if getattr(base, "has_sliding_layers", False):
+            # Our one 4D mask would silently turn sliding-window layers into full attention.
+            raise ConfigError(
+                f"verifier {config.path}: sliding-window attention layers are not supported "
+                "by the packed-document mask yet"
+            )
         self.base = base
         self.layers = layers
         self.lm_head = head

@@ -1,0 +1,271 @@
+"""Data-prep throughput: fanout prepare vs one worker vs HF datasets.map vs the BPE ceiling.
+
+    .venv/bin/python benchmarks/data_prep.py --repeat 41 --json /tmp/data_prep.json   # ≥100k convs
+    .venv/bin/python benchmarks/data_prep.py --repeat 4                              # quick
+    # (c) needs a separate venv with `datasets` (never a fanout dependency):
+    python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install datasets transformers pydantic
+    .venv/bin/python benchmarks/data_prep.py --hf-python /tmp/benchvenv/bin/python
+
+The four datasets of ../shared/data/chat are written `--repeat` times into four
+JSONL files (2,488 conversations per repeat), Qwen3 tokenizer, T = --seq-len.
+Every measurement runs in a fresh process (cold: no pool, no cache) except (d):
+- (a) `fanout prepare --no-cache` with all usable cores, end to end;
+- (b) the same with `--workers 1` (in-process, single-threaded Rust);
+- (c) HF `datasets.map(num_proc=cores, batched=True)`: apply_chat_template per
+  conversation, assistant mask by re-encoding message prefixes (axolotl/SpecForge
+  style), then a single-process greedy next-fit packer;
+- (d) ceiling: `tokenizers` encode_batch_fast over the already-rendered texts in
+  `cores` processes (only the encode is timed).
+Also: fill, cache speedup (second cached run vs first), time to first packed row
+(fresh process, online mode, tokenizer build already cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import get_context
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("FANOUT_SHARED_DATA", REPO.parent / "shared" / "data"))
+FILES = [
+    "chat/fastchat/dummy_conversation.json",
+    "chat/llama-factory/glaive_toolcall_en_demo.json",
+    "chat/llama-factory/kto_en_demo.json",
+    "chat/mt-bench-101/mtbench101.jsonl",
+]
+TOK = DATA / "tokenizers" / "qwen3"
+
+
+def write_inputs(out: Path, repeat: int) -> list[str]:
+    paths = []
+    for rel in FILES:
+        src = DATA / rel
+        if src.suffix == ".json":
+            lines = [json.dumps(r, ensure_ascii=False) for r in json.loads(src.read_text())]
+        else:
+            lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
+        dst = out / (src.stem + ".jsonl")
+        dst.write_text("\n".join(lines * repeat) + "\n")
+        paths.append(str(dst))
+    return paths
+
+
+def run_prepare(paths: list[str], extra: list[str], env: dict[str, str]) -> tuple[float, dict]:
+    cmd = [sys.executable, "-m", "fanout.cli", "prepare", "--data", *paths, "--tokenizer", str(TOK)]
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        cmd + extra + ["--json", "--no-progress"], capture_output=True, text=True, env=env
+    )
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"prepare failed: {r.stderr[-3000:]}")
+    return wall, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _encode_part(args: tuple[str, list[str]]) -> tuple[float, int]:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(args[0])
+    t0 = time.perf_counter()
+    n = sum(len(e) for e in tok.encode_batch_fast(args[1], add_special_tokens=False))
+    return time.perf_counter() - t0, n
+
+
+def ceiling(paths: list[str], workers: int, cache: str) -> tuple[float, int]:
+    """(d): render everything first, then time only encode_batch_fast in `workers` processes."""
+    from fanout.chat import load_conversations
+    from fanout.template import ChatEncoder, load_chat_spec
+
+    spec = load_chat_spec(TOK, cache)
+    enc = ChatEncoder(spec)
+    texts = [enc.render(c) for p in paths for c in load_conversations(p)]
+    parts = [texts[i::workers] for i in range(workers)]
+    with get_context("spawn").Pool(workers) as pool:
+        pool.map(_encode_part, [(spec.tokenizer_json, ["warm"])] * workers)  # start-up untimed
+        t0 = time.perf_counter()
+        res = pool.map(_encode_part, [(spec.tokenizer_json, p) for p in parts])
+        wall = time.perf_counter() - t0
+    return wall, sum(n for _, n in res)
+
+
+FIRST_ROW = """
+import time, sys
+t0 = time.perf_counter()
+from fanout.prepare import PrepareConfig, iter_packed_rows
+cfg = PrepareConfig(data=sys.argv[1:-2], tokenizer=sys.argv[-2], seq_len=int(sys.argv[-1]), progress=False)
+batch = next(iter(iter_packed_rows(cfg)))
+print(time.perf_counter() - t0, batch["input_ids"].shape[0])
+import os; os._exit(0)
+"""
+
+HF_SCRIPT = r"""
+import json, sys, time, os
+t0 = time.perf_counter()
+import datasets
+from transformers import AutoTokenizer
+sys.path.insert(0, sys.argv[1])
+from fanout.chat import ChatFormat, detect_format, to_conversation
+tok_dir, T, nproc = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+paths = sys.argv[5:]
+datasets.disable_progress_bars()
+tok = AutoTokenizer.from_pretrained(tok_dir)
+
+def make_map(fmt):
+    def fn(batch):
+        keys = list(batch)
+        out_ids, out_mask = [], []
+        for i in range(len(batch[keys[0]])):
+            rec = {k: batch[k][i] for k in keys}
+            c = to_conversation(rec, fmt, "x", i)
+            m, tools = c.messages, c.tools
+            ids = tok.apply_chat_template(m, tools=tools, tokenize=True, return_dict=False)
+            mask = [0] * len(ids)
+            for j, msg in enumerate(m):
+                if msg["role"] != "assistant":
+                    continue
+                p = tok.apply_chat_template(m[:j], tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False)
+                f = tok.apply_chat_template(m[: j + 1], tools=tools, tokenize=True, return_dict=False)
+                for k in range(len(p), min(len(f), len(ids))):
+                    mask[k] = 1
+            out_ids.append(ids); out_mask.append(mask)
+        return {"input_ids": out_ids, "loss_mask": out_mask}
+    return fn
+
+parts = []
+for p in paths:
+    ds = datasets.load_dataset("json", data_files=p, split="train")
+    fmt = detect_format([ds[i] for i in range(min(8, len(ds)))], ChatFormat())
+    parts.append(ds.map(make_map(fmt), batched=True, num_proc=nproc, remove_columns=ds.column_names))
+ds = datasets.concatenate_datasets(parts)
+rows, cur, tokens = 0, 0, 0
+for ids in ds["input_ids"]:  # greedy next-fit packing, one process
+    L = min(len(ids), T); tokens += L
+    if cur + L > T:
+        rows += 1; cur = 0
+    cur += L
+rows += cur > 0
+print(json.dumps({"seconds": time.perf_counter() - t0, "tokens": tokens, "rows": rows, "fill": tokens / (rows * T)}))
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--repeat", type=int, default=41, help="copies of the 4 datasets (41 → 102k convs)"
+    )
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row")
+    ap.add_argument("--workers", type=int, default=0, help="0 = all usable cores")
+    ap.add_argument(
+        "--hf-python", help="python of a venv with `datasets` for (c); skipped if absent"
+    )
+    ap.add_argument("--json", metavar="OUT", help="write the results as JSON here")
+    args = ap.parse_args()
+
+    from fanout.workers import resolve_workers
+
+    cores = resolve_workers(args.workers or None)
+    tmp = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
+    cache = str(tmp / "cache")
+    env = {**os.environ, "FANOUT_CACHE": cache, "PYTHONPATH": str(REPO / "src")}
+    paths = write_inputs(tmp, args.repeat)
+    from fanout.template import load_chat_spec
+
+    load_chat_spec(TOK, cache)  # tokenizer.json built once, outside every timing
+    T = ["--seq-len", str(args.seq_len)]
+    res: dict[str, float | int | str | None] = {}
+
+    wall_a, sa = run_prepare(
+        paths, [*T, "--no-cache", "--out", str(tmp / "a"), "--workers", str(cores)], env
+    )
+    tokens = sa["tokens"]
+    res.update(conversations=sa["input_rows"], tokens=tokens, rows=sa["rows"], fill=sa["fill"])
+    res["a_tok_s"] = tokens / wall_a
+    wall_b, _ = run_prepare(
+        paths, [*T, "--no-cache", "--out", str(tmp / "b"), "--workers", "1"], env
+    )
+    res["b_tok_s"] = tokens / wall_b
+    wall_c1, _ = run_prepare(paths, [*T, "--cache-dir", cache, "--workers", str(cores)], env)
+    wall_c2, _ = run_prepare(paths, [*T, "--cache-dir", cache, "--workers", str(cores)], env)
+    res["cache_first_s"], res["cache_second_s"] = wall_c1, wall_c2
+    wall_d, tok_d = ceiling(paths, cores, cache)
+    res["d_tok_s"] = tok_d / wall_d
+    r = subprocess.run(
+        [sys.executable, "-c", FIRST_ROW, *paths, str(TOK), str(args.seq_len)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    res["first_row_s"] = float(r.stdout.split()[0]) if r.returncode == 0 else None
+    res["c_tok_s"] = None
+    if args.hf_python:
+        r = subprocess.run(
+            [
+                args.hf_python,
+                "-c",
+                HF_SCRIPT,
+                str(REPO / "src"),
+                str(TOK),
+                str(args.seq_len),
+                str(cores),
+                *paths,
+            ],
+            capture_output=True,
+            text=True,
+            env={**env, "PYTHONPATH": ""},
+        )
+        if r.returncode == 0:
+            hf = json.loads(r.stdout.strip().splitlines()[-1])
+            res["c_tok_s"], res["c_fill"] = hf["tokens"] / hf["seconds"], hf["fill"]
+        else:
+            print(f"(c) failed: {r.stderr[-1500:]}", file=sys.stderr)
+    ratios = {
+        "scaling": res["a_tok_s"] / res["b_tok_s"],
+        "vs_ceiling": res["a_tok_s"] / res["d_tok_s"],
+        "vs_hf_datasets": res["a_tok_s"] / res["c_tok_s"] if res["c_tok_s"] else None,
+        "cache_speedup": wall_c1 / wall_c2,
+    }
+    res.update(ratios)
+    hw = {
+        "cpu": platform.processor() or platform.machine(),
+        "usable_cores": cores,
+        "loadavg_1m": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "seq_len": args.seq_len,
+        "repeat": args.repeat,
+    }
+    print(f"hardware/sizes: {hw}")
+    rows = [
+        ("conversations", f"{res['conversations']:,}"),
+        ("tokens", f"{tokens:,}"),
+        ("(a) fanout, all cores", f"{res['a_tok_s']:,.0f} tok/s"),
+        ("(b) fanout, 1 worker", f"{res['b_tok_s']:,.0f} tok/s"),
+        ("(c) HF datasets.map", f"{res['c_tok_s']:,.0f} tok/s" if res["c_tok_s"] else "skipped"),
+        ("(d) BPE ceiling", f"{res['d_tok_s']:,.0f} tok/s"),
+        ("scaling a/b (≥1.8)", f"{ratios['scaling']:.2f}"),
+        (
+            "vs_hf_datasets a/c (≥2)",
+            f"{ratios['vs_hf_datasets']:.2f}" if ratios["vs_hf_datasets"] else "-",
+        ),
+        ("vs_ceiling a/d (≥0.75)", f"{ratios['vs_ceiling']:.2f}"),
+        ("fill (≥0.97)", f"{res['fill']:.4f}"),
+        ("cache_speedup (≥20)", f"{ratios['cache_speedup']:.1f}"),
+        ("first_row_s (≤2)", f"{res['first_row_s']:.2f}" if res["first_row_s"] else "failed"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"hardware": hw, **res}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
