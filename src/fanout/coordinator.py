@@ -15,8 +15,11 @@ made safe) shared by one producer and N consumers, each holding its own
 lease token, the producer's token or its claim token. Tokens come from one
 counter and are never reused, so a process that was reclaimed, detached or
 superseded ("zombie") gets StaleLease/Detached on its next write and changes
-nothing. Liveness (who is lost) lives in fanout.liveness; the file side of
-eviction and quarantine goes through fanout.store.
+nothing. The producer's calls live in fanout.claims (a mixin of this class),
+the eviction and lag rules in fanout.retention (with RunConfig), liveness in
+fanout.liveness, the tokens' value types in fanout.leases, the database's
+location/schema/transactions in fanout.schema; the file side of eviction and
+quarantine goes through fanout.store (imported lazily: no torch for `status`).
 """
 
 from __future__ import annotations

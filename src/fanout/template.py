@@ -239,11 +239,13 @@ class ChatEncoder:
         asst = self.tokenizer.encode("assistant", add_special_tokens=False).ids
         nl = self.tokenizer.encode("\n", add_special_tokens=False).ids
         nn = self.tokenizer.encode("\n\n", add_special_tokens=False).ids
-        if len(asst) != 1 or len(nl) != 1 or len(nn) != 1:
-            raise ConfigError("loss mask: 'assistant' / newline are not single tokens")
-        self.assistant, self.nl, self.nn = asst[0], nl[0], nn[0]
         self.think = tok("<think>")
         self.end_think = tok("</think>")
+        # "\n\n" only matters inside empty think blocks: needed single only with think tokens.
+        has_think = self.think is not None and self.end_think is not None
+        if len(asst) != 1 or len(nl) != 1 or (has_think and len(nn) != 1):
+            raise ConfigError("loss mask: 'assistant' / newline are not single tokens")
+        self.assistant, self.nl, self.nn = asst[0], nl[0], nn[0] if len(nn) == 1 else -1
 
     def check(self, conv: Conversation) -> tuple[str, str] | None:
         """(field, reason) if the conversation would break the id scan, else None.
