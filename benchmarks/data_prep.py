@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -89,10 +90,10 @@ def ceiling(paths: list[str], workers: int, cache: str) -> tuple[float, int]:
     enc = ChatEncoder(spec)
     texts = [enc.render(c) for p in paths for c in load_conversations(p)]
     parts = [texts[i::workers] for i in range(workers)]
-    with get_context("spawn").Pool(workers) as pool:
-        pool.map(_encode_part, [(spec.tokenizer_json, ["warm"])] * workers)  # start-up untimed
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_encode_part, [(spec.tokenizer_json, ["warm"])] * workers))  # untimed
         t0 = time.perf_counter()
-        res = pool.map(_encode_part, [(spec.tokenizer_json, p) for p in parts])
+        res = list(pool.map(_encode_part, [(spec.tokenizer_json, p) for p in parts]))
         wall = time.perf_counter() - t0
     return wall, sum(n for _, n in res)
 
@@ -103,8 +104,7 @@ t0 = time.perf_counter()
 from fanout.prepare import PrepareConfig, iter_packed_rows
 cfg = PrepareConfig(data=sys.argv[1:-2], tokenizer=sys.argv[-2], seq_len=int(sys.argv[-1]), progress=False)
 batch = next(iter(iter_packed_rows(cfg)))
-print(time.perf_counter() - t0, batch["input_ids"].shape[0])
-import os; os._exit(0)
+print(time.perf_counter() - t0, batch["input_ids"].shape[0], flush=True)
 """
 
 HF_SCRIPT = r"""

@@ -89,7 +89,8 @@ def main() -> None:
     @torch.inference_mode()
     def forward() -> None:
         mask = packed_attention_mask(doc)
-        v.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        out = v.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        assert out.logits.shape[-1] == a.vocab  # the full [B, T, vocab] logits exist
 
     def capture() -> None:
         v.capture(ids, pos, doc)

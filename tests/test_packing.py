@@ -94,7 +94,7 @@ def test_padding_and_pad_id() -> None:
 
 def test_best_fit_fills_gaps() -> None:
     # 60 then 60 then 40 then 40 into T=100: best fit pairs each 60 with a 40.
-    rows, p = pack(make_docs([60, 60, 40, 40]), seq_len=100, lookahead=4, close_below=0)
+    _, p = pack(make_docs([60, 60, 40, 40]), seq_len=100, lookahead=4, close_below=0)
     assert p.rows == 2 and p.report()["fill"] == 1.0
     # Greedy next-fit (lookahead 1) cannot go back to the first row.
     _, p1 = pack(make_docs([60, 60, 40, 40]), seq_len=100, lookahead=1, close_below=0)

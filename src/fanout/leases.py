@@ -56,10 +56,16 @@ class Lease:
 
 
 class PublishedLike(Protocol):
-    name: str
-    path: Any
-    nbytes: int
-    checksum: str
+    """What publish_ready needs of fanout.store.Published (read-only members)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> Any: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def checksum(self) -> str: ...
 
 
 class WindowFiles(Protocol):

@@ -23,6 +23,7 @@ import atexit
 import os
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -94,6 +95,15 @@ _ENCODERS: dict[str, ChatEncoder] = {}
 def _init_worker() -> None:
     # One process per core already; the Rust thread pool inside would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    parent = os.getppid()
+
+    def watch_parent() -> None:  # a parent killed hard (or os._exit) leaves no orphans
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True, name="fanout-parent-watch").start()
 
 
 def encoder_for(spec: ChatSpec) -> ChatEncoder:
