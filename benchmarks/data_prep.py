@@ -189,8 +189,10 @@ def main() -> int:
     tokens = sa["tokens"]
     res.update(conversations=sa["input_rows"], tokens=tokens, rows=sa["rows"], fill=sa["fill"])
     res["a_tok_s"] = tokens / wall_a
+    # One worker = one core: keep the Rust encoder single-threaded too.
+    env_b = {**env, "TOKENIZERS_PARALLELISM": "false"}
     wall_b, _ = run_prepare(
-        paths, [*T, "--no-cache", "--out", str(tmp / "b"), "--workers", "1"], env
+        paths, [*T, "--no-cache", "--out", str(tmp / "b"), "--workers", "1"], env_b
     )
     res["b_tok_s"] = tokens / wall_b
     wall_c1, _ = run_prepare(paths, [*T, "--cache-dir", cache, "--workers", str(cores)], env)

@@ -66,7 +66,7 @@ def test_unknown_and_bad_fields_are_rejected(tmp_path: Path) -> None:
     raw = json.loads(CPU_TINY.read_text())
     raw["scenarios"] = ["1p2c"]
     p.write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="scenarios.0"):
+    with pytest.raises(ConfigError, match=r"scenarios\.0"):
         BenchConfig.load(p)
 
 
@@ -90,7 +90,7 @@ def _check_valid_report(rep: dict[str, Any], out: Path) -> None:
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["aggregate_speedup_vs_unshared"] == rep["aggregate_speedup_vs_unshared"]
     md = (out / "report.md").read_text()
-    assert "Validity rules" in md and "AMD" in md or "hardware" in md
+    assert ("Validity rules" in md and "AMD" in md) or "hardware" in md
     for png in ("steps.png", "live.png", "util.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     tel = sc["telemetry"]
@@ -109,7 +109,9 @@ def test_smoke_three_scenarios_end_to_end(assets_cache: Path, tmp_path: Path) ->
     )
 
 
-def test_role_failure_makes_run_invalid_and_exit_nonzero(assets_cache: Path, tmp_path: Path) -> None:
+def test_role_failure_makes_run_invalid_and_exit_nonzero(
+    assets_cache: Path, tmp_path: Path
+) -> None:
     cfg = smoke_config(assets_cache, scenarios=["1p1c"])
     raw = cfg.model_dump()
     raw["consumers"][0]["extra_args"] = ["--no-such-flag"]  # argparse exits 2

@@ -158,7 +158,9 @@ def test_summary_validity_rules(tmp_path: Path) -> None:
 def test_dead_role_and_missing_run_dir(tmp_path: Path) -> None:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
-    s = Sampler(tmp_path / "t.jsonl", roles={"gone": p.pid}, run_dirs=[tmp_path / "nope"], nvml=False)
+    s = Sampler(
+        tmp_path / "t.jsonl", roles={"gone": p.pid}, run_dirs=[tmp_path / "nope"], nvml=False
+    )
     r = s.sample()
     assert r["procs"]["gone"] == {"pid": p.pid, "alive": False}
     assert dir_bytes(tmp_path / "nope") == (0, 0)

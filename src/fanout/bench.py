@@ -20,6 +20,7 @@ failure or broken rule makes the run invalid and `fanout bench` exit 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fanout.errors import ConfigError
 
 Scenario = Literal["1p1c", "1p3c", "unshared"]
-SIGINT_RC = 130  # a trainer stopped by the harness's own time limit (demo mode)
+SCENARIOS: tuple[Scenario, ...] = ("1p1c", "1p3c", "unshared")
 
 
 class AssetsSpec(BaseModel):
@@ -82,6 +83,9 @@ class ProducerSpec(BaseModel):
     device: str = Field("cpu", description="verifier device (1p1c, 1p3c)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="dtype")
     workers: int | None = Field(1, ge=0, description="data-prep workers (None: all cores)")
+    threads: int | None = Field(
+        None, ge=1, description="torch/OMP threads of producers; None: threads_per_role"
+    )
     extra_args: list[str] = Field(default_factory=list, description="more `produce` flags")
 
 
@@ -111,9 +115,7 @@ class BenchConfig(BaseModel):
     assets: AssetsSpec = Field(default_factory=AssetsSpec)
     producer: ProducerSpec = Field(default_factory=ProducerSpec)
     consumers: list[ConsumerSpec] = Field(min_length=1, description="the drafts (1p3c uses all)")
-    scenarios: list[Scenario] = Field(
-        default_factory=lambda: ["1p1c", "1p3c", "unshared"], min_length=1
-    )
+    scenarios: list[Scenario] = Field(default_factory=lambda: list(SCENARIOS), min_length=1)
     unshared_producer_devices: list[str] | None = Field(
         None, description="verifier device of each unshared pair; default: producer.device"
     )
@@ -304,8 +306,7 @@ def plan(cfg: BenchConfig, scenario: Scenario, a: Assets, work: Path) -> Scenari
     if scenario == "unshared":
         devs = cfg.unshared_producer_devices or [cfg.producer.device] * len(cfg.consumers)
         pairs = [
-            (d / f"run-{c.id}", dev, [c], f"producer-{c.id}")
-            for c, dev in zip(cfg.consumers, devs)
+            (d / f"run-{c.id}", dev, [c], f"producer-{c.id}") for c, dev in zip(cfg.consumers, devs)
         ]
     else:
         cons = cfg.consumers[:1] if scenario == "1p1c" else cfg.consumers
@@ -335,11 +336,16 @@ def plan(cfg: BenchConfig, scenario: Scenario, a: Assets, work: Path) -> Scenari
     return ScenarioRun(scenario, d, roles, [p[0] for p in pairs])
 
 
-def _env(cfg: BenchConfig) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if cfg.threads_per_role:
+def _env(cfg: BenchConfig, kind: str) -> dict[str, str]:
+    # Passive OMP waits: with more threads than free cores, spinning threads would
+    # steal the cores the other roles need (and make numbers depend on the OMP build).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
+    n = cfg.threads_per_role
+    if kind == "producer" and cfg.producer.threads:
+        n = cfg.producer.threads
+    if n:
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[k] = str(cfg.threads_per_role)
+            env[k] = str(n)
     return env
 
 
@@ -372,10 +378,8 @@ def _coordinator_probe(run_dirs: list[Path]) -> Any:
 
 def _stop(proc: subprocess.Popen[bytes], sig: int) -> None:
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)  # the role and its data-prep workers
-        except ProcessLookupError:
-            pass
 
 
 def execute(
@@ -396,14 +400,17 @@ def execute(
         interval_s=cfg.telemetry_interval_s,
         probe=_coordinator_probe(run.run_dirs),
     )
-    env = _env(cfg)
     run.started_wall = time.time()
     t0 = time.monotonic()
     with sampler:
         for r in run.roles:
             with r.log.open("wb") as logf:
                 r.proc = subprocess.Popen(
-                    r.cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    r.cmd,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=_env(cfg, r.kind),
+                    start_new_session=True,
                 )
             sampler.add_role(r.name, r.proc.pid)
         failed = False

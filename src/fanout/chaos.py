@@ -36,6 +36,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -120,6 +121,19 @@ def _child(argv: list[str], log_path: str) -> None:
     sys.exit(code)
 
 
+def _noop() -> None:
+    pass
+
+
+def warm_forkserver() -> None:
+    """Start the forkserver (it imports PRELOAD once, ~5-10 s) before timing anything."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    p = ctx.Process(target=_noop)
+    p.start()
+    p.join()
+
+
 class Proc:
     """One started role process (forked from the forkserver, or exec'd)."""
 
@@ -173,8 +187,9 @@ class Role:
     exits: list[int] = field(default_factory=list)  # exit codes not caused by our kills
 
     def start(self, launcher: str) -> None:
+        last = "" if self.proc is None else f" (last exit code {self.proc.poll()})"
         with self.log.open("a") as f:
-            f.write(f"\n==== chaos: start #{self.starts + 1} of {self.name}\n")
+            f.write(f"\n==== chaos: start #{self.starts + 1} of {self.name}{last}\n")
         self.proc = Proc(self.argv, self.log, launcher)
         self.starts += 1
 
@@ -350,6 +365,8 @@ def final_state(run_dir: Path, db_path: Path | None = None) -> dict[str, Any]:
     from fanout.coordinator import Coordinator
 
     db = Coordinator.resolve_db_path(run_dir, db_path)
+    if not db.is_file():
+        return {"integrity_check": f"no database at {db}"}
     conn = sqlite3.connect(db)
     try:
         q = conn.execute
@@ -392,7 +409,7 @@ class ChaosConfig(BaseModel):
     lag_policy: Literal["hold", "recapture", "detach"] = Field("hold", description="lag policy")
     ttl_s: float = Field(5.0, gt=0, description="heartbeat ttl (s)")
     heartbeat_s: float = Field(0.3, gt=0, description="heartbeat interval (s)")
-    kills: int = Field(30, ge=0, description="stop killing after this many kills")
+    kills: int = Field(0, ge=0, description="stop killing after this many kills")
     minutes: float | None = Field(None, gt=0, description="or keep killing this long (soak)")
     kill_every_s: tuple[float, float] = Field((0.5, 1.5), description="kill interval range (s)")
     min_age_s: float = Field(1.0, ge=0, description="only kill roles at least this old (s)")
@@ -400,6 +417,7 @@ class ChaosConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0, description="give up (and fail) after this long (s)")
     launcher: Literal["fork", "exec"] = Field("fork", description="how roles are started")
     seed: int = Field(0, description="seeds the kill schedule")
+    target_layer_ids: tuple[int, ...] = Field((1, 2), description="verifier layers captured")
     db_path: str | None = Field(None, description="coordinator database outside the run dir")
     cache_dir: str | None = Field(None, description="data-prep cache (default work_dir/cache)")
 
@@ -436,6 +454,8 @@ class ChaosReport:
         out = [f"{c}: {e}" for c, cov in self.covers.items() for e in cov["errors"]]
         out += [f"partial/corrupt file under a final name: {b}" for b in self.bad_files]
         out += self.digest_mismatch
+        if not self.total_windows:
+            out.append("no stream.json: the producer never started the run")
         if self.timed_out:
             out.append(f"timed out after {self.elapsed_s:.0f} s")
         if self.max_live > k + 1 or self.max_files > k + 1:
@@ -472,6 +492,7 @@ class ChaosRun:
             for i in range(cfg.consumers)
         ]
         self.report = ChaosReport(config=cfg.model_dump(mode="json"))
+        self._status_proc: subprocess.Popen[str] | None = None
 
     @property
     def roles(self) -> list[Role]:
@@ -490,7 +511,7 @@ class ChaosRun:
             "expected-consumers": c.consumers,
             "epochs": c.epochs,
             "lag-policy": c.lag_policy,
-            "target-layer-ids": "1 2",
+            "target-layer-ids": " ".join(map(str, c.target_layer_ids)),
             "ttl-s": c.ttl_s,
             "heartbeat-s": c.heartbeat_s,
             "workers": 1,
@@ -541,17 +562,34 @@ class ChaosRun:
         if code == 0 and (role is not self.producer or all(t.done for t in self.trainers)):
             role.done = True
             return
-        if role is self.producer and code == 0:
-            time.sleep(0.2)  # finished its stream; restart only to serve recapture demand
+        if role is self.producer and code == 0 and not self._demand():
+            return  # finished its stream; restarted only to serve recapture demand
         role.start(self.cfg.launcher)
 
-    def run(self) -> ChaosReport:
+    def _demand(self) -> bool:
+        co = self.sampler._open()
+        q = "SELECT COUNT(*) FROM windows WHERE state IN ('queued', 'capturing')"
+        return co is not None and bool(co.conn.execute(q).fetchone()[0])
+
+    def start_trainers(self) -> None:
+        for t in self.trainers:
+            if t.proc is None:
+                t.start(self.cfg.launcher)
+
+    def run(
+        self, tick: Callable[[ChaosRun], None] | None = None, start_trainers: bool = True
+    ) -> ChaosReport:
+        """Start the roles (trainers later, by `tick`, if not `start_trainers`), kill
+        and restart them until every trainer finished, then check. `tick(self)` runs
+        every loop turn (~20 ms): scenarios inject their faults there."""
         c, rep = self.cfg, self.report
+        if c.launcher == "fork":
+            warm_forkserver()
         t0 = time.monotonic()
         killed: set[int] = set()
         self.producer.start(c.launcher)
-        for t in self.trainers:
-            t.start(c.launcher)
+        if start_trainers:
+            self.start_trainers()
         next_kill = t0 + self.rng.uniform(*c.kill_every_s)
         next_sample = next_cli = t0
         try:
@@ -563,25 +601,25 @@ class ChaosRun:
                 for r in self.roles:
                     self._supervise(r, killed)
                 if now >= next_kill and self._killing(t0):
-                    victims = [
-                        r
-                        for r in self.roles
-                        if r.running and r.proc is not None and now - r.proc.started >= c.min_age_s
-                    ]
-                    if victims:
-                        v = self.rng.choice(victims)
-                        assert v.proc is not None
+                    # Uniform over roles (the producer gets its share); one too young or
+                    # not running now is retried shortly.
+                    v = self.rng.choice(self.roles)
+                    if v.running and v.proc is not None and now - v.proc.started >= c.min_age_s:
                         v.proc.signal(signal.SIGKILL)
                         killed.add(v.proc.pid)
                         v.kills += 1
                         v.proc.wait(5)
-                    next_kill = now + self.rng.uniform(*c.kill_every_s)
+                        next_kill = now + self.rng.uniform(*c.kill_every_s)
+                    else:
+                        next_kill = now + 0.1
+                if tick is not None:
+                    tick(self)
                 if now >= next_sample:
                     self.sampler.sample()
                     next_sample = now + c.sample_every_s
                 if now >= next_cli:  # the real command, now and then
                     self._cli_status()
-                    next_cli = now + 10.0
+                    next_cli = now + 3.0
                 time.sleep(0.02)
         finally:
             for r in self.roles:
@@ -590,32 +628,31 @@ class ChaosRun:
                     r.proc.wait(5)
             self.sampler.sample()
             self.sampler.close()
+            if self._status_proc is not None:
+                self._status_proc.wait(60)
+                self._cli_status(launch=False)
         rep.elapsed_s = round(time.monotonic() - t0, 1)
         self.check()
         return rep
 
-    def _cli_status(self) -> None:
-        if not (self.run_dir / "contract.json").is_file():
+    def _cli_status(self, launch: bool = True) -> None:
+        """Run the real `fanout status --json` in the background; read the last one's answer."""
+        p = self._status_proc
+        if p is not None:
+            if p.poll() is None:
+                return
+            out, _ = p.communicate()
+            if p.returncode == 0:
+                w = json.loads(out)["windows"]
+                live = w["ready"] + w["capturing"] + w["evicting"]
+                self.report.max_live = max(self.report.max_live, live)
+                self.report.cli_samples += 1
+            self._status_proc = None
+        if not launch or not (self.run_dir / "contract.json").is_file():
             return
-        args = [
-            sys.executable,
-            "-m",
-            "fanout.cli",
-            "status",
-            "--run-dir",
-            str(self.run_dir),
-            "--json",
-        ]
-        if self.cfg.db_path:
-            args += ["--db-path", self.cfg.db_path]
-        p = subprocess.run(args, capture_output=True, text=True, timeout=60)
-        if p.returncode == 0:
-            s = json.loads(p.stdout)
-            w = s["windows"]
-            self.report.max_live = max(
-                self.report.max_live, w["ready"] + w["capturing"] + w["evicting"]
-            )
-            self.report.cli_samples += 1
+        args = [sys.executable, "-m", "fanout.cli", "status", "--run-dir", str(self.run_dir)]
+        args += ["--json", *(["--db-path", self.cfg.db_path] if self.cfg.db_path else [])]
+        self._status_proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
 
     def check(self) -> ChaosReport:
         rep, s = self.report, self.sampler
@@ -623,8 +660,9 @@ class ChaosRun:
         if self.cfg.db_path:
             args += ["--db-path", self.cfg.db_path]
         run_cli(args, self.work / "logs" / "sweep.log", self.cfg.launcher)
-        info = json.loads((self.run_dir / "stream.json").read_text())
-        rep.total_windows = int(info["total_windows"])
+        stream = self.run_dir / "stream.json"
+        if stream.is_file():
+            rep.total_windows = int(json.loads(stream.read_text())["total_windows"])
         for t in self.trainers:
             cov = check_cover(
                 read_log(self.work / "drafts" / t.name / "train_log.jsonl"), rep.total_windows

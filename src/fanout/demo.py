@@ -62,7 +62,7 @@ def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
     lines = [f"fanout demo: {'valid' if rep['valid'] else 'INVALID'} run, {sc['wall_s']:.0f} s"]
     lines.append(f"{'draft':<6} {'steps':>6} {'loss first → last':>20} {'EAL first → last':>20}")
     rose = []
-    for cid, c in sc["consumers"].items():
+    for cid in sc["consumers"]:
         log = out / "1p3c" / "drafts" / cid / "train_log.jsonl"
         l0, l1, n = _ends(log, "loss")
         e0, e1, _ = _ends(log, "eal")
@@ -73,7 +73,7 @@ def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
         lines.append(f"{cid:<6} {n:>6} {l0:>9.3f} → {l1:<8.3f} {e0:>9.2f} → {e1:<8.2f}")
     if rose and not all(rose):
         lines.append("warning: EAL did not rise for every draft (run longer: --minutes)")
-    p = next(iter(sc["producers"].values()), {})
+    p: dict[str, Any] = next(iter(sc["producers"].values()), {})
     acked = [c["windows_acked"] for c in sc["consumers"].values()]
     lines.append(
         f"windows: {sc['unique_windows']} captured by one verifier pass each "
@@ -96,9 +96,7 @@ def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "demo") -> None:
-    p.add_argument(
-        "--minutes", type=float, default=2.0, help="training time (minutes; default 2)"
-    )
+    p.add_argument("--minutes", type=float, default=2.0, help="training time (minutes; default 2)")
     p.add_argument(
         "--run-dir",
         default="runs/demo",

@@ -68,8 +68,12 @@ class PrepareConfig(BaseModel):
     workers: int | None = Field(
         None, ge=0, description="worker processes; None/0 = all usable cores (FANOUT_WORKERS)"
     )
-    cache_dir: str | None = Field(None, description="cache root (default $FANOUT_CACHE)")
-    no_cache: bool = Field(False, description="neither read nor write the cache")
+    cache_dir: str | None = Field(
+        None, description="cache root: prepared rows and tokenizer builds (default $FANOUT_CACHE)"
+    )
+    no_cache: bool = Field(
+        False, description="neither read nor write the prepared-rows cache (needs --out)"
+    )
     out: str | None = Field(None, description="output directory (default: the cache entry)")
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="bad rows: stop naming file:line:field, or skip and count"
@@ -272,7 +276,7 @@ def _materialize(entry: Path, out: Path) -> None:
 
 def prepare(cfg: PrepareConfig) -> PackedDataset:
     """Run the data stage (or load it from the cache) and return the packed dataset."""
-    spec, pool = prewarm(cfg)
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root())  # no workers on a cache hit
     fp = fingerprint(
         list(cfg.data),
         {
@@ -292,6 +296,8 @@ def prepare(cfg: PrepareConfig) -> PackedDataset:
     target = Path(cfg.out) if cfg.no_cache and cfg.out else entry
     if target.exists() and not (target / MANIFEST).is_file() and any(target.iterdir()):
         raise ConfigError(f"--out {target}: exists and is not a prepared dataset")
+    pool = shared_pool(cfg.workers)
+    pool.prewarm(spec)
     run = _Run(cfg, spec, pool)
     writer = ShardWriter(target, cfg.seq_len, cfg.rows_per_shard)
     try:
@@ -343,9 +349,9 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "prepare") -> None:
     )
     p.add_argument("--pair-keys", default="user,bot", metavar="U,A", help=_help("pair_keys"))
     p.add_argument("--workers", type=int, metavar="N", help=_help("workers"))
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--cache-dir", metavar="DIR", help=_help("cache_dir"))
-    g.add_argument("--no-cache", action="store_true", help=_help("no_cache"))
+    # Not exclusive: --no-cache skips the row cache, the tokenizer build still lives there.
+    p.add_argument("--cache-dir", metavar="DIR", help=_help("cache_dir"))
+    p.add_argument("--no-cache", action="store_true", help=_help("no_cache"))
     p.add_argument("--out", metavar="DIR", help=_help("out"))
     p.add_argument(
         "--on-bad-row", default="error", choices=["error", "skip"], help=_help("on_bad_row")

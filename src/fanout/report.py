@@ -119,9 +119,7 @@ def scenario_metrics(cfg: Any, run: Any, tel: Path) -> dict[str, Any]:
         acked = [w for r in recs for w in r.get("acked", [])]
         want = list(range(len(acked) if role.stopped_by_us else (total or 0)))
         if acked != want:
-            reasons.append(
-                f"{role.name}: acked windows {_short(acked)} != expected {_short(want)}"
-            )
+            reasons.append(f"{role.name}: acked windows {_short(acked)} != expected {_short(want)}")
         c: dict[str, Any] = {
             "steps": len(recs),
             "rows_per_step": role.spec.rows_per_step,
@@ -203,7 +201,9 @@ def scenario_metrics(cfg: Any, run: Any, tel: Path) -> dict[str, Any]:
                 recaptures=rec,
                 total_windows=snap["config"]["total_windows"],
                 high_water=snap["high_water"],
-                window_bytes=round(snap["high_water"]["bytes"] / max(1, snap["high_water"]["windows"])),
+                window_bytes=round(
+                    snap["high_water"]["bytes"] / max(1, snap["high_water"]["windows"])
+                ),
             )
         else:
             reasons.append(f"{role.name}: no coordinator database in {role.run_dir}")
@@ -422,10 +422,11 @@ def write_plots(rep: dict[str, Any], runs: list[tuple[Any, Path]], out: Path) ->
         ax = figs["steps"][1][0][i]
         for cid, c in sc["consumers"].items():
             if c["timeline"]:
-                t, s = zip(*c["timeline"])
-                ax.plot(t, s, label=cid)
+                ts, steps = zip(*c["timeline"])
+                ax.plot(ts, steps, label=cid)
         ax.set(title=f"{run.name}: steps", xlabel="s since start", ylabel="step")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # nothing plotted: no empty legend
+            ax.legend(fontsize=7)
         samples = read_samples(tel) if tel.is_file() else []
         t = [x["t_wall"] - run.started_wall for x in samples]
         ax = figs["live"][1][0][i]
@@ -442,7 +443,8 @@ def write_plots(rep: dict[str, Any], runs: list[tuple[Any, Path]], out: Path) ->
         for g in range(max((len(x.get("gpus", [])) for x in samples), default=0)):
             ax.plot(t, [(x.get("gpus") or [{}] * (g + 1))[g].get("util_pct") for x in samples], label=f"GPU {g} %")  # fmt: skip
         ax.set(title=f"{run.name}: utilization", xlabel="s", ylabel="%", ylim=(0, 105))
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # nothing plotted: no empty legend
+            ax.legend(fontsize=7)
     names = []
     for k, (fig, _) in figs.items():
         fig.tight_layout()

@@ -63,17 +63,22 @@ def _gpu_sample(nvml: Any) -> list[dict[str, Any]]:
     for i in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(i)
         rec: dict[str, Any] = {"index": i}
+
         # Each reading on its own: a GPU without a power sensor still reports the rest.
-        readers: dict[str, Callable[[], Any]] = {
-            "util_pct": lambda h=h: float(nvml.nvmlDeviceGetUtilizationRates(h).gpu),
-            "mem_used": lambda h=h: int(nvml.nvmlDeviceGetMemoryInfo(h).used),
-            "mem_total": lambda h=h: int(nvml.nvmlDeviceGetMemoryInfo(h).total),
-            "power_w": lambda h=h: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # mW → W
-            "sm_clock_mhz": lambda h=h: int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)),
-        }
-        for k, f in readers.items():
+        def _one(name: str, h: Any = h) -> Any:
+            if name == "util_pct":
+                return float(nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            if name == "mem_used":
+                return int(nvml.nvmlDeviceGetMemoryInfo(h).used)
+            if name == "mem_total":
+                return int(nvml.nvmlDeviceGetMemoryInfo(h).total)
+            if name == "power_w":
+                return nvml.nvmlDeviceGetPowerUsage(h) / 1000.0  # mW → W
+            return int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))
+
+        for k in ("util_pct", "mem_used", "mem_total", "power_w", "sm_clock_mhz"):
             try:
-                rec[k] = f()
+                rec[k] = _one(k)
             except Exception:
                 rec[k] = None
         try:
@@ -257,7 +262,9 @@ class Sampler:
             if not tree:
                 procs[name] = {"pid": pid, "alive": False}
                 continue
-            agg = {k: sum(s[k] for s in tree) for k in ("rss", "jiffies", "read_bytes", "write_bytes")}
+            agg = {
+                k: sum(s[k] for s in tree) for k in ("rss", "jiffies", "read_bytes", "write_bytes")
+            }
             p: dict[str, Any] = {
                 "pid": pid,
                 "alive": True,
@@ -439,7 +446,12 @@ def _gpu_summary(win: list[dict[str, Any]], *, roles: list[str], reasons: list[s
     for r in roles:
         if r not in role_peak:
             reasons.append(f"no GPU process memory for role {r!r}")
-    return {"available": True, "gpus": gpus, "peak_mem_by_pid": proc_peak, "peak_mem_by_role": role_peak}
+    return {
+        "available": True,
+        "gpus": gpus,
+        "peak_mem_by_pid": proc_peak,
+        "peak_mem_by_role": role_peak,
+    }
 
 
 # --------------------------------------------------------------------------- CLI

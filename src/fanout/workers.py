@@ -216,6 +216,7 @@ class WorkerPool:
         self.workers = workers
         self._ex: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._warming: list[Future[int]] = []
 
     def _executor(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -230,8 +231,10 @@ class WorkerPool:
         if self.workers == 1:
             return
         ex = self._executor()
-        for _ in range(self.workers):
-            ex.submit(_warm, spec)
+        self._warming = [ex.submit(_warm, spec) for _ in range(self.workers)]
+
+    def is_warm(self) -> bool:
+        return all(f.done() for f in self._warming)
 
     def map_ordered(
         self, fn: Callable[[T], R], tasks: Iterable[T], inflight: int | None = None
@@ -248,8 +251,20 @@ class WorkerPool:
         ex = self._executor()
         limit = inflight or 2 * self.workers + 2
         pending: deque[Future[R]] = deque()
+        it = iter(tasks)
         try:
-            for t in tasks:
+            if not self.is_warm():
+                # Cold start: queue the next chunks for the workers, but do the first
+                # one here while they are still starting, so the first rows come sooner.
+                first = next(it, None)
+                if first is None:
+                    return
+                for t in it:
+                    pending.append(ex.submit(fn, t))
+                    if len(pending) >= limit - 1:
+                        break
+                yield fn(first)
+            for t in it:
                 pending.append(ex.submit(fn, t))
                 if len(pending) >= limit:
                     yield pending.popleft().result()

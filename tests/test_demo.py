@@ -1,0 +1,26 @@
+"""`fanout demo`: the README's first command, shortened (builds the demo assets: slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fanout.cli import main as cli_main
+
+
+@pytest.mark.slow
+def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli_main(["demo", "--minutes", "0.5", "--run-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "captured by one verifier pass each (captures/window 1.0)" in out
+    for draft in ("b4", "b8", "b16"):
+        assert f"\n{draft} " in out
+    assert "disk: high-water" in out
+    assert (tmp_path / "last" / "report.md").is_file()
+    assert (tmp_path / "last" / "steps.png").is_file()
+
+
+def test_demo_rejects_nonpositive_minutes(tmp_path: Path) -> None:
+    assert cli_main(["demo", "--minutes", "0", "--run-dir", str(tmp_path)]) == 1
