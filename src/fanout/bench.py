@@ -469,6 +469,12 @@ def _shutdown(run: ScenarioRun) -> None:
 # --------------------------------------------------------------------------- whole run
 
 
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def run_bench(
     cfg: BenchConfig,
     out: str | os.PathLike[str],
@@ -481,6 +487,10 @@ def run_bench(
 
     work = Path(out)
     work.mkdir(parents=True, exist_ok=True)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and _main_thread():
+        # Started in the background (nohup, `&`): SIGINT is ignored and our trainers
+        # would inherit that, so the time limit's SIGINT would not stop them.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     echo(f"bench {cfg.name}: assets …")
     assets = resolve_assets(cfg.assets, work)
     runs: list[tuple[ScenarioRun, Path]] = []

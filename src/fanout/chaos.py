@@ -548,7 +548,7 @@ class ChaosRun:
         c = self.cfg
         if c.minutes is not None:
             return time.monotonic() - t0 < c.minutes * 60
-        return self.report.total_kills < c.kills
+        return sum(r.kills for r in self.roles) < c.kills
 
     def _supervise(self, role: Role, killed: set[int]) -> None:
         """Restart a role that died; a trainer that exited 0 is done; so is the
