@@ -427,7 +427,15 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = model_from_args(ProducerConfig, args)
-    summary = Producer(cfg).run()
+
+    def early_exit(signum: int, _frame: Any) -> None:
+        # Before the loop starts nothing is claimed: stopping now loses nothing.
+        log.warning("signal %d during start-up: exiting", signum)
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGINT, early_exit)
+    signal.signal(signal.SIGTERM, early_exit)
+    summary = Producer(cfg).run()  # run() installs the in-loop (finish-then-stop) handlers
     text = json.dumps(summary, indent=2)
     print(text)
     if args.summary_json:
