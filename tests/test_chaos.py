@@ -28,6 +28,17 @@ from typing import Any
 
 import pytest
 
+from chaos_helpers import (
+    bad_file,
+    db_cursor,
+    db_rows,
+    flip_tensor_byte,
+    max_gap_during,
+    next_window,
+    produce_argv,
+    ready,
+    tree,
+)
 from fanout.chaos import (
     ChaosAssets,
     ChaosConfig,
@@ -72,23 +83,6 @@ def _summary(rep: ChaosReport) -> str:
         f"files_verified={rep.files_verified} final={rep.final.get('counters')} "
         f"elapsed={rep.elapsed_s}s"
     )
-
-
-def _ready(run: ChaosRun) -> int:
-    co = run.sampler._open()
-    if co is None:
-        return 0
-    return int(co.conn.execute("SELECT COUNT(*) FROM windows WHERE state='ready'").fetchone()[0])
-
-
-def _next_window(run: ChaosRun) -> int:
-    co = run.sampler._open()
-    return 0 if co is None else int(co.meta("next_window"))
-
-
-def _tree(d: Path) -> dict[str, bytes]:
-    """Every file under d (bytes), to prove a failed command touched nothing."""
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 # ---------------------------------------------------------------- the checker itself
@@ -136,6 +130,51 @@ def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> No
     assert rep.cli_samples >= 3
     assert rep.max_live <= cfg.max_live_windows + 1
     assert sum(c["restarts"] for c in rep.covers.values()) >= 1  # a crash did force a replay
+
+
+def test_kill_before_first_checkpoint_restarts_from_zero(
+    chaos_root: Path, assets_root: Path
+) -> None:
+    """A trainer that dies before its first checkpoint committed (simulated: SIGKILL, then
+    its checkpoint directory removed) must start the stream again at window 0 — its
+    model saw nothing — not at the cursor its lost incarnation acked in the database."""
+    cfg = _cfg(chaos_root / "nockpt", chaos_root, conversations=60, consumers=1)
+    run = ChaosRun(cfg, _assets(assets_root, cfg.conversations))
+    t = run.trainers[0]
+    done: dict[str, int] = {}
+
+    def crash(r: ChaosRun) -> None:
+        if done or len(read_log(r.work / "drafts" / "c0" / "train_log.jsonl")) < 6:
+            return
+        assert t.proc is not None
+        t.proc.signal(signal.SIGKILL)
+        t.proc.wait(10)
+        for d in (r.work / "drafts" / "c0").glob("checkpoint-*"):
+            shutil.rmtree(d)
+        done["cursor"] = db_cursor(r)
+
+    rep = run.run(tick=crash)
+    print(_summary(rep))
+    assert done and done["cursor"] >= 1
+    _assert_ok(rep)
+    assert rep.covers["c0"]["restarts"] == 1 and rep.covers["c0"]["repeated_steps"] >= 6
+
+
+def test_producer_killed_inside_create_can_restart(chaos_root: Path, assets_root: Path) -> None:
+    """The state a SIGKILL between Coordinator.create's first write (the WAL header)
+    and its schema commit leaves: a database file with no tables. A restarted producer
+    must start the run, not fail on it forever ("not a fanout coordinator database")."""
+    a = _assets(assets_root, 60)
+    work = chaos_root / "midcreate"
+    (work / "run").mkdir(parents=True)
+    conn = sqlite3.connect(work / "run" / "coordinator.sqlite3")
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.close()
+    argv = produce_argv(work / "run", a, a.data, chaos_root / "cache", "--max-windows", "1")
+    log = work / "producer.log"
+    assert run_cli(argv, log) == 0, log.read_text()[-2000:]
+    assert "interrupted create" in log.read_text()
+    assert len(os.listdir(work / "run" / "windows")) == 1
 
 
 @pytest.mark.slow
@@ -190,7 +229,7 @@ def test_disk_full_then_freed(chaos_root: Path, assets_root: Path, tmpfs: Path) 
 
     def fill(r: ChaosRun) -> None:
         now = time.monotonic()
-        if "full_at" not in state and _next_window(r) >= 8:
+        if "full_at" not in state and next_window(r) >= 8:
             state["full_at"] = now
         if "full_at" in state and "freed_at" not in state:
             if now - state["full_at"] < 4.0:
@@ -206,7 +245,7 @@ def test_disk_full_then_freed(chaos_root: Path, assets_root: Path, tmpfs: Path) 
     print(_summary(rep))
     assert "freed_at" in state
     log = run.producer.log.read_text()
-    assert "No space left" in log  # the producer reported the full disk
+    assert "No space left" in log and "disk full, retrying" in log  # reported, waited
     _assert_ok(rep)
     assert rep.unexpected_exits == {}
 
@@ -214,33 +253,23 @@ def test_disk_full_then_freed(chaos_root: Path, assets_root: Path, tmpfs: Path) 
 # ---------------------------------------------------------------- 3. bit flip
 
 
-def _flip_tensor_byte(path: Path) -> None:
-    """Flip one bit in the middle of the tensor data (past the safetensors header)."""
-    with path.open("r+b") as f:
-        header = int.from_bytes(f.read(8), "little")
-        size = path.stat().st_size
-        at = 8 + header + (size - 8 - header) // 2
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ 0x10]))
-
-
 def test_bit_flip_is_quarantined_and_recaptured(chaos_root: Path, assets_root: Path) -> None:
     """K=4 windows wait for consumers; one gets a flipped bit before any consumer
     starts. Consumers must report it (checksum), it is quarantined and recaptured
     with the same bytes as the original, and nobody trains on the bad copy."""
-    cfg = _cfg(chaos_root / "bitflip", chaos_root, conversations=60, consumers=2, max_live_windows=4)
+    cfg = _cfg(
+        chaos_root / "bitflip", chaos_root, conversations=60, consumers=2, max_live_windows=4
+    )
     run = ChaosRun(cfg, _assets(assets_root, cfg.conversations))
     flipped: dict[str, Any] = {}
 
     def flip(r: ChaosRun) -> None:
-        if flipped or _ready(r) < 4:
+        if flipped or ready(r) < 4:
             return
         r.sampler.sample()  # the good bytes of every ready window, before the flip
         name = sorted(os.listdir(r.run_dir / "windows"))[1]
         flipped["name"], flipped["digest"] = name, window_digest(r.run_dir / "windows" / name)
-        _flip_tensor_byte(r.run_dir / "windows" / name)
+        flip_tensor_byte(r.run_dir / "windows" / name)
         r.start_trainers()
 
     rep = run.run(tick=flip, start_trainers=False)
@@ -257,3 +286,182 @@ def test_bit_flip_is_quarantined_and_recaptured(chaos_root: Path, assets_root: P
     assert "checksum" in logs and "waiting for its recapture" in logs
     for c in rep.covers.values():  # window w trained once (no crash, so no repeat)
         assert c["repeated_steps"] == 0
+
+
+# ---------------------------------------------------------------- 4. SIGSTOP past ttl
+
+
+@pytest.mark.parametrize(("policy", "exit_code"), [("detach", 3), ("recapture", 1)])
+def test_sigstop_past_ttl(chaos_root: Path, assets_root: Path, policy: str, exit_code: int) -> None:
+    """c1 is SIGSTOPped for 3×ttl. The others keep training (stall < ttl + slack);
+    once resumed c1 finds itself fenced (detached: exit 3; reclaimed as lost under
+    recapture: StaleLease, exit 1), is restarted with --resume, rejoins at its
+    checkpoint (its evicted windows recaptured) and completes its cover."""
+    ttl = 2.0
+    cfg = _cfg(
+        chaos_root / f"sigstop-{policy}",
+        chaos_root,
+        conversations=150,
+        lag_policy=policy,
+        ttl_s=ttl,
+    )
+    run = ChaosRun(cfg, _assets(assets_root, cfg.conversations))
+    victim = run.trainers[1]
+    vlog = run.work / "drafts" / victim.name / "train_log.jsonl"
+    when: dict[str, float] = {}
+
+    def pause(r: ChaosRun) -> None:
+        if "stop" not in when and len(read_log(vlog)) >= 6:
+            assert victim.proc is not None
+            victim.proc.signal(signal.SIGSTOP)
+            when["stop"], when["stop_wall"] = time.monotonic(), time.time()
+        elif "stop" in when and "cont" not in when and time.monotonic() - when["stop"] > 3 * ttl:
+            assert victim.proc is not None
+            victim.proc.signal(signal.SIGCONT)
+            when["cont"], when["cont_wall"] = time.monotonic(), time.time()
+
+    rep = run.run(tick=pause)
+    print(_summary(rep))
+    assert "cont" in when, "the victim never got going"
+    _assert_ok(rep)
+    assert rep.unexpected_exits == {victim.name: [exit_code]}
+    assert victim.starts == 2  # fenced once, rejoined once
+    counters = rep.final["counters"]
+    assert counters["detaches" if policy == "detach" else "reclaims"] >= 1
+    assert counters["recaptures"] >= 1  # the rejoined consumer's windows came back
+    for t in run.trainers:
+        if t is not victim:
+            recs = read_log(run.work / "drafts" / t.name / "train_log.jsonl")
+            gap = max_gap_during(recs, when["stop_wall"], when["cont_wall"])
+            print(f"{policy}: {t.name} longest stall while c1 was stopped: {gap:.2f} s")
+            assert gap < ttl + 2.5, f"{t.name} stalled {gap:.2f} s (ttl {ttl} s)"
+    assert "detached" in victim.log.read_text() or "stale" in victim.log.read_text()
+
+
+# ---------------------------------------------------------------- 5. bad input
+
+
+def test_bad_input_rows(chaos_root: Path, assets_root: Path) -> None:
+    a = _assets(assets_root, 60)
+    work = chaos_root / "badinput"
+    work.mkdir()
+    cache = chaos_root / "cache"
+    bad = bad_file(work / "bad.jsonl")
+    # A run with published windows that a bad restart must not touch.
+    good_run = work / "good"
+    assert (
+        run_cli(produce_argv(good_run, a, a.data, cache, "--max-windows", "2"), work / "good.log")
+        == 0
+    )
+    before = tree(good_run / "windows") | {"stream.json": (good_run / "stream.json").read_bytes()}
+    assert len(before) == 3
+
+    # error mode: the first bad row is named by file and line; nothing published is touched.
+    log = work / "error.log"
+    assert run_cli(produce_argv(good_run, a, bad, cache), log) == 1
+    assert f"{bad}:4" in log.read_text() and "JSON" in log.read_text()
+    assert (
+        tree(good_run / "windows") | {"stream.json": (good_run / "stream.json").read_bytes()}
+    ) == before
+
+    # the over-long conversation with --over-length error: named by its line too
+    log = work / "overlong.log"
+    argv = produce_argv(
+        work / "r-overlong", a, bad, cache, "--on-bad-row", "skip", "--over-length", "error"
+    )
+    assert run_cli(argv, log) == 1
+    assert f"{bad}:7" in log.read_text() and "seq_len" in log.read_text()
+
+    # skip mode: every bad row counted by reason; the long one dropped and counted.
+    fresh = work / "skip"
+    argv = produce_argv(
+        fresh, a, bad, cache, "--on-bad-row", "skip", "--over-length", "drop", "--max-windows", "1"
+    )
+    assert run_cli(argv, work / "skip.log") == 0
+    summary = json.loads((fresh / "stream.json").read_text())["dataset_summary"]
+    assert summary["skipped_bad_rows"] == 3, summary
+    assert summary["dropped_over_length"] == 1, summary
+
+    # skip mode against the published run: another dataset = another contract → refused,
+    # and still nothing touched (stream.json included).
+    log = work / "skip-on-good.log"
+    argv = produce_argv(good_run, a, bad, cache, "--on-bad-row", "skip", "--over-length", "drop")
+    assert run_cli(argv, log) == 1
+    assert "dataset_fingerprint" in log.read_text()
+    assert (
+        tree(good_run / "windows") | {"stream.json": (good_run / "stream.json").read_bytes()}
+    ) == before
+
+
+# ---------------------------------------------------------------- 6. changed contract
+
+
+def test_changed_contract_is_refused(chaos_root: Path, assets_root: Path) -> None:
+    from fanout.assets import tiny_qwen3_verifier
+
+    a = _assets(assets_root, 60)
+    work = chaos_root / "contract"
+    work.mkdir()
+    cache = chaos_root / "cache"
+    old = work / "old"
+    assert run_cli(produce_argv(old, a, a.data, cache, "--max-windows", "3"), work / "old.log") == 0
+    keep = {n: (old / n).read_bytes() for n in ("stream.json", "contract.json")} | tree(
+        old / "windows"
+    )
+    rows = db_rows(old)
+    vocab = json.loads((a.verifier / "config.json").read_text())["vocab_size"]
+    other = tiny_qwen3_verifier(
+        work / "other-verifier", vocab, hidden_size=32, num_layers=4, head_dim=8,
+        intermediate_size=64, seed=1,
+    )  # fmt: skip
+    refusals = {
+        "layers": (produce_argv(old, a, a.data, cache, "--target-layer-ids", "1", "3"), "target_layer_ids"),
+        "weights": ([*produce_argv(old, a, a.data, cache), "--verifier-name-or-path", str(other)], "verifier_weights_fingerprint"),
+        "trainer": (["train", "--run-dir", str(old), "--consumer-id", "t", "--verifier-name-or-path", str(a.verifier),
+                     "--target-layer-ids", "1", "3", "--save-path", str(work / "t"), "--acquire-timeout-s", "30"],
+                    "target_layer_ids"),
+    }  # fmt: skip
+    for what, (argv, field) in refusals.items():
+        log = work / f"refused-{what}.log"
+        assert run_cli(argv, log) == 1, what
+        text = log.read_text()
+        assert "capture contract mismatch" in text and field in text, (what, text[-800:])
+    # Nothing of the old run changed: files, stream info, coordinator rows.
+    assert (
+        {n: (old / n).read_bytes() for n in ("stream.json", "contract.json")}
+        | tree(old / "windows")
+    ) == keep
+    assert db_rows(old) == rows
+
+    # A new run under the new contract: an old-contract file planted under one of its
+    # window names is refused by the consumer (quarantined, recaptured), never trained on.
+    cfg = _cfg(work / "new", chaos_root, conversations=60, consumers=1, max_live_windows=4,
+               target_layer_ids=(1, 3))  # fmt: skip
+    run = ChaosRun(cfg, a)
+    planted: dict[str, Any] = {}
+
+    def plant(r: ChaosRun) -> None:
+        if planted or ready(r) < 4:
+            return
+        r.sampler.sample()
+        name = sorted(os.listdir(r.run_dir / "windows"))[0]
+        assert name.startswith("00000000.")
+        shutil.copyfile(
+            old / "windows" / sorted(os.listdir(old / "windows"))[0], r.run_dir / "windows" / name
+        )
+        planted["name"] = name
+        r.start_trainers()
+
+    rep = run.run(tick=plant, start_trainers=False)
+    print(_summary(rep))
+    assert planted
+    _assert_ok(rep)
+    assert rep.final["counters"]["corrupt"] == 1 and rep.final["counters"]["recaptures"] >= 1
+    (_q,) = [q for q in os.listdir(run.run_dir / "quarantine") if q.startswith(planted["name"])]
+    assert json.loads((old / "contract.json").read_text()) != json.loads(
+        (run.run_dir / "contract.json").read_text()
+    )
+    assert "contract" in run.trainers[0].log.read_text()
+    assert tree(old / "windows") == {
+        k: v for k, v in keep.items() if k not in ("stream.json", "contract.json")
+    }

@@ -19,7 +19,7 @@ from fanout.errors import BadRow, ConfigError
 from fanout.packing import ROW_KEYS, concat_batches
 from fanout.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
 from fanout.template import ChatEncoder, load_chat_spec
-from fanout.workers import resolve_workers, usable_cpus
+from fanout.workers import WorkerPool, resolve_workers, start_method, usable_cpus
 
 FASTCHAT = "chat/fastchat/dummy_conversation.json"
 GLAIVE = "chat/llama-factory/glaive_toolcall_en_demo.json"
@@ -210,6 +210,46 @@ def test_usable_cpus_reads_cgroup_quota(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("FANOUT_WORKERS", "x")
     with pytest.raises(ConfigError, match="FANOUT_WORKERS"):
         resolve_workers(None)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("prewarmed", [True, False])
+def test_start_methods_give_identical_rows(
+    base: dict[str, Any], tmp_path: Path, method: str, prewarmed: bool
+) -> None:
+    """Forked (warm, inherited tokenizer) and spawned workers, prewarmed or not, must
+    produce exactly the in-process rows."""
+    from fanout.prepare import _Run
+
+    cfg = PrepareConfig(**{**base, "chunk_rows": 61})
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root())
+    one = concat_batches(list(_Run(cfg, spec, WorkerPool(1)).batches()))
+    pool = WorkerPool(2, method=method)
+    try:
+        if prewarmed:
+            pool.prewarm(spec)
+        two = concat_batches(list(_Run(cfg, spec, pool).batches()))
+        again = concat_batches(list(_Run(cfg, spec, pool).batches()))  # the pool stays warm
+    finally:
+        pool.close()
+    assert pool.method == method
+    for k in ROW_KEYS:
+        assert (one[k] == two[k]).all() and (one[k] == again[k]).all()
+
+
+def test_start_method_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.delenv("FANOUT_START_METHOD", raising=False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert start_method() == ("fork" if sys.platform.startswith("linux") else "spawn")
+    monkeypatch.setitem(sys.modules, "torch", sys)  # any module object: "torch is loaded"
+    assert start_method() == "spawn"
+    monkeypatch.setenv("FANOUT_START_METHOD", "fork")
+    assert start_method() == "fork"
+    monkeypatch.setenv("FANOUT_START_METHOD", "thread")
+    with pytest.raises(ConfigError, match="FANOUT_START_METHOD"):
+        start_method()
 
 
 def test_cli_prepare_json(

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator, RunConfig
-from fanout.errors import ConfigError, StaleLease, StorageError
+from fanout.errors import ConfigError, ContractMismatch, StaleLease, StorageError, StorageFull
 from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args
 from fanout.leases import Claim, ProducerReg
@@ -103,6 +103,16 @@ class ProducerConfig(BaseModel):
     progress: bool = Field(True, description="progress bar on stderr")
 
 
+def _no_tables(db: Path) -> bool:
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]) == 0
+    finally:
+        conn.close()
+
+
 def window_count(num_rows: int, epochs: int, window_rows: int) -> int:
     return math.ceil(num_rows * epochs / window_rows)
 
@@ -130,6 +140,7 @@ class ProducerStats:
     tokens: int = 0
     bytes: int = 0
     failures: int = 0
+    disk_full_waits: int = 0
     waits_s: float = 0.0
     capture_s: float = 0.0
     publish_s: float = 0.0
@@ -143,6 +154,7 @@ class ProducerStats:
             "tokens": self.tokens,
             "bytes": self.bytes,
             "failures": self.failures,
+            "disk_full_waits": self.disk_full_waits,
             "elapsed_s": round(el, 3),
             "tokens_per_s": round(self.tokens / el, 1),
             "bytes_per_s": round(self.bytes / el, 1),
@@ -211,8 +223,17 @@ class Producer:
             ttl_s=cfg.ttl_s,
         )
         db = Coordinator.resolve_db_path(self.run_dir.root, cfg.db_path)
+        if db.exists() and _no_tables(db):
+            # A producer killed inside Coordinator.create, before its schema committed:
+            # nothing was ever stored, and no later open could use the file. Start over.
+            log.warning("%s has no tables (interrupted create); creating it again", db)
+            for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+                p.unlink(missing_ok=True)
         if db.exists():
             coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
+            if coord.contract != self.contract:  # refuse before touching stream.json
+                coord.close()
+                raise ContractMismatch(coord.contract.diff(self.contract), where="producer")
             if coord.config != run_cfg:
                 log.warning("run settings stored in %s win over flags: %s", db, coord.config)
             return coord
@@ -299,7 +320,7 @@ class Producer:
             row_start=claim.rows[0],
             row_end=claim.rows[0] + r,
         )
-        published = self.store.publish(tensors, meta)
+        published = self._publish(tensors, meta, claim)
         try:
             self.coord.publish_ready(claim, published)
         except StaleLease:
@@ -311,6 +332,24 @@ class Producer:
         self.stats.rows += r
         self.stats.tokens += int((tensors["document_ids"] >= 0).sum())
         self.stats.bytes += published.nbytes
+
+    def _publish(self, tensors: dict[str, Any], meta: WindowMeta, claim: Claim) -> Any:
+        """Store.publish, waiting out a full disk with the captured tensors in hand: ENOSPC
+        is transient (evictions and operators free space) and must not use up the
+        window's capture attempts (3 quick failures would fail the window for good).
+        Each try writes a fresh temp file, so no fsync is ever retried."""
+        delay = 0.5
+        while True:
+            try:
+                return self.store.publish(tensors, meta)
+            except StorageFull as e:
+                if self._stop:
+                    raise
+                self.stats.disk_full_waits += 1
+                log.error("window %d: %s; disk full, retrying in %.1f s", claim.window, e, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                self.coord.renew(claim)  # StaleLease if we were superseded meanwhile
 
     # ---- the loop -----------------------------------------------------------------
 

@@ -35,12 +35,14 @@ Added tokens split the text before BPE, so no token can straddle `<|im_start|>`,
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -159,11 +161,47 @@ def _build(tok_dir: str, out: str) -> None:
     (Path(out) / "chat.json").write_text(json.dumps(meta, indent=1))
 
 
+@functools.cache
+def _sandbox_class() -> Any:
+    """transformers' ImmutableSandboxedEnvironment, with two exact shortcuts.
+
+    Profiled, ~half of a render went to the sandbox's per-access checks. For plain
+    builtin values the safety answer depends only on (type, name), so it is memoised;
+    and `message.role` on a plain dict, which the sandbox answers by first raising
+    AttributeError, goes straight to the key when `dict` has no such attribute.
+    Anything else takes the sandbox's own path.
+    """
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    plain = (str, dict, list, tuple, int, float, bool, type(None))
+    dict_attrs = frozenset(dir(dict))
+    safe: dict[tuple[type, str], bool] = {}
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+            key = (type(obj), attr)
+            if key[0] not in plain:
+                return bool(super().is_safe_attribute(obj, attr, value))
+            ok = safe.get(key)
+            if ok is None:
+                ok = safe[key] = bool(super().is_safe_attribute(obj, attr, value))
+            return ok
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            if type(obj) is dict and attribute not in dict_attrs:
+                try:
+                    return obj[attribute]
+                except LookupError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    return Sandbox
+
+
 def compile_template(source: str) -> Any:
     """Compile a chat template in the same Jinja environment transformers uses."""
     import jinja2
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
@@ -193,7 +231,7 @@ def compile_template(source: str) -> Any:
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.Scope(body, lineno=lineno)
 
-    env = ImmutableSandboxedEnvironment(
+    env = _sandbox_class()(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, GenerationTag],
@@ -274,9 +312,10 @@ class ChatEncoder:
         """Rendered texts → (flat int32 ids, int64 lengths). No offsets are computed."""
         encs = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         lengths = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
-        if not encs:
-            return np.zeros(0, np.int32), lengths
-        ids = np.concatenate([np.asarray(e.ids, dtype=np.int32) for e in encs])  # [sum L]
+        # One pass straight into the int32 buffer: no per-document arrays to concatenate.
+        ids = np.fromiter(
+            chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(lengths.sum())
+        )  # [sum L]
         return ids, lengths
 
     def encode(self, convs: list[Conversation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -205,7 +205,9 @@ class Trainer:
             rows_total = self.max_windows * contract.window_rows
         total_steps = cfg.max_steps or (rows_total // cfg.rows_per_step if rows_total else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total_steps))
-        self.state: dict[str, Any] = {"step": 0, "cursor": None, "rows_done": 0, "epoch": 0}
+        # cursor 0, not "whatever the database says": a model without a checkpoint has
+        # seen nothing, even if an earlier incarnation of this consumer acked windows.
+        self.state: dict[str, Any] = {"step": 0, "cursor": 0, "rows_done": 0, "epoch": 0}
         if cfg.resume and (ckpt := latest_checkpoint(cfg.save_path)) is not None:
             self.state = load_checkpoint(
                 ckpt, self.draft, self.opt, generators={"anchors": self.gen}

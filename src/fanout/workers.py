@@ -2,19 +2,27 @@
 
     from fanout.workers import shared_pool, usable_cpus
     pool = shared_pool()                 # sized from affinity + cgroup quota (or FANOUT_WORKERS)
-    pool.prewarm(spec)                   # workers load tokenizer + template in the background
+    pool.prewarm(spec)                   # tokenizer + template load in the background
     for res in pool.map_ordered(encode_chunk, tasks, inflight=8):   # results in task order
         ...
 
 Why a pool of its own (not `datasets.map(num_proc=…)`): it is started once per
-process and stays warm, each worker loads the tokenizer once, work is handed out in
+process and stays warm, the tokenizer is loaded once, work is handed out in
 chunks of hundreds of rows (raw JSONL bytes in, flat numpy arrays out, so pickling
 is per chunk and never per row), results come back in submission order whatever
 the worker count, and concurrent callers share one FIFO queue with a bounded
 number of chunks in flight each, so none starves the others and there is no
-per-batch-size tuning. Workers are `spawn`ed: they import numpy, tokenizers,
-jinja2 and pydantic, never torch or transformers (start-up is well under a second).
-With one worker the work runs in the calling thread (no process at all).
+per-batch-size tuning. With one worker the work runs in the calling thread.
+
+Start-up (measured, docs/data.md): loading the 11 MB tokenizer.json costs ~1 s of
+CPU, and a `spawn`ed worker pays that plus a fresh interpreter and its imports.
+So where it is safe — Linux, and no torch/jax/tensorflow in this process (their
+thread pools and CUDA state do not survive fork) — workers are FORKED from this
+process after `prewarm` has loaded a dedicated encoder here (one that no parent
+thread ever encodes with, so no tokenizer lock can be held at fork time): every
+worker starts warm at no extra cost. Otherwise they are `spawn`ed (tokenizers,
+jinja2, numpy, pydantic; never torch or transformers) and load it themselves.
+`FANOUT_START_METHOD=fork|spawn|forkserver` overrides the choice.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import sys
 import threading
 import time
 from collections import deque
@@ -90,11 +99,19 @@ def resolve_workers(requested: int | None = None) -> int:
 # --------------------------------------------------------------------------- worker side
 
 _ENCODERS: dict[str, ChatEncoder] = {}
+# Loaded in the parent only to be inherited by forked workers; never used there.
+_FORK_ENCODERS: dict[str, ChatEncoder] = {}
+_FORK_LOCK = threading.Lock()
+# Modules whose runtime state (thread pools, CUDA) makes fork unsafe.
+_FORK_UNSAFE = ("torch", "jax", "tensorflow")
 
 
 def _init_worker() -> None:
     # One process per core already; the Rust thread pool inside would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Forked: an encoder a parent thread was using may hold a tokenizer lock; only the
+    # dedicated _FORK_ENCODERS (never used in the parent) are safe to inherit.
+    _ENCODERS.clear()
     parent = os.getppid()
 
     def watch_parent() -> None:  # a parent killed hard (or os._exit) leaves no orphans
@@ -110,8 +127,28 @@ def encoder_for(spec: ChatSpec) -> ChatEncoder:
     """The per-process ChatEncoder for a spec (loaded once, then warm)."""
     enc = _ENCODERS.get(spec.tokenizer_json)
     if enc is None:
-        enc = _ENCODERS[spec.tokenizer_json] = ChatEncoder(spec)
+        # A forked worker finds the parent's pre-loaded encoder here (no load at all).
+        enc = _FORK_ENCODERS.get(spec.tokenizer_json) or ChatEncoder(spec)
+        _ENCODERS[spec.tokenizer_json] = enc
     return enc
+
+
+def _load_for_fork(spec: ChatSpec) -> None:
+    with _FORK_LOCK:
+        if spec.tokenizer_json not in _FORK_ENCODERS:
+            _FORK_ENCODERS[spec.tokenizer_json] = ChatEncoder(spec)
+
+
+def start_method() -> str:
+    """`fork` on Linux when no fork-unsafe runtime is loaded, else `spawn` (env overrides)."""
+    env = os.environ.get("FANOUT_START_METHOD")
+    if env:
+        if env not in ("fork", "spawn", "forkserver"):
+            raise ConfigError(f"FANOUT_START_METHOD={env!r}: expected fork|spawn|forkserver")
+        return env
+    if sys.platform.startswith("linux") and not any(m in sys.modules for m in _FORK_UNSAFE):
+        return "fork"
+    return "spawn"
 
 
 def _warm(spec: ChatSpec) -> int:
@@ -208,30 +245,74 @@ def encode_chunk(task: ChunkTask) -> ChunkResult:
 
 
 class WorkerPool:
-    """`workers` processes (spawned lazily once, kept warm); 1 worker = in-process."""
+    """`workers` processes (started lazily once, kept warm); 1 worker = in-process."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, method: str | None = None) -> None:
         if workers < 1:
             raise ConfigError(f"workers: need >= 1, got {workers}")
         self.workers = workers
+        self.method = method  # None: start_method() when the processes start
         self._ex: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._warming: list[Future[int]] = []
+        self._loader: threading.Thread | None = None
 
     def _executor(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._ex is None:
-                self._ex = ProcessPoolExecutor(
-                    self.workers, mp_context=get_context("spawn"), initializer=_init_worker
-                )
+                self.method = self.method or start_method()
+                if self.method == "fork":
+                    self._ex = self._fork_workers()
+                else:
+                    self._ex = ProcessPoolExecutor(
+                        self.workers, mp_context=get_context(self.method), initializer=_init_worker
+                    )
             return self._ex
 
+    def _fork_workers(self) -> ProcessPoolExecutor:
+        """Fork every worker now, after the prewarm load finished (they inherit it warm)."""
+        warm = self._loader is not None
+        if self._loader is not None:
+            self._loader.join()  # the load is needed anyway; no tokenizer call runs during fork
+        ex = ProcessPoolExecutor(
+            self.workers, mp_context=get_context("fork"), initializer=_init_worker
+        )
+        # Children must not use rayon threads (one process per core already), and
+        # tokenizers prints a warning at fork unless the variable is set: set it for
+        # the fork only, so this process keeps its own setting.
+        old = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        try:
+            with _FORK_LOCK:  # no _load_for_fork half-done in another thread
+                # With fork, Python starts all processes at the first submit.
+                started = ex.submit(os.getpid)
+        finally:
+            if old is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = old
+        # Not prewarmed: the workers load the tokenizer themselves, so map_ordered does
+        # the first chunk here meanwhile (as with spawn). Prewarmed: they are warm now.
+        self._warming = [] if warm else [started]
+        return ex
+
     def prewarm(self, spec: ChatSpec) -> None:
-        """Start the workers and load the tokenizer in each, without waiting."""
+        """Load the tokenizer (here for in-process / forked workers, else in each spawned
+        worker) in the background; returns at once."""
         if self.workers == 1:
+            target: Callable[[ChatSpec], Any] = encoder_for
+        elif (self.method or start_method()) == "fork":
+            target = _load_for_fork
+        else:
+            ex = self._executor()
+            self._warming = [ex.submit(_warm, spec) for _ in range(self.workers)]
             return
-        ex = self._executor()
-        self._warming = [ex.submit(_warm, spec) for _ in range(self.workers)]
+        with self._lock:
+            if self._loader is None and self._ex is None:
+                self._loader = threading.Thread(
+                    target=target, args=(spec,), daemon=True, name="fanout-prewarm"
+                )
+                self._loader.start()
 
     def is_warm(self) -> bool:
         return all(f.done() for f in self._warming)
@@ -245,6 +326,8 @@ class WorkerPool:
         callers share the queue; each caller only ever waits on its own futures.
         """
         if self.workers == 1:
+            if self._loader is not None:
+                self._loader.join()
             for t in tasks:
                 yield fn(t)
             return

@@ -1,0 +1,48 @@
+"""Chaos driver: a producer and N trainers as real processes, killed -9 at random, restarted.
+
+    python -m fanout.chaos --work-dir runs/chaos --kills 30 --conversations 700   # ~1 min
+    python -m fanout.chaos --work-dir runs/soak --minutes 10 --conversations 4000 --epochs 3
+
+Builds tiny assets once (BPE tokenizer, untrained 4-layer Qwen3 with H=32, synthetic
+chat JSONL), starts `fanout produce` and `fanout train --resume` ×N on one run
+directory, and every `kill_every_s` seconds SIGKILLs one running role that is at
+least `min_age_s` old; a killed (or crashed) role is restarted at once from its
+checkpoint / the coordinator's state. While it runs it samples the coordinator
+(`fanout status --json`'s snapshot) and every final-named file in windows/ (fully
+verified at first sight: a partial file under a final name fails the run). At the
+end it checks what the system promises (`ChaosReport.problems()`): each consumer's
+train_log.jsonl is an in-order cover of the stream with repeats only right after
+its own crash (`check_cover`), every capture of a window holds the same bytes,
+`PRAGMA integrity_check` is ok, no lease is left and windows/ + tmp/ end empty.
+
+Roles run from a forkserver that has already imported torch and transformers
+(`launcher="fork"`): a restart then costs ~1 s instead of ~8 s of imports on a
+loaded 2-core box, which is what makes 30+ kills fit a test. They still are real
+processes running the same entry point as the `fanout` command (fanout.cli.main),
+killed with a real SIGKILL. `launcher="exec"` starts `python -m fanout.cli` instead.
+
+Modules: fanout.chaos.procs (assets, forkserver, role processes),
+fanout.chaos.checks (cover check, sampler, end-of-run state, report),
+fanout.chaos.driver (ChaosConfig, ChaosRun), `python -m fanout.chaos` (__main__).
+"""
+
+from fanout.chaos.checks import ChaosReport, Cover, Sampler, check_cover, read_log, window_digest
+from fanout.chaos.driver import ChaosConfig, ChaosRun
+from fanout.chaos.procs import ChaosAssets, Proc, Role, build_assets, run_cli, warm_forkserver
+
+__all__ = [
+    "ChaosAssets",
+    "ChaosConfig",
+    "ChaosReport",
+    "ChaosRun",
+    "Cover",
+    "Proc",
+    "Role",
+    "Sampler",
+    "build_assets",
+    "check_cover",
+    "read_log",
+    "run_cli",
+    "warm_forkserver",
+    "window_digest",
+]

@@ -1,0 +1,297 @@
+"""The chaos run: start a producer and N trainers, kill -9 / pause / break things, check.
+
+    from fanout.chaos import ChaosConfig, ChaosRun
+    rep = ChaosRun(ChaosConfig(work_dir="runs/chaos", kills=30)).run()
+    assert not rep.problems()
+
+A loop (~20 ms a turn) restarts every role that died (a trainer that exited 0 is
+done; the producer is restarted only while trainers still need windows captured),
+SIGKILLs a random role every `kill_every_s` while killing is on, calls the
+scenario's `tick(run)` (fault injection) and samples the run. Then `check()`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.chaos.checks import ChaosReport, Sampler, check_cover, final_state, read_log
+from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_forkserver
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- the run
+
+
+class ChaosConfig(BaseModel):
+    """One chaos run: sizes, fault schedule and limits."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    work_dir: str = Field(description="assets/, run/, drafts/, logs/ go here")
+    consumers: int = Field(3, ge=1, description="trainers (consumers c0 … cN-1)")
+    conversations: int = Field(60, ge=1, description="chat rows in the data file (stream length)")
+    epochs: int = Field(1, ge=1, description="passes over the data (longer stream)")
+    seq_len: int = Field(64, ge=8, description="tokens per packed row")
+    window_rows: int = Field(2, ge=1, description="rows per window R")
+    rows_per_step: int = Field(
+        1, ge=1, description="rows per optimizer step (<R: mid-window resume)"
+    )
+    max_live_windows: int = Field(3, ge=2, description="K")
+    lag_policy: Literal["hold", "recapture", "detach"] = Field("hold", description="lag policy")
+    ttl_s: float = Field(5.0, gt=0, description="heartbeat ttl (s)")
+    heartbeat_s: float = Field(0.3, gt=0, description="heartbeat interval (s)")
+    kills: int = Field(0, ge=0, description="stop killing after this many kills")
+    minutes: float | None = Field(None, gt=0, description="or keep killing this long (soak)")
+    kill_every_s: tuple[float, float] = Field((0.5, 1.5), description="kill interval range (s)")
+    min_age_s: float = Field(1.0, ge=0, description="only kill roles at least this old (s)")
+    sample_every_s: float = Field(0.2, gt=0, description="status + windows/ sampling period (s)")
+    timeout_s: float = Field(600.0, gt=0, description="give up (and fail) after this long (s)")
+    max_crashes: int = Field(5, ge=0, description="stop restarting a role after this many crashes")
+    launcher: Literal["fork", "exec"] = Field("fork", description="how roles are started")
+    seed: int = Field(0, description="seeds the kill schedule")
+    target_layer_ids: tuple[int, ...] = Field((1, 2), description="verifier layers captured")
+    db_path: str | None = Field(None, description="coordinator database outside the run dir")
+    cache_dir: str | None = Field(None, description="data-prep cache (default work_dir/cache)")
+
+
+class ChaosRun:
+    """Set up, run with faults, and check one 1-producer / N-consumer run."""
+
+    def __init__(self, cfg: ChaosConfig, assets: ChaosAssets | None = None) -> None:
+        self.cfg = cfg
+        self.work = Path(cfg.work_dir).absolute()
+        self.run_dir = self.work / "run"
+        self.assets = assets or build_assets(self.work / "assets", cfg.conversations)
+        (self.work / "logs").mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(cfg.seed)
+        db = Path(cfg.db_path) if cfg.db_path else None
+        self.sampler = Sampler(self.run_dir, cfg.max_live_windows, db)
+        self.producer = Role("producer", self.producer_argv(), self.work / "logs" / "producer.log")
+        self.trainers = [
+            Role(f"c{i}", self.trainer_argv(i), self.work / "logs" / f"c{i}.log")
+            for i in range(cfg.consumers)
+        ]
+        self.report = ChaosReport(config=cfg.model_dump(mode="json"))
+        self._status_proc: subprocess.Popen[str] | None = None
+        self._bag: list[Role] = []  # kill order: roles shuffled, refilled when empty
+
+    @property
+    def roles(self) -> list[Role]:
+        return [self.producer, *self.trainers]
+
+    def producer_argv(self, **over: Any) -> list[str]:
+        c, a = self.cfg, self.assets
+        opts: dict[str, Any] = {
+            "run-dir": self.run_dir,
+            "verifier-name-or-path": a.verifier,
+            "tokenizer": a.tokenizer,
+            "data": a.data,
+            "seq-len": c.seq_len,
+            "window-rows": c.window_rows,
+            "max-live-windows": c.max_live_windows,
+            "expected-consumers": c.consumers,
+            "epochs": c.epochs,
+            "lag-policy": c.lag_policy,
+            "target-layer-ids": " ".join(map(str, c.target_layer_ids)),
+            "ttl-s": c.ttl_s,
+            "heartbeat-s": c.heartbeat_s,
+            "workers": 1,
+            "cache-dir": c.cache_dir or self.work / "cache",
+            "device": "cpu",
+            "capture-batch-rows": c.window_rows,
+            "db-path": c.db_path,
+        }
+        opts.update(over)
+        return ["produce", "--no-progress", *_flags(opts)]
+
+    def trainer_argv(self, i: int, **over: Any) -> list[str]:
+        c = self.cfg
+        opts: dict[str, Any] = {
+            "run-dir": self.run_dir,
+            "consumer-id": f"c{i}",
+            "verifier-name-or-path": self.assets.verifier,
+            "block-size": 4,
+            "max-anchors": 8,
+            "rows-per-step": c.rows_per_step,
+            "save-path": self.work / "drafts" / f"c{i}",
+            "checkpoint-every": 1,
+            "heartbeat-s": c.heartbeat_s,
+            "acquire-timeout-s": c.timeout_s,
+            "seed": i,
+            "db-path": c.db_path,
+        }
+        opts.update(over)
+        return ["train", "--resume", *_flags(opts)]
+
+    # ---- the loop ---------------------------------------------------------------
+
+    def _killing(self, t0: float) -> bool:
+        c = self.cfg
+        if c.minutes is not None:
+            return time.monotonic() - t0 < c.minutes * 60
+        return sum(r.kills for r in self.roles) < c.kills
+
+    def _supervise(self, role: Role, killed: set[int]) -> None:
+        """Restart a role that died; a trainer that exited 0 is done; so is the
+        producer once every trainer is (before that it is restarted to serve demand)."""
+        if role.done or role.proc is None or (code := role.proc.poll()) is None:
+            return
+        pid = role.proc.pid
+        if pid not in killed and code != 0:
+            role.exits.append(code)
+            log.warning("%s exited %d on its own:\n%s", role.name, code, role.tail(600))
+        if code == 0 and (role is not self.producer or all(t.done for t in self.trainers)):
+            role.done = True
+            return
+        if len(role.exits) > self.cfg.max_crashes:
+            log.error("%s crashed %d times on its own; giving up on it", role.name, len(role.exits))
+            role.done = True
+            return
+        if role is self.producer and code == 0 and not self._demand():
+            return  # finished its stream; restarted only to serve recapture demand
+        role.start(self.cfg.launcher)
+
+    def _demand(self) -> bool:
+        co = self.sampler._open()
+        q = "SELECT COUNT(*) FROM windows WHERE state IN ('queued', 'capturing')"
+        return co is not None and bool(co.conn.execute(q).fetchone()[0])
+
+    def _kill_one(self, now: float, killed: set[int]) -> float:
+        """SIGKILL the next role of a shuffled bag (every role gets its share of kills);
+        one not running or younger than min_age_s goes to the back. Next kill time."""
+        c = self.cfg
+        self._bag = [r for r in self._bag if not r.done] or self.rng.sample(
+            self.roles, len(self.roles)
+        )
+        v = self._bag[0]
+        if not (v.running and v.proc is not None and now - v.proc.started >= c.min_age_s):
+            self._bag.append(self._bag.pop(0))  # its turn comes again after the others
+            return now + 0.1
+        self._bag.pop(0)
+        v.proc.signal(signal.SIGKILL)
+        killed.add(v.proc.pid)
+        v.kills += 1
+        v.proc.wait(5)
+        return now + self.rng.uniform(*c.kill_every_s)
+
+    def start_trainers(self) -> None:
+        for t in self.trainers:
+            if t.proc is None:
+                t.start(self.cfg.launcher)
+
+    def run(
+        self, tick: Callable[[ChaosRun], None] | None = None, start_trainers: bool = True
+    ) -> ChaosReport:
+        """Start the roles (trainers later, by `tick`, if not `start_trainers`), kill
+        and restart them until every trainer finished, then check. `tick(self)` runs
+        every loop turn (~20 ms): scenarios inject their faults there."""
+        c, rep = self.cfg, self.report
+        if c.launcher == "fork":
+            warm_forkserver()
+        t0 = time.monotonic()
+        killed: set[int] = set()
+        self.producer.start(c.launcher)
+        if start_trainers:
+            self.start_trainers()
+        next_kill = t0 + self.rng.uniform(*c.kill_every_s)
+        next_sample = next_cli = t0
+        try:
+            while not all(r.done for r in self.roles):
+                now = time.monotonic()
+                if now - t0 > c.timeout_s:
+                    rep.timed_out = True
+                    break
+                for r in self.roles:
+                    self._supervise(r, killed)
+                if now >= next_kill and self._killing(t0):
+                    next_kill = self._kill_one(now, killed)
+                if tick is not None:
+                    tick(self)
+                if now >= next_sample:
+                    self.sampler.sample()
+                    next_sample = now + c.sample_every_s
+                if now >= next_cli:  # the real command, now and then
+                    self._cli_status()
+                    next_cli = now + 3.0
+                time.sleep(0.02)
+        finally:
+            for r in self.roles:
+                if r.running and r.proc is not None:
+                    r.proc.signal(signal.SIGKILL)
+                    r.proc.wait(5)
+            self.sampler.sample()
+            self.sampler.close()
+            if self._status_proc is not None:
+                self._status_proc.wait(60)
+                self._cli_status(launch=False)
+        rep.elapsed_s = round(time.monotonic() - t0, 1)
+        self.check()
+        return rep
+
+    def _cli_status(self, launch: bool = True) -> None:
+        """Run the real `fanout status --json` in the background; read the last one's answer."""
+        p = self._status_proc
+        if p is not None:
+            if p.poll() is None:
+                return
+            out, _ = p.communicate()
+            if p.returncode == 0:
+                w = json.loads(out)["windows"]
+                live = w["ready"] + w["capturing"] + w["evicting"]
+                self.report.max_live = max(self.report.max_live, live)
+                self.report.cli_samples += 1
+            self._status_proc = None
+        if not launch or not (self.run_dir / "contract.json").is_file():
+            return
+        args = [sys.executable, "-m", "fanout.cli", "status", "--run-dir", str(self.run_dir)]
+        args += ["--json", *(["--db-path", self.cfg.db_path] if self.cfg.db_path else [])]
+        self._status_proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+
+    def check(self) -> ChaosReport:
+        rep, s = self.report, self.sampler
+        args = ["sweep", "--run-dir", str(self.run_dir)]
+        if self.cfg.db_path:
+            args += ["--db-path", self.cfg.db_path]
+        run_cli(args, self.work / "logs" / "sweep.log", self.cfg.launcher)
+        stream = self.run_dir / "stream.json"
+        if stream.is_file():
+            rep.total_windows = int(json.loads(stream.read_text())["total_windows"])
+        for t in self.trainers:
+            cov = check_cover(
+                read_log(self.work / "drafts" / t.name / "train_log.jsonl"), rep.total_windows
+            )
+            rep.covers[t.name] = asdict(cov)
+            rep.rows_checked += cov.windows * self.cfg.window_rows
+        rep.kills = {r.name: r.kills for r in self.roles}
+        rep.starts = {r.name: r.starts for r in self.roles}
+        rep.unexpected_exits = {r.name: r.exits for r in self.roles if r.exits}
+        rep.samples = s.samples
+        rep.max_live = max(rep.max_live, s.max_live)
+        rep.max_ready, rep.max_files, rep.over_k_samples = s.max_ready, s.max_files, s.over_k
+        rep.files_verified, rep.bad_files = len(s.verified), s.bad_files
+        rep.digest_mismatch = s.digest_mismatch
+        rep.final = final_state(self.run_dir, Path(self.cfg.db_path) if self.cfg.db_path else None)
+        return rep
+
+
+def _flags(opts: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for k, v in opts.items():
+        if v is None:
+            continue
+        out.append(f"--{k}")
+        out += str(v).split(" ") if k == "target-layer-ids" else [str(v)]
+    return out

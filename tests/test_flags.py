@@ -1,0 +1,215 @@
+"""Flags generated from pydantic configs: one flag per field, --config FILE, typed errors.
+
+    .venv/bin/pytest tests/test_flags.py -x -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from pydantic import BaseModel, Field
+
+from fanout.consumer import ConsumerConfig
+from fanout.errors import ConfigError
+from fanout.flags import add_model_flags, flag_name, model_from_args
+from fanout.producer import ProducerConfig
+from fanout.producer import add_arguments as producer_arguments
+from fanout.train import TrainConfig
+from fanout.train import add_arguments as train_arguments
+
+
+def _parser(add: object) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="t")
+    add(p)  # type: ignore[operator]
+    return p
+
+
+def _option_strings(p: argparse.ArgumentParser) -> set[str]:
+    return {s for a in p._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize(
+    ("model", "add"),
+    [(TrainConfig, train_arguments), (ProducerConfig, producer_arguments)],
+    ids=["train", "produce"],
+)
+def test_every_field_has_a_flag_with_help(model: type[BaseModel], add: object) -> None:
+    p = _parser(add)
+    opts = _option_strings(p)
+    missing = [flag_name(f) for f in model.model_fields if flag_name(f) not in opts]
+    assert missing == []
+    helps = {s: a.help for a in p._actions for s in a.option_strings}
+    for name, field in model.model_fields.items():
+        h = helps[flag_name(name)] or ""
+        assert field.description and field.description.rstrip(".") in h, name
+        assert "(required)" in h if field.is_required() else "(default:" in h, name
+    assert "--config" in opts
+
+
+def test_consumer_config_fields_are_reachable_from_train_flags() -> None:
+    # ConsumerConfig has no CLI of its own; the trainer maps its flags onto it.
+    # Every consumer field other than the prefetch/max-windows internals must be a train flag.
+    internal = {"row_shuffle_seed", "prefetch", "max_windows"}  # seed / epochs drive these
+    train = set(TrainConfig.model_fields)
+    assert set(ConsumerConfig.model_fields) - internal <= train
+
+
+def test_flags_parse_to_the_right_types() -> None:
+    p = _parser(producer_arguments)
+    args = p.parse_args(
+        [
+            "--run-dir", "r", "--verifier-name-or-path", "v", "--data", "a.json", "b.jsonl",
+            "--window-rows", "8", "--target-layer-ids", "1", "3", "--no-progress",
+            "--lag-policy", "recapture", "--max-windows", "none", "--ttl-s", "2.5",
+        ]
+    )  # fmt: skip
+    cfg = model_from_args(ProducerConfig, args)
+    assert cfg.data == ["a.json", "b.jsonl"]
+    assert cfg.window_rows == 8 and cfg.target_layer_ids == [1, 3]
+    assert cfg.progress is False and cfg.lag_policy == "recapture"
+    assert cfg.max_windows is None and cfg.ttl_s == 2.5
+    # unset flags keep the model's defaults
+    assert cfg.seq_len == ProducerConfig.model_fields["seq_len"].default
+    none = model_from_args(
+        ProducerConfig,
+        p.parse_args(["--run-dir", "r", "--verifier-name-or-path", "v", "--data", "x",
+                      "--target-layer-ids", "none"]),
+    )  # fmt: skip
+    assert none.target_layer_ids is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--max-live-windows", "1"], "--max-live-windows"),
+        (["--window-rows", "0"], "--window-rows"),
+        (["--seq-len", "4"], "--seq-len"),
+        (["--ttl-s", "0"], "--ttl-s"),
+        (["--capture-batch-rows", "-3"], "--capture-batch-rows"),
+    ],
+)
+def test_bad_producer_values_name_the_flag(argv: list[str], flag: str) -> None:
+    p = _parser(producer_arguments)
+    args = p.parse_args(["--run-dir", "r", "--verifier-name-or-path", "v", "--data", "x", *argv])
+    with pytest.raises(ConfigError, match=flag):
+        model_from_args(ProducerConfig, args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--lr", "-1"], "--lr"),
+        (["--block-size", "1"], "--block-size"),
+        (["--warmup-ratio", "1.5"], "--warmup-ratio"),
+        (["--dpace-alpha", "2"], "--dpace-alpha"),
+        (["--rows-per-step", "0"], "--rows-per-step"),
+        (["--max-grad-norm", "0"], "--max-grad-norm"),
+    ],
+)
+def test_bad_train_values_name_the_flag(argv: list[str], flag: str) -> None:
+    p = _parser(train_arguments)
+    base = ["--run-dir", "r", "--consumer-id", "c", "--verifier-name-or-path", "v"]
+    args = p.parse_args([*base, "--save-path", "s", *argv])
+    with pytest.raises(ConfigError, match=flag):
+        model_from_args(TrainConfig, args)
+
+
+def test_missing_required_flag_is_named() -> None:
+    p = _parser(train_arguments)
+    args = p.parse_args(["--run-dir", "r", "--verifier-name-or-path", "v", "--save-path", "s"])
+    with pytest.raises(ConfigError, match="--consumer-id"):
+        model_from_args(TrainConfig, args)
+
+
+def test_choices_and_types_are_enforced_by_argparse(capsys: pytest.CaptureFixture[str]) -> None:
+    p = _parser(train_arguments)
+    for bad in (["--scheduler-type", "bogus"], ["--lr", "fast"]):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(["--run-dir", "r", *bad])
+        assert e.value.code == 2
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_config_file_then_flags_override(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "train.json"
+    cfg_file.write_text(
+        json.dumps(
+            {
+                "run_dir": "runs/a",
+                "consumer_id": "b4",
+                "verifier_name_or_path": "v",
+                "save_path": "s",
+                "block_size": 4,
+                "lr": 0.5,
+                "target_layer_ids": [1, 2],
+            }
+        )
+    )
+    p = _parser(train_arguments)
+    cfg = model_from_args(TrainConfig, p.parse_args(["--config", str(cfg_file), "--lr", "0.1"]))
+    assert cfg.lr == 0.1  # flag wins
+    assert cfg.block_size == 4 and cfg.target_layer_ids == [1, 2]  # from the file
+    assert cfg.consumer_id == "b4"
+
+
+def test_config_file_errors_name_file_line_and_field(tmp_path: Path) -> None:
+    p = _parser(train_arguments)
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text('{\n  "lr": 0.1,\n  oops\n}\n')
+    with pytest.raises(ConfigError, match=r"bad\.json: line 3"):
+        model_from_args(TrainConfig, p.parse_args(["--config", str(bad_json)]))
+    with pytest.raises(ConfigError, match="no such file"):
+        model_from_args(TrainConfig, p.parse_args(["--config", str(tmp_path / "nope.json")]))
+    not_obj = tmp_path / "list.json"
+    not_obj.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        model_from_args(TrainConfig, p.parse_args(["--config", str(not_obj)]))
+    unknown = tmp_path / "unknown.json"
+    base = {"run_dir": "r", "consumer_id": "c", "verifier_name_or_path": "v", "save_path": "s"}
+    unknown.write_text(json.dumps(base | {"learning_rate": 1e-3}))
+    with pytest.raises(ConfigError, match="--learning-rate") as e:
+        model_from_args(TrainConfig, p.parse_args(["--config", str(unknown)]))
+    assert "unknown.json" in str(e.value)
+    bad_value = tmp_path / "bad_value.json"
+    bad_value.write_text(json.dumps(base | {"lr": -2}))
+    with pytest.raises(ConfigError, match="--lr"):
+        model_from_args(TrainConfig, p.parse_args(["--config", str(bad_value)]))
+
+
+class _Toy(BaseModel):
+    """A model exercising every field kind add_model_flags maps."""
+
+    name: str = Field(description="required string")
+    count: int = Field(3, ge=0, description="an int")
+    ratio: float | None = Field(None, description="optional float")
+    ids: list[int] | None = Field(None, description="optional int list")
+    mode: Literal["a", "b"] = Field("a", description="a choice")
+    on: bool = Field(True, description="a switch")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"name": "x"},
+        {"name": "y", "count": 0, "ratio": 0.25, "ids": [4, 5, 6], "mode": "b", "on": False},
+        {"name": "z", "ratio": None, "ids": None, "on": True},
+    ],
+)
+def test_round_trip_model_to_flags_to_model(values: dict[str, object]) -> None:
+    want = _Toy.model_validate(values)
+    argv: list[str] = []
+    for k, v in want.model_dump().items():
+        f = flag_name(k)
+        if isinstance(v, bool):
+            argv.append(f if v else "--no-" + f[2:])
+        elif isinstance(v, list):
+            argv += [f, *map(str, v)]
+        else:
+            argv += [f, "none" if v is None else str(v)]
+    p = argparse.ArgumentParser()
+    add_model_flags(p, _Toy)
+    assert model_from_args(_Toy, p.parse_args(argv)) == want

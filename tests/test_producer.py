@@ -1,0 +1,391 @@
+"""The producer: stream rows, capture against a direct forward, contract, crashes, backpressure.
+
+    .venv/bin/pytest tests/test_producer.py -x -q
+
+A random tiny Qwen3 (hidden 32, 4 layers, tied embeddings) over a 512-token BPE
+built from the project's synthetic chat corpus keeps every forward cheap; it is
+saved with `save_pretrained` and loaded through the same `from_pretrained` path
+users take. Crash, signal and backpressure tests use real processes: the producer
+CLI (`python -m fanout.cli produce`) and a small consumer script written below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fanout import cli
+from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.contract import CaptureContract
+from fanout.coordinator import Coordinator
+from fanout.errors import ContractMismatch
+from fanout.producer import Producer, ProducerConfig, stream_rows, window_count
+from fanout.store import RunDir, Store, parse_window_name
+
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+# A consumer process. Records every window it reads (window, generation, xxh3 of each
+# tensor) as JSON lines; optionally sleeps per window (a slow reader), stops after
+# `stop_after` without finishing, then re-registers at `restart_cursor` (a trainer
+# restarted from an older checkpoint) and reads to the end.
+CONSUMER = """
+import json, sys, time
+import torch, xxhash
+torch.set_num_threads(1)
+from fanout.consumer import ConsumerConfig, ConsumerStream
+a = json.loads(sys.argv[1])
+cfg = ConsumerConfig(run_dir=a["run_dir"], consumer_id=a["id"], heartbeat_s=0.3,
+                     acquire_timeout_s=120)
+out = open(a["out"], "a")
+def read(stream, phase, stop_after=None):
+    for ow in stream.windows():
+        r = ow.reader
+        digest = {n: xxhash.xxh3_64_hexdigest(r.get(n).numpy().tobytes()) for n in r.names()}
+        out.write(json.dumps({"phase": phase, "window": ow.window, "generation":
+                              ow.lease.generation, "hash": digest}) + "\\n")
+        out.flush()
+        time.sleep(a.get("sleep", 0.0))
+        stream.coord.ack(ow.lease)
+        stream._held.pop(ow.window, None)
+        if stop_after is not None and ow.window >= stop_after:
+            return
+with ConsumerStream(cfg) as s:
+    read(s, 1, a.get("stop_after"))
+if "restart_cursor" in a:
+    with ConsumerStream(cfg, cursor=a["restart_cursor"]) as s:
+        read(s, 2)
+"""
+
+
+@dataclass(frozen=True)
+class Tiny:
+    root: Path
+    data: Path
+    tokenizer: Path
+    verifier: Path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only add contention here
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    corpus = generate_corpus(120, seed=0)
+    data = write_jsonl(root / "chat.jsonl", corpus)
+    tok = build_tokenizer(root / "tok", corpus, 512)
+    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
+    ver = tiny_qwen3_verifier(
+        root / "verifier", vocab, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    )
+    (root / "consumer.py").write_text(CONSUMER)
+    return Tiny(root, data, tok, ver)
+
+
+def _cfg(tiny: Tiny, run_dir: Path, **kw: Any) -> ProducerConfig:
+    base: dict[str, Any] = dict(
+        run_dir=str(run_dir),
+        verifier_name_or_path=str(tiny.verifier),
+        data=[str(tiny.data)],
+        tokenizer=str(tiny.tokenizer),
+        seq_len=96,
+        window_rows=4,
+        max_live_windows=64,
+        target_layer_ids=[1, 2],
+        workers=1,
+        cache_dir=str(tiny.root / "cache"),
+        progress=False,
+        exit_when_idle_s=0,
+        heartbeat_s=0.3,
+    )
+    return ProducerConfig(**(base | kw))
+
+
+def _argv(cfg: ProducerConfig) -> list[str]:
+    """The `fanout produce` command line for `cfg` (every field as a flag)."""
+    argv = [sys.executable, "-m", "fanout.cli", "produce"]
+    for k, v in cfg.model_dump(exclude_none=True).items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            argv.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, list):
+            argv += [flag, *map(str, v)]
+        else:
+            argv += [flag, str(v)]
+    return argv
+
+
+def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def _window_files(run_dir: Path) -> list[str]:
+    return sorted(n for n in os.listdir(run_dir / "windows") if parse_window_name(n))
+
+
+def _rows_of(run_dir: Path, sql: str, *args: Any) -> list[Any]:
+    with Coordinator.open(run_dir) as c:
+        return c.conn.execute(sql, args).fetchall()
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _check_rows(store: Store, name: str, p: Producer) -> None:
+    """The window file holds exactly stream rows [w·R, (w+1)·R) of the prepared dataset."""
+    cfg = p.cfg
+    with store.open(name, expect_contract=p.contract.stream_id) as r:
+        w = r.meta.window
+        idx, epoch = stream_rows(w, cfg.window_rows, p.dataset.num_rows, cfg.epochs, cfg.seed)
+        want = p.dataset.rows(idx)
+        assert r.meta.epoch == epoch and r.meta.row_start == w * cfg.window_rows
+        assert r.rows == len(idx)
+        for k in ("input_ids", "loss_mask", "document_ids", "position_ids"):
+            np.testing.assert_array_equal(r.get(k).numpy(), want[k], err_msg=f"{name} {k}")
+
+
+# ---- stream -------------------------------------------------------------------------
+
+
+def test_stream_rows_each_epoch_is_a_seeded_permutation() -> None:
+    n, r, epochs, seed = 10, 4, 3, 7
+    total = window_count(n, epochs, r)
+    assert total == 8
+    parts = [stream_rows(w, r, n, epochs, seed) for w in range(total)]
+    rows = np.concatenate([p[0] for p in parts])
+    assert len(rows) == n * epochs and len(parts[-1][0]) == 2  # last window is partial
+    per_epoch = rows.reshape(epochs, n)
+    for e in range(epochs):
+        assert sorted(per_epoch[e].tolist()) == list(range(n)), e
+    assert len({tuple(x) for x in per_epoch.tolist()}) == epochs  # reshuffled each epoch
+    assert [p[1] for p in parts] == [0, 0, 0, 1, 1, 2, 2, 2]  # epoch of each window's first row
+    again = np.concatenate([stream_rows(w, r, n, epochs, seed)[0] for w in range(total)])
+    np.testing.assert_array_equal(rows, again)  # window w always means the same rows
+    other = np.concatenate([stream_rows(w, r, n, epochs, seed + 1)[0] for w in range(total)])
+    assert not np.array_equal(rows, other)
+
+
+# ---- capture --------------------------------------------------------------------------
+
+
+def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(tiny, tmp_path / "run", max_windows=3)
+    p = Producer(cfg)
+    summary = p.run()
+    assert summary["windows"] == 3 and summary["tokens"] > 0 and summary["bytes"] > 0
+    store = Store(RunDir(tmp_path / "run"))
+    names = store.list_windows()
+    assert [parse_window_name(n)[0] for n in names] == [0, 1, 2]  # type: ignore[index]
+
+    # contract.json and stream.json describe the run
+    assert CaptureContract.load(tmp_path / "run" / "contract.json") == p.contract
+    info = json.loads((tmp_path / "run" / "stream.json").read_text())
+    assert info["stream_id"] == p.contract.stream_id
+    assert info["num_rows"] == p.dataset.num_rows and info["window_rows"] == 4
+    assert info["total_windows"] == window_count(p.dataset.num_rows, 1, 4)
+
+    # Reference: HF's own forward with output_hidden_states=True, one document at a time
+    # (positions from 0, no packing), fp32. Layer i is hidden_states[i + 1].
+    model = AutoModelForCausalLM.from_pretrained(tiny.verifier, dtype=torch.float32).eval()
+    layers = p.verifier.target_layer_ids
+    checked = 0
+    for name in names:
+        _check_rows(store, name, p)
+        with store.open(name) as r, torch.inference_mode():
+            hidden, target = r.get("hidden_states"), r.get("target_ids")  # [R, T, n·H], [R, T]
+            assert hidden.dtype == torch.bfloat16 and hidden.shape[-1] == 2 * 32
+            ids, docs = r.get("input_ids"), r.get("document_ids")
+            for i in range(r.rows):
+                for d in docs[i][docs[i] >= 0].unique():
+                    sel = docs[i] == d  # [T] bool: one document
+                    out = model(input_ids=ids[i][sel][None].long(), output_hidden_states=True)
+                    ref = torch.cat([out.hidden_states[j + 1][0] for j in layers], -1)  # [t, n·H]
+                    # bf16 storage: within one bf16 ulp (2^-8 relative) of the fp32 reference
+                    torch.testing.assert_close(
+                        hidden[i][sel].float(), ref, rtol=2**-7, atol=1e-4
+                    )
+                    logits = out.logits[0]  # [t, vocab]
+                    top = logits.topk(2, dim=-1).values  # [t, 2]
+                    clear = (top[:, 0] - top[:, 1]) > 1e-4  # skip exact near-ties
+                    got = target[i][sel].long()
+                    assert torch.equal(got[clear], logits.argmax(-1)[clear])
+                    assert clear.float().mean() > 0.9
+                    checked += 1
+    assert checked >= 6
+
+
+def test_changed_contract_is_refused_naming_the_fields(
+    tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    Producer(_cfg(tiny, run, max_windows=1)).run()
+    stream_json = (run / "stream.json").read_text()
+    with pytest.raises(ContractMismatch, match="target_layer_ids") as e:
+        Producer(_cfg(tiny, run, max_windows=1, target_layer_ids=[1, 3]))
+    assert set(e.value.fields) == {"target_layer_ids"}
+    with pytest.raises(ContractMismatch, match="seq_len"):
+        Producer(_cfg(tiny, run, max_windows=1, seq_len=64))
+    assert (run / "stream.json").read_text() == stream_json  # a refused producer changes nothing
+    # the CLI says the same and exits 1
+    argv = _argv(_cfg(tiny, run, max_windows=1, target_layer_ids=[0, 2]))
+    assert cli.main(argv[3:]) == 1
+    err = capsys.readouterr().err
+    assert "contract mismatch" in err and "target_layer_ids" in err
+
+
+# ---- crashes and signals (real processes) ---------------------------------------------
+
+
+def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cfg = _cfg(tiny, run, epochs=2, capture_batch_rows=1)
+    argv = _argv(cfg)
+    log = open(tmp_path / "producer.log", "w")  # noqa: SIM115 - closed below
+
+    def ready() -> int:
+        return len(_window_files(run)) if (run / "windows").is_dir() else 0
+
+    p1 = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+    try:
+        _wait_for(lambda: ready() >= 1 or p1.poll() is not None, 180, "a first window")
+        p1.send_signal(signal.SIGKILL)
+        assert p1.wait(30) == -signal.SIGKILL
+        total = json.loads((run / "stream.json").read_text())["total_windows"]
+        after_kill = ready()
+        assert 1 <= after_kill < total, "the kill landed after the run ended; test is vacuous"
+
+        p2 = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        _wait_for(lambda: ready() > after_kill or p2.poll() is not None, 180, "a new window")
+        assert p2.poll() is None, "restarted producer ended before SIGTERM"
+        p2.send_signal(signal.SIGTERM)
+        assert p2.wait(60) == 0  # graceful: finish or discard the window in flight, exit 0
+        assert ready() < total
+    finally:
+        for p in (p1, locals().get("p2")):
+            if p is not None and p.poll() is None:
+                p.kill()
+        log.close()
+    text = (tmp_path / "producer.log").read_text()
+    assert "signal 15" in text
+    assert _rows_of(run, "SELECT window FROM windows WHERE state='capturing'") == []
+
+    # A third producer (in this process) finishes the stream.
+    p3 = Producer(cfg)
+    p3.run()
+    rows = _rows_of(run, "SELECT window, state, captures, generation, name FROM windows")
+    assert [r[0] for r in rows] == list(range(total))
+    assert all(r[1] == "ready" and r[2] == 1 for r in rows), rows  # captured exactly once
+    files = _window_files(run)
+    assert files == sorted(r[4] for r in rows)  # one file per window, the recorded generation
+    store = Store(RunDir(run))
+    for name in files:
+        _check_rows(store, name, p3)  # opens with checksum verification
+    assert os.listdir(run / "tmp") == []  # the kill's temp debris was swept
+
+
+# ---- backpressure and lag policies (real consumer processes) ---------------------------
+
+
+def _consumer(tiny: Tiny, run: Path, out: Path, **kw: Any) -> subprocess.Popen[bytes]:
+    args = {"run_dir": str(run), "id": "reader", "out": str(out)} | kw
+    return subprocess.Popen(
+        [sys.executable, str(tiny.root / "consumer.py"), json.dumps(args)], env=ENV
+    )
+
+
+class Sampler(threading.Thread):
+    """Counts final-named files in windows/ every few ms while the producer runs."""
+
+    def __init__(self, run: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.max, self.samples = run, 0, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.max = max(self.max, len(_window_files(self.run_dir)))
+            self.samples += 1
+            time.sleep(0.003)
+
+
+def test_backpressure_never_more_than_k_files(tiny: Tiny, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    p = Producer(_cfg(tiny, run, max_live_windows=2, lag_policy="hold"))
+    out = tmp_path / "reads.jsonl"
+    reader = _consumer(tiny, run, out, sleep=0.15)
+    sampler = Sampler(run)
+    sampler.start()
+    try:
+        summary = p.run()
+        assert reader.wait(120) == 0
+    finally:
+        sampler.stop.set()
+        sampler.join()
+        if reader.poll() is None:
+            reader.kill()
+    assert sampler.samples > 100
+    assert sampler.max <= 2  # K
+    assert summary["backpressure_wait_s"] > 1.0  # the producer really waited on the reader
+    recs = _records(out)
+    assert [r["window"] for r in recs] == list(range(p.total_windows))  # in order, once each
+    hw = _rows_of(run, "SELECT value FROM meta WHERE key='hw_windows'")[0][0]
+    assert int(hw) <= 2
+
+
+def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    p = Producer(_cfg(tiny, run, max_live_windows=2, lag_policy="recapture", exit_when_idle_s=5))
+    assert p.total_windows >= 8
+    out = tmp_path / "reads.jsonl"
+    # reads 0..5, stops (not finished: still counted at cursor 6), re-registers at cursor 1
+    reader = _consumer(tiny, run, out, stop_after=5, restart_cursor=1)
+    try:
+        summary = p.run()
+        assert reader.wait(120) == 0
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    recs = _records(out)
+    first = {r["window"]: r for r in recs if r["phase"] == 1}
+    second = {r["window"]: r for r in recs if r["phase"] == 2}
+    assert sorted(first) == list(range(6))
+    assert [r["window"] for r in recs if r["phase"] == 2] == list(range(1, p.total_windows))
+    recaptured = [w for w in range(1, 6) if second[w]["generation"] != first[w]["generation"]]
+    assert len(recaptured) >= 3  # K=2: at most 2 of windows 1..5 could still be live
+    for w in recaptured:
+        assert second[w]["hash"] == first[w]["hash"], w  # byte-identical tensors
+    count = int(_rows_of(run, "SELECT value FROM meta WHERE key='recaptures'")[0][0])
+    assert count == len(recaptured)
+    assert summary["windows"] == p.total_windows + count
+    # the stream's full windows were each captured, some twice (counted)
+    caps = dict(_rows_of(run, "SELECT window, captures FROM windows"))
+    assert sum(c - 1 for c in caps.values() if c) <= count

@@ -1,0 +1,228 @@
+"""The DFlash trainer end to end on a tiny verifier's windows: learning, exact resume, CLI.
+
+    .venv/bin/pytest tests/test_train.py -x -q
+
+Windows come from the real producer (in this process, all published up front; the
+run expects more consumers than ever register, so nothing is evicted and every
+test reads the same windows). The verifier is a random tiny Qwen3 with tied
+embeddings: its greedy prediction at t is mostly token t itself, so on repetitive
+data the draft's targets are learnable within a few dozen steps.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.errors import ConfigError
+from fanout.flags import flag_name
+from fanout.producer import Producer, ProducerConfig
+from fanout.train import TrainConfig, Trainer
+
+
+@dataclass(frozen=True)
+class Run:
+    root: Path
+    run_dir: Path
+    verifier: Path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    # 2 shared cores: intra-op threads only add contention for these tiny tensors.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def repetitive_corpus(n: int, seed: int) -> list[dict[str, Any]]:
+    """Assistant turns that repeat one word many times: next tokens are predictable."""
+    r = random.Random(seed)
+    words = ["apple", "river", "stone", "cloud", "tiger", "piano", "lemon", "robot"]
+    out = []
+    for _ in range(n):
+        w = r.choice(words)
+        k = r.randint(12, 30)
+        out.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Repeat {w} {k} times."},
+                    {"role": "assistant", "content": " ".join([w] * k)},
+                ]
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("train")
+    corpus = repetitive_corpus(160, seed=0)
+    data = write_jsonl(root / "chat.jsonl", corpus)
+    tok = build_tokenizer(root / "tok", corpus + generate_corpus(50, seed=1), 512)
+    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
+    ver = tiny_qwen3_verifier(
+        root / "verifier", vocab, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    )
+    cfg = ProducerConfig(
+        run_dir=str(root / "run"),
+        verifier_name_or_path=str(ver),
+        data=[str(data)],
+        tokenizer=str(tok),
+        seq_len=96,
+        window_rows=4,
+        max_live_windows=1000,
+        expected_consumers=1000,  # never evict: every test reads every window
+        epochs=3,
+        target_layer_ids=[1, 2],
+        workers=1,
+        progress=False,
+        exit_when_idle_s=0,
+    )
+    summary = Producer(cfg).run()
+    assert summary["windows"] == summary["total_windows"]
+    return Run(root, root / "run", ver)
+
+
+def _cfg(run: Run, name: str, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(
+        run_dir=str(run.run_dir),
+        consumer_id=name,
+        verifier_name_or_path=str(run.verifier),
+        block_size=4,
+        max_anchors=16,
+        rows_per_step=2,
+        save_path=str(run.root / "drafts" / name),
+        lr=1e-2,
+        warmup_ratio=0.0,
+        scheduler_type="constant",
+        heartbeat_s=0.5,
+    )
+    return TrainConfig(**(base | kw))
+
+
+def _log(cfg: TrainConfig) -> list[dict[str, Any]]:
+    lines = (Path(cfg.save_path) / "train_log.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def _mean(recs: list[dict[str, Any]], key: str) -> float:
+    return sum(float(r[key]) for r in recs) / len(recs)
+
+
+def test_loss_decreases_and_eal_rises(run: Run) -> None:
+    cfg = _cfg(run, "learn", max_steps=80)
+    out = Trainer(cfg).run()
+    assert out["steps"] == 80 and out["adamw_backend"] in ("fused", "foreach")
+    log = _log(cfg)
+    assert [r["step"] for r in log] == list(range(1, 81))
+    first, last = log[:3], log[-10:]
+    # The frozen tiny tied head caps how sharp logits get, so the loss floor is high;
+    # acceptance is the sharper signal: from ~1 (nothing accepted) to > 2.5 of 4.
+    assert _mean(last, "loss") < 0.92 * _mean(first, "loss")
+    assert _mean(first, "eal") < 1.3
+    assert _mean(last, "eal") > 2.5
+    assert _mean(last, "eal") > _mean(first, "eal") + 1.0
+    for key in ("fetch_ms", "fwd_ms", "bwd_ms", "opt_ms", "tokens_per_s", "window_wait_ms"):
+        assert all(r[key] >= 0 for r in log), key
+    assert len(log[0]["acc"]) == cfg.block_size - 1
+    # a speculators-format checkpoint was saved at the end
+    ckpts = sorted(Path(cfg.save_path).glob("**/config.json"))
+    assert ckpts, "no checkpoint written"
+    spec = json.loads(ckpts[-1].read_text())
+    assert spec["speculators_model_type"] == "dflash" and spec["block_size"] == 4
+
+
+def test_resume_continues_with_identical_losses(run: Run) -> None:
+    n, m = 5, 4
+    full = _cfg(run, "full", max_steps=n + m, checkpoint_every=1000)
+    Trainer(full).run()
+    part = _cfg(run, "part", max_steps=n, checkpoint_every=1000)
+    Trainer(part).run()  # saves at its last step (n)
+    resumed = part.model_copy(update={"max_steps": n + m, "resume": True})
+    t = Trainer(resumed)
+    assert t.state["step"] == n and t.state["cursor"] is not None
+    t.run()
+    a, b = _log(full), _log(part)
+    assert [r["step"] for r in b] == list(range(1, n + m + 1))
+    # the resumed steps read the same rows and produce the same losses, to the last digit
+    assert [r["loss"] for r in b] == [r["loss"] for r in a]
+    assert [r["windows"] for r in b] == [r["windows"] for r in a]
+
+
+def test_resume_check_can_fail_with_another_seed(run: Run) -> None:
+    # Negative control: a different seed (row order, anchors, init) gives other losses.
+    a = _cfg(run, "seed0", max_steps=2)
+    b = _cfg(run, "seed1", max_steps=2, seed=1)
+    Trainer(a).run()
+    Trainer(b).run()
+    assert [r["loss"] for r in _log(a)] != [r["loss"] for r in _log(b)]
+
+
+def test_help_documents_every_flag(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for name in TrainConfig.model_fields:
+        assert flag_name(name) in text, name
+    # the speculators-style names the issue lists
+    for f in ("--verifier-name-or-path", "--block-size", "--max-anchors", "--target-layer-ids",
+              "--lr", "--epochs", "--max-steps", "--save-path", "--resume", "--config"):  # fmt: skip
+        assert f in text, f
+    assert "(default: 0.0003)" in text  # defaults shown
+
+
+def test_config_file_with_flag_override_reaches_the_trainer(
+    run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fanout import train
+
+    save = run.root / "drafts" / "cfgfile"
+    cfg_file = run.root / "train.json"
+    cfg_file.write_text(
+        json.dumps(
+            {
+                "run_dir": str(run.run_dir),
+                "consumer_id": "cfgfile",
+                "verifier_name_or_path": str(run.verifier),
+                "save_path": str(save),
+                "block_size": 4,
+                "max_anchors": 8,
+                "max_steps": 50,
+                "lr": 0.5,
+            }
+        )
+    )
+    rc = train.main(["--config", str(cfg_file), "--max-steps", "2", "--lr", "0.001"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 2  # the flag overrode the file's 50
+    log = [json.loads(x) for x in (save / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["lr"] <= 0.001 and len(log[0]["acc"]) == 3  # lr from flag, block from file
+
+
+def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
+    from fanout import train
+
+    rc = train.main(["--run-dir", str(run.run_dir), "--consumer-id", "x", "--save-path", "s"])
+    assert rc == 1
+    assert "--verifier-name-or-path" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="draft-vocab-size"):
+        Trainer(_cfg(run, "dv", draft_vocab_size=100))
