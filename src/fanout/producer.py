@@ -283,10 +283,13 @@ class Producer:
                 as_t["position_ids"][s : s + b],
                 as_t["document_ids"][s : s + b],
             )
-            hidden[s : s + b] = cap.hidden_states.cpu()
-            target[s : s + b] = cap.target_ids.cpu()
+            # copy_ straight from the device into the window buffer: `.cpu()` first would
+            # allocate (and page-fault) a second host copy — 2x the capture cost on an H200
+            # (benchmarks/producer.py).
+            hidden[s : s + b].copy_(cap.hidden_states)
+            target[s : s + b].copy_(cap.target_ids)
             if last is not None and cap.last_hidden_states is not None:
-                last[s : s + b] = cap.last_hidden_states.cpu()
+                last[s : s + b].copy_(cap.last_hidden_states)
         tensors: dict[str, Any] = {
             "hidden_states": hidden,
             "target_ids": target,

@@ -1,0 +1,190 @@
+"""Producer end to end vs a bare `model(...)` forward loop over the same packed rows.
+
+    .venv/bin/python benchmarks/producer.py                                  # tiny, CPU
+    .venv/bin/python benchmarks/producer.py --hidden 1024 --layers 8 --seq-len 2048 \
+        --window-rows 8 --windows 16 --json /tmp/producer.json             # GPU if present
+
+One run, one model, the same rows: a random Qwen3 (no downloads) is saved with
+`save_pretrained`; chat data (default ../shared/data/chat/fastchat) is prepared
+with the Qwen3 tokenizer (cached, not timed); then
+- `forward`: for every window, its rows (`stream_rows`) in batches of
+  `--capture-batch-rows`, `model(input_ids, attention_mask=<4D document mask>,
+  position_ids)` — full `[B, T, vocab]` logits, nothing kept, nothing written;
+- `producer`: `Producer.run()` over the same windows — hooks on the target layers,
+  chunked greedy ids, window assembly, checksummed fsynced publish, coordinator
+  commits, heartbeats (K ≥ windows, so it never waits on a consumer).
+`producer_vs_forward` = producer tokens/s ÷ forward tokens/s (goal ≥ 0.9). Tokens
+are row tokens (R·T per window, padding included) on both sides. The producer's
+own split (capture vs publish seconds) says where its time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fanout.assets import tiny_qwen3_verifier
+from fanout.producer import Producer, ProducerConfig, stream_rows
+from fanout.verifier import packed_attention_mask
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def forward_loop(p: Producer, windows: int) -> tuple[float, int]:
+    """Seconds and row tokens of a bare forward over the producer's first `windows` windows."""
+    cfg, v = p.cfg, p.verifier
+    model, dev = v.model, v.device
+    batches = []
+    for w in range(windows):
+        idx, _ = stream_rows(w, cfg.window_rows, p.dataset.num_rows, cfg.epochs, cfg.seed)
+        rows = p.dataset.rows(idx)  # [R, T] numpy each
+        for s in range(0, len(idx), cfg.capture_batch_rows):
+            sl = slice(s, s + cfg.capture_batch_rows)
+            batches.append(
+                tuple(
+                    torch.from_numpy(rows[k][sl])
+                    for k in ("input_ids", "position_ids", "document_ids")
+                )
+            )
+    tokens = sum(b[0].numel() for b in batches)
+
+    @torch.inference_mode()
+    def run(bs: list[tuple[torch.Tensor, ...]]) -> None:
+        for ids, pos, doc in bs:
+            ids, pos, doc = ids.to(dev, torch.long), pos.to(dev, torch.long), doc.to(dev)
+            mask = packed_attention_mask(doc)  # [B, 1, T, T]
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+            out.logits[:, -1, :1].cpu()  # wait for it, as a consumer of the logits would
+
+    run(batches[:1])  # warm-up
+    _sync(dev)
+    t0 = time.perf_counter()
+    run(batches)
+    _sync(dev)
+    return time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=64, help="verifier hidden size H")
+    ap.add_argument("--layers", type=int, default=6, help="verifier decoder layers L")
+    ap.add_argument("--vocab", type=int, default=151669, help="vocab (>= tokenizer's 151,669)")
+    ap.add_argument("--num-draft-layers", type=int, default=3, help="target layers (DFlash rule)")
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per packed row T")
+    ap.add_argument("--window-rows", type=int, default=4, help="rows per window R")
+    ap.add_argument("--windows", type=int, default=8, help="windows to produce")
+    ap.add_argument("--capture-batch-rows", type=int, default=4, help="rows per forward")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | ...")
+    ap.add_argument(
+        "--data", nargs="+", default=[str(SHARED / "chat/fastchat/dummy_conversation.json")]
+    )
+    ap.add_argument("--tokenizer", default=str(SHARED / "tokenizers/qwen3"))
+    ap.add_argument("--workdir", default=None, help="run dir parent (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write results as JSON to this path")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
+        heads = max(1, a.hidden // 32)
+        ver = tiny_qwen3_verifier(
+            os.path.join(tmp, "verifier"),
+            a.vocab,
+            hidden_size=a.hidden,
+            num_layers=a.layers,
+            num_heads=heads,
+            num_kv_heads=max(1, heads // 2),
+            head_dim=32,
+            intermediate_size=3 * a.hidden,
+        )
+        cfg = ProducerConfig(
+            run_dir=os.path.join(tmp, "run"),
+            verifier_name_or_path=str(ver),
+            data=a.data,
+            tokenizer=a.tokenizer,
+            seq_len=a.seq_len,
+            window_rows=a.window_rows,
+            max_live_windows=max(2, a.windows),
+            num_draft_layers=a.num_draft_layers,
+            capture_batch_rows=a.capture_batch_rows,
+            device=a.device,
+            dtype=a.dtype,  # type: ignore[arg-type]
+            max_windows=a.windows,
+            epochs=1000,  # endless enough: max_windows ends the run
+            cache_dir=os.path.join(tmp, "cache"),
+            progress=False,
+            exit_when_idle_s=0,
+        )
+        p = Producer(cfg)  # prepare + load: not timed
+        t_fwd, tokens = forward_loop(p, a.windows)
+        p.verifier.capture(  # warm-up of the capture path (same shapes)
+            *(torch.zeros(1, a.seq_len, dtype=torch.long) for _ in range(3))
+        )
+        _sync(p.verifier.device)
+        t0 = time.perf_counter()
+        summary: dict[str, Any] = p.run()
+        t_prod = time.perf_counter() - t0
+        assert summary["windows"] == a.windows, summary
+        dev = p.verifier.device
+        hw = (
+            torch.cuda.get_device_name(dev)
+            if dev.type == "cuda"
+            else (platform.processor() or platform.machine())
+        )
+        res = {
+            "hardware": f"{dev.type}: {hw}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+            "torch": torch.__version__,
+            "sizes": {
+                "H": a.hidden,
+                "L": a.layers,
+                "vocab": a.vocab,
+                "target_layer_ids": p.verifier.target_layer_ids,
+                "T": a.seq_len,
+                "R": a.window_rows,
+                "windows": a.windows,
+                "capture_batch_rows": a.capture_batch_rows,
+                "dtype": str(p.verifier.dtype),
+                "storage": str(p.verifier.storage_dtype),
+            },
+            "forward_s": t_fwd,
+            "producer_s": t_prod,
+            "forward_tokens_per_s": tokens / t_fwd,
+            "tokens_per_s": tokens / t_prod,
+            "bytes_per_s": summary["bytes"] / t_prod,
+            "bytes_per_token": summary["bytes"] / tokens,
+            "producer_vs_forward": t_fwd / t_prod,
+            "producer_capture_s": summary["capture_s"],
+            "producer_publish_s": summary["publish_s"],
+        }
+    print(f"hardware: {res['hardware']}, torch {res['torch']}")
+    print(f"sizes:    {res['sizes']}")
+    print(f"{'path':<10}{'seconds':>10}{'tokens/s':>14}{'MB/s written':>14}")
+    print(f"{'forward':<10}{t_fwd:>10.3f}{res['forward_tokens_per_s']:>14.0f}{'-':>14}")
+    print(
+        f"{'producer':<10}{t_prod:>10.3f}{res['tokens_per_s']:>14.0f}{res['bytes_per_s'] / 1e6:>14.1f}"
+    )
+    print(
+        f"producer split: capture {res['producer_capture_s']:.3f} s, publish {res['producer_publish_s']:.3f} s"
+    )
+    print(f"producer_vs_forward = {res['producer_vs_forward']:.3f}  (goal >= 0.9)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""The consumer stream: order, row shuffling, acks, exact resume, kill -9, detach.
+
+    .venv/bin/pytest tests/test_consumer.py -x -q
+
+Windows come from the real producer over a random tiny Qwen3 (512-token BPE).
+The shared run never evicts (it expects more consumers than ever register), so
+every test reads the same windows without a producer running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.consumer import ConsumerConfig, ConsumerStream, row_order
+from fanout.coordinator import Coordinator
+from fanout.producer import Producer, ProducerConfig
+from fanout.store import RunDir, Store
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+# A consumer process that records every row it is handed (one JSON line per row),
+# acks after each "step" and writes a checkpoint {cursor, rows_done, seen} every
+# `every` steps (atomically, like a trainer). With a checkpoint it resumes from it.
+RECORDER = """
+import json, os, sys, time
+import torch
+torch.set_num_threads(1)
+from fanout.consumer import ConsumerConfig, ConsumerStream
+a = json.loads(sys.argv[1])
+ckpt = a["ckpt"]
+state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0,
+                                                              "seen": 0}
+cfg = ConsumerConfig(run_dir=a["run_dir"], consumer_id="rec", heartbeat_s=0.3,
+                     row_shuffle_seed=a["seed"], acquire_timeout_s=60)
+out = open(a["out"], "a")
+seen = state["seen"]
+with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) as s:
+    for step, b in enumerate(s.batches(1), 1):
+        for w, i in b.rows:
+            out.write(json.dumps({"pid": os.getpid(), "w": w, "i": i}) + "\\n")
+        out.flush()
+        time.sleep(a["sleep"])
+        s.ack(b)
+        seen += len(b.rows)
+        if step % a["every"] == 0:
+            c, r = b.next_position
+            with open(ckpt + ".tmp", "w") as f:
+                json.dump({"cursor": c, "rows_done": r, "seen": seen}, f)
+            os.replace(ckpt + ".tmp", ckpt)
+"""
+
+
+@dataclass(frozen=True)
+class Env:
+    root: Path
+    run_dir: Path
+    verifier: Path
+    data: Path
+    tokenizer: Path
+    total: int
+    rows: list[int]  # rows per window
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Any:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only add contention here
+    yield
+    torch.set_num_threads(n)
+
+
+def _producer_cfg(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
+    base: dict[str, Any] = dict(
+        run_dir=str(run_dir),
+        verifier_name_or_path=str(root / "verifier"),
+        data=[str(root / "chat.jsonl")],
+        tokenizer=str(root / "tok"),
+        seq_len=96,
+        window_rows=4,
+        max_live_windows=1000,
+        expected_consumers=1000,  # never evict
+        target_layer_ids=[1, 2],
+        workers=1,
+        cache_dir=str(root / "cache"),
+        progress=False,
+        exit_when_idle_s=0,
+        heartbeat_s=0.3,
+    )
+    return ProducerConfig(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    from tokenizers import Tokenizer
+
+    root = tmp_path_factory.mktemp("consumer")
+    corpus = generate_corpus(120, seed=0)
+    data = write_jsonl(root / "chat.jsonl", corpus)
+    tok = build_tokenizer(root / "tok", corpus, 512)
+    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
+    ver = tiny_qwen3_verifier(
+        root / "verifier", vocab, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    )
+    p = Producer(_producer_cfg(root, root / "run"))
+    p.run()
+    store = Store(RunDir(root / "run"))
+    rows = []
+    for name in store.list_windows():
+        with store.open(name) as r:
+            rows.append(r.rows)
+    (root / "recorder.py").write_text(RECORDER)
+    return Env(root, root / "run", ver, data, tok, p.total_windows, rows)
+
+
+def _ccfg(env: Env, name: str, seed: int = 0) -> ConsumerConfig:
+    return ConsumerConfig(
+        run_dir=str(env.run_dir), consumer_id=name, row_shuffle_seed=seed, heartbeat_s=0.3
+    )
+
+
+def _expected(env: Env, seed: int) -> list[tuple[int, int]]:
+    return [(w, int(i)) for w in range(env.total) for i in row_order(w, env.rows[w], seed)]
+
+
+def _db(env: Env, sql: str, *args: Any) -> list[Any]:
+    with Coordinator.open(env.run_dir) as c:
+        return c.conn.execute(sql, args).fetchall()
+
+
+def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_row_order_is_a_seeded_permutation() -> None:
+    a = row_order(5, 16, seed=3)
+    assert sorted(a.tolist()) == list(range(16))
+    np.testing.assert_array_equal(a, row_order(5, 16, seed=3))
+    assert not np.array_equal(a, row_order(5, 16, seed=4))  # consumers differ by seed
+    assert not np.array_equal(a, row_order(6, 16, seed=3))  # and windows differ
+    assert not np.array_equal(a, np.arange(16))
+
+
+def test_windows_in_order_rows_shuffled_acks_after_the_step(env: Env) -> None:
+    assert env.total >= 6
+    store = Store(RunDir(env.run_dir))
+    seen: list[tuple[int, int]] = []
+    cid = "order:dp0"
+    with ConsumerStream(_ccfg(env, "order", seed=3)) as s:
+        for b in s.batches(3):  # 3 rows per step over 4-row windows: batches span windows
+            ends = {w: int(row_order(w, env.rows[w], 3)[-1]) for w, _ in b.rows}
+            assert [ow.window for ow in b.completes] == [w for w, i in b.rows if i == ends[w]]
+            for j, (w, i) in enumerate(b.rows):  # tensors are those rows of the window files
+                name = _db(env, "SELECT name FROM windows WHERE window=?", w)[0][0]
+                with store.open(name) as r:
+                    assert torch.equal(b.tensors["input_ids"][j], r.get("input_ids")[i])
+                    assert torch.equal(b.tensors["hidden_states"][j], r.get("hidden_states")[i])
+            before = _db(env, "SELECT cursor FROM consumers WHERE id=?", cid)[0][0]
+            leased = {w for (w,) in _db(env, "SELECT window FROM leases WHERE consumer=?", cid)}
+            done = [ow.window for ow in b.completes]
+            assert set(done) <= leased  # still leased until the step is acked
+            s.ack(b)
+            after = _db(env, "SELECT cursor FROM consumers WHERE id=?", cid)[0][0]
+            assert after == (max(done) + 1 if done else before)
+            leased = {w for (w,) in _db(env, "SELECT window FROM leases WHERE consumer=?", cid)}
+            assert not set(done) & leased
+            w_last, i_last = b.rows[-1]
+            consumed = [i for w, i in [*seen, *b.rows] if w == w_last]
+            want = (w_last + 1, 0) if i_last == ends[w_last] else (w_last, len(consumed))
+            assert b.next_position == want
+            seen += b.rows
+    assert seen == _expected(env, 3)
+    assert seen != _expected(env, 4)
+    assert _db(env, "SELECT state FROM consumers WHERE id=?", cid)[0][0] == "finished"
+    assert _db(env, "SELECT COUNT(*) FROM leases WHERE consumer=?", cid)[0][0] == 0
+
+
+def test_resume_at_cursor_and_rows_done_continues_at_the_next_row(env: Env) -> None:
+    want = _expected(env, 1)
+    for stop in (2, 5, 7):  # a window boundary and mid-window positions (4-row windows)
+        name = f"resume{stop}"
+        got: list[tuple[int, int]] = []
+        with ConsumerStream(_ccfg(env, name, seed=1)) as s:
+            for n, b in enumerate(s.batches(3), 1):
+                got += b.rows
+                s.ack(b)
+                if n == stop:
+                    pos = b.next_position
+                    break
+        assert got == want[: 3 * stop]
+        with ConsumerStream(_ccfg(env, name, seed=1), cursor=pos[0], skip_rows=pos[1]) as s:
+            for b in s.batches(3):
+                got += b.rows
+                s.ack(b)
+        assert got == want, stop
+
+
+def test_killed_consumer_resumes_from_its_checkpoint(env: Env, tmp_path: Path) -> None:
+    out, ckpt = tmp_path / "rows.jsonl", tmp_path / "ckpt.json"
+    args = {"run_dir": str(env.run_dir), "out": str(out), "ckpt": str(ckpt), "seed": 5}
+
+    def recorded() -> list[dict[str, Any]]:
+        return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
+
+    cmd = [sys.executable, str(env.root / "recorder.py")]
+    p1 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.05, "every": 3})], env=ENV)
+    try:
+        _wait_for(lambda: len(recorded()) >= 10 or p1.poll() is not None, 120, "rows")
+        p1.send_signal(signal.SIGKILL)
+        assert p1.wait(30) == -signal.SIGKILL
+    finally:
+        if p1.poll() is None:
+            p1.kill()
+    state = json.loads(ckpt.read_text())
+    first = recorded()
+    want = _expected(env, 5)
+    assert len(first) < len(want), "the kill came after the end; test is vacuous"
+    assert [(r["w"], r["i"]) for r in first] == want[: len(first)]
+    assert state["seen"] <= len(first)
+    p2 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.0, "every": 3})], env=ENV)
+    assert p2.wait(120) == 0
+    second = [(r["w"], r["i"]) for r in recorded()[len(first) :]]
+    # every row after the checkpoint, in order; rows between checkpoint and kill come again
+    assert second == want[state["seen"] :]
+    assert state["rows_done"] > 0 or state["seen"] % 4 == 0
+
+
+def test_detached_trainer_exits_3_with_a_clear_message(env: Env, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    p = Producer(
+        _producer_cfg(
+            env.root,
+            run,
+            epochs=3,
+            max_live_windows=2,
+            lag_policy="detach",
+            expected_consumers=2,
+            ttl_s=1.5,
+        )
+    )
+    with Coordinator.open(run) as c:  # a leader far ahead (it read everything)
+        c.register_consumer("leader", cursor=p.total_windows)
+    save = tmp_path / "draft"
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "--run-dir", str(run),
+           "--consumer-id", "slow", "--verifier-name-or-path", str(env.verifier),
+           "--block-size", "4", "--max-anchors", "8", "--rows-per-step", "1",
+           "--save-path", str(save), "--heartbeat-s", "0.3"]  # fmt: skip
+    errf = open(tmp_path / "trainer.err", "w")  # noqa: SIM115 - closed below
+    trainer = subprocess.Popen(cmd, env=ENV, stdout=errf, stderr=subprocess.STDOUT)
+    log = save / "train_log.jsonl"
+
+    def pause_then_resume() -> None:
+        # Once it trains, freeze it: it holds the producer at K until the lag policy
+        # detaches it (after ttl_s blocked); then let it run into the news.
+        try:
+            _wait_for(lambda: log.exists() and log.stat().st_size > 0, 120, "a first step")
+            trainer.send_signal(signal.SIGSTOP)
+            _wait_for(lambda: _db_state(run, "slow:dp0") == "detached", 60, "the trainer's detach")
+        finally:
+            trainer.send_signal(signal.SIGCONT)
+
+    t = threading.Thread(target=pause_then_resume, daemon=True)
+    t.start()
+    try:
+        summary = p.run()
+        t.join(60)
+        rc = trainer.wait(60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        errf.close()
+    err = (tmp_path / "trainer.err").read_text()
+    assert rc == 3, err[-2000:]
+    assert "slow: detached by the run's lag policy" in err and "--resume" in err
+    assert summary["windows"] == p.total_windows  # the producer went on without it
+    with Coordinator.open(run) as c:
+        assert int(c.meta("detaches")) == 1
+
+
+def _db_state(run: Path, cid: str) -> str | None:
+    with Coordinator.open(run) as c:
+        row = c.conn.execute("SELECT state FROM consumers WHERE id=?", (cid,)).fetchone()
+    return None if row is None else str(row[0])
