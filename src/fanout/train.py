@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fanout.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fanout.consumer import Batch, ConsumerConfig, ConsumerStream
 from fanout.contract import CaptureContract
-from fanout.errors import ConfigError, Detached
+from fanout.errors import ConfigError, Detached, SchemaVersionError
 from fanout.flags import add_model_flags, model_from_args
 from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import make_optimizer
@@ -106,16 +106,28 @@ def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
     return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
 
 
-def _wait_for_contract(run_dir: Path, timeout_s: float) -> CaptureContract:
-    path = run_dir / "contract.json"
+def _wait_for_run(run_dir: Path, db_path: str | None, timeout_s: float) -> CaptureContract:
+    """Wait until a producer has created the run (contract + a usable database).
+
+    The producer writes contract.json a moment before the database's tables exist,
+    so a trainer started alongside it retries opening until both are there.
+    """
+    from fanout.coordinator import Coordinator
+
     deadline = time.monotonic() + timeout_s
-    while not path.is_file():
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"{path}: no contract after {timeout_s:.0f} s; is a producer running?"
-            )
+    while True:
+        try:
+            with Coordinator.open(run_dir, db_path=db_path) as coord:
+                return coord.contract
+        except (ConfigError, SchemaVersionError) as e:
+            being_created = isinstance(e, ConfigError) or "not a fanout" in str(e)
+            if not being_created:
+                raise  # a real schema-version mismatch: waiting will not fix it
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"{run_dir}: no usable run after {timeout_s:.0f} s ({e}); is a producer running?"
+                ) from None
         time.sleep(0.2)
-    return CaptureContract.load(path)
 
 
 def lr_lambda(cfg: TrainConfig, total: int | None) -> Any:
@@ -173,7 +185,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
         run_dir = Path(cfg.run_dir)
-        contract = _wait_for_contract(run_dir, cfg.acquire_timeout_s)
+        contract = _wait_for_run(run_dir, cfg.db_path, cfg.acquire_timeout_s)
         layers = cfg.target_layer_ids or list(contract.target_layer_ids)
         self.expect = {"target_layer_ids": layers} if cfg.target_layer_ids else {}
         overrides: dict[str, Any] = dict(
