@@ -34,7 +34,9 @@ _register("produce", "fanout.producer", "run the verifier over packed rows and p
 _register("train", "fanout.train", "train one DFlash draft as a consumer of a run")
 _register("prepare", "fanout.prepare", "chat data → packed, loss-masked token rows (cached)")
 _register("bench", "fanout.bench", "1p1c / 1p3c / unshared benchmark → report.json, .md, plots")
-_register("demo", "fanout.demo", "one producer, three drafts on CPU for a few minutes; prints a report")
+_register(
+    "demo", "fanout.demo", "one producer, three drafts on CPU for a few minutes; prints a report"
+)
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
