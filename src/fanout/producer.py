@@ -10,8 +10,9 @@ Loop: reclaim lost processes → wait for capacity (backpressure at K, lag polic
 dataset in stream order → verifier forward in batches of `capture_batch_rows`
 (hooks on the target layers, chunked greedy ids) → Store.publish (tmp → fsync →
 link → dir fsync) → coordinator commit. A failed publish fails the claim (the
-window is retried under a new generation); SIGINT/SIGTERM finish nothing
-half-way: the window in flight is discarded, its claim released, exit 0.
+window is retried under a new generation). SIGINT/SIGTERM leave nothing
+half-done: the window in flight is finished and published, then the loop stops
+and the process exits 0 (during start-up, before any claim, it exits at once).
 
 Stream: row s of the endless stream is row perm_e[s mod N] of the prepared
 dataset, e = s div N, perm_e a permutation seeded by (seed, e). Window w holds
