@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
 from fanout.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.coordinator import Coordinator
 from fanout.producer import Producer, ProducerConfig
@@ -107,15 +107,12 @@ def _producer_cfg(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
-    from tokenizers import Tokenizer
-
     root = tmp_path_factory.mktemp("consumer")
     corpus = generate_corpus(120, seed=0)
     data = write_jsonl(root / "chat.jsonl", corpus)
     tok = build_tokenizer(root / "tok", corpus, 512)
-    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
-    ver = tiny_qwen3_verifier(
-        root / "verifier", vocab, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    ver = tiny_verifier_for_tokenizer(
+        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
     )
     p = Producer(_producer_cfg(root, root / "run"))
     p.run()

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from fanout import cli
-from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
 from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator
 from fanout.errors import ContractMismatch
@@ -89,15 +89,12 @@ def one_thread() -> Any:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    from tokenizers import Tokenizer
-
     root = tmp_path_factory.mktemp("tiny")
     corpus = generate_corpus(120, seed=0)
     data = write_jsonl(root / "chat.jsonl", corpus)
     tok = build_tokenizer(root / "tok", corpus, 512)
-    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
-    ver = tiny_qwen3_verifier(
-        root / "verifier", vocab, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    ver = tiny_verifier_for_tokenizer(
+        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
     )
     (root / "consumer.py").write_text(CONSUMER)
     return Tiny(root, data, tok, ver)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
 from fanout.errors import ConfigError
 from fanout.flags import flag_name
 from fanout.producer import Producer, ProducerConfig
@@ -66,15 +66,12 @@ def repetitive_corpus(n: int, seed: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    from tokenizers import Tokenizer
-
     root = tmp_path_factory.mktemp("train")
     corpus = repetitive_corpus(160, seed=0)
     data = write_jsonl(root / "chat.jsonl", corpus)
     tok = build_tokenizer(root / "tok", corpus + generate_corpus(50, seed=1), 512)
-    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size()
-    ver = tiny_qwen3_verifier(
-        root / "verifier", vocab, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    ver = tiny_verifier_for_tokenizer(
+        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
     )
     cfg = ProducerConfig(
         run_dir=str(root / "run"),

@@ -282,6 +282,16 @@ def tiny_qwen3_verifier(
     return out
 
 
+def tiny_verifier_for_tokenizer(
+    out_dir: str | os.PathLike[str], tokenizer_dir: str | os.PathLike[str], **kw: Any
+) -> Path:
+    """`tiny_qwen3_verifier` sized to the vocabulary of `tokenizer_dir/tokenizer.json`."""
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json")).get_vocab_size()
+    return tiny_qwen3_verifier(out_dir, vocab, **kw)
+
+
 def build_verifier(
     out_dir: str | os.PathLike[str],
     tokenizer_dir: str | os.PathLike[str],

@@ -52,7 +52,12 @@ def build_assets(root: str | os.PathLike[str], conversations: int = 60) -> Chaos
     of `conversations` rows under `root`; reused when already there."""
     from filelock import FileLock
 
-    from fanout.assets import build_tokenizer, generate_corpus, tiny_qwen3_verifier, write_jsonl
+    from fanout.assets import (
+        build_tokenizer,
+        generate_corpus,
+        tiny_verifier_for_tokenizer,
+        write_jsonl,
+    )
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -64,11 +69,13 @@ def build_assets(root: str | os.PathLike[str], conversations: int = 60) -> Chaos
             corpus = generate_corpus(4000, 0)
             build_tokenizer(out.tokenizer, corpus, 1024)
         if not (out.verifier / "config.json").is_file():
-            from tokenizers import Tokenizer
-
-            vocab = Tokenizer.from_file(str(out.tokenizer / "tokenizer.json")).get_vocab_size()
-            tiny_qwen3_verifier(
-                out.verifier, vocab, hidden_size=32, num_layers=4, head_dim=8, intermediate_size=64
+            tiny_verifier_for_tokenizer(
+                out.verifier,
+                out.tokenizer,
+                hidden_size=32,
+                num_layers=4,
+                head_dim=8,
+                intermediate_size=64,
             )
         if not out.data.is_file():
             corpus = corpus or generate_corpus(4000, 0)
