@@ -237,6 +237,28 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
     assert checked >= 6
 
 
+def test_overlapped_publish_writes_the_same_windows(tiny: Tiny, tmp_path: Path) -> None:
+    """Publishing on a background thread (two buffer slots) changes no byte of any window
+    and still publishes every window exactly once."""
+    files = {}
+    for mode in ("off", "on"):
+        run = tmp_path / mode
+        summary = Producer(_cfg(tiny, run, max_windows=5, overlap_publish=mode)).run()
+        assert summary["windows"] == 5 and summary["failures"] == 0
+        store = Store(RunDir(run))
+        names = store.list_windows()
+        assert [parse_window_name(n)[0] for n in names] == [0, 1, 2, 3, 4]  # type: ignore[index]
+        captures = _rows_of(run, "SELECT window, captures, state FROM windows ORDER BY window")
+        assert captures == [(w, 1, "ready") for w in range(5)]
+        files[mode] = {}
+        for n in names:
+            with store.open(n) as r:
+                files[mode][r.meta.window] = {k: r.get(k).clone() for k in r.names()}
+    for w, tensors in files["off"].items():
+        for k, t in tensors.items():
+            assert torch.equal(t, files["on"][w][k]), f"window {w} {k} differs with overlap"
+
+
 def test_changed_contract_is_refused_naming_the_fields(
     tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

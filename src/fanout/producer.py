@@ -27,7 +27,9 @@ import math
 import os
 import signal
 import socket
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -80,6 +82,11 @@ class ProducerConfig(BaseModel):
         False, description="also store final hidden states [R, T, H] (contract)"
     )
     capture_batch_rows: int = Field(4, ge=1, description="rows per verifier forward")
+    overlap_publish: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="publish window w on a background thread while capturing w+1 (two host "
+        "buffers); auto = on when the verifier runs on CUDA",
+    )
     ttl_s: float = Field(30.0, gt=0, description="seconds without heartbeat before lost")
     heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (seconds)")
     max_windows: int | None = Field(
@@ -214,6 +221,15 @@ class Producer:
         self.stats = ProducerStats()
         self._bufs: dict[str, Any] = {}  # reused host buffers (see _buffer)
         self._stop = False
+        overlap = cfg.overlap_publish == "on" or (
+            cfg.overlap_publish == "auto" and self.verifier.device.type == "cuda"
+        )
+        # One publish in flight at most; capture alternates between two buffer slots so
+        # the window being written is never the one being filled.
+        self._publisher = ThreadPoolExecutor(1, "fanout-publish") if overlap else None
+        self._inflight: tuple[Claim, Future[tuple[Any, float]], int, int] | None = None
+        self._slot = 0
+        self._thread_state = threading.local()
 
     def _open_coordinator(self) -> Coordinator:
         cfg = self.cfg
@@ -271,6 +287,7 @@ class Producer:
         """
         import torch
 
+        name = f"{name}.{self._slot}"
         buf = self._bufs.get(name)
         if buf is None or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
             pin = self.verifier.device.type == "cuda"
@@ -324,10 +341,11 @@ class Producer:
         return tensors
 
     def produce_one(self, preg: ProducerReg, claim: Claim) -> None:
+        """Capture `claim`'s window and publish it (inline, or handed to the publisher)."""
         t0 = time.monotonic()
         tensors = self.capture_window(claim)
         self.coord.renew(claim)  # StaleLease here: we were superseded; publish nothing
-        t1 = time.monotonic()
+        self.stats.capture_s += time.monotonic() - t0
         _, epoch = stream_rows(
             claim.window,
             self.cfg.window_rows,
@@ -344,20 +362,70 @@ class Producer:
             row_start=claim.rows[0],
             row_end=claim.rows[0] + r,
         )
-        published = self._publish(tensors, meta, claim)
+        tokens = int((tensors["document_ids"] >= 0).sum())
+        if self._publisher is None:
+            published, took = self._commit(claim, tensors, meta, self.coord)
+            self._count(published, took, r, tokens)
+            return
+        self.finish_inflight()  # its buffers are the other slot's: free after this
+        fut = self._publisher.submit(self._commit_in_thread, claim, tensors, meta)
+        self._inflight = (claim, fut, r, tokens)
+        self._slot ^= 1
+
+    def _commit(
+        self, claim: Claim, tensors: dict[str, Any], meta: WindowMeta, coord: Coordinator
+    ) -> tuple[Any, float]:
+        """Store.publish + coordinator commit; returns (Published, seconds)."""
+        t1 = time.monotonic()
+        published = self._publish(tensors, meta, claim, coord)
         try:
-            self.coord.publish_ready(claim, published)
+            coord.publish_ready(claim, published)
         except StaleLease:
             self.store.remove(published.name)  # our claim is gone: the file is an orphan
             raise
-        self.stats.capture_s += t1 - t0
-        self.stats.publish_s += time.monotonic() - t1
+        return published, time.monotonic() - t1
+
+    def _commit_in_thread(
+        self, claim: Claim, tensors: dict[str, Any], meta: WindowMeta
+    ) -> tuple[Any, float]:
+        # sqlite3 connections are per thread: the publisher keeps its own.
+        coord = getattr(self._thread_state, "coord", None)
+        if coord is None:
+            coord = Coordinator.open(self.run_dir.root, db_path=self.cfg.db_path, store=self.store)
+            self._thread_state.coord = coord
+        return self._commit(claim, tensors, meta, coord)
+
+    def _count(self, published: Any, took: float, rows: int, tokens: int) -> None:
+        self.stats.publish_s += took
         self.stats.windows += 1
-        self.stats.rows += r
-        self.stats.tokens += int((tensors["document_ids"] >= 0).sum())
+        self.stats.rows += rows
+        self.stats.tokens += tokens
         self.stats.bytes += published.nbytes
 
-    def _publish(self, tensors: dict[str, Any], meta: WindowMeta, claim: Claim) -> Any:
+    def finish_inflight(self, *, block: bool = True) -> None:
+        """Wait for (or, with block=False, poll) the background publish and account for it.
+
+        A StorageError there fails that window's claim (it is retried under a new
+        generation), as it would inline; anything else (StaleLease) propagates.
+        """
+        if self._inflight is None:
+            return
+        claim, fut, rows, tokens = self._inflight
+        if not block and not fut.done():
+            return
+        self._inflight = None
+        try:
+            published, took = fut.result()
+        except StorageError as e:
+            self.stats.failures += 1
+            log.error("window %d: %s; will retry", claim.window, e)
+            self.coord.fail(claim, str(e))
+            return
+        self._count(published, took, rows, tokens)
+
+    def _publish(
+        self, tensors: dict[str, Any], meta: WindowMeta, claim: Claim, coord: Coordinator
+    ) -> Any:
         """Store.publish, waiting out a full disk with the captured tensors in hand: ENOSPC
         is transient (evictions and operators free space) and must not use up the
         window's capture attempts (3 quick failures would fail the window for good).
@@ -373,7 +441,7 @@ class Producer:
                 log.error("window %d: %s; disk full, retrying in %.1f s", claim.window, e, delay)
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
-                self.coord.renew(claim)  # StaleLease if we were superseded meanwhile
+                coord.renew(claim)  # StaleLease if we were superseded meanwhile
 
     # ---- the loop -----------------------------------------------------------------
 
@@ -426,7 +494,9 @@ class Producer:
         ) as hb:
             while not self._stop:
                 hb.check()
-                if self.cfg.max_windows and self.stats.windows >= self.cfg.max_windows:
+                self.finish_inflight(block=False)
+                started = self.stats.windows + (self._inflight is not None)
+                if self.cfg.max_windows and started >= self.cfg.max_windows:
                     break
                 w0 = time.monotonic()
                 if not self.coord.wait_for_capacity(preg, timeout_s=0.5):
@@ -448,6 +518,7 @@ class Producer:
                     time.sleep(0.05)
                     continue
                 idle_since = None
+                done_before = self.stats.windows
                 try:
                     self.produce_one(preg, claim)
                 except StorageError as e:
@@ -459,14 +530,19 @@ class Producer:
                 except BaseException:
                     self._release(claim)
                     raise
-                bar.update(1)
+                bar.update(self.stats.windows - done_before)
                 bar.set_postfix(
                     live=self.coord.conn.execute(
                         "SELECT COUNT(*) FROM windows WHERE state='ready'"
                     ).fetchone()[0],
                     tok_s=f"{self.stats.summary()['tokens_per_s']:.0f}",
                 )
+            n = self.stats.windows
+            self.finish_inflight()  # the last window's publish, before the summary
+            bar.update(self.stats.windows - n)
         bar.close()
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True)
         summary = self.stats.summary()
         summary["stream_id"] = self.contract.stream_id
         summary["total_windows"] = self.total_windows
