@@ -12,9 +12,13 @@ data the draft's targets are learnable within a few dozen steps.
 from __future__ import annotations
 
 import json
+import os
 import random
 import runpy
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ import pytest
 import torch
 
 from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.checkpoint import latest_checkpoint
 from fanout.errors import ConfigError
 from fanout.flags import flag_name
 from fanout.producer import Producer, ProducerConfig
@@ -223,3 +228,36 @@ def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str
     assert "--verifier-name-or-path" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="draft-vocab-size"):
         Trainer(_cfg(run, "dv", draft_vocab_size=100))
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
+    """A real scripts/train.py process stopped with SIGTERM mid-training: the step in
+    progress completes, a checkpoint holding that step and its cursor is saved, exit 0."""
+    cfg = _cfg(run, "sigterm", checkpoint_every=10_000)
+    argv = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "train.py")]
+    for k, v in cfg.model_dump(exclude_none=True).items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            argv += [flag] if v else ["--no-" + flag[2:]]
+        else:
+            argv += [flag, *map(str, v if isinstance(v, list) else [v])]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    log_path = Path(cfg.save_path) / "train_log.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log_path.exists() and len(log_path.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "trainer never logged 3 steps"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    summary = json.loads(out.decode().strip().splitlines()[-1])
+    assert summary["interrupted"] is True and not summary["finished_stream"]
+    steps = [r["step"] for r in _log(cfg)]
+    assert steps == list(range(1, len(steps) + 1))  # no step lost or half-logged
+    ckpt = latest_checkpoint(cfg.save_path)
+    assert ckpt is not None
+    state = json.loads((ckpt / "training_state.json").read_text())
+    assert state["step"] == steps[-1] == summary["steps"]
+    assert (state["cursor"], state["rows_done"]) != (0, 0)

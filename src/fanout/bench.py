@@ -435,7 +435,12 @@ def execute(
                 if all(r.rc is not None for r in consumers):
                     # Trainers done: producers finish by themselves; nudge a held one.
                     for r in run.roles:
-                        if r.rc is None and r.proc is not None and stop_after_s is not None:
+                        if (
+                            r.rc is None
+                            and r.proc is not None
+                            and stop_after_s is not None
+                            and not r.stopped_by_us  # once: a second signal could land
+                        ):  # during the interpreter's shutdown, after handlers are reset
                             r.stopped_by_us = True
                             _stop(r.proc, signal.SIGTERM)
                 if age > cfg.scenario_timeout_s:

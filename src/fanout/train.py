@@ -17,6 +17,7 @@ import argparse
 import json
 import logging
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -232,6 +233,20 @@ class Trainer:
                 self.state["cursor"],
             )
         self.metrics = MetricsLog(Path(cfg.save_path) / "train_log.jsonl", cfg.logger)
+        self._in_step = False
+        self._stop_requested = False
+        self.interrupted = False
+
+    def request_stop(self, signum: int, _frame: Any) -> None:
+        """SIGINT/SIGTERM handler: finish the step in progress (ack, log), save, stop.
+
+        Outside a step (waiting for a window) nothing is half-done: stop at once.
+        """
+        log.warning("signal %d: stopping after the current step and saving", signum)
+        if self._in_step:
+            self._stop_requested = True
+        else:
+            raise KeyboardInterrupt
 
     def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
         out = {}
@@ -280,50 +295,58 @@ class Trainer:
         )
         first = last = None
         try:
-            t_fetch = time.perf_counter()
-            for batch in stream.batches(cfg.rows_per_step):
-                t0 = time.perf_counter()
-                inputs = self._to_device(batch)
-                with autocast:
-                    out = self.draft.loss(inputs, self.gen)
-                t1 = time.perf_counter()
-                out.loss.backward()
-                t2 = time.perf_counter()
-                self.opt.step()
-                self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
-                t3 = time.perf_counter()
-                stream.ack(batch)  # only now: the step that consumed these rows is done
-                self.state["step"] += 1
-                self.state["cursor"], self.state["rows_done"] = batch.next_position
-                step = self.state["step"]
-                rec = {
-                    "step": step,
-                    "loss": round(float(out.loss.detach()), 6),
-                    "eal": round(float(out.eal), 4),
-                    "acc": [round(float(a), 4) for a in out.per_slot_acc],
-                    "lr": self.sched.get_last_lr()[0],
-                    "tokens": out.n_tokens,
-                    "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
-                    "fwd_ms": round((t1 - t0) * 1e3, 2),
-                    "bwd_ms": round((t2 - t1) * 1e3, 2),
-                    "opt_ms": round((t3 - t2) * 1e3, 2),
-                    "tokens_per_s": round(out.n_tokens / max(t3 - t_fetch, 1e-9), 1),
-                    "window_wait_ms": round(batch.wait_s * 1e3, 2),
-                    "windows": sorted({w for w, _ in batch.rows}),
-                    "acked": [ow.window for ow in batch.completes],
-                    "time": time.time(),
-                }
-                if first is None:
-                    first = rec
-                last = rec
-                if step % cfg.log_every == 0:
-                    self.metrics.write(rec)
-                if step % cfg.checkpoint_every == 0:
-                    self.save()
-                if cfg.max_steps and step >= cfg.max_steps:
-                    break
+            try:
                 t_fetch = time.perf_counter()
+                for batch in stream.batches(cfg.rows_per_step):
+                    self._in_step = True
+                    t0 = time.perf_counter()
+                    inputs = self._to_device(batch)
+                    with autocast:
+                        out = self.draft.loss(inputs, self.gen)
+                    t1 = time.perf_counter()
+                    out.loss.backward()
+                    t2 = time.perf_counter()
+                    self.opt.step()
+                    self.sched.step()
+                    self.opt.zero_grad(set_to_none=True)
+                    t3 = time.perf_counter()
+                    stream.ack(batch)  # only now: the step that consumed these rows is done
+                    self.state["step"] += 1
+                    self.state["cursor"], self.state["rows_done"] = batch.next_position
+                    step = self.state["step"]
+                    rec = {
+                        "step": step,
+                        "loss": round(float(out.loss.detach()), 6),
+                        "eal": round(float(out.eal), 4),
+                        "acc": [round(float(a), 4) for a in out.per_slot_acc],
+                        "lr": self.sched.get_last_lr()[0],
+                        "tokens": out.n_tokens,
+                        "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
+                        "fwd_ms": round((t1 - t0) * 1e3, 2),
+                        "bwd_ms": round((t2 - t1) * 1e3, 2),
+                        "opt_ms": round((t3 - t2) * 1e3, 2),
+                        "tokens_per_s": round(out.n_tokens / max(t3 - t_fetch, 1e-9), 1),
+                        "window_wait_ms": round(batch.wait_s * 1e3, 2),
+                        "windows": sorted({w for w, _ in batch.rows}),
+                        "acked": [ow.window for ow in batch.completes],
+                        "time": time.time(),
+                    }
+                    if first is None:
+                        first = rec
+                    last = rec
+                    if step % cfg.log_every == 0:
+                        self.metrics.write(rec)
+                    if step % cfg.checkpoint_every == 0:
+                        self.save()
+                    self._in_step = False
+                    if self._stop_requested:
+                        self.interrupted = True
+                        break
+                    if cfg.max_steps and step >= cfg.max_steps:
+                        break
+                    t_fetch = time.perf_counter()
+            except KeyboardInterrupt:
+                self.interrupted = True  # while waiting for a window: nothing half-done
             if self.state["step"]:
                 self.save()
         finally:
@@ -334,6 +357,7 @@ class Trainer:
             "steps": self.state["step"],
             "cursor": self.state["cursor"],
             "finished_stream": stream.finished,
+            "interrupted": self.interrupted,
             "adamw_backend": self.backend,
             "first_loss": first and first["loss"],
             "last_loss": last and last["loss"],
@@ -350,7 +374,10 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = model_from_args(TrainConfig, args)
     try:
-        summary = Trainer(cfg).run()
+        trainer = Trainer(cfg)
+        signal.signal(signal.SIGINT, trainer.request_stop)
+        signal.signal(signal.SIGTERM, trainer.request_stop)
+        summary = trainer.run()
     except Detached as e:
         print(
             f"{cfg.consumer_id}: detached by the run's lag policy: {e}. "
