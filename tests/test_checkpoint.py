@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from fanout.assets import tiny_qwen3_verifier
 from fanout.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
 from fanout.errors import ConfigError
 from fanout.model.dflash import DFlashDraft
@@ -18,19 +18,14 @@ from fanout.ops.adamw import make_optimizer
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("verifier")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
+    return tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("verifier"),
+        256,
         hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_layers=4,
         head_dim=8,
         intermediate_size=64,
-        vocab_size=256,
     )
-    Qwen3ForCausalLM(cfg).save_pretrained(d)
-    return d
 
 
 def _draft(vdir: Path, seed: int = 1, **kw) -> DFlashDraft:

@@ -18,30 +18,14 @@ import pytest
 import torch
 
 from fanout import schema
-from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator, RunConfig
 from fanout.errors import FanoutError, StaleLease
 from fanout.filesystem import FileSystem
 from fanout.liveness import Heartbeat
 from fanout.store import Published, RunDir, Store, WindowMeta, parse_window_name, window_name
+from test_coordinator import make_contract
 
 CTX = mp.get_context("spawn")
-
-
-def make_contract() -> CaptureContract:
-    return CaptureContract(
-        verifier_config_hash="cfg",
-        verifier_weights_fingerprint="w",
-        verifier_num_layers=4,
-        hidden_size=8,
-        vocab_size=32,
-        target_layer_ids=(1, 2),
-        dataset_fingerprint="data",
-        tokenizer_fingerprint="tok",
-        seq_len=4,
-        window_rows=2,
-        shuffle_seed=0,
-    )
 
 
 def fake_publish(co: Coordinator, p: Any, n: int) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from fanout.assets import tiny_qwen3_verifier
 from fanout.errors import ConfigError
 from fanout.model.anchors import select_anchors, slot_supervision
 from fanout.model.dflash import DFlashConfig, DFlashDraft, default_gamma
@@ -18,39 +18,22 @@ N_CTX = 2  # captured layers
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("verifier")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=512,
+    return tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("verifier"), 512, num_layers=4, intermediate_size=128
     )
-    Qwen3ForCausalLM(cfg).save_pretrained(d)
-    return d
 
 
 @pytest.fixture(scope="module")
 def tied_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A verifier whose lm_head is its embedding: hidden states that carry token
     embeddings then map straight onto the head, so a 1-layer draft learns in 50 steps."""
-    d = tmp_path_factory.mktemp("tied")
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    return tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("tied"),
+        512,
+        num_layers=4,
         intermediate_size=128,
-        vocab_size=512,
         tie_word_embeddings=True,
     )
-    Qwen3ForCausalLM(cfg).save_pretrained(d)
-    return d
 
 
 def _draft(verifier_dir: Path, **kw) -> DFlashDraft:
