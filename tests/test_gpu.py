@@ -4,11 +4,13 @@ NVML telemetry on a real GPU. Every test skips without CUDA; run them on a GPU b
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+IDS_POS_DOC = ("input_ids", "position_ids", "document_ids")
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
@@ -103,3 +105,68 @@ def test_nvml_telemetry_on_real_gpu(tmp_path: Path) -> None:
     recs = read_samples(out)
     summ = summarize(recs, roles=["me"], gpu_roles=["me"])
     assert summ["gpu"]["available"] and not summ["host_only"], summ
+
+
+def test_producer_async_device_copies_equal_a_synchronous_capture(tmp_path: Path) -> None:
+    """The CUDA producer queues device→host copies on a side stream and publishes from a
+    second thread; a missing wait or a reused buffer would show up as windows that
+    differ from a plain, synchronous capture of the same rows."""
+    from fanout.assets import (
+        build_tokenizer,
+        generate_corpus,
+        tiny_verifier_for_tokenizer,
+        write_jsonl,
+    )
+    from fanout.producer import Producer, ProducerConfig, stream_rows
+    from fanout.store import parse_window_name
+
+    corpus = generate_corpus(80, seed=0)
+    data = write_jsonl(tmp_path / "chat.jsonl", corpus)
+    tok = build_tokenizer(tmp_path / "tok", corpus, 512)
+    ver = tiny_verifier_for_tokenizer(tmp_path / "v", tok, hidden_size=64, num_layers=4)
+    cfg = ProducerConfig(
+        run_dir=str(tmp_path / "run"),
+        verifier_name_or_path=str(ver),
+        data=[str(data)],
+        tokenizer=str(tok),
+        seq_len=128,
+        window_rows=4,
+        capture_batch_rows=1,  # four batches, four queued copies per window
+        max_live_windows=64,
+        target_layer_ids=[1, 2],
+        store_last_hidden_states=True,
+        overlap_publish="on",
+        max_windows=6,  # both buffer slots reused twice
+        device="cuda",
+        workers=1,
+        progress=False,
+        exit_when_idle_s=0,
+    )
+    p = Producer(cfg)
+    assert p.run()["windows"] == 6
+    names = sorted(n for n in os.listdir(tmp_path / "run" / "windows") if parse_window_name(n))
+    assert len(names) == 6
+    for name in names:
+        with p.store.open(name) as r:
+            idx, _ = stream_rows(r.meta.window, 4, p.dataset.num_rows, cfg.epochs, cfg.seed)
+            rows = p.dataset.rows(idx)
+            for i in range(r.rows):
+                want = p.verifier.capture(
+                    *(torch.from_numpy(rows[k][i : i + 1]) for k in IDS_POS_DOC)
+                )
+                torch.testing.assert_close(
+                    r.get("hidden_states")[i : i + 1].float(),
+                    want.hidden_states.cpu().float(),
+                    rtol=0.02,
+                    atol=0.02,
+                    msg=f"{name} row {i}: hidden_states differ",
+                )
+                assert want.last_hidden_states is not None
+                torch.testing.assert_close(
+                    r.get("last_hidden_states")[i : i + 1].float(),
+                    want.last_hidden_states.cpu().float(),
+                    rtol=0.02,
+                    atol=0.02,
+                )
+                agree = (r.get("target_ids")[i : i + 1] == want.target_ids.cpu()).float().mean()
+                assert agree > 0.98, (name, i, float(agree))

@@ -29,6 +29,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,7 @@ from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args
 from fanout.leases import Claim, ProducerReg
 from fanout.liveness import Heartbeat
-from fanout.store import RunDir, Store, WindowMeta
+from fanout.store import Published, RunDir, Store, WindowMeta
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,62 @@ class ProducerStats:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class CapturedWindow:
+    """One window's tensors on the host, once `wait()` returned (CUDA copies are async)."""
+
+    tensors: dict[str, Any]
+    wait: Callable[[], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Committed:
+    published: Published
+    device_wait_s: float  # waiting for the window's device→host copies to land
+    publish_s: float  # Store.publish + coordinator commit
+
+
+class _HostCopier:
+    """Device→host copies of one window's batches, queued on a side CUDA stream.
+
+    Why a side stream: copies on the compute stream would serialise with the next
+    batch's forward, and blocking copies would make the host wait for the GPU once
+    per batch and then refill its queue from empty. Here each copy waits (on the
+    device, not the host) for the forward that produced its source, runs on the copy
+    engine while the next forward computes, and `record_stream` keeps the caching
+    allocator from reusing the source's memory before the copy has read it.
+    Without a stream (CPU) a copy is a plain `copy_`.
+    """
+
+    def __init__(self, stream: Any | None) -> None:
+        self._stream = stream
+
+    def copy(self, dst: Any, src: Any) -> None:
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        import torch
+
+        self._stream.wait_stream(torch.cuda.current_stream(src.device))
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)  # dst is pinned (Producer._buffer)
+        src.record_stream(self._stream)
+
+    def done(self) -> Callable[[], None]:
+        """A callable that blocks until every copy queued so far has landed."""
+        if self._stream is None:
+            return _nothing
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return event.synchronize
+
+
+def _nothing() -> None:
+    return None
+
+
 class Producer:
     """One producer process. Build with `Producer(cfg)`, then `run()`."""
 
@@ -227,8 +284,9 @@ class Producer:
         # One publish in flight at most; capture alternates between two buffer slots so
         # the window being written is never the one being filled.
         self._publisher = ThreadPoolExecutor(1, "fanout-publish") if overlap else None
-        self._inflight: tuple[Claim, Future[tuple[Any, float]], int, int] | None = None
+        self._inflight: tuple[Claim, Future[_Committed], int, int] | None = None
         self._slot = 0
+        self._stream: Any | None = None  # see _copy_stream
         self._thread_state = threading.local()
 
     def _open_coordinator(self) -> Coordinator:
@@ -295,11 +353,25 @@ class Producer:
             self._bufs[name] = buf
         return buf[: shape[0]]  # the last window may be partial; still contiguous
 
-    def capture_window(self, claim: Claim) -> dict[str, Any]:
+    def _copy_stream(self) -> Any | None:
+        """The side CUDA stream for device→host copies (None on CPU); made once."""
+        dev = self.verifier.device
+        if dev.type != "cuda":
+            return None
+        if self._stream is None:
+            import torch
+
+            self._stream = torch.cuda.Stream(dev)
+        return self._stream
+
+    def capture_window(self, claim: Claim) -> CapturedWindow:
         """Rows of `claim.window` through the verifier: the window's tensors (CPU).
 
         hidden_states / target_ids live in reused buffers: valid until the next call
-        (produce_one publishes them before capturing the next window).
+        but one (two slots alternate; produce_one publishes a window before its slot
+        comes round again). On CUDA the device→host copies are only *queued* here, on
+        a side stream, so the next batch's forward overlaps them and the host never
+        waits per batch; `CapturedWindow.wait()` blocks until they have landed.
         """
         import torch
 
@@ -315,19 +387,22 @@ class Producer:
         target = self._buffer("target_ids", (r, t), torch.int32)  # [R, T]
         last = self._buffer("last", (r, t, h), sdt) if cfg.store_last_hidden_states else None
         as_t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()}
+        on_cpu = self.verifier.device.type == "cpu"
+        copier = _HostCopier(self._copy_stream())
         b = cfg.capture_batch_rows
         for s in range(0, r, b):
             cap = self.verifier.capture(
                 as_t["input_ids"][s : s + b],
                 as_t["position_ids"][s : s + b],
                 as_t["document_ids"][s : s + b],
+                # On CPU the hooks write straight into the window buffer: no copy at all.
+                hidden_out=hidden[s : s + b] if on_cpu else None,
             )
-            # copy_ straight from the device into the window buffer: `.cpu()` first
-            # would allocate (and page-fault) a second host copy of every batch.
-            hidden[s : s + b].copy_(cap.hidden_states)
-            target[s : s + b].copy_(cap.target_ids)
+            if not on_cpu:
+                copier.copy(hidden[s : s + b], cap.hidden_states)
+            copier.copy(target[s : s + b], cap.target_ids)
             if last is not None and cap.last_hidden_states is not None:
-                last[s : s + b].copy_(cap.last_hidden_states)
+                copier.copy(last[s : s + b], cap.last_hidden_states)
         tensors: dict[str, Any] = {
             "hidden_states": hidden,
             "target_ids": target,
@@ -338,13 +413,12 @@ class Producer:
         }
         if last is not None:
             tensors["last_hidden_states"] = last
-        return tensors
+        return CapturedWindow(tensors, copier.done())
 
     def produce_one(self, preg: ProducerReg, claim: Claim) -> None:
         """Capture `claim`'s window and publish it (inline, or handed to the publisher)."""
         t0 = time.monotonic()
-        tensors = self.capture_window(claim)
-        self.coord.renew(claim)  # StaleLease here: we were superseded; publish nothing
+        window = self.capture_window(claim)
         self.stats.capture_s += time.monotonic() - t0
         _, epoch = stream_rows(
             claim.window,
@@ -353,6 +427,7 @@ class Producer:
             self.cfg.epochs,
             self.cfg.seed,
         )
+        tensors = window.tensors
         r = int(tensors["input_ids"].shape[0])
         meta = WindowMeta(
             contract_hash=self.contract.stream_id,
@@ -364,43 +439,46 @@ class Producer:
         )
         tokens = int((tensors["document_ids"] >= 0).sum())
         if self._publisher is None:
-            published, took = self._commit(claim, tensors, meta, self.coord)
-            self._count(published, took, r, tokens)
+            self._count(self._commit(claim, window, meta, self.coord), r, tokens)
             return
         self.finish_inflight()  # its buffers are the other slot's: free after this
-        fut = self._publisher.submit(self._commit_in_thread, claim, tensors, meta)
+        fut = self._publisher.submit(self._commit_in_thread, claim, window, meta)
         self._inflight = (claim, fut, r, tokens)
         self._slot ^= 1
 
     def _commit(
-        self, claim: Claim, tensors: dict[str, Any], meta: WindowMeta, coord: Coordinator
-    ) -> tuple[Any, float]:
-        """Store.publish + coordinator commit; returns (Published, seconds)."""
+        self, claim: Claim, window: CapturedWindow, meta: WindowMeta, coord: Coordinator
+    ) -> _Committed:
+        """Wait for the window's device copies, Store.publish, coordinator commit."""
+        t0 = time.monotonic()
+        window.wait()
         t1 = time.monotonic()
-        published = self._publish(tensors, meta, claim, coord)
+        coord.renew(claim)  # StaleLease here: we were superseded; publish nothing
+        published = self._publish(window.tensors, meta, claim, coord)
         try:
             coord.publish_ready(claim, published)
         except StaleLease:
             self.store.remove(published.name)  # our claim is gone: the file is an orphan
             raise
-        return published, time.monotonic() - t1
+        return _Committed(published, device_wait_s=t1 - t0, publish_s=time.monotonic() - t1)
 
     def _commit_in_thread(
-        self, claim: Claim, tensors: dict[str, Any], meta: WindowMeta
-    ) -> tuple[Any, float]:
+        self, claim: Claim, window: CapturedWindow, meta: WindowMeta
+    ) -> _Committed:
         # sqlite3 connections are per thread: the publisher keeps its own.
         coord = getattr(self._thread_state, "coord", None)
         if coord is None:
             coord = Coordinator.open(self.run_dir.root, db_path=self.cfg.db_path, store=self.store)
             self._thread_state.coord = coord
-        return self._commit(claim, tensors, meta, coord)
+        return self._commit(claim, window, meta, coord)
 
-    def _count(self, published: Any, took: float, rows: int, tokens: int) -> None:
-        self.stats.publish_s += took
+    def _count(self, done: _Committed, rows: int, tokens: int) -> None:
+        self.stats.capture_s += done.device_wait_s
+        self.stats.publish_s += done.publish_s
         self.stats.windows += 1
         self.stats.rows += rows
         self.stats.tokens += tokens
-        self.stats.bytes += published.nbytes
+        self.stats.bytes += done.published.nbytes
 
     def finish_inflight(self, *, block: bool = True) -> None:
         """Wait for (or, with block=False, poll) the background publish and account for it.
@@ -415,13 +493,13 @@ class Producer:
             return
         self._inflight = None
         try:
-            published, took = fut.result()
+            done = fut.result()
         except StorageError as e:
             self.stats.failures += 1
             log.error("window %d: %s; will retry", claim.window, e)
             self.coord.fail(claim, str(e))
             return
-        self._count(published, took, rows, tokens)
+        self._count(done, rows, tokens)
 
     def _publish(
         self, tensors: dict[str, Any], meta: WindowMeta, claim: Claim, coord: Coordinator

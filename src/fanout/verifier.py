@@ -48,6 +48,7 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
+from fanout.ops.argmax import row_argmax
 
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
 StorageDType = Literal["bfloat16", "float16", "float32"]
@@ -308,6 +309,7 @@ class Verifier:
         self.target_layer_ids: list[int] = resolve_target_layer_ids(
             self.num_layers, config.target_layer_ids, config.num_draft_layers
         )
+        self._logits: torch.Tensor | None = None  # see _logits_buffer
 
     @classmethod
     def from_config(cls, config: VerifierConfig) -> Verifier:
@@ -341,11 +343,20 @@ class Verifier:
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         document_ids: torch.Tensor,
+        *,
+        hidden_out: torch.Tensor | None = None,
     ) -> Capture:
         """Run the verifier once over packed rows; return target-layer states and greedy ids.
 
         input_ids, position_ids, document_ids: [B, T] integer tensors (any device);
         position_ids restart at 0 for each document, document_ids are −1 on padding.
+        hidden_out: optional [B, T, n·H] storage-dtype tensor on the model's device
+        for the hooks to write into (the CPU producer passes its window buffer, which
+        saves a copy of every batch); a fresh device buffer otherwise.
+
+        Nothing here waits for the device: CPU inputs are staged through pinned memory
+        and copied asynchronously on CUDA, so a caller that also copies the results
+        back asynchronously (the producer does) keeps the GPU queue full across batches.
         """
         for name, x in (("position_ids", position_ids), ("document_ids", document_ids)):
             if x.shape != input_ids.shape:
@@ -357,16 +368,25 @@ class Verifier:
         b, t = input_ids.shape
         n, h = len(self.target_layer_ids), self.hidden_size
         dev = self.device
-        ids = input_ids.to(dev, torch.long)  # [B, T]
-        pos = position_ids.to(dev, torch.long)  # [B, T]
-        mask = packed_attention_mask(document_ids.to(dev))  # [B, 1, T, T] bool
+        ids = self._to_device(input_ids)  # [B, T] long
+        pos = self._to_device(position_ids)  # [B, T] long
+        mask = packed_attention_mask(self._to_device(document_ids))  # [B, 1, T, T] bool
         if self.config.attn_implementation == "eager":
             # eager adds the mask to the scores
             mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(
                 ~mask, torch.finfo(self.dtype).min
             )
 
-        hidden = torch.empty(b, t, n * h, dtype=self.storage_dtype, device=dev)  # [B, T, n·H]
+        if hidden_out is None:
+            hidden = torch.empty(b, t, n * h, dtype=self.storage_dtype, device=dev)
+        else:
+            want = (b, t, n * h)
+            if tuple(hidden_out.shape) != want or hidden_out.dtype != self.storage_dtype:
+                raise ValueError(
+                    f"hidden_out is {tuple(hidden_out.shape)} {hidden_out.dtype}; "
+                    f"want {want} {self.storage_dtype}"
+                )
+            hidden = hidden_out  # [B, T, n·H]
         handles = []
         for j, layer_id in enumerate(self.target_layer_ids):
             sl = hidden[:, :, j * h : (j + 1) * h]  # [B, T, H] view into the buffer
@@ -385,20 +405,55 @@ class Verifier:
         last_store = last.to(self.storage_dtype) if self.config.store_last_hidden_states else None
         return Capture(hidden_states=hidden, target_ids=target, last_hidden_states=last_store)
 
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A [B, T] integer input as int64 on the model's device, without a host sync.
+
+        A plain `.to("cuda")` of pageable memory blocks until the GPU has drained
+        every kernel queued before it, which would stall the producer once per batch.
+        Pinned staging plus `non_blocking` keeps the copy in stream order instead
+        (PyTorch's pinned-memory cache keeps the staging buffer alive until it ran).
+        """
+        x = x.to(torch.long)
+        if self.device.type != "cuda" or x.device.type == "cuda":
+            return x.to(self.device)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
+        """A reused [rows, vocab] logits chunk (model dtype, model device).
+
+        Why reuse: a fresh 620 MB fp32 chunk per 1024 tokens is page-faulted in on
+        every call on CPU (the CPU allocator does not cache), which made the chunked
+        head cost more than the one big logits matmul it replaces.
+        """
+        buf = self._logits
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty(rows, self.vocab_size, dtype=self.dtype, device=self.device)
+            self._logits = buf
+        return buf[:rows]
+
     def _greedy_ids(self, last: torch.Tensor) -> torch.Tensor:
         """argmax(lm_head(last)) in row chunks; never builds [B·T, vocab] at once.
 
         argmax is invariant to the monotone logit transforms some heads add after
         the projection (positive logit scales, tanh soft-capping), so the plain
-        projection suffices for them too.
+        projection suffices for them too. A bias-free `nn.Linear` head (every
+        Llama/Qwen-style model) multiplies into one reused chunk buffer; any other
+        head is called as a module.
         """
         b, t, h = last.shape
         flat = last.reshape(b * t, h)  # [B·T, H]
         ids = torch.empty(b * t, dtype=torch.int32, device=last.device)  # [B·T]
         step = self.config.chunk_tokens
+        head = self.lm_head
+        plain = isinstance(head, torch.nn.Linear) and head.bias is None
+        weight_t = head.weight.t() if plain else None  # [H, vocab] view
         for s in range(0, b * t, step):
-            logits = self.lm_head(flat[s : s + step])  # [c, vocab]
-            ids[s : s + step] = logits.argmax(dim=-1)
+            x = flat[s : s + step]  # [c, H]
+            if weight_t is not None:
+                logits = torch.mm(x, weight_t, out=self._logits_buffer(x.shape[0]))  # [c, vocab]
+            else:
+                logits = head(x)  # [c, vocab]
+            ids[s : s + step] = row_argmax(logits)
         return ids.view(b, t)
 
 
