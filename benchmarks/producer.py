@@ -27,6 +27,8 @@ import os
 import platform
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,27 @@ def forward_loop(p: Producer, windows: int) -> tuple[float, int]:
     return time.perf_counter() - t0, tokens
 
 
+@contextmanager
+def _profiled(out_dir: str | None, name: str) -> Iterator[None]:
+    """torch.profiler around one loop when --profile is given: top ops + a Chrome trace."""
+    if out_dir is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        yield
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(Path(out_dir) / f"{name}.trace.json"))
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25)
+    (Path(out_dir) / f"{name}.top.txt").write_text(table + "\n")
+    print(f"--- {name}: top operators by {key}\n{table}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=64, help="verifier hidden size H")
@@ -97,6 +120,12 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=str(SHARED / "tokenizers/qwen3"))
     ap.add_argument("--workdir", default=None, help="run dir parent (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write results as JSON to this path")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="directory: run both loops under torch.profiler instead of plain timing, print "
+        "each one's top operators and write Chrome traces there (numbers are then inflated)",
+    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -123,7 +152,7 @@ def main() -> None:
             num_draft_layers=a.num_draft_layers,
             capture_batch_rows=a.capture_batch_rows,
             device=a.device,
-            dtype=a.dtype,  # type: ignore[arg-type]
+            dtype=a.dtype,
             max_windows=a.windows,
             epochs=1000,  # endless enough: max_windows ends the run
             cache_dir=os.path.join(tmp, "cache"),
@@ -131,14 +160,17 @@ def main() -> None:
             exit_when_idle_s=0,
         )
         p = Producer(cfg)  # prepare + load: not timed
-        t_fwd, tokens = forward_loop(p, a.windows)
+        with _profiled(a.profile, "forward"):
+            t_fwd, tokens = forward_loop(p, a.windows)
         p.verifier.capture(  # warm-up of the capture path (same shapes)
             *(torch.zeros(1, a.seq_len, dtype=torch.long) for _ in range(3))
         )
         _sync(p.verifier.device)
-        t0 = time.perf_counter()
-        summary: dict[str, Any] = p.run()
-        t_prod = time.perf_counter() - t0
+        with _profiled(a.profile, "producer"):
+            t0 = time.perf_counter()
+            summary: dict[str, Any] = p.run()
+            _sync(p.verifier.device)
+            t_prod = time.perf_counter() - t0
         assert summary["windows"] == a.windows, summary
         dev = p.verifier.device
         hw = (

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CUDA-only checks, as one script for a lent GPU machine (see docs/benchmarks.md).
+#
+#   bash benchmarks/gpu/checks.sh prepare   # here, no GPU needed: wheels + bench data
+#   bash benchmarks/gpu/checks.sh run       # there: $OUT receives logs and JSON
+#
+# `prepare` downloads the wheels the GPU image lacks (pydantic and its three
+# dependencies, for its Python 3.12) into .whl/ and copies the Qwen3 tokenizer and
+# a chat file from ../shared/data into .benchdata/ (both git-ignored; carry both).
+# `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py, the
+# producer benchmark at the README's size (H 1024 × 24 layers, vocab 151,669,
+# T 2048, R 8) over 16 and 48 windows, and one profiled producer run.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+mode=${1:-run}
+OUT=${OUT:-/tmp/fanout-gpu-out}
+mkdir -p "$OUT"
+
+if [ "$mode" = prepare ]; then
+  set -e
+  py=.venv/bin/python
+  [ -x "$py" ] || py=python3
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl \
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  mkdir -p .benchdata
+  cp -r ../shared/data/tokenizers/qwen3 .benchdata/tokenizer
+  cp ../shared/data/chat/fastchat/dummy_conversation.json .benchdata/chat.json
+  du -sh .whl .benchdata
+  exit 0
+fi
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/test_gpu.log"
+bench=(python3 benchmarks/producer.py --hidden 1024 --layers 24 --num-draft-layers 5
+  --seq-len 2048 --window-rows 8 --data .benchdata/chat.json --tokenizer .benchdata/tokenizer)
+for w in 16 48; do
+  "${bench[@]}" --windows "$w" --json "$OUT/producer-$w.json" 2>&1 | grep -v "it/s\]" \
+    | tee "$OUT/producer-$w.log"
+done
+"${bench[@]}" --windows 8 --profile "$OUT/profile" 2>&1 | grep -v "it/s\]" > "$OUT/profile.log"
+ls -la "$OUT"
