@@ -15,14 +15,16 @@ Rules:
 - capacity: at most K windows are live (ready + capturing + evicting); one more
   only for the window the slowest counted consumer waits on, else K ready
   windows that it also needs would deadlock it;
-- `recapture`: when blocked, the oldest unleased ready window that the leading
-  consumer has passed (so only laggards need it) is evicted to make room;
+- `recapture`: when blocked, an unleased ready window that the leading consumer
+  has passed (so only consumers behind it need it) is evicted to make room: the
+  one whose next reader is furthest behind it (see `recapture_victim`);
 - `detach`: when blocked long enough, the counted consumer with the lowest cursor
   behind the leader is detached (fenced, leases dropped).
 """
 
 from __future__ import annotations
 
+import bisect
 import sqlite3
 import time
 from typing import Literal
@@ -153,16 +155,42 @@ def has_capacity(cur: sqlite3.Cursor, max_live_windows: int, extra: bool = True)
 
 
 def recapture_victim(cur: sqlite3.Cursor) -> Doomed:
-    """Mark the oldest unleased ready window the leader has passed; [] if none."""
+    """Mark one unleased ready window the leader has passed, for recapture; [] if none.
+
+    Which one: the window whose next reader is furthest from it, i.e. the largest
+    `w − (highest counted cursor ≤ w)`; ties go to the oldest window, so a
+    near-leader's next windows outlast a laggard's. Consumers move at similar speeds,
+    so this approximates Belady's rule (evict what is needed furthest in the future).
+    Evicting the oldest passed window instead (this function's first rule) takes
+    exactly the window a catching-up laggard reads next; it demands it back, whose
+    recapture evicts its next one, and so on. A window at some consumer's cursor
+    (distance 0) still goes when nothing else can, so a paused laggard can never
+    hold the leader at K.
+    """
     _, lead = cursor_bounds(cur)
     if lead is None:
         return []
-    return _mark(
-        cur,
-        "SELECT window, name FROM windows w WHERE state='ready' AND window < ? AND NOT "
-        "EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) ORDER BY window LIMIT 1",
-        (lead,),
+    windows = [
+        int(w)
+        for (w,) in cur.execute(
+            "SELECT window FROM windows w WHERE state='ready' AND window < ? AND NOT "
+            "EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window)",
+            (lead,),
+        )
+    ]
+    if not windows:
+        return []
+    cursors = sorted(
+        int(c)
+        for (c,) in cur.execute(f"SELECT cursor FROM consumers WHERE state IN {COUNTED_STATES}")
     )
+
+    def distance(w: int) -> int:
+        behind = bisect.bisect_right(cursors, w)  # cursors[:behind] are <= w
+        return w - cursors[behind - 1] if behind else _FAR
+
+    victim = max(windows, key=lambda w: (distance(w), -w))
+    return _mark(cur, "SELECT window, name FROM windows WHERE window=?", (victim,))
 
 
 def detach_laggard(cur: sqlite3.Cursor, new_token: int) -> tuple[str, int, int] | None:
