@@ -20,10 +20,12 @@ from fanout.coordinator import Coordinator, RunConfig
 from fanout.errors import (
     AcquireTimeout,
     ContractMismatch,
+    CoordinatorFull,
     CorruptWindow,
     Detached,
     SchemaVersionError,
     StaleLease,
+    StorageFull,
     UnsupportedFilesystem,
 )
 from fanout.leases import Claim, ProducerReg
@@ -463,6 +465,30 @@ def test_detach_policy_drops_the_laggard_after_detach_after(tmp_path: Path) -> N
     assert co.meta("detaches") == 1
     again = co.register_consumer("slow")  # it may come back (as a new joiner)
     assert again.cursor == 0
+
+
+def test_full_coordinator_disk_is_a_typed_error_and_changes_nothing(tmp_path: Path) -> None:
+    """SQLITE_FULL (here from PRAGMA max_page_count, as a full disk gives it) becomes
+    CoordinatorFull naming the database; the transaction rolled back, and once there
+    is room again the same connection carries on with every earlier row intact."""
+    co, store, c = new_run(tmp_path)
+    p = co.register_producer(c)
+    produce(co, p, store, c)
+    pages = co.conn.execute("PRAGMA page_count").fetchone()[0]
+    co.conn.execute(f"PRAGMA max_page_count={pages}")
+    with pytest.raises(CoordinatorFull, match=r"run\.sqlite3|disk full") as err:
+        for i in range(10_000):
+            co.register_consumer(f"consumer-{i}-" + "x" * 200)
+    assert str(co.db_path) in str(err.value) and "--db-path" in str(err.value)
+    assert isinstance(err.value, StorageFull)  # callers that handle a full disk catch it
+    registered = co.conn.execute("SELECT COUNT(*) FROM consumers").fetchone()[0]
+    assert registered == i  # the failing registration left nothing behind
+    co.conn.execute("PRAGMA max_page_count=1073741823")
+    produce(co, p, store, c)  # usable again, on the same connection
+    assert co.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    with Coordinator.open(tmp_path / "run") as again:
+        states = again.conn.execute("SELECT window, state FROM windows ORDER BY window")
+        assert states.fetchall() == [(0, "ready"), (1, "ready")]
 
 
 # ---- liveness ------------------------------------------------------------------------

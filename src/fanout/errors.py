@@ -52,6 +52,11 @@ class StorageFull(StorageError):
     """ENOSPC/EDQUOT while publishing; the temp file was removed, nothing committed."""
 
 
+class CoordinatorFull(StorageFull):
+    """SQLITE_FULL: the coordinator database's disk (or quota) is full. The transaction
+    rolled back; the database is unchanged and usable once space is freed."""
+
+
 class CorruptWindow(FanoutError):
     """A window file failed validation (truncated, bad header, checksum mismatch)."""
 

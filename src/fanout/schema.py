@@ -25,7 +25,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fanout.errors import CoordinatorBusy, SchemaVersionError, UnsupportedFilesystem
+from fanout.errors import (
+    CoordinatorBusy,
+    CoordinatorFull,
+    SchemaVersionError,
+    UnsupportedFilesystem,
+)
 
 SCHEMA_VERSION = 1
 
@@ -209,8 +214,13 @@ def write(
     cur = conn.cursor()
     try:
         yield cur
+    except sqlite3.OperationalError as e:
+        _rollback(conn)
+        if _is_full(e):
+            raise _full_error(conn, e) from None
+        raise
     except BaseException:
-        conn.execute("ROLLBACK")
+        _rollback(conn)
         raise
     # COMMIT in WAL mode can itself be busy only while a checkpoint holds the lock.
     while True:
@@ -218,10 +228,34 @@ def write(
             conn.execute("COMMIT")
             return
         except sqlite3.OperationalError as e:
+            if _is_full(e):
+                _rollback(conn)
+                raise _full_error(conn, e) from None
             if not _is_busy(e) or time.monotonic() > deadline:
-                conn.execute("ROLLBACK")
+                _rollback(conn)
                 raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
             time.sleep(0.002)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    # After some errors (SQLITE_FULL among them) SQLite has already rolled back,
+    # and ROLLBACK would fail with "no transaction is active".
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
+def _is_full(e: sqlite3.OperationalError) -> bool:
+    return getattr(e, "sqlite_errorname", "") == "SQLITE_FULL" or "is full" in str(e)
+
+
+def _full_error(conn: sqlite3.Connection, e: sqlite3.OperationalError) -> CoordinatorFull:
+    rows = conn.execute("PRAGMA database_list").fetchall()
+    path = next((str(r[2]) for r in rows if r[1] == "main"), "?")
+    return CoordinatorFull(
+        f"coordinator database {path}: disk full ({e}); the transaction rolled back and "
+        "nothing changed. Free space on that filesystem (or move the database with "
+        "--db-path) and start the process again."
+    )
 
 
 def create_schema(conn: sqlite3.Connection, meta: dict[str, object]) -> None:
