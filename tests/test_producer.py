@@ -243,8 +243,11 @@ def test_overlapped_publish_writes_the_same_windows(tiny: Tiny, tmp_path: Path) 
     files = {}
     for mode in ("off", "on"):
         run = tmp_path / mode
-        summary = Producer(_cfg(tiny, run, max_windows=5, overlap_publish=mode)).run()
+        p = Producer(_cfg(tiny, run, max_windows=5, overlap_publish=mode))
+        summary = p.run()
         assert summary["windows"] == 5 and summary["failures"] == 0
+        mib = summary["bytes"] / 2**20
+        assert p._progress_line().startswith(f"live 5 ({mib:.0f} MiB) | "), p._progress_line()
         store = Store(RunDir(run))
         names = store.list_windows()
         assert [parse_window_name(n)[0] for n in names] == [0, 1, 2, 3, 4]  # type: ignore[index]

@@ -609,12 +609,8 @@ class Producer:
                     self._release(claim)
                     raise
                 bar.update(self.stats.windows - done_before)
-                bar.set_postfix(
-                    live=self.coord.conn.execute(
-                        "SELECT COUNT(*) FROM windows WHERE state='ready'"
-                    ).fetchone()[0],
-                    tok_s=f"{self.stats.summary()['tokens_per_s']:.0f}",
-                )
+                if self.cfg.progress:
+                    bar.set_postfix_str(self._progress_line())
             n = self.stats.windows
             self.finish_inflight()  # the last window's publish, before the summary
             bar.update(self.stats.windows - n)
@@ -626,6 +622,19 @@ class Producer:
         summary["total_windows"] = self.total_windows
         log.info("producer done: %s", summary)
         return summary
+
+    def _progress_line(self) -> str:
+        """live windows/bytes on disk, rates since start, backpressure wait so far."""
+        live, live_bytes = self.coord.conn.execute(
+            "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
+        ).fetchone()
+        s = self.stats.summary()
+        rows_s = self.stats.rows / max(s["elapsed_s"], 1e-9)
+        return (
+            f"live {live} ({live_bytes / 2**20:.0f} MiB) | {rows_s:.1f} rows/s "
+            f"{s['tokens_per_s']:.0f} tok/s {s['bytes_per_s'] / 2**20:.1f} MiB/s | "
+            f"waited {s['backpressure_wait_s']:.0f} s"
+        )
 
     def _release(self, claim: Claim) -> None:
         try:
