@@ -130,3 +130,21 @@ def test_bad_step_rejected(verifier_dir: Path, tmp_path: Path) -> None:
     opt, _ = make_optimizer(d.parameters(), lr=1e-3)
     with pytest.raises(ConfigError, match="step"):
         save_checkpoint(tmp_path, d, opt, {"epoch": 1})
+
+
+def test_reduced_vocab_checkpoint_round_trips_and_refuses_other_tokens(
+    verifier_dir: Path, tmp_path: Path
+) -> None:
+    ids = torch.arange(0, 200, 2)  # 100 of the 256 verifier tokens
+    d = _draft(verifier_dir, draft_vocab_size=100, draft_vocab_ids=ids)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0})
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert f.get_tensor("lm_head.weight").shape == (100, 32)
+        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+    assert torch.equal(d2t + torch.arange(100), ids)  # speculators: verifier id = d + d2t[d]
+    assert torch.equal(t2d.nonzero().flatten(), ids)
+    load_checkpoint(path, _draft(verifier_dir, draft_vocab_size=100, draft_vocab_ids=ids), None)
+    other = _draft(verifier_dir, draft_vocab_size=100, draft_vocab_ids=torch.arange(100))
+    with pytest.raises(ConfigError, match="d2t"):
+        load_checkpoint(path, other, None)

@@ -268,12 +268,14 @@ def test_changed_contract_is_refused_naming_the_fields(
     run = tmp_path / "run"
     Producer(_cfg(tiny, run, max_windows=1)).run()
     stream_json = (run / "stream.json").read_text()
+    counts = (run / "token_counts.safetensors").read_bytes()
     with pytest.raises(ContractMismatch, match="target_layer_ids") as e:
         Producer(_cfg(tiny, run, max_windows=1, target_layer_ids=[1, 3]))
     assert set(e.value.fields) == {"target_layer_ids"}
     with pytest.raises(ContractMismatch, match="seq_len"):
         Producer(_cfg(tiny, run, max_windows=1, seq_len=64))
     assert (run / "stream.json").read_text() == stream_json  # a refused producer changes nothing
+    assert (run / "token_counts.safetensors").read_bytes() == counts
     # the CLI says the same and exits 1
     argv = _argv(_cfg(tiny, run, max_windows=1, target_layer_ids=[0, 2]))
     assert cli.main(argv[3:]) == 1

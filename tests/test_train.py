@@ -31,6 +31,7 @@ from fanout.checkpoint import latest_checkpoint
 from fanout.errors import ConfigError
 from fanout.flags import flag_name
 from fanout.producer import Producer, ProducerConfig
+from fanout.store import RunDir
 from fanout.train import TrainConfig, Trainer
 
 
@@ -261,3 +262,47 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
     state = json.loads((ckpt / "training_state.json").read_text())
     assert state["step"] == steps[-1] == summary["steps"]
     assert (state["cursor"], state["rows_done"]) != (0, 0)
+
+
+def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run) -> None:
+    from safetensors import safe_open
+
+    from fanout.coordinator import Coordinator
+    from fanout.draft_vocab import read_token_counts, select_draft_vocab
+    from fanout.store import Store
+
+    with Coordinator.open(run.run_dir) as co:
+        stream_id = co.contract.stream_id
+        window_rows = co.contract.window_rows
+    stream = json.loads((run.run_dir / "stream.json").read_text())
+    counts = read_token_counts(run.run_dir, stream_id)
+    # Slow reference: the loss-masked tokens of the first epoch's rows, read back from
+    # the window files (stream position < num_rows is epoch 0: every row exactly once).
+    slow = torch.zeros(len(counts), dtype=torch.int64)
+    store = Store(RunDir(run.run_dir))
+    for name in store.list_windows():
+        with store.open(name) as r:
+            for i in range(r.rows):
+                if r.meta.window * window_rows + i < stream["num_rows"]:
+                    ids, mask = r.get("input_ids")[i].long(), r.get("loss_mask")[i].bool()
+                    slow += torch.bincount(ids[mask], minlength=len(counts))
+    assert torch.equal(torch.from_numpy(counts), slow)
+
+    n = int((counts > 0).sum()) // 2  # half of the tokens the drafts ever predict
+    cfg = _cfg(run, "small-vocab", max_steps=30, draft_vocab_size=n)
+    out = Trainer(cfg).run()
+    assert out["steps"] == 30
+    log = _log(cfg)
+    assert _mean(log[-5:], "loss") < _mean(log[:3], "loss")
+    ckpt = latest_checkpoint(cfg.save_path)
+    assert ckpt is not None
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+        kept = f.get_tensor("d2t") + torch.arange(n)
+        assert f.get_tensor("lm_head.weight").shape[0] == n
+    assert torch.equal(kept, select_draft_vocab(counts, n))
+    dropped = torch.ones(len(counts), dtype=torch.bool)
+    dropped[kept] = False
+    assert counts[kept.numpy()].min() >= counts[dropped.numpy()].max()  # the most used ones
+    resumed = Trainer(cfg.model_copy(update={"max_steps": 31, "resume": True}))
+    assert resumed.state["step"] == 30  # same counts, same vocabulary: the checkpoint loads
+    assert resumed.run()["steps"] == 31

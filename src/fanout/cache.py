@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,11 @@ class PackedDataset:
             for k in ROW_KEYS:
                 out[k][sel] = self._shards[s][k][local]
         return out
+
+    def shards(self) -> Iterator[dict[str, np.ndarray]]:
+        """Every shard's arrays ([rows, T] memmaps, read-only) in row order: for whole-
+        dataset passes that need only some columns."""
+        yield from self._shards
 
     @staticmethod
     def _dtype(key: str) -> type:

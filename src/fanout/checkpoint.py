@@ -235,6 +235,14 @@ def load_checkpoint(
             f"{k}: checkpoint {a!r}, draft {b!r}" for k, (a, b) in sorted(diff.items())
         )
         raise ConfigError(f"{p / 'config.json'}: draft config differs: {parts}")
+    if draft.d2t is not None:
+        # Same size, other tokens (the run's counts changed) would silently mislabel.
+        saved_d2t = load_file(str(p / "model.safetensors")).get("d2t")
+        if saved_d2t is None or not torch.equal(saved_d2t, draft.d2t.cpu()):
+            raise ConfigError(
+                f"{p / 'model.safetensors'}: its draft vocabulary (d2t) is not the one this "
+                "draft was built with; were the run's token counts rewritten?"
+            )
     dev = next(draft.parameters()).device
     t = load_file(str(p / "resume.safetensors"))
     weights = {k[2:]: v for k, v in t.items() if k.startswith("w.")}

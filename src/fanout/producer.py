@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator, RunConfig
+from fanout.draft_vocab import count_tokens, write_token_counts
 from fanout.errors import ConfigError, ContractMismatch, StaleLease, StorageError, StorageFull
 from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args
@@ -273,8 +274,17 @@ class Producer:
             shuffle_seed=cfg.seed,
         )
         self.total_windows = window_count(self.dataset.num_rows, cfg.epochs, cfg.window_rows)
-        self.coord = self._open_coordinator()
+        # A changed contract is refused before anything is written; a new run gets its
+        # stream.json and token counts before its database, so a trainer that finds
+        # the database finds them too.
+        existing = self._open_existing_coordinator()
         self._write_stream_info()
+        write_token_counts(
+            self.run_dir.root,
+            count_tokens(self.dataset, self.verifier.vocab_size),
+            self.contract.stream_id,
+        )
+        self.coord = existing or self._create_coordinator()
         self.stats = ProducerStats()
         self._bufs: dict[str, Any] = {}  # reused host buffers (see _buffer)
         self._stop = False
@@ -289,15 +299,19 @@ class Producer:
         self._stream: Any | None = None  # see _copy_stream
         self._thread_state = threading.local()
 
-    def _open_coordinator(self) -> Coordinator:
+    def _run_config(self) -> RunConfig:
         cfg = self.cfg
-        run_cfg = RunConfig(
+        return RunConfig(
             max_live_windows=cfg.max_live_windows,
             lag_policy=cfg.lag_policy,
             expected_consumers=cfg.expected_consumers,
             total_windows=self.total_windows,
             ttl_s=cfg.ttl_s,
         )
+
+    def _open_existing_coordinator(self) -> Coordinator | None:
+        """The run's coordinator if the run exists (same contract, else refused); None if new."""
+        cfg = self.cfg
         db = Coordinator.resolve_db_path(self.run_dir.root, cfg.db_path)
         if db.exists() and _no_tables(db):
             # A producer killed inside Coordinator.create, before its schema committed:
@@ -305,16 +319,23 @@ class Producer:
             log.warning("%s has no tables (interrupted create); creating it again", db)
             for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
                 p.unlink(missing_ok=True)
-        if db.exists():
-            coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
-            if coord.contract != self.contract:  # refuse before touching stream.json
-                coord.close()
-                raise ContractMismatch(coord.contract.diff(self.contract), where="producer")
-            if coord.config != run_cfg:
-                log.warning("run settings stored in %s win over flags: %s", db, coord.config)
-            return coord
+        if not db.exists():
+            return None
+        coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
+        if coord.contract != self.contract:  # refuse before touching stream.json
+            coord.close()
+            raise ContractMismatch(coord.contract.diff(self.contract), where="producer")
+        if coord.config != self._run_config():
+            log.warning("run settings stored in %s win over flags: %s", db, coord.config)
+        return coord
+
+    def _create_coordinator(self) -> Coordinator:
         return Coordinator.create(
-            self.run_dir.root, self.contract, run_cfg, db_path=cfg.db_path, store=self.store
+            self.run_dir.root,
+            self.contract,
+            self._run_config(),
+            db_path=self.cfg.db_path,
+            store=self.store,
         )
 
     def _write_stream_info(self) -> None:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fanout.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fanout.consumer import Batch, ConsumerConfig, ConsumerStream
 from fanout.contract import CaptureContract
+from fanout.draft_vocab import coverage, read_token_counts, select_draft_vocab
 from fanout.errors import ConfigError, Detached, SchemaVersionError
 from fanout.flags import add_model_flags, model_from_args
 from fanout.model.dflash import DFlashDraft
@@ -57,7 +58,10 @@ class TrainConfig(BaseModel):
         None, description="verifier layers of the context; default: the run's contract"
     )
     draft_vocab_size: int | None = Field(
-        None, description="reduced draft vocab (not supported yet)"
+        None,
+        gt=0,
+        description="reduced draft vocabulary: the N tokens the run's data uses most "
+        "(token_counts.safetensors, written by the producer); default: the full vocab",
     )
     label_source: Literal["target_ids", "input_ids"] = Field(
         "target_ids", description="labels: verifier greedy predictions or the data tokens"
@@ -178,10 +182,6 @@ class MetricsLog:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
-        if cfg.draft_vocab_size is not None:
-            raise ConfigError(
-                "--draft-vocab-size: reduced draft vocabularies are not supported yet"
-            )
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.device = torch.device(cfg.device)
@@ -201,8 +201,20 @@ class Trainer:
         )
         if cfg.mask_token_id is not None:
             overrides["mask_token_id"] = cfg.mask_token_id
+        vocab_ids = None
+        if cfg.draft_vocab_size is not None:
+            counts = read_token_counts(run_dir, contract.stream_id, timeout_s=cfg.acquire_timeout_s)
+            vocab_ids = select_draft_vocab(counts, cfg.draft_vocab_size)
+            overrides["draft_vocab_size"] = cfg.draft_vocab_size
+            log.info(
+                "draft vocabulary: %d of %d tokens, covering %.2f%% of the data's "
+                "loss-masked tokens",
+                cfg.draft_vocab_size,
+                counts.shape[0],
+                100 * coverage(counts, vocab_ids),
+            )
         self.draft = DFlashDraft.from_verifier(
-            cfg.verifier_name_or_path, device=self.device, **overrides
+            cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
         )
         self.opt, self.backend = make_optimizer(
             self.draft.parameters(),
