@@ -227,8 +227,8 @@ def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str
     rc = train.main(["--run-dir", str(run.run_dir), "--consumer-id", "x", "--save-path", "s"])
     assert rc == 1
     assert "--verifier-name-or-path" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="draft-vocab-size"):
-        Trainer(_cfg(run, "dv", draft_vocab_size=100))
+    with pytest.raises(ConfigError, match=r"draft vocabulary size 100000 must be in \[1, "):
+        Trainer(_cfg(run, "dv", draft_vocab_size=100_000))
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
