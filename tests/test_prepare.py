@@ -294,3 +294,34 @@ def test_cli_prepare_json(
         )
         == 1
     )
+
+
+def test_parquet_input_gives_the_rows_of_the_same_jsonl(
+    base: dict[str, Any], tmp_path: Path, shared_data: Path
+) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    src = shared_data / MTBENCH
+    records = [json.loads(line) for line in src.read_text().splitlines() if line.strip()]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "mt.parquet", row_group_size=37)
+    common = {**base, "no_cache": True}
+    from_jsonl = prepare(
+        PrepareConfig(**{**common, "data": [str(src)], "out": str(tmp_path / "j")})
+    )
+    parquet = str(tmp_path / "mt.parquet")
+    from_pq = prepare(PrepareConfig(**{**common, "data": [parquet], "out": str(tmp_path / "p")}))
+    assert from_pq.num_rows == from_jsonl.num_rows > 0
+    a, b = all_rows(from_jsonl), all_rows(from_pq)
+    for k in ROW_KEYS:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    # A bad record is named by its row (1-based), like a JSONL line.
+    records[40]["history"][0]["bot"] = ""  # empty content
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(records), bad, row_group_size=37)
+    with pytest.raises(BadRow) as ei:
+        prepare(PrepareConfig(**{**common, "data": [str(bad)], "out": str(tmp_path / "b")}))
+    assert (ei.value.file, ei.value.line) == (str(bad), 41), ei.value
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"not parquet at all")
+    with pytest.raises(BadRow, match="not a readable Parquet file"):
+        prepare(PrepareConfig(**{**common, "data": [str(junk)], "out": str(tmp_path / "x")}))

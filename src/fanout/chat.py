@@ -173,7 +173,12 @@ def iter_raw_chunks(
             raise ConfigError(
                 f"{name}: Parquet input needs pyarrow (pip install 'fanout[parquet]')"
             ) from None
-        pf = pq.ParquetFile(name)
+        import pyarrow as pa
+
+        try:
+            pf = pq.ParquetFile(name)
+        except (pa.ArrowException, OSError) as e:
+            raise BadRow(name, 0, "<parquet>", f"not a readable Parquet file: {e}") from None
         size, total, row = p.stat().st_size, max(1, pf.metadata.num_rows), 1
         for batch in pf.iter_batches(batch_size=next(sizes)):
             items = batch.to_pylist()
