@@ -115,6 +115,9 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | ...")
     ap.add_argument(
+        "--storage-dtype", default="bfloat16", help="window hidden states: bfloat16 | float8_e4m3fn"
+    )
+    ap.add_argument(
         "--data", nargs="+", default=[str(SHARED / "chat/fastchat/dummy_conversation.json")]
     )
     ap.add_argument("--tokenizer", default=str(SHARED / "tokenizers/qwen3"))
@@ -153,6 +156,7 @@ def main() -> None:
             capture_batch_rows=a.capture_batch_rows,
             device=a.device,
             dtype=a.dtype,
+            storage_dtype=a.storage_dtype,
             max_windows=a.windows,
             epochs=1000,  # endless enough: max_windows ends the run
             cache_dir=os.path.join(tmp, "cache"),

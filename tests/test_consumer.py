@@ -297,3 +297,27 @@ def _db_state(run: Path, cid: str) -> str | None:
     with Coordinator.open(run) as c:
         row = c.conn.execute("SELECT state FROM consumers WHERE id=?", (cid,)).fetchone()
     return None if row is None else str(row[0])
+
+
+def test_close_cancels_a_prefetch_waiting_for_an_unproduced_window(
+    env: Env, tmp_path: Path
+) -> None:
+    """The producer stopped after 2 windows of a longer stream: reading window 1 starts
+    a prefetch of window 2 that would wait acquire_timeout_s (600 s). Closing the
+    stream (a trainer at --max-steps, or stopping on SIGTERM) must not wait for it."""
+    run = tmp_path / "run"
+    Producer(_producer_cfg(env.root, run, max_windows=2)).run()
+    cfg = ConsumerConfig(run_dir=str(run), consumer_id="early", heartbeat_s=0.3)
+    assert cfg.acquire_timeout_s >= 600
+    s = ConsumerStream(cfg)
+    got = [ow.window for _, ow in zip(range(2), s.windows(), strict=False)]
+    assert got == [0, 1]
+    time.sleep(0.3)  # the prefetch of window 2 is now waiting inside acquire
+    t0 = time.monotonic()
+    s.close()
+    assert time.monotonic() - t0 < 2.0
+    # nothing is left leased, and the consumer did not claim to have finished the stream
+    with Coordinator.open(run) as c:
+        assert c.conn.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
+        state = c.conn.execute("SELECT state FROM consumers WHERE id='early:dp0'").fetchone()[0]
+        assert state != "finished"

@@ -107,16 +107,20 @@ def test_nvml_telemetry_on_real_gpu(tmp_path: Path) -> None:
     assert summ["gpu"]["available"] and not summ["host_only"], summ
 
 
-def test_producer_async_device_copies_equal_a_synchronous_capture(tmp_path: Path) -> None:
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_producer_async_device_copies_equal_a_synchronous_capture(
+    tmp_path: Path, storage: str
+) -> None:
     """The CUDA producer queues device→host copies on a side stream and publishes from a
     second thread; a missing wait or a reused buffer would show up as windows that
-    differ from a plain, synchronous capture of the same rows."""
+    differ from a plain, synchronous capture of the same rows (fp8: their scales too)."""
     from fanout.assets import (
         build_tokenizer,
         generate_corpus,
         tiny_verifier_for_tokenizer,
         write_jsonl,
     )
+    from fanout.fp8 import dequantize
     from fanout.producer import Producer, ProducerConfig, stream_rows
     from fanout.store import parse_window_name
 
@@ -135,6 +139,7 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(tmp_path: Path
         max_live_windows=64,
         target_layer_ids=[1, 2],
         store_last_hidden_states=True,
+        storage_dtype=storage,
         overlap_publish="on",
         max_windows=6,  # both buffer slots reused twice
         device="cuda",
@@ -154,9 +159,13 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(tmp_path: Path
                 want = p.verifier.capture(
                     *(torch.from_numpy(rows[k][i : i + 1]) for k in IDS_POS_DOC)
                 )
+                got, ref = r.get("hidden_states")[i : i + 1], want.hidden_states.cpu()
+                if want.hidden_scales is not None:  # fp8: compare what a trainer sees
+                    got = dequantize(got, r.get("hidden_states_scale")[i : i + 1])
+                    ref = dequantize(ref, want.hidden_scales.cpu())
                 torch.testing.assert_close(
-                    r.get("hidden_states")[i : i + 1].float(),
-                    want.hidden_states.cpu().float(),
+                    got.float(),
+                    ref.float(),
                     rtol=0.02,
                     atol=0.02,
                     msg=f"{name} row {i}: hidden_states differ",

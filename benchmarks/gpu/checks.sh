@@ -44,5 +44,7 @@ for w in 16 48; do
   "${bench[@]}" --windows "$w" --json "$OUT/producer-$w.json" 2>&1 | grep -v "it/s\]" \
     | tee "$OUT/producer-$w.log"
 done
+"${bench[@]}" --windows 16 --storage-dtype float8_e4m3fn --json "$OUT/producer-fp8.json" 2>&1 \
+  | grep -v "it/s\]" | tee "$OUT/producer-fp8.log"
 "${bench[@]}" --windows 8 --profile "$OUT/profile" 2>&1 | grep -v "it/s\]" > "$OUT/profile.log"
 ls -la "$OUT"

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 ROW_TENSORS = (
     "hidden_states",
+    "hidden_states_scale",  # only in fp8 windows (fanout.fp8)
     "target_ids",
     "input_ids",
     "loss_mask",
@@ -115,6 +116,7 @@ class ConsumerStream:
             self.run_dir.root, self.reg, cfg.heartbeat_s, open_kwargs={"db_path": cfg.db_path}
         ).start()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-prefetch")
+        self._closing = threading.Event()  # set by close(): cancels a waiting prefetch
         self._local = threading.local()
         self._held: dict[int, OpenWindow] = {}  # leased, not yet acked (incl. prefetched)
         self.finished = False
@@ -139,7 +141,12 @@ class ConsumerStream:
         on_main = threading.current_thread() is threading.main_thread()
         coord = self.coord if on_main else self._thread_coord()
         while True:
-            lease = coord.acquire(self.reg, timeout_s=self.cfg.acquire_timeout_s, window=window)
+            lease = coord.acquire(
+                self.reg,
+                timeout_s=self.cfg.acquire_timeout_s,
+                window=window,
+                cancel=None if on_main else self._closing,
+            )
             if lease is None:
                 return None
             try:
@@ -231,6 +238,9 @@ class ConsumerStream:
 
     def close(self) -> None:
         """Release leases held (prefetched), stop threads, mark finished if the stream ended."""
+        # A prefetch may be waiting for a window the producer has not made yet (up to
+        # acquire_timeout_s): cancel it rather than hold the trainer's exit that long.
+        self._closing.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._hb.stop()
         try:

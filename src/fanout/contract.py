@@ -42,8 +42,10 @@ class CaptureContract(BaseModel):
     target_layer_ids: tuple[int, ...] = Field(
         description="Decoder layers whose outputs are captured, in order."
     )
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of hidden_states on disk."
+    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16",
+        description="dtype of hidden_states on disk; float8_e4m3fn windows also carry "
+        "hidden_states_scale [R, T, n] (fanout.fp8).",
     )
     target_kind: Literal["greedy_ids"] = Field(
         "greedy_ids", description="What target_ids holds: the verifier's argmax next token."

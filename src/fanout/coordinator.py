@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -37,6 +38,7 @@ from fanout import retention, schema
 from fanout.claims import ProducerSide
 from fanout.contract import CaptureContract
 from fanout.errors import (
+    AcquireCancelled,
     AcquireTimeout,
     ConfigError,
     Detached,
@@ -281,16 +283,23 @@ class Coordinator(ProducerSide):
                 )
 
     def acquire(
-        self, reg: ConsumerReg, timeout_s: float | None = None, window: int | None = None
+        self,
+        reg: ConsumerReg,
+        timeout_s: float | None = None,
+        window: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> Lease | None:
         """Lease the window at the cursor (or `window` ≥ cursor), waiting until it is ready.
 
         Returns None at the end of a finite stream. An evicted window is put on
         demand and captured again (new generation); a failed one raises WindowGone.
-        Raises AcquireTimeout after `timeout_s` (None waits forever).
+        Raises AcquireTimeout after `timeout_s` (None waits forever), AcquireCancelled
+        within ~50 ms of `cancel` being set (a prefetch thread at shutdown).
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
+            if cancel is not None and cancel.is_set():
+                raise AcquireCancelled(f"{reg.consumer_id}: acquire cancelled")
             with self._write() as cur:
                 cursor = self._check_consumer(cur, reg.consumer_id, reg.token)
                 w = cursor if window is None else window

@@ -44,6 +44,10 @@ class AcquireTimeout(FanoutError):
     """A blocking coordinator call (acquire, backpressure wait) ran out of time."""
 
 
+class AcquireCancelled(FanoutError):
+    """A blocking acquire was cancelled by its caller (a consumer shutting down)."""
+
+
 class StorageError(FanoutError):
     """A filesystem call failed while publishing; the window was aborted, nothing committed."""
 

@@ -44,6 +44,7 @@ from fanout.draft_vocab import count_tokens, write_token_counts
 from fanout.errors import ConfigError, ContractMismatch, StaleLease, StorageError, StorageFull
 from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args
+from fanout.fp8 import FP8
 from fanout.leases import Claim, ProducerReg
 from fanout.liveness import Heartbeat
 from fanout.store import Published, RunDir, Store, WindowMeta
@@ -77,8 +78,10 @@ class ProducerConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="verifier compute dtype; auto = bf16 on CUDA, fp32 on CPU"
     )
-    storage_dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="dtype of hidden_states on disk (contract)"
+    storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
+        "bfloat16",
+        description="dtype of hidden_states on disk (contract); float8_e4m3fn halves the "
+        "bytes of bf16 with one float32 scale per token and layer (docs/producer.md)",
     )
     store_last_hidden_states: bool = Field(
         False, description="also store final hidden states [R, T, H] (contract)"
@@ -406,7 +409,10 @@ class Producer:
         sdt = self.verifier.storage_dtype
         hidden = self._buffer("hidden_states", (r, t, n * h), sdt)  # [R, T, n·H]
         target = self._buffer("target_ids", (r, t), torch.int32)  # [R, T]
-        last = self._buffer("last", (r, t, h), sdt) if cfg.store_last_hidden_states else None
+        fp8 = sdt == FP8
+        scales = self._buffer("scales", (r, t, n), torch.float32) if fp8 else None  # [R, T, n]
+        last_dt = torch.bfloat16 if fp8 else sdt
+        last = self._buffer("last", (r, t, h), last_dt) if cfg.store_last_hidden_states else None
         as_t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()}
         on_cpu = self.verifier.device.type == "cpu"
         copier = _HostCopier(self._copy_stream())
@@ -418,9 +424,12 @@ class Producer:
                 as_t["document_ids"][s : s + b],
                 # On CPU the hooks write straight into the window buffer: no copy at all.
                 hidden_out=hidden[s : s + b] if on_cpu else None,
+                scale_out=scales[s : s + b] if on_cpu and scales is not None else None,
             )
             if not on_cpu:
                 copier.copy(hidden[s : s + b], cap.hidden_states)
+                if scales is not None and cap.hidden_scales is not None:
+                    copier.copy(scales[s : s + b], cap.hidden_scales)
             copier.copy(target[s : s + b], cap.target_ids)
             if last is not None and cap.last_hidden_states is not None:
                 copier.copy(last[s : s + b], cap.last_hidden_states)
@@ -432,6 +441,8 @@ class Producer:
             "document_ids": as_t["document_ids"].to(torch.int32),
             "position_ids": as_t["position_ids"].to(torch.int32),
         }
+        if scales is not None:
+            tensors["hidden_states_scale"] = scales
         if last is not None:
             tensors["last_hidden_states"] = last
         return CapturedWindow(tensors, copier.done())

@@ -32,6 +32,7 @@ from fanout.contract import CaptureContract
 from fanout.draft_vocab import coverage, read_token_counts, select_draft_vocab
 from fanout.errors import ConfigError, Detached, SchemaVersionError
 from fanout.flags import add_model_flags, model_from_args
+from fanout.fp8 import dequantize
 from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import make_optimizer
 
@@ -261,11 +262,11 @@ class Trainer:
             raise KeyboardInterrupt
 
     def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, v in batch.tensors.items():
-            v = v.to(self.device, non_blocking=True)
-            out[k] = v.float() if v.is_floating_point() else v.long()
-        return out
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors.items()}
+        scale = moved.pop("hidden_states_scale", None)
+        if scale is not None:  # fp8 windows: dequantise on the device (half the copy)
+            moved["hidden_states"] = dequantize(moved["hidden_states"], scale)
+        return {k: v.float() if v.is_floating_point() else v.long() for k, v in moved.items()}
 
     def save(self) -> Path:
         state = dict(self.state, scheduler=self.sched.state_dict(), adamw_backend=self.backend)

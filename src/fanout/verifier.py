@@ -48,14 +48,16 @@ import xxhash
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
+from fanout.fp8 import FP8, quantize_into
 from fanout.ops.argmax import row_argmax
 
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
-StorageDType = Literal["bfloat16", "float16", "float32"]
+StorageDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
 _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "float8_e4m3fn": FP8,  # storage only: per-token scales (fanout.fp8)
 }
 # Files whose bytes are model weights (top level of the directory, like from_pretrained).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -259,7 +261,23 @@ class Capture:
 
     hidden_states: torch.Tensor  # [B, T, n·H] storage dtype
     target_ids: torch.Tensor  # [B, T] int32 — argmax of logits at t (prediction of token t+1)
-    last_hidden_states: torch.Tensor | None  # [B, T, H] storage dtype, final-normed, or None
+    last_hidden_states: torch.Tensor | None  # [B, T, H] storage dtype (bf16 for fp8), or None
+    hidden_scales: torch.Tensor | None = None  # [B, T, n] float32 with fp8 storage (fanout.fp8)
+
+
+def _out_buffer(
+    given: torch.Tensor | None,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    name: str,
+) -> torch.Tensor:
+    """`given` after checking its shape and dtype, or a fresh device tensor."""
+    if given is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(given.shape) != shape or given.dtype != dtype:
+        raise ValueError(f"{name} is {tuple(given.shape)} {given.dtype}; want {shape} {dtype}")
+    return given
 
 
 def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -345,6 +363,7 @@ class Verifier:
         document_ids: torch.Tensor,
         *,
         hidden_out: torch.Tensor | None = None,
+        scale_out: torch.Tensor | None = None,
     ) -> Capture:
         """Run the verifier once over packed rows; return target-layer states and greedy ids.
 
@@ -353,6 +372,7 @@ class Verifier:
         hidden_out: optional [B, T, n·H] storage-dtype tensor on the model's device
         for the hooks to write into (the CPU producer passes its window buffer, which
         saves a copy of every batch); a fresh device buffer otherwise.
+        scale_out: the same for the [B, T, n] float32 scales of fp8 storage.
 
         Nothing here waits for the device: CPU inputs are staged through pinned memory
         and copied asynchronously on CUDA, so a caller that also copies the results
@@ -377,22 +397,22 @@ class Verifier:
                 ~mask, torch.finfo(self.dtype).min
             )
 
-        if hidden_out is None:
-            hidden = torch.empty(b, t, n * h, dtype=self.storage_dtype, device=dev)
-        else:
-            want = (b, t, n * h)
-            if tuple(hidden_out.shape) != want or hidden_out.dtype != self.storage_dtype:
-                raise ValueError(
-                    f"hidden_out is {tuple(hidden_out.shape)} {hidden_out.dtype}; "
-                    f"want {want} {self.storage_dtype}"
-                )
-            hidden = hidden_out  # [B, T, n·H]
+        hidden = _out_buffer(hidden_out, (b, t, n * h), self.storage_dtype, dev, "hidden_out")
+        fp8 = self.storage_dtype == FP8
+        scales = _out_buffer(scale_out, (b, t, n), torch.float32, dev, "scale_out") if fp8 else None
         handles = []
         for j, layer_id in enumerate(self.target_layer_ids):
             sl = hidden[:, :, j * h : (j + 1) * h]  # [B, T, H] view into the buffer
+            sc = scales[:, :, j] if scales is not None else None  # [B, T] view
 
-            def hook(_m: Any, _a: Any, out: Any, sl: torch.Tensor = sl) -> None:
-                sl.copy_(out[0] if isinstance(out, tuple) else out)
+            def hook(
+                _m: Any, _a: Any, out: Any, sl: torch.Tensor = sl, sc: torch.Tensor | None = sc
+            ) -> None:
+                x = out[0] if isinstance(out, tuple) else out  # [B, T, H]
+                if sc is None:
+                    sl.copy_(x)
+                else:
+                    quantize_into(x, sl, sc)
 
             handles.append(self.layers[layer_id].register_forward_hook(hook))
         try:
@@ -402,8 +422,15 @@ class Verifier:
                 hd.remove()
         last = out.last_hidden_state  # [B, T, H], after the final norm
         target = self._greedy_ids(last)  # [B, T] int32
-        last_store = last.to(self.storage_dtype) if self.config.store_last_hidden_states else None
-        return Capture(hidden_states=hidden, target_ids=target, last_hidden_states=last_store)
+        last_store = None
+        if self.config.store_last_hidden_states:
+            last_store = last.to(torch.bfloat16 if fp8 else self.storage_dtype)
+        return Capture(
+            hidden_states=hidden,
+            target_ids=target,
+            last_hidden_states=last_store,
+            hidden_scales=scales,
+        )
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         """A [B, T] integer input as int64 on the model's device, without a host sync.
