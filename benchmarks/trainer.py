@@ -119,7 +119,7 @@ def bench_adamw(n_layers: int = 48, width: int = 1024, steps: int = 10) -> dict[
             params,
             lr=1e-4,
             weight_decay=0.01,
-            backend=backend,  # type: ignore[arg-type]
+            backend=backend,
             max_grad_norm=1.0,
         )
         for _ in range(3):
