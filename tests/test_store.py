@@ -8,6 +8,7 @@ under injected I/O errors and kill -9, quarantine/eviction and the sweeper.
 from __future__ import annotations
 
 import errno
+import itertools
 import multiprocessing
 import os
 import random
@@ -560,3 +561,49 @@ def test_real_enospc_on_tmpfs(tiny_tmpfs: Path) -> None:
     pub = store.publish(tensors, make_meta())
     with WindowReader(pub.path) as r:
         _assert_same(r, tensors)
+
+
+def test_publish_starts_writeback_behind_every_chunk(run: RunDir) -> None:
+    """Each written chunk is handed to start_writeback (its exact range), so together
+    they cover the data section once, in order, before the fsync."""
+
+    class Recording(FileSystem):
+        def __init__(self) -> None:
+            self.ops: list[str] = []
+            self.ranges: list[tuple[int, int]] = []
+
+        def start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+            self.ranges.append((offset, nbytes))
+            super().start_writeback(fd, offset, nbytes)
+
+        def _before(self, op: str, arg: object) -> None:
+            self.ops.append(op)
+
+    fs = Recording()
+    store = Store(run, fs, chunk_bytes=1000)
+    tensors = {"x": torch.arange(3000, dtype=torch.int32).view(4, 750), "y": torch.ones(4, 3)}
+    pub = store.publish(tensors, make_meta())
+    header = pub.nbytes - sum(n for _, n in fs.ranges)
+    assert fs.ranges[0][0] == header and all(n <= 1000 for _, n in fs.ranges)
+    for (o1, n1), (o2, _) in itertools.pairwise(fs.ranges):
+        assert o2 == o1 + n1  # contiguous, in order
+    last_hint = max(i for i, op in enumerate(fs.ops) if op == "start_writeback")
+    assert fs.ops.index("fsync") > last_hint
+    with store.open(pub.name) as r:
+        _assert_same(r, tensors)
+
+
+def test_start_writeback_is_a_hint_that_never_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fanout.filesystem as filesystem
+
+    monkeypatch.setattr(filesystem, "_SYNC_FILE_RANGE", filesystem._SYNC_FILE_RANGE)
+    fs = FileSystem()
+    fd = fs.open_new(tmp_path / "f")
+    fs.write(fd, b"x" * 8192)
+    fs.start_writeback(fd, 0, 8192)  # real call (or a no-op off Linux)
+    fs.close(fd)
+    fs.start_writeback(fd, 0, 8192)  # a closed fd: the call fails, quietly
+    assert filesystem._SYNC_FILE_RANGE is None  # ...and is not asked again
+    fs.start_writeback(fd, 0, 8192)

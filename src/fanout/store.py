@@ -229,6 +229,7 @@ class Store:
         next to the write; both read the same bytes while they are hot in cache."""
         h = xxhash.xxh3_128()
         h.update(prefix)
+        offset = len(prefix)
         with ThreadPoolExecutor(1, thread_name_prefix="fanout-hash") as pool:
             for v in views:
                 for i in range(0, v.nbytes, self.chunk_bytes):
@@ -238,6 +239,9 @@ class Store:
                         self.fs.write(fd, chunk)
                     finally:
                         hashed.result()  # in order: one chunk in flight at a time
+                    # the disk flushes this chunk while we write the next ones
+                    self.fs.start_writeback(fd, offset, chunk.nbytes)
+                    offset += chunk.nbytes
         return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
     def _abort(self, fd: int | None, tmp: Path | None, final: Path | None) -> None:
