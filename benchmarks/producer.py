@@ -166,8 +166,8 @@ def main() -> None:
         p = Producer(cfg)  # prepare + load: not timed
         with _profiled(a.profile, "forward"):
             t_fwd, tokens = forward_loop(p, a.windows)
-        p.verifier.capture(  # warm-up of the capture path (same shapes)
-            *(torch.zeros(1, a.seq_len, dtype=torch.long) for _ in range(3))
+        p.verifier.capture(  # warm-up of the capture path, at the batch shape it will run
+            *(torch.zeros(a.capture_batch_rows, a.seq_len, dtype=torch.long) for _ in range(3))
         )
         _sync(p.verifier.device)
         with _profiled(a.profile, "producer"):
