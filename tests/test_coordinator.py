@@ -580,9 +580,12 @@ def test_status_json_and_sweep_cli(tmp_path: Path, capsys: pytest.CaptureFixture
     assert s["consumers"][0]["id"] == "a:dp0" and s["consumers"][0]["lag_windows"] == 2
     assert s["leases"][0]["window"] == 0
     assert s["producer"]["state"] == "active"
+    assert s["capture"] == {
+        "target_layer_ids": [1, 2], "storage_dtype": "bfloat16", "seq_len": 4, "window_rows": 2
+    }  # fmt: skip
     assert cli_main(["status", "--run-dir", run]) == 0
     human = capsys.readouterr().out
-    assert "a:dp0" in human and "ready" in human
+    assert "a:dp0" in human and "ready" in human and "layers [1, 2]  bfloat16" in human
     assert cli_main(["sweep", "--run-dir", run]) == 0
     out = capsys.readouterr().out
     assert "2 removed" in out

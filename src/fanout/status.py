@@ -84,6 +84,12 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
         "db_path": str(co.db_path),
         "stream_id": co.meta("stream_id"),
         "config": cfg.model_dump(mode="json"),
+        "capture": {
+            "target_layer_ids": list(co.contract.target_layer_ids),
+            "storage_dtype": co.contract.storage_dtype,
+            "seq_len": co.contract.seq_len,
+            "window_rows": co.contract.window_rows,
+        },
         "windows": windows,
         "produced_windows": frontier,
         "live_bytes": int(live_bytes),
@@ -110,6 +116,8 @@ def format_table(s: dict[str, Any]) -> str:
     lines = [
         f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
         f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
+        f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
+        f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
         f"windows  produced {s['produced_windows']}/{total}  "
         + "  ".join(f"{k} {w[k]}" for k in STATES if w[k] or k in ("ready", "evicted")),
         f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
