@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import save_file
 
 from fanout.cache import PackedDataset, ShardWriter
 from fanout.draft_vocab import (
@@ -49,6 +50,16 @@ def test_count_tokens_equals_a_slow_count(tmp_path: Path) -> None:
     counts = count_tokens(ds, 64)
     assert counts.dtype == np.int64 and counts.shape == (64,)
     assert {i: int(c) for i, c in enumerate(counts) if c} == dict(slow)
+    # Kept beside the shards: the next call reads it (a planted value proves it) ...
+    cached = ds.dir / TOKEN_COUNTS
+    assert cached.is_file()
+    save_file({"counts": np.full(64, 7, dtype=np.int64)}, str(cached))
+    assert (count_tokens(ds, 64) == 7).all()
+    # ... unless it was counted for another vocabulary size, or is unreadable.
+    assert count_tokens(ds, 80)[:64].tolist() == counts.tolist()
+    cached.write_bytes(b"garbage")
+    assert count_tokens(ds, 64).tolist() == counts.tolist()
+    cached.unlink()
     with pytest.raises(ConfigError, match="outside the verifier's vocabulary of 40"):
         count_tokens(ds, 40)
 

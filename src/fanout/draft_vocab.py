@@ -16,6 +16,7 @@ mean the same. Labels outside the draft vocabulary are not supervised.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -29,10 +30,33 @@ from fanout.cache import PackedDataset
 from fanout.errors import ConfigError
 
 TOKEN_COUNTS = "token_counts.safetensors"
+log = logging.getLogger(__name__)
 
 
 def count_tokens(dataset: PackedDataset, vocab_size: int) -> np.ndarray:
-    """How often each token id occurs where the loss mask is on: int64 [vocab_size]."""
+    """How often each token id occurs where the loss mask is on: int64 [vocab_size].
+
+    Counted once per prepared dataset and kept beside its shards (a 10B-token
+    dataset takes about a minute to count; a restarted producer should not pay it
+    again). A cache that cannot be written (read-only) only costs the recount.
+    """
+    cached = dataset.dir / TOKEN_COUNTS
+    if cached.is_file():
+        try:
+            counts = load_file(str(cached))["counts"]
+            if counts.shape == (vocab_size,):
+                return counts
+        except (SafetensorError, OSError, KeyError):
+            pass  # unreadable: count again and replace it
+    counts = _count(dataset, vocab_size)
+    try:
+        _save_atomic(cached, counts, {"counted": "input_ids where loss_mask is on"})
+    except OSError as e:
+        log.warning("cannot cache token counts in %s: %s", dataset.dir, e)
+    return counts
+
+
+def _count(dataset: PackedDataset, vocab_size: int) -> np.ndarray:
     counts = np.zeros(vocab_size, dtype=np.int64)
     step = 1024  # rows per slice: bounded memory however large the shard
     for shard in dataset.shards():
@@ -51,16 +75,20 @@ def count_tokens(dataset: PackedDataset, vocab_size: int) -> np.ndarray:
 def write_token_counts(run_dir: str | os.PathLike[str], counts: np.ndarray, stream_id: str) -> Path:
     """Atomically write `<run_dir>/token_counts.safetensors` (temp file, fsync, rename)."""
     path = Path(run_dir) / TOKEN_COUNTS
-    tmp = path.with_name(f".{TOKEN_COUNTS}.{os.getpid()}.tmp")
-    save_file(
-        {"counts": np.ascontiguousarray(counts, dtype=np.int64)},
-        str(tmp),
-        metadata={"stream_id": stream_id, "counted": "input_ids where loss_mask is on"},
-    )
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    meta = {"stream_id": stream_id, "counted": "input_ids where loss_mask is on"}
+    _save_atomic(path, counts, meta)
     return path
+
+
+def _save_atomic(path: Path, counts: np.ndarray, metadata: dict[str, str]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file({"counts": np.ascontiguousarray(counts, dtype=np.int64)}, str(tmp), metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_token_counts(
