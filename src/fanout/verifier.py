@@ -5,6 +5,7 @@
     cap = v.capture(input_ids, position_ids, document_ids)            # each [B, T]
     cap.hidden_states  # [B, T, n·H] storage dtype — outputs of decoder layers v.target_layer_ids
     cap.target_ids     # [B, T] int32 — argmax of the verifier's logits at every position
+    cap.hidden_scales  # [B, T, n] float32 per-token scales with fp8 storage (fanout.fp8), else None
 
 CPU-sized example (a random tiny Qwen3, no downloads):
 
