@@ -430,3 +430,31 @@ def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
     # the stream's full windows were each captured, some twice (counted)
     caps = dict(_rows_of(run, "SELECT window, captures FROM windows"))
     assert sum(c - 1 for c in caps.values() if c) <= count
+
+
+@pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
+def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
+    tiny: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture, storage: str
+) -> None:
+    from fanout.filesystem import FileSystem
+
+    class SmallDisk(FileSystem):
+        def free_bytes(self, path: Any) -> int:
+            return 1 << 20  # 1 MiB
+
+    cfg = _cfg(tiny, tmp_path / "run", max_windows=2, storage_dtype=storage,
+               store_last_hidden_states=True)  # fmt: skip
+    with caplog.at_level("WARNING", logger="fanout.producer"):
+        p = Producer(cfg, fs=SmallDisk())
+    warned = [r.getMessage() for r in caplog.records if "will wait on a full disk" in r.message]
+    assert len(warned) == 1 and "only 0.0 GiB are free" in warned[0], caplog.text
+    p.run()
+    store = Store(RunDir(tmp_path / "run"))
+    for name in store.list_windows():
+        with store.open(name) as r:  # the arithmetic equals the bytes a window holds
+            data = sum(r.get(k).numel() * r.get(k).element_size() for k in r.names())
+            assert data == p.window_bytes(), (storage, data, p.window_bytes())
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fanout.producer"):
+        Producer(cfg)  # the real disk has room: no warning
+    assert "full disk" not in caplog.text

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -186,6 +187,11 @@ class FileSystem:
         self._before("makedirs", path)
         Path(path).mkdir(parents=True, exist_ok=True)
         self._after("makedirs", path)
+
+    def free_bytes(self, path: StrPath) -> int:
+        """Bytes an unprivileged writer may still use on `path`'s filesystem (a reading,
+        not an op: never counted or failed by FaultyFileSystem)."""
+        return shutil.disk_usage(path).free
 
 
 class FaultyFileSystem(FileSystem):

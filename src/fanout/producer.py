@@ -277,6 +277,7 @@ class Producer:
             shuffle_seed=cfg.seed,
         )
         self.total_windows = window_count(self.dataset.num_rows, cfg.epochs, cfg.window_rows)
+        self._check_disk_budget()
         # A changed contract is refused before anything is written; a new run gets its
         # stream.json and token counts before its database, so a trainer that finds
         # the database finds them too.
@@ -301,6 +302,40 @@ class Producer:
         self._slot = 0
         self._stream: Any | None = None  # see _copy_stream
         self._thread_state = threading.local()
+
+    def window_bytes(self) -> int:
+        """Bytes of one full window on disk, header aside (docs/producer.md's arithmetic)."""
+        c, v = self.contract, self.verifier
+        n, h = len(c.target_layer_ids), c.hidden_size
+        per_token = 4 + 4 + 1 + 4 + 4  # target_ids, input_ids, loss_mask, document/position ids
+        if v.storage_dtype == FP8:
+            per_token += n * h + 4 * n  # fp8 values + one float32 scale per layer
+        else:
+            per_token += n * h * v.storage_dtype.itemsize
+        if c.store_last_hidden_states:
+            per_token += h * 2 if v.storage_dtype == FP8 else h * v.storage_dtype.itemsize
+        return c.window_rows * c.seq_len * per_token
+
+    def _check_disk_budget(self) -> None:
+        """Warn at start when the run dir cannot hold K + 1 windows (the K+1st: the extra
+        slot for the slowest consumer's window). Not an error: evictions, an operator or
+        another job may free space, and a full disk is waited out, not fatal."""
+        need = (self.cfg.max_live_windows + 1) * self.window_bytes()
+        free = self.store.fs.free_bytes(self.run_dir.root)
+        gib = 2**30
+        msg = (
+            f"{self.run_dir.root}: up to {self.cfg.max_live_windows} + 1 windows of "
+            f"{self.window_bytes() / gib:.2f} GiB need {need / gib:.1f} GiB"
+        )
+        if free < need:
+            log.warning(
+                "%s but only %.1f GiB are free: the producer will wait on a full disk. Lower "
+                "--max-live-windows or --window-rows, or use --storage-dtype float8_e4m3fn",
+                msg,
+                free / gib,
+            )
+        else:
+            log.info("%s (%.1f GiB free)", msg, free / gib)
 
     def _run_config(self) -> RunConfig:
         cfg = self.cfg
