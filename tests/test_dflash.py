@@ -197,17 +197,24 @@ def test_loss_decreases_and_eal_rises(tied_verifier_dir: Path, weighting: str) -
     assert last.per_slot_acc.shape == (3,) and last.per_slot_acc[0] > 0.5
 
 
+def _loss_and_block_logits(d: DFlashDraft, batch: dict, seed: int) -> tuple:
+    """`d.loss` under anchor seed `seed`, plus the same anchors and every block slot's
+    full logits `[B, A, bs, V]` for a slow per-block recomputation."""
+    out = d.loss(batch, torch.Generator().manual_seed(seed))
+    anchors, valid = select_anchors(
+        batch["loss_mask"], batch["document_ids"], 8, 4, torch.Generator().manual_seed(seed)
+    )
+    with torch.no_grad():
+        logits = d.block_hidden(batch, anchors, valid) @ d.lm_head_weight.T
+    return out, anchors, valid, logits
+
+
 def test_metrics_match_slow_reference(verifier_dir: Path) -> None:
     """EAL and per-slot accuracy recomputed by a per-block loop over full logits."""
     d = _draft(verifier_dir, label_source="input_ids")
     batch = _learn_batch(3)
     batch["loss_mask"][:, 20:26] = 0
-    out = d.loss(batch, torch.Generator().manual_seed(4))
-    anchors, valid = select_anchors(
-        batch["loss_mask"], batch["document_ids"], 8, 4, torch.Generator().manual_seed(4)
-    )
-    with torch.no_grad():
-        logits = d.block_hidden(batch, anchors, valid) @ d.lm_head_weight.T  # [B, A, bs, V]
+    out, anchors, valid, logits = _loss_and_block_logits(d, batch, 4)
     ids, lm = batch["input_ids"].long(), batch["loss_mask"]
     hits, cnt, eal, ce_sum, n = [0] * 3, [0] * 3, [], 0.0, 0
     for r in range(anchors.shape[0]):
@@ -250,3 +257,66 @@ def test_batch_shape_mismatch_is_named(verifier_dir: Path) -> None:
     batch["hidden_states"] = batch["hidden_states"][:, :, :64]
     with pytest.raises(ConfigError, match="hidden_states"):
         d.loss(batch, torch.Generator())
+
+
+def test_kl_loss_matches_slow_reference(verifier_dir: Path) -> None:
+    """loss_type='kl': each supervised slot's KL from the verifier's distribution at the
+    position before it (last_hidden_states[p-1] through the same head), weighted and
+    averaged like the CE; recomputed here per block with full logits."""
+    d = _draft(verifier_dir, loss_type="kl")
+    batch = _learn_batch(5)
+    g = torch.Generator().manual_seed(8)
+    batch["last_hidden_states"] = torch.randn(4, 48, 64, generator=g) * 3
+    batch["loss_mask"][:, 30:33] = 0
+    out, anchors, valid, logits = _loss_and_block_logits(d, batch, 6)
+    w_head, last, lm = d.lm_head_weight, batch["last_hidden_states"], batch["loss_mask"]
+    total, n = 0.0, 0
+    for r in range(anchors.shape[0]):
+        for j in range(anchors.shape[1]):
+            if not valid[r, j]:
+                continue
+            a = int(anchors[r, j])
+            for k in range(1, 4):
+                if not lm[r, a + k]:
+                    continue
+                log_pt = torch.log_softmax(last[r, a + k - 1] @ w_head.T, -1)
+                log_pd = torch.log_softmax(logits[r, j, k], -1)
+                kl = float((log_pt.exp() * (log_pt - log_pd)).sum())
+                total += kl * float(torch.exp(torch.tensor(-(k - 1) / 2.0)))
+                n += 1
+    assert n > 0 and out.loss.item() == pytest.approx(total / n, rel=1e-4)
+    out.loss.backward()  # reaches the trainable layers
+    assert d.fc.weight.grad is not None and d.fc.weight.grad.abs().sum() > 0
+
+
+def test_kl_loss_decreases(tied_verifier_dir: Path) -> None:
+    d = _draft(tied_verifier_dir, loss_type="kl")
+    e = d.embed_weight
+    opt, _ = make_optimizer(d.parameters(), lr=1e-2, max_grad_norm=1.0)
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(seed: int) -> dict:
+        b = _learn_batch(seed, e)
+        # a confident verifier: its state before token p points at token p
+        b["last_hidden_states"] = e[b["target_ids"].long()] * 20  # [B, T, H]
+        return b
+
+    with torch.no_grad():
+        first = d.loss(batch(0), gen)
+    for step in range(40):
+        out = d.loss(batch(step), gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = d.loss(batch(1000), gen)
+    assert last.loss.item() < 0.7 * first.loss.item()
+    assert last.eal.item() > first.eal.item()
+
+
+def test_kl_needs_last_hidden_states_and_excludes_dpace(verifier_dir: Path) -> None:
+    d = _draft(verifier_dir, loss_type="kl")
+    with pytest.raises(ConfigError, match="--store-last-hidden-states"):
+        d.loss(_batch(), torch.Generator())
+    with pytest.raises(ConfigError, match="dpace"):
+        _draft(verifier_dir, loss_type="kl", loss_weighting="dpace")

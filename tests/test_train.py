@@ -12,6 +12,7 @@ data the draft's targets are learnable within a few dozen steps.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import runpy
@@ -74,29 +75,34 @@ def repetitive_corpus(n: int, seed: int) -> list[dict[str, Any]]:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     root = tmp_path_factory.mktemp("train")
     corpus = repetitive_corpus(160, seed=0)
-    data = write_jsonl(root / "chat.jsonl", corpus)
+    write_jsonl(root / "chat.jsonl", corpus)
     tok = build_tokenizer(root / "tok", corpus + generate_corpus(50, seed=1), 512)
     ver = tiny_verifier_for_tokenizer(
         root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
     )
-    cfg = ProducerConfig(
-        run_dir=str(root / "run"),
-        verifier_name_or_path=str(ver),
-        data=[str(data)],
-        tokenizer=str(tok),
+    summary = Producer(_producer_cfg(root, root / "run", epochs=3)).run()
+    assert summary["windows"] == summary["total_windows"]
+    return Run(root, root / "run", ver)
+
+
+def _producer_cfg(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
+    """A run over the module's tiny assets in `root` that never evicts (every test
+    reads every window)."""
+    base: dict[str, Any] = dict(
+        run_dir=str(run_dir),
+        verifier_name_or_path=str(root / "verifier"),
+        data=[str(root / "chat.jsonl")],
+        tokenizer=str(root / "tok"),
         seq_len=96,
         window_rows=4,
         max_live_windows=1000,
-        expected_consumers=1000,  # never evict: every test reads every window
-        epochs=3,
+        expected_consumers=1000,
         target_layer_ids=[1, 2],
         workers=1,
         progress=False,
         exit_when_idle_s=0,
     )
-    summary = Producer(cfg).run()
-    assert summary["windows"] == summary["total_windows"]
-    return Run(root, root / "run", ver)
+    return ProducerConfig(**(base | kw))
 
 
 def _cfg(run: Run, name: str, **kw: Any) -> TrainConfig:
@@ -306,3 +312,20 @@ def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run)
     resumed = Trainer(cfg.model_copy(update={"max_steps": 31, "resume": True}))
     assert resumed.state["step"] == 30  # same counts, same vocabulary: the checkpoint loads
     assert resumed.run()["steps"] == 31
+
+
+def test_kl_loss_trains_from_last_hidden_states_and_needs_them(run: Run) -> None:
+    with pytest.raises(ConfigError, match="--store-last-hidden-states"):
+        Trainer(_cfg(run, "kl-refused", max_steps=1, loss_type="kl"))
+    kl_run = run.root / "run-kl"
+    Producer(_producer_cfg(run.root, kl_run, store_last_hidden_states=True)).run()
+    cfg = _cfg(run, "kl", max_steps=30, loss_type="kl").model_copy(update={"run_dir": str(kl_run)})
+    assert Trainer(cfg).run()["steps"] == 30
+    log = _log(cfg)
+    assert all(math.isfinite(r["loss"]) and r["loss"] >= -1e-4 for r in log)  # a KL
+    assert _mean(log[-10:], "loss") < 0.8 * _mean(log[:3], "loss")
+    assert _mean(log[-10:], "eal") > _mean(log[:3], "eal")
+    ckpt = latest_checkpoint(cfg.save_path)
+    assert ckpt is not None
+    saved = json.loads((ckpt / "config.json").read_text())["fanout"]["dflash_config"]
+    assert saved["loss_type"] == "kl"

@@ -67,6 +67,11 @@ class TrainConfig(BaseModel):
     label_source: Literal["target_ids", "input_ids"] = Field(
         "target_ids", description="labels: verifier greedy predictions or the data tokens"
     )
+    loss_type: Literal["ce", "kl"] = Field(
+        "ce",
+        description="ce: cross-entropy against the labels; kl: KL from the verifier's full "
+        "next-token distribution (the run must be captured with --store-last-hidden-states)",
+    )
     gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
     per_position_loss_weight: Literal["exp", "dpace"] = Field(
         "exp", description="per-slot loss weights"
@@ -188,6 +193,11 @@ class Trainer:
         self.device = torch.device(cfg.device)
         run_dir = Path(cfg.run_dir)
         contract = _wait_for_run(run_dir, cfg.db_path, cfg.acquire_timeout_s)
+        if cfg.loss_type == "kl" and not contract.store_last_hidden_states:
+            raise ConfigError(
+                f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
+                "captured without them: produce the run with --store-last-hidden-states"
+            )
         layers = cfg.target_layer_ids or list(contract.target_layer_ids)
         self.expect = {"target_layer_ids": layers} if cfg.target_layer_ids else {}
         overrides: dict[str, Any] = dict(
@@ -199,6 +209,7 @@ class Trainer:
             loss_weighting=cfg.per_position_loss_weight,
             dpace_alpha=cfg.dpace_alpha,
             label_source=cfg.label_source,
+            loss_type=cfg.loss_type,
         )
         if cfg.mask_token_id is not None:
             overrides["mask_token_id"] = cfg.mask_token_id

@@ -55,6 +55,7 @@ from fanout.model.anchors import (
     slot_supervision,
 )
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
+from fanout.ops.linear_kl import linear_kl_div_and_argmax
 
 
 def default_gamma(block_size: int) -> float:
@@ -96,6 +97,11 @@ class DFlashConfig(BaseModel):
     label_source: Literal["target_ids", "input_ids"] = Field(
         "target_ids", description="labels: verifier greedy predictions or the data tokens"
     )
+    loss_type: Literal["ce", "kl"] = Field(
+        "ce",
+        description="ce: cross-entropy against the labels; kl: KL from the verifier's whole "
+        "next-token distribution (needs windows with last_hidden_states)",
+    )
     tie_word_embeddings: bool = Field(False, description="verifier ties lm_head to embeddings")
 
     @model_validator(mode="after")
@@ -111,6 +117,9 @@ class DFlashConfig(BaseModel):
             raise ValueError(f"mask_token_id {self.mask_token_id} >= vocab_size {self.vocab_size}")
         if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size")
+        if self.loss_type == "kl" and self.loss_weighting == "dpace":
+            # D-PACE turns each slot's CE into an acceptance estimate; a KL is not one.
+            raise ValueError("loss_weighting 'dpace' needs loss_type 'ce'")
         return self
 
     @property
@@ -360,12 +369,21 @@ class DFlashDraft(nn.Module):
         flat = pos.clamp(0, t - 1).flatten(1)
         return src.long().gather(1, flat).view_as(pos)
 
+    def verifier_rows(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
+        """The verifier's final hidden state that predicts each slot's token: `[B, A, bs, H]`
+        (`last_hidden_states[p-1]` for slot position p, as `target_ids` for labels)."""
+        last = batch["last_hidden_states"]  # [B, T, H]
+        _, t, h = last.shape
+        pos = (block_positions(anchors, self.cfg.block_size) - 1).clamp(0, t - 1)  # [B, A, bs]
+        idx = pos.flatten(1)[:, :, None].expand(-1, -1, h)  # [B, A·bs, H]
+        return last.gather(1, idx).view(*pos.shape, h).to(self.lm_head_weight.dtype)
+
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
         """Draw anchors from `generator`, run the blocks, return loss and metrics.
         `batch`: hidden_states [B,T,n·H], target_ids, input_ids, loss_mask, document_ids,
         position_ids [B,T] (as in a window row)."""
         cfg, bs = self.cfg, self.cfg.block_size
-        _check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size)
+        _check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size, cfg.loss_type == "kl")
         anchors, valid = select_anchors(
             batch["loss_mask"], batch["document_ids"], cfg.max_anchors, bs, generator
         )
@@ -376,9 +394,13 @@ class DFlashDraft(nn.Module):
             sup = sup & (label >= 0)
         hid = self.block_hidden(batch, anchors, valid)  # [B, A, bs, H]
         rows = hid[sup]  # [M, H] only supervised slots reach the head
-        ce, pred = linear_cross_entropy_and_argmax(
-            rows, self.lm_head_weight, label[sup], reduction="none"
-        )  # [M], [M]
+        if cfg.loss_type == "kl":
+            teacher = self.verifier_rows(batch, anchors)[sup]  # [M, H]
+            ce, pred = linear_kl_div_and_argmax(rows, teacher, self.lm_head_weight)  # [M], [M]
+        else:
+            ce, pred = linear_cross_entropy_and_argmax(
+                rows, self.lm_head_weight, label[sup], reduction="none"
+            )  # [M], [M]
         slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M] slot index k
         w = self._slot_weights(ce.detach(), sup, slot)  # [M]
         n_tok = int(sup.sum())
@@ -413,11 +435,16 @@ class DFlashDraft(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith("rope.")}
 
 
-def _check_batch(batch: dict[str, torch.Tensor], width: int) -> None:
+def _check_batch(batch: dict[str, torch.Tensor], width: int, kl: bool = False) -> None:
     need = ["hidden_states", "input_ids", "loss_mask", "document_ids", "position_ids"]
     for k in need:
         if k not in batch:
             raise ConfigError(f"DFlash batch is missing {k!r} (has {sorted(batch)})")
+    if kl and "last_hidden_states" not in batch:
+        raise ConfigError(
+            "loss_type 'kl' needs last_hidden_states in the batch: capture the run with "
+            "--store-last-hidden-states"
+        )
     b, t = batch["input_ids"].shape
     if batch["hidden_states"].shape != (b, t, width):
         raise ConfigError(

@@ -1,0 +1,80 @@
+"""Fused linear KL divergence: KL(verifier ‖ draft) through one frozen head, chunked.
+
+    from fanout.ops.linear_kl import linear_kl_div_and_argmax
+    kl, pred = linear_kl_div_and_argmax(draft_rows, verifier_rows, head_weight)  # [N], [N]
+    (kl * position_weight).sum().backward()     # gradient reaches draft_rows only
+
+For distillation from the verifier's full next-token distribution instead of its
+greedy token: both sides share the (frozen) LM head, so row i's KL is
+`Σ_v p_t(v) (log p_t(v) − log p_d(v))` with `p = softmax(rows @ W.T)`. Like the
+chunked linear CE (`fanout.ops.linear_ce`), the `[N, vocab]` logits never exist at
+once: forward walks the rows in chunks of about 256 MiB of fp32 logits per side,
+computes each row's KL and argmax, and stores the input gradient `(p_d − p_t) @ W`
+of every row (`[N, H]` fp32); backward only scales it by each row's output gradient.
+The head and the verifier rows get no gradient. Logits and softmaxes are fp32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
+
+
+class _ChunkedLinearKL(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,  # [N, H] draft rows
+        teacher: torch.Tensor,  # [N, H] verifier rows (final-normed)
+        weight: torch.Tensor,  # [V, H] frozen head
+        chunk_rows: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, h = x.shape
+        c = _chunk_rows(n, 2 * weight.shape[0], chunk_rows)  # two [c, V] blocks live
+        kl = torch.empty(n, dtype=torch.float32, device=x.device)
+        preds = torch.empty(n, dtype=torch.long, device=x.device)
+        gx = torch.empty(n, h, dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            for s in range(0, n, c):
+                e = min(s + c, n)
+                log_pd = torch.log_softmax(_mm_fp32(x[s:e], weight.t()), dim=-1)  # [c, V]
+                log_pt = torch.log_softmax(_mm_fp32(teacher[s:e], weight.t()), dim=-1)
+                pt = log_pt.exp()
+                kl[s:e] = (pt * (log_pt - log_pd)).sum(dim=-1)
+                preds[s:e] = log_pd.argmax(dim=-1)
+                gx[s:e] = _mm_fp32(log_pd.exp_().sub_(pt), weight)  # (p_d − p_t) @ W
+                del log_pd, log_pt, pt
+        ctx.save_for_backward(gx)
+        ctx.x_dtype = x.dtype
+        ctx.mark_non_differentiable(preds)
+        return kl, preds
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _g_pred: Any) -> tuple[Any, ...]:
+        (gx,) = ctx.saved_tensors
+        return (gx * g.float()[:, None]).to(ctx.x_dtype), None, None, None
+
+
+def linear_kl_div_and_argmax(
+    x: torch.Tensor,
+    teacher: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL(softmax(teacher @ W.T) ‖ softmax(x @ W.T)) [N] fp32, and argmax of the
+    draft logits [N]. Differentiable in `x` only (the head is frozen in DFlash)."""
+    if x.dim() != 2 or x.shape != teacher.shape or weight.dim() != 2:
+        raise ValueError(
+            f"expected x and teacher [N, H] and weight [V, H], got {tuple(x.shape)}, "
+            f"{tuple(teacher.shape)} and {tuple(weight.shape)}"
+        )
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden sizes differ: x {x.shape[1]}, weight {weight.shape[1]}")
+    if weight.requires_grad:
+        raise ValueError("linear_kl_div_and_argmax keeps the head frozen; detach the weight")
+    kl, pred = _ChunkedLinearKL.apply(x, teacher.detach(), weight, chunk_rows)
+    return kl, pred
