@@ -179,3 +179,26 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(
                 )
                 agree = (r.get("target_ids")[i : i + 1] == want.target_ids.cpu()).float().mean()
                 assert agree > 0.98, (name, i, float(agree))
+
+
+def test_bf16_linear_kl_on_cuda_matches_fp32() -> None:
+    import torch.nn.functional as F
+
+    from fanout.ops.linear_kl import linear_kl_div_and_argmax
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(300, 256, device="cuda", generator=g)
+    t = torch.randn(300, 256, device="cuda", generator=g)
+    w = torch.randn(32000, 256, device="cuda", generator=g) / 16
+    xb = x.bfloat16().requires_grad_(True)
+    kl, _ = linear_kl_div_and_argmax(xb, t.bfloat16(), w.bfloat16(), chunk_rows=64)
+    kl.sum().backward()
+    assert xb.grad is not None
+    x32 = xb.detach().float().requires_grad_(True)
+    log_pd = F.log_softmax(x32 @ w.bfloat16().float().t(), -1)
+    log_pt = F.log_softmax(t.bfloat16().float() @ w.bfloat16().float().t(), -1)
+    ref = F.kl_div(log_pd, log_pt, log_target=True, reduction="none").sum(-1)
+    ref.sum().backward()
+    assert x32.grad is not None
+    torch.testing.assert_close(kl, ref.detach(), rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(xb.grad.float(), x32.grad, rtol=5e-2, atol=5e-3)
