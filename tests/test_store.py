@@ -563,9 +563,10 @@ def test_real_enospc_on_tmpfs(tiny_tmpfs: Path) -> None:
         _assert_same(r, tensors)
 
 
-def test_publish_starts_writeback_behind_every_chunk(run: RunDir) -> None:
-    """Each written chunk is handed to start_writeback (its exact range), so together
-    they cover the data section once, in order, before the fsync."""
+def test_publish_starts_writeback_behind_the_writes(run: RunDir) -> None:
+    """Every `writeback_bytes` written are handed to start_writeback (exact ranges,
+    contiguous, in order, before the fsync); a tail shorter than that is left to the
+    fsync, and a window smaller than that gets no hint at all."""
 
     class Recording(FileSystem):
         def __init__(self) -> None:
@@ -580,15 +581,20 @@ def test_publish_starts_writeback_behind_every_chunk(run: RunDir) -> None:
             self.ops.append(op)
 
     fs = Recording()
-    store = Store(run, fs, chunk_bytes=1000)
+    store = Store(run, fs, chunk_bytes=1000, writeback_bytes=2500)
     tensors = {"x": torch.arange(3000, dtype=torch.int32).view(4, 750), "y": torch.ones(4, 3)}
-    pub = store.publish(tensors, make_meta())
-    header = pub.nbytes - sum(n for _, n in fs.ranges)
-    assert fs.ranges[0][0] == header and all(n <= 1000 for _, n in fs.ranges)
+    pub = store.publish(tensors, make_meta())  # data: 12,000 + 48 bytes in 1000-byte chunks
+    data = 12_048
+    header = pub.nbytes - data
+    assert fs.ranges[0][0] == header
+    assert [n for _, n in fs.ranges] == [3000, 3000, 3000, 3000]  # the 48-byte tail: fsync's
     for (o1, n1), (o2, _) in itertools.pairwise(fs.ranges):
         assert o2 == o1 + n1  # contiguous, in order
     last_hint = max(i for i, op in enumerate(fs.ops) if op == "start_writeback")
     assert fs.ops.index("fsync") > last_hint
+    small = Recording()
+    Store(run, small).publish(tensors, make_meta(window=4))  # default: 16 MiB per hint
+    assert small.ranges == [] and "fsync" in small.ops
     with store.open(pub.name) as r:
         _assert_same(r, tensors)
 

@@ -59,6 +59,10 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 4 << 20  # hash + write granularity: small enough to stay in cache
+# Writeback is started per 16 MiB written: big windows flush while being written (256 MiB:
+# 1.4 -> 2.3 GB/s here), small ones (the demo's 150 KB) skip the extra syscall, which
+# under CPU contention cost more than it saved.
+DEFAULT_WRITEBACK_BYTES = 16 << 20
 
 
 def _parse_tmp_name(name: str) -> tuple[int, int] | None:
@@ -152,6 +156,8 @@ class Store:
         run_dir: the run directory (created with RunDir.create()).
         fs: filesystem seam for every write-side call; a FaultyFileSystem in tests.
         chunk_bytes: hash/write granularity of publish (bytes).
+        writeback_bytes: start disk writeback each time this many bytes are written
+            (`FileSystem.start_writeback`); a smaller window is left to its fsync.
     """
 
     def __init__(
@@ -160,12 +166,16 @@ class Store:
         fs: FileSystem | None = None,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        writeback_bytes: int = DEFAULT_WRITEBACK_BYTES,
     ) -> None:
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+        if chunk_bytes <= 0 or writeback_bytes <= 0:
+            raise ValueError(
+                f"chunk_bytes and writeback_bytes must be > 0, got {chunk_bytes}, {writeback_bytes}"
+            )
         self.run_dir = run_dir
         self.fs = fs or FileSystem()
         self.chunk_bytes = chunk_bytes
+        self.writeback_bytes = writeback_bytes
 
     def path(self, name: str) -> Path:
         return self.run_dir.windows / name
@@ -229,7 +239,7 @@ class Store:
         next to the write; both read the same bytes while they are hot in cache."""
         h = xxhash.xxh3_128()
         h.update(prefix)
-        offset = len(prefix)
+        offset = flushed = len(prefix)  # bytes written / handed to writeback so far
         with ThreadPoolExecutor(1, thread_name_prefix="fanout-hash") as pool:
             for v in views:
                 for i in range(0, v.nbytes, self.chunk_bytes):
@@ -239,9 +249,11 @@ class Store:
                         self.fs.write(fd, chunk)
                     finally:
                         hashed.result()  # in order: one chunk in flight at a time
-                    # the disk flushes this chunk while we write the next ones
-                    self.fs.start_writeback(fd, offset, chunk.nbytes)
                     offset += chunk.nbytes
+                    if offset - flushed >= self.writeback_bytes:
+                        # the disk flushes these bytes while we write the next ones
+                        self.fs.start_writeback(fd, flushed, offset - flushed)
+                        flushed = offset
         return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
 
     def _abort(self, fd: int | None, tmp: Path | None, final: Path | None) -> None:
