@@ -564,9 +564,9 @@ def test_real_enospc_on_tmpfs(tiny_tmpfs: Path) -> None:
 
 
 def test_publish_starts_writeback_behind_the_writes(run: RunDir) -> None:
-    """Every `writeback_bytes` written are handed to start_writeback (exact ranges,
-    contiguous, in order, before the fsync); a tail shorter than that is left to the
-    fsync, and a window smaller than that gets no hint at all."""
+    """A window of at least `writeback_bytes` hands every written chunk to
+    start_writeback (exact ranges, contiguous, in order, before the fsync); a smaller
+    window gets no hint at all."""
 
     class Recording(FileSystem):
         def __init__(self) -> None:
@@ -587,7 +587,7 @@ def test_publish_starts_writeback_behind_the_writes(run: RunDir) -> None:
     data = 12_048
     header = pub.nbytes - data
     assert fs.ranges[0][0] == header
-    assert [n for _, n in fs.ranges] == [3000, 3000, 3000, 3000]  # the 48-byte tail: fsync's
+    assert [n for _, n in fs.ranges] == [1000] * 12 + [48]
     for (o1, n1), (o2, _) in itertools.pairwise(fs.ranges):
         assert o2 == o1 + n1  # contiguous, in order
     last_hint = max(i for i, op in enumerate(fs.ops) if op == "start_writeback")
