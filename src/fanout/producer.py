@@ -29,7 +29,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from fanout.capture import CapturedWindow, WindowCapturer
 from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator, RunConfig
 from fanout.draft_vocab import count_tokens, write_token_counts
@@ -178,59 +178,10 @@ class ProducerStats:
 
 
 @dataclass(frozen=True, slots=True)
-class CapturedWindow:
-    """One window's tensors on the host, once `wait()` returned (CUDA copies are async)."""
-
-    tensors: dict[str, Any]
-    wait: Callable[[], None]
-
-
-@dataclass(frozen=True, slots=True)
 class _Committed:
     published: Published
     device_wait_s: float  # waiting for the window's device→host copies to land
     publish_s: float  # Store.publish + coordinator commit
-
-
-class _HostCopier:
-    """Device→host copies of one window's batches, queued on a side CUDA stream.
-
-    Why a side stream: copies on the compute stream would serialise with the next
-    batch's forward, and blocking copies would make the host wait for the GPU once
-    per batch and then refill its queue from empty. Here each copy waits (on the
-    device, not the host) for the forward that produced its source, runs on the copy
-    engine while the next forward computes, and `record_stream` keeps the caching
-    allocator from reusing the source's memory before the copy has read it.
-    Without a stream (CPU) a copy is a plain `copy_`.
-    """
-
-    def __init__(self, stream: Any | None) -> None:
-        self._stream = stream
-
-    def copy(self, dst: Any, src: Any) -> None:
-        if self._stream is None:
-            dst.copy_(src)
-            return
-        import torch
-
-        self._stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)  # dst is pinned (Producer._buffer)
-        src.record_stream(self._stream)
-
-    def done(self) -> Callable[[], None]:
-        """A callable that blocks until every copy queued so far has landed."""
-        if self._stream is None:
-            return _nothing
-        import torch
-
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event.synchronize
-
-
-def _nothing() -> None:
-    return None
 
 
 class Producer:
@@ -290,17 +241,15 @@ class Producer:
         )
         self.coord = existing or self._create_coordinator()
         self.stats = ProducerStats()
-        self._bufs: dict[str, Any] = {}  # reused host buffers (see _buffer)
+        self.capturer = WindowCapturer(self.verifier, self.dataset, cfg.capture_batch_rows)
         self._stop = False
         overlap = cfg.overlap_publish == "on" or (
             cfg.overlap_publish == "auto" and self.verifier.device.type == "cuda"
         )
-        # One publish in flight at most; capture alternates between two buffer slots so
-        # the window being written is never the one being filled.
+        # One publish in flight at most; the capturer alternates between two buffer
+        # slots so the window being written is never the one being filled.
         self._publisher = ThreadPoolExecutor(1, "fanout-publish") if overlap else None
         self._inflight: tuple[Claim, Future[_Committed], int, int] | None = None
-        self._slot = 0
-        self._stream: Any | None = None  # see _copy_stream
         self._thread_state = threading.local()
 
     def window_bytes(self) -> int:
@@ -395,105 +344,15 @@ class Producer:
 
     # ---- one window ---------------------------------------------------------------
 
-    def _buffer(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        """A host buffer reused window after window (valid until the next capture).
-
-        A fresh [R, T, n·H] tensor per window is page-faulted in on every copy (slow,
-        above all under gVisor), and device→host copies run faster into pinned memory:
-        together ~1.8x the capture cost on an H200 (benchmarks/producer.py).
-        """
-        import torch
-
-        name = f"{name}.{self._slot}"
-        buf = self._bufs.get(name)
-        if buf is None or buf.shape[1:] != shape[1:] or buf.shape[0] < shape[0]:
-            pin = self.verifier.device.type == "cuda"
-            buf = torch.empty(shape, dtype=dtype, pin_memory=pin)
-            self._bufs[name] = buf
-        return buf[: shape[0]]  # the last window may be partial; still contiguous
-
-    def _copy_stream(self) -> Any | None:
-        """The side CUDA stream for device→host copies (None on CPU); made once."""
-        dev = self.verifier.device
-        if dev.type != "cuda":
-            return None
-        if self._stream is None:
-            import torch
-
-            self._stream = torch.cuda.Stream(dev)
-        return self._stream
-
-    def capture_window(self, claim: Claim) -> CapturedWindow:
-        """Rows of `claim.window` through the verifier: the window's tensors (CPU).
-
-        hidden_states / target_ids live in reused buffers: valid until the next call
-        but one (two slots alternate; produce_one publishes a window before its slot
-        comes round again). On CUDA the device→host copies are only *queued* here, on
-        a side stream, so the next batch's forward overlaps them and the host never
-        waits per batch; `CapturedWindow.wait()` blocks until they have landed.
-        """
-        import torch
-
-        cfg = self.cfg
-        idx, _ = stream_rows(
-            claim.window, cfg.window_rows, self.dataset.num_rows, cfg.epochs, cfg.seed
-        )
-        rows = self.dataset.rows(idx)  # dict of [R, T] numpy arrays
-        r, t = rows["input_ids"].shape
-        n, h = len(self.verifier.target_layer_ids), self.verifier.hidden_size
-        sdt = self.verifier.storage_dtype
-        hidden = self._buffer("hidden_states", (r, t, n * h), sdt)  # [R, T, n·H]
-        target = self._buffer("target_ids", (r, t), torch.int32)  # [R, T]
-        fp8 = sdt == FP8
-        scales = self._buffer("scales", (r, t, n), torch.float32) if fp8 else None  # [R, T, n]
-        last_dt = torch.bfloat16 if fp8 else sdt
-        last = self._buffer("last", (r, t, h), last_dt) if cfg.store_last_hidden_states else None
-        as_t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in rows.items()}
-        on_cpu = self.verifier.device.type == "cpu"
-        copier = _HostCopier(self._copy_stream())
-        b = cfg.capture_batch_rows
-        for s in range(0, r, b):
-            cap = self.verifier.capture(
-                as_t["input_ids"][s : s + b],
-                as_t["position_ids"][s : s + b],
-                as_t["document_ids"][s : s + b],
-                # On CPU the hooks write straight into the window buffer: no copy at all.
-                hidden_out=hidden[s : s + b] if on_cpu else None,
-                scale_out=scales[s : s + b] if on_cpu and scales is not None else None,
-            )
-            if not on_cpu:
-                copier.copy(hidden[s : s + b], cap.hidden_states)
-                if scales is not None and cap.hidden_scales is not None:
-                    copier.copy(scales[s : s + b], cap.hidden_scales)
-            copier.copy(target[s : s + b], cap.target_ids)
-            if last is not None and cap.last_hidden_states is not None:
-                copier.copy(last[s : s + b], cap.last_hidden_states)
-        tensors: dict[str, Any] = {
-            "hidden_states": hidden,
-            "target_ids": target,
-            "input_ids": as_t["input_ids"].to(torch.int32),
-            "loss_mask": as_t["loss_mask"].to(torch.uint8),
-            "document_ids": as_t["document_ids"].to(torch.int32),
-            "position_ids": as_t["position_ids"].to(torch.int32),
-        }
-        if scales is not None:
-            tensors["hidden_states_scale"] = scales
-        if last is not None:
-            tensors["last_hidden_states"] = last
-        return CapturedWindow(tensors, copier.done())
-
     def produce_one(self, preg: ProducerReg, claim: Claim) -> None:
         """Capture `claim`'s window and publish it (inline, or handed to the publisher)."""
+        cfg = self.cfg
         t0 = time.monotonic()
-        window = self.capture_window(claim)
-        self.stats.capture_s += time.monotonic() - t0
-        _, epoch = stream_rows(
-            claim.window,
-            self.cfg.window_rows,
-            self.dataset.num_rows,
-            self.cfg.epochs,
-            self.cfg.seed,
+        idx, epoch = stream_rows(
+            claim.window, cfg.window_rows, self.dataset.num_rows, cfg.epochs, cfg.seed
         )
+        window = self.capturer.capture(idx)
+        self.stats.capture_s += time.monotonic() - t0
         tensors = window.tensors
         r = int(tensors["input_ids"].shape[0])
         meta = WindowMeta(
@@ -511,7 +370,7 @@ class Producer:
         self.finish_inflight()  # its buffers are the other slot's: free after this
         fut = self._publisher.submit(self._commit_in_thread, claim, window, meta)
         self._inflight = (claim, fut, r, tokens)
-        self._slot ^= 1
+        self.capturer.flip()  # the window being published keeps its slot
 
     def _commit(
         self, claim: Claim, window: CapturedWindow, meta: WindowMeta, coord: Coordinator
