@@ -25,11 +25,12 @@ import numpy as np
 import pytest
 import torch
 
-from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.assets import generate_corpus
 from fanout.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.coordinator import Coordinator
 from fanout.producer import Producer, ProducerConfig
 from fanout.store import RunDir, Store
+from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -77,43 +78,17 @@ class Env:
     rows: list[int]  # rows per window
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only add contention here
-    yield
-    torch.set_num_threads(n)
-
-
 def _producer_cfg(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(
-        run_dir=str(run_dir),
-        verifier_name_or_path=str(root / "verifier"),
-        data=[str(root / "chat.jsonl")],
-        tokenizer=str(root / "tok"),
-        seq_len=96,
-        window_rows=4,
-        max_live_windows=1000,
-        expected_consumers=1000,  # never evict
-        target_layer_ids=[1, 2],
-        workers=1,
-        cache_dir=str(root / "cache"),
-        progress=False,
-        exit_when_idle_s=0,
-        heartbeat_s=0.3,
+    never_evict = {"max_live_windows": 1000, "expected_consumers": 1000}
+    return tiny_producer_config(
+        root, run_dir, **(never_evict | {"cache_dir": str(root / "cache"), "heartbeat_s": 0.3} | kw)
     )
-    return ProducerConfig(**(base | kw))
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     root = tmp_path_factory.mktemp("consumer")
-    corpus = generate_corpus(120, seed=0)
-    data = write_jsonl(root / "chat.jsonl", corpus)
-    tok = build_tokenizer(root / "tok", corpus, 512)
-    ver = tiny_verifier_for_tokenizer(
-        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
-    )
+    data, tok, ver = build_tiny_assets(root, generate_corpus(120, seed=0))
     p = Producer(_producer_cfg(root, root / "run"))
     p.run()
     store = Store(RunDir(root / "run"))

@@ -14,11 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.assets import generate_corpus
 from fanout.consumer import Batch
 from fanout.fp8 import FP8, FP8_MAX, dequantize, quantize_into
-from fanout.producer import Producer, ProducerConfig, stream_rows
+from fanout.producer import Producer, stream_rows
 from fanout.store import Store
+from tiny_run import build_tiny_assets, tiny_producer_config
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -77,32 +78,21 @@ def test_quantize_writes_into_strided_layer_slices_and_dequantize_checks_shapes(
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("fp8")
-    corpus = generate_corpus(60, seed=0)
-    tok = build_tokenizer(root / "tok", corpus, 512)
-    ver = tiny_verifier_for_tokenizer(
-        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
-    )
-    return {"root": root, "data": write_jsonl(root / "chat.jsonl", corpus), "tok": tok, "ver": ver}
+    data, tok, ver = build_tiny_assets(root, generate_corpus(60, seed=0))
+    return {"root": root, "data": data, "tok": tok, "ver": ver}
 
 
 def _produce(assets: dict[str, Any], name: str, storage: str) -> Producer:
-    cfg = ProducerConfig(
-        run_dir=str(assets["root"] / name),
-        verifier_name_or_path=str(assets["ver"]),
-        data=[str(assets["data"])],
-        tokenizer=str(assets["tok"]),
-        seq_len=96,
-        window_rows=4,
+    root = assets["root"]
+    cfg = tiny_producer_config(
+        root,
+        root / name,
         capture_batch_rows=2,
         max_live_windows=64,
-        target_layer_ids=[1, 2],
         storage_dtype=storage,
         store_last_hidden_states=True,
         max_windows=3,
-        workers=1,
-        cache_dir=str(assets["root"] / "cache"),
-        progress=False,
-        exit_when_idle_s=0,
+        cache_dir=str(root / "cache"),
     )
     p = Producer(cfg)
     assert p.run()["windows"] == 3

@@ -28,12 +28,13 @@ import pytest
 import torch
 
 from fanout import cli
-from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.assets import generate_corpus
 from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator
 from fanout.errors import ContractMismatch
 from fanout.producer import Producer, ProducerConfig, stream_rows, window_count
 from fanout.store import RunDir, Store, parse_window_name
+from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -79,44 +80,17 @@ class Tiny:
     verifier: Path
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: intra-op threads only add contention here
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     root = tmp_path_factory.mktemp("tiny")
-    corpus = generate_corpus(120, seed=0)
-    data = write_jsonl(root / "chat.jsonl", corpus)
-    tok = build_tokenizer(root / "tok", corpus, 512)
-    ver = tiny_verifier_for_tokenizer(
-        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
-    )
+    data, tok, ver = build_tiny_assets(root, generate_corpus(120, seed=0))
     (root / "consumer.py").write_text(CONSUMER)
     return Tiny(root, data, tok, ver)
 
 
 def _cfg(tiny: Tiny, run_dir: Path, **kw: Any) -> ProducerConfig:
-    base: dict[str, Any] = dict(
-        run_dir=str(run_dir),
-        verifier_name_or_path=str(tiny.verifier),
-        data=[str(tiny.data)],
-        tokenizer=str(tiny.tokenizer),
-        seq_len=96,
-        window_rows=4,
-        max_live_windows=64,
-        target_layer_ids=[1, 2],
-        workers=1,
-        cache_dir=str(tiny.root / "cache"),
-        progress=False,
-        exit_when_idle_s=0,
-        heartbeat_s=0.3,
-    )
-    return ProducerConfig(**(base | kw))
+    own = {"max_live_windows": 64, "cache_dir": str(tiny.root / "cache"), "heartbeat_s": 0.3}
+    return tiny_producer_config(tiny.root, run_dir, **(own | kw))
 
 
 def _argv(cfg: ProducerConfig) -> list[str]:

@@ -27,13 +27,14 @@ from typing import Any
 import pytest
 import torch
 
-from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.assets import generate_corpus
 from fanout.checkpoint import latest_checkpoint
 from fanout.errors import ConfigError
 from fanout.flags import flag_name
 from fanout.producer import Producer, ProducerConfig
 from fanout.store import RunDir
 from fanout.train import TrainConfig, Trainer
+from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,6 @@ class Run:
     root: Path
     run_dir: Path
     verifier: Path
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    # 2 shared cores: intra-op threads only add contention for these tiny tensors.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def repetitive_corpus(n: int, seed: int) -> list[dict[str, Any]]:
@@ -75,34 +67,17 @@ def repetitive_corpus(n: int, seed: int) -> list[dict[str, Any]]:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     root = tmp_path_factory.mktemp("train")
     corpus = repetitive_corpus(160, seed=0)
-    write_jsonl(root / "chat.jsonl", corpus)
-    tok = build_tokenizer(root / "tok", corpus + generate_corpus(50, seed=1), 512)
-    ver = tiny_verifier_for_tokenizer(
-        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
-    )
+    _, _, ver = build_tiny_assets(root, corpus, corpus + generate_corpus(50, seed=1))
     summary = Producer(_producer_cfg(root, root / "run", epochs=3)).run()
     assert summary["windows"] == summary["total_windows"]
     return Run(root, root / "run", ver)
 
 
 def _producer_cfg(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
-    """A run over the module's tiny assets in `root` that never evicts (every test
-    reads every window)."""
-    base: dict[str, Any] = dict(
-        run_dir=str(run_dir),
-        verifier_name_or_path=str(root / "verifier"),
-        data=[str(root / "chat.jsonl")],
-        tokenizer=str(root / "tok"),
-        seq_len=96,
-        window_rows=4,
-        max_live_windows=1000,
-        expected_consumers=1000,
-        target_layer_ids=[1, 2],
-        workers=1,
-        progress=False,
-        exit_when_idle_s=0,
+    """A run that never evicts: every test reads every window."""
+    return tiny_producer_config(
+        root, run_dir, **({"max_live_windows": 1000, "expected_consumers": 1000} | kw)
     )
-    return ProducerConfig(**(base | kw))
 
 
 def _cfg(run: Run, name: str, **kw: Any) -> TrainConfig:
