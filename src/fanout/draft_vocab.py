@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from fanout.cache import PackedDataset
 from fanout.errors import ConfigError
@@ -43,7 +43,7 @@ def count_tokens(dataset: PackedDataset, vocab_size: int) -> np.ndarray:
     cached = dataset.dir / TOKEN_COUNTS
     if cached.is_file():
         try:
-            counts = load_file(str(cached))["counts"]
+            counts, _ = _load(cached)
             if counts.shape == (vocab_size,):
                 return counts
         except (SafetensorError, OSError, KeyError):
@@ -80,6 +80,12 @@ def write_token_counts(run_dir: str | os.PathLike[str], counts: np.ndarray, stre
     return path
 
 
+def _load(path: Path) -> tuple[np.ndarray, dict[str, str]]:
+    """A counts file's int64 [vocab] tensor and metadata, in one open."""
+    with safe_open(str(path), framework="numpy") as f:
+        return f.get_tensor("counts"), f.metadata() or {}
+
+
 def _save_atomic(path: Path, counts: np.ndarray, metadata: dict[str, str]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -109,9 +115,7 @@ def read_token_counts(
             )
         time.sleep(0.2)
     try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-        counts = load_file(str(path))["counts"]
+        counts, meta = _load(path)
     except (SafetensorError, OSError, KeyError) as e:
         raise ConfigError(f"{path}: unreadable token counts: {e}") from None
     if meta.get("stream_id") != stream_id:

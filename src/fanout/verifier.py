@@ -441,10 +441,10 @@ class Verifier:
         Pinned staging plus `non_blocking` keeps the copy in stream order instead
         (PyTorch's pinned-memory cache keeps the staging buffer alive until it ran).
         """
-        x = x.to(torch.long)
         if self.device.type != "cuda" or x.device.type == "cuda":
-            return x.to(self.device)
-        return x.pin_memory().to(self.device, non_blocking=True)
+            return x.to(self.device, torch.long)
+        staged = torch.empty(x.shape, dtype=torch.long, pin_memory=True).copy_(x)  # one copy
+        return staged.to(self.device, non_blocking=True)
 
     def _logits_buffer(self, rows: int) -> torch.Tensor:
         """A reused [rows, vocab] logits chunk (model dtype, model device).
