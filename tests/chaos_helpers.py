@@ -86,6 +86,7 @@ def db_rows(run: Path) -> list[Any]:
         return [
             conn.execute("SELECT * FROM windows ORDER BY window").fetchall(),
             conn.execute("SELECT key, value FROM meta ORDER BY key").fetchall(),
+            conn.execute("SELECT key, value FROM counters ORDER BY key").fetchall(),
             conn.execute("SELECT id, cursor, state FROM consumers").fetchall(),
         ]
     finally:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import glob
 import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,3 +30,62 @@ def shared_data() -> Path:
 @pytest.fixture(scope="session")
 def qwen3_tokenizer_dir(shared_data: Path) -> Path:
     return shared_data / "tokenizers" / "qwen3"
+
+
+# ---- PostgreSQL: a private server for the coordinator's PostgreSQL backend -------------
+
+
+def _postgres_bin(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return candidates[-1] if candidates else None
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on a Unix socket (initdb + pg_ctl; fsync off),
+    for this test session; yields a libpq URL. Skips when the server binaries or
+    psycopg are missing. PostgreSQL refuses to run as root, so as root the cluster
+    runs as the `postgres` user."""
+    pytest.importorskip("psycopg")
+    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found")
+    # Not under pytest's tmp dir: that is private to us (0700), and the server may run
+    # as another user.
+    base = Path(tempfile.mkdtemp(prefix="fanout-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:
+        try:
+            pw = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root without a postgres user to run the server as")
+        as_user = ["runuser", "-u", "postgres", "--"]
+        os.chown(base, pw.pw_uid, pw.pw_gid)
+    data, sock = base / "data", base / "sock"
+    run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
+    run([*as_user, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync"])
+    run([*as_user, "mkdir", "-p", str(sock)])
+    opts = f"-k {sock} -c listen_addresses='' -c fsync=off -c max_connections=300"
+    run([*as_user, pg_ctl, "-D", str(data), "-o", opts, "-w", "-l", str(base / "log"), "start"])
+    try:
+        yield f"postgresql:///postgres?host={sock}&user=postgres"
+    finally:
+        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], check=False)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def pg_url(postgres_server: str) -> str:
+    """A coordinator URL with a schema of its own (one run per schema)."""
+    return f"{postgres_server}&schema=t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest) -> str | None:
+    """Where a test's coordinator lives: None (SQLite in the run dir) or a PostgreSQL URL."""
+    if request.param == "sqlite":
+        return None
+    return str(request.getfixturevalue("pg_url"))

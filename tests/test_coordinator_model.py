@@ -15,11 +15,18 @@ windows live (K+1 only for the window the slowest consumer waits on).
 from __future__ import annotations
 
 import tempfile
+import uuid
 from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from fanout.contract import CaptureContract
 from fanout.coordinator import Coordinator, RunConfig
@@ -47,13 +54,16 @@ class Clock:
 
 
 class CoordinatorModel(RuleBasedStateMachine):
+    postgres: str | None = None  # a server URL: run on PostgreSQL, a new schema per example
+
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory(prefix="fanout-model-")
         rd = RunDir(Path(self.tmp.name)).create()
         self.clock = Clock()
         cfg = RunConfig(max_live_windows=K, expected_consumers=2, ttl_s=TTL)
-        self.co = Coordinator.create(rd.root, contract(), cfg, clock=self.clock)
+        db = None if self.postgres is None else f"{self.postgres}&schema=m_{uuid.uuid4().hex}"
+        self.co = Coordinator.create(rd.root, contract(), cfg, db_path=db, clock=self.clock)
         self.p = self.co.register_producer(contract())
         self.conns = {n: Coordinator.open(rd.root, clock=self.clock) for n in NAMES}
         self.regs: dict[str, ConsumerReg] = {n: self.conns[n].register_consumer(n) for n in NAMES}
@@ -198,3 +208,21 @@ CoordinatorModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCoordinatorModel = CoordinatorModel.TestCase
+
+
+def test_same_model_on_postgres(postgres_server: str) -> None:
+    """The same rules and invariants with the tables on PostgreSQL (fewer examples:
+    every statement is a round trip to the server there)."""
+
+    class OnPostgres(CoordinatorModel):
+        postgres = postgres_server
+
+    run_state_machine_as_test(
+        OnPostgres,
+        settings=settings(
+            max_examples=40,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

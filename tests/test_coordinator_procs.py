@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from fanout import schema
 from fanout.coordinator import Coordinator, RunConfig
-from fanout.errors import FanoutError, StaleLease
+from fanout.errors import CoordinatorBusy, FanoutError, StaleLease
 from fanout.filesystem import FileSystem
 from fanout.liveness import Heartbeat
+from fanout.postgresdb import PostgresDatabase
 from fanout.store import Published, RunDir, Store, WindowMeta, parse_window_name, window_name
 from test_coordinator import make_contract
 
@@ -64,11 +64,11 @@ def _cycler(root: str, rank: int, cycles: int, out: Any) -> None:
     out.put((rank, grants, errors))
 
 
-def test_eight_processes_no_lock_errors_no_double_grants(tmp_path: Path) -> None:
-    procs, cycles = 8, 500
+def test_eight_processes_no_lock_errors_no_double_grants(db: str | None, tmp_path: Path) -> None:
+    procs, cycles = 8, 500 if db is None else 60  # PostgreSQL: a round trip per statement
     rd = RunDir(tmp_path / "run").create()
     cfg = RunConfig(max_live_windows=cycles + 2, expected_consumers=procs)
-    co = Coordinator.create(rd.root, make_contract(), cfg)
+    co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db)
     fake_publish(co, co.register_producer(make_contract()), cycles)
     q = CTX.Queue()
     ps = [CTX.Process(target=_cycler, args=(str(rd.root), r, cycles, q)) for r in range(procs)]
@@ -94,24 +94,29 @@ def test_eight_processes_no_lock_errors_no_double_grants(tmp_path: Path) -> None
 
 def _die_in_txn(root: str, ready: Any) -> None:
     co = Coordinator.open(root)
-    with schema.write(co.conn) as cur:
+    with co.conn.write() as cur:
         cur.execute("UPDATE consumers SET cursor=999")
-        cur.execute("UPDATE meta SET value=123456 WHERE key='evictions'")
+        cur.execute("UPDATE counters SET value=123456 WHERE key='evictions'")
         ready.set()
         time.sleep(600)  # SIGKILLed here, holding the write lock
 
 
-def test_sigkill_inside_write_transaction(tmp_path: Path) -> None:
+def test_sigkill_inside_write_transaction(db: str | None, tmp_path: Path) -> None:
     rd = RunDir(tmp_path / "run").create()
-    co = Coordinator.create(rd.root, make_contract(), RunConfig())
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=db)
     reg = co.register_consumer("a")
     ready = CTX.Event()
     p = CTX.Process(target=_die_in_txn, args=(str(rd.root), ready))
     p.start()
     assert ready.wait(60)
-    with pytest.raises(sqlite3.OperationalError, match="locked"):
-        other = sqlite3.connect(co.db_path, timeout=0.05, isolation_level=None)
-        other.execute("BEGIN IMMEDIATE")
+    if db is None:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            other = sqlite3.connect(co.db_path, timeout=0.05, isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")
+    else:  # the advisory lock is held: another writer waits, then gets CoordinatorBusy
+        other_db = PostgresDatabase(db, lock_timeout_s=0.05)
+        with pytest.raises(CoordinatorBusy, match="stayed locked"), other_db.write():
+            pass
     os.kill(p.pid, signal.SIGKILL)
     p.join(10)
     t0 = time.monotonic()
@@ -119,7 +124,8 @@ def test_sigkill_inside_write_transaction(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < co.config.busy_timeout_s + 1
     assert co.conn.execute("SELECT cursor FROM consumers").fetchone()[0] == 0
     assert co.meta("evictions") == 0
-    assert co.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    if db is None:
+        assert co.conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
 # ---- publish crash points -----------------------------------------------------------
@@ -213,10 +219,13 @@ def _lease_holder(root: str, name: str, ready: Any) -> None:
     time.sleep(600)
 
 
-def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(tmp_path: Path) -> None:
+def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(
+    db: str | None, tmp_path: Path
+) -> None:
     ttl = 1.0
     rd = RunDir(tmp_path / "run").create()
-    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=ttl, max_live_windows=2))
+    cfg = RunConfig(ttl_s=ttl, max_live_windows=2)
+    co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db)
     fake_publish(co, co.register_producer(make_contract()), 1)
     ready = CTX.Event()
     p = CTX.Process(target=_lease_holder, args=(str(rd.root), "a", ready))
@@ -265,10 +274,11 @@ def _zombie(root: str, ready: Any, go: Any, out: Any) -> None:
             out.put(f"stale: {e}")
 
 
-def test_zombie_ack_is_refused_and_cursor_never_moves_back(tmp_path: Path) -> None:
+def test_zombie_ack_is_refused_and_cursor_never_moves_back(db: str | None, tmp_path: Path) -> None:
     ttl = 0.5
     rd = RunDir(tmp_path / "run").create()
-    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=ttl, max_live_windows=8))
+    cfg = RunConfig(ttl_s=ttl, max_live_windows=8)
+    co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db)
     fake_publish(co, co.register_producer(make_contract()), 5)
     ready, go, out = CTX.Event(), CTX.Event(), CTX.Queue()
     p = CTX.Process(target=_zombie, args=(str(rd.root), ready, go, out))

@@ -350,9 +350,11 @@ class Sampler(threading.Thread):
             time.sleep(0.003)
 
 
-def test_backpressure_never_more_than_k_files(tiny: Tiny, tmp_path: Path) -> None:
+def test_backpressure_never_more_than_k_files(db: str | None, tiny: Tiny, tmp_path: Path) -> None:
+    """Also with the coordinator on PostgreSQL: the consumer process finds it through the
+    run dir (coordinator.dbpath), as a trainer on another host would."""
     run = tmp_path / "run"
-    p = Producer(_cfg(tiny, run, max_live_windows=2, lag_policy="hold"))
+    p = Producer(_cfg(tiny, run, max_live_windows=2, lag_policy="hold", db_path=db))
     out = tmp_path / "reads.jsonl"
     reader = _consumer(tiny, run, out, sleep=0.15)
     sampler = Sampler(run)
@@ -370,15 +372,19 @@ def test_backpressure_never_more_than_k_files(tiny: Tiny, tmp_path: Path) -> Non
     assert summary["backpressure_wait_s"] > 1.0  # the producer really waited on the reader
     recs = _records(out)
     assert [r["window"] for r in recs] == list(range(p.total_windows))  # in order, once each
-    hw = _rows_of(run, "SELECT value FROM meta WHERE key='hw_windows'")[0][0]
+    hw = _rows_of(run, "SELECT value FROM counters WHERE key='hw_windows'")[0][0]
     assert int(hw) <= 2
+    assert (run / "coordinator.sqlite3").exists() == (db is None)
 
 
 def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
-    tiny: Tiny, tmp_path: Path
+    db: str | None, tiny: Tiny, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
-    p = Producer(_cfg(tiny, run, max_live_windows=2, lag_policy="recapture", exit_when_idle_s=5))
+    cfg = _cfg(
+        tiny, run, max_live_windows=2, lag_policy="recapture", exit_when_idle_s=5, db_path=db
+    )
+    p = Producer(cfg)
     assert p.total_windows >= 8
     out = tmp_path / "reads.jsonl"
     # reads 0..5, stops (not finished: still counted at cursor 6), re-registers at cursor 1
@@ -398,7 +404,7 @@ def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
     assert len(recaptured) >= 3  # K=2: at most 2 of windows 1..5 could still be live
     for w in recaptured:
         assert second[w]["hash"] == first[w]["hash"], w  # byte-identical tensors
-    count = int(_rows_of(run, "SELECT value FROM meta WHERE key='recaptures'")[0][0])
+    count = int(_rows_of(run, "SELECT value FROM counters WHERE key='recaptures'")[0][0])
     assert count == len(recaptured)
     assert summary["windows"] == p.total_windows + count
     # the stream's full windows were each captured, some twice (counted)

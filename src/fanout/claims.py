@@ -8,7 +8,7 @@
         coord.publish_ready(claim, store.publish(tensors, meta))
 
 A mixin of fanout.coordinator.Coordinator (one class for callers, two files for
-readers). Every call is one BEGIN IMMEDIATE transaction fenced by the producer's
+readers). Every call is one serialised write transaction fenced by the producer's
 token and, for a claim, the claim's token: a producer that was superseded or
 declared lost gets StaleLease and changes nothing.
 """
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from fanout import retention
+from fanout import retention, schema
 from fanout.contract import CaptureContract
 from fanout.errors import ContractMismatch, StaleLease
 from fanout.leases import Claim, ProducerReg, PublishedLike
@@ -36,7 +35,7 @@ def _now() -> float:
 
 
 class ProducerSide:
-    conn: sqlite3.Connection
+    conn: schema.Database
     config: retention.RunConfig
     contract: CaptureContract
     clock: Callable[[], float]
@@ -47,9 +46,9 @@ class ProducerSide:
 
         def _write(self) -> Any: ...
         @staticmethod
-        def _bump(cur: sqlite3.Cursor, key: str, n: int = 1) -> int: ...
+        def _bump(cur: schema.Sql, key: str, n: int = 1) -> int: ...
         @staticmethod
-        def _meta_cur(cur: sqlite3.Cursor, key: str) -> Any: ...
+        def _meta_cur(cur: schema.Sql, key: str) -> Any: ...
         def _rows(self, window: int) -> tuple[int, int]: ...
         def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None: ...
         def _finish_evictions(self, doomed: retention.Doomed) -> None: ...
@@ -74,13 +73,13 @@ class ProducerSide:
         return ProducerReg(token, owner)
 
     @staticmethod
-    def _release_claims(cur: sqlite3.Cursor) -> None:
+    def _release_claims(cur: schema.Sql) -> None:
         # Queued with demand so the window is captured again first, under a new generation.
         cur.execute(
             "UPDATE windows SET state='queued', demand=1, claim_token=NULL WHERE state='capturing'"
         )
 
-    def _check_producer(self, cur: sqlite3.Cursor, token: int) -> None:
+    def _check_producer(self, cur: schema.Sql, token: int) -> None:
         row = cur.execute("SELECT token, state FROM producer").fetchone()
         if row is None or row[0] != token or row[1] != "active":
             raise StaleLease(f"producer token {token} is stale (now {row}); register again")
@@ -122,7 +121,7 @@ class ProducerSide:
             )
         return Claim(w, gen, token, preg.token, self._rows(w))
 
-    def _check_claim(self, cur: sqlite3.Cursor, claim: Claim) -> None:
+    def _check_claim(self, cur: schema.Sql, claim: Claim) -> None:
         self._check_producer(cur, claim.producer_token)
         row = cur.execute(
             "SELECT 1 FROM windows WHERE window=? AND state='capturing' AND claim_token=?",
@@ -157,8 +156,11 @@ class ProducerSide:
             n, nbytes = cur.execute(
                 "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
             ).fetchone()
-            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='hw_windows'", (n,))
-            cur.execute("UPDATE meta SET value=MAX(value, ?) WHERE key='hw_bytes'", (nbytes,))
+            high = (
+                "UPDATE counters SET value = CASE WHEN value < ? THEN ? ELSE value END WHERE key=?"
+            )
+            cur.execute(high, (n, n, "hw_windows"))
+            cur.execute(high, (int(nbytes), int(nbytes), "hw_bytes"))
 
     def fail(self, claim: Claim, reason: str) -> None:
         """A capture failed: requeue the window (retried first) or, after max_attempts, fail it."""
@@ -200,7 +202,7 @@ class ProducerSide:
                 return False
             self._wait_change(deadline)
 
-    def _apply_lag_policy(self, cur: sqlite3.Cursor) -> retention.Doomed:
+    def _apply_lag_policy(self, cur: schema.Sql) -> retention.Doomed:
         cfg = self.config
         if cfg.lag_policy == "hold" or not retention.enough_registered(cur, cfg.expected_consumers):
             return []

@@ -58,7 +58,9 @@ class ConsumerConfig(BaseModel):
     run_dir: str = Field(description="run directory the producer writes")
     consumer_id: str = Field(description="consumer name (scoped by data-parallel rank)")
     dp_rank: int = Field(0, ge=0, description="data-parallel rank: consumer id is name:dp<rank>")
-    db_path: str | None = Field(None, description="coordinator database path if not in run dir")
+    db_path: str | None = Field(
+        None, description="coordinator database (path or postgresql:// URL) if not as recorded"
+    )
     acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
     heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s); keep < ttl/3")
     row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
@@ -129,7 +131,7 @@ class ConsumerStream:
     # ---- windows ------------------------------------------------------------------
 
     def _thread_coord(self) -> Coordinator:
-        # sqlite3 connections are per thread; the prefetch thread gets its own.
+        # Coordinator connections are per thread; the prefetch thread gets its own.
         c = getattr(self._local, "coord", None)
         if c is None:
             c = Coordinator.open(self.run_dir.root, db_path=self.cfg.db_path, store=self.store)

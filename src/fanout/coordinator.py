@@ -8,18 +8,20 @@
     reg = Coordinator.open("runs/demo").register_consumer("draft-b8", dp_rank=0)
     lease = coord.acquire(reg, timeout_s=600); ...; coord.ack(lease)   # consumer side
 
-One SQLite database (see fanout.schema for where it may live and how writes are
-made safe) shared by one producer and N consumers, each holding its own
-`Coordinator` (one connection, one thread). Every state change is one short
-`BEGIN IMMEDIATE` transaction fenced by a token: a consumer's epoch token, a
-lease token, the producer's token or its claim token. Tokens come from one
+One database shared by one producer and N consumers, each holding its own
+`Coordinator` (one connection, one thread): SQLite beside the run (fanout.sqlitedb,
+the default; one host) or PostgreSQL (fanout.postgresdb, when `db_path` is a
+`postgresql://` URL; several hosts). Both hold the tables of fanout.schema and
+run the same statements. Every state change is one short serialised write
+transaction fenced by a token: a consumer's epoch token, a lease token, the
+producer's token or its claim token. Tokens come from one
 counter and are never reused, so a process that was reclaimed, detached or
 superseded ("zombie") gets StaleLease/Detached on its next write and changes
 nothing. The producer's calls live in fanout.claims (a mixin of this class),
 the eviction and lag rules in fanout.retention (with RunConfig), liveness in
-fanout.liveness, the tokens' value types in fanout.leases, the database's
-location/schema/transactions in fanout.schema; the file side of eviction and
-quarantine goes through fanout.store (imported lazily: no torch for `status`).
+fanout.liveness, the tokens' value types in fanout.leases; the file side of
+eviction and quarantine goes through fanout.store (imported lazily: no torch
+for `status`).
 """
 
 from __future__ import annotations
@@ -27,14 +29,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from fanout import retention, schema
+from fanout import postgresdb, retention, schema, sqlitedb
 from fanout.claims import ProducerSide
 from fanout.contract import CaptureContract
 from fanout.errors import (
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 DB_NAME = "coordinator.sqlite3"
 DB_POINTER = "coordinator.dbpath"  # written when --db-path puts the database elsewhere
 
+Location = Path | str  # a SQLite file, or a postgresql:// URL (without its password)
+
 
 def _root(run_dir: Any) -> Path:
     """A run directory given as a path or as a fanout.store.RunDir."""
@@ -69,34 +72,47 @@ class Coordinator(ProducerSide):
 
     def __init__(
         self,
-        conn: sqlite3.Connection,
+        conn: schema.Database,
         root: Path,
-        db_path: Path,
+        db_path: Location,
         *,
         store: WindowFiles | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.conn, self.root, self.db_path, self.clock = conn, root, db_path, clock
-        schema.check_schema(conn, db_path)
-        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        try:
+            schema.check_schema(conn)
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        except BaseException:
+            conn.close()
+            raise
         self.config = RunConfig.model_validate_json(meta["config"])
         self.contract = CaptureContract.model_validate_json(meta["contract"])
         self._store = store
-        self._busy_ms = int(conn.execute("PRAGMA busy_timeout").fetchone()[0])
         self._reclaimer = Reclaimer(self.config.ttl_s, clock)
         self._blocked_since: float | None = None  # producer's own clock, for `detach`
 
     # ---- opening -----------------------------------------------------------------
 
     @staticmethod
-    def resolve_db_path(root: Path, db_path: str | os.PathLike[str] | None) -> Path:
-        """--db-path if given, else the path recorded by create(), else root/coordinator.sqlite3."""
-        if db_path is not None:
-            return Path(db_path).absolute()
-        pointer = root / DB_POINTER
-        if pointer.is_file():
-            return Path(pointer.read_text().strip())
-        return root / DB_NAME
+    def resolve_db_path(root: Path, db_path: str | os.PathLike[str] | None) -> Location:
+        """--db-path if given (a path or a postgresql:// URL), else what create() recorded
+        in the run dir, else root/coordinator.sqlite3."""
+        if db_path is None and (root / DB_POINTER).is_file():
+            db_path = (root / DB_POINTER).read_text().strip()
+        if db_path is None:
+            return root / DB_NAME
+        if postgresdb.is_url(db_path):
+            return str(db_path)
+        return Path(db_path).absolute()
+
+    @classmethod
+    def exists(cls, run_dir: str | os.PathLike[str], db_path: str | None = None) -> bool:
+        """Has a producer created this run's database? (Clears an interrupted SQLite create.)"""
+        where = cls.resolve_db_path(_root(run_dir), db_path)
+        if isinstance(where, Path):
+            return sqlitedb.exists(where)
+        return postgresdb.exists(where)
 
     @classmethod
     def create(
@@ -115,16 +131,28 @@ class Coordinator(ProducerSide):
         config = config or RunConfig()
         root = _root(run_dir)
         root.mkdir(parents=True, exist_ok=True)
-        path = cls.resolve_db_path(root, db_path)
-        if path.exists():
-            raise ConfigError(f"{path}: a coordinator database already exists; use open()")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not allow_network_fs:
-            schema.check_local_filesystem(path, mountinfo)
-        if path != root / DB_NAME:
-            (root / DB_POINTER).write_text(f"{path}\n")
+        where = cls.resolve_db_path(root, db_path)
+        conn: schema.Database
+        if isinstance(where, Path):
+            if where.exists():
+                raise ConfigError(f"{where}: a coordinator database already exists; use open()")
+            where.parent.mkdir(parents=True, exist_ok=True)
+            if not allow_network_fs:
+                sqlitedb.check_local_filesystem(where, mountinfo)
+            conn = sqlitedb.SqliteDatabase(where, busy_timeout_s=config.busy_timeout_s)
+        else:
+            conn = postgresdb.PostgresDatabase(where)
+            where = conn.where  # never write a password into the run dir
+            conn.create_namespace()
+            if conn.has_tables():
+                conn.close()
+                raise ConfigError(
+                    f"{where}: a coordinator database already exists there; use open(), "
+                    "or give this run its own ?schema=NAME"
+                )
+        if where != root / DB_NAME:
+            (root / DB_POINTER).write_text(f"{where}\n")
         contract.save(root / "contract.json")
-        conn = schema.connect(path, busy_timeout_s=config.busy_timeout_s)
         schema.create_schema(
             conn,
             {
@@ -133,8 +161,8 @@ class Coordinator(ProducerSide):
                 "stream_id": contract.stream_id,
             },
         )
-        log.info("created coordinator %s (stream %s, %s)", path, contract.stream_id, config)
-        return cls(conn, root, path, store=store, clock=clock)
+        log.info("created coordinator %s (stream %s, %s)", where, contract.stream_id, config)
+        return cls(conn, root, where, store=store, clock=clock)
 
     @classmethod
     def open(
@@ -149,13 +177,20 @@ class Coordinator(ProducerSide):
     ) -> Coordinator:
         """Open an existing run's database (SchemaVersionError if it is not one we know)."""
         root = _root(run_dir)
-        path = cls.resolve_db_path(root, db_path)
-        if not allow_network_fs:
-            schema.check_local_filesystem(path, mountinfo)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no coordinator database (has a producer created the run?)")
-        conn = schema.open_existing(path)
-        return cls(conn, root, path, store=store, clock=clock)
+        where = cls.resolve_db_path(root, db_path)
+        conn: schema.Database
+        if isinstance(where, Path):
+            if not allow_network_fs:
+                sqlitedb.check_local_filesystem(where, mountinfo)
+            if not where.is_file():
+                raise ConfigError(
+                    f"{where}: no coordinator database (has a producer created the run?)"
+                )
+            conn = sqlitedb.SqliteDatabase(where)
+        else:
+            conn = postgresdb.PostgresDatabase(where)
+            where = conn.where
+        return cls(conn, root, where, store=store, clock=clock)
 
     def close(self) -> None:
         self.conn.close()
@@ -179,13 +214,13 @@ class Coordinator(ProducerSide):
     # ---- small helpers -----------------------------------------------------------
 
     def meta(self, key: str) -> Any:
-        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return None if row is None else row[0]
+        """A counter (schema.COUNTERS, an int) or a stored run setting (text)."""
+        return self._meta_cur(self.conn, key)
 
     @staticmethod
-    def _bump(cur: sqlite3.Cursor, key: str, n: int = 1) -> int:
+    def _bump(cur: schema.Sql, key: str, n: int = 1) -> int:
         row = cur.execute(
-            "UPDATE meta SET value = value + ? WHERE key=? RETURNING value", (n, key)
+            "UPDATE counters SET value = value + ? WHERE key=? RETURNING value", (n, key)
         ).fetchone()
         return int(row[0])
 
@@ -194,20 +229,11 @@ class Coordinator(ProducerSide):
         return (window * r, (window + 1) * r)
 
     def _write(self) -> Any:
-        return schema.write(self.conn, busy_ms=self._busy_ms)
+        return self.conn.write()
 
     def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
-        """Sleep until another connection commits (PRAGMA data_version) or max_s passes."""
-        end = time.monotonic() + max_s
-        if deadline is not None:
-            end = min(end, deadline)
-        v0 = self.conn.execute("PRAGMA data_version").fetchone()[0]
-        pause = 0.0005
-        while time.monotonic() < end:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
-            if self.conn.execute("PRAGMA data_version").fetchone()[0] != v0:
-                return
+        """Sleep until another connection commits or max_s passes."""
+        self.conn.wait_change(deadline, max_s)
 
     # ---- consumer side -----------------------------------------------------------
 
@@ -252,7 +278,7 @@ class Coordinator(ProducerSide):
         name, _, rank = reg.consumer_id.rpartition(":dp")
         return self.register_consumer(name, int(rank), cursor=cursor)
 
-    def _check_consumer(self, cur: sqlite3.Cursor, cid: str, token: int) -> int:
+    def _check_consumer(self, cur: schema.Sql, cid: str, token: int) -> int:
         """Return the consumer's cursor; raise Detached / StaleLease if fenced off."""
         row = cur.execute(
             "SELECT cursor, state, token FROM consumers WHERE id=?", (cid,)
@@ -318,7 +344,7 @@ class Coordinator(ProducerSide):
                 )
             self._wait_change(deadline)
 
-    def _try_lease(self, cur: sqlite3.Cursor, reg: ConsumerReg, w: int) -> tuple[Lease | None, str]:
+    def _try_lease(self, cur: schema.Sql, reg: ConsumerReg, w: int) -> tuple[Lease | None, str]:
         cid = reg.consumer_id
         row = cur.execute(
             "SELECT state, generation, name, path, last_error FROM windows WHERE window=?", (w,)
@@ -363,10 +389,13 @@ class Coordinator(ProducerSide):
         return None, state
 
     @staticmethod
-    def _meta_cur(cur: sqlite3.Cursor, key: str) -> Any:
-        return cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()[0]
+    def _meta_cur(cur: schema.Sql, key: str) -> Any:
+        if key in schema.COUNTERS:
+            return int(cur.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()[0])
+        row = cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
 
-    def _held_lease(self, cur: sqlite3.Cursor, lease: Lease) -> None:
+    def _held_lease(self, cur: schema.Sql, lease: Lease) -> None:
         self._check_consumer(cur, lease.consumer_id, lease.epoch)
         held = cur.execute(
             "SELECT 1 FROM leases WHERE token=? AND consumer=?", (lease.token, lease.consumer_id)
@@ -381,9 +410,11 @@ class Coordinator(ProducerSide):
         with self._write() as cur:
             self._held_lease(cur, lease)
             cur.execute("DELETE FROM leases WHERE token=?", (lease.token,))
+            nxt = lease.window + 1
             cur.execute(
-                "UPDATE consumers SET cursor=MAX(cursor, ?) WHERE id=?",
-                (lease.window + 1, lease.consumer_id),
+                "UPDATE consumers SET cursor = CASE WHEN cursor < ? THEN ? ELSE cursor END "
+                "WHERE id=?",
+                (nxt, nxt, lease.consumer_id),
             )
             doomed = retention.mark_evictable(cur, self.config.expected_consumers)
         self._finish_evictions(doomed)

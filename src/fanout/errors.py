@@ -57,8 +57,9 @@ class StorageFull(StorageError):
 
 
 class CoordinatorFull(StorageFull):
-    """SQLITE_FULL: the coordinator database's disk (or quota) is full. The transaction
-    rolled back; the database is unchanged and usable once space is freed."""
+    """SQLITE_FULL (or PostgreSQL's disk_full): the coordinator database's disk or quota
+    is full. The transaction rolled back; the database is unchanged and usable once
+    space is freed."""
 
 
 class CorruptWindow(FanoutError):
@@ -96,3 +97,8 @@ class ConfigError(FanoutError):
 class CoordinatorBusy(FanoutError):
     """The coordinator database stayed locked past the bounded retry window
     (another process holds a write transaction far longer than any fanout call does)."""
+
+
+class CoordinatorUnavailable(FanoutError):
+    """The PostgreSQL coordinator cannot be reached (connect failed or the connection
+    dropped). Nothing half-done is left: every write is one transaction."""

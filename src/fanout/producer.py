@@ -112,18 +112,13 @@ class ProducerConfig(BaseModel):
     over_length: Literal["split", "drop", "error"] = Field(
         "split", description="conversations longer than seq_len"
     )
-    db_path: str | None = Field(None, description="coordinator database path (local disk)")
+    db_path: str | None = Field(
+        None,
+        description="coordinator database: a SQLite file on a local disk (default: "
+        "RUN_DIR/coordinator.sqlite3) or postgresql://user@host/db?schema=NAME for trainers "
+        "on other hosts; recorded in the run dir for the other processes",
+    )
     progress: bool = Field(True, description="progress bar on stderr")
-
-
-def _no_tables(db: Path) -> bool:
-    import sqlite3
-
-    conn = sqlite3.connect(db)
-    try:
-        return int(conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]) == 0
-    finally:
-        conn.close()
 
 
 def window_count(num_rows: int, epochs: int, window_rows: int) -> int:
@@ -299,21 +294,14 @@ class Producer:
     def _open_existing_coordinator(self) -> Coordinator | None:
         """The run's coordinator if the run exists (same contract, else refused); None if new."""
         cfg = self.cfg
-        db = Coordinator.resolve_db_path(self.run_dir.root, cfg.db_path)
-        if db.exists() and _no_tables(db):
-            # A producer killed inside Coordinator.create, before its schema committed:
-            # nothing was ever stored, and no later open could use the file. Start over.
-            log.warning("%s has no tables (interrupted create); creating it again", db)
-            for p in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
-                p.unlink(missing_ok=True)
-        if not db.exists():
+        if not Coordinator.exists(self.run_dir.root, cfg.db_path):
             return None
         coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
         if coord.contract != self.contract:  # refuse before touching stream.json
             coord.close()
             raise ContractMismatch(coord.contract.diff(self.contract), where="producer")
         if coord.config != self._run_config():
-            log.warning("run settings stored in %s win over flags: %s", db, coord.config)
+            log.warning("run settings stored in %s win over flags: %s", coord.db_path, coord.config)
         return coord
 
     def _create_coordinator(self) -> Coordinator:
@@ -391,7 +379,7 @@ class Producer:
     def _commit_in_thread(
         self, claim: Claim, window: CapturedWindow, meta: WindowMeta
     ) -> _Committed:
-        # sqlite3 connections are per thread: the publisher keeps its own.
+        # Coordinator connections are per thread: the publisher keeps its own.
         coord = getattr(self._thread_state, "coord", None)
         if coord is None:
             coord = Coordinator.open(self.run_dir.root, db_path=self.cfg.db_path, store=self.store)

@@ -1,11 +1,11 @@
 """Retention: which window files may exist, and which must go (RunConfig, eviction, lag policy).
 
     from fanout.retention import mark_evictable, has_capacity
-    with schema.write(conn) as cur:
+    with db.write() as cur:
         doomed = mark_evictable(cur, expected_consumers=2)   # [(window, file name)]
 
 Pure rules over the coordinator's tables, each run inside the caller's
-`BEGIN IMMEDIATE` transaction; fanout.coordinator decides when to call them and
+write transaction; fanout.coordinator decides when to call them and
 does the file side (unlink first, then mark the row evicted).
 
 Rules:
@@ -25,11 +25,12 @@ Rules:
 from __future__ import annotations
 
 import bisect
-import sqlite3
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.schema import Sql
 
 COUNTED_STATES = "('active','lost')"  # consumers whose cursors hold windows back
 EVICTED_ROWS_KEPT = 64  # older evicted rows are deleted, so metadata stays flat forever
@@ -77,7 +78,7 @@ class RunConfig(BaseModel):
 Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'
 
 
-def _mark(cur: sqlite3.Cursor, sql: str, args: tuple[object, ...]) -> Doomed:
+def _mark(cur: Sql, sql: str, args: tuple[object, ...]) -> Doomed:
     rows = [(int(w), n) for w, n in cur.execute(sql, args).fetchall()]
     cur.executemany(
         "UPDATE windows SET state='evicting', updated_at=? WHERE window=?",
@@ -86,12 +87,12 @@ def _mark(cur: sqlite3.Cursor, sql: str, args: tuple[object, ...]) -> Doomed:
     return rows
 
 
-def enough_registered(cur: sqlite3.Cursor, expected_consumers: int) -> bool:
+def enough_registered(cur: Sql, expected_consumers: int) -> bool:
     n = cur.execute("SELECT COUNT(*) FROM consumers").fetchone()[0]
     return bool(n >= expected_consumers)
 
 
-def cursor_bounds(cur: sqlite3.Cursor) -> tuple[int | None, int | None]:
+def cursor_bounds(cur: Sql) -> tuple[int | None, int | None]:
     """(lowest, highest) cursor among counted consumers; (None, None) if there are none."""
     lo, hi = cur.execute(
         f"SELECT MIN(cursor), MAX(cursor) FROM consumers WHERE state IN {COUNTED_STATES}"
@@ -99,7 +100,7 @@ def cursor_bounds(cur: sqlite3.Cursor) -> tuple[int | None, int | None]:
     return lo, hi
 
 
-def mark_evictable(cur: sqlite3.Cursor, expected_consumers: int, recover: bool = False) -> Doomed:
+def mark_evictable(cur: Sql, expected_consumers: int, recover: bool = False) -> Doomed:
     """Mark every evictable ready window 'evicting'; with `recover`, also return rows a
     crashed process left 'evicting' (their files may still exist)."""
     stale: Doomed = []
@@ -120,7 +121,7 @@ def mark_evictable(cur: sqlite3.Cursor, expected_consumers: int, recover: bool =
     )
 
 
-def finish_evicted(cur: sqlite3.Cursor, windows: list[int]) -> int:
+def finish_evicted(cur: Sql, windows: list[int]) -> int:
     """Mark 'evicting' rows evicted (their files are gone) and compact old evicted rows."""
     n = 0
     for w in windows:
@@ -135,11 +136,11 @@ def finish_evicted(cur: sqlite3.Cursor, windows: list[int]) -> int:
             "DELETE FROM windows WHERE state='evicted' AND window < ?",
             (max(windows) - EVICTED_ROWS_KEPT,),
         )
-    cur.execute("UPDATE meta SET value=value+? WHERE key='evictions'", (n,))
+    cur.execute("UPDATE counters SET value=value+? WHERE key='evictions'", (n,))
     return n
 
 
-def has_capacity(cur: sqlite3.Cursor, max_live_windows: int, extra: bool = True) -> bool:
+def has_capacity(cur: Sql, max_live_windows: int, extra: bool = True) -> bool:
     """May the producer claim one more window now? `extra`: count the K+1st slot that
     only the window the slowest consumer waits for may use."""
     live = cur.execute(
@@ -154,7 +155,7 @@ def has_capacity(cur: sqlite3.Cursor, max_live_windows: int, extra: bool = True)
     return wanted is not None
 
 
-def recapture_victim(cur: sqlite3.Cursor) -> Doomed:
+def recapture_victim(cur: Sql) -> Doomed:
     """Mark one unleased ready window the leader has passed, for recapture; [] if none.
 
     Which one: the window whose next reader is furthest from it, i.e. the largest
@@ -193,7 +194,7 @@ def recapture_victim(cur: sqlite3.Cursor) -> Doomed:
     return _mark(cur, "SELECT window, name FROM windows WHERE window=?", (victim,))
 
 
-def detach_laggard(cur: sqlite3.Cursor, new_token: int) -> tuple[str, int, int] | None:
+def detach_laggard(cur: Sql, new_token: int) -> tuple[str, int, int] | None:
     """Detach the counted consumer with the lowest cursor behind the leader.
 
     Returns (consumer id, its cursor, leader's cursor), or None when every counted
@@ -215,5 +216,5 @@ def detach_laggard(cur: sqlite3.Cursor, new_token: int) -> tuple[str, int, int] 
         "UPDATE consumers SET state='detached', token=?, note=? WHERE id=?",
         (new_token, f"detached at cursor {cursor} (leader at {lead})", cid),
     )
-    cur.execute("UPDATE meta SET value=value+1 WHERE key='detaches'")
+    cur.execute("UPDATE counters SET value=value+1 WHERE key='detaches'")
     return cid, cursor, int(lead)

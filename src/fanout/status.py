@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument(
         "--db-path",
         default=None,
-        help="coordinator database if it is not in the run dir (default: as recorded at create)",
+        help="coordinator database (a path or a postgresql:// URL) if not the one recorded "
+        "in the run dir at create",
     )
     parser.add_argument(
         "--allow-network-fs",

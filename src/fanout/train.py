@@ -49,7 +49,11 @@ class TrainConfig(BaseModel):
     run_dir: str = Field(description="run directory the producer writes")
     consumer_id: str = Field(description="this trainer's consumer name")
     dp_rank: int = Field(0, ge=0, description="data-parallel rank (consumer id name:dp<rank>)")
-    db_path: str | None = Field(None, description="coordinator database if not in the run dir")
+    db_path: str | None = Field(
+        None,
+        description="coordinator database (a path or a postgresql:// URL); default: as the "
+        "producer recorded it in the run dir",
+    )
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
     num_layers: int = Field(1, ge=1, description="draft decoder layers")
     block_size: int = Field(8, ge=2, description="tokens per draft block (anchor + masks)")

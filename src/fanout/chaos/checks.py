@@ -173,6 +173,8 @@ def final_state(run_dir: Path, db_path: Path | None = None) -> dict[str, Any]:
     from fanout.coordinator import Coordinator
 
     db = Coordinator.resolve_db_path(run_dir, db_path)
+    if not isinstance(db, Path):
+        return {"integrity_check": f"the chaos suite checks SQLite runs only, not {db}"}
     if not db.is_file():
         return {"integrity_check": f"no database at {db}"}
     conn = sqlite3.connect(db)
@@ -185,7 +187,7 @@ def final_state(run_dir: Path, db_path: Path | None = None) -> dict[str, Any]:
             "failed_windows": q("SELECT COUNT(*) FROM windows WHERE state='failed'").fetchone()[0],
             "counters": dict(
                 q(
-                    "SELECT key, value FROM meta WHERE key IN ('recaptures','evictions',"
+                    "SELECT key, value FROM counters WHERE key IN ('recaptures','evictions',"
                     "'corrupt','detaches','reclaims','next_window','hw_windows')"
                 ).fetchall()
             ),
