@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates .venv on first use, then runs
 #   ./dev.sh demo [ARGS]   the main job on embedded defaults (fanout demo)
 #   ./dev.sh test [ARGS]   the test suite (pytest, slow soaks excluded)
-#   ./dev.sh lint          ruff check + ruff format --check + mypy src
+#   ./dev.sh lint          ruff check + ruff format --check + mypy (src, tests, benchmarks, scripts)
 #   ./dev.sh fanout ARGS   any fanout subcommand inside the venv
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
 
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
-def test_updates_match_reference(backend: str, max_grad_norm: float | None) -> None:
+def test_updates_match_reference(
+    backend: Literal["fused", "foreach"], max_grad_norm: float | None
+) -> None:
     mine, ref = _params(0), _params(0)
     opt, chosen = make_optimizer(
         mine,
@@ -59,7 +63,7 @@ def test_unsupported_device_falls_back_and_fused_refuses() -> None:
 
 
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
-def test_nonfinite_grad_skips_step(backend: str) -> None:
+def test_nonfinite_grad_skips_step(backend: Literal["fused", "foreach"]) -> None:
     ps = _params(2)
     opt, _ = make_optimizer(ps, lr=0.1, backend=backend, max_grad_norm=1.0)
     before = [p.detach().clone() for p in ps]

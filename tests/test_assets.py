@@ -9,6 +9,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -63,15 +64,21 @@ def test_tokenizer_chat_template_renders_and_round_trips(assets: DemoAssets) -> 
     tok = AutoTokenizer.from_pretrained(str(assets.tokenizer_dir), local_files_only=True)
     corpus = generate_corpus(40, seed=11)  # unseen conversations
     for conv in corpus:
-        text = tok.apply_chat_template(conv["messages"], tokenize=False)
+        text = cast(str, tok.apply_chat_template(conv["messages"], tokenize=False))
         assert text == render_chatml(conv["messages"])
-        ids = tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False)
+        ids = cast(
+            list[int],
+            tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False),
+        )
         assert tok.decode(ids) == text
         for m in conv["messages"]:
             enc = tok.encode(m["content"], add_special_tokens=False)
             assert tok.decode(enc) == m["content"]
-    gen = tok.apply_chat_template(
-        corpus[0]["messages"][:1], tokenize=False, add_generation_prompt=True
+    gen = cast(
+        str,
+        tok.apply_chat_template(
+            corpus[0]["messages"][:1], tokenize=False, add_generation_prompt=True
+        ),
     )
     assert gen.endswith("<|im_start|>assistant\n")
     for special in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", MASK_TOKEN]:
@@ -79,7 +86,7 @@ def test_tokenizer_chat_template_renders_and_round_trips(assets: DemoAssets) -> 
     assert tok.convert_tokens_to_ids(MASK_TOKEN) == assets.mask_token_id
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     # Assistant mask via the template's generation tags covers exactly the answers.
-    out = tok.apply_chat_template(
+    out: Any = tok.apply_chat_template(
         corpus[0]["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     masked = [i for i, m in zip(out["input_ids"], out["assistant_masks"]) if m]
@@ -94,7 +101,10 @@ def _heldout_loss(model: torch.nn.Module, tokenizer_dir: Path) -> float:
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     ids: list[int] = []
     for conv in generate_corpus(60, seed=123):
-        ids += tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False)
+        ids += cast(
+            list[int],
+            tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=False),
+        )
     rows = torch.tensor(ids[: len(ids) // 64 * 64]).view(-1, 64)
     with torch.inference_mode():
         return float(model(input_ids=rows, labels=rows).loss)

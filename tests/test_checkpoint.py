@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,9 +29,14 @@ def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _draft(vdir: Path, seed: int = 1, **kw) -> DFlashDraft:
+def _draft(vdir: Path, seed: int = 1, **kw: Any) -> DFlashDraft:
     torch.manual_seed(seed)
-    args = {"target_layer_ids": [1, 2], "block_size": 4, "max_anchors": 6, "mask_token_id": 255}
+    args: dict[str, Any] = {
+        "target_layer_ids": [1, 2],
+        "block_size": 4,
+        "max_anchors": 6,
+        "mask_token_id": 255,
+    }
     return DFlashDraft.from_verifier(vdir, **(args | kw))
 
 

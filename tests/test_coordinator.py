@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -95,6 +96,7 @@ def files(store: Store) -> list[str]:
 def test_every_write_begins_immediate(tmp_path: Path) -> None:
     co, store, c = new_run(tmp_path, max_live_windows=2)
     stmts: list[str] = []
+    assert isinstance(co.conn, sqlitedb.SqliteDatabase)
     co.conn.raw.set_trace_callback(stmts.append)
     p = co.register_producer(c)
     reg = co.register_consumer("a")
@@ -351,7 +353,7 @@ def test_new_producer_fences_old_one(db: str | None, tmp_path: Path) -> None:
 # ---- backpressure and lag policies ---------------------------------------------------
 
 
-def _two_consumers(tmp_path: Path, db: str | None, **cfg: object):  # type: ignore[no-untyped-def]
+def _two_consumers(tmp_path: Path, db: str | None, **cfg: object) -> tuple[Any, ...]:
     co, store, c = new_run(tmp_path, db, max_live_windows=2, expected_consumers=2, **cfg)
     p = co.register_producer(c)
     fast, slow = Coordinator.open(tmp_path / "run"), Coordinator.open(tmp_path / "run")

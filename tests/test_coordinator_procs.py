@@ -37,6 +37,11 @@ def fake_publish(co: Coordinator, p: Any, n: int) -> None:
         co.publish_ready(cl, Published(name, co.root / "windows" / name, 10, "xxh3_128:0"))
 
 
+def _signal(p: Any, sig: int) -> None:
+    assert p.pid is not None, "process not started"
+    os.kill(p.pid, sig)
+
+
 def wait_for(pred: Any, timeout: float = 30.0, what: str = "") -> None:
     end = time.monotonic() + timeout
     while not pred():
@@ -117,7 +122,7 @@ def test_sigkill_inside_write_transaction(db: str | None, tmp_path: Path) -> Non
         other_db = PostgresDatabase(db, lock_timeout_s=0.05)
         with pytest.raises(CoordinatorBusy, match="stayed locked"), other_db.write():
             pass
-    os.kill(p.pid, signal.SIGKILL)
+    _signal(p, signal.SIGKILL)
     p.join(10)
     t0 = time.monotonic()
     co.heartbeat(reg)  # a write: needs the lock the dead process held
@@ -231,7 +236,7 @@ def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(
     p = CTX.Process(target=_lease_holder, args=(str(rd.root), "a", ready))
     p.start()
     assert ready.wait(60)
-    os.kill(p.pid, signal.SIGKILL)
+    _signal(p, signal.SIGKILL)
     p.join(10)
     t0 = time.monotonic()
     lost: list[str] = []
@@ -284,7 +289,7 @@ def test_zombie_ack_is_refused_and_cursor_never_moves_back(db: str | None, tmp_p
     p = CTX.Process(target=_zombie, args=(str(rd.root), ready, go, out))
     p.start()
     assert ready.wait(60)
-    os.kill(p.pid, signal.SIGSTOP)
+    _signal(p, signal.SIGSTOP)
     try:
         wait_for(lambda: co.reclaim_lost() == ["z:dp0"], 10, "zombie reclaimed")
         reg = co.register_consumer("z")  # the restarted incarnation moves on
@@ -294,7 +299,7 @@ def test_zombie_ack_is_refused_and_cursor_never_moves_back(db: str | None, tmp_p
             assert lease is not None
             co.ack(lease)
     finally:
-        os.kill(p.pid, signal.SIGCONT)
+        _signal(p, signal.SIGCONT)
     go.set()
     assert str(out.get(timeout=60)).startswith("stale")
     p.join(30)

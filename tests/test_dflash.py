@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,9 +37,14 @@ def tied_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _draft(verifier_dir: Path, **kw) -> DFlashDraft:
+def _draft(verifier_dir: Path, **kw: Any) -> DFlashDraft:
     torch.manual_seed(1)
-    args = {"target_layer_ids": [1, 2], "block_size": 4, "max_anchors": 8, "mask_token_id": 511}
+    args: dict[str, Any] = {
+        "target_layer_ids": [1, 2],
+        "block_size": 4,
+        "max_anchors": 8,
+        "mask_token_id": 511,
+    }
     return DFlashDraft.from_verifier(verifier_dir, **(args | kw))
 
 
@@ -244,7 +250,7 @@ def test_draft_vocab_maps_labels(verifier_dir: Path) -> None:
     ids = torch.arange(100, 200)
     d = _draft(verifier_dir, draft_vocab_size=100, draft_vocab_ids=ids)
     assert d.lm_head_weight.shape == (100, 64)
-    assert torch.equal(d.d2t + torch.arange(100), ids)
+    assert d.d2t is not None and torch.equal(d.d2t + torch.arange(100), ids)
     out = d.loss(_learn_batch(0), torch.Generator().manual_seed(0))
     assert out.n_tokens > 0 and torch.isfinite(out.loss)
     with pytest.raises(ConfigError, match="draft_vocab_ids"):

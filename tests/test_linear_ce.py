@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,7 +38,9 @@ def _naive(x, w, t, red):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("train_head", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fp32_matches_naive(backend: str, reduction: str, train_head: bool, seed: int) -> None:
+def test_fp32_matches_naive(
+    backend: Literal["chunked", "torch"], reduction: str, train_head: bool, seed: int
+) -> None:
     x, w, t, rw = _inputs(seed)
 
     def fused(x, w, t, red):

@@ -214,7 +214,7 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
 def test_overlapped_publish_writes_the_same_windows(tiny: Tiny, tmp_path: Path) -> None:
     """Publishing on a background thread (two buffer slots) changes no byte of any window
     and still publishes every window exactly once."""
-    files = {}
+    files: dict[str, Any] = {}
     for mode in ("off", "on"):
         run = tmp_path / mode
         p = Producer(_cfg(tiny, run, max_windows=5, overlap_publish=mode))
