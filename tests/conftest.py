@@ -9,6 +9,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,12 +70,42 @@ def postgres_server() -> Iterator[str]:
     run([*as_user, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync"])
     run([*as_user, "mkdir", "-p", str(sock)])
     opts = f"-k {sock} -c listen_addresses='' -c fsync=off -c max_connections=300"
-    run([*as_user, pg_ctl, "-D", str(data), "-o", opts, "-w", "-l", str(base / "log"), "start"])
+    start = [*as_user, pg_ctl, "-D", str(data), "-o", opts, "-w", "-l", str(base / "log"), "start"]
+    run(start)
+    _PG_CONTROL["start"] = start
+    _PG_CONTROL["stop"] = [*as_user, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"]
+    _PG_CONTROL["status"] = [*as_user, pg_ctl, "-D", str(data), "status"]
     try:
         yield f"postgresql:///postgres?host={sock}&user=postgres"
     finally:
         subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], check=False)
         shutil.rmtree(base, ignore_errors=True)
+
+
+_PG_CONTROL: dict[str, list[str]] = {}
+
+
+class PostgresControl:
+    """Stop and start the test server (stopping drops every connection)."""
+
+    def stop(self) -> None:
+        subprocess.run(_PG_CONTROL["stop"], check=True, capture_output=True)
+
+    def start(self) -> None:
+        subprocess.run(_PG_CONTROL["start"], check=True, capture_output=True)
+
+    def restart(self, down_s: float) -> None:
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+@pytest.fixture
+def postgres_control(postgres_server: str) -> Iterator[PostgresControl]:
+    control = PostgresControl()
+    yield control
+    if subprocess.run(_PG_CONTROL["status"], capture_output=True).returncode:
+        control.start()  # a failed test must not leave the server down for the next ones
 
 
 @pytest.fixture

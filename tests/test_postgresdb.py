@@ -10,14 +10,19 @@ backpressure and recapture tests with real consumer processes.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from conftest import PostgresControl
 from fanout.coordinator import DB_POINTER, Coordinator, RunConfig
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
+from fanout.liveness import Heartbeat
 from fanout.postgresdb import PostgresDatabase, _translate, parse_url, redact
-from fanout.store import RunDir
+from fanout.store import Published, RunDir
 from test_coordinator import make_contract
 
 
@@ -70,7 +75,7 @@ def test_run_dir_records_the_url_without_password(pg_url: str, tmp_path: Path) -
     co.close()
 
 
-def test_driver_errors_become_typed_errors(pg_url: str) -> None:
+def test_driver_errors_become_typed_errors(pg_url: str, postgres_control: PostgresControl) -> None:
     import psycopg
 
     db = PostgresDatabase(pg_url, lock_timeout_s=0.05)
@@ -80,8 +85,79 @@ def test_driver_errors_become_typed_errors(pg_url: str) -> None:
         second = PostgresDatabase(pg_url, lock_timeout_s=0.05)
         with pytest.raises(CoordinatorBusy, match="stayed locked"), db.write(), second.write():
             pass  # a second writer on the same run waits for the first
-        db.raw.close()  # the server went away
-        with pytest.raises(CoordinatorUnavailable, match=pg_url.split("?")[0]):
-            db.execute("SELECT 1")
+        postgres_control.stop()  # the server goes away for longer than reconnect_s
+        try:
+            db._reconnect_s = 0.5
+            with pytest.raises(CoordinatorUnavailable, match="unreachable for 0 s"):
+                db.execute("SELECT 1")
+        finally:
+            postgres_control.start()
     finally:
         db.close()
+
+
+def _terminate(url: str, pid: int) -> None:
+    """Drop one connection from the server side (as a failover or a cut link does)."""
+    other = PostgresDatabase(url)
+    try:
+        other.execute("SELECT pg_terminate_backend(?)", (pid,))
+    finally:
+        other.close()
+
+
+def test_a_lost_connection_is_replaced_where_nothing_had_run(pg_url: str, tmp_path: Path) -> None:
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=pg_url)
+    db = co.conn
+    assert isinstance(db, PostgresDatabase)
+    reg = co.register_consumer("a")
+    _terminate(pg_url, db.raw.info.backend_pid)
+    assert co.meta("next_token") == 1  # a read: reconnected, then answered
+    _terminate(pg_url, db.raw.info.backend_pid)
+    co.heartbeat(reg)  # a write whose BEGIN met the dead connection: begun again
+    assert db.reconnects == 2
+    # Lost inside a write's body: the outcome is the server's (rolled back), and the
+    # caller is told; the next call works on a new connection.
+    with pytest.raises(CoordinatorUnavailable), db.write() as cur:
+        cur.execute("UPDATE consumers SET cursor=99")
+        _terminate(pg_url, db.raw.info.backend_pid)
+        cur.execute("UPDATE counters SET value=value+1 WHERE key='corrupt'")
+    assert co.conn.execute("SELECT cursor FROM consumers").fetchone()[0] == 0
+    assert co.meta("corrupt") == 0 and db.reconnects == 3
+    co.close()
+
+
+def test_trainer_side_calls_wait_out_a_server_restart(
+    pg_url: str, tmp_path: Path, postgres_control: PostgresControl
+) -> None:
+    """A consumer waiting for a window, and its heartbeat thread, ride out a 2 s outage:
+    the window published after it is acquired, and the heartbeat thread did not stop."""
+    rd = RunDir(tmp_path / "run").create()
+    c = make_contract()
+    co = Coordinator.create(rd.root, c, RunConfig(max_live_windows=2), db_path=pg_url)
+    reg = co.register_consumer("a")
+    got: list[Any] = []
+
+    def wait_for_window() -> None:
+        try:
+            got.append(Coordinator.open(rd.root).acquire(reg, timeout_s=60))
+        except Exception as e:
+            got.append(e)
+
+    waiter = threading.Thread(target=wait_for_window)
+    with Heartbeat(rd.root, reg, interval_s=0.1) as hb:
+        waiter.start()
+        time.sleep(0.3)
+        postgres_control.restart(2.0)
+        p = co.register_producer(c)
+        cl = co.claim(p)
+        assert cl is not None
+        co.publish_ready(cl, Published("w0", rd.windows / "w0", 1, "xxh3_128:0"))
+        waiter.join(30)
+        beats, end = hb.beats, time.monotonic() + 15  # its reconnect backs off up to 5 s
+        while hb.beats <= beats + 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        hb.check()  # no error kept
+        assert hb.beats > beats + 2  # still beating after the restart
+    assert len(got) == 1 and getattr(got[0], "window", got) == 0
+    co.close()

@@ -31,16 +31,19 @@ Needs `psycopg` 3 (`pip install 'fanout[postgres]'`), imported only here.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
+
+log = logging.getLogger("fanout.coordinator")
 
 SCHEMES = ("postgresql://", "postgres://")
 DEFAULT_SCHEMA = "fanout"
@@ -92,11 +95,27 @@ def _lock_key(schema: str) -> int:
 
 
 class PostgresDatabase:
-    """A `schema.Database` in one PostgreSQL schema. `raw` is the psycopg connection."""
+    """A `schema.Database` in one PostgreSQL schema. `raw` is the psycopg connection.
+
+    A lost connection (server restart, failover, a dropped TCP link) is replaced on
+    the next call, waiting up to `reconnect_s` for the server to come back. That is
+    safe because it happens only where nothing of the call has run yet: a read, or a
+    write whose BEGIN or lock failed. A connection lost inside a write's body or at
+    its COMMIT leaves the outcome unknown; that call raises CoordinatorUnavailable,
+    and the process restarts as it would after a crash (claims released, trainers
+    from their checkpoints).
+    """
 
     dialect = "postgres"
 
-    def __init__(self, url: str, *, lock_timeout_s: float = 60.0, connect_timeout_s: int = 10):
+    def __init__(
+        self,
+        url: str,
+        *,
+        lock_timeout_s: float = 60.0,
+        connect_timeout_s: int = 10,
+        reconnect_s: float = 60.0,
+    ):
         try:
             import psycopg
         except ImportError:
@@ -104,29 +123,78 @@ class PostgresDatabase:
                 f"{redact(url)}: a PostgreSQL coordinator needs psycopg 3 "
                 "(pip install 'fanout[postgres]')"
             ) from None
+        self._psycopg = psycopg
         self._errors = psycopg.errors
         self._sql = psycopg.sql
-        conninfo, self.schema, self.where = parse_url(url)
+        self._conninfo, self.schema, self.where = parse_url(url)
         self.url = self.where
+        self._channel = self._sql.Identifier(f"fanout_{self.schema}")
+        self._lock = _lock_key(self.schema)
+        self._lock_timeout_s = lock_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._reconnect_s = reconnect_s
+        self._in_write = False
+        self.reconnects = 0
         try:
-            self.raw = psycopg.connect(conninfo, autocommit=True, connect_timeout=connect_timeout_s)
+            self._connect()
         except psycopg.OperationalError as e:
             raise CoordinatorUnavailable(
                 f"cannot connect to the coordinator database {self.where}: {e}".strip()
             ) from None
+
+    def _connect(self) -> None:
+        self.raw = self._psycopg.connect(
+            self._conninfo, autocommit=True, connect_timeout=self._connect_timeout_s
+        )
         self._pid = self.raw.info.backend_pid
-        self._channel = f"fanout_{self.schema}"
-        ident = self._sql.Identifier
-        self.raw.execute(self._sql.SQL("SET search_path TO {}").format(ident(self.schema)))
-        self.raw.execute(f"SET lock_timeout = {int(lock_timeout_s * 1000)}")
-        self._lock = _lock_key(self.schema)
-        self._lock_timeout_s = lock_timeout_s
+        self.raw.execute(
+            self._sql.SQL("SET search_path TO {}").format(self._sql.Identifier(self.schema))
+        )
+        self.raw.execute(f"SET lock_timeout = {int(self._lock_timeout_s * 1000)}")
+
+    def _lost(self) -> bool:
+        return bool(self.raw.closed or self.raw.broken)
+
+    def _reconnect(self, cause: Exception) -> None:
+        """Replace a lost connection, retrying for up to `reconnect_s`."""
+        log.warning(
+            "coordinator database %s: connection lost (%s); reconnecting", self.where, cause
+        )
+        deadline = time.monotonic() + self._reconnect_s
+        delay = 0.2
+        while True:
+            try:
+                self._connect()
+                self.reconnects += 1
+                log.warning("coordinator database %s: reconnected", self.where)
+                return
+            except self._psycopg.OperationalError as e:
+                if time.monotonic() + delay > deadline:
+                    raise CoordinatorUnavailable(
+                        f"coordinator database {self.where} unreachable for "
+                        f"{self._reconnect_s:.0f} s: {e}".strip()
+                    ) from None
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
 
     # ---- the Database protocol -----------------------------------------------------
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        query, args = _translate(sql), tuple(params)
+        return self._run(lambda: self.raw.execute(query, args))
+
+    def _run(self, call: Callable[[], Any]) -> Any:
+        """Run one statement. Outside a write transaction (a read, LISTEN) a lost
+        connection is replaced and the statement run once more; inside one it is not
+        (the transaction died with the connection): the caller gets the error."""
         try:
-            return self.raw.execute(_translate(sql), tuple(params))
+            return call()
+        except self._errors.OperationalError as e:
+            if self._in_write or not self._lost():
+                raise self._typed(e) from None
+            self._reconnect(e)
+        try:
+            return call()
         except self._errors.OperationalError as e:
             raise self._typed(e) from None
 
@@ -147,18 +215,43 @@ class PostgresDatabase:
         if raw is not None and not raw.closed:
             raw.close()
 
+    def _begin(self) -> None:
+        """BEGIN and take the run's advisory lock; on a lost connection (nothing has
+        run yet) reconnect and begin again."""
+        for attempt in (0, 1):
+            try:
+                self.raw.execute("BEGIN")
+                self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
+                return
+            except self._errors.OperationalError as e:
+                if attempt or not self._lost():
+                    self._rollback()
+                    raise self._typed(e) from None
+                self._reconnect(e)
+
+    def _rollback(self) -> None:
+        if self._lost():
+            return  # the server rolled back when the connection went
+        with suppress(self._errors.OperationalError):  # it went just now: same
+            self.raw.execute("ROLLBACK")
+
     @contextmanager
     def write(self) -> Iterator[PostgresDatabase]:
         """BEGIN; take the run's advisory lock; body; NOTIFY; COMMIT (ROLLBACK on error)."""
+        self._begin()
+        self._in_write = True
         try:
-            with self.raw.transaction():
-                self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
-                yield self
-                self.raw.execute(
-                    self._sql.SQL("NOTIFY {}").format(self._sql.Identifier(self._channel))
-                )
+            yield self
+            self.raw.execute(self._sql.SQL("NOTIFY {}").format(self._channel))
+            self.raw.execute("COMMIT")
         except self._errors.OperationalError as e:
+            self._rollback()
             raise self._typed(e) from None
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._in_write = False
 
     def _typed(self, e: Exception) -> Exception:
         if isinstance(e, self._errors.DiskFull):
@@ -184,15 +277,20 @@ class PostgresDatabase:
         end = time.monotonic() + max_s
         if deadline is not None:
             end = min(end, deadline)
-        channel = self._sql.Identifier(self._channel)
-        self.raw.execute(self._sql.SQL("LISTEN {}").format(channel))
+        self._run(lambda: self.raw.execute(self._sql.SQL("LISTEN {}").format(self._channel)))
         try:
             while (left := end - time.monotonic()) > 0:
                 got = list(self.raw.notifies(timeout=left, stop_after=1))
                 if not got or any(n.pid != self._pid for n in got):
                     return
+        except self._errors.OperationalError:
+            return  # lost while waiting: the caller's next call reconnects
         finally:
-            self.raw.execute(self._sql.SQL("UNLISTEN {}").format(channel))
+            try:
+                if not self._lost():
+                    self.raw.execute(self._sql.SQL("UNLISTEN {}").format(self._channel))
+            except self._errors.OperationalError:
+                pass  # lost: the listen went with the connection; the next call reconnects
 
     # ---- creating and finding a run's tables -----------------------------------------
 
