@@ -7,6 +7,7 @@ import glob
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -46,7 +47,7 @@ def _postgres_bin(name: str) -> str | None:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
-    """A throwaway PostgreSQL cluster on a Unix socket (initdb + pg_ctl; fsync off),
+    """A throwaway PostgreSQL cluster on loopback TCP (initdb + pg_ctl; fsync off),
     for this test session; yields a libpq URL. Skips when the server binaries or
     psycopg are missing. PostgreSQL refuses to run as root, so as root the cluster
     runs as the `postgres` user."""
@@ -69,14 +70,19 @@ def postgres_server() -> Iterator[str]:
     run = functools.partial(subprocess.run, check=True, capture_output=True, text=True)
     run([*as_user, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "--no-sync"])
     run([*as_user, "mkdir", "-p", str(sock)])
-    opts = f"-k {sock} -c listen_addresses='' -c fsync=off -c max_connections=300"
+    # TCP on loopback, as trainers on other hosts connect (the socket dir is only for
+    # pg_ctl's own readiness check); a free port picked by the kernel.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    opts = f"-k {sock} -c listen_addresses=127.0.0.1 -p {port} -c fsync=off -c max_connections=300"
     start = [*as_user, pg_ctl, "-D", str(data), "-o", opts, "-w", "-l", str(base / "log"), "start"]
     run(start)
     _PG_CONTROL["start"] = start
     _PG_CONTROL["stop"] = [*as_user, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"]
     _PG_CONTROL["status"] = [*as_user, pg_ctl, "-D", str(data), "status"]
     try:
-        yield f"postgresql:///postgres?host={sock}&user=postgres"
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres?connect_timeout=5"
     finally:
         subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], check=False)
         shutil.rmtree(base, ignore_errors=True)

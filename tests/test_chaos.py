@@ -4,7 +4,8 @@
     .venv/bin/pytest tests/test_chaos.py -m slow -x -q         # + the 10-minute kill soak
 
 Scenarios (issue 7; docs/reliability.md has the table of what they found):
-1. kill -9 of the producer and of 3 consumers every 0.5-1.5 s, each restarted;
+1. kill -9 of the producer and of 3 consumers every 0.5-1.5 s, each restarted
+   (also, shorter, with the coordinator on PostgreSQL);
 2. disk full on a tmpfs run dir (root only);
 3. a bit flipped in a ready window's tensor data;
 4. a consumer SIGSTOPped past its ttl, then resumed (detach and recapture policies);
@@ -136,6 +137,26 @@ def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> No
     assert rep.max_live <= cfg.max_live_windows + 1
     # Replays after a crash between a step's log line and its checkpoint are checked
     # when they happen (check_cover); they are forced in the test below.
+    assert all(c["windows"] == rep.total_windows for c in rep.covers.values())
+
+
+def test_kill9_with_the_coordinator_on_postgres(
+    chaos_root: Path, assets_root: Path, pg_url: str
+) -> None:
+    """Scenario 1, shorter, with the coordinator on PostgreSQL: producer and trainers
+    SIGKILLed (mid-transaction included) and restarted; every promise checked the same."""
+    cfg = _cfg(
+        chaos_root / "kill9pg", chaos_root, conversations=400, epochs=2, kills=12,
+        timeout_s=400.0, db_path=pg_url,
+    )  # fmt: skip
+    rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()
+    print(_summary(rep))
+    _assert_ok(rep)
+    assert not (chaos_root / "kill9pg" / "run" / "coordinator.sqlite3").exists()
+    assert rep.total_kills >= 12 and rep.kills["producer"] >= 1
+    assert rep.unexpected_exits == {}
+    assert rep.samples >= 20 and rep.cli_samples >= 3
+    assert rep.max_live <= cfg.max_live_windows + 1
     assert all(c["windows"] == rep.total_windows for c in rep.covers.values())
 
 

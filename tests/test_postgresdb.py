@@ -34,6 +34,11 @@ def test_url_schema_parameter_is_ours_and_the_password_never_leaves() -> None:
     assert shown == "postgresql://fan@db.example:5433/runs?sslmode=require&schema=run_7"
     assert parse_url("postgresql:///x?host=/tmp/s")[:2] == ("postgresql:///x?host=/tmp/s", "fanout")
     assert redact("postgres://h/db") == "postgres://h/db"
+    assert (
+        redact("postgresql://h/db?password=x&sslmode=require")
+        == "postgresql://h/db?sslmode=require"
+    )
+    assert redact("postgresql://h/db?password=x") == "postgresql://h/db"
     with pytest.raises(ConfigError, match="schema 'run-7'"):
         parse_url("postgresql://h/db?schema=run-7")
 
@@ -59,7 +64,8 @@ def test_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
 def test_run_dir_records_the_url_without_password(pg_url: str, tmp_path: Path) -> None:
     """Trust auth accepts any password, so a URL with one connects; the run dir and
     every message name the URL without it."""
-    url = pg_url.replace("postgresql://", "postgresql://postgres:hunter2@", 1)
+    url = pg_url.replace("postgresql://postgres@", "postgresql://postgres:hunter2@", 1)
+    assert "hunter2" in url
     rd = RunDir(tmp_path / "run").create()
     co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=url)
     pointer = (rd.root / DB_POINTER).read_text()

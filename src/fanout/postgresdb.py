@@ -72,13 +72,16 @@ def parse_url(url: str) -> tuple[str, str, str]:
 
 
 def redact(url: str) -> str:
-    """The URL without its password (safe to log and to write to the run dir)."""
+    """The URL without its password, in the user part or as `?password=` (safe to log
+    and to write to the run dir)."""
+    base, sep, query = url.partition("?")
+    kept = [kv for kv in query.split("&") if kv.partition("=")[0] != "password"]
+    url = base + (sep + "&".join(kept) if kept else "")
     parts = urlsplit(url)
     if parts.password is None:
         return url
     host = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}@{host}"))
 
 
 @lru_cache(maxsize=512)

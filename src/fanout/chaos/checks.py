@@ -102,7 +102,7 @@ def window_digest(path: Path) -> tuple[int, int, str]:
 class Sampler:
     """Samples the coordinator and windows/ of one run while chaos happens."""
 
-    def __init__(self, run_dir: Path, k: int, db_path: Path | None = None) -> None:
+    def __init__(self, run_dir: Path, k: int, db_path: str | None = None) -> None:
         self.run_dir, self.k, self.db_path = run_dir, k, db_path
         self.co: Any = None
         self.samples = 0
@@ -118,12 +118,12 @@ class Sampler:
     def _open(self) -> Any:
         if self.co is None:
             from fanout.coordinator import Coordinator
-            from fanout.errors import ConfigError, SchemaVersionError
+            from fanout.errors import ConfigError, CoordinatorUnavailable, SchemaVersionError
 
             try:
                 self.co = Coordinator.open(self.run_dir, db_path=self.db_path)
-            except (ConfigError, SchemaVersionError, sqlite3.Error):
-                return None
+            except (ConfigError, SchemaVersionError, CoordinatorUnavailable, sqlite3.Error):
+                return None  # not created yet
         return self.co
 
     def sample(self) -> None:
@@ -168,20 +168,31 @@ class Sampler:
             self.co = None
 
 
-def final_state(run_dir: Path, db_path: Path | None = None) -> dict[str, Any]:
-    """integrity_check, leases left, consumer states and debris after a run."""
-    from fanout.coordinator import Coordinator
+def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
+    """integrity check, leases left, consumer states and debris after a run.
 
-    db = Coordinator.resolve_db_path(run_dir, db_path)
-    if not isinstance(db, Path):
-        return {"integrity_check": f"the chaos suite checks SQLite runs only, not {db}"}
-    if not db.is_file():
-        return {"integrity_check": f"no database at {db}"}
-    conn = sqlite3.connect(db)
+    The integrity check is SQLite's `PRAGMA integrity_check`; PostgreSQL keeps its
+    own files consistent, so there it is the invariant that every lease names a
+    ready window of the same generation (what a torn write would break)."""
+    from fanout.coordinator import Coordinator
+    from fanout.errors import ConfigError
+
     try:
-        q = conn.execute
+        co = Coordinator.open(run_dir, db_path=db_path)
+    except ConfigError as e:
+        return {"integrity_check": f"no database: {e}"}
+    try:
+        q = co.conn.execute
+        if co.conn.dialect == "sqlite":
+            integrity = q("PRAGMA integrity_check").fetchone()[0]
+        else:
+            torn = q(
+                "SELECT COUNT(*) FROM leases l LEFT JOIN windows w ON w.window=l.window "
+                "AND w.generation=l.generation AND w.state='ready' WHERE w.window IS NULL"
+            ).fetchone()[0]
+            integrity = "ok" if torn == 0 else f"{torn} leases name no ready window"
         return {
-            "integrity_check": q("PRAGMA integrity_check").fetchone()[0],
+            "integrity_check": integrity,
             "leases_left": q("SELECT COUNT(*) FROM leases").fetchone()[0],
             "consumers": dict(q("SELECT id, state FROM consumers").fetchall()),
             "failed_windows": q("SELECT COUNT(*) FROM windows WHERE state='failed'").fetchone()[0],
@@ -195,7 +206,7 @@ def final_state(run_dir: Path, db_path: Path | None = None) -> dict[str, Any]:
             "tmp_left": sorted(os.listdir(run_dir / "tmp")),
         }
     finally:
-        conn.close()
+        co.close()
 
 
 @dataclass

@@ -63,7 +63,9 @@ class ChaosConfig(BaseModel):
     launcher: Literal["fork", "exec"] = Field("fork", description="how roles are started")
     seed: int = Field(0, description="seeds the kill schedule")
     target_layer_ids: tuple[int, ...] = Field((1, 2), description="verifier layers captured")
-    db_path: str | None = Field(None, description="coordinator database outside the run dir")
+    db_path: str | None = Field(
+        None, description="coordinator database outside the run dir (a path or postgresql:// URL)"
+    )
     cache_dir: str | None = Field(None, description="data-prep cache (default work_dir/cache)")
 
 
@@ -77,8 +79,7 @@ class ChaosRun:
         self.assets = assets or build_assets(self.work / "assets", cfg.conversations)
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.rng = random.Random(cfg.seed)
-        db = Path(cfg.db_path) if cfg.db_path else None
-        self.sampler = Sampler(self.run_dir, cfg.max_live_windows, db)
+        self.sampler = Sampler(self.run_dir, cfg.max_live_windows, cfg.db_path)
         self.producer = Role("producer", self.producer_argv(), self.work / "logs" / "producer.log")
         self.trainers = [
             Role(f"c{i}", self.trainer_argv(i), self.work / "logs" / f"c{i}.log")
@@ -283,7 +284,7 @@ class ChaosRun:
         rep.max_ready, rep.max_files, rep.over_k_samples = s.max_ready, s.max_files, s.over_k
         rep.files_verified, rep.bad_files = len(s.verified), s.bad_files
         rep.digest_mismatch = s.digest_mismatch
-        rep.final = final_state(self.run_dir, Path(self.cfg.db_path) if self.cfg.db_path else None)
+        rep.final = final_state(self.run_dir, self.cfg.db_path)
         return rep
 
 
