@@ -166,6 +166,31 @@ def test_windows_in_order_rows_shuffled_acks_after_the_step(env: Env) -> None:
     assert _db(env, "SELECT COUNT(*) FROM leases WHERE consumer=?", cid)[0][0] == 0
 
 
+def test_data_parallel_ranks_read_disjoint_equal_shards_of_every_window(env: Env) -> None:
+    """Two ranks of one consumer: every window, half its rows each, no row twice, the
+    same number of steps (a window with an odd row count loses one row, said in the log)."""
+    seen: dict[int, list[tuple[int, int]]] = {}
+    steps: dict[int, int] = {}
+    for rank in (0, 1):
+        cfg = _ccfg(env, "dp", seed=5).model_copy(update={"dp_rank": rank, "dp_world_size": 2})
+        with ConsumerStream(cfg) as s:
+            seen[rank], steps[rank] = [], 0
+            for b in s.batches(1):
+                seen[rank] += b.rows
+                steps[rank] += 1
+                s.ack(b)
+    assert steps[0] == steps[1] and not set(seen[0]) & set(seen[1])
+    want = {
+        (w, int(i))
+        for w in range(env.total)
+        for i in row_order(w, env.rows[w], 5)[: env.rows[w] // 2 * 2]
+    }
+    assert set(seen[0]) | set(seen[1]) == want
+    assert _db(env, "SELECT state FROM consumers WHERE id LIKE 'dp:%'") == [("finished",)] * 2
+    with pytest.raises(ValueError, match="dp_rank 2 >= dp_world_size 2"):
+        ConsumerConfig(run_dir="x", consumer_id="c", dp_rank=2, dp_world_size=2)
+
+
 def test_resume_at_cursor_and_rows_done_continues_at_the_next_row(env: Env) -> None:
     want = _expected(env, 1)
     for stop in (2, 5, 7):  # a window boundary and mid-window positions (4-row windows)

@@ -212,17 +212,59 @@ def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str
         Trainer(_cfg(run, "dv", draft_vocab_size=100_000))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
-    """A real scripts/train.py process stopped with SIGTERM mid-training: the step in
-    progress completes, a checkpoint holding that step and its cursor is saved, exit 0."""
-    cfg = _cfg(run, "sigterm", checkpoint_every=10_000)
-    argv = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "train.py")]
+def _script_argv(cfg: TrainConfig) -> list[str]:
+    """scripts/train.py and a flag for every field of `cfg`."""
+    argv = [str(Path(__file__).parents[1] / "scripts" / "train.py")]
     for k, v in cfg.model_dump(exclude_none=True).items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             argv += [flag] if v else ["--no-" + flag[2:]]
         else:
             argv += [flag, *map(str, v if isinstance(v, list) else [v])]
+    return argv
+
+
+def test_torchrun_ranks_split_the_rows_stay_in_sync_and_resume(run: Run) -> None:
+    """`torchrun --nproc-per-node 2 scripts/train.py` on CPU (gloo): two consumers
+    ddp:dp0 / ddp:dp1 over the same windows, identical weights after every run (the
+    checksum differs if gradients are not averaged), one checkpoint, and a resume
+    that continues both ranks from it."""
+    from fanout.coordinator import Coordinator
+
+    def torchrun(cfg: TrainConfig) -> list[dict[str, Any]]:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv += ["--nproc-per-node", "2", *_script_argv(cfg)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+        return sorted((json.loads(x) for x in lines), key=lambda r: r["consumer"])
+
+    cfg = _cfg(run, "ddp", max_steps=6, checkpoint_every=3)
+    first = torchrun(cfg)
+    assert [r["consumer"] for r in first] == ["ddp:dp0", "ddp:dp1"]
+    assert all(r["steps"] == 6 and r["dp_world_size"] == 2 for r in first)
+    assert first[0]["param_checksum"] == first[1]["param_checksum"]
+    with Coordinator.open(run.run_dir) as co:
+        cursors = dict(co.conn.execute("SELECT id, cursor FROM consumers WHERE id LIKE 'ddp:%'"))
+    # 4-row windows, 2 rows per rank per step: each rank reads every window, half its rows
+    assert cursors == {"ddp:dp0": 6, "ddp:dp1": 6}
+    ckpt = latest_checkpoint(cfg.save_path)
+    assert ckpt is not None and json.loads((ckpt / "training_state.json").read_text())["step"] == 6
+    assert (Path(cfg.save_path) / "train_log.rank1.jsonl").is_file()
+    assert [r["windows"] for r in _log(cfg)] == [[w] for w in range(6)]
+
+    again = torchrun(cfg.model_copy(update={"max_steps": 9, "resume": True}))
+    assert all(r["steps"] == 9 and r["cursor"] == 9 for r in again)
+    assert again[0]["param_checksum"] == again[1]["param_checksum"]
+    assert [r["step"] for r in _log(cfg)] == list(range(1, 10))
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
+    """A real scripts/train.py process stopped with SIGTERM mid-training: the step in
+    progress completes, a checkpoint holding that step and its cursor is saved, exit 0."""
+    cfg = _cfg(run, "sigterm", checkpoint_every=10_000)
+    argv = [sys.executable, *_script_argv(cfg)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     log_path = Path(cfg.save_path) / "train_log.jsonl"

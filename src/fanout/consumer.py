@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fanout.coordinator import Coordinator
 from fanout.errors import CorruptWindow
@@ -58,6 +58,9 @@ class ConsumerConfig(BaseModel):
     run_dir: str = Field(description="run directory the producer writes")
     consumer_id: str = Field(description="consumer name (scoped by data-parallel rank)")
     dp_rank: int = Field(0, ge=0, description="data-parallel rank: consumer id is name:dp<rank>")
+    dp_world_size: int = Field(
+        1, ge=1, description="data-parallel ranks: each reads rows order[rank::world] of a window"
+    )
     db_path: str | None = Field(
         None, description="coordinator database (path or postgresql:// URL) if not as recorded"
     )
@@ -66,6 +69,12 @@ class ConsumerConfig(BaseModel):
     row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
     prefetch: bool = Field(True, description="acquire + verify the next window in background")
     max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> ConsumerConfig:
+        if self.dp_rank >= self.dp_world_size:
+            raise ValueError(f"dp_rank {self.dp_rank} >= dp_world_size {self.dp_world_size}")
+        return self
 
 
 @dataclass
@@ -90,9 +99,15 @@ class Batch:
     wait_s: float = 0.0  # time spent waiting for windows while assembling this batch
 
 
-def row_order(window: int, rows: int, seed: int) -> np.ndarray:
-    """Consumption order of a window's rows: a permutation seeded by (seed, window)."""
-    return np.random.default_rng([seed, window]).permutation(rows)
+def row_order(window: int, rows: int, seed: int, rank: int = 0, world: int = 1) -> np.ndarray:
+    """Consumption order of a window's rows: a permutation seeded by (seed, window);
+    data-parallel rank `rank` of `world` takes every world-th row of it. Every rank
+    gets the same number of rows (a window whose rows do not divide by `world`, e.g.
+    a finite stream's last one, loses its remainder), so ranks step in lock-step."""
+    order = np.random.default_rng([seed, window]).permutation(rows)
+    if world == 1:
+        return order
+    return order[rank::world][: rows // world]
 
 
 class ConsumerStream:
@@ -159,7 +174,14 @@ class ConsumerStream:
                 log.error("%s: %s — reported; waiting for its recapture", self.reg.consumer_id, e)
                 coord.report_corrupt(lease, e.reason)
                 continue
-            order = row_order(lease.window, reader.rows, self.cfg.row_shuffle_seed)
+            cfg = self.cfg
+            world = cfg.dp_world_size
+            order = row_order(lease.window, reader.rows, cfg.row_shuffle_seed, cfg.dp_rank, world)
+            if reader.rows % world:
+                log.warning(
+                    "%s: window %d has %d rows for %d ranks: %d rows not trained on",
+                    self.reg.consumer_id, lease.window, reader.rows, world, reader.rows % world,
+                )  # fmt: skip
             ow = OpenWindow(lease, reader, order)
             self._held[lease.window] = ow
             return ow
@@ -200,6 +222,9 @@ class ConsumerStream:
             order = ow.order[skip:]
             skip = 0
             start = 0
+            if len(order) == 0:  # a data-parallel shard of a window with fewer rows than ranks
+                completes.append(ow)  # acked with the next batch
+                continue
             while start < len(order):
                 take = order[start : start + rows_per_step - len(rows)]
                 idx = torch.from_numpy(take)

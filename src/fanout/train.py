@@ -3,6 +3,7 @@
     python scripts/train.py --run-dir runs/r1 --consumer-id draft-b8 \
         --verifier-name-or-path VERIFIER_DIR --block-size 8 --max-anchors 64 \
         --lr 3e-4 --rows-per-step 2 --max-steps 200 --save-path runs/r1/drafts/b8
+    torchrun --nproc-per-node 4 scripts/train.py ...   # data parallel (fanout.distributed)
 
 Reads rows from fanout.consumer (lease → train → ack after the optimizer step),
 trains fanout.model.dflash with the fused linear CE and fused AdamW, logs JSONL
@@ -29,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fanout.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fanout.consumer import Batch, ConsumerConfig, ConsumerStream
 from fanout.contract import CaptureContract
+from fanout.distributed import DataParallel
 from fanout.draft_vocab import coverage, read_token_counts, select_draft_vocab
 from fanout.errors import ConfigError, Detached, SchemaVersionError
 from fanout.flags import add_model_flags, model_from_args
@@ -48,7 +50,11 @@ class TrainConfig(BaseModel):
 
     run_dir: str = Field(description="run directory the producer writes")
     consumer_id: str = Field(description="this trainer's consumer name")
-    dp_rank: int = Field(0, ge=0, description="data-parallel rank (consumer id name:dp<rank>)")
+    dp_rank: int = Field(
+        0,
+        ge=0,
+        description="data-parallel rank (consumer id name:dp<rank>); under torchrun, RANK",
+    )
     db_path: str | None = Field(
         None,
         description="coordinator database (a path or a postgresql:// URL); default: as the "
@@ -101,7 +107,10 @@ class TrainConfig(BaseModel):
     resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
     log_every: int = Field(1, ge=1, description="steps between log records")
     logger: Literal["jsonl", "tensorboard"] = Field("jsonl", description="metrics sink")
-    device: str = Field("cpu", description="training device: cpu | cuda | cuda:N")
+    device: str = Field(
+        "cpu",
+        description="training device: cpu | cuda | cuda:N (under torchrun, cuda = LOCAL_RANK)",
+    )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="compute dtype (bf16 autocast on CUDA)"
     )
@@ -193,10 +202,17 @@ class MetricsLog:
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.dp = DataParallel.from_env(cfg.device)
+        self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
         torch.manual_seed(cfg.seed)
-        self.device = torch.device(cfg.device)
+        self.device = self.dp.device(cfg.device)
         run_dir = Path(cfg.run_dir)
         contract = _wait_for_run(run_dir, cfg.db_path, cfg.acquire_timeout_s)
+        if contract.window_rows % self.dp.world:
+            raise ConfigError(
+                f"{run_dir}: {contract.window_rows} rows per window do not split over "
+                f"{self.dp.world} data-parallel ranks; use a world size that divides it"
+            )
         if cfg.loss_type == "kl" and not contract.store_last_hidden_states:
             raise ConfigError(
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
@@ -239,12 +255,14 @@ class Trainer:
             backend=cfg.adamw_backend,
             max_grad_norm=cfg.max_grad_norm,
         )
-        self.gen = torch.Generator().manual_seed(cfg.seed)
+        # Ranks draw anchors from their own streams (seed, rank) over their own rows.
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * self.dp.rank)
         self.max_windows = _stream_windows(run_dir, cfg.epochs)
         rows_total = None
         if self.max_windows is not None:
             rows_total = self.max_windows * contract.window_rows
-        total_steps = cfg.max_steps or (rows_total // cfg.rows_per_step if rows_total else None)
+        rows_per_step = cfg.rows_per_step * self.dp.world  # ranks share the stream's rows
+        total_steps = cfg.max_steps or (rows_total // rows_per_step if rows_total else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total_steps))
         # cursor 0, not "whatever the database says": a model without a checkpoint has
         # seen nothing, even if an earlier incarnation of this consumer acked windows.
@@ -254,13 +272,17 @@ class Trainer:
                 ckpt, self.draft, self.opt, generators={"anchors": self.gen}
             )
             self.sched.load_state_dict(self.state.pop("scheduler"))
+            if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
+                self.gen.manual_seed(cfg.seed + 1_000_003 * self.dp.rank + self.state["step"])
             log.info(
                 "resumed from %s at step %d, cursor %s",
                 ckpt,
                 self.state["step"],
                 self.state["cursor"],
             )
-        self.metrics = MetricsLog(Path(cfg.save_path) / "train_log.jsonl", cfg.logger)
+        self.dp.broadcast_parameters(self.draft)  # identical start on every rank
+        name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
+        self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
         self._in_step = False
         self._stop_requested = False
         self.interrupted = False
@@ -283,7 +305,10 @@ class Trainer:
             moved["hidden_states"] = dequantize(moved["hidden_states"], scale)
         return {k: v.float() if v.is_floating_point() else v.long() for k, v in moved.items()}
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint (rank 0 only: every rank holds the same weights)."""
+        if not self.dp.is_main:
+            return None
         state = dict(self.state, scheduler=self.sched.state_dict(), adamw_backend=self.backend)
         return save_checkpoint(
             self.cfg.save_path,
@@ -299,7 +324,8 @@ class Trainer:
         ccfg = ConsumerConfig(
             run_dir=cfg.run_dir,
             consumer_id=cfg.consumer_id,
-            dp_rank=cfg.dp_rank,
+            dp_rank=self.rank,
+            dp_world_size=self.dp.world,
             db_path=cfg.db_path,
             acquire_timeout_s=cfg.acquire_timeout_s,
             heartbeat_s=cfg.heartbeat_s,
@@ -333,6 +359,7 @@ class Trainer:
                         out = self.draft.loss(inputs, self.gen)
                     t1 = time.perf_counter()
                     out.loss.backward()
+                    self.dp.average_gradients(self.draft)
                     t2 = time.perf_counter()
                     self.opt.step()
                     self.sched.step()
@@ -342,10 +369,11 @@ class Trainer:
                     self.state["step"] += 1
                     self.state["cursor"], self.state["rows_done"] = batch.next_position
                     step = self.state["step"]
+                    loss, eal = self.dp.mean([float(out.loss.detach()), float(out.eal)])
                     rec = {
                         "step": step,
-                        "loss": round(float(out.loss.detach()), 6),
-                        "eal": round(float(out.eal), 4),
+                        "loss": round(loss, 6),
+                        "eal": round(eal, 4),
                         "acc": [round(float(a), 4) for a in out.per_slot_acc],
                         "lr": self.sched.get_last_lr()[0],
                         "tokens": out.n_tokens,
@@ -367,7 +395,7 @@ class Trainer:
                     if step % cfg.checkpoint_every == 0:
                         self.save()
                     self._in_step = False
-                    if self._stop_requested:
+                    if self.dp.agree(self._stop_requested):  # every rank stops after this step
                         self.interrupted = True
                         break
                     if cfg.max_steps and step >= cfg.max_steps:
@@ -380,6 +408,7 @@ class Trainer:
         finally:
             stream.close()
             self.metrics.close()
+        trained = [p.detach().double().sum() for p in self.draft.parameters() if p.requires_grad]
         return {
             "consumer": stream.reg.consumer_id,
             "steps": self.state["step"],
@@ -391,6 +420,9 @@ class Trainer:
             "last_loss": last and last["loss"],
             "first_eal": first and first["eal"],
             "last_eal": last and last["eal"],
+            "dp_world_size": self.dp.world,
+            # equal on every data-parallel rank when their weights are in sync
+            "param_checksum": float(torch.stack(trained).sum()),
         }
 
 
@@ -401,6 +433,7 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "train") -> None:
 def run(args: argparse.Namespace, name: str = "train") -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = model_from_args(TrainConfig, args)
+    trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg)
         signal.signal(signal.SIGINT, trainer.request_stop)
@@ -413,6 +446,9 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
             file=sys.stderr,
         )
         return EXIT_DETACHED
+    finally:
+        if trainer is not None:
+            trainer.dp.close()
     print(json.dumps(summary))
     return 0
 
