@@ -53,7 +53,8 @@ def test_every_field_has_a_flag_with_help(model: type[BaseModel], add: object) -
 def test_consumer_config_fields_are_reachable_from_train_flags() -> None:
     # ConsumerConfig has no CLI of its own; the trainer maps its flags onto it.
     # Every consumer field other than the prefetch/max-windows internals must be a train flag.
-    internal = {"row_shuffle_seed", "prefetch", "max_windows"}  # seed / epochs drive these
+    # seed / epochs / torchrun's WORLD_SIZE drive these:
+    internal = {"row_shuffle_seed", "prefetch", "max_windows", "dp_world_size"}
     train = set(TrainConfig.model_fields)
     assert set(ConsumerConfig.model_fields) - internal <= train
 
