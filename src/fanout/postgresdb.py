@@ -163,6 +163,8 @@ class PostgresDatabase:
         log.warning(
             "coordinator database %s: connection lost (%s); reconnecting", self.where, cause
         )
+        with suppress(self._psycopg.Error):
+            self.raw.close()
         deadline = time.monotonic() + self._reconnect_s
         delay = 0.2
         while True:
