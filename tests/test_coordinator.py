@@ -191,6 +191,8 @@ def test_network_filesystem_refused(tmp_path: Path) -> None:
     )
     co.close()
     assert Coordinator.open(nfs / "run", mountinfo=info).db_path == local / "db.sqlite3"
+    url = f"sqlite://{local}/db.sqlite3"  # the URL form names the same file
+    assert Coordinator.resolve_db_path(nfs / "run", url) == local / "db.sqlite3"
     with pytest.raises(UnsupportedFilesystem):
         Coordinator.open(nfs / "run", db_path=nfs / "x.sqlite3", mountinfo=info)
     Coordinator.create(nfs / "r2", make_contract(), mountinfo=info, allow_network_fs=True)
@@ -624,6 +626,7 @@ def test_status_json_and_sweep_cli(
     assert cli_main(["status", "--run-dir", run]) == 0
     human = capsys.readouterr().out
     assert "a:dp0" in human and "ready" in human and "layers [1, 2]  bfloat16" in human
+    assert f"database {co.db_path}\n" in human
     assert cli_main(["sweep", "--run-dir", run]) == 0
     out = capsys.readouterr().out
     assert "2 removed" in out

@@ -96,7 +96,7 @@ class Coordinator(ProducerSide):
 
     @staticmethod
     def resolve_db_path(root: Path, db_path: str | os.PathLike[str] | None) -> Location:
-        """--db-path if given (a path or a postgresql:// URL), else what create() recorded
+        """--db-path if given (a path, sqlite:///path or a postgresql:// URL), else what create() recorded
         in the run dir, else root/coordinator.sqlite3."""
         if db_path is None and (root / DB_POINTER).is_file():
             db_path = (root / DB_POINTER).read_text().strip()
@@ -104,7 +104,10 @@ class Coordinator(ProducerSide):
             return root / DB_NAME
         if postgresdb.is_url(db_path):
             return str(db_path)
-        return Path(db_path).absolute()
+        path = str(db_path)
+        if path.startswith("sqlite:///"):  # DESIGN's URL form of a SQLite file
+            path = path[len("sqlite://") :]
+        return Path(path).absolute()
 
     @classmethod
     def exists(cls, run_dir: str | os.PathLike[str], db_path: str | None = None) -> bool:

@@ -117,6 +117,7 @@ def format_table(s: dict[str, Any]) -> str:
     lines = [
         f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
         f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
+        f"database {s['db_path']}",
         f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
         f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
         f"windows  produced {s['produced_windows']}/{total}  "
