@@ -125,7 +125,7 @@ class WindowCapturer:
         scales = self._buffer("scales", (r, t, n), torch.float32) if fp8 else None  # [R, T, n]
         last = None
         if v.config.store_last_hidden_states:
-            last = self._buffer("last", (r, t, h), torch.bfloat16 if fp8 else sdt)  # [R, T, H]
+            last = self._buffer("last", (r, t, h), v.last_hidden_dtype)  # [R, T, H]
         as_t = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in rows.items()}
         on_cpu = v.device.type == "cpu"
         b = self.batch_rows

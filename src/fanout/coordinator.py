@@ -96,8 +96,8 @@ class Coordinator(ProducerSide):
 
     @staticmethod
     def resolve_db_path(root: Path, db_path: str | os.PathLike[str] | None) -> Location:
-        """--db-path if given (a path, sqlite:///path or a postgresql:// URL), else what create() recorded
-        in the run dir, else root/coordinator.sqlite3."""
+        """--db-path if given (a path, sqlite:///path or a postgresql:// URL), else what
+        create() recorded in the run dir, else root/coordinator.sqlite3."""
         if db_path is None and (root / DB_POINTER).is_file():
             db_path = (root / DB_POINTER).read_text().strip()
         if db_path is None:

@@ -257,7 +257,7 @@ class Producer:
         else:
             per_token += n * h * v.storage_dtype.itemsize
         if c.store_last_hidden_states:
-            per_token += h * 2 if v.storage_dtype == FP8 else h * v.storage_dtype.itemsize
+            per_token += h * v.last_hidden_dtype.itemsize
         return c.window_rows * c.seq_len * per_token
 
     def _check_disk_budget(self) -> None:

@@ -255,8 +255,7 @@ class Trainer:
             backend=cfg.adamw_backend,
             max_grad_norm=cfg.max_grad_norm,
         )
-        # Ranks draw anchors from their own streams (seed, rank) over their own rows.
-        self.gen = torch.Generator().manual_seed(cfg.seed + 1_000_003 * self.dp.rank)
+        self.gen = torch.Generator().manual_seed(self._anchor_seed())
         self.max_windows = _stream_windows(run_dir, cfg.epochs)
         rows_total = None
         if self.max_windows is not None:
@@ -273,7 +272,7 @@ class Trainer:
             )
             self.sched.load_state_dict(self.state.pop("scheduler"))
             if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
-                self.gen.manual_seed(cfg.seed + 1_000_003 * self.dp.rank + self.state["step"])
+                self.gen.manual_seed(self._anchor_seed(self.state["step"]))
             log.info(
                 "resumed from %s at step %d, cursor %s",
                 ckpt,
@@ -286,6 +285,10 @@ class Trainer:
         self._in_step = False
         self._stop_requested = False
         self.interrupted = False
+
+    def _anchor_seed(self, step: int = 0) -> int:
+        """Ranks draw anchors from their own streams (seed, rank) over their own rows."""
+        return self.cfg.seed + 1_000_003 * self.dp.rank + step
 
     def request_stop(self, signum: int, _frame: Any) -> None:
         """SIGINT/SIGTERM handler: finish the step in progress (ack, log), save, stop.

@@ -304,6 +304,9 @@ class Verifier:
         self.device = device
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.storage_dtype = _DTYPES[config.storage_dtype]
+        # last_hidden_states are stored as bf16 under fp8 storage (they feed a KL loss
+        # through the frozen head, where per-token scales would only add error).
+        self.last_hidden_dtype = torch.bfloat16 if self.storage_dtype == FP8 else self.storage_dtype
         base = getattr(model, model.base_model_prefix, None)
         layers = getattr(base, "layers", None)
         head = model.get_output_embeddings()
@@ -425,7 +428,7 @@ class Verifier:
         target = self._greedy_ids(last)  # [B, T] int32
         last_store = None
         if self.config.store_last_hidden_states:
-            last_store = last.to(torch.bfloat16 if fp8 else self.storage_dtype)
+            last_store = last.to(self.last_hidden_dtype)
         return Capture(
             hidden_states=hidden,
             target_ids=target,
