@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
@@ -130,7 +131,6 @@ class PostgresDatabase:
         self._errors = psycopg.errors
         self._sql = psycopg.sql
         self._conninfo, self.schema, self.where = parse_url(url)
-        self.url = self.where
         self._channel = self._sql.Identifier(f"fanout_{self.schema}")
         self._lock = _lock_key(self.schema)
         self._lock_timeout_s = lock_timeout_s
@@ -149,6 +149,9 @@ class PostgresDatabase:
         self.raw = self._psycopg.connect(
             self._conninfo, autocommit=True, connect_timeout=self._connect_timeout_s
         )
+        # Like a sqlite3 connection, one dropped unclosed closes itself, when collected
+        # or at interpreter exit (psycopg would warn; __del__ order at exit is arbitrary).
+        weakref.finalize(self, self.raw.close)
         self._pid = self.raw.info.backend_pid
         self.raw.execute(
             self._sql.SQL("SET search_path TO {}").format(self._sql.Identifier(self.schema))
@@ -213,12 +216,6 @@ class PostgresDatabase:
 
     def close(self) -> None:
         self.raw.close()
-
-    def __del__(self) -> None:
-        # Like a sqlite3 connection, a dropped one closes itself (psycopg would warn).
-        raw = getattr(self, "raw", None)
-        if raw is not None and not raw.closed:
-            raw.close()
 
     def _begin(self) -> None:
         """BEGIN and take the run's advisory lock; on a lost connection (nothing has
