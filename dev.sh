@@ -4,6 +4,7 @@
 #   ./dev.sh test [ARGS]   the test suite (pytest, slow soaks excluded)
 #   ./dev.sh lint          ruff check + ruff format --check + mypy (src, tests, benchmarks, scripts)
 #   ./dev.sh fanout ARGS   any fanout subcommand inside the venv
+# FANOUT_SPECULATORS=1 (default in CI) also installs speculators for its conformance test
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${FANOUT_VENV:-.venv}
@@ -19,6 +20,16 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   fi
   "$VENV/bin/pip" install -q -e ".[dev]"
   touch "$stamp"
+fi
+# speculators 0.9.0, the oracle of tests/test_speculators.py (which skips without it):
+# always in CI (CI=true), else with FANOUT_SPECULATORS=1. Its own script installs it
+# with --no-deps (a resolve would pull a CUDA torch); FANOUT_SPECULATORS=0 opts out.
+want_spec=${FANOUT_SPECULATORS:-0}
+[ "${CI:-}" = true ] && want_spec=${FANOUT_SPECULATORS:-1}
+spec_stamp="$VENV/.fanout-speculators"
+if [ "$want_spec" = 1 ] && { [ ! -f "$spec_stamp" ] || [ scripts/install_speculators.sh -nt "$spec_stamp" ]; }; then
+  bash scripts/install_speculators.sh "$VENV"
+  touch "$spec_stamp"
 fi
 cmd=${1:-help}; shift || true
 case "$cmd" in

@@ -5,6 +5,7 @@
     # (c) needs a separate venv with `datasets` (never a fanout dependency):
     python3 -m venv /tmp/benchvenv && /tmp/benchvenv/bin/pip install datasets transformers pydantic
     .venv/bin/python benchmarks/data_prep.py --hf-python /tmp/benchvenv/bin/python
+    .venv/bin/python benchmarks/data_prep.py --template llama3 --repeat 4   # another family
 
 The four datasets of ../shared/data/chat are written `--repeat` times into four
 JSONL files (2,488 conversations per repeat), Qwen3 tokenizer, T = --seq-len.
@@ -18,6 +19,15 @@ Every measurement runs in a fresh process (cold: no pool, no cache) except (d):
   `cores` processes (only the encode is timed).
 Also: fill, cache speedup (second cached run vs first), time to first packed row
 (fresh process, online mode, tokenizer build already cached).
+
+`--template FAMILY` (tests/data/chat_templates/families.json: qwen3, llama3, gemma,
+mistral, harmony, deepseek, phi3, generation) runs the same measurement with that
+family's real template and a test tokenizer (the Qwen3 vocabulary with the family's
+special tokens added, as in tests/test_masks.py); rows the template refuses (Gemma:
+tool turns; Mistral: tool calls without ids) are skipped and counted. It adds
+(g) the same run as (a) with the prefix rule forced (FANOUT_MASK_PATH=prefix-rule).
+Keys: `vs_ceiling.<family>` = a/d (goal >= 0.75 on the fast paths) and
+`general_rule_vs_fast.<family>` = g/a (the cost of the general rule).
 (a) and (b) alternate `--trials` times (default 2) on the same files; each
 throughput, the ceiling and the first-row time is the best of its trials (other
 jobs on a shared machine only slow runs down). `CPU-s` is the whole process
@@ -49,6 +59,28 @@ FILES = [
     "chat/mt-bench-101/mtbench101.jsonl",
 ]
 TOK = DATA / "tokenizers" / "qwen3"
+TEMPLATES = REPO / "tests" / "data" / "chat_templates"
+
+
+def family_tokenizer(family: str, out: Path) -> Path:
+    """The family's test tokenizer: Qwen3 vocabulary + its special tokens + its template."""
+    if family == "qwen3":
+        return TOK
+    from transformers import AutoTokenizer
+
+    fams = json.loads((TEMPLATES / "families.json").read_text())
+    if family not in fams or family.startswith("_"):
+        raise SystemExit(f"--template {family}: not in {TEMPLATES / 'families.json'}")
+    fam = fams[family]
+    tok = AutoTokenizer.from_pretrained(TOK)
+    add: dict[str, Any] = {"additional_special_tokens": fam["special"]}
+    for k in ("bos", "eos"):
+        if fam.get(k):
+            add[f"{k}_token"] = fam[k]
+    tok.add_special_tokens(add)
+    tok.chat_template = (TEMPLATES / fam["template"]).read_text()
+    tok.save_pretrained(out)
+    return out
 
 
 def write_inputs(out: Path, repeat: int) -> list[str]:
@@ -75,6 +107,8 @@ def run_prepare(
 ) -> tuple[float, dict, float]:
     """(wall seconds, summary, CPU seconds of the whole process tree) of one fresh run."""
     cmd = [sys.executable, "-m", "fanout.cli", "prepare", "--data", *paths, "--tokenizer", str(TOK)]
+    if TOK != DATA / "tokenizers" / "qwen3":
+        cmd += ["--on-bad-row", "skip"]
     cpu0, t0 = _child_cpu(), time.perf_counter()
     r = subprocess.run(
         cmd + extra + ["--json", "--no-progress"], capture_output=True, text=True, env=env
@@ -102,7 +136,15 @@ def ceiling(paths: list[str], workers: int, cache: str, trials: int) -> tuple[fl
 
     spec = load_chat_spec(TOK, cache)
     enc = ChatEncoder(spec)
-    texts = [enc.render(c) for p in paths for c in load_conversations(p)]
+    texts = []
+    for p in paths:
+        for c in load_conversations(p):
+            if enc.check(c) is not None:
+                continue
+            try:
+                texts.append(enc.render(c))
+            except Exception:  # rows the template refuses are skipped by (a) too
+                continue
     parts = [texts[i::workers] for i in range(workers)]
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
         list(pool.map(_encode_part, [(spec.tokenizer_json, ["warm"])] * workers))  # untimed
@@ -188,7 +230,14 @@ def main() -> int:
         "--trials", type=int, default=2, help="alternating (a)/(b) runs and first-row runs; best"
     )
     ap.add_argument("--json", metavar="OUT", help="write the results as JSON here")
+    ap.add_argument(
+        "--template",
+        default="qwen3",
+        metavar="FAMILY",
+        help="template family (tests/data/chat_templates/families.json); default qwen3",
+    )
     args = ap.parse_args()
+    global TOK
 
     from fanout.workers import resolve_workers
 
@@ -197,9 +246,11 @@ def main() -> int:
     cache = str(tmp / "cache")
     env = {**os.environ, "FANOUT_CACHE": cache, "PYTHONPATH": str(REPO / "src")}
     paths = write_inputs(tmp, args.repeat)
+    TOK = family_tokenizer(args.template, tmp / f"tok-{args.template}")
+    from fanout.masks import plan_path
     from fanout.template import load_chat_spec
 
-    load_chat_spec(TOK, cache)  # tokenizer.json built once, outside every timing
+    spec = load_chat_spec(TOK, cache)  # tokenizer.json built once, outside every timing
     T = ["--seq-len", str(args.seq_len)]
     res: dict[str, Any] = {}
 
@@ -229,6 +280,19 @@ def main() -> int:
     res["a_tok_s"], res["b_tok_s"] = tokens / wall_a, tokens / wall_b
     res["a_walls_s"], res["b_walls_s"] = walls["a"], walls["b"]
     res["a_cpu_s"], res["b_cpu_s"] = min(cpus["a"]), min(cpus["b"])
+    res["skipped_bad_rows"] = sa["skipped_bad_rows"]
+    res["mask_path"] = sa.get("mask_path")
+    # (g) the same as (a) with the prefix rule forced: what the general rule costs
+    env_g = {**env, "FANOUT_MASK_PATH": "prefix-rule"}
+    walls_g, cpus_g = [], []
+    for _ in range(args.trials):
+        out = ["--no-cache", "--out", str(tmp / "g"), "--workers", str(cores)]
+        wall, sg, cpu = run_prepare(paths, [*T, *out], env_g)
+        if sg["tokens"] != tokens or sg["masked_tokens"] != sa["masked_tokens"]:
+            raise SystemExit("(g) prefix rule and (a) disagree on the output")
+        walls_g.append(wall)
+        cpus_g.append(cpu)
+    res["g_tok_s"], res["g_cpu_s"] = tokens / min(walls_g), min(cpus_g)
     wall_c1, _, _ = run_prepare(paths, [*T, "--cache-dir", cache, "--workers", str(cores)], env)
     wall_c2, _, _ = run_prepare(paths, [*T, "--cache-dir", cache, "--workers", str(cores)], env)
     res["cache_first_s"], res["cache_second_s"] = wall_c1, wall_c2
@@ -281,6 +345,11 @@ def main() -> int:
         "cpu_vs_ceiling": cpu_d / res["a_cpu_s"],
         "cpu_scaling_bound": cores * res["b_cpu_s"] / res["a_cpu_s"],
     }
+    fam = args.template
+    ratios[f"vs_ceiling.{fam}"] = ratios["vs_ceiling"]
+    ratios[f"general_rule_vs_fast.{fam}"] = res["g_tok_s"] / res["a_tok_s"]
+    # the same in CPU time (robust to background load): (a)'s CPU over (g)'s
+    ratios[f"general_rule_cpu_vs_fast.{fam}"] = res["a_cpu_s"] / res["g_cpu_s"]
     res.update(ratios)
     hw = {
         "cpu": platform.processor() or platform.machine(),
@@ -290,6 +359,8 @@ def main() -> int:
         "seq_len": args.seq_len,
         "repeat": args.repeat,
         "trials": args.trials,
+        "template": fam,
+        "mask_path": res["mask_path"] or plan_path(spec),
     }
     print(f"hardware/sizes: {hw}")
     rows = [
@@ -297,15 +368,25 @@ def main() -> int:
         ("tokens", f"{tokens:,}"),
         ("(a) fanout, all cores", f"{res['a_tok_s']:,.0f} tok/s"),
         ("(b) fanout, 1 worker", f"{res['b_tok_s']:,.0f} tok/s"),
-        ("CPU-s (a) / (b)", f"{res['a_cpu_s']:.1f} / {res['b_cpu_s']:.1f}"),
+        (
+            "CPU-s (a) / (b) / (g)",
+            f"{res['a_cpu_s']:.1f} / {res['b_cpu_s']:.1f} / {res['g_cpu_s']:.1f}",
+        ),
         ("(c) HF datasets.map", f"{res['c_tok_s']:,.0f} tok/s" if res["c_tok_s"] else "skipped"),
         ("(d) BPE ceiling", f"{res['d_tok_s']:,.0f} tok/s"),
+        ("(g) fanout, prefix rule forced", f"{res['g_tok_s']:,.0f} tok/s"),
+        ("skipped bad rows", f"{res['skipped_bad_rows']:,}"),
         ("scaling a/b (≥1.8)", f"{ratios['scaling']:.2f}"),
         (
             "vs_hf_datasets a/c (≥2)",
             f"{ratios['vs_hf_datasets']:.2f}" if ratios["vs_hf_datasets"] else "-",
         ),
-        ("vs_ceiling a/d (≥0.75)", f"{ratios['vs_ceiling']:.2f}"),
+        (f"vs_ceiling.{fam} a/d (≥0.75)", f"{ratios['vs_ceiling']:.2f}"),
+        (f"general_rule_vs_fast.{fam} g/a", f"{ratios[f'general_rule_vs_fast.{fam}']:.2f}"),
+        (
+            f"general_rule_cpu_vs_fast.{fam} a_cpu/g_cpu",
+            f"{ratios[f'general_rule_cpu_vs_fast.{fam}']:.2f}",
+        ),
         ("cpu_vs_ceiling d_cpu/a_cpu", f"{ratios['cpu_vs_ceiling']:.2f}"),
         ("cpu_scaling_bound cores·b_cpu/a_cpu", f"{ratios['cpu_scaling_bound']:.2f}"),
         ("fill (≥0.97)", f"{res['fill']:.4f}"),

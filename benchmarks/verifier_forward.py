@@ -8,8 +8,8 @@ Builds a random Qwen3 (no downloads) and times, over identical packed rows with 
 same 4D document mask:
 - `forward`: `model(input_ids, attention_mask, position_ids).logits` (full [B, T, vocab]
   logits, what a naive capture would do, without hidden states);
-- `capture`: `Verifier.capture` — hooks on the target layers into one [B, T, n·H]
-  buffer, base model only, chunked lm_head argmax for `target_ids`.
+- `capture`: `Verifier.capture` — hooks on the target layers into one [B, T, H]
+  buffer per layer, base model only, chunked lm_head argmax for `target_ids`.
 `capture_vs_forward` = capture tokens/s ÷ forward tokens/s (≥ 1 means capture costs
 nothing extra over the forward it replaces).
 """

@@ -121,10 +121,11 @@ def test_check_cover_rejects(recs: list[dict[str, Any]], msg: str) -> None:
 def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> None:
     """≥ 30 SIGKILLs (0.5-1.5 s apart) of a 1P3C run, each role restarted at once.
 
-    Three epochs: on an idle machine one epoch of 700 conversations finishes in ~30 s,
-    before 30 kills at that pace; the stream must outlast the kills."""
+    Four epochs: on an idle machine one epoch of 700 conversations finishes in ~30 s,
+    before 30 kills at that pace; the stream must outlast the kills (three epochs ended
+    after 29 once)."""
     cfg = _cfg(
-        chaos_root / "kill9", chaos_root, conversations=700, epochs=3, kills=30, timeout_s=540.0
+        chaos_root / "kill9", chaos_root, conversations=700, epochs=4, kills=30, timeout_s=540.0
     )
     rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()
     print(_summary(rep))
@@ -132,7 +133,9 @@ def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> No
     assert rep.total_kills >= 30
     assert rep.kills["producer"] >= 3 and all(rep.kills[f"c{i}"] >= 3 for i in range(3))
     assert rep.unexpected_exits == {}
-    assert rep.files_verified >= rep.total_windows // 2 and rep.samples >= 50
+    # The sampler checks the files live at each 0.2 s sample: how many windows that covers
+    # depends on the machine's speed (fewer on a loaded one), so the floor is a count.
+    assert rep.files_verified >= 50 and rep.samples >= 50
     assert rep.cli_samples >= 3
     assert rep.max_live <= cfg.max_live_windows + 1
     # Replays after a crash between a step's log line and its checkpoint are checked

@@ -197,3 +197,32 @@ def test_json_array_and_errors(tmp_path: Path) -> None:
         list(iter_raw_chunks(tmp_path / "missing.jsonl", 2))
     with pytest.raises(ConfigError, match="could not recognise"):
         detect_format([{"text": "plain"}], ChatFormat())
+
+
+def test_openai_tool_call_ids_are_kept() -> None:
+    # Mistral's templates render the call id and pair each result with it.
+    call = {"id": "abc123XYZ", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    msgs = conv(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "r", "tool_call_id": "abc123XYZ"},
+                {"role": "assistant", "content": "a"},
+            ]
+        },
+        OPENAI,
+    )
+    assert msgs[1]["tool_calls"][0]["id"] == "abc123XYZ"
+    assert msgs[2]["tool_call_id"] == "abc123XYZ"
+    assert (
+        "id"
+        not in conv(
+            {
+                "conversations": [
+                    {"from": "human", "value": "q"},
+                    {"from": "function_call", "value": '{"name": "f", "arguments": {}}'},
+                ]
+            }
+        )[1]["tool_calls"][0]
+    )

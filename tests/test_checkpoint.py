@@ -11,8 +11,16 @@ import torch
 from safetensors import safe_open
 
 from fanout.assets import tiny_qwen3_verifier
-from fanout.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
-from fanout.errors import ConfigError
+from fanout.checkpoint import (
+    FORMAT_VERSION,
+    MARKER,
+    latest_checkpoint,
+    load_checkpoint,
+    load_draft,
+    save_checkpoint,
+    upgrade_checkpoint,
+)
+from fanout.errors import CheckpointError, ConfigError
 from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import make_optimizer
 
@@ -87,7 +95,14 @@ def test_layout_is_speculators_dflash(verifier_dir: Path, tmp_path: Path) -> Non
     path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path="tiny")
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash"
-    assert cfg["aux_hidden_state_layer_ids"] == [1, 2]
+    # serving numbering: HF hidden_states indices = decoder-layer ids + 1
+    assert cfg["aux_hidden_state_layer_ids"] == [2, 3]
+    assert cfg["fanout"]["dflash_config"]["target_layer_ids"] == [1, 2]
+    assert cfg["fanout"]["format_version"] == FORMAT_VERSION == 2
+    assert cfg["speculators_version"] == "0.9.0"
+    assert cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg
+    tl = cfg["transformer_layer_config"]
+    assert "rope_theta" not in tl and tl["rope_parameters"]["rope_theta"] == d.cfg.rope_theta
     assert cfg["block_size"] == 4 and cfg["mask_token_id"] == 255
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
@@ -154,3 +169,125 @@ def test_reduced_vocab_checkpoint_round_trips_and_refuses_other_tokens(
     other = _draft(verifier_dir, draft_vocab_size=100, draft_vocab_ids=torch.arange(100))
     with pytest.raises(ConfigError, match="d2t"):
         load_checkpoint(path, other, None)
+
+
+def test_aux_layer_ids_index_hf_hidden_states(verifier_dir: Path, tmp_path: Path) -> None:
+    """The oracle is HF itself: the layers fanout captures for the draft are exactly the
+    `output_hidden_states` entries the checkpoint's aux_hidden_state_layer_ids name (the
+    numbering speculators and vLLM read). Off by one, they would be the layer below."""
+    from transformers import AutoModelForCausalLM
+
+    from fanout.verifier import load_verifier
+
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+    aux = json.loads((path / "config.json").read_text())["aux_hidden_state_layer_ids"]
+    v = load_verifier(verifier_dir, device="cpu", target_layer_ids=[1, 2], storage_dtype="float32")
+    ids = torch.randint(0, 250, (1, 24), generator=torch.Generator().manual_seed(3))
+    cap = v.capture(ids, torch.arange(24)[None], torch.zeros(1, 24, dtype=torch.long))
+    hf = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32)
+    with torch.no_grad():
+        hs = hf(input_ids=ids, output_hidden_states=True).hidden_states
+    want = torch.cat([hs[j] for j in aux], dim=-1)  # [1, T, n·H]
+    torch.testing.assert_close(cap.hidden_states, want, rtol=1e-4, atol=1e-4)
+    wrong = torch.cat([hs[j - 1] for j in aux], dim=-1)
+    assert not torch.allclose(cap.hidden_states, wrong, atol=1e-3)
+
+
+def test_verifier_identity_is_absolute_with_architectures(
+    verifier_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    monkeypatch.chdir(verifier_dir.parent)
+    path = save_checkpoint(
+        tmp_path / "a", d, opt, {"step": 0}, verifier_name_or_path=verifier_dir.name
+    )
+    ver = json.loads((path / "config.json").read_text())["speculators_config"]["verifier"]
+    assert ver["name_or_path"] == str(verifier_dir.resolve())
+    assert ver["architectures"] == ["Qwen3ForCausalLM"]
+    path = save_checkpoint(
+        tmp_path / "b",
+        d,
+        opt,
+        {"step": 0},
+        verifier_name_or_path=verifier_dir.name,
+        verifier_serving_name="Qwen/Qwen3-8B",
+    )
+    ver = json.loads((path / "config.json").read_text())["speculators_config"]["verifier"]
+    assert ver == {"name_or_path": "Qwen/Qwen3-8B", "architectures": ["Qwen3ForCausalLM"]}
+
+
+def _as_format_1(path: Path) -> None:
+    """What fanout wrote before format 2: the decoder-layer ids unchanged, format 1."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["aux_hidden_state_layer_ids"] = cfg["fanout"]["dflash_config"]["target_layer_ids"]
+    cfg["fanout"]["format_version"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_format_1_is_refused_then_upgraded(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 3}, verifier_name_or_path=str(verifier_dir))
+    _as_format_1(path)
+    with pytest.raises(CheckpointError, match=r"format 1.*upgrade"):
+        load_checkpoint(path, _draft(verifier_dir), None)
+    with pytest.raises(CheckpointError, match="format 1"):
+        load_draft(path, verifier_dir)
+    upgrade_checkpoint(path)
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["aux_hidden_state_layer_ids"] == [2, 3]
+    assert load_draft(path, verifier_dir).cfg.target_layer_ids == [1, 2]
+    assert load_checkpoint(path, _draft(verifier_dir), None)["step"] == 3
+
+
+def test_inconsistent_layer_ids_refused(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["aux_hidden_state_layer_ids"] = [1, 2]  # hand-edited to the old numbering
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"is not fanout.dflash_config.target_layer_ids"):
+        load_draft(path, verifier_dir)
+
+
+def test_load_draft_round_trip_same_layers_same_loss(verifier_dir: Path, tmp_path: Path) -> None:
+    """save -> load_draft (speculators files only) -> same layers, same loss as the
+    trained draft with its weights rounded to bf16 (what model.safetensors holds)."""
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        _step(d, opt, gen, i)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 3}, verifier_name_or_path=str(verifier_dir))
+    loaded = load_draft(path, verifier_dir)
+    assert loaded.cfg.target_layer_ids == d.cfg.target_layer_ids == [1, 2]
+    assert loaded.cfg.block_size == 4 and loaded.cfg.mask_token_id == 255
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    a = d.loss(_batch(9), torch.Generator().manual_seed(5)).loss.item()
+    b = loaded.loss(_batch(9), torch.Generator().manual_seed(5)).loss.item()
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+def test_load_draft_named_errors(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+    other = tiny_qwen3_verifier(tmp_path / "wide", 256, hidden_size=48, num_layers=4, head_dim=8)
+    with pytest.raises(CheckpointError, match="hidden_size = 32 but verifier"):
+        load_draft(path, other)
+    shallow = tiny_qwen3_verifier(
+        tmp_path / "shallow", 256, hidden_size=32, num_layers=2, head_dim=8
+    )
+    with pytest.raises(CheckpointError, match="do not exist in the 2-layer verifier"):
+        load_draft(path, shallow)
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        load_draft(tmp_path / "nope", verifier_dir)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: missing"):
+        load_draft(path, verifier_dir)

@@ -30,6 +30,7 @@ from fanout.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.coordinator import Coordinator
 from fanout.producer import Producer, ProducerConfig
 from fanout.store import RunDir, Store
+from fanout.windowfile import hidden_name
 from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,7 +146,8 @@ def test_windows_in_order_rows_shuffled_acks_after_the_step(env: Env) -> None:
                 name = _db(env, "SELECT name FROM windows WHERE window=?", w)[0][0]
                 with store.open(name) as r:
                     assert torch.equal(b.tensors["input_ids"][j], r.get("input_ids")[i])
-                    assert torch.equal(b.tensors["hidden_states"][j], r.get("hidden_states")[i])
+                    hidden = torch.cat([r.get(hidden_name(k))[i] for k in (1, 2)], -1)
+                    assert torch.equal(b.tensors["hidden_states"][j], hidden)  # [T, n·H]
             before = _db(env, "SELECT cursor FROM consumers WHERE id=?", cid)[0][0]
             leased = {w for (w,) in _db(env, "SELECT window FROM leases WHERE consumer=?", cid)}
             done = [ow.window for ow in b.completes]

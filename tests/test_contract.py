@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from fanout.contract import CaptureContract
+from fanout.contract import CaptureContract, LayersNotCaptured
 from fanout.errors import ConfigError, ContractMismatch
 
 
@@ -49,3 +49,18 @@ def test_require_names_differing_fields() -> None:
 def test_invalid_layers_rejected() -> None:
     with pytest.raises(ValueError, match="duplicates"):
         make(target_layer_ids=(1, 1))
+
+
+def test_target_layers_may_be_any_subset_of_the_captured_ones_in_any_order() -> None:
+    a = make(target_layer_ids=(1, 9, 17, 25, 33))
+    for ok in ([1, 9, 17, 25, 33], [33, 1], [17], (25, 9, 1)):
+        a.require({"target_layer_ids": ok, "seq_len": 128})
+    with pytest.raises(LayersNotCaptured, match=r"\[2\] were not captured.*\[1, 9, 17, 25, 33\]"):
+        a.require({"target_layer_ids": [1, 2]}, where="consumer x:dp0")
+    with pytest.raises(ContractMismatch) as e:  # with another mismatch: every field named
+        a.require({"target_layer_ids": [2], "seq_len": 64})
+    assert set(e.value.fields) == {"target_layer_ids", "seq_len"}
+    with pytest.raises(ConfigError, match="distinct"):
+        a.require({"target_layer_ids": [1, 1]})
+    with pytest.raises(ConfigError, match="window format 1"):
+        make(format_version=1).require({})

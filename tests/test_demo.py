@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,12 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "disk: high-water" in out
     assert (tmp_path / "last" / "report.md").is_file()
     assert (tmp_path / "last" / "steps.png").is_file()
+    assert (tmp_path / "last" / "curves.png").is_file()
+    # the closing eval: real speculative decoding of the three drafts, lossless
+    assert "lossless: every speculative output equals greedy" in out
+    rep = json.loads((tmp_path / "last" / "eval.json").read_text())
+    assert rep["lossless"] and set(rep["drafts"]) == {"b4", "b8", "b16"}
+    assert all(d["train_eal"] is not None for d in rep["drafts"].values())
 
 
 def test_demo_rejects_nonpositive_minutes(tmp_path: Path) -> None:

@@ -326,3 +326,19 @@ def test_kl_needs_last_hidden_states_and_excludes_dpace(verifier_dir: Path) -> N
         d.loss(_batch(), torch.Generator())
     with pytest.raises(ConfigError, match="dpace"):
         _draft(verifier_dir, loss_type="kl", loss_weighting="dpace")
+
+
+def test_one_layer_rule_for_producer_and_trainer(tmp_path: Path) -> None:
+    """The producer's default capture layers and a draft built without explicit layers
+    come from the same function (they once disagreed: [18] vs [1] for 36 layers, 1 draft
+    layer)."""
+    from fanout.assets import tiny_qwen3_verifier
+    from fanout.model.dflash import default_target_layer_ids
+    from fanout.verifier import resolve_target_layer_ids
+
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    vdir = tiny_qwen3_verifier(tmp_path, 64, hidden_size=16, num_layers=8, head_dim=8)
+    for n in (1, 2, 3):
+        d = DFlashDraft.from_verifier(vdir, num_layers=n)
+        assert d.cfg.target_layer_ids == resolve_target_layer_ids(8, None, n)

@@ -18,8 +18,20 @@ from fanout.assets import generate_corpus
 from fanout.consumer import Batch
 from fanout.fp8 import FP8, FP8_MAX, dequantize, quantize_into
 from fanout.producer import Producer, stream_rows
-from fanout.store import Store
+from fanout.store import Store, WindowReader
+from fanout.windowfile import hidden_name, scale_name
 from tiny_run import build_tiny_assets, tiny_producer_config
+
+LAYERS = (1, 2)  # tiny_producer_config's captured layers
+
+
+def _side_by_side(r: WindowReader, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A window's layers side by side ([R, T, n·H]) and, for fp8, their scales ([R, T, n]):
+    what a consumer of all captured layers hands its trainer."""
+    hidden = torch.cat([r.get(hidden_name(i)) for i in LAYERS], -1)
+    if not fp8:
+        return hidden, None
+    return hidden, torch.stack([r.get(scale_name(i)) for i in LAYERS], -1)
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -109,10 +121,14 @@ def test_fp8_windows_hold_the_quantised_capture_at_about_half_the_bytes(
     s8, s32 = Store(p8.run_dir), Store(p32.run_dir)
     for a, b in zip(s8.list_windows(), s32.list_windows(), strict=True):
         with s8.open(a) as r8, s32.open(b) as r32:
-            q, scale = r8.get("hidden_states"), r8.get("hidden_states_scale")
+            q, scale = _side_by_side(r8, fp8=True)
+            assert scale is not None
+            for i in LAYERS:  # one tensor per layer, values and scales
+                assert r8.get(hidden_name(i)).dtype == FP8
+                assert r8.get(scale_name(i)).shape == r8.get(hidden_name(i)).shape[:2]
             assert q.dtype == FP8 and scale.dtype == torch.float32
             assert tuple(scale.shape) == (*q.shape[:2], 2)
-            ref = r32.get("hidden_states")  # the same rows captured in fp32
+            ref, _ = _side_by_side(r32, fp8=False)  # the same rows captured in fp32
             ref_scale = (ref.unflatten(-1, (2, 32)).abs().amax(-1) / FP8_MAX).clamp(min=1e-38)
             torch.testing.assert_close(scale, ref_scale, rtol=1e-5, atol=0)
             err = (dequantize(q, scale) - ref).unflatten(-1, (2, 32)).abs()
@@ -147,7 +163,8 @@ def test_a_trainer_learns_from_fp8_windows(assets: dict[str, Any]) -> None:
     t = Trainer(cfg)
     # What the draft sees of an fp8 window: float32, dequantised with the scales.
     with p.store.open(p.store.list_windows()[0]) as r:
-        q, scale = r.get("hidden_states"), r.get("hidden_states_scale")
+        q, scale = _side_by_side(r, fp8=True)
+        assert scale is not None
         ids = r.get("input_ids")
         seen = t._to_device(Batch({"hidden_states": q, "hidden_states_scale": scale,
                                    "input_ids": ids}, [], [], (0, 0), 0.0))  # fmt: skip

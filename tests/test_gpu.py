@@ -123,6 +123,7 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(
     from fanout.fp8 import dequantize
     from fanout.producer import Producer, ProducerConfig, stream_rows
     from fanout.store import parse_window_name
+    from fanout.windowfile import hidden_name, scale_name
 
     corpus = generate_corpus(80, seed=0)
     data = write_jsonl(tmp_path / "chat.jsonl", corpus)
@@ -159,9 +160,11 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(
                 want = p.verifier.capture(
                     *(torch.from_numpy(rows[k][i : i + 1]) for k in IDS_POS_DOC)
                 )
-                got, ref = r.get("hidden_states")[i : i + 1], want.hidden_states.cpu()
+                layers = [r.get(hidden_name(j))[i : i + 1] for j in (1, 2)]  # [1, T, H] each
+                got, ref = torch.cat(layers, -1), want.hidden_states.cpu()  # [1, T, 2·H]
                 if want.hidden_scales is not None:  # fp8: compare what a trainer sees
-                    got = dequantize(got, r.get("hidden_states_scale")[i : i + 1])
+                    scales = [r.get(scale_name(j))[i : i + 1] for j in (1, 2)]  # [1, T] each
+                    got = dequantize(got, torch.stack(scales, -1))
                     ref = dequantize(ref, want.hidden_scales.cpu())
                 torch.testing.assert_close(
                     got.float(),

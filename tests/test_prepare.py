@@ -325,3 +325,53 @@ def test_parquet_input_gives_the_rows_of_the_same_jsonl(
     junk.write_bytes(b"not parquet at all")
     with pytest.raises(BadRow, match="not a readable Parquet file"):
         prepare(PrepareConfig(**{**common, "data": [str(junk)], "out": str(tmp_path / "x")}))
+
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def test_chat_template_flag_overrides_the_tokenizers_and_the_summary_says_the_path(
+    base: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    default = prepare(PrepareConfig(**base, out=str(tmp_path / "d")))
+    assert default.summary["mask_path"] == "chatml-scan"
+    assert default.summary["mask_verified_rows"] == 16  # 8 per input file, checked vs the rule
+    assert default.summary["chat_template"] == "tokenizer"
+    tpl = TEMPLATES / "chatml-generation-tags.jinja"
+    argv = ["prepare", "--data", *base["data"], "--tokenizer", base["tokenizer"]]
+    argv += ["--chat-template", str(tpl), "--seq-len", "1024", "--workers", "1"]
+    argv += ["--cache-dir", base["cache_dir"], "--out", str(tmp_path / "g"), "--no-progress"]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert (
+        "loss mask" in text
+        and "generation-tags (checked against the prefix rule on 16 rows" in text
+    )
+    ds = open_packed(tmp_path / "g")
+    s = ds.summary
+    assert s["mask_path"] == "generation-tags" and s["chat_template"] == str(tpl)
+    assert ds.fingerprint != default.fingerprint  # the template is part of the cache key
+    # no system block, no empty think block: fewer tokens; a similar trained share
+    assert s["tokens"] < default.summary["tokens"]
+    assert 0.99 < s["masked_tokens"] / default.summary["masked_tokens"] < 1.01
+
+
+def test_chat_template_that_cannot_be_masked_is_refused_by_row(
+    base: dict[str, Any], tmp_path: Path
+) -> None:
+    tpl = tmp_path / "plain.json"  # chat_template.json layout; no end-of-turn token at all
+    tpl.write_text(
+        json.dumps(
+            {
+                "chat_template": "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n"
+                "{% endfor %}{% if add_generation_prompt %}### assistant: {% endif %}"
+            }
+        )
+    )
+    cfg = PrepareConfig(
+        **{**base, "chat_template": str(tpl), "no_cache": True, "out": str(tmp_path / "o")}
+    )
+    with pytest.raises(BadRow, match=r"dummy_conversation.json:1: field 'messages\[1\]'"):
+        prepare(cfg)
+    with pytest.raises(ValueError, match="no such file"):
+        PrepareConfig(**{**base, "chat_template": str(tmp_path / "nope.jinja")})

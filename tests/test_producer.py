@@ -34,6 +34,7 @@ from fanout.coordinator import Coordinator
 from fanout.errors import ContractMismatch
 from fanout.producer import Producer, ProducerConfig, stream_rows, window_count
 from fanout.store import RunDir, Store, parse_window_name
+from fanout.windowfile import hidden_name
 from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -191,7 +192,8 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
     for name in names:
         _check_rows(store, name, p)
         with store.open(name) as r, torch.inference_mode():
-            hidden, target = r.get("hidden_states"), r.get("target_ids")  # [R, T, n·H], [R, T]
+            hidden = torch.cat([r.get(hidden_name(j)) for j in layers], -1)  # [R, T, n·H]
+            target = r.get("target_ids")  # [R, T]
             assert hidden.dtype == torch.bfloat16 and hidden.shape[-1] == 2 * 32
             ids, docs = r.get("input_ids"), r.get("document_ids")
             for i in range(r.rows):

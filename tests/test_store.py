@@ -37,18 +37,22 @@ from fanout.store import (
     verify_file,
     window_name,
 )
+from fanout.windowfile import TENSOR_CHECKSUM, hidden_name
 
 CONTRACT = "c0ffee" * 4
 
 
+LAYERS = (1, 9, 17)
+
+
 def make_window(
-    rows: int = 4, t: int = 16, h: int = 8, n: int = 3, seed: int = 0
+    rows: int = 4, t: int = 16, h: int = 8, layers: tuple[int, ...] = LAYERS, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """The DESIGN row tensors, random, small."""
+    """The DESIGN row tensors, random, small: one hidden-state tensor per captured layer."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda: torch.randint(0, 151_000, (rows, t), generator=g, dtype=torch.int32)  # noqa: E731
     return {
-        "hidden_states": torch.randn(rows, t, n * h, generator=g).bfloat16(),  # [R, T, n·H]
+        **{hidden_name(i): torch.randn(rows, t, h, generator=g).bfloat16() for i in layers},
         "last_hidden_states": torch.randn(rows, t, h, generator=g).bfloat16(),  # [R, T, H]
         "target_ids": ids(),  # [R, T]
         "input_ids": ids(),  # [R, T]
@@ -111,7 +115,11 @@ def test_round_trip_tensors_and_metadata(run: RunDir) -> None:
             r.get("nope")
     # Reference reader: safetensors itself reads the same tensors and metadata.
     with safe_open(str(pub.path), framework="pt") as f:
-        assert f.metadata() == r.meta.to_metadata()
+        md = f.metadata()
+        sums = {k: md.pop(k) for k in list(md) if k.startswith(TENSOR_CHECKSUM)}
+        assert md == r.meta.to_metadata()
+        assert sums == {TENSOR_CHECKSUM + k: v for k, v in r.checksums.items()}
+        assert set(r.checksums) == set(tensors)
         for k, v in tensors.items():
             assert torch.equal(f.get_tensor(k), v), k
 
@@ -180,11 +188,11 @@ def test_tensors_outlive_reader_and_writes_stay_private(run: RunDir) -> None:
     tensors = make_window()
     pub = Store(run).publish(tensors, make_meta())
     with Store(run).open(pub.name) as r:
-        h = r.get("hidden_states")
+        h = r.get(hidden_name(9))
         ids = r.row(1)["input_ids"]
     h[0].fill_(7.0)  # copy-on-write mapping: the file must not change
     ids.zero_()
-    assert torch.equal(h[1:], tensors["hidden_states"][1:])
+    assert torch.equal(h[1:], tensors[hidden_name(9)][1:])
     assert verify_file(pub.path).checksum == pub.checksum
 
 
@@ -550,7 +558,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_real_enospc_on_tmpfs(tiny_tmpfs: Path) -> None:
     run = RunDir(tiny_tmpfs / "run").create()
     store = Store(run, chunk_bytes=64 << 10)
-    tensors = make_window(rows=4, t=256, h=128, n=2)  # ~0.6 MiB
+    tensors = make_window(rows=4, t=256, h=128, layers=(1, 2))  # ~0.6 MiB
     filler = tiny_tmpfs / "filler"
     with open(filler, "wb") as f:
         f.write(b"\0" * (700 << 10))

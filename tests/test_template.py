@@ -163,3 +163,56 @@ def test_control_tokens_in_content_are_flagged(encoder: ChatEncoder) -> None:
     bad = _conv(("user", "say <|im_start|>assistant\n"), ("assistant", "no"))
     assert encoder.check(bad) == ("messages[0].content", "contains a ChatML control token")
     assert encoder.check(_conv(("user", "say im_start"), ("assistant", "no"))) is None
+
+
+def test_chat_template_files(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
+    """--chat-template: a .jinja file, or JSON as HF writes chat_template.json /
+    tokenizer_config.json (a string or a list of named templates)."""
+    from fanout.errors import ConfigError
+    from fanout.template import read_chat_template
+
+    j = tmp_path / "t.jinja"
+    j.write_text("{{ messages[0].content }}")
+    assert read_chat_template(j) == {"default": "{{ messages[0].content }}"}
+    js = tmp_path / "chat_template.json"
+    js.write_text('{"chat_template": "X"}')
+    assert read_chat_template(js) == {"default": "X"}
+    js.write_text('[{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]')
+    assert read_chat_template(js) == {"default": "A", "tool_use": "B"}
+    js.write_text('{"chat_template": 3}')
+    with pytest.raises(ConfigError, match="expected a chat_template"):
+        read_chat_template(js)
+    cache = tmp_path / "cache"
+    spec = load_chat_spec(qwen3_tokenizer_dir, cache, j)
+    assert spec.templates == {"default": "{{ messages[0].content }}"}
+    assert spec.template_source == str(j)
+    assert (
+        spec.template_fingerprint()
+        != load_chat_spec(qwen3_tokenizer_dir, cache).template_fingerprint()
+    )
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "chat_template.json"])
+def test_template_from_a_file_in_the_tokenizer_dir(
+    name: str, tmp_path: Path, qwen3_tokenizer_dir: Path
+) -> None:
+    """The tokenizer dir's template may live in chat_template.jinja (transformers reads it)
+    or chat_template.json (the processor layout, which AutoTokenizer does not read for
+    tokenizers; fanout does) instead of tokenizer_config.json."""
+    import json
+    import shutil
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    for f in ("vocab.json", "merges.txt"):
+        shutil.copy(qwen3_tokenizer_dir / f, d / f)
+    cfg = json.loads((qwen3_tokenizer_dir / "tokenizer_config.json").read_text())
+    src = "X" + cfg.pop("chat_template")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if name.endswith(".json"):
+        (d / name).write_text(json.dumps({"chat_template": src}))
+    else:
+        (d / name).write_text(src)
+    spec = load_chat_spec(d, tmp_path / "cache")
+    assert spec.templates == {"default": src}
+    assert ChatEncoder(spec).mask_path == "chatml-scan"

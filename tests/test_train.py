@@ -127,6 +127,47 @@ def test_loss_decreases_and_eal_rises(run: Run) -> None:
     assert ckpts, "no checkpoint written"
     spec = json.loads(ckpts[-1].read_text())
     assert spec["speculators_model_type"] == "dflash" and spec["block_size"] == 4
+    assert spec["fanout"]["train_eal"] == pytest.approx(_mean(log[-50:], "eal"), abs=1e-3)
+    # serve it: real speculative decoding on held-out prompts from the checkpoint alone
+    from fanout.assets import write_jsonl
+    from fanout.eval import EvalConfig, evaluate
+
+    held = write_jsonl(run.root / "held.jsonl", repetitive_corpus(6, seed=77))
+    rep = evaluate(
+        EvalConfig(
+            verifier_name_or_path=str(run.verifier),
+            tokenizer=str(run.root / "tok"),
+            data=str(held),
+            draft=[cfg.save_path],
+            num_prompts=4,
+            max_new_tokens=24,
+        )
+    )
+    assert rep["lossless"], rep["mismatches"]
+    d = rep["drafts"]["learn"]
+    assert d["train_eal"] == spec["fanout"]["train_eal"]
+    # This verifier is random with tied embeddings: its greedy text repeats the prompt's
+    # last token, which the draft never trained on, so τ here is ~1 despite train EAL >
+    # 2.5 (a real train/serve gap; tests/test_eval.py trains on the verifier's own text
+    # and sees acceptance).
+    assert 1.0 <= d["acceptance_length"] <= cfg.block_size
+
+
+def test_eval_every_logs_tau_on_held_out_prompts(run: Run) -> None:
+    from fanout.assets import write_jsonl
+
+    held = write_jsonl(run.root / "held_ev.jsonl", repetitive_corpus(4, seed=78))
+    cfg = _cfg(
+        run, "evalev", max_steps=4, eval_every=2, eval_data=str(held),
+        eval_tokenizer=str(run.root / "tok"), eval_prompts=2, eval_max_new_tokens=8,
+    )  # fmt: skip
+    Trainer(cfg).run()
+    log = _log(cfg)
+    evals = [r for r in log if "eval_tau" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(r["eval_lossless"] and r["eval_tau"] >= 1.0 for r in evals)
+    with pytest.raises(ValueError, match="--eval-every needs --eval-data"):
+        _cfg(run, "x", eval_every=2)
 
 
 def test_resume_continues_with_identical_losses(run: Run) -> None:

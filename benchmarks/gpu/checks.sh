@@ -9,7 +9,8 @@
 # a chat file from ../shared/data into .benchdata/ (both git-ignored; carry both).
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py, the
 # producer benchmark at the README's size (H 1024 × 24 layers, vocab 151,669,
-# T 2048, R 8) over 16 and 48 windows, and one profiled producer run.
+# T 2048, R 8) over 16 and 48 windows, one profiled producer run, and `fanout eval`
+# in bf16 of the demo's three trained drafts (prepare trains them if runs/demo has none).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-run}
@@ -27,6 +28,13 @@ if [ "$mode" = prepare ]; then
   mkdir -p .benchdata
   cp -r ../shared/data/tokenizers/qwen3 .benchdata/tokenizer
   cp ../shared/data/chat/fastchat/dummy_conversation.json .benchdata/chat.json
+  # trained demo drafts + their tiny assets for the bf16 `fanout eval` check (a few MB)
+  if ! ls runs/demo/last/1p3c/drafts/b16/checkpoint-*/COMMITTED >/dev/null 2>&1; then
+    "$py" -m fanout.cli demo --minutes 1 --run-dir runs/demo >/dev/null
+  fi
+  rm -rf .benchdata/demo && mkdir -p .benchdata/demo/last/1p3c
+  cp -r runs/demo/assets .benchdata/demo/assets
+  cp -r runs/demo/last/1p3c/drafts .benchdata/demo/last/1p3c/drafts
   du -sh .whl .benchdata
   exit 0
 fi
@@ -47,4 +55,8 @@ done
 "${bench[@]}" --windows 16 --storage-dtype float8_e4m3fn --json "$OUT/producer-fp8.json" 2>&1 \
   | grep -v "it/s\]" | tee "$OUT/producer-fp8.log"
 "${bench[@]}" --windows 8 --profile "$OUT/profile" 2>&1 | grep -v "it/s\]" > "$OUT/profile.log"
+# fanout eval in bf16 on CUDA: the demo's trained drafts, real speculative decoding
+python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bfloat16 \
+  --num-prompts 16 --max-new-tokens 96 --json "$OUT/eval-bf16.json" 2>&1 \
+  | grep -v "Loading weights" | tee "$OUT/eval-bf16.log"
 ls -la "$OUT"

@@ -9,8 +9,9 @@
 Buffers: every tensor a window needs lives in a host buffer reused window after
 window, in two slots so a window can be published from one while the next is
 captured into the other (`fanout.producer` flips them only when it overlaps
-publishing). A fresh `[R, T, n·H]` tensor per window would be page-faulted in on
-every copy (slow, above all under gVisor), and device→host copies run faster into
+publishing). Hidden states get one `[R, T, H]` buffer per captured layer, since
+windows store one tensor per layer (`hidden_states.<layer>`, fanout.windowfile).
+A fresh tensor per window would be page-faulted in on every copy (slow, above all under gVisor), and device→host copies run faster into
 pinned memory: together ~1.8× the capture cost on an H200 (benchmarks/producer.py).
 
 Copies: on CUDA each batch's outputs are copied on a side stream into the pinned
@@ -30,6 +31,7 @@ import torch
 from fanout.cache import PackedDataset
 from fanout.fp8 import FP8
 from fanout.verifier import Verifier
+from fanout.windowfile import hidden_name, scale_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,12 +119,14 @@ class WindowCapturer:
         v = self.verifier
         rows = self.dataset.rows(idx)  # dict of [R, T] numpy arrays
         r, t = rows["input_ids"].shape
-        n, h = len(v.target_layer_ids), v.hidden_size
+        layers, h = v.target_layer_ids, v.hidden_size
         sdt = v.storage_dtype
         fp8 = sdt == FP8
-        hidden = self._buffer("hidden_states", (r, t, n * h), sdt)  # [R, T, n·H]
+        hidden = [self._buffer(hidden_name(i), (r, t, h), sdt) for i in layers]  # n × [R, T, H]
         target = self._buffer("target_ids", (r, t), torch.int32)  # [R, T]
-        scales = self._buffer("scales", (r, t, n), torch.float32) if fp8 else None  # [R, T, n]
+        scales = (
+            [self._buffer(scale_name(i), (r, t), torch.float32) for i in layers] if fp8 else None
+        )  # n × [R, T]
         last = None
         if v.config.store_last_hidden_states:
             last = self._buffer("last", (r, t, h), v.last_hidden_dtype)  # [R, T, H]
@@ -135,20 +139,20 @@ class WindowCapturer:
                 as_t["input_ids"][sl],
                 as_t["position_ids"][sl],
                 as_t["document_ids"][sl],
-                # On CPU the hooks write straight into the window buffer: no copy at all.
-                hidden_out=hidden[sl] if on_cpu else None,
-                scale_out=scales[sl] if on_cpu and scales is not None else None,
+                # On CPU the hooks write straight into the window buffers: no copy at all.
+                hidden_out=[x[sl] for x in hidden] if on_cpu else None,
+                scale_out=[x[sl] for x in scales] if on_cpu and scales is not None else None,
             )
             pairs = [(target[sl], cap.target_ids)]
             if not on_cpu:
-                pairs.append((hidden[sl], cap.hidden_states))
-                if scales is not None and cap.hidden_scales is not None:
-                    pairs.append((scales[sl], cap.hidden_scales))
+                pairs += [(x[sl], y) for x, y in zip(hidden, cap.layers, strict=True)]
+                if scales is not None and cap.layer_scales is not None:
+                    pairs += [(x[sl], y) for x, y in zip(scales, cap.layer_scales, strict=True)]
             if last is not None and cap.last_hidden_states is not None:
                 pairs.append((last[sl], cap.last_hidden_states))
             self._copier.copy(pairs)
         tensors: dict[str, Any] = {
-            "hidden_states": hidden,
+            **{hidden_name(i): x for i, x in zip(layers, hidden, strict=True)},
             "target_ids": target,
             "input_ids": as_t["input_ids"].to(torch.int32),
             "loss_mask": as_t["loss_mask"].to(torch.uint8),
@@ -156,7 +160,7 @@ class WindowCapturer:
             "position_ids": as_t["position_ids"].to(torch.int32),
         }
         if scales is not None:
-            tensors["hidden_states_scale"] = scales
+            tensors |= {scale_name(i): x for i, x in zip(layers, scales, strict=True)}
         if last is not None:
             tensors["last_hidden_states"] = last
         return CapturedWindow(tensors, self._copier.done())

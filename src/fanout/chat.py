@@ -10,7 +10,8 @@ Formats (`--format`):
   `function_call` (a JSON `{"name", "arguments"}` string → an assistant tool call),
   `observation` (→ `tool`); optional `tools` (JSON string or list of function specs)
   and `system` columns.
-- `openai`: `messages: [{role, content, tool_calls?, reasoning_content?}]`, optional `tools`.
+- `openai`: `messages: [{role, content, tool_calls?, reasoning_content?}]`, optional `tools`;
+  a tool call's `id` and a tool message's `tool_call_id` are kept (Mistral templates need them).
 - `pairs`: a list of turn pairs, e.g. MT-Bench-101's `history: [{user, bot}]`
   (`--messages-field history --pair-keys user,bot`).
 - `auto`: decided from the first rows by `detect_format`, which says what it chose.
@@ -247,7 +248,10 @@ def _tool_call(obj: Any, file: str, line: int, field: str) -> dict[str, Any]:
             raise BadRow(file, line, field + ".arguments", f"not valid JSON: {e}") from None
     elif not isinstance(args, dict):
         raise BadRow(file, line, field + ".arguments", "must be an object or a JSON string")
-    return {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(obj.get("id"), str):  # some templates render or require it (Mistral)
+        call["id"] = obj["id"]
+    return call
 
 
 def _tools(v: Any, file: str, line: int, field: str) -> list[dict[str, Any]] | None:
@@ -336,6 +340,9 @@ def to_conversation(rec: Any, fmt: ChatFormat, file: str, line: int) -> Conversa
             rc = t.get("reasoning_content")
             if isinstance(rc, str) and role == "assistant":
                 m["reasoning_content"] = rc
+            tcid = t.get("tool_call_id")
+            if isinstance(tcid, str) and role == "tool":  # pairs a result with its call
+                m["tool_call_id"] = tcid
             msgs.append(m)
     if not any(m["role"] == "assistant" for m in msgs):
         raise BadRow(file, line, mf, "no assistant turn (nothing to train on)")

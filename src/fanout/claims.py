@@ -1,16 +1,17 @@
 """The producer's side of the coordinator: register, claim, publish, fail, backpressure.
 
-    p = coord.register_producer(contract)            # fences any previous producer
+    p = coord.register_producer(contract)            # RoleHeld if a live producer runs
     while coord.wait_for_capacity(p, timeout_s=60):  # blocks at K live windows
         claim = coord.claim(p)                       # demand (recaptures) first
         if claim is None:
             break                                    # finite stream fully produced
         coord.publish_ready(claim, store.publish(tensors, meta))
+    coord.finish_producer(p)                         # a clean exit: state 'finished'
 
 A mixin of fanout.coordinator.Coordinator (one class for callers, two files for
 readers). Every call is one serialised write transaction fenced by the producer's
-token and, for a claim, the claim's token: a producer that was superseded or
-declared lost gets StaleLease and changes nothing.
+token and, for a claim, the claim's token: a producer that was taken over
+(RoleTaken) or declared lost gets StaleLease and changes nothing.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fanout import retention, schema
 from fanout.contract import CaptureContract
 from fanout.errors import ContractMismatch, StaleLease
 from fanout.leases import Claim, ProducerReg, PublishedLike
-from fanout.liveness import Reclaimer
+from fanout.liveness import HOLDER_COLUMNS, Holder, ProcessInfo, Reclaimer
 
 log = logging.getLogger("fanout.coordinator")
+T = TypeVar("T")
 
 
 def _now() -> float:
@@ -36,6 +39,7 @@ def _now() -> float:
 
 class ProducerSide:
     conn: schema.Database
+    root: Path
     config: retention.RunConfig
     contract: CaptureContract
     clock: Callable[[], float]
@@ -53,24 +57,67 @@ class ProducerSide:
         def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None: ...
         def _finish_evictions(self, doomed: retention.Doomed) -> None: ...
         def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]: ...
+        def _fenced(self, role: str, token: int, holder: Holder) -> StaleLease: ...
+        def _take_role(
+            self,
+            role: str,
+            select: tuple[str, tuple[object, ...]],
+            takeover: bool,
+            register: Callable[[schema.Sql, ProcessInfo], T],
+        ) -> T: ...
 
-    def register_producer(self, contract: CaptureContract, owner: str = "") -> ProducerReg:
-        """Become the run's producer; fences the previous one and releases its claims."""
+    def register_producer(
+        self, contract: CaptureContract, owner: str = "", *, takeover: bool = False
+    ) -> ProducerReg:
+        """Become the run's producer: fences the previous one and releases its claims.
+
+        RoleHeld while another live producer holds the run (Coordinator._take_role),
+        unless `takeover`; a crashed or finished one is replaced without asking.
+        """
         if contract != self.contract:
             raise ContractMismatch(self.contract.diff(contract), where="producer")
         owner = owner or f"pid {os.getpid()}"
-        with self._write() as cur:
+
+        def register(cur: schema.Sql, me: ProcessInfo) -> int:
             token = self._bump(cur, "next_token")
             cur.execute(
-                "INSERT INTO producer(id, token, hb_wall, state, owner) VALUES (1, ?, ?, 'active', ?) "
-                "ON CONFLICT(id) DO UPDATE SET token=excluded.token, hb_wall=excluded.hb_wall, "
-                "state='active', owner=excluded.owner",
-                (token, _now(), owner),
+                "INSERT INTO producer(id, token, hb_wall, state, owner, host, pid, proc) "
+                "VALUES (1, ?, ?, 'active', ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                "token=excluded.token, hb_wall=excluded.hb_wall, state='active', "
+                "owner=excluded.owner, host=excluded.host, pid=excluded.pid, proc=excluded.proc",
+                (token, _now(), owner, me.host, me.pid, me.proc),
             )
             self._release_claims(cur)
+            return token
+
+        token = self._take_role(
+            f"the producer of {self.root}",
+            (f"SELECT {HOLDER_COLUMNS} FROM producer", ()),
+            takeover,
+            register,
+        )
         self._reclaimer.own("producer")
         log.info("producer %s registered (token %d)", owner, token)
         return ProducerReg(token, owner)
+
+    def check_producer_role(self, takeover: bool = False) -> None:
+        """Raise RoleHeld now if a live producer holds the run (and not `takeover`): a
+        second producer learns it before it writes anything to the run dir."""
+        if not takeover:
+            self._take_role(
+                f"the producer of {self.root}",
+                (f"SELECT {HOLDER_COLUMNS} FROM producer", ()),
+                False,
+                lambda cur, me: None,
+            )
+
+    def finish_producer(self, preg: ProducerReg) -> None:
+        """A clean exit (stream done, --max-windows, a signal): state 'finished', claims
+        released. `fanout status` shows it finished, and nobody reclaims it as lost."""
+        with self._write() as cur:
+            self._check_producer(cur, preg.token)
+            self._release_claims(cur)
+            cur.execute("UPDATE producer SET state='finished', hb_wall=?", (_now(),))
 
     @staticmethod
     def _release_claims(cur: schema.Sql) -> None:
@@ -80,9 +127,12 @@ class ProducerSide:
         )
 
     def _check_producer(self, cur: schema.Sql, token: int) -> None:
-        row = cur.execute("SELECT token, state FROM producer").fetchone()
-        if row is None or row[0] != token or row[1] != "active":
-            raise StaleLease(f"producer token {token} is stale (now {row}); register again")
+        row = cur.execute(f"SELECT {HOLDER_COLUMNS} FROM producer").fetchone()
+        if row is None:
+            raise StaleLease(f"producer token {token}: no producer is registered")
+        holder = Holder(*row)
+        if holder.token != token or holder.state != "active":
+            raise self._fenced(f"the producer of {self.root}", token, holder)
 
     def claim(self, preg: ProducerReg) -> Claim | None:
         """Claim the next window to capture: demand first, then the next in order.

@@ -1,4 +1,4 @@
-"""The `fanout` command: `fanout prepare | produce | train | status | sweep | bench | demo`.
+"""The `fanout` command: `fanout prepare | produce | train | eval | status | sweep | bench | demo`.
 
     fanout --help
     fanout status --run-dir runs/demo --json
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from fanout.errors import FanoutError
@@ -33,6 +34,9 @@ _register(
 _register("produce", "fanout.producer", "run the verifier over packed rows and publish windows")
 _register("train", "fanout.train", "train one DFlash draft as a consumer of a run")
 _register("prepare", "fanout.prepare", "chat data → packed, loss-masked token rows (cached)")
+_register(
+    "eval", "fanout.eval", "speculative decoding with trained drafts: lossless check, τ, speedup"
+)
 _register("bench", "fanout.bench", "1p1c / 1p3c / unshared benchmark → report.json, .md, plots")
 _register(
     "demo", "fanout.demo", "one producer, three drafts on CPU for a few minutes; prints a report"
@@ -67,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"fanout {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `fanout status | head`: the reader left; nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

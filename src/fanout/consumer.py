@@ -1,7 +1,8 @@
 """The consumer stream: one trainer's ordered, resumable view of a run's windows.
 
     from fanout.consumer import ConsumerConfig, ConsumerStream
-    with ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8")) as s:
+    with ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8",
+                                       target_layer_ids=[17, 1])) as s:
         for batch in s.batches(rows_per_step=4):
             loss = step(batch.tensors)                  # forward/backward/optimizer step
             s.ack(batch)                                # only after the optimizer step
@@ -13,11 +14,19 @@ only after the step that consumed its last row. Rows within a window are
 shuffled with the consumer's own seed (so different drafts see different
 orders) yet reproducibly, so a resume at (cursor, rows_done) continues exactly.
 A corrupt window is reported (quarantined + recaptured) and waited for again.
+
+Layers: a consumer reads any subset of the layers the run captured, in the order
+its draft wants (`target_layer_ids`; default: all, in capture order). Windows store
+one tensor per layer, so it maps and verifies only its layers' bytes (and those
+of the other row tensors); a batch's `hidden_states` is its layers side by side,
+`[B, T, k·H]` (fp8: plus `hidden_states_scale` `[B, T, k]`), the layout a draft's
+`fc` reads. Its layer set is recorded with its registration (`fanout status`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,23 +40,18 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fanout.coordinator import Coordinator
-from fanout.errors import CorruptWindow
+from fanout.errors import ConfigError, CorruptWindow
 from fanout.filesystem import FileSystem
 from fanout.leases import ConsumerReg, Lease
 from fanout.liveness import Heartbeat
 from fanout.store import RunDir, Store, WindowReader
+from fanout.windowfile import hidden_name, layer_tensor_names, scale_name
 
 log = logging.getLogger(__name__)
 
-ROW_TENSORS = (
-    "hidden_states",
-    "hidden_states_scale",  # only in fp8 windows (fanout.fp8)
-    "target_ids",
-    "input_ids",
-    "loss_mask",
-    "document_ids",
-    "position_ids",
-)
+# Per-row tensors a batch carries besides the hidden states (last_hidden_states only
+# when the run stores them); hidden states are read per layer (`read_layers`).
+ROW_TENSORS = ("target_ids", "input_ids", "loss_mask", "document_ids", "position_ids")
 
 
 class ConsumerConfig(BaseModel):
@@ -69,6 +73,16 @@ class ConsumerConfig(BaseModel):
     row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
     prefetch: bool = Field(True, description="acquire + verify the next window in background")
     max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
+    target_layer_ids: list[int] | None = Field(
+        None,
+        description="captured layers to read, in this order (a batch's hidden_states is "
+        "their concatenation); any subset of the run's; default: all, in capture order",
+    )
+    takeover: bool = Field(
+        False,
+        description="take this consumer id over from a live process that holds it (that "
+        "one is fenced off and exits); without it, a live holder makes this one exit",
+    )
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> ConsumerConfig:
@@ -125,9 +139,14 @@ class ConsumerStream:
         self.run_dir = RunDir(Path(cfg.run_dir))
         self.store = Store(self.run_dir, FileSystem())
         self.coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
-        self.reg: ConsumerReg = self.coord.register_consumer(
-            cfg.consumer_id, cfg.dp_rank, expect=expect, cursor=cursor
-        )
+        try:
+            expect = self._read_layers(expect)
+            self.reg: ConsumerReg = self.coord.register_consumer(
+                cfg.consumer_id, cfg.dp_rank, expect=expect, cursor=cursor, takeover=cfg.takeover
+            )
+        except BaseException:  # RoleHeld, ContractMismatch: nothing was registered
+            self.coord.close()
+            raise
         self._skip = skip_rows
         self._hb = Heartbeat(
             self.run_dir.root, self.reg, cfg.heartbeat_s, open_kwargs={"db_path": cfg.db_path}
@@ -138,10 +157,49 @@ class ConsumerStream:
         self._held: dict[int, OpenWindow] = {}  # leased, not yet acked (incl. prefetched)
         self.finished = False
         self.wait_s = 0.0
+        self.waiting_for: int | None = None  # the window windows() is waiting for, if any
 
     @property
     def contract_hash(self) -> str:
         return self.coord.contract.stream_id
+
+    def _read_layers(self, expect: dict[str, Any] | None) -> dict[str, Any]:
+        """Settle which layers this consumer reads (`self.layers`) and the tensors it
+        maps and verifies per window (`self.read_names`); return `expect` with the
+        layers in it, so registration checks them (a subset of the captured ones) and
+        records them (`fanout status`)."""
+        contract = self.coord.contract
+        expect = dict(expect or {})
+        asked, given = self.cfg.target_layer_ids, expect.get("target_layer_ids")
+        if asked is not None and given is not None and list(asked) != list(given):
+            raise ConfigError(
+                f"target_layer_ids {list(asked)} in the consumer config, {list(given)} expected"
+            )
+        layers = asked if asked is not None else given
+        if layers is None:
+            layers = contract.target_layer_ids
+        self.layers = [int(i) for i in layers]
+        expect["target_layer_ids"] = self.layers
+        self.fp8 = contract.storage_dtype == "float8_e4m3fn"
+        self.row_names = list(ROW_TENSORS)
+        if contract.store_last_hidden_states:
+            self.row_names.append("last_hidden_states")
+        self.read_names = self.row_names + layer_tensor_names(self.layers, self.fp8)
+        return expect
+
+    def take_rows(self, reader: WindowReader, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `idx` of an open window as a batch part: the row tensors, and this
+        consumer's layers side by side, `hidden_states` [b, T, k·H] (fp8:
+        `hidden_states_scale` [b, T, k]) in `self.layers` order."""
+        out = {n: reader.get(n).index_select(0, idx) for n in self.row_names}
+        out["hidden_states"] = torch.cat(
+            [reader.get(hidden_name(i)).index_select(0, idx) for i in self.layers], dim=-1
+        )  # [b, T, k·H]
+        if self.fp8:
+            out["hidden_states_scale"] = torch.stack(
+                [reader.get(scale_name(i)).index_select(0, idx) for i in self.layers], dim=-1
+            )  # [b, T, k]
+        return out
 
     # ---- windows ------------------------------------------------------------------
 
@@ -167,8 +225,11 @@ class ConsumerStream:
             if lease is None:
                 return None
             try:
-                reader = self.store.open(
-                    lease.name, expect_contract=self.contract_hash, expect_window=lease.window
+                reader = self.store.open(  # maps all, verifies only what this consumer reads
+                    lease.name,
+                    expect_contract=self.contract_hash,
+                    expect_window=lease.window,
+                    tensors=self.read_names,
                 )
             except CorruptWindow as e:
                 log.error("%s: %s — reported; waiting for its recapture", self.reg.consumer_id, e)
@@ -193,7 +254,9 @@ class ConsumerStream:
         while self.cfg.max_windows is None or w < self.cfg.max_windows:
             self._hb.check()
             t0 = time.monotonic()
+            self.waiting_for = w
             cur = pending.result() if pending is not None else self._open(w)
+            self.waiting_for = None
             self.wait_s += time.monotonic() - t0
             if cur is None:
                 self.finished = True
@@ -217,8 +280,6 @@ class ConsumerStream:
         waited = self.wait_s
         skip = self._skip
         for ow in self.windows():
-            names = [n for n in ow.reader.names() if n in ROW_TENSORS or n == "last_hidden_states"]
-            full = {n: ow.reader.get(n) for n in names}
             order = ow.order[skip:]
             skip = 0
             start = 0
@@ -227,8 +288,7 @@ class ConsumerStream:
                 continue
             while start < len(order):
                 take = order[start : start + rows_per_step - len(rows)]
-                idx = torch.from_numpy(take)
-                parts.append({n: full[n].index_select(0, idx) for n in names})
+                parts.append(self.take_rows(ow.reader, torch.from_numpy(take)))
                 rows.extend((ow.window, int(i)) for i in take)
                 start += len(take)
                 done_window = start >= len(order)
@@ -263,8 +323,14 @@ class ConsumerStream:
             self._held.pop(ow.window, None)
             ow.reader.close()
 
-    def close(self) -> None:
-        """Release leases held (prefetched), stop threads, mark finished if the stream ended."""
+    def close(self, clean: bool | None = None) -> None:
+        """Release leases held (prefetched), stop threads, and record how it ended:
+        'finished' if the stream ended, 'stopped' after a clean exit before that. Not
+        clean (`clean` False, or by default when an exception is propagating: close()
+        called from a `finally`), the registration is left alone: the consumer reads as
+        lost once its heartbeat expires, and a fenced-off one must not write at all."""
+        if clean is None:
+            clean = sys.exc_info()[0] is None
         # A prefetch may be waiting for a window the producer has not made yet (up to
         # acquire_timeout_s): cancel it rather than hold the trainer's exit that long.
         self._closing.set()
@@ -277,11 +343,13 @@ class ConsumerStream:
             self._held.clear()
             if self.finished:
                 self.coord.finish(self.reg)
+            elif clean:
+                self.coord.stop(self.reg)
         finally:
             self.coord.close()
 
     def __enter__(self) -> ConsumerStream:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(clean=exc_type is None)

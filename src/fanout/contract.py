@@ -4,8 +4,10 @@
     c = CaptureContract.load("runs/demo/contract.json"); print(c.stream_id)
 
 Two consumers can share a producer's windows iff they agree on every field
-here. Consumer-side choices (block size, loss, lr, seed) are deliberately not
-in it. The hash of the contract names the stream; a window file carries it in
+here, except the layers: `target_layer_ids` is the set the producer captured,
+and a consumer may train on any subset of it, in any order (`require`).
+Consumer-side choices (block size, loss, lr, seed, layer subset) are deliberately
+not in it. The hash of the contract names the stream; a window file carries it in
 its metadata so a file from another contract is never served.
 """
 
@@ -21,7 +23,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError, ContractMismatch
 
-CONTRACT_FORMAT_VERSION = 1
+# 2: one tensor per captured layer, a checksum per tensor (fanout-window-2); 1 is refused.
+CONTRACT_FORMAT_VERSION = 2
+
+
+class LayersNotCaptured(ContractMismatch):
+    """A consumer asked for layers the run did not capture; the message lists the captured ones."""
+
+    def __init__(
+        self, missing: list[int], captured: list[int], asked: list[int], where: str
+    ) -> None:
+        super().__init__({"target_layer_ids": (captured, asked)}, where)
+        loc = f" ({where})" if where else ""
+        self.args = (
+            f"capture contract mismatch{loc}: target layers {missing} were not captured by "
+            f"this run: it captured {captured}. --target-layer-ids (target_layer_ids) may be "
+            "any subset of those, in any order; for other layers produce a run with "
+            "--capture-layer-ids",
+        )
 
 
 class CaptureContract(BaseModel):
@@ -40,12 +59,14 @@ class CaptureContract(BaseModel):
     hidden_size: int = Field(gt=0, description="Verifier hidden size H.")
     vocab_size: int = Field(gt=0, description="Verifier vocabulary size (lm_head rows).")
     target_layer_ids: tuple[int, ...] = Field(
-        description="Decoder layers whose outputs are captured, in order."
+        description="Decoder layers whose outputs are captured, in capture order; each "
+        "window holds hidden_states.<layer> [R, T, H] for each, and a consumer may read "
+        "any subset of them."
     )
     storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
         "bfloat16",
         description="dtype of hidden_states on disk; float8_e4m3fn windows also carry "
-        "hidden_states_scale [R, T, n] (fanout.fp8).",
+        "hidden_states_scale.<layer> [R, T] (fanout.fp8).",
     )
     target_kind: Literal["greedy_ids"] = Field(
         "greedy_ids", description="What target_ids holds: the verifier's argmax next token."
@@ -85,8 +106,18 @@ class CaptureContract(BaseModel):
         """Raise ContractMismatch naming every field of `expected` that differs.
 
         Consumers pass only what their flags imply (e.g. target_layer_ids, seq_len);
-        unknown field names are a ConfigError, not a silent pass.
+        unknown field names are a ConfigError, not a silent pass. `target_layer_ids`
+        must be a subset of the captured layers (any order, no duplicates), not equal
+        to them: LayersNotCaptured lists the captured ones. A run written in an older
+        window format is a ConfigError (its windows cannot be read).
         """
+        loc = f" ({where})" if where else ""
+        if self.format_version != CONTRACT_FORMAT_VERSION:
+            raise ConfigError(
+                f"this run{loc} was produced with window format {self.format_version}; this "
+                f"fanout reads format {CONTRACT_FORMAT_VERSION} (one tensor per captured "
+                "layer, a checksum per tensor). Produce it again, in a new --run-dir"
+            )
         mine = self.model_dump(mode="json")
         unknown = sorted(set(expected) - set(mine))
         if unknown:
@@ -94,7 +125,18 @@ class CaptureContract(BaseModel):
         normalized = {
             k: list(v) if isinstance(v, tuple) else v for k, v in expected.items() if v is not None
         }
+        asked = normalized.pop("target_layer_ids", None)
         bad = {k: (mine[k], v) for k, v in normalized.items() if mine[k] != v}
+        missing: list[int] = []
+        if asked is not None:
+            asked = [int(i) for i in asked]
+            if not asked or len(set(asked)) != len(asked):
+                raise ConfigError(f"target_layer_ids{loc}: want distinct layers, got {asked}")
+            missing = [i for i in asked if i not in mine["target_layer_ids"]]
+            if missing:
+                bad["target_layer_ids"] = (mine["target_layer_ids"], asked)
+        if missing and len(bad) == 1:
+            raise LayersNotCaptured(missing, mine["target_layer_ids"], asked or [], where)
         if bad:
             raise ContractMismatch(bad, where)
 

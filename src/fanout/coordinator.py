@@ -16,12 +16,14 @@ run the same statements. Every state change is one short serialised write
 transaction fenced by a token: a consumer's epoch token, a lease token, the
 producer's token or its claim token. Tokens come from one
 counter and are never reused, so a process that was reclaimed, detached or
-superseded ("zombie") gets StaleLease/Detached on its next write and changes
-nothing. The producer's calls live in fanout.claims (a mixin of this class),
-the eviction and lag rules in fanout.retention (with RunConfig), liveness in
-fanout.liveness, the tokens' value types in fanout.leases; the file side of
-eviction and quarantine goes through fanout.store (imported lazily: no torch
-for `status`).
+superseded ("zombie") gets StaleLease/RoleTaken/Detached on its next write and
+changes nothing. Roles are exclusive: while a live process holds the producer role
+or a consumer id, a second one is refused with RoleHeld unless it takes over
+(`takeover=True`, the `--takeover` flag; see `_take_role`). The producer's calls
+live in fanout.claims (a mixin of this class), the eviction and lag rules in
+fanout.retention (with RunConfig), liveness and role holders in fanout.liveness,
+the tokens' value types in fanout.leases; the file side of eviction and
+quarantine goes through fanout.store (imported lazily: no torch for `status`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fanout import postgresdb, retention, schema, sqlitedb
 from fanout.claims import ProducerSide
@@ -43,11 +45,21 @@ from fanout.errors import (
     AcquireTimeout,
     ConfigError,
     Detached,
+    NoCoordinator,
+    RoleHeld,
+    RoleTaken,
     StaleLease,
     WindowGone,
 )
 from fanout.leases import ConsumerReg, Lease, ProducerReg, WindowFiles
-from fanout.liveness import Reclaimer
+from fanout.liveness import (
+    HOLDER_COLUMNS,
+    Holder,
+    ProcessInfo,
+    Reclaimer,
+    RoleWatch,
+    this_process,
+)
 from fanout.retention import RunConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +68,7 @@ DB_NAME = "coordinator.sqlite3"
 DB_POINTER = "coordinator.dbpath"  # written when --db-path puts the database elsewhere
 
 Location = Path | str  # a SQLite file, or a postgresql:// URL (without its password)
+T = TypeVar("T")
 
 
 def _root(run_dir: Any) -> Path:
@@ -91,6 +104,7 @@ class Coordinator(ProducerSide):
         self._store = store
         self._reclaimer = Reclaimer(self.config.ttl_s, clock)
         self._blocked_since: float | None = None  # producer's own clock, for `detach`
+        self._role_watch: dict[str, RoleWatch] = {}  # what _take_role saw, per role
 
     # ---- opening -----------------------------------------------------------------
 
@@ -186,7 +200,7 @@ class Coordinator(ProducerSide):
             if not allow_network_fs:
                 sqlitedb.check_local_filesystem(where, mountinfo)
             if not where.is_file():
-                raise ConfigError(
+                raise NoCoordinator(
                     f"{where}: no coordinator database (has a producer created the run?)"
                 )
             conn = sqlitedb.SqliteDatabase(where)
@@ -246,19 +260,24 @@ class Coordinator(ProducerSide):
         dp_rank: int = 0,
         expect: dict[str, Any] | None = None,
         cursor: int | None = None,
+        *,
+        takeover: bool = False,
     ) -> ConsumerReg:
         """Join (or rejoin) as `name:dp<rank>`; `cursor` resumes from a checkpoint.
 
         A rejoin keeps the stored cursor unless `cursor` is given (which may move it
         back: that window is then recaptured), fences the previous incarnation and
-        drops its leases. ContractMismatch names every expected field that differs.
+        drops its leases. RoleHeld while another live process holds this id (see
+        `_take_role`), unless `takeover`. ContractMismatch names every expected field
+        that differs.
         """
         if not name or ":" in name:
             raise ConfigError(f"consumer name {name!r}: must be non-empty without ':'")
         cid = f"{name}:dp{dp_rank}"
         self.contract.require(expect or {}, where=f"consumer {cid}")
         expect_json = json.dumps(expect or {}, sort_keys=True)
-        with self._write() as cur:
+
+        def register(cur: schema.Sql, me: ProcessInfo) -> ConsumerReg:
             token = self._bump(cur, "next_token")
             row = cur.execute("SELECT cursor FROM consumers WHERE id=?", (cid,)).fetchone()
             start = cursor if cursor is not None else (row[0] if row else 0)
@@ -266,15 +285,24 @@ class Coordinator(ProducerSide):
                 raise ConfigError(f"consumer {cid}: cursor must be >= 0, got {start}")
             cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
             cur.execute(
-                "INSERT INTO consumers(id, expect, cursor, hb_wall, state, token) "
-                "VALUES (?, ?, ?, ?, 'active', ?) ON CONFLICT(id) DO UPDATE SET "
+                "INSERT INTO consumers(id, expect, cursor, hb_wall, state, token, host, pid, proc) "
+                "VALUES (?, ?, ?, ?, 'active', ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
                 "expect=excluded.expect, cursor=excluded.cursor, hb_wall=excluded.hb_wall, "
-                "state='active', token=excluded.token, note=NULL",
-                (cid, expect_json, start, _now(), token),
+                "state='active', token=excluded.token, note=NULL, host=excluded.host, "
+                "pid=excluded.pid, proc=excluded.proc",
+                (cid, expect_json, start, _now(), token, me.host, me.pid, me.proc),
             )
+            return ConsumerReg(cid, token, start)
+
+        reg = self._take_role(
+            f"consumer {cid}",
+            (f"SELECT {HOLDER_COLUMNS} FROM consumers WHERE id=?", (cid,)),
+            takeover,
+            register,
+        )
         self._reclaimer.own(cid)
-        log.info("consumer %s registered at cursor %d (token %d)", cid, start, token)
-        return ConsumerReg(cid, token, start)
+        log.info("consumer %s registered at cursor %d (token %d)", cid, reg.cursor, reg.token)
+        return reg
 
     def resume(self, reg: ConsumerReg, cursor: int) -> ConsumerReg:
         """Re-register `reg`'s consumer at `cursor` (its checkpoint's)."""
@@ -284,19 +312,100 @@ class Coordinator(ProducerSide):
     def _check_consumer(self, cur: schema.Sql, cid: str, token: int) -> int:
         """Return the consumer's cursor; raise Detached / StaleLease if fenced off."""
         row = cur.execute(
-            "SELECT cursor, state, token FROM consumers WHERE id=?", (cid,)
+            f"SELECT cursor, note, {HOLDER_COLUMNS} FROM consumers WHERE id=?", (cid,)
         ).fetchone()
         if row is None:
             raise StaleLease(f"consumer {cid} is not registered")
-        cursor, state, current = row
-        if state == "detached":
-            raise Detached(f"consumer {cid} was detached by the lag policy; register again")
-        if current != token or state != "active":
-            raise StaleLease(
-                f"consumer {cid}: token {token} is stale (now {current}, state {state}); "
-                "it was reclaimed as lost or superseded — register again"
-            )
+        cursor, note, holder = row[0], row[1], Holder(*row[2:])
+        if holder.state == "detached" and (holder.pid is None or holder.is_process(this_process())):
+            raise Detached(f"consumer {cid} was detached by the lag policy ({note})")
+        if holder.token != token or holder.state != "active":
+            raise self._fenced(f"consumer {cid}", token, holder)
         return int(cursor)
+
+    def _fenced(self, role: str, token: int, holder: Holder) -> StaleLease:
+        """The error for a call whose token is no longer the role's: who has the role now.
+
+        Never advises registering again: the role is someone else's (RoleTaken), or
+        this process was declared lost, or it already ended its registration.
+        """
+        if holder.token == token:
+            return StaleLease(
+                f"{role}: this process already ended its registration (state {holder.state}); "
+                "no further calls are accepted"
+            )
+        mine = holder.is_process(this_process())
+        if not mine and not (holder.state == "lost" and holder.pid is None):
+            now = {"active": "holds it now"}.get(holder.state, f"is now {holder.state}")
+            return RoleTaken(
+                f"{role}: another process took this role: {holder} registered it after this "
+                f"process and {now} (token {token} is stale, the role's is {holder.token}). "
+                "This process is fenced off and stops here; nothing it does changes the run"
+            )
+        if holder.state != "lost":
+            return StaleLease(
+                f"{role}: token {token} is stale: this same process registered the role again "
+                f"(token {holder.token}); the older registration is fenced off"
+            )
+        return StaleLease(
+            f"{role}: token {token} is stale: this process was declared lost (its heartbeat "
+            f"did not move for ttl_s = {self.config.ttl_s:g} s: paused, stalled, or cut off "
+            "from the coordinator) and fenced off; it stops here. Nothing holds the role now: "
+            "restarting this process (trainers: with --resume) rejoins"
+        )
+
+    def _take_role(
+        self,
+        role: str,
+        select: tuple[str, tuple[object, ...]],
+        takeover: bool,
+        register: Callable[[schema.Sql, ProcessInfo], T],
+    ) -> T:
+        """Run `register` in the write transaction that finds `role` free (RoleWatch).
+
+        Raises RoleHeld while another live process holds it, unless `takeover`. A
+        holder that exited on this host is replaced at once; one on another host once
+        its heartbeat counter stood still for ttl_s while we watched (no wall clocks).
+        """
+        me = this_process()
+        # Kept per role: a check before a registration (check_producer_role) counts
+        # toward the registration's own watch.
+        watch = self._role_watch.setdefault(role, RoleWatch(self.config.ttl_s))
+        waiting = False
+        while True:
+            with self._write() as cur:
+                row = cur.execute(*select).fetchone()
+                holder = None if row is None else Holder(*row)
+                verdict = watch.verdict(holder, me)
+                if verdict == "free" or takeover:
+                    if verdict != "free":
+                        log.warning("%s: taking over from %s (--takeover)", role, holder)
+                    elif holder is not None and holder.state == "active":
+                        log.info("%s: replacing %s: %s", role, holder, watch.reason)
+                    return register(cur, me)
+                if verdict == "held":
+                    assert holder is not None
+                    del self._role_watch[role]  # a later try watches afresh
+                    raise RoleHeld(self._held_message(role, holder, watch.reason))
+            if not waiting:
+                waiting = True
+                log.warning(
+                    "%s is registered to %s (on another host, or not heartbeating): waiting "
+                    "up to %g s (ttl_s) to see whether its heartbeat moves",
+                    role, holder, self.config.ttl_s,
+                )  # fmt: skip
+            self._wait_change(None, max_s=0.2)
+
+    def _held_message(self, role: str, holder: Holder, reason: str) -> str:
+        age = _now() - holder.hb_wall
+        return (
+            f"{role} is held by {holder} (last heartbeat {age:.1f} s ago; {reason}); "
+            "refusing to start a second one. To replace it, stop that process, or start "
+            "this one with --takeover (the other is then fenced off and exits). A holder "
+            "that stopped or crashed is replaced without --takeover: at once when it ran "
+            f"on this host, else once its heartbeat has not moved for ttl_s = "
+            f"{self.config.ttl_s:g} s"
+        )
 
     def heartbeat(self, reg: ConsumerReg | ProducerReg) -> None:
         """Prove liveness (increments the heartbeat counter). Fenced."""
@@ -435,9 +544,24 @@ class Coordinator(ProducerSide):
         with self._write() as cur:
             self._check_consumer(cur, reg.consumer_id, reg.token)
             cur.execute("DELETE FROM leases WHERE consumer=?", (reg.consumer_id,))
-            cur.execute("UPDATE consumers SET state='finished' WHERE id=?", (reg.consumer_id,))
+            cur.execute(
+                "UPDATE consumers SET state='finished', hb_wall=? WHERE id=?",
+                (_now(), reg.consumer_id),
+            )
             doomed = retention.mark_evictable(cur, self.config.expected_consumers)
         self._finish_evictions(doomed)
+
+    def stop(self, reg: ConsumerReg) -> None:
+        """The consumer exits cleanly before the end of its stream (--max-steps, a
+        signal): state 'stopped', leases dropped. Its cursor still holds windows back,
+        as a lost one's does: a restart (--resume) continues there."""
+        with self._write() as cur:
+            self._check_consumer(cur, reg.consumer_id, reg.token)
+            cur.execute("DELETE FROM leases WHERE consumer=?", (reg.consumer_id,))
+            cur.execute(
+                "UPDATE consumers SET state='stopped', hb_wall=? WHERE id=?",
+                (_now(), reg.consumer_id),
+            )
 
     def report_corrupt(self, lease: Lease, reason: str) -> None:
         """Quarantine the leased file and queue the window for recapture (new generation)."""

@@ -90,8 +90,26 @@ class SchemaVersionError(FanoutError):
     """The coordinator database has a schema version this code does not know."""
 
 
+class NotACoordinatorDatabase(SchemaVersionError):
+    """The coordinator's location holds something else: a file that is not SQLite
+    (SQLITE_NOTADB), a damaged one (SQLITE_CORRUPT), or a database with tables but not
+    fanout's. Waiting will not fix it: point --run-dir / --db-path at the right run."""
+
+
 class ConfigError(FanoutError):
     """A configuration value is invalid; the message names the field and the source."""
+
+
+class NoCoordinator(ConfigError):
+    """No coordinator database at the run's location yet: no file, or an empty one (no
+    tables: a producer is creating it, or was killed while it did). A trainer started
+    before its producer waits on this, up to --acquire-timeout-s."""
+
+
+class CheckpointError(ConfigError):
+    """A draft checkpoint directory that cannot be used as asked: not committed, missing
+    files, an older format (e.g. format 1's off-by-one layer ids), or a shape that does
+    not fit the verifier. The message names the file and field."""
 
 
 class CoordinatorBusy(FanoutError):
@@ -101,4 +119,18 @@ class CoordinatorBusy(FanoutError):
 
 class CoordinatorUnavailable(FanoutError):
     """The PostgreSQL coordinator cannot be reached (connect failed or the connection
-    dropped). Nothing half-done is left: every write is one transaction."""
+    dropped), or the SQLite file cannot be opened or written (SQLITE_CANTOPEN,
+    SQLITE_READONLY, SQLITE_PERM, SQLITE_IOERR: permissions, a read-only filesystem,
+    an I/O error). Nothing half-done is left: every write is one transaction."""
+
+
+class RoleHeld(FanoutError):
+    """Another live process holds the role this one asked for: the run's producer, or
+    a consumer id `name:dp<rank>`. Raised at registration, before anything changed; the
+    message names the holder (host, pid, heartbeat age) and how to take over."""
+
+
+class RoleTaken(StaleLease):
+    """This process was fenced off because another process registered its role (a
+    `--takeover`, or a restart that found it lost). It must stop: it changes nothing
+    from now on. The message names the new holder where the coordinator knows it."""

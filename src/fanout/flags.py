@@ -120,8 +120,12 @@ def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M
     try:
         return model.model_validate(values)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{flag_name(str(err['loc'][0])) if err['loc'] else '?'}: {err['msg']}"
-            for err in e.errors()
-        )
-        raise ConfigError(f"invalid {model.__name__} from {source}: {problems}") from None
+        raise ConfigError(f"invalid {model.__name__} from {source}: {problems(e)}") from None
+
+
+def problems(e: ValidationError) -> str:
+    """A pydantic error on one line, each problem named by its flag: `--lr: Input ...`."""
+    return "; ".join(
+        f"{flag_name(str(err['loc'][0])) if err['loc'] else '?'}: {err['msg']}"
+        for err in e.errors()
+    )

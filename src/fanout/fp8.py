@@ -1,8 +1,8 @@
 """fp8 (e4m3) storage of hidden states with one scale per token and captured layer.
 
     from fanout.fp8 import quantize_into, dequantize
-    quantize_into(x, q[..., j*H:(j+1)*H], scale[..., j])   # x [B, T, H] → fp8 + float32 scale
-    hidden = dequantize(q, scale)                            # [B, T, n·H] fp8 + [B, T, n] → float32
+    quantize_into(x, q_j, scale_j)          # layer j: x [B, T, H] → q_j [B, T, H] fp8 + scale_j [B, T]
+    hidden = dequantize(q, scale)           # k layers side by side: [B, T, k·H] + [B, T, k] → float32
 
 `fanout produce --storage-dtype float8_e4m3fn` halves what windows cost against bf16
 (disk, page cache, publish bandwidth: n·H bytes per token plus 4·n for the scales).
@@ -13,6 +13,12 @@ largest value (e4m3's smallest normal), and at most 2⁻¹⁰·scale in absolute
 below that. Per token, not per tensor, because LLM hidden states have tokens
 whose norms differ by orders of magnitude (the first token's "attention sink" above
 all), and per layer because layers do too. `last_hidden_states` stays bf16.
+
+Windows store each captured layer's values and scales as their own tensors
+(`hidden_states.<layer>` `[R, T, H]` F8_E4M3, `hidden_states_scale.<layer>` `[R, T]`
+F32; fanout.windowfile), so a trainer that reads k of the captured layers reads
+only their values and scales. The consumer puts the k layers side by side in the
+draft's order (`[B, T, k·H]` and `[B, T, k]`), the layout `dequantize` takes.
 
 Trainers see float32 `hidden_states` either way (`dequantize` in the trainer, on
 its device); fp8 changes what the draft trains on by that rounding, so compare a
@@ -31,7 +37,7 @@ _TINY = torch.finfo(torch.float32).tiny  # scale floor: an all-zero token stays 
 def quantize_into(x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor) -> None:
     """Quantise x [..., H] per row into q_out [..., H] (fp8) and scale_out [...] (float32).
 
-    q_out and scale_out may be strided views (a layer's slice of a window buffer).
+    q_out and scale_out may be strided views (e.g. a layer's slice of a wider buffer).
     """
     xf = x.float()  # [..., H]
     scale = (xf.abs().amax(dim=-1) / FP8_MAX).clamp_(min=_TINY)  # [...]

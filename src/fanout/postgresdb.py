@@ -297,11 +297,17 @@ class PostgresDatabase:
     # ---- creating and finding a run's tables -----------------------------------------
 
     def has_tables(self) -> bool:
-        row = self.raw.execute(
-            "SELECT 1 FROM information_schema.tables WHERE table_schema=%s AND table_name='meta'",
-            (self.schema,),
-        ).fetchone()
-        return row is not None
+        return "meta" in self.table_names()
+
+    def table_names(self) -> set[str]:
+        """The tables of this run's schema (none yet: the run is not created)."""
+        rows = self._run(
+            lambda: self.raw.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema=%s",
+                (self.schema,),
+            ).fetchall()
+        )
+        return {str(r[0]) for r in rows}
 
     def create_namespace(self) -> None:
         """CREATE SCHEMA if missing (needs the CREATE privilege on the database)."""

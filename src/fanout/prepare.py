@@ -35,6 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fanout.cache import MANIFEST, PackedDataset, ShardWriter, fingerprint
 from fanout.chat import ChatFormat, detect_format, iter_raw_chunks
 from fanout.errors import BadRow, ConfigError
+from fanout.flags import problems
+from fanout.masks import RULES_VERSION, VERIFY_ROWS, plan_path
 from fanout.packing import Doc, OverLength, Packer, shuffled
 from fanout.template import ChatSpec, default_cache_root, load_chat_spec
 from fanout.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
@@ -56,6 +58,11 @@ class PrepareConfig(BaseModel):
 
     data: list[str] = Field(description="input files: JSON array, JSONL or Parquet", min_length=1)
     tokenizer: str = Field(description="local Hugging Face tokenizer directory")
+    chat_template: str | None = Field(
+        None,
+        description="chat template file (.jinja, or .json holding chat_template) to use "
+        "instead of the tokenizer's",
+    )
     seq_len: int = Field(4096, ge=2, description="tokens per packed row (T)")
     format: Literal["auto", "sharegpt", "openai", "pairs"] = Field(
         "auto", description="input shape; auto detects per file from the first rows"
@@ -103,6 +110,13 @@ class PrepareConfig(BaseModel):
         ChatFormat(role_map=v)  # one place validates roles
         return v
 
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"no such file: {v}")
+        return v
+
     def chat_format(self) -> ChatFormat:
         return ChatFormat(
             format=self.format,
@@ -139,7 +153,7 @@ def open_packed(out_dir: str | Path) -> PackedDataset:
 
 def prewarm(cfg: PrepareConfig) -> tuple[ChatSpec, WorkerPool]:
     """Load the tokenizer spec and start the workers in the background; returns at once."""
-    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root())
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template)
     pool = shared_pool(cfg.workers)
     pool.prewarm(spec)
     return spec, pool
@@ -157,10 +171,12 @@ def _tasks(cfg: PrepareConfig, spec: ChatSpec, formats: dict[str, str]) -> Itera
         for (file, first), items, raw, nbytes in iter_raw_chunks(
             path, _chunk_sizes(cfg.chunk_rows)
         ):
-            if fmt is None:
+            verify = 0
+            if fmt is None:  # a file's first chunk: its first rows check the mask path
                 fmt = detect_format(_head(file, items, raw), cfg.chat_format())
                 formats[file] = f"{fmt.format} (turns in '{fmt.resolved_messages_field()}')"
-            yield ChunkTask(spec, fmt, file, first, items, raw, skip, nbytes)
+                verify = VERIFY_ROWS
+            yield ChunkTask(spec, fmt, file, first, items, raw, skip, nbytes, verify)
 
 
 def _head(file: str, items: list[Any], raw: bool) -> list[Any]:
@@ -184,6 +200,8 @@ class _Run:
         self.formats: dict[str, str] = {}
         self.skipped: dict[str, int] = {}
         self.rows_in = 0
+        self.mask_paths: dict[str, int] = {}  # path -> chunks; plus rows aligned / verified
+        self.mask_aligned = self.mask_verified = 0
         self.packer = Packer(cfg.seq_len, cfg.lookahead, cfg.over_length, spec.pad_token_id)
         self.t0 = time.perf_counter()
         self.bar: Any = None
@@ -199,6 +217,9 @@ class _Run:
             if res.error is not None:
                 raise BadRow(*res.error)
             self.rows_in += res.rows_in
+            self.mask_paths[res.mask_path] = self.mask_paths.get(res.mask_path, 0) + 1
+            self.mask_aligned += res.aligned
+            self.mask_verified += res.verified
             for k, v in res.skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v
             if self.bar is not None:
@@ -242,6 +263,10 @@ class _Run:
             "seconds": round(secs, 3),
             "tokens_per_s": round(float(rep["tokens"]) / secs, 1) if secs > 0 else 0.0,
             "workers": self.pool.workers,
+            "mask_path": ",".join(sorted(self.mask_paths)) or plan_path(self.spec),
+            "mask_verified_rows": self.mask_verified,
+            "mask_aligned_rows": self.mask_aligned,
+            "chat_template": self.spec.template_source,
         }
 
 
@@ -276,12 +301,15 @@ def _materialize(entry: Path, out: Path) -> None:
 
 def prepare(cfg: PrepareConfig) -> PackedDataset:
     """Run the data stage (or load it from the cache) and return the packed dataset."""
-    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root())  # no workers on a cache hit
+    # no workers on a cache hit
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template)
     fp = fingerprint(
         list(cfg.data),
         {
             "tokenizer": spec.fingerprint,
             "template": spec.template_fingerprint(),
+            "mask_path": plan_path(spec),
+            "mask_rules": RULES_VERSION,
             **cfg.output_options(),
         },
     )
@@ -333,6 +361,7 @@ def _help(name: str) -> str:
 def add_arguments(p: argparse.ArgumentParser, name: str = "prepare") -> None:
     p.add_argument("--data", nargs="+", required=True, metavar="PATH", help=_help("data"))
     p.add_argument("--tokenizer", required=True, metavar="DIR", help=_help("tokenizer"))
+    p.add_argument("--chat-template", metavar="FILE", help=_help("chat_template"))
     p.add_argument("--seq-len", type=int, default=4096, metavar="T", help=_help("seq_len"))
     p.add_argument(
         "--format",
@@ -383,6 +412,7 @@ def config_from_args(args: argparse.Namespace) -> PrepareConfig:
         return PrepareConfig(
             data=args.data,
             tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
             seq_len=args.seq_len,
             format=args.format,
             messages_field=args.messages_field,
@@ -402,8 +432,10 @@ def config_from_args(args: argparse.Namespace) -> PrepareConfig:
             rows_per_shard=args.rows_per_shard,
             progress=not args.no_progress,
         )
-    except (ValidationError, ValueError) as e:
-        raise ConfigError(f"fanout prepare: bad option: {e}") from None
+    except ValidationError as e:
+        raise ConfigError(problems(e)) from None
+    except ValueError as e:  # --role-map / --pair-keys that do not parse
+        raise ConfigError(f"--role-map / --pair-keys: {e}") from None
 
 
 def format_summary(ds: PackedDataset) -> str:
@@ -421,6 +453,14 @@ def format_summary(ds: PackedDataset) -> str:
         ("over-length split/dropped", f"{s['split_over_length']}/{s['dropped_over_length']}"),
         ("skipped bad rows", f"{s['skipped_bad_rows']}"),
     ]
+    if "mask_path" in s:
+        lines.append(
+            (
+                "loss mask",
+                f"{s['mask_path']} (checked against the prefix rule on {s['mask_verified_rows']} "
+                f"rows; {s['mask_aligned_rows']} rows aligned)",
+            )
+        )
     lines += [(f"  skipped: {k}", str(v)) for k, v in s["skipped_by_reason"].items()]
     lines += [(f"format {Path(f).name}", v) for f, v in s["formats"].items()]
     lines += [

@@ -12,7 +12,9 @@ dataset in stream order → verifier forward in batches of `capture_batch_rows`
 link → dir fsync) → coordinator commit. A failed publish fails the claim (the
 window is retried under a new generation). SIGINT/SIGTERM leave nothing
 half-done: the window in flight is finished and published, then the loop stops
-and the process exits 0 (during start-up, before any claim, it exits at once).
+and the process exits 0, recording the producer 'finished' (during start-up,
+before any claim, it exits at once). One producer per run: a second one is refused
+(RoleHeld) while the first is live, unless it asks to take over (--takeover).
 
 Stream: row s of the endless stream is row perm_e[s mod N] of the prepared
 dataset, e = s div N, perm_e a permutation seeded by (seed, e). Window w holds
@@ -22,6 +24,7 @@ rows [w·R, (w+1)·R) of that stream, so a recapture reproduces it exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -35,15 +38,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from fanout.capture import CapturedWindow, WindowCapturer
 from fanout.contract import CaptureContract
-from fanout.coordinator import Coordinator, RunConfig
-from fanout.draft_vocab import count_tokens, write_token_counts
+from fanout.coordinator import DB_NAME, DB_POINTER, Coordinator, RunConfig
+from fanout.draft_vocab import TOKEN_COUNTS, count_tokens, write_token_counts
 from fanout.errors import ConfigError, ContractMismatch, StaleLease, StorageError, StorageFull
 from fanout.filesystem import FileSystem
-from fanout.flags import add_model_flags, model_from_args
+from fanout.flags import add_model_flags, model_from_args, problems
 from fanout.fp8 import FP8
 from fanout.leases import Claim, ProducerReg
 from fanout.liveness import Heartbeat
@@ -62,6 +65,11 @@ class ProducerConfig(BaseModel):
     data: list[str] = Field(min_length=1, description="chat data files (JSON, JSONL, Parquet)")
     tokenizer: str | None = Field(None, description="tokenizer dir (default: the verifier dir)")
     seq_len: int = Field(4096, ge=8, description="tokens per packed row T (contract)")
+    allow_seq_len_over_max_positions: bool = Field(
+        False,
+        description="accept a --seq-len above the verifier's max_position_embeddings, for "
+        "verifiers with RoPE scaling that extends it (docs/producer.md)",
+    )
     window_rows: int = Field(16, ge=1, description="rows per window R (contract)")
     max_live_windows: int = Field(4, ge=2, description="K: window files alive at once")
     lag_policy: Literal["hold", "recapture", "detach"] = Field(
@@ -71,8 +79,28 @@ class ProducerConfig(BaseModel):
     epochs: int = Field(1, ge=1, description="passes over the data (each reshuffled)")
     seed: int = Field(0, description="per-epoch shuffle seed (contract)")
     target_layer_ids: list[int] | None = Field(
-        None, description="verifier layers to capture (contract); default: DFlash rule"
+        None, description="older name of --capture-layer-ids (same meaning); give one of them"
     )
+    capture_layer_ids: list[int | Literal["all"]] | None = Field(
+        None,
+        description="verifier layers to capture (contract), or 'all': a superset each trainer "
+        "picks its own --target-layer-ids from, in one verifier pass; default: the DFlash "
+        "rule for --num-draft-layers",
+    )
+
+    @field_validator("capture_layer_ids", mode="before")
+    @classmethod
+    def _all_or_ids(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.data.get("target_layer_ids") is not None and v is not None:
+            raise ValueError(
+                "give --capture-layer-ids or its older name --target-layer-ids, not both"
+            )
+        if v == "all" or (isinstance(v, list) and v == ["all"]):
+            return ["all"]
+        if isinstance(v, list) and "all" in v:
+            raise ValueError(f"'all' stands alone, got {v}")
+        return v
+
     num_draft_layers: int = Field(5, ge=1, description="draft layers for the DFlash layer rule")
     device: str = Field("auto", description="verifier device: auto | cpu | cuda | cuda:N")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -108,6 +136,13 @@ class ProducerConfig(BaseModel):
     format: Literal["auto", "sharegpt", "openai", "pairs"] = Field(
         "auto", description="input data shape"
     )
+    messages_field: str | None = Field(None, description="field holding the turns")
+    pair_keys: tuple[str, str] = Field(("user", "bot"), description="pairs: user/bot keys")
+    chat_template: str | None = Field(
+        None,
+        description="chat template file (.jinja, or .json holding chat_template) to use "
+        "instead of the tokenizer's",
+    )
     on_bad_row: Literal["error", "skip"] = Field("error", description="bad input rows")
     over_length: Literal["split", "drop", "error"] = Field(
         "split", description="conversations longer than seq_len"
@@ -117,6 +152,11 @@ class ProducerConfig(BaseModel):
         description="coordinator database: a SQLite file on a local disk (default: "
         "RUN_DIR/coordinator.sqlite3) or postgresql://user@host/db?schema=NAME for trainers "
         "on other hosts; recorded in the run dir for the other processes",
+    )
+    takeover: bool = Field(
+        False,
+        description="take the run's producer role over from a live producer (that one is "
+        "fenced off and exits); without it, a live producer makes this one exit",
     )
     progress: bool = Field(True, description="progress bar on stderr")
 
@@ -179,37 +219,205 @@ class _Committed:
     publish_s: float  # Store.publish + coordinator commit
 
 
+def check_inputs(cfg: ProducerConfig) -> None:
+    """Refuse what would fail later, before anything is created; each message names
+    the flag: --data files that do not exist, a verifier directory without a readable
+    config.json, a --seq-len above the verifier's max_position_embeddings.
+
+    Why seq_len is the bound: position ids restart at 0 for every document of a packed
+    row and over-length conversations are split into pieces of at most seq_len tokens
+    (fanout.packing), so no position reaches seq_len. The longest document actually
+    packed can be shorter, but it is known only after data preparation (minutes, and
+    it changes with the data); seq_len is known now and is always safe.
+    """
+    from fanout.verifier import max_position_embeddings
+
+    missing = [f for f in cfg.data if not Path(f).is_file()]
+    if missing:
+        raise ConfigError(f"--data: no such file: {', '.join(missing)}")
+    try:
+        limit = max_position_embeddings(cfg.verifier_name_or_path)
+    except ConfigError as e:
+        raise ConfigError(f"--verifier-name-or-path: {e}") from None
+    if limit is None or cfg.seq_len <= limit:
+        return
+    if cfg.allow_seq_len_over_max_positions:
+        log.warning(
+            "--seq-len %d is above the verifier's max_position_embeddings %d: positions up "
+            "to %d are captured (--allow-seq-len-over-max-positions)",
+            cfg.seq_len, limit, cfg.seq_len - 1,
+        )  # fmt: skip
+        return
+    raise ConfigError(
+        f"--seq-len {cfg.seq_len} is above the verifier's max_position_embeddings {limit} "
+        f"({Path(cfg.verifier_name_or_path) / 'config.json'}): rows would carry positions up "
+        f"to {cfg.seq_len - 1}. Use --seq-len {limit} or less, or pass "
+        "--allow-seq-len-over-max-positions for a verifier whose RoPE scaling extends it"
+    )
+
+
+# What a producer may create in a run directory (fanout.store.RunDir's folders, the data
+# cache, the coordinator's files, stream.json, token counts): the only names a producer
+# that failed before its first window removes, and only those that were not there before.
+_RUN_DIR_NAMES = (
+    "windows", "tmp", "quarantine", "telemetry", "logs", "cache", "contract.json",
+    "stream.json", TOKEN_COUNTS, DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", DB_POINTER,
+)  # fmt: skip
+
+
+@dataclass
+class _Created:
+    """What a producer start created, noted before it creates anything, so that a start
+    that fails before the first window leaves no run-dir skeleton behind."""
+
+    root: Path
+    root_is_new: bool
+    run_existed: bool  # a coordinator database (or a pointer to one) was there: never remove
+    new_names: list[str]
+    new_db: Path | None  # a SQLite database elsewhere (--db-path) that did not exist
+
+    @classmethod
+    def note(cls, root: Path, db_path: str | None) -> _Created:
+        root = root.absolute()
+        where = Coordinator.resolve_db_path(root, db_path)
+        new_db = where if isinstance(where, Path) and not where.exists() else None
+        if new_db is not None and new_db.parent == root:
+            new_db = None  # one of _RUN_DIR_NAMES
+        return cls(
+            root=root,
+            root_is_new=not root.exists(),
+            run_existed=(root / DB_NAME).exists()
+            or (root / DB_POINTER).exists()
+            or (isinstance(where, Path) and where.exists()),
+            new_names=[n for n in _RUN_DIR_NAMES if not (root / n).exists()],
+            new_db=new_db,
+        )
+
+    def remove(self) -> list[str]:
+        """Remove what was created (best effort, never raises); returns what went."""
+        import shutil
+
+        paths = [self.root / n for n in self.new_names]
+        if self.new_db is not None:
+            paths += [self.new_db, Path(f"{self.new_db}-wal"), Path(f"{self.new_db}-shm")]
+        removed = []
+        for path in paths:
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                elif path.exists() or path.is_symlink():
+                    path.unlink()
+                else:
+                    continue
+            except OSError as e:
+                log.warning("could not remove %s: %s", path, e)
+                continue
+            removed.append(path.name)
+        if self.root_is_new:
+            with contextlib.suppress(OSError):  # not empty: someone else's files stay
+                self.root.rmdir()
+                removed.append(str(self.root))
+        return removed
+
+
 class Producer:
-    """One producer process. Build with `Producer(cfg)`, then `run()`."""
+    """One producer process. Build with `Producer(cfg)`, then `run()`.
+
+    A start that fails (or is interrupted) before it publishes its first window
+    removes what it created in the run directory (`discard_if_unused`), so no
+    skeleton of a run that never produced anything is left for trainers to find.
+    """
 
     def __init__(self, cfg: ProducerConfig, *, fs: FileSystem | None = None) -> None:
+        self.cfg = cfg
+        check_inputs(cfg)
+        self._created: _Created | None = _Created.note(Path(cfg.run_dir), cfg.db_path)
+        self._created_db = False  # this process created the run's coordinator database
+        try:
+            self._start(fs or FileSystem())
+        except BaseException:
+            self.discard_if_unused()
+            raise
+
+    def discard_if_unused(self) -> bool:
+        """After a start that failed or was interrupted: if this producer created the run
+        (no coordinator database was there), no window was ever published and no trainer
+        has joined, remove what it created in the run dir (folders, database,
+        contract.json, stream.json, token counts, data cache) and the run dir itself if
+        it made it and it is now empty. Never touches an existing run. True if it
+        removed something."""
+        created, self._created = self._created, None
+        if created is None or created.run_existed:
+            return False
+        coord = getattr(self, "coord", None)
+        if coord is not None:
+            if not self._created_db:
+                return False
+            q = coord.conn.execute
+            try:
+                published = (
+                    "SELECT COUNT(*) FROM windows WHERE state IN ('ready','evicting','evicted')"
+                )
+                me = f"{socket.gethostname()}:{os.getpid()}"  # the owner run() registers
+                used = (
+                    q(published).fetchone()[0]
+                    + int(coord.meta("evictions"))
+                    + q("SELECT COUNT(*) FROM consumers").fetchone()[0]  # trainers joined
+                    + q("SELECT COUNT(*) FROM producer WHERE owner <> ?", (me,)).fetchone()[0]
+                )  # the last: another producer took the run over (--takeover)
+            except Exception:  # the database itself failed: keep it for a post-mortem
+                return False
+            if used:
+                return False
+            coord.close()
+        removed = created.remove()
+        if removed:
+            log.info(
+                "%s: stopped before publishing a window; removed what this start created: %s",
+                created.root,
+                ", ".join(removed),
+            )
+        return bool(removed)
+
+    def _start(self, fs: FileSystem) -> None:
         from fanout.prepare import PrepareConfig, prepare
         from fanout.verifier import load_verifier
 
-        self.cfg = cfg
-        self.run_dir = RunDir(Path(cfg.run_dir)).create()
-        self.store = Store(self.run_dir, fs or FileSystem())
+        cfg = self.cfg
+        try:
+            self.run_dir = RunDir(Path(cfg.run_dir)).create(fs)
+        except OSError as e:
+            raise ConfigError(
+                f"--run-dir {cfg.run_dir}: cannot create the run directory: {e.strerror or e} "
+                f"({e.filename})"
+            ) from None
+        self.store = Store(self.run_dir, fs)
         tokenizer = cfg.tokenizer or cfg.verifier_name_or_path
-        self.dataset = prepare(
-            PrepareConfig(
+        try:
+            prepare_cfg = PrepareConfig(
                 data=cfg.data,
                 tokenizer=tokenizer,
                 seq_len=cfg.seq_len,
                 format=cfg.format,
+                messages_field=cfg.messages_field,
+                pair_keys=cfg.pair_keys,
+                chat_template=cfg.chat_template,
                 workers=cfg.workers,
                 cache_dir=cfg.cache_dir or str(self.run_dir.root / "cache"),
                 on_bad_row=cfg.on_bad_row,
                 over_length=cfg.over_length,
                 progress=cfg.progress,
             )
-        )
+        except ValidationError as e:
+            raise ConfigError(f"data preparation options: {problems(e)}") from None
+        self.dataset = prepare(prepare_cfg)
         if self.dataset.num_rows == 0:
             raise ConfigError(f"{cfg.data}: no usable rows after preparation")
         self.verifier = load_verifier(
             cfg.verifier_name_or_path,
             device=cfg.device,
             dtype=cfg.dtype,
-            target_layer_ids=tuple(cfg.target_layer_ids) if cfg.target_layer_ids else None,
+            target_layer_ids=self._capture_layers(),
             num_draft_layers=cfg.num_draft_layers,
             storage_dtype=cfg.storage_dtype,
             store_last_hidden_states=cfg.store_last_hidden_states,
@@ -246,6 +454,13 @@ class Producer:
         self._publisher = ThreadPoolExecutor(1, "fanout-publish") if overlap else None
         self._inflight: tuple[Claim, Future[_Committed], int, int] | None = None
         self._thread_state = threading.local()
+
+    def _capture_layers(self) -> tuple[int, ...] | Literal["all"] | None:
+        """--capture-layer-ids (or its older name --target-layer-ids); None: DFlash rule."""
+        ids = self.cfg.capture_layer_ids or self.cfg.target_layer_ids
+        if ids == ["all"]:
+            return "all"
+        return tuple(int(i) for i in ids) if ids else None
 
     def window_bytes(self) -> int:
         """Bytes of one full window on disk, header aside (docs/producer.md's arithmetic)."""
@@ -300,18 +515,31 @@ class Producer:
         if coord.contract != self.contract:  # refuse before touching stream.json
             coord.close()
             raise ContractMismatch(coord.contract.diff(self.contract), where="producer")
+        try:
+            coord.check_producer_role(cfg.takeover)  # RoleHeld: refused before any write
+        except BaseException:
+            coord.close()
+            raise
         if coord.config != self._run_config():
             log.warning("run settings stored in %s win over flags: %s", coord.db_path, coord.config)
         return coord
 
     def _create_coordinator(self) -> Coordinator:
-        return Coordinator.create(
-            self.run_dir.root,
-            self.contract,
-            self._run_config(),
-            db_path=self.cfg.db_path,
-            store=self.store,
-        )
+        try:
+            coord = Coordinator.create(
+                self.run_dir.root,
+                self.contract,
+                self._run_config(),
+                db_path=self.cfg.db_path,
+                store=self.store,
+            )
+        except OSError as e:  # the database's directory (--db-path) cannot be made
+            raise ConfigError(
+                f"--db-path {self.cfg.db_path}: cannot create the coordinator database: "
+                f"{e.strerror or e} ({e.filename})"
+            ) from None
+        self._created_db = True
+        return coord
 
     def _write_stream_info(self) -> None:
         """stream.json: what consumers need to turn `--epochs` into windows."""
@@ -466,7 +694,7 @@ class Producer:
 
         self._install_signals()
         owner = f"{socket.gethostname()}:{os.getpid()}"
-        preg = self.coord.register_producer(self.contract, owner=owner)
+        preg = self.coord.register_producer(self.contract, owner=owner, takeover=self.cfg.takeover)
         swept = self.coord.sweep()
         log.info("producer %s: %s; swept %s", owner, self.verifier, swept)
         bar = tqdm(
@@ -531,6 +759,7 @@ class Producer:
         bar.close()
         if self._publisher is not None:
             self._publisher.shutdown(wait=True)
+        self.coord.finish_producer(preg)  # a clean exit: `fanout status` shows it finished
         summary = self.stats.summary()
         summary["stream_id"] = self.contract.stream_id
         summary["total_windows"] = self.total_windows
@@ -575,7 +804,12 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
 
     signal.signal(signal.SIGINT, early_exit)
     signal.signal(signal.SIGTERM, early_exit)
-    summary = Producer(cfg).run()  # run() installs the in-loop (finish-then-stop) handlers
+    producer = Producer(cfg)  # a failed start removes what it created (discard_if_unused)
+    try:
+        summary = producer.run()  # installs the in-loop (finish-then-stop) handlers
+    except BaseException:
+        producer.discard_if_unused()  # e.g. the first capture ran out of device memory
+        raise
     text = json.dumps(summary, indent=2)
     print(text)
     if args.summary_json:

@@ -409,7 +409,7 @@ def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
 
 
 def write_plots(rep: dict[str, Any], runs: list[tuple[Any, Path]], out: Path) -> list[str]:
-    """steps.png, live.png, util.png (Agg backend: no display needed)."""
+    """steps.png, live.png, util.png, curves.png (Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -445,6 +445,7 @@ def write_plots(rep: dict[str, Any], runs: list[tuple[Any, Path]], out: Path) ->
         ax.set(title=f"{run.name}: utilization", xlabel="s", ylabel="%", ylim=(0, 105))
         if ax.get_legend_handles_labels()[0]:  # nothing plotted: no empty legend
             ax.legend(fontsize=7)
+    figs["curves"] = _learning_curves(plt, runs)
     names = []
     for k, (fig, _) in figs.items():
         fig.tight_layout()
@@ -452,6 +453,30 @@ def write_plots(rep: dict[str, Any], runs: list[tuple[Any, Path]], out: Path) ->
         plt.close(fig)
         names.append(f"{k}.png")
     return names
+
+
+def _learning_curves(plt: Any, runs: list[tuple[Any, Path]]) -> Any:
+    """curves.png: loss and EAL against step, one line per draft, one row per scenario
+    (the drafts step at the same pace, so a steps-over-time plot cannot tell them apart)."""
+    fig, axes = plt.subplots(len(runs), 2, figsize=(10, 3.6 * len(runs)), squeeze=False)
+    for i, (run, _) in enumerate(runs):
+        for role in run.roles:
+            if role.kind != "consumer" or role.save_path is None:
+                continue
+            recs = _train_log(role.save_path / "train_log.jsonl")
+            if not recs:
+                continue
+            k = max(1, len(recs) // 50)  # moving mean over ~2% of the run: single steps are noisy
+            for j, key in enumerate(("loss", "eal")):
+                ys = [float(r[key]) for r in recs]
+                smooth = [sum(ys[max(0, n - k + 1) : n + 1]) / len(ys[max(0, n - k + 1) : n + 1]) for n in range(len(ys))]  # fmt: skip
+                axes[i][j].plot([r["step"] for r in recs], smooth, label=role.name)
+        for j, key in enumerate(("loss", "EAL (train-time)")):
+            ax = axes[i][j]
+            ax.set(title=f"{run.name}: {key}", xlabel="step", ylabel=key)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+    return fig, axes
 
 
 def write_report(rep: dict[str, Any], runs: list[tuple[Any, Path]], out: Path) -> None:

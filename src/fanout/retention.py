@@ -10,14 +10,15 @@ does the file side (unlink first, then mark the row evicted).
 
 Rules:
 - a ready window is evictable when at least `expected_consumers` consumers have
-  registered, every *counted* consumer (active, or lost but not detached) has a
-  cursor past it, and no lease holds it;
+  registered, every *counted* consumer (active, lost or stopped; not finished or
+  detached) has a cursor past it, and no lease holds it;
 - capacity: at most K windows are live (ready + capturing + evicting); one more
   only for the window the slowest counted consumer waits on, else K ready
   windows that it also needs would deadlock it;
 - `recapture`: when blocked, an unleased ready window that the leading consumer
   has passed (so only consumers behind it need it) is evicted to make room: the
-  one whose next reader is furthest behind it (see `recapture_victim`);
+  one whose next reader is furthest behind it, never a window some consumer reads
+  next while the leader has its own next window (see `recapture_victim`);
 - `detach`: when blocked long enough, the counted consumer with the lowest cursor
   behind the leader is detached (fenced, leases dropped).
 """
@@ -32,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.schema import Sql
 
-COUNTED_STATES = "('active','lost')"  # consumers whose cursors hold windows back
+# consumers whose cursors hold windows back: running, lost, or stopped cleanly mid-stream
+COUNTED_STATES = "('active','lost','stopped')"
 EVICTED_ROWS_KEPT = 64  # older evicted rows are deleted, so metadata stays flat forever
 _FAR = 1 << 62
 
@@ -162,11 +164,15 @@ def recapture_victim(cur: Sql) -> Doomed:
     `w − (highest counted cursor ≤ w)`; ties go to the oldest window, so a
     near-leader's next windows outlast a laggard's. Consumers move at similar speeds,
     so this approximates Belady's rule (evict what is needed furthest in the future).
-    Evicting the oldest passed window instead (this function's first rule) takes
-    exactly the window a catching-up laggard reads next; it demands it back, whose
-    recapture evicts its next one, and so on. A window at some consumer's cursor
-    (distance 0) still goes when nothing else can, so a paused laggard can never
-    hold the leader at K.
+
+    A window at some consumer's cursor (distance 0) is what that consumer reads
+    next, typically a window just recaptured for a catching-up laggard that has not
+    leased it yet. Evicting it makes the laggard demand it again, and that churn
+    (one chaos run: 257 recaptures for ~50 windows) is what the rule avoids: such a
+    window goes only when nothing else can and the leader has no window of its own
+    to read (its cursor's window is not ready or being captured), so a paused
+    laggard can never hold the leader at K, and a live one never loses its next
+    window to the producer merely running ahead.
     """
     _, lead = cursor_bounds(cur)
     if lead is None:
@@ -191,7 +197,17 @@ def recapture_victim(cur: Sql) -> Doomed:
         return w - cursors[behind - 1] if behind else _FAR
 
     victim = max(windows, key=lambda w: (distance(w), -w))
+    if distance(victim) == 0 and _leader_has_work(cur, lead):
+        return []
     return _mark(cur, "SELECT window, name FROM windows WHERE window=?", (victim,))
+
+
+def _leader_has_work(cur: Sql, lead: int) -> bool:
+    """Is the leading consumer's next window ready or being captured?"""
+    row = cur.execute(
+        "SELECT 1 FROM windows WHERE window=? AND state IN ('ready','capturing')", (lead,)
+    ).fetchone()
+    return row is not None
 
 
 def detach_laggard(cur: Sql, new_token: int) -> tuple[str, int, int] | None:

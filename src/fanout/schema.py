@@ -14,8 +14,9 @@ written once, in the subset both dialects share (`?` placeholders, `RETURNING`,
 backend translates placeholders and quotes the column `window`, a reserved word
 there. Only the DDL's types differ (`DDL.format(**DIALECTS[...])`).
 
-The schema is versioned (`meta.schema_version`); version 1 (counters kept in
-`meta`) is migrated in place, anything else unknown is refused with
+The schema is versioned (`meta.schema_version`); versions 1 (counters kept in
+`meta`) and 2 (no role holders, no 'stopped' consumers) are migrated in place,
+anything else unknown is refused with
 `SchemaVersionError` instead of being guessed at.
 """
 
@@ -25,9 +26,9 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from fanout.errors import SchemaVersionError
+from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Integer counters (table `counters`): id sources (never reused) and what `fanout status` reports.
 COUNTERS = (
@@ -66,9 +67,12 @@ CREATE TABLE consumers(
   cursor     {int} NOT NULL,               -- next window it needs
   hb_seq     {int} NOT NULL DEFAULT 0,     -- heartbeat counter (liveness)
   hb_wall    {real} NOT NULL,              -- wall clock of last heartbeat, display only
-  state      TEXT NOT NULL CHECK (state IN ('active','lost','finished','detached')),
+  state      TEXT NOT NULL CHECK (state IN ('active','lost','finished','stopped','detached')),
   token      {int} NOT NULL,               -- epoch token (fencing)
-  note       TEXT
+  note       TEXT,
+  host       TEXT,                         -- who holds the role (schema 3)
+  pid        {int},                        -- its process id there
+  proc       TEXT                          -- boot id/pid namespace/start time (fanout.liveness)
 ) {no_rowid};
 CREATE TABLE leases(
   token      {int} PRIMARY KEY,            -- fencing token of this lease
@@ -86,7 +90,10 @@ CREATE TABLE producer(
   hb_seq  {int} NOT NULL DEFAULT 0,
   hb_wall {real} NOT NULL,
   state   TEXT NOT NULL CHECK (state IN ('active','lost','finished')),
-  owner   TEXT NOT NULL
+  owner   TEXT NOT NULL,
+  host    TEXT,                            -- who holds the role (schema 3), as in consumers
+  pid     {int},
+  proc    TEXT
 );
 """
 
@@ -114,6 +121,10 @@ class Database(Sql, Protocol):
 
     def wait_change(self, deadline: float | None, max_s: float) -> None:
         """Sleep until another connection commits, `max_s` passes or monotonic `deadline`."""
+        ...
+
+    def table_names(self) -> set[str]:
+        """The tables this database (PostgreSQL: this schema) holds."""
         ...
 
     def close(self) -> None: ...
@@ -151,18 +162,55 @@ def _migrate_v1(db: Database) -> None:
             COUNTERS,
         )
         cur.execute(f"DELETE FROM meta WHERE key IN ({keys})", COUNTERS)
-        cur.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        cur.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+
+
+_V2_CONSUMER_COLUMNS = "id, expect, cursor, hb_seq, hb_wall, state, token, note"
+
+
+def _migrate_v2(db: Database) -> None:
+    """Version 3 records who holds each role (host, pid, proc) and lets a consumer be
+    'stopped' (exited cleanly before the end of its stream). Adding a value to a CHECK
+    needs a new table on SQLite, so `consumers` is copied into one (same statements on
+    PostgreSQL); `producer` gets the columns in place."""
+    with db.write() as cur:
+        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if str(row[0]) != "2":
+            return  # another process migrated it first
+        create = next(st for st in statements(db.dialect) if "TABLE consumers(" in st)
+        cur.execute(create.replace("TABLE consumers(", "TABLE consumers_v3("))
+        cols = _V2_CONSUMER_COLUMNS
+        cur.execute(f"INSERT INTO consumers_v3({cols}) SELECT {cols} FROM consumers")
+        cur.execute("DROP TABLE consumers")
+        cur.execute("ALTER TABLE consumers_v3 RENAME TO consumers")
+        int_type = DIALECTS[db.dialect]["int"]
+        for col, tp in (("host", "TEXT"), ("pid", int_type), ("proc", "TEXT")):
+            cur.execute(f"ALTER TABLE producer ADD COLUMN {col} {tp}")
+        cur.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
 
 
 def check_schema(db: Database) -> None:
-    """Raise SchemaVersionError unless the database has SCHEMA_VERSION (after migrating 1)."""
-    try:
-        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    except Exception as e:  # sqlite3.OperationalError / psycopg.errors.UndefinedTable
-        raise SchemaVersionError(f"{db.where}: not a fanout coordinator database ({e})") from None
+    """Raise unless the database has SCHEMA_VERSION (after migrating 1): NoCoordinator
+    when it has no tables yet (being created), NotACoordinatorDatabase when its tables
+    are not fanout's, SchemaVersionError for a version this code does not know."""
+    tables = db.table_names()
+    if not tables:
+        raise NoCoordinator(
+            f"{db.where}: no coordinator tables yet (a producer is creating the run, or was "
+            "stopped while it did; a restarted producer creates them)"
+        )
+    if "meta" not in tables:
+        raise NotACoordinatorDatabase(
+            f"{db.where}: not a fanout coordinator database (its tables: "
+            f"{', '.join(sorted(tables)[:5])}); check --run-dir / --db-path"
+        )
+    row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
     version = None if row is None else str(row[0])
     if version == "1" and db.dialect == "sqlite":
         _migrate_v1(db)
+        version = "2"
+    if version == "2":
+        _migrate_v2(db)
         version = str(SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION):
         raise SchemaVersionError(

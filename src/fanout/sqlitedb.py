@@ -11,6 +11,12 @@ writing transaction is `BEGIN IMMEDIATE` (takes the write lock up front, so two
 writers never deadlock upgrading a read lock) and short. `write()` wraps the
 transient "database is locked" in bounded retries; a caller only ever sees
 `CoordinatorBusy` after `max_wait_s` of continuous contention.
+
+Errors are classified by SQLite's result code (`sqlite_errorcode`, Python ≥ 3.11),
+never by reading messages: BUSY/LOCKED → `CoordinatorBusy`, FULL → `CoordinatorFull`,
+NOTADB/CORRUPT → `NotACoordinatorDatabase`, CANTOPEN/READONLY/PERM/IOERR →
+`CoordinatorUnavailable` (`typed_error`). Python 3.10's exceptions carry no code; there
+the code is recovered from SQLite's fixed text for exactly these codes (`sqlite3_errstr`).
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fanout.errors import CoordinatorBusy, CoordinatorFull, UnsupportedFilesystem
+from fanout.errors import (
+    CoordinatorBusy,
+    CoordinatorFull,
+    CoordinatorUnavailable,
+    FanoutError,
+    NotACoordinatorDatabase,
+    UnsupportedFilesystem,
+)
 
 log = logging.getLogger("fanout.coordinator")
 
@@ -93,8 +106,68 @@ def check_local_filesystem(db_path: Path, mountinfo: str | None = None) -> None:
         )
 
 
+# SQLite's primary result codes (sqlite3.h; the stdlib names them only from 3.11 on).
+SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY = 3, 5, 6, 8
+SQLITE_IOERR, SQLITE_CORRUPT, SQLITE_FULL, SQLITE_CANTOPEN, SQLITE_NOTADB = 10, 11, 13, 14, 26
+# Python 3.10 fallback: `sqlite3_errstr(code)`, the text SQLite reports for these codes.
+_CODE_OF_TEXT = {
+    "access permission denied": SQLITE_PERM,
+    "database is locked": SQLITE_BUSY,
+    "database table is locked": SQLITE_LOCKED,
+    "attempt to write a readonly database": SQLITE_READONLY,
+    "disk I/O error": SQLITE_IOERR,
+    "database disk image is malformed": SQLITE_CORRUPT,
+    "database or disk is full": SQLITE_FULL,
+    "unable to open database file": SQLITE_CANTOPEN,
+    "file is not a database": SQLITE_NOTADB,
+}
+
+
+def error_code(e: sqlite3.Error) -> int | None:
+    """SQLite's primary result code of `e` (extended codes folded: BUSY_SNAPSHOT → BUSY)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is None:  # Python 3.10
+        code = _CODE_OF_TEXT.get(str(e))
+    return None if code is None else int(code) & 0xFF
+
+
+def typed_error(e: sqlite3.Error, where: str) -> FanoutError | None:
+    """The fanout error for a driver error a caller can act on; None for the rest
+    (those are bugs, and propagate as they are)."""
+    code = error_code(e)
+    if code in (SQLITE_BUSY, SQLITE_LOCKED):
+        return CoordinatorBusy(f"coordinator database {where} is locked by another process: {e}")
+    if code == SQLITE_FULL:
+        return CoordinatorFull(
+            f"coordinator database {where}: disk full ({e}); the transaction rolled back "
+            "and nothing changed. Free space on that filesystem (or move the database with "
+            "--db-path) and start the process again."
+        )
+    if code in (SQLITE_NOTADB, SQLITE_CORRUPT):
+        return NotACoordinatorDatabase(
+            f"{where}: not a fanout coordinator database ({e}); check --run-dir / --db-path, "
+            "or move the file away and start the run again"
+        )
+    if code in (SQLITE_CANTOPEN, SQLITE_READONLY, SQLITE_PERM, SQLITE_IOERR):
+        return CoordinatorUnavailable(
+            f"coordinator database {where}: cannot open or write it ({e}); check that its "
+            "directory exists and is writable by this user on a read-write filesystem"
+        )
+    return None
+
+
 def connect(db_path: Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Connection:
-    """Open a connection with the pragmas every coordinator connection uses."""
+    """Open a connection with the pragmas every coordinator connection uses (typed errors)."""
+    try:
+        return _connect(db_path, busy_timeout_s)
+    except sqlite3.Error as e:
+        typed = typed_error(e, str(db_path))
+        if typed is None:
+            raise
+        raise typed from None
+
+
+def _connect(db_path: Path, busy_timeout_s: float) -> sqlite3.Connection:
     conn = sqlite3.connect(
         db_path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=True
     )
@@ -117,13 +190,8 @@ def connect(db_path: Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Connection
     return conn
 
 
-def _is_busy(e: sqlite3.OperationalError) -> bool:
-    msg = str(e).lower()
-    return "locked" in msg or "busy" in msg
-
-
-def _is_full(e: sqlite3.OperationalError) -> bool:
-    return getattr(e, "sqlite_errorname", "") == "SQLITE_FULL" or "is full" in str(e)
+def _is_busy(e: sqlite3.Error) -> bool:
+    return error_code(e) in (SQLITE_BUSY, SQLITE_LOCKED)
 
 
 def _busy_timeout_of_run(db_path: Path) -> float:
@@ -144,11 +212,17 @@ def exists(db_path: Path) -> bool:
     ever stored in it, and no later open could use it."""
     if not db_path.exists():
         return False
-    conn = sqlite3.connect(db_path)
     try:
-        empty = int(conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]) == 0
-    finally:
-        conn.close()
+        conn = sqlite3.connect(db_path)
+        try:
+            empty = int(conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]) == 0
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        typed = typed_error(e, str(db_path))
+        if typed is None:
+            raise
+        raise typed from None
     if empty:
         log.warning("%s has no tables (interrupted create); creating it again", db_path)
         for p in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm")):
@@ -170,7 +244,18 @@ class SqliteDatabase:
         self._busy_ms = int(busy_timeout_s * 1000)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
-        return self.raw.execute(sql, params)
+        try:
+            return self.raw.execute(sql, params)
+        except sqlite3.Error as e:
+            raise self._typed(e) from None
+
+    def table_names(self) -> set[str]:
+        """Names of the tables in the database (empty while a create is in flight)."""
+        rows = self.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()
+        return {str(r[0]) for r in rows}
+
+    def _typed(self, e: sqlite3.Error) -> Exception:
+        return typed_error(e, self.where) or e
 
     def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> sqlite3.Cursor:
         return self.raw.executemany(sql, seq)
@@ -197,9 +282,9 @@ class SqliteDatabase:
                 try:
                     conn.execute("BEGIN IMMEDIATE")
                     break
-                except sqlite3.OperationalError as e:
+                except sqlite3.Error as e:
                     if not _is_busy(e):
-                        raise
+                        raise self._typed(e) from None
                     if time.monotonic() > deadline:
                         raise CoordinatorBusy(
                             f"coordinator database stayed locked for {max_wait_s:.0f} s: {e}"
@@ -211,11 +296,9 @@ class SqliteDatabase:
         cur = conn.cursor()
         try:
             yield cur
-        except sqlite3.OperationalError as e:
+        except sqlite3.Error as e:
             self._rollback()
-            if _is_full(e):
-                raise self._full_error(e) from None
-            raise
+            raise self._typed(e) from None
         except BaseException:
             self._rollback()
             raise
@@ -224,11 +307,11 @@ class SqliteDatabase:
             try:
                 conn.execute("COMMIT")
                 return
-            except sqlite3.OperationalError as e:
-                if _is_full(e):
+            except sqlite3.Error as e:
+                if not _is_busy(e):
                     self._rollback()
-                    raise self._full_error(e) from None
-                if not _is_busy(e) or time.monotonic() > deadline:
+                    raise self._typed(e) from None
+                if time.monotonic() > deadline:
                     self._rollback()
                     raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
                 time.sleep(0.002)
@@ -238,13 +321,6 @@ class SqliteDatabase:
         # and ROLLBACK would fail with "no transaction is active".
         if self.raw.in_transaction:
             self.raw.execute("ROLLBACK")
-
-    def _full_error(self, e: sqlite3.OperationalError) -> CoordinatorFull:
-        return CoordinatorFull(
-            f"coordinator database {self.where}: disk full ({e}); the transaction rolled back "
-            "and nothing changed. Free space on that filesystem (or move the database with "
-            "--db-path) and start the process again."
-        )
 
     def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
         """Poll `PRAGMA data_version` (changes when another connection commits)."""

@@ -4,7 +4,11 @@
     fanout status --run-dir runs/demo --json     # machine-readable (see snapshot())
     fanout sweep --run-dir runs/demo             # remove temp debris and orphan files
 
-`status` only reads the database (no write transaction, no torch import).
+`status` only reads the database (no write transaction, no torch import). A
+process the database still calls active is shown `lost` when it has exited
+without saying so (it ran on this host and its pid is gone) or its heartbeat is
+older than ttl_s by the wall clock; the coordinator itself declares it lost by its
+heartbeat counter (fanout.liveness), and `--json` keeps that as `recorded_state`.
 `sweep` finishes interrupted evictions, then removes tmp/ debris and window files
 no ready or capturing row names (Store.sweep with Coordinator.is_live); it is
 safe while a producer and consumers run.
@@ -18,6 +22,7 @@ import time
 from typing import Any
 
 from fanout.coordinator import Coordinator
+from fanout.liveness import process_gone
 
 STATES = ("queued", "capturing", "ready", "evicting", "evicted", "failed")
 
@@ -38,28 +43,45 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def shown_state(state: str, age_s: float, ttl_s: float, proc: str | None, pid: int | None) -> str:
+    """What status shows for a process the database records in `state`: an 'active' one
+    that is gone from this host, or whose heartbeat is older than ttl, is `lost` (for
+    people: the reclaimer decides by the heartbeat counter, not by wall clocks)."""
+    if state == "active" and (process_gone(proc, pid) or age_s > ttl_s):
+        return "lost"
+    return state
+
+
 def snapshot(co: Coordinator) -> dict[str, Any]:
     """Everything `fanout status --json` prints. Heartbeat ages use the wall clock and
     are for people only; liveness decisions never use them."""
     q = co.conn.execute
     now = time.time()
+    ttl = co.config.ttl_s
     counts = dict(q("SELECT state, COUNT(*) FROM windows GROUP BY state").fetchall())
     windows = {s: int(counts.get(s, 0)) for s in STATES}
     windows["evicted"] = int(co.meta("evictions"))  # old evicted rows are compacted away
     live_bytes = q("SELECT COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'").fetchone()[0]
     frontier = int(co.meta("next_window"))
+    captured = list(co.contract.target_layer_ids)
     consumers = [
         {
             "id": cid,
-            "state": state,
+            # the layers it trains on (registered; older registrations read them all)
+            "target_layer_ids": json.loads(expect or "{}").get("target_layer_ids", captured),
+            "state": shown_state(state, now - hb_wall, ttl, proc, pid),
+            "recorded_state": state,
+            "host": host,
+            "pid": pid,
             "cursor": cursor,
             "lag_windows": max(0, frontier - cursor),
             "heartbeats": hb_seq,
             "heartbeat_age_s": round(now - hb_wall, 3),
             "note": note,
         }
-        for cid, state, cursor, hb_seq, hb_wall, note in q(
-            "SELECT id, state, cursor, hb_seq, hb_wall, note FROM consumers ORDER BY id"
+        for cid, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect in q(
+            "SELECT id, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect "
+            "FROM consumers ORDER BY id"
         )
     ]
     leases = [
@@ -68,13 +90,16 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
             "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
         )
     ]
-    prod = q("SELECT state, owner, hb_seq, hb_wall FROM producer").fetchone()
+    prod = q("SELECT state, owner, hb_seq, hb_wall, host, pid, proc FROM producer").fetchone()
     producer = (
         {"state": "none"}
         if prod is None
         else {
-            "state": prod[0],
+            "state": shown_state(prod[0], now - prod[3], ttl, prod[6], prod[5]),
+            "recorded_state": prod[0],
             "owner": prod[1],
+            "host": prod[4],
+            "pid": prod[5],
             "heartbeats": prod[2],
             "heartbeat_age_s": round(now - prod[3], 3),
         }
@@ -110,6 +135,18 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _producer_detail(p: dict[str, Any]) -> str:
+    if "owner" not in p:
+        return ""
+    who = f"{p['host']}:{p['pid']}" if p["pid"] is not None else p["owner"]
+    when = {"finished": "exited", "lost": "last heartbeat"}.get(p["state"], "heartbeat")
+    return f"  {who}  {when} {p['heartbeat_age_s']:.1f}s ago"
+
+
+def _layers(ids: list[int]) -> str:
+    return ",".join(map(str, ids))
+
+
 def format_table(s: dict[str, Any]) -> str:
     cfg = s["config"]
     total = cfg["total_windows"] if cfg["total_windows"] is not None else "∞"
@@ -126,22 +163,20 @@ def format_table(s: dict[str, Any]) -> str:
         f"({s['high_water']['windows']} windows)",
         f"events   recaptures {s['recaptures']}  corrupt {s['corrupt']}  "
         f"detaches {s['detaches']}  reclaims {s['reclaims']}",
-        f"producer {s['producer']['state']}"
-        + (
-            f"  {s['producer']['owner']}  heartbeat {s['producer']['heartbeat_age_s']:.1f}s ago"
-            if "owner" in s["producer"]
-            else ""
-        ),
+        f"producer {s['producer']['state']}" + _producer_detail(s["producer"]),
         "",
-        f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  leases",
+        f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
+        f"{'holder':<22} {'layers':<16} leases",
     ]
     held: dict[str, list[str]] = {}
     for lease in s["leases"]:
         held.setdefault(lease["consumer"], []).append(f"{lease['window']}.g{lease['generation']}")
     for c in s["consumers"]:
+        holder = f"{c['host']}:{c['pid']}" if c["pid"] is not None else "-"
         lines.append(
             f"{c['id']:<24} {c['state']:<9} {c['cursor']:>7} {c['lag_windows']:>5} "
-            f"{c['heartbeat_age_s']:>7.1f}s  {' '.join(held.get(c['id'], [])) or '-'}"
+            f"{c['heartbeat_age_s']:>7.1f}s  {holder:<22} {_layers(c['target_layer_ids']):<16} "
+            f"{' '.join(held.get(c['id'], [])) or '-'}"
         )
     if not s["consumers"]:
         lines.append("(no consumers registered)")

@@ -5,13 +5,14 @@
     pub = store.publish({"hidden_states": h, "input_ids": ids}, WindowMeta(
         contract_hash=c.stream_id, window=3, generation=0, epoch=0, row_start=12, row_end=16))
     with store.open(pub.name, expect_contract=c.stream_id, expect_window=3) as w:
-        h0 = w.get("hidden_states")[0]                   # [T, n·H] bf16, a view of the mmap
+        h0 = w.get("hidden_states")[0]                   # [T, H] bf16, a view of the mmap
 
 Publish never leaves a partial file under a final name, and an fsync error
 aborts the window (it is never retried):
-tmp/<name>.<pid>-<rand>.tmp (O_EXCL, 0644) → header with a zeroed checksum →
-tensor bytes straight from tensor memory, hashed chunk by chunk as they are
-written → real header pwritten at offset 0 → fsync → close → link to
+tmp/<name>.<pid>-<rand>.tmp (O_EXCL, 0644) → header with zeroed checksums →
+tensor bytes straight from tensor memory, each tensor hashed chunk by chunk as it
+is written → real header (every tensor's checksum, then the header's own)
+pwritten at offset 0 → fsync → close → link to
 windows/<name> (fails if it exists) → unlink tmp → fsync windows/. The caller
 then commits the window in the coordinator. Every write-side call goes through
 the `FileSystem` seam (fanout.filesystem), so tests inject EIO/ENOSPC and kills.
@@ -37,13 +38,13 @@ from fanout.errors import CorruptWindow, StorageError, StorageFull
 from fanout.filesystem import FileSystem
 from fanout.windowfile import (
     CHECKSUM_ALGO,
+    WindowFormatError,
     WindowMeta,
     WindowReader,
     encode_header,
     parse_window_name,
     verify_file,
     window_name,
-    with_checksum,
 )
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "RunDir",
     "Store",
     "SweepReport",
+    "WindowFormatError",
     "WindowMeta",
     "WindowReader",
     "parse_window_name",
@@ -63,6 +65,8 @@ DEFAULT_CHUNK_BYTES = 4 << 20  # hash + write granularity: small enough to stay 
 # here); small ones (the demo's 150 KB) skip the syscalls, which under CPU contention
 # cost more than they saved (~10% of the demo producer's throughput).
 DEFAULT_WRITEBACK_BYTES = 16 << 20
+# Chunks below this are hashed on the writing thread (small tensors: scales, ids).
+_INLINE_HASH_BYTES = 256 << 10
 
 
 def _parse_tmp_name(name: str) -> tuple[int, int] | None:
@@ -197,7 +201,8 @@ class Store:
             StorageError: any other OSError, incl. an existing final file (never overwritten).
         """
         name = window_name(meta.window, meta.generation)
-        prefix, views, data_bytes = encode_header(tensors, meta)
+        layout = encode_header(tensors, meta)
+        prefix, _ = layout.header()  # checksums zeroed; same length as the real one
         final = self.run_dir.windows / name
         tmp = self.run_dir.tmp / f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
         fs, fd, linked, tmp_made = self.fs, None, False, False
@@ -207,8 +212,8 @@ class Store:
             fd = fs.open_new(tmp)
             op = "write"
             fs.write(fd, prefix)
-            checksum = self._write_hashed(fd, prefix, views)
-            real = with_checksum(prefix, checksum)
+            sums = self._write_hashed(fd, len(prefix), layout.names, layout.views)
+            real, checksum = layout.header(sums)
             op = "write header"
             fs.pwrite(fd, real, 0)
             op = "fsync"
@@ -231,30 +236,37 @@ class Store:
             if isinstance(e, OSError):
                 raise _storage_error(e, name, op, path) from e
             raise
-        return Published(name, final, len(prefix) + data_bytes, checksum)
+        return Published(name, final, len(prefix) + layout.data_bytes, checksum)
 
-    def _write_hashed(self, fd: int, prefix: bytes, views: list[memoryview]) -> str:
-        """Write every view chunk by chunk and return the xxh3-128 checksum of
-        prefix + views. A helper thread hashes chunk i while this thread writes it
-        (xxhash and write(2) both release the GIL), so the hash costs about nothing
-        next to the write; both read the same bytes while they are hot in cache."""
-        h = xxhash.xxh3_128()
-        h.update(prefix)
-        offset = len(prefix)
+    def _write_hashed(
+        self, fd: int, offset: int, names: list[str], views: list[memoryview]
+    ) -> dict[str, str]:
+        """Write every view chunk by chunk (from file offset `offset` on) and return
+        each tensor's xxh3-128 checksum. A helper thread hashes chunk i while this
+        thread writes it (xxhash and write(2) both release the GIL), so the hash costs
+        about nothing next to the write; both read the same bytes while they are hot
+        in cache."""
+        sums: dict[str, str] = {}
         hint = offset + sum(v.nbytes for v in views) >= self.writeback_bytes
         with ThreadPoolExecutor(1, thread_name_prefix="fanout-hash") as pool:
-            for v in views:
+            for k, v in zip(names, views, strict=True):
+                h = xxhash.xxh3_128()
                 for i in range(0, v.nbytes, self.chunk_bytes):
                     chunk = v[i : i + self.chunk_bytes]
-                    hashed = pool.submit(h.update, chunk)
-                    try:
+                    if chunk.nbytes < _INLINE_HASH_BYTES:  # a hand-off costs more than that
+                        h.update(chunk)
                         self.fs.write(fd, chunk)
-                    finally:
-                        hashed.result()  # in order: one chunk in flight at a time
+                    else:
+                        hashed = pool.submit(h.update, chunk)
+                        try:
+                            self.fs.write(fd, chunk)
+                        finally:
+                            hashed.result()  # in order: one chunk in flight at a time
                     if hint:  # the disk flushes this chunk while we write the next ones
                         self.fs.start_writeback(fd, offset, chunk.nbytes)
                     offset += chunk.nbytes
-        return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+                sums[k] = f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+        return sums
 
     def _abort(self, fd: int | None, tmp: Path | None, final: Path | None) -> None:
         """Best-effort cleanup after a failed publish; errors here are swallowed
@@ -274,11 +286,14 @@ class Store:
         name: str,
         *,
         verify: bool = True,
+        tensors: list[str] | tuple[str, ...] | None = None,
         expect_contract: str | None = None,
         expect_window: int | None = None,
     ) -> WindowReader:
-        """mmap windows/<name>. CorruptWindow on a bad name, missing file, bad header,
-        checksum mismatch or unexpected contract/window/generation."""
+        """mmap windows/<name>, verifying its header and the tensors named in `tensors`
+        (None: all; others are verified when first read). CorruptWindow on a bad name,
+        missing file, bad header, checksum mismatch or unexpected
+        contract/window/generation; WindowFormatError for a file in an older format."""
         wg = parse_window_name(name)
         if wg is None:
             raise CorruptWindow(str(self.path(name)), "not a window file name")
@@ -289,6 +304,7 @@ class Store:
         return WindowReader(
             self.path(name),
             verify=verify,
+            tensors=tensors,
             expect_contract=expect_contract,
             expect_window=wg[0],
             expect_generation=wg[1],

@@ -18,19 +18,13 @@ environment: trim_blocks, lstrip_blocks, loopcontrols, `raise_exception`,
 the text is byte-identical to `apply_chat_template(..., tokenize=False)`; tests
 assert it on every conversation of the four datasets.
 
-Loss mask (ChatML templates: Qwen2/2.5/3 and others using `<|im_start|>`/`<|im_end|>`),
-derived by a numpy scan of the ids of the single rendering — see docs/data.md:
-- 1 from the first token after the assistant header `<|im_start|>assistant\\n`
-  through the turn's closing `<|im_end|>` (the model must learn to stop);
-- 0 on the header, on the `\\n` after `<|im_end|>`, on system/user/tool turns, and
-  on Qwen3's template-inserted EMPTY think block `<think>\\n\\n</think>\\n\\n`
-  (scaffolding the template adds to the final turn only; a think block with real
-  reasoning is generated text and is masked 1);
-- a token that straddles the header and the content (content starting with a
-  newline merges with the header's `\\n`) counts as content, the rule HF's
-  `assistant_masks` uses (any overlap with the span).
-Added tokens split the text before BPE, so no token can straddle `<|im_start|>`,
-`<|im_end|>`, `<think>` or `</think>`; that is what makes the id scan exact.
+Loss mask: `fanout.masks` decides it (the prefix rule for any template, HF's
+`{% generation %}` blocks, or an exact id scan per family: ChatML, Llama 3, Gemma,
+Mistral, harmony); the ChatEncoder renders, tokenizes and applies it. See docs/data.md.
+
+Template source: the tokenizer directory's chat template (tokenizer_config.json or
+chat_template.jinja, as transformers reads them; else chat_template.json), or a file
+given as `load_chat_spec(..., chat_template=FILE)` (`fanout prepare --chat-template`).
 """
 
 from __future__ import annotations
@@ -38,8 +32,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import chain
@@ -49,6 +46,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from fanout import masks
 from fanout.chat import Conversation
 from fanout.errors import ConfigError
 
@@ -65,6 +63,7 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+SPEC_VERSION = 2  # chat.json layout; older cache entries are rebuilt
 
 
 def tokenizer_fingerprint(tok_dir: str | Path) -> str:
@@ -93,9 +92,16 @@ class ChatSpec:
     special_tokens: dict[str, str]  # passed to the template like transformers does
     added_tokens: dict[str, int] = field(default_factory=dict)
     pad_token_id: int = 0
+    special_added: tuple[str, ...] = ()  # added tokens flagged special (control tokens)
+    generation_eos: tuple[str, ...] = ()  # generation_config.json eos ids, as token texts
+    mask_path: str = "auto"  # masks.PATHS or auto (FANOUT_MASK_PATH)
+    template_source: str = ""  # "tokenizer" or the --chat-template file
 
     def template_fingerprint(self) -> str:
-        blob = json.dumps([self.templates, self.special_tokens], sort_keys=True)
+        """The template, its variables and the end-of-turn tokens (what the mask reads)."""
+        blob = json.dumps(
+            [self.templates, self.special_tokens, self.generation_eos], sort_keys=True
+        )
         return xxhash.xxh3_128_hexdigest(blob.encode())
 
     def template_for(self, has_tools: bool) -> str:
@@ -111,32 +117,110 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("FANOUT_CACHE", Path.home() / ".cache" / "fanout"))
 
 
-def load_chat_spec(tok_dir: str | Path, cache_root: str | Path | None = None) -> ChatSpec:
-    """Load (building once, in a subprocess) the cached tokenizer.json + chat metadata."""
+def read_chat_template(path: str | Path) -> dict[str, str]:
+    """A template file: Jinja text, or JSON (`{"chat_template": str | [{name, template}]}`,
+    a JSON string, or such a list) as HF's chat_template.json / tokenizer_config.json."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--chat-template: {p} is not a file")
+    text = p.read_text(encoding="utf-8")
+    if p.suffix.lower() != ".json":
+        return {"default": text}
+    try:
+        obj: Any = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--chat-template {p}: not valid JSON: {e}") from None
+    if isinstance(obj, dict):
+        obj = obj.get("chat_template")
+    if isinstance(obj, str):
+        return {"default": obj}
+    if isinstance(obj, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("name"), str)
+        and isinstance(t.get("template"), str)
+        for t in obj
+    ):
+        return {t["name"]: t["template"] for t in obj}
+    raise ConfigError(
+        f"--chat-template {p}: expected a chat_template string or a list of {{name, template}}"
+    )
+
+
+def _generation_eos(tok_dir: Path, added: dict[str, int]) -> tuple[str, ...]:
+    """generation_config.json's eos_token_id(s) as token texts (the ones that are added
+    tokens; generation stops at any of them)."""
+    p = tok_dir / "generation_config.json"
+    if not p.is_file():
+        return ()
+    try:
+        eos = json.loads(p.read_text()).get("eos_token_id")
+    except (ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    by_id = {v: k for k, v in added.items()}
+    return tuple(sorted({by_id[i] for i in ids if isinstance(i, int) and i in by_id}))
+
+
+def load_chat_spec(
+    tok_dir: str | Path,
+    cache_root: str | Path | None = None,
+    chat_template: str | Path | None = None,
+) -> ChatSpec:
+    """Load (building once, in a subprocess) the cached tokenizer.json + chat metadata.
+
+    `chat_template`: a template file that replaces the tokenizer's (`--chat-template`).
+    """
     from filelock import FileLock
 
     tok_dir = Path(tok_dir)
     fp = tokenizer_fingerprint(tok_dir)
     entry = Path(cache_root or default_cache_root()) / "tokenizers" / fp
     meta_path = entry / "chat.json"
-    if not meta_path.is_file():
+
+    def current() -> bool:
+        if not meta_path.is_file():
+            return False
+        try:
+            return bool(json.loads(meta_path.read_text()).get("v") == SPEC_VERSION)
+        except ValueError:
+            return False
+
+    if not current():
         entry.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(entry) + ".lock"):
-            if not meta_path.is_file():
+            if not current():
                 tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
                 cmd = [sys.executable, "-m", "fanout.template", "build", str(tok_dir), str(tmp)]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise ConfigError(f"--tokenizer {tok_dir}: cannot load it: {r.stderr[-2000:]}")
+                if entry.exists():  # an entry of an older layout: swap it out
+                    old = entry.with_name(entry.name + f".old{os.getpid()}")
+                    os.replace(entry, old)
+                    shutil.rmtree(old, ignore_errors=True)
                 os.replace(tmp, entry)  # atomic: the entry appears whole or not at all
     meta = json.loads(meta_path.read_text())
+    templates = meta["templates"]
+    source = "tokenizer"
+    if chat_template is not None:
+        templates, source = read_chat_template(chat_template), str(chat_template)
+    elif not templates and (tok_dir / "chat_template.json").is_file():
+        # HF's processor-style file, which AutoTokenizer does not read for tokenizers
+        templates = read_chat_template(tok_dir / "chat_template.json")
+        source = str(tok_dir / "chat_template.json")
+    if not templates:
+        raise ConfigError(f"--tokenizer {tok_dir}: has no chat template; pass --chat-template FILE")
     return ChatSpec(
         tokenizer_json=str(entry / "tokenizer.json"),
         fingerprint=fp,
-        templates=meta["templates"],
+        templates=templates,
         special_tokens=meta["special_tokens"],
         added_tokens=meta["added_tokens"],
         pad_token_id=meta["pad_token_id"],
+        special_added=tuple(meta["special_added"]),
+        generation_eos=_generation_eos(tok_dir, meta["added_tokens"]),
+        mask_path=masks.forced_path_from_env(),
+        template_source=source,
     )
 
 
@@ -148,17 +232,25 @@ def _build(tok_dir: str, out: str) -> None:
     Path(out).mkdir(parents=True, exist_ok=True)
     tok.backend_tokenizer.save(str(Path(out) / "tokenizer.json"))
     ct = tok.chat_template
-    if ct is None:
-        raise SystemExit(f"{tok_dir}: tokenizer has no chat_template")
-    templates = ct if isinstance(ct, dict) else {"default": ct}
+    # No template is fine here (--chat-template may supply one); load_chat_spec says so.
+    templates = ct if isinstance(ct, dict) else ({"default": ct} if ct else {})
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    special = sorted(str(t.content) for t in tok.added_tokens_decoder.values() if t.special)
     meta = {
+        "v": SPEC_VERSION,
+        "special_added": special,
         "templates": templates,
         "special_tokens": {k: str(v) for k, v in tok.special_tokens_map.items()},
         "added_tokens": {str(k): int(v) for k, v in tok.added_tokens_encoder.items()},
         "pad_token_id": int(pad if pad is not None else 0),
     }
     (Path(out) / "chat.json").write_text(json.dumps(meta, indent=1))
+
+
+# (rendered blocks so far, generation indices) while render_tracked runs, per thread.
+_TRACK: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar(
+    "fanout_generation_track", default=None
+)
 
 
 @functools.cache
@@ -223,13 +315,25 @@ def compile_template(source: str) -> Any:
 
     class GenerationTag(jinja2.ext.Extension):
         # `{% generation %}…{% endgeneration %}` marks assistant text for HF's
-        # return_assistant_tokens_mask; rendering ignores it (as transformers does).
+        # return_assistant_tokens_mask. Built as transformers' AssistantTracker: the
+        # block renders unchanged; while `_TRACK` is set (render_tracked) it records
+        # (start, end) of the block's text in the output, start = length rendered so far.
         tags = {"generation"}  # noqa: RUF012 (jinja2's class attribute)
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.Scope(body, lineno=lineno)
+            call = self.call_method("_generation_support")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _generation_support(self, caller: Any) -> str:
+            rv: str = caller()
+            track = _TRACK.get()
+            if track is not None:
+                blocks, indices = track
+                start = sum(len(b) for b in blocks)
+                indices.append((start, start + len(rv)))
+            return rv
 
     env = _sandbox_class()(
         trim_blocks=True,
@@ -254,7 +358,12 @@ def _template_messages(conv: Conversation) -> list[dict[str, Any]]:
 
 
 class ChatEncoder:
-    """Per-worker: tokenizer loaded once, template compiled once; encodes whole chunks."""
+    """Per-worker: tokenizer loaded once, template compiled once; encodes whole chunks.
+
+    The mask path (`mask_path`) is chosen from the template by `fanout.masks`:
+    id scans mask the flat ids of a whole chunk at once; the prefix rule and
+    `{% generation %}` give character spans with the rendering (`render_for_mask`).
+    """
 
     def __init__(self, spec: ChatSpec) -> None:
         from tokenizers import Tokenizer
@@ -263,50 +372,95 @@ class ChatEncoder:
         self.tokenizer = Tokenizer.from_file(spec.tokenizer_json)
         self._compiled = {name: compile_template(src) for name, src in spec.templates.items()}
         self._by_src = {spec.templates[n]: c for n, c in self._compiled.items()}
-        tok = self.tokenizer.token_to_id
-        need = {"<|im_start|>", "<|im_end|>"}
-        if not all(tok(t) is not None for t in need) or not any(
-            "<|im_start|>" in s for s in spec.templates.values()
-        ):
-            raise ConfigError(
-                "loss mask: only ChatML templates (<|im_start|>/<|im_end|>) are supported; "
-                "this tokenizer's template is not one"
-            )
-        self.im_start = tok("<|im_start|>")
-        self.im_end = tok("<|im_end|>")
-        asst = self.tokenizer.encode("assistant", add_special_tokens=False).ids
-        nl = self.tokenizer.encode("\n", add_special_tokens=False).ids
-        nn = self.tokenizer.encode("\n\n", add_special_tokens=False).ids
-        self.think = tok("<think>")
-        self.end_think = tok("</think>")
-        # "\n\n" only matters inside empty think blocks: needed single only with think tokens.
-        has_think = self.think is not None and self.end_think is not None
-        if len(asst) != 1 or len(nl) != 1 or (has_think and len(nn) != 1):
-            raise ConfigError("loss mask: 'assistant' / newline are not single tokens")
-        self.assistant, self.nl, self.nn = asst[0], nl[0], nn[0] if len(nn) == 1 else -1
+        self.turn_text = masks.turn_text_for(spec)
+        self.family = masks.family_of(spec)
+        self.masker, self.mask_note = masks.build_masker(self)
+        self.mask_path: str = self.masker.name
+        self._spans = isinstance(self.masker, masks.RuleMasker)
+        ctl = masks.control_tokens(spec)
+        # Two tokens (ChatML): plain `in` tests, the cheapest per message; more: one regex.
+        self._ctl_a, self._ctl_b = (ctl[0], ctl[-1]) if 0 < len(ctl) <= 2 else ("", "")
+        self._ctl_re = re.compile("|".join(map(re.escape, ctl))) if len(ctl) > 2 else None
+        label = masks.FAMILY_LABEL.get(self.family, "chat template")
+        self._ctl_reason = f"contains a {label} control token"
 
     def check(self, conv: Conversation) -> tuple[str, str] | None:
-        """(field, reason) if the conversation would break the id scan, else None.
+        """(field, reason) if the conversation would break the mask, else None.
 
-        Text that contains a ChatML marker is encoded as the marker token (HF does the
-        same by default), which would forge a turn boundary; such rows are bad input.
+        Text that contains one of the template's control tokens is encoded as that token
+        (HF does the same by default), which would forge a turn boundary; such rows are
+        bad input.
         """
+        a, b, rx = self._ctl_a, self._ctl_b, self._ctl_re
+        if rx is None and not a:
+            return None
         for i, m in enumerate(conv.messages):
             c = m.get("content")
-            if isinstance(c, str) and ("<|im_start|>" in c or "<|im_end|>" in c):
-                return f"messages[{i}].content", "contains a ChatML control token"
+            if isinstance(c, str) and (
+                (a in c or b in c) if rx is None else rx.search(c) is not None
+            ):
+                return f"messages[{i}].content", self._ctl_reason
         return None
 
-    def render(self, conv: Conversation) -> str:
-        src = self.spec.template_for(bool(conv.tools))
+    def template_messages(self, conv: Conversation) -> list[dict[str, Any]]:
+        return _template_messages(conv)
+
+    def render_messages(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        generation_prompt: bool,
+    ) -> str:
+        """Render already-aliased messages (`template_messages`), e.g. a prefix."""
+        src = self.spec.template_for(bool(tools))
         text: str = self._by_src[src].render(
-            messages=_template_messages(conv),
-            tools=conv.tools,
+            messages=messages,
+            tools=tools,
             documents=None,
-            add_generation_prompt=False,
+            add_generation_prompt=generation_prompt,
             **self.spec.special_tokens,
         )
         return text
+
+    def render(self, conv: Conversation, generation_prompt: bool = False) -> str:
+        """The template's text for `conv`; with `generation_prompt`, followed by the
+        assistant-turn opening a model continues from (`fanout eval`'s prompts)."""
+        return self.render_messages(_template_messages(conv), conv.tools, generation_prompt)
+
+    def render_tracked(self, conv: Conversation) -> tuple[str, list[tuple[int, int]]]:
+        """Rendering plus the `{% generation %}` blocks' (start, end) character indices."""
+        src = self.spec.template_for(bool(conv.tools))
+        blocks: list[str] = []
+        indices: list[tuple[int, int]] = []
+        token = _TRACK.set((blocks, indices))
+        try:
+            for b in self._by_src[src].generate(
+                messages=_template_messages(conv),
+                tools=conv.tools,
+                documents=None,
+                add_generation_prompt=False,
+                **self.spec.special_tokens,
+            ):
+                blocks.append(b)
+        finally:
+            _TRACK.reset(token)
+        return "".join(blocks), indices
+
+    def render_for_mask(self, conv: Conversation) -> tuple[str, list[tuple[int, int]] | None, bool]:
+        """(rendering, trained character spans or None for the id scans, aligned).
+
+        Raises masks.MaskError when the prefix rule cannot place an assistant turn.
+        """
+        if not self._spans:
+            return self.render(conv), None, False
+        if self.mask_path == masks.GENERATION:
+            text, blocks = self.render_tracked(conv)
+            return text, masks.cut_blocks(text, blocks, self.turn_text), False
+        return masks.general_spans(self, conv)
+
+    def rule_spans(self, conv: Conversation) -> tuple[str, list[tuple[int, int]], bool]:
+        """The prefix rule's rendering and spans, whatever path this encoder uses."""
+        return masks.general_spans(self, conv)
 
     def encode_texts(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Rendered texts → (flat int32 ids, int64 lengths). No offsets are computed."""
@@ -318,44 +472,42 @@ class ChatEncoder:
         )  # [sum L]
         return ids, lengths
 
+    def encode_spans(
+        self, texts: list[str], spans: list[list[tuple[int, int]]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Texts with trained character spans → (ids int32, mask uint8, lengths int64)."""
+        encs = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        lengths = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
+        total = int(lengths.sum())
+        ids = np.fromiter(chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=total)
+        mask = np.zeros(total, np.uint8)
+        o = 0
+        for e, sp in zip(encs, spans):
+            n = len(e)
+            offs = np.asarray(e.offsets, dtype=np.int64).reshape(n, 2)  # [L, 2] char offsets
+            mask[o : o + n] = masks.spans_to_mask(offs, sp)
+            o += n
+        return ids, mask, lengths
+
+    def encode_rendered(
+        self, texts: list[str], spans: list[list[tuple[int, int]] | None]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What `render_for_mask` gave, for a chunk → (ids int32, mask uint8, lengths int64)."""
+        if not self._spans:
+            ids, lengths = self.encode_texts(texts)
+            return ids, self.assistant_mask(ids), lengths
+        return self.encode_spans(texts, [s or [] for s in spans])
+
     def encode(self, convs: list[Conversation]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Render + tokenize + mask a chunk. Returns ids int32 [N], mask uint8 [N], lengths int64 [n]."""
-        ids, lengths = self.encode_texts([self.render(c) for c in convs])
-        return ids, self.assistant_mask(ids), lengths
+        out = [self.render_for_mask(c) for c in convs]
+        return self.encode_rendered([t for t, _, _ in out], [s for _, s, _ in out])
 
     def assistant_mask(self, ids: np.ndarray) -> np.ndarray:
-        """Loss mask for a flat id array (any number of concatenated ChatML conversations)."""
-        n = ids.shape[0]
-        mask = np.zeros(n, np.uint8)
-        if n < 2:
-            return mask
-        nxt = np.empty_like(ids)  # [N] ids shifted left by one, -1 padded
-        nxt[:-1], nxt[-1] = ids[1:], -1
-        starts = np.flatnonzero((ids == self.im_start) & (nxt == self.assistant))  # [A]
-        if starts.size == 0:
-            return mask
-
-        def at(pos: np.ndarray) -> np.ndarray:  # ids[pos] with -1 past the end
-            ok = pos < n
-            return np.where(ok, ids[np.minimum(pos, n - 1)], -1)
-
-        h = starts + 2
-        h = h + (at(h) == self.nl)  # the header's own "\n" is not trained
-        if self.think is not None and self.end_think is not None:
-            # Template-inserted empty think block: <think> "\n\n" </think> then "\n\n".
-            empty = (at(h) == self.think) & (at(h + 1) == self.nn) & (at(h + 2) == self.end_think)
-            h = h + 3 * empty
-            h = h + (empty & (at(h) == self.nn))
-        ends = np.flatnonzero(ids == self.im_end)  # [E]
-        k = np.searchsorted(ends, h)  # first <|im_end|> at/after the content start
-        e = np.where(
-            k < ends.size, ends[np.minimum(k, ends.size - 1)] + 1, n
-        )  # exclusive, keeps <|im_end|>
-        delta = np.zeros(n + 1, np.int32)  # +1 at span starts, -1 after span ends
-        np.add.at(delta, h, 1)
-        np.add.at(delta, e, -1)
-        mask[:] = np.cumsum(delta[:n]) > 0
-        return mask
+        """Loss mask for a flat id array (concatenated conversations): id-scan paths only."""
+        if isinstance(self.masker, masks.RuleMasker):
+            raise ConfigError(f"mask path {self.mask_path} needs the rendering, not just ids")
+        return self.masker.mask(ids)
 
 
 def main(argv: list[str]) -> int:

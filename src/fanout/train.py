@@ -15,24 +15,28 @@ cursor, so `--resume` continues at the exact next row.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import math
+import os
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fanout.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fanout.consumer import Batch, ConsumerConfig, ConsumerStream
 from fanout.contract import CaptureContract
 from fanout.distributed import DataParallel
 from fanout.draft_vocab import coverage, read_token_counts, select_draft_vocab
-from fanout.errors import ConfigError, Detached, SchemaVersionError
+from fanout.errors import ConfigError, CoordinatorBusy, Detached, NoCoordinator
 from fanout.flags import add_model_flags, model_from_args
 from fanout.fp8 import dequantize
 from fanout.model.dflash import DFlashDraft
@@ -41,6 +45,8 @@ from fanout.ops.adamw import make_optimizer
 log = logging.getLogger(__name__)
 
 EXIT_DETACHED = 3
+# steps averaged into a checkpoint's train_eal
+RECENT_EAL_STEPS = 50
 
 
 class TrainConfig(BaseModel):
@@ -61,12 +67,19 @@ class TrainConfig(BaseModel):
         "producer recorded it in the run dir",
     )
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
+    checkpoint_verifier_name: str | None = Field(
+        None,
+        description="verifier name written into checkpoints for serving (e.g. Qwen/Qwen3-8B); "
+        "default: the absolute path of --verifier-name-or-path",
+    )
     num_layers: int = Field(1, ge=1, description="draft decoder layers")
     block_size: int = Field(8, ge=2, description="tokens per draft block (anchor + masks)")
     max_anchors: int = Field(64, ge=1, description="anchors drawn per row per step")
     mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
     target_layer_ids: list[int] | None = Field(
-        None, description="verifier layers of the context; default: the run's contract"
+        None,
+        description="verifier layers of the context, in the order the draft concatenates "
+        "them: any subset of the layers the run captured (contract.json); default: all of them",
     )
     draft_vocab_size: int | None = Field(
         None,
@@ -101,6 +114,27 @@ class TrainConfig(BaseModel):
         None, gt=0, description="passes over the data to read; default: the whole stream"
     )
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="every N steps, speculative-decode --eval-prompts held-out prompts with the "
+        "draft and log eval_tau (loads the whole verifier into this trainer; docs/eval.md)",
+    )
+    eval_data: str | None = Field(None, description="held-out chat data for --eval-every")
+    eval_tokenizer: str | None = Field(
+        None, description="tokenizer dir for --eval-data; default: --verifier-name-or-path"
+    )
+    eval_prompts: int = Field(4, ge=1, description="prompts per --eval-every evaluation")
+    eval_max_new_tokens: int = Field(32, ge=1, description="tokens generated per eval prompt")
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> TrainConfig:
+        if self.eval_every and not self.eval_data:
+            raise ValueError("--eval-every needs --eval-data (held-out chat data)")
+        if self.eval_data and not Path(self.eval_data).is_file():
+            raise ValueError(f"--eval-data {self.eval_data}: no such file")
+        return self
+
     rows_per_step: int = Field(2, ge=1, description="window rows per optimizer step")
     save_path: str = Field(description="checkpoint directory")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
@@ -117,6 +151,16 @@ class TrainConfig(BaseModel):
     seed: int = Field(0, description="seeds init, anchors and row order within windows")
     acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
     heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s)")
+    progress: bool | None = Field(
+        None,
+        description="per-step progress bar on stderr (step, loss, EAL, rows/s, time waiting "
+        "for windows, window, cursor); default: when stderr is a terminal",
+    )
+    takeover: bool = Field(
+        False,
+        description="take this consumer id over from a live trainer that holds it (that one "
+        "is fenced off and exits); without it, a live holder makes this one exit",
+    )
 
 
 def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
@@ -130,28 +174,133 @@ def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
     return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
 
 
-def _wait_for_run(run_dir: Path, db_path: str | None, timeout_s: float) -> CaptureContract:
-    """Wait until a producer has created the run (contract + a usable database).
+WAIT_NOTICE_EVERY_S = 5.0  # a waiting trainer says on stderr what it waits for this often
 
-    The producer writes contract.json a moment before the database's tables exist,
-    so a trainer started alongside it retries opening until both are there.
+
+def _secs(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
+def _say(line: str) -> None:
+    """One line on stderr, above the progress bar if one is drawn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+class WaitNotice:
+    """Says on stderr what the trainer is waiting for, while it waits, e.g.
+
+        waiting for window 12 from the producer (15 s of 600 s; --acquire-timeout-s)
+
+    `begin(what, after_s)` and `end()` bracket a wait; the first line comes once the wait
+    is `after_s` old, then one every `every_s`. `tick()` prints a line when one is due:
+    the waiting loop calls it, or for a wait that blocks inside a call (acquiring a
+    window) the thread that `start()` runs does. `clock` and `write` are seams for tests.
+    """
+
+    def __init__(
+        self,
+        limit_s: float,
+        *,
+        every_s: float = WAIT_NOTICE_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        write: Callable[[str], None] = _say,
+    ) -> None:
+        self.limit_s = limit_s
+        self.every_s = every_s
+        self.clock = clock
+        self.write = write
+        self._lock = threading.Lock()
+        self._what: Callable[[], str] | None = None
+        self._since = self._due = 0.0
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, what: Callable[[], str], *, after_s: float = 0.0) -> None:
+        with self._lock:
+            self._what, self._since = what, self.clock()
+            self._due = self._since + after_s
+
+    def end(self) -> None:
+        with self._lock:
+            self._what = None
+
+    def tick(self) -> str | None:
+        """Print (and return) the line if one is due."""
+        with self._lock:
+            now = self.clock()
+            if self._what is None or now < self._due:
+                return None
+            self._due = now + self.every_s
+            line = (
+                f"waiting for {self._what()} ({_secs(now - self._since)} s of "
+                f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
+            )
+        self.write(line)
+        return line
+
+    def start(self, period_s: float = 0.5) -> WaitNotice:
+        def watch() -> None:
+            while not self._stopped.wait(period_s):
+                self.tick()
+
+        self._thread = threading.Thread(target=watch, name="fanout-wait-notice", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _wait_for_run(
+    run_dir: Path, db_path: str | None, timeout_s: float, notice: WaitNotice | None = None
+) -> CaptureContract:
+    """Wait up to `timeout_s` (--acquire-timeout-s) until a producer has created the run,
+    saying so on stderr at once and then every few seconds (`WaitNotice`).
+
+    Waits only on what a producer that is starting explains: no database yet
+    (NoCoordinator: no file, or its tables not committed yet) or one the create holds
+    locked (CoordinatorBusy). Anything else (not a database, an unknown schema version,
+    an unreachable server) fails at once: waiting would not fix it.
     """
     from fanout.coordinator import Coordinator
+    from fanout.postgresdb import redact
 
+    def what() -> str:
+        where = Coordinator.resolve_db_path(run_dir.absolute(), db_path)
+        return f"a producer to create {redact(where) if isinstance(where, str) else where}"
+
+    notice = notice or WaitNotice(timeout_s)
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with Coordinator.open(run_dir, db_path=db_path) as coord:
-                return coord.contract
-        except (ConfigError, SchemaVersionError) as e:
-            being_created = isinstance(e, ConfigError) or "not a fanout" in str(e)
-            if not being_created:
-                raise  # a real schema-version mismatch: waiting will not fix it
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"{run_dir}: no usable run after {timeout_s:.0f} s ({e}); is a producer running?"
-                ) from None
-        time.sleep(0.2)
+    notice.begin(what)
+    try:
+        while True:
+            try:
+                with Coordinator.open(run_dir, db_path=db_path) as coord:
+                    return coord.contract
+            except (NoCoordinator, CoordinatorBusy) as e:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"{run_dir}: no run after waiting {_secs(timeout_s)} s "
+                        f"(--acquire-timeout-s): {e}"
+                    ) from None
+            notice.tick()
+            time.sleep(0.2)
+    finally:
+        notice.end()
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), None where that is unknown."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def lr_lambda(cfg: TrainConfig, total: int | None) -> Any:
@@ -201,6 +350,11 @@ class MetricsLog:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
+        # start-up stamps (monotonic), logged with the first step (docs/operations.md)
+        age = _process_age_s()
+        self.startup: dict[str, float] = {"init": time.monotonic()}
+        if age is not None:
+            self.startup["process"] = self.startup["init"] - age
         self.cfg = cfg
         self.dp = DataParallel.from_env(cfg.device)
         self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
@@ -208,6 +362,7 @@ class Trainer:
         self.device = self.dp.device(cfg.device)
         run_dir = Path(cfg.run_dir)
         contract = _wait_for_run(run_dir, cfg.db_path, cfg.acquire_timeout_s)
+        self.startup["run"] = time.monotonic()
         if contract.window_rows % self.dp.world:
             raise ConfigError(
                 f"{run_dir}: {contract.window_rows} rows per window do not split over "
@@ -218,8 +373,11 @@ class Trainer:
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
                 "captured without them: produce the run with --store-last-hidden-states"
             )
+        # Any subset of the captured layers, in the draft's order; refused now (naming the
+        # captured ones) rather than after the draft is built. The consumer reads only these.
         layers = cfg.target_layer_ids or list(contract.target_layer_ids)
-        self.expect = {"target_layer_ids": layers} if cfg.target_layer_ids else {}
+        contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
+        self.expect = {"target_layer_ids": layers}
         overrides: dict[str, Any] = dict(
             num_layers=cfg.num_layers,
             block_size=cfg.block_size,
@@ -263,6 +421,7 @@ class Trainer:
         rows_per_step = cfg.rows_per_step * self.dp.world  # ranks share the stream's rows
         total_steps = cfg.max_steps or (rows_total // rows_per_step if rows_total else None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total_steps))
+        self.total_steps = total_steps
         # cursor 0, not "whatever the database says": a model without a checkpoint has
         # seen nothing, even if an earlier incarnation of this consumer acked windows.
         self.state: dict[str, Any] = {"step": 0, "cursor": 0, "rows_done": 0, "epoch": 0}
@@ -282,9 +441,13 @@ class Trainer:
         self.dp.broadcast_parameters(self.draft)  # identical start on every rank
         name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
         self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
+        # EAL of the last logged steps: the train-time estimate a checkpoint records
+        self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
+        self._eval_session: Any = None  # fanout.eval.EvalSession, built at the first eval
         self._in_step = False
         self._stop_requested = False
         self.interrupted = False
+        self.startup["ready"] = time.monotonic()
 
     def _anchor_seed(self, step: int = 0) -> int:
         """Ranks draw anchors from their own streams (seed, rank) over their own rows."""
@@ -320,6 +483,117 @@ class Trainer:
             state,
             generators={"anchors": self.gen},
             verifier_name_or_path=self.cfg.verifier_name_or_path,
+            verifier_serving_name=self.cfg.checkpoint_verifier_name,
+            config_extra=self._checkpoint_extra(),
+        )
+
+    def _eval(self) -> dict[str, Any]:
+        """Real speculative decoding of the draft as it is now (`fanout.eval`): the
+        acceptance length τ and whether the output stayed lossless. The verifier and
+        prompts are loaded at the first call and kept."""
+        from fanout.eval import EvalConfig, EvalSession
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self._eval_session is None:
+            ecfg = EvalConfig(
+                verifier_name_or_path=cfg.verifier_name_or_path,
+                data=cfg.eval_data or "",
+                tokenizer=cfg.eval_tokenizer or cfg.verifier_name_or_path,
+                num_prompts=cfg.eval_prompts,
+                max_new_tokens=cfg.eval_max_new_tokens,
+                device=str(self.device),
+            )
+            self._eval_session = EvalSession(ecfg, list(self.draft.cfg.target_layer_ids))
+        self.draft.eval()
+        try:
+            rep = self._eval_session.run({"draft": self.draft}, {"draft": None})
+        finally:
+            self.draft.train()
+        d = rep["drafts"]["draft"]
+        return {
+            "eval_tau": d["acceptance_length"],
+            "eval_lossless": rep["lossless"],
+            "eval_s": round(time.perf_counter() - t0, 2),
+        }
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Train-time numbers a checkpoint carries next to the draft (`fanout eval`
+        prints `train_eal` beside the measured acceptance length)."""
+        recent = list(self.recent_eal)
+        extra: dict[str, Any] = {"step": self.state["step"]}
+        if recent:
+            extra["train_eal"] = round(sum(recent) / len(recent), 4)
+            extra["train_eal_steps"] = len(recent)
+        return extra
+
+    def _next_batch(
+        self, stream: ConsumerStream, batches: Iterator[Batch], waits: WaitNotice
+    ) -> Batch | None:
+        """The next batch (None at the end); if that takes a while, `waits` says on stderr
+        which window it waits for."""
+
+        def what() -> str:
+            w = stream.waiting_for
+            return "the next window" if w is None else f"window {w} from the producer"
+
+        waits.begin(what, after_s=waits.every_s)
+        try:
+            batch = next(batches, None)
+        finally:
+            waits.end()
+        self.startup.setdefault("first_batch", time.monotonic())
+        return batch
+
+    def _progress_bar(self) -> Any:
+        """tqdm on stderr (rank 0; --progress, default: when stderr is a terminal)."""
+        from tqdm import tqdm
+
+        show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
+        return tqdm(
+            total=self.total_steps,
+            initial=self.state["step"],
+            desc=self.cfg.consumer_id,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not (show and self.dp.is_main),
+        )
+
+    def _show_step(self, bar: Any, rec: dict[str, Any], batch: Batch) -> None:
+        """Progress: step, loss, EAL, rows/s and % of the time spent waiting for windows
+        (both since this run started), the newest window of the step, the cursor."""
+        self._rows_seen += len(batch.rows)
+        self._waited_s += batch.wait_s
+        if bar.disable:
+            return
+        elapsed = max(time.perf_counter() - self._t_loop, 1e-9)
+        bar.set_postfix_str(
+            f"loss {rec['loss']:.4f} EAL {rec['eal']:.2f} | {self._rows_seen / elapsed:.1f} "
+            f"rows/s | waiting {100 * self._waited_s / elapsed:.0f}% | window "
+            f"{rec['windows'][-1]} cursor {self.state['cursor']}",
+            refresh=False,
+        )
+        bar.update(1)
+
+    def _log_startup(self) -> None:
+        """Where the time to the first step went (docs/operations.md, "Trainer start-up")."""
+        st, now = self.startup, time.monotonic()
+        parts = [
+            ("waiting for the run", st["run"] - st["init"]),
+            ("draft + optimizer", st["ready"] - st["run"]),
+            ("registering", st["registered"] - st["ready"]),
+            ("first window", st["first_batch"] - st["registered"]),
+            ("first step", now - st["first_batch"]),
+        ]
+        if "process" in st:
+            parts.insert(0, ("interpreter + imports", st["init"] - st["process"]))
+        log.info(
+            "%s: first step %.2f s after %s (%s)",
+            self.cfg.consumer_id,
+            now - st.get("process", st["init"]),
+            "the process started" if "process" in st else "the trainer was built",
+            ", ".join(f"{k} {v:.2f} s" for k, v in parts),
         )
 
     def run(self) -> dict[str, Any]:
@@ -334,10 +608,12 @@ class Trainer:
             heartbeat_s=cfg.heartbeat_s,
             row_shuffle_seed=cfg.seed,
             max_windows=self.max_windows,
+            takeover=cfg.takeover,
         )
         stream = ConsumerStream(
             ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
         )
+        self.startup["registered"] = time.monotonic()
         log.info(
             "%s: draft %d params, AdamW %s, from cursor %d",
             stream.reg.consumer_id,
@@ -351,10 +627,14 @@ class Trainer:
             else torch.autocast("cpu", enabled=False)
         )
         first = last = None
+        bar = self._progress_bar()
+        waits = WaitNotice(cfg.acquire_timeout_s).start()
+        batches = stream.batches(cfg.rows_per_step)
+        self._rows_seen, self._waited_s, self._t_loop = 0, 0.0, time.perf_counter()
         try:
             try:
                 t_fetch = time.perf_counter()
-                for batch in stream.batches(cfg.rows_per_step):
+                while (batch := self._next_batch(stream, batches, waits)) is not None:
                     self._in_step = True
                     t0 = time.perf_counter()
                     inputs = self._to_device(batch)
@@ -373,6 +653,7 @@ class Trainer:
                     self.state["cursor"], self.state["rows_done"] = batch.next_position
                     step = self.state["step"]
                     loss, eal = self.dp.mean([float(out.loss.detach()), float(out.eal)])
+                    self.recent_eal.append(eal)
                     rec = {
                         "step": step,
                         "loss": round(loss, 6),
@@ -392,7 +673,11 @@ class Trainer:
                     }
                     if first is None:
                         first = rec
+                        self._log_startup()
                     last = rec
+                    self._show_step(bar, rec, batch)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and self.dp.is_main:
+                        rec |= self._eval()
                     if step % cfg.log_every == 0:
                         self.metrics.write(rec)
                     if step % cfg.checkpoint_every == 0:
@@ -409,6 +694,8 @@ class Trainer:
             if self.state["step"]:
                 self.save()
         finally:
+            waits.stop()
+            bar.close()
             stream.close()
             self.metrics.close()
         trained = [p.detach().double().sum() for p in self.draft.parameters() if p.requires_grad]

@@ -3,9 +3,10 @@
     from fanout.verifier import load_verifier
     v = load_verifier("/models/Qwen3-8B", num_draft_layers=5)        # CUDA + bf16 if present
     cap = v.capture(input_ids, position_ids, document_ids)            # each [B, T]
-    cap.hidden_states  # [B, T, n·H] storage dtype — outputs of decoder layers v.target_layer_ids
+    cap.layers         # n × [B, T, H] storage dtype — outputs of decoder layers v.target_layer_ids
+    cap.layer_scales   # n × [B, T] float32 per-token scales with fp8 storage (fanout.fp8), else None
     cap.target_ids     # [B, T] int32 — argmax of the verifier's logits at every position
-    cap.hidden_scales  # [B, T, n] float32 per-token scales with fp8 storage (fanout.fp8), else None
+    cap.hidden_states  # [B, T, n·H]: the layers side by side (a copy; what a draft's fc takes)
 
 CPU-sized example (a random tiny Qwen3, no downloads):
 
@@ -21,8 +22,8 @@ same convention is used by the DFlash reference code (`extract_context_feature`
 indexes `hidden_states[layer_id + 1]`).
 
 **How it captures.** Forward hooks on the target decoder layers copy each output into
-one preallocated `[B, T, n·H]` buffer (no `output_hidden_states`, which would keep
-every layer alive). The base model (`model.model`) runs without the LM head; we apply
+its own preallocated `[B, T, H]` buffer — one per layer, because windows store one
+tensor per layer (no `output_hidden_states`, which would keep every layer alive). The base model (`model.model`) runs without the LM head; we apply
 the head ourselves in `chunk_tokens`-row chunks and keep only the argmax, so the full
 `[T, vocab]` logits (1.9 GB for T = 3072 on Qwen3 in fp32) never exist at once.
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +52,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
 from fanout.fp8 import FP8, quantize_into
+
+# the DFlash layer rule lives with the draft (one rule for producer and trainer)
+from fanout.model.dflash import default_target_layer_ids
 from fanout.ops.argmax import row_argmax
 
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
@@ -65,43 +70,15 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash rule: one target layer per draft layer, spaced evenly over [1, L − 3].
-
-    One draft layer takes the middle layer `L // 2`. Same rule (and Python's `round`,
-    half to even) as `build_target_layer_ids` in the DFlash reference code, SGLang's
-    `python/sglang/srt/speculative/dflash_utils.py` and speculators' DFlash utils.
-
-    >>> default_target_layer_ids(36, 5)
-    [1, 9, 17, 25, 33]
-
-    Raises ConfigError when the verifier is too shallow to give distinct layers
-    (then pass `target_layer_ids` explicitly or fewer draft layers).
-    """
-    if num_verifier_layers <= 0:
-        raise ConfigError(f"num_verifier_layers must be > 0, got {num_verifier_layers}")
-    if num_draft_layers <= 0:
-        raise ConfigError(f"num_draft_layers must be > 0, got {num_draft_layers}")
-    if num_draft_layers == 1:
-        return [num_verifier_layers // 2]
-    start, end = 1, num_verifier_layers - 3
-    span = end - start
-    ids = [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-    if span < 0 or len(set(ids)) != len(ids):
-        raise ConfigError(
-            f"the DFlash layer rule gives {ids} for a {num_verifier_layers}-layer verifier and "
-            f"{num_draft_layers} draft layers (not distinct); pass target_layer_ids explicitly "
-            "or use fewer draft layers"
-        )
-    return ids
-
-
 def resolve_target_layer_ids(
     num_verifier_layers: int,
-    target_layer_ids: list[int] | tuple[int, ...] | None,
+    target_layer_ids: list[int] | tuple[int, ...] | Literal["all"] | None,
     num_draft_layers: int | None,
 ) -> list[int]:
-    """Explicit ids win (validated: in [0, L), distinct); else the DFlash rule."""
+    """Explicit ids win (validated: in [0, L), distinct; "all": every layer 0..L-1);
+    else the DFlash rule."""
+    if target_layer_ids == "all":
+        return list(range(num_verifier_layers))
     if target_layer_ids is None:
         if num_draft_layers is None:
             raise ConfigError("give target_layer_ids or num_draft_layers (the DFlash rule)")
@@ -135,6 +112,19 @@ def config_hash(path: str | os.PathLike[str]) -> str:
         cfg.pop(k, None)
     blob = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def max_position_embeddings(path: str | os.PathLike[str]) -> int | None:
+    """The verifier's `max_position_embeddings` from its config.json (a multimodal
+    model's `text_config` when the top level has none); None if it declares none.
+    Read from the file, without loading the model, so a producer can refuse a
+    `--seq-len` above it before it creates anything."""
+    cfg = _read_config(Path(path))
+    for section in (cfg, cfg.get("text_config")):
+        v = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
 
 
 def weights_fingerprint(
@@ -229,8 +219,8 @@ class VerifierConfig(BaseModel):
     storage_dtype: StorageDType = Field(
         "bfloat16", description="dtype of captured hidden states (what windows store)."
     )
-    target_layer_ids: tuple[int, ...] | None = Field(
-        None, description="Decoder layers to capture (0-based); None = DFlash rule."
+    target_layer_ids: tuple[int, ...] | Literal["all"] | None = Field(
+        None, description="Decoder layers to capture (0-based), or 'all'; None = DFlash rule."
     )
     num_draft_layers: int | None = Field(
         5, gt=0, description="Draft layers for the DFlash rule (ignored with target_layer_ids)."
@@ -260,25 +250,40 @@ class VerifierConfig(BaseModel):
 class Capture:
     """What one verifier forward yields for a batch of packed rows (on the model's device)."""
 
-    hidden_states: torch.Tensor  # [B, T, n·H] storage dtype
+    layers: tuple[torch.Tensor, ...]  # n × [B, T, H] storage dtype, in target_layer_ids order
     target_ids: torch.Tensor  # [B, T] int32 — argmax of logits at t (prediction of token t+1)
     last_hidden_states: torch.Tensor | None  # [B, T, H] storage dtype (bf16 for fp8), or None
-    hidden_scales: torch.Tensor | None = None  # [B, T, n] float32 with fp8 storage (fanout.fp8)
+    layer_scales: tuple[torch.Tensor, ...] | None = None  # n × [B, T] float32 with fp8 storage
+
+    @property
+    def hidden_states(self) -> torch.Tensor:
+        """The layers side by side, [B, T, n·H] (a copy): what a draft's `fc` reads."""
+        return torch.cat(self.layers, dim=-1)
+
+    @property
+    def hidden_scales(self) -> torch.Tensor | None:
+        """The fp8 scales side by side, [B, T, n] (a copy), or None."""
+        return None if self.layer_scales is None else torch.stack(self.layer_scales, dim=-1)
 
 
-def _out_buffer(
-    given: torch.Tensor | None,
+def _out_buffers(
+    given: Sequence[torch.Tensor] | None,
+    n: int,
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
     name: str,
-) -> torch.Tensor:
-    """`given` after checking its shape and dtype, or a fresh device tensor."""
+) -> tuple[torch.Tensor, ...]:
+    """`given` (n tensors of `shape`) after checking them, or n views of one fresh
+    device tensor [n, *shape]."""
     if given is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if tuple(given.shape) != shape or given.dtype != dtype:
-        raise ValueError(f"{name} is {tuple(given.shape)} {given.dtype}; want {shape} {dtype}")
-    return given
+        return tuple(torch.empty((n, *shape), dtype=dtype, device=device).unbind(0))
+    if len(given) != n:
+        raise ValueError(f"{name} has {len(given)} tensors; want one per layer ({n})")
+    for g in given:
+        if tuple(g.shape) != shape or g.dtype != dtype:
+            raise ValueError(f"{name} holds {tuple(g.shape)} {g.dtype}; want {shape} {dtype}")
+    return tuple(given)
 
 
 def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -366,17 +371,17 @@ class Verifier:
         position_ids: torch.Tensor,
         document_ids: torch.Tensor,
         *,
-        hidden_out: torch.Tensor | None = None,
-        scale_out: torch.Tensor | None = None,
+        hidden_out: Sequence[torch.Tensor] | None = None,
+        scale_out: Sequence[torch.Tensor] | None = None,
     ) -> Capture:
         """Run the verifier once over packed rows; return target-layer states and greedy ids.
 
         input_ids, position_ids, document_ids: [B, T] integer tensors (any device);
         position_ids restart at 0 for each document, document_ids are −1 on padding.
-        hidden_out: optional [B, T, n·H] storage-dtype tensor on the model's device
-        for the hooks to write into (the CPU producer passes its window buffer, which
-        saves a copy of every batch); a fresh device buffer otherwise.
-        scale_out: the same for the [B, T, n] float32 scales of fp8 storage.
+        hidden_out: optional n [B, T, H] storage-dtype tensors on the model's device,
+        one per target layer, for the hooks to write into (the CPU producer passes its
+        window buffers, which saves a copy of every batch); fresh device buffers otherwise.
+        scale_out: the same for the n [B, T] float32 scales of fp8 storage.
 
         Nothing here waits for the device: CPU inputs are staged through pinned memory
         and copied asynchronously on CUDA, so a caller that also copies the results
@@ -401,13 +406,15 @@ class Verifier:
                 ~mask, torch.finfo(self.dtype).min
             )
 
-        hidden = _out_buffer(hidden_out, (b, t, n * h), self.storage_dtype, dev, "hidden_out")
+        hidden = _out_buffers(hidden_out, n, (b, t, h), self.storage_dtype, dev, "hidden_out")
         fp8 = self.storage_dtype == FP8
-        scales = _out_buffer(scale_out, (b, t, n), torch.float32, dev, "scale_out") if fp8 else None
+        scales = (
+            _out_buffers(scale_out, n, (b, t), torch.float32, dev, "scale_out") if fp8 else None
+        )
         handles = []
         for j, layer_id in enumerate(self.target_layer_ids):
-            sl = hidden[:, :, j * h : (j + 1) * h]  # [B, T, H] view into the buffer
-            sc = scales[:, :, j] if scales is not None else None  # [B, T] view
+            sl = hidden[j]  # [B, T, H]: this layer's buffer
+            sc = scales[j] if scales is not None else None  # [B, T]
 
             def hook(
                 _m: Any, _a: Any, out: Any, sl: torch.Tensor = sl, sc: torch.Tensor | None = sc
@@ -430,10 +437,10 @@ class Verifier:
         if self.config.store_last_hidden_states:
             last_store = last.to(self.last_hidden_dtype)
         return Capture(
-            hidden_states=hidden,
+            layers=hidden,
             target_ids=target,
             last_hidden_states=last_store,
-            hidden_scales=scales,
+            layer_scales=scales,
         )
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
@@ -516,6 +523,7 @@ def load_verifier(
 
 
 def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
+    from safetensors import SafetensorError  # a damaged weight file
     from transformers import AutoModelForCausalLM
 
     root = Path(cfg.path)
@@ -535,7 +543,7 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
             local_files_only=True,
             attn_implementation=cfg.attn_implementation,
         )
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
     model.to(dev)
     model.eval()

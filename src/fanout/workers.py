@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from fanout.chat import ChatFormat, to_conversation
+from fanout import masks
+from fanout.chat import ChatFormat, Conversation, to_conversation
 from fanout.errors import BadRow, ConfigError
 from fanout.template import ChatEncoder, ChatSpec
 
@@ -98,9 +99,9 @@ def resolve_workers(requested: int | None = None) -> int:
 
 # --------------------------------------------------------------------------- worker side
 
-_ENCODERS: dict[str, ChatEncoder] = {}
+_ENCODERS: dict[tuple[str, str, str], ChatEncoder] = {}
 # Loaded in the parent only to be inherited by forked workers; never used there.
-_FORK_ENCODERS: dict[str, ChatEncoder] = {}
+_FORK_ENCODERS: dict[tuple[str, str, str], ChatEncoder] = {}
 _FORK_LOCK = threading.Lock()
 # Modules whose runtime state (thread pools, CUDA) makes fork unsafe.
 _FORK_UNSAFE = ("torch", "jax", "tensorflow")
@@ -123,20 +124,27 @@ def _init_worker() -> None:
     threading.Thread(target=watch_parent, daemon=True, name="fanout-parent-watch").start()
 
 
+def _encoder_key(spec: ChatSpec) -> tuple[str, str, str]:
+    # One tokenizer can serve several templates (--chat-template) and mask paths.
+    return spec.tokenizer_json, spec.template_fingerprint(), spec.mask_path
+
+
 def encoder_for(spec: ChatSpec) -> ChatEncoder:
     """The per-process ChatEncoder for a spec (loaded once, then warm)."""
-    enc = _ENCODERS.get(spec.tokenizer_json)
+    key = _encoder_key(spec)
+    enc = _ENCODERS.get(key)
     if enc is None:
         # A forked worker finds the parent's pre-loaded encoder here (no load at all).
-        enc = _FORK_ENCODERS.get(spec.tokenizer_json) or ChatEncoder(spec)
-        _ENCODERS[spec.tokenizer_json] = enc
+        enc = _FORK_ENCODERS.get(key) or ChatEncoder(spec)
+        _ENCODERS[key] = enc
     return enc
 
 
 def _load_for_fork(spec: ChatSpec) -> None:
     with _FORK_LOCK:
-        if spec.tokenizer_json not in _FORK_ENCODERS:
-            _FORK_ENCODERS[spec.tokenizer_json] = ChatEncoder(spec)
+        key = _encoder_key(spec)
+        if key not in _FORK_ENCODERS:
+            _FORK_ENCODERS[key] = ChatEncoder(spec)
 
 
 def start_method() -> str:
@@ -168,6 +176,7 @@ class ChunkTask:
     raw: bool
     skip_bad: bool
     nbytes: int = 0
+    verify: int = 0  # check the mask path against the prefix rule on this many rows
 
 
 @dataclass
@@ -183,6 +192,9 @@ class ChunkResult:
     nbytes: int
     skipped: dict[str, int] = field(default_factory=dict)
     error: tuple[str, int, str, str] | None = None  # first bad row when not skipping
+    mask_path: str = ""  # the path that masked this chunk (fanout.masks)
+    aligned: int = 0  # rows the prefix rule had to align (templates that rewrite turns)
+    verified: int = 0  # rows checked against the prefix rule (fast paths)
 
 
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|:.*$")
@@ -199,9 +211,12 @@ def encode_chunk(task: ChunkTask) -> ChunkResult:
 
     enc = encoder_for(task.spec)
     texts: list[str] = []
+    spans: list[list[tuple[int, int]] | None] = []
     lines: list[int] = []
     skipped: dict[str, int] = {}
     error = None
+    aligned = 0
+    sample: list[tuple[int, Conversation]] = []  # (document index, conversation) to verify
     for k, item in enumerate(task.items):
         line = item[0] if task.raw else task.first_line + k
         try:
@@ -214,7 +229,9 @@ def encode_chunk(task: ChunkTask) -> ChunkResult:
             if bad is not None:
                 raise BadRow(task.file, line, *bad)
             try:
-                text = enc.render(conv)
+                text, sp, al = enc.render_for_mask(conv)
+            except masks.MaskError as e:
+                raise BadRow(task.file, line, e.field, e.reason) from None
             except Exception as e:  # the template's raise_exception, or a type it rejects
                 raise BadRow(task.file, line, "<template>", f"chat template failed: {e}") from None
         except BadRow as e:
@@ -224,10 +241,14 @@ def encode_chunk(task: ChunkTask) -> ChunkResult:
             key = _reason_key(e.reason)
             skipped[key] = skipped.get(key, 0) + 1
             continue
+        if len(sample) < task.verify:
+            sample.append((len(texts), conv))
         texts.append(text)
+        spans.append(sp)
         lines.append(line)
-    ids, lengths = enc.encode_texts(texts)
-    mask = enc.assistant_mask(ids)
+        aligned += al
+    ids, mask, lengths = enc.encode_rendered(texts, spans)
+    verified = verify_against_rule(enc, sample, texts, ids, mask, lengths, task.file, lines)
     return ChunkResult(
         ids=ids,
         mask=mask,
@@ -238,7 +259,44 @@ def encode_chunk(task: ChunkTask) -> ChunkResult:
         nbytes=task.nbytes,
         skipped=skipped,
         error=error,
+        mask_path=enc.mask_path,
+        aligned=aligned,
+        verified=verified,
     )
+
+
+def verify_against_rule(
+    enc: ChatEncoder,
+    sample: list[tuple[int, Conversation]],
+    texts: list[str],
+    ids: np.ndarray,
+    mask: np.ndarray,
+    lengths: np.ndarray,
+    file: str,
+    lines: list[int],
+) -> int:
+    """Check a fast path's masks against the prefix rule on `sample`; ConfigError on any
+    difference (a fast path must never silently differ). Returns rows compared."""
+    if enc.mask_path == masks.RULE or not sample:
+        return 0
+    offs = np.concatenate([[0], np.cumsum(lengths)])  # [D+1]
+    done = 0
+    for d, conv in sample:
+        try:
+            text, sp, _ = enc.rule_spans(conv)
+        except masks.MaskError:
+            continue  # the rule cannot place a turn here: nothing to compare with
+        _, want, _ = enc.encode_spans([text], [sp])
+        got = mask[offs[d] : offs[d + 1]]
+        if text != texts[d] or not np.array_equal(got, want):
+            bad = np.flatnonzero(got != want) if got.shape == want.shape else np.array([0])
+            raise ConfigError(
+                f"{file}:{lines[d]}: loss mask path {enc.mask_path} disagrees with the prefix rule "
+                f"(token {int(bad[0])} of {got.shape[0]}); set FANOUT_MASK_PATH=prefix-rule "
+                "to use the rule, and report the template"
+            )
+        done += 1
+    return done
 
 
 # --------------------------------------------------------------------------- pool

@@ -118,11 +118,22 @@ class Sampler:
     def _open(self) -> Any:
         if self.co is None:
             from fanout.coordinator import Coordinator
-            from fanout.errors import ConfigError, CoordinatorUnavailable, SchemaVersionError
+            from fanout.errors import (
+                ConfigError,
+                CoordinatorBusy,
+                CoordinatorUnavailable,
+                SchemaVersionError,
+            )
 
             try:
                 self.co = Coordinator.open(self.run_dir, db_path=self.db_path)
-            except (ConfigError, SchemaVersionError, CoordinatorUnavailable, sqlite3.Error):
+            except (
+                ConfigError,
+                SchemaVersionError,
+                CoordinatorBusy,
+                CoordinatorUnavailable,
+                sqlite3.Error,
+            ):
                 return None  # not created yet
         return self.co
 

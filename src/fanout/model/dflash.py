@@ -312,21 +312,37 @@ class DFlashDraft(nn.Module):
         vdir = Path(verifier_dir)
         vcfg = read_verifier_config(vdir)
         fields = {**vcfg, **overrides}
-        fields.setdefault("target_layer_ids", default_target_layers(vcfg["_num_hidden_layers"]))
+        if fields.get("target_layer_ids") is None:  # the DFlash rule, as the producer's
+            n_draft = fields.get("num_layers", 1)
+            fields["target_layer_ids"] = default_target_layer_ids(
+                vcfg["_num_hidden_layers"], n_draft
+            )
         fields.setdefault("mask_token_id", vcfg["vocab_size"] - 1)
         fields.pop("_num_hidden_layers")
         try:
             cfg = DFlashConfig(**fields)
         except ValueError as e:
             raise ConfigError(f"DFlash config from {vdir / 'config.json'} + overrides: {e}") from e
+        return cls.with_verifier_tensors(cfg, vdir, draft_vocab_ids, dtype).to(device=device)
+
+    @classmethod
+    def with_verifier_tensors(
+        cls,
+        cfg: DFlashConfig,
+        verifier_dir: str | Path,
+        draft_vocab_ids: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> DFlashDraft:
+        """A draft of shape `cfg` (freshly initialised weights) with the verifier's frozen
+        embedding, `lm_head` (or the tied embedding) and final norm, on CPU in `dtype`."""
         names = ["model.embed_tokens.weight", "model.norm.weight"]
         if not cfg.tie_word_embeddings:
             names.append("lm_head.weight")
-        t = read_verifier_tensors(vdir, names)
+        t = read_verifier_tensors(Path(verifier_dir), names)
         embed = t["model.embed_tokens.weight"].to(dtype)
         head = embed if cfg.tie_word_embeddings else t["lm_head.weight"].to(dtype)
         draft = cls(cfg, embed, head, t["model.norm.weight"].to(dtype), draft_vocab_ids)
-        return draft.to(device=device, dtype=dtype)
+        return draft.to(dtype=dtype)
 
     # ---- forward ---------------------------------------------------------------------
 
@@ -356,6 +372,32 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(b, a, bs, -1)  # [B, A, bs, H]
+
+    @torch.no_grad()
+    def propose(self, context: torch.Tensor, anchor_token: int) -> torch.Tensor:
+        """Inference: the `block_size - 1` greedy tokens (verifier vocabulary) the draft
+        proposes after `anchor_token`, given the verifier's hidden states at the draft's
+        layers for every position before it, `context` `[p, n·H]` (one document,
+        positions 0..p-1; the anchor sits at position p). Same block, mask and RoPE
+        positions as training (`block_hidden` with one anchor at p)."""
+        p = context.shape[0]
+        dev = context.device
+        hs = torch.cat([context, context.new_zeros(1, context.shape[1])])[None]  # [1, p+1, n·H]
+        ids = torch.zeros(1, p + 1, dtype=torch.long, device=dev)  # only ids[anchor] is read
+        ids[0, p] = anchor_token
+        batch = {
+            "hidden_states": hs,  # row p is masked out: the block sees context t < p
+            "input_ids": ids,
+            "position_ids": torch.arange(p + 1, device=dev)[None],  # [1, p+1]
+            "document_ids": torch.zeros(1, p + 1, dtype=torch.long, device=dev),
+        }
+        anchors = torch.tensor([[p]], device=dev)  # [1, 1]
+        valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        hid = self.block_hidden(batch, anchors, valid)[0, 0, 1:]  # [bs-1, H]
+        pred = (hid.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()).argmax(-1)  # [bs-1]
+        if self.d2t is not None:  # draft id d -> verifier id d + d2t[d]
+            pred = pred + self.d2t[pred]
+        return pred
 
     def labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """Verifier-vocab label of every slot `[B, A, bs]` (slot 0's is meaningless)."""
@@ -389,6 +431,10 @@ class DFlashDraft(nn.Module):
         )
         sup = slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs)
         label = self.labels(batch, anchors)  # [B, A, bs]
+        # Blocks that count in EAL: slot 1 supervised, *before* the draft-vocabulary cut — a
+        # block whose next verifier token the draft cannot emit still counts, as length 1
+        # (serving accepts only the bonus token there).
+        has = sup[:, :, 1].clone()  # [B, A]
         if cfg.draft_vocab_size is not None:
             label = self.t2d_index[label]  # verifier id -> draft id (-100 if not kept)
             sup = sup & (label >= 0)
@@ -411,7 +457,6 @@ class DFlashDraft(nn.Module):
             cnt = sup[:, :, 1:].sum(dim=(0, 1))  # [bs-1]
             acc = correct[:, :, 1:].sum(dim=(0, 1)) / cnt.clamp(min=1)
             run = torch.cumprod(correct[:, :, 1:].long(), dim=2).sum(dim=2)  # [B, A]
-            has = sup[:, :, 1]
             eal = (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
         return LossOutput(loss, acc.float(), cnt, eal, n_tok, int(valid.sum()))
 
@@ -453,13 +498,35 @@ def _check_batch(batch: dict[str, torch.Tensor], width: int, kl: bool = False) -
         )
 
 
-def default_target_layers(num_hidden_layers: int, n: int = 5) -> list[int]:
-    """DFlash's default spread: `n` layers evenly from 1 to L-3 (fewer for tiny models)."""
-    lo, hi = 1, max(1, num_hidden_layers - 3)
-    n = max(1, min(n, hi - lo + 1))
-    if n == 1:
-        return [lo]
-    return sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)})
+def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) -> list[int]:
+    """The DFlash rule: one target layer per draft layer, spaced evenly over [1, L − 3].
+
+    One draft layer takes the middle layer `L // 2`. Same rule (and Python's `round`,
+    half to even) as `build_target_layer_ids` in the DFlash reference code, SGLang's
+    `python/sglang/srt/speculative/dflash_utils.py` and speculators' DFlash utils.
+
+    >>> default_target_layer_ids(36, 5)
+    [1, 9, 17, 25, 33]
+
+    Raises ConfigError when the verifier is too shallow to give distinct layers
+    (then pass `target_layer_ids` explicitly or fewer draft layers).
+    """
+    if num_verifier_layers <= 0:
+        raise ConfigError(f"num_verifier_layers must be > 0, got {num_verifier_layers}")
+    if num_draft_layers <= 0:
+        raise ConfigError(f"num_draft_layers must be > 0, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_verifier_layers // 2]
+    start, end = 1, num_verifier_layers - 3
+    span = end - start
+    ids = [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    if span < 0 or len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"the DFlash layer rule gives {ids} for a {num_verifier_layers}-layer verifier and "
+            f"{num_draft_layers} draft layers (not distinct); pass target_layer_ids explicitly "
+            "or use fewer draft layers"
+        )
+    return ids
 
 
 def read_verifier_config(vdir: Path) -> dict[str, Any]:
@@ -522,5 +589,5 @@ __all__ = [
     "LossOutput",
     "count_parameters",
     "default_gamma",
-    "default_target_layers",
+    "default_target_layer_ids",
 ]

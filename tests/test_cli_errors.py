@@ -1,0 +1,296 @@
+"""Bad input to the `fanout` CLI: one line naming the flag or file, exit 1, no traceback.
+
+.venv/bin/pytest tests/test_cli_errors.py -q
+
+Each CLI case runs the real `fanout` entry point in a subprocess (`python -m fanout.cli`).
+The producer cases need no model: the checks they hit run before anything is loaded
+(a verifier directory with only a config.json is enough). The start-that-fails cases
+(what a producer leaves behind) run in-process over the tiny assets.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fanout.assets import generate_corpus
+from fanout.errors import ConfigError, NotACoordinatorDatabase
+from fanout.filesystem import FaultyFileSystem
+from fanout.producer import Producer, ProducerConfig, check_inputs
+from fanout.verifier import max_position_embeddings
+from tiny_run import build_tiny_assets, tiny_producer_config
+
+
+def fanout(*argv: str | Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fanout.cli", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def error_line(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """Exit 1, no traceback, exactly one non-empty line on stderr holding every needle."""
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert r.returncode == 1, r
+    return lines[0]
+
+
+@pytest.fixture
+def inputs(tmp_path: Path) -> dict[str, Path]:
+    """A chat file and a verifier directory holding only config.json (limit 4096)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    ver = tmp_path / "verifier"
+    ver.mkdir()
+    (ver / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    return {"data": data, "verifier": ver}
+
+
+def produce_argv(run_dir: Path, inputs: dict[str, Path], *more: str) -> list[str | Path]:
+    return [
+        "produce", "--run-dir", run_dir, "--verifier-name-or-path", inputs["verifier"],
+        "--data", inputs["data"], "--seq-len", "512", "--no-progress", *more,
+    ]  # fmt: skip
+
+
+# ---- producer: flags refused before anything is created ------------------------------
+
+
+def test_produce_missing_data_file_names_the_flag(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    argv = produce_argv(tmp_path / "run", inputs)
+    argv[argv.index(inputs["data"])] = "/nonexistent.jsonl"
+    error_line(fanout(*argv), "--data", "/nonexistent.jsonl")
+    assert not (tmp_path / "run").exists()
+
+
+def test_produce_seq_len_over_max_positions_is_refused(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    line = error_line(
+        fanout(*produce_argv(tmp_path / "run", inputs), "--seq-len", "5514"),
+        "--seq-len 5514",
+        "max_position_embeddings 4096",
+        "--allow-seq-len-over-max-positions",
+    )
+    assert "5513" in line  # the highest position the rows would carry
+    assert not (tmp_path / "run").exists()
+
+
+def test_seq_len_over_max_positions_is_allowed_behind_the_flag(
+    tmp_path: Path, inputs: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = dict(
+        run_dir=str(tmp_path / "run"),
+        verifier_name_or_path=str(inputs["verifier"]),
+        data=[str(inputs["data"])],
+        seq_len=8192,
+    )
+    with pytest.raises(ConfigError, match="--seq-len 8192"):
+        check_inputs(ProducerConfig(**cfg))
+    check_inputs(ProducerConfig(**cfg, allow_seq_len_over_max_positions=True))
+    assert "positions up to 8191" in caplog.text
+    check_inputs(ProducerConfig(**(cfg | {"seq_len": 4096})))  # = the limit: fine
+
+
+def test_max_position_embeddings_reads_a_text_config(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"max_position_embeddings": 32}})
+    )
+    assert max_position_embeddings(tmp_path) == 32
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert max_position_embeddings(tmp_path) is None  # declares none: nothing to check
+
+
+def test_produce_missing_verifier_names_the_flag(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    argv = produce_argv(tmp_path / "run", inputs)
+    argv[argv.index(inputs["verifier"])] = tmp_path / "nope"
+    error_line(fanout(*argv), "--verifier-name-or-path", "nope")
+
+
+def test_produce_run_dir_that_cannot_be_created(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    """A file where a folder of the run dir should be: ENOTDIR, whoever runs the test."""
+    (tmp_path / "file").write_text("")
+    error_line(fanout(*produce_argv(tmp_path / "file" / "run", inputs)), "--run-dir", "file/run")
+
+
+def _readonly_runner(d: Path) -> list[str] | None:
+    """An argv prefix that runs a command with `d` a read-only tmpfs (a user and mount
+    namespace: no root needed, nothing mounted outside the command), or None."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    script = f'mount -t tmpfs -o ro,size=64k tmpfs "{d}" && exec "$@"'
+    prefix = [unshare, "-rm", "sh", "-c", script, "sh"]
+    probe = subprocess.run([*prefix, "sh", "-c", f'! mkdir "{d}/x"'], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+def test_produce_run_dir_on_a_read_only_filesystem(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    prefix = _readonly_runner(ro)
+    if prefix is None:
+        if os.geteuid() == 0:
+            pytest.skip(
+                "no user+mount namespace for a read-only tmpfs, and as root chmod 0555 does "
+                "not stop writes; test_run_dir_create_failure_through_the_seam covers EROFS"
+            )
+        ro.chmod(0o555)  # not root: permissions do stop writes
+        prefix = []
+    argv = [sys.executable, "-m", "fanout.cli", *map(str, produce_argv(ro / "run", inputs))]
+    r = subprocess.run([*prefix, *argv], capture_output=True, text=True, timeout=300)
+    line = error_line(r, "--run-dir", "ro/run")
+    assert "Read-only file system" in line or "Permission denied" in line
+
+
+def test_run_dir_create_failure_through_the_seam(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    fs = FaultyFileSystem(1, errno.EROFS, persistent=True, ops={"makedirs"})
+    cfg = ProducerConfig(
+        run_dir=str(tmp_path / "run"),
+        verifier_name_or_path=str(inputs["verifier"]),
+        data=[str(inputs["data"])],
+        seq_len=512,
+    )
+    with pytest.raises(
+        ConfigError, match=r"--run-dir .*run: cannot create .*Read-only file system"
+    ):
+        Producer(cfg, fs=fs)
+    assert not (tmp_path / "run").exists()
+
+
+# ---- status / sweep on something that is not a coordinator database -----------------
+
+
+@pytest.mark.parametrize("command", ["status", "sweep"])
+def test_status_and_sweep_on_a_file_that_is_not_a_database(tmp_path: Path, command: str) -> None:
+    (tmp_path / "coordinator.sqlite3").write_bytes(b"this is not an SQLite file\n" * 100)
+    error_line(
+        fanout(command, "--run-dir", tmp_path),
+        f"fanout {command}: error:",
+        "coordinator.sqlite3",
+        "not a fanout coordinator database",
+        "--run-dir",
+    )
+
+
+def test_status_on_a_foreign_sqlite_database(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "coordinator.sqlite3")
+    conn.execute("CREATE TABLE t(a)")
+    conn.commit()
+    conn.close()
+    error_line(fanout("status", "--run-dir", tmp_path), "not a fanout coordinator database")
+
+
+def test_status_without_a_run(tmp_path: Path) -> None:
+    error_line(fanout("status", "--run-dir", tmp_path / "none"), "no coordinator database")
+
+
+def test_prepare_missing_data_file_names_the_flag(tmp_path: Path) -> None:
+    error_line(
+        fanout("prepare", "--data", "/nonexistent.jsonl", "--tokenizer", tmp_path),
+        "--data",
+        "/nonexistent.jsonl",
+    )
+
+
+# ---- trainer: a run that never comes, a database that is not one ----------------------
+
+
+def test_train_waits_visibly_then_names_the_timeout_flag(tmp_path: Path) -> None:
+    r = fanout(
+        "train", "--run-dir", tmp_path / "run", "--consumer-id", "c",
+        "--verifier-name-or-path", tmp_path / "v", "--save-path", tmp_path / "s",
+        "--acquire-timeout-s", "0.5",
+    )  # fmt: skip
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    waiting = [x for x in lines if x.startswith("waiting for a producer to create")]
+    assert waiting and f"{tmp_path / 'run' / 'coordinator.sqlite3'}" in waiting[0]
+    assert "of 0.5 s; --acquire-timeout-s" in waiting[0]
+    errors = [x for x in lines if "error:" in x]
+    assert len(errors) == 1 and errors == lines[-1:]
+    assert "--acquire-timeout-s" in errors[0] and "no run after waiting 0.5 s" in errors[0]
+
+
+def test_train_on_a_file_that_is_not_a_database_fails_at_once(tmp_path: Path) -> None:
+    """Waiting cannot fix a file that is not a database: no waiting line, even with the
+    default 600 s timeout."""
+    (tmp_path / "coordinator.sqlite3").write_bytes(b"garbage" * 1000)
+    r = fanout(
+        "train", "--run-dir", tmp_path, "--consumer-id", "c",
+        "--verifier-name-or-path", tmp_path / "v", "--save-path", tmp_path / "s",
+    )  # fmt: skip
+    error_line(r, "fanout train: error:", "not a fanout coordinator database")
+
+
+def test_wait_for_run_raises_the_type_at_once(tmp_path: Path) -> None:
+    from fanout.train import WaitNotice, _wait_for_run
+
+    (tmp_path / "coordinator.sqlite3").write_bytes(b"garbage" * 1000)
+    said: list[str] = []
+    with pytest.raises(NotACoordinatorDatabase):
+        _wait_for_run(tmp_path, None, 600.0, WaitNotice(600.0, write=said.append))
+    assert said == []
+
+
+# ---- a producer start that fails leaves nothing behind ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    build_tiny_assets(root, generate_corpus(40, seed=0))
+    (root / "bad.jsonl").write_text(json.dumps({"foo": 1}) + "\n")
+    return root
+
+
+def _cfg(tiny: Path, run_dir: Path, **kw: object) -> ProducerConfig:
+    return tiny_producer_config(tiny, run_dir, cache_dir=None, **kw)
+
+
+def test_failed_start_removes_the_run_dir_it_created(tiny: Path, tmp_path: Path) -> None:
+    run = tmp_path / "new" / "run"
+    with pytest.raises(ConfigError, match="--format"):
+        Producer(_cfg(tiny, run, data=[str(tiny / "bad.jsonl")]))
+    assert not run.exists()
+    assert (tmp_path / "new").is_dir()  # its parent was not the producer's to remove
+
+
+def test_failed_start_keeps_what_was_there(tiny: Path, tmp_path: Path) -> None:
+    """A pre-existing run dir keeps its contents (and itself); a verifier that fails to
+    load after data preparation also takes the data cache and token counts with it."""
+    run = tmp_path / "run"
+    (run / "notes").mkdir(parents=True)
+    (run / "notes" / "keep.txt").write_text("mine")
+    broken = tmp_path / "verifier"
+    shutil.copytree(tiny / "verifier", broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not safetensors")
+    with pytest.raises(ConfigError, match="cannot load"):
+        Producer(_cfg(tiny, run, verifier_name_or_path=str(broken)))
+    assert sorted(os.listdir(run)) == ["notes"]
+    assert (run / "notes" / "keep.txt").read_text() == "mine"
+
+
+def test_failed_start_never_touches_an_existing_run(tiny: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    Producer(_cfg(tiny, run, max_windows=1)).run()
+    before = sorted(os.listdir(run))
+    assert "coordinator.sqlite3" in before
+    with pytest.raises(ConfigError, match="--format"):  # a restart that fails: run kept
+        Producer(_cfg(tiny, run, data=[str(tiny / "bad.jsonl")]))
+    assert sorted(os.listdir(run)) == before

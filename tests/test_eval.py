@@ -1,0 +1,285 @@
+"""`fanout eval` and the speculative decoder: lossless against plain greedy, τ measured.
+
+The decoder's bookkeeping (acceptance, KV-cache roll-back, context growth) is checked
+with scripted drafts whose proposals are known to be right for exactly m slots, so
+the acceptance lengths are known in advance; real drafts (untrained and trained) are
+checked for the defining property: output identical to greedy, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fanout.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.checkpoint import save_checkpoint
+from fanout.errors import CheckpointError
+from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.ops.adamw import make_optimizer
+from fanout.spec_decode import Decoder, first_mismatch
+from fanout.verifier import load_verifier
+from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
+
+EOS = 255
+
+
+@pytest.fixture(scope="module")
+def vdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("v"), 256, hidden_size=32, num_layers=4, head_dim=8
+    )
+
+
+@pytest.fixture(scope="module")
+def decoder(vdir: Path) -> Decoder:
+    v = load_verifier(vdir, device="cpu", target_layer_ids=[1, 2, 3], num_draft_layers=None)
+    return Decoder(v, {EOS})
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class ScriptedDraft:
+    """Proposes the verifier's own greedy continuation with slot `right + 1` wrong, so
+    every verify step must accept exactly `right` drafts (fewer only near the end)."""
+
+    def __init__(self, greedy: list[int], prompt_len: int, block_size: int, right: int) -> None:
+        self.cfg = DFlashConfig(
+            hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=256, mask_token_id=EOS,
+            target_layer_ids=[1, 3], block_size=block_size,
+        )  # fmt: skip
+        self.fc = torch.nn.Linear(1, 1)  # only its dtype is read
+        self.seq, self.p0, self.right = greedy, prompt_len, right
+        self.contexts: list[int] = []
+
+    def propose(self, context: torch.Tensor, anchor: int) -> torch.Tensor:
+        p = context.shape[0]  # context covers positions 0..p-1
+        assert context.shape[1] == 2 * 32
+        self.contexts.append(p)
+        j = p - self.p0 + 1  # index in `greedy` of the token after the anchor
+        out = []
+        for k in range(self.cfg.block_size - 1):
+            t = self.seq[j + k] if j + k < len(self.seq) else 0
+            out.append(t if k < self.right else (t + 1) % 250)
+        return torch.tensor(out)
+
+
+@pytest.mark.parametrize(("block_size", "right"), [(4, 0), (4, 3), (8, 2), (16, 5), (16, 15)])
+def test_scripted_acceptance_and_rollback(decoder: Decoder, block_size: int, right: int) -> None:
+    prompt = _prompt(11, seed=block_size + right)
+    dec = Decoder(decoder.verifier, set())  # no EOS: the full length is decoded
+    greedy = dec.greedy(prompt, 60)
+    draft = ScriptedDraft(greedy.tokens, len(prompt), block_size, right)
+    spec = dec.speculative(prompt, draft, 60)  # type: ignore[arg-type]
+    assert first_mismatch(greedy.tokens, spec.tokens) is None
+    assert all(n == right for n in spec.accepted[:-1])  # the last may be cut by the end
+    assert spec.acceptance_length == pytest.approx(
+        sum(n + 1 for n in spec.accepted) / len(spec.accepted)
+    )
+    assert spec.forwards == len(spec.accepted) < greedy.forwards or right == 0
+    # the context grows by exactly the accepted tokens + the anchor each step
+    steps = [b - a for a, b in zip(draft.contexts, draft.contexts[1:])]
+    assert steps == [n + 1 for n in spec.accepted[:-1]]
+    pos = spec.position_accepted()
+    assert len(pos) == block_size - 1 and pos[0] == sum(1 for n in spec.accepted if n >= 1)
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 16])
+def test_untrained_drafts_lossless_and_tau_near_one(
+    decoder: Decoder, vdir: Path, block_size: int
+) -> None:
+    torch.manual_seed(block_size)
+    draft = DFlashDraft.from_verifier(
+        vdir, target_layer_ids=[1, 3], block_size=block_size, mask_token_id=EOS
+    )
+    taus = []
+    for n, seed in ((3, 0), (17, 1), (64, 2)):
+        prompt = _prompt(n, seed)
+        g = decoder.greedy(prompt, 40)
+        s = decoder.speculative(prompt, draft, 40)
+        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
+        taus.append(s.acceptance_length)
+    assert 1.0 <= sum(taus) / len(taus) < 1.3
+
+
+def test_eos_stops_both_at_the_same_token(vdir: Path, decoder: Decoder) -> None:
+    prompt = _prompt(9, 5)
+    free = Decoder(decoder.verifier, set()).greedy(prompt, 30).tokens
+    eos = free[4]  # a token greedy emits early: treat it as EOS
+    dec = Decoder(decoder.verifier, {eos})
+    g = dec.greedy(prompt, 30)
+    draft = ScriptedDraft(free, len(prompt), 8, 7)  # proposes right through the EOS
+    s = dec.speculative(prompt, draft, 30)  # type: ignore[arg-type]
+    assert g.tokens == s.tokens == free[: free.index(eos) + 1]
+
+
+def _train_on_greedy(vdir: Path, decoder: Decoder, block_size: int) -> DFlashDraft:
+    """A draft trained on the verifier's own greedy continuations of random prompts."""
+    torch.manual_seed(0)
+    draft = DFlashDraft.from_verifier(
+        vdir, target_layer_ids=[1, 3], block_size=block_size, mask_token_id=EOS, max_anchors=32
+    )
+    v = decoder.verifier
+    rows = []
+    for seed in range(12):
+        prompt = _prompt(6, 100 + seed)
+        rows.append(prompt + Decoder(v, set()).greedy(prompt, 58).tokens)
+    ids = torch.tensor(rows)  # [12, 64]
+    b, t = ids.shape
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    cap = v.capture(ids, pos, doc)
+    hs = cap.hidden_states.float()  # [B, T, 3·H] for layers 1, 2, 3
+    h = 32
+    batch = {
+        "hidden_states": torch.cat([hs[..., 0:h], hs[..., 2 * h : 3 * h]], dim=-1),
+        "input_ids": ids,
+        "target_ids": cap.target_ids.long(),
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8),
+        "document_ids": doc,
+        "position_ids": pos,
+    }
+    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(150):
+        out = draft.loss(batch, gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+def test_trained_draft_is_lossless_and_accepts(vdir: Path, decoder: Decoder) -> None:
+    draft = _train_on_greedy(vdir, decoder, 4)
+    dec = Decoder(decoder.verifier, set())
+    taus = []
+    for seed in range(3):
+        prompt = _prompt(6, 100 + seed)  # prompts it trained on: acceptance must show
+        g = dec.greedy(prompt, 40)
+        s = dec.speculative(prompt, draft, 40)
+        assert first_mismatch(g.tokens, s.tokens) is None
+        taus.append(s.acceptance_length)
+    assert sum(taus) / len(taus) > 1.3, taus
+
+
+# ---- the command ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("evalcli")
+    corpus = generate_corpus(60, seed=3)
+    _, tok, ver = build_tiny_assets(root, corpus)
+    held = write_jsonl(root / "held.jsonl", generate_corpus(6, seed=99))
+    torch.manual_seed(0)
+    drafts = {}
+    for bs in (4, 8):
+        d = DFlashDraft.from_verifier(ver, target_layer_ids=[1, 2], block_size=bs)
+        opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+        drafts[f"b{bs}"] = save_checkpoint(
+            root / "drafts" / f"b{bs}", d, opt, {"step": 1}, verifier_name_or_path=str(ver),
+            config_extra={"train_eal": 1.5},
+        )  # fmt: skip
+    return {"root": root, "data": held, "tok": tok, "ver": ver, **drafts}
+
+
+def _eval(chat_run: dict[str, Path], *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable, "-m", "fanout.cli", "eval",
+        "--verifier-name-or-path", str(chat_run["ver"]), "--tokenizer", str(chat_run["tok"]),
+        "--data", str(chat_run["data"]), "--num-prompts", "3", "--max-new-tokens", "24",
+        *extra,
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_cli_reports_tau_and_lossless(chat_run: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    r = _eval(
+        chat_run,
+        "--draft", str(chat_run["b4"]),
+        "--draft", str(chat_run["root"] / "drafts" / "b8"),  # a save path: newest checkpoint
+        "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["lossless"] is True and rep["prompts"] == 3
+    for name, bs in (("b4", 4), ("b8", 8)):
+        d = rep["drafts"][name]
+        assert d["block_size"] == bs, rep["drafts"]
+        assert d["train_eal"] == 1.5
+        assert 1.0 <= d["acceptance_length"] <= bs
+        assert len(d["per_position_acceptance"]) == bs - 1
+        assert d["speedup_vs_greedy"] > 0
+    assert "lossless" in r.stdout and "b8" in r.stdout
+
+
+def _one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    err = [x for x in r.stderr.splitlines() if "error" in x]
+    assert len(err) == 1 and all(n in err[0] for n in needles), r.stderr
+
+
+def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
+    other = tiny_qwen3_verifier(tmp_path / "v48", 512, hidden_size=48, num_layers=4, head_dim=8)
+    cfg = json.loads((chat_run["b4"] / "config.json").read_text())
+    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--verifier-name-or-path", str(other))
+    _one_line_error(r, "hidden_size = 32 but verifier")
+    r = _eval(chat_run, "--draft", str(tmp_path / "nothing"))
+    _one_line_error(r, "--draft", "neither a checkpoint dir")
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in chat_run["b4"].iterdir():
+        (old / f.name).write_bytes(f.read_bytes())
+    cfg["fanout"]["format_version"] = 1
+    (old / "config.json").write_text(json.dumps(cfg))
+    r = _eval(chat_run, "--draft", str(old))
+    _one_line_error(r, "format 1")
+    (old / "config.json").write_text(
+        json.dumps(cfg | {"fanout": cfg["fanout"] | {"format_version": 2}})
+    )
+    (old / "model.safetensors").unlink()
+    r = _eval(chat_run, "--draft", str(old))
+    _one_line_error(r, "model.safetensors: missing")
+    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--data", str(tmp_path / "none.jsonl"))
+    _one_line_error(r, "--data")
+
+
+def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
+    from fanout.checkpoint import load_draft
+
+    shallow = tiny_qwen3_verifier(tmp_path / "v2", 512, hidden_size=32, num_layers=2, head_dim=8)
+    with pytest.raises(CheckpointError, match=r"decoder layers \[1, 2\]\) do not exist"):
+        load_draft(chat_run["b4"], shallow)
+
+
+def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
+    import argparse
+
+    from fanout.eval import EvalConfig, add_arguments
+    from fanout.flags import flag_name, model_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    opts = {s for a in p._actions for s in a.option_strings}
+    renamed = {"json_out": "--json"}
+    for field in EvalConfig.model_fields:
+        if field != "role_map":  # a mapping: reachable through --config only
+            assert renamed.get(field, flag_name(field)) in opts, field
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps({"role_map": {"bot": "assistant"}, "num_prompts": 2}))
+    args = p.parse_args(
+        ["--config", str(conf), "--verifier-name-or-path", str(tmp_path), "--tokenizer",
+         str(tmp_path), "--data", str(conf), "--draft", "a", "b", "--draft", "c", "--json", "o"]
+    )  # fmt: skip
+    cfg = model_from_args(EvalConfig, args)
+    assert cfg.draft == ["a", "b", "c"] and cfg.json_out == "o"
+    assert cfg.role_map == {"bot": "assistant"} and cfg.num_prompts == 2

@@ -1,0 +1,775 @@
+"""Conformance with the real speculators 0.9.0 library (skipped when it is not installed).
+
+`scripts/install_speculators.sh` installs it (`--no-deps`, never a torch resolve; CI and
+`FANOUT_SPECULATORS=1 ./dev.sh ...` run it). speculators' own `DFlashDraftModel` is the
+oracle here:
+
+1. a fanout checkpoint (`fanout.checkpoint.save_checkpoint`) loads with
+   `DFlashDraftModel.from_pretrained` with no missing/unexpected keys, no warning from
+   any channel (Python warnings, stdlib logging incl. transformers' load report,
+   loguru), every tensor equal to `model.safetensors`, and the config fields it
+   reads (`aux_hidden_state_layer_ids` = fanout's target_layer_ids + 1, RoPE theta,
+   RMSNorm eps, verifier path and architectures) as fanout meant them; the config
+   equals the one speculators writes itself for the same model (`save_pretrained`),
+   up to the fields listed in `_WRITER_ONLY`;
+2. with the same weights, rows and anchors (both `select_anchors` are patched), fanout's
+   `DFlashDraft.loss` and speculators' `forward` give the same loss, per-slot
+   accuracy counts, EAL and parameter gradients, for CE with exp decay, CE with
+   D-PACE and KL, and for two rows against the same rows packed into one;
+3. where the two differ on purpose, the differences are pinned exactly.
+
+Semantic differences found (fanout's choice, and how the tests account for it):
+
+- Which slots carry a loss. speculators supervises slot k of the block at anchor a
+  when `loss_mask[a+k]` is on; fanout also requires `document_ids[a+k] ==
+  document_ids[a]`. A block that runs past its document's end is trained by
+  speculators on the next document's tokens, whose labels are the verifier's
+  predictions given a context the block never sees (it only sees its own document):
+  noise. fanout drops those slots (`anchors.slot_supervision`). The conformance rows
+  keep blocks inside their documents; `test_supervision_differences` pins the extra
+  slots speculators trains and shows that with fanout's mask speculators' loss is
+  fanout's.
+- Reduced draft vocabulary. speculators' label is the argmax of the verifier logits
+  restricted to the draft vocabulary, so a slot whose verifier token is not in the
+  draft vocabulary is trained toward some other token (one the verifier would reject
+  under greedy verification). fanout drops such slots (`label >= 0`). Pinned in
+  `test_supervision_differences`.
+- Anchor candidates. speculators draws anchors from every supervised position
+  `p < T - block_size`; fanout also requires slot 1 to be supervised and in the same
+  document (an anchor at a document's last supervised token would give a block with
+  zero or only cross-document loss). fanout's candidates are a subset
+  (`test_anchor_candidates`); both draw uniformly without replacement and sort.
+- Loss normalisation. Both divide the weighted CE sum by the number of supervised
+  slots; speculators adds 1e-5 to the count (the tests undo that) and averages per
+  packed row, which it always has one of. fanout's `[B, T]` batch is normalised over
+  all its rows' slots, i.e. as speculators does the rows packed into one
+  (`test_two_rows_equal_one_packed_row`).
+- Decay weights. Same formula `exp(-(k-1)/gamma)`, slot 0 weight 0; speculators'
+  training default is gamma = 4 for every block size, fanout's is by block size
+  (`default_gamma`: 4 for 8, 7 for 16, the DFlash paper's values). The tests pass
+  fanout's gamma to both. D-PACE is the same formula on both sides.
+- Label source. Both label slot k at position p with the verifier's greedy token at
+  p-1. fanout stores it (`target_ids`) at capture time; speculators recomputes it as
+  `argmax(lm_head(verifier_norm(verifier_last_hidden_states[p-1])))`. fanout's
+  `label_source="input_ids"` has no speculators counterpart.
+- Last hidden states (KL loss only). fanout captures HF `last_hidden_state`, which is
+  after the verifier's final norm; speculators' `verifier_last_hidden_states` are
+  before it (it applies `verifier_norm` itself). The tests feed speculators the
+  pre-norm states and fanout their normed version; the two trainers' data files are
+  therefore not interchangeable, the checkpoints are.
+- Context each block sees: identical (same document, strictly before the anchor; own
+  block bidirectional; padding blocks see only themselves). speculators also excludes
+  document id -1 (padding), which fanout's anchors never point into.
+- Hidden-state layer numbering: fanout's target layer i is decoder layer i's output =
+  HF `hidden_states[i + 1]`; speculators' (and vLLM's) `aux_hidden_state_layer_ids`
+  index HF `hidden_states`, so the checkpoint must hold fanout's ids + 1. The loss
+  tests feed both models the same context tensor, so only the config check sees it.
+- Metrics. speculators' EAL counts every block with any supervised slot; fanout's
+  counts blocks whose slot 1 is loss-supervised in the anchor's document. With fanout's
+  anchor rule every valid block has that, so they agree (the conformance anchors keep
+  the rule). With a reduced vocabulary, a block whose slot-1 verifier token is outside
+  it can never be accepted: it must count with length 1, not be left out
+  (`test_eal_counts_blocks_whose_first_token_is_outside_the_draft_vocab`).
+
+Attention runs with speculators' "eager" implementation (its default, flex attention,
+compiles its block mask); everything is float32 on CPU. The weights are rounded to
+bf16 before saving, so the bf16 `model.safetensors` is exact and both models hold the
+same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from fanout.assets import tiny_qwen3_verifier
+from fanout.checkpoint import save_checkpoint
+from fanout.model import dflash as fanout_dflash
+from fanout.model.anchors import select_anchors, slot_supervision
+from fanout.model.dflash import DFlashDraft, read_verifier_tensors
+
+with warnings.catch_warnings():
+    # import-time DeprecationWarnings from torch.compile's first import and friends
+    # (speculators compiles create_block_mask at import); not about our checkpoints
+    warnings.simplefilter("ignore")
+    spec_dflash: Any = pytest.importorskip("speculators.models.dflash")
+    spec_core: Any = pytest.importorskip("speculators.models.dflash.core")
+    spec_utils: Any = pytest.importorskip("speculators.models.dflash.utils")
+    spec_eager: Any = pytest.importorskip("speculators.losses.eager")
+    spec_metrics: Any = pytest.importorskip("speculators.models.dflash.metrics")
+    loguru: Any = pytest.importorskip("loguru")
+
+SPECULATORS_VERSION = "0.9.0"
+VOCAB, H, V_LAYERS, BS, MASK = 256, 32, 4, 4, 255
+TARGET_LAYERS = [1, 2]
+ROPE_THETA, RMS_EPS = 1e6, 1e-5  # not Qwen3Config's defaults: a field it ignored would show
+T = 40
+EPS_DEN = 1e-5  # speculators' loss_function adds this to the supervised-slot count
+
+# Fields speculators' own writer (`save_pretrained` of the loaded model) sets that
+# fanout's config does not match on purpose:
+# - transformers_version: the writer's transformers, metadata;
+# - dtype: the in-memory dtype at save time (float32 here); fanout writes the stored one;
+# - auto_map: transformers' registration of the custom config class, no reader needs it.
+_WRITER_ONLY = {"transformers_version", "dtype", "torch_dtype", "auto_map"}
+
+
+# ---- fixtures: a tiny verifier, two fanout drafts and their checkpoints -------------
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3 with a non-unit final norm (so a forgotten verifier_norm shows),
+    RoPE theta 1e6 and eps 1e-5, bf16-representable weights, and a safetensors index
+    like a real (sharded) one: speculators' loader warns (loguru) on single-file
+    verifiers, whoever wrote the draft."""
+    vdir = tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("speculators") / "verifier",
+        VOCAB,
+        hidden_size=H,
+        num_layers=V_LAYERS,
+        head_dim=8,
+        intermediate_size=64,
+    )
+    cfg = json.loads((vdir / "config.json").read_text())
+    cfg.pop("rope_theta", None)
+    cfg["rope_parameters"] = {"rope_theta": ROPE_THETA, "rope_type": "default"}
+    cfg["rms_norm_eps"] = RMS_EPS
+    (vdir / "config.json").write_text(json.dumps(cfg, indent=2))
+    t = load_file(str(vdir / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    t["model.norm.weight"] = 1.0 + 0.5 * torch.rand(H, generator=g)  # positive, non-unit
+    # bf16 values like a real verifier's: the reduced head fanout saves (bf16) is exact
+    t = {k: v.bfloat16().float() for k, v in t.items()}
+    save_file(t, str(vdir / "model.safetensors"), metadata={"format": "pt"})
+    size = sum(v.numel() * v.element_size() for v in t.values())
+    index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(t, "model.safetensors")}
+    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
+    return vdir
+
+
+def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None) -> DFlashDraft:
+    torch.manual_seed(1)
+    kw: dict[str, Any] = {
+        "target_layer_ids": TARGET_LAYERS,
+        "block_size": BS,
+        "max_anchors": 8,
+        "mask_token_id": MASK,
+        "num_layers": 2,
+    }
+    if draft_vocab_ids is not None:
+        kw["draft_vocab_size"] = int(draft_vocab_ids.numel())
+    d = DFlashDraft.from_verifier(vdir, draft_vocab_ids=draft_vocab_ids, **kw)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.ndim == 1:  # norms: away from their init 1s so a swapped norm shows
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.copy_(p.bfloat16().float())  # exact in the bf16 model.safetensors
+    return d
+
+
+@pytest.fixture(scope="module")
+def drafts(
+    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[DFlashDraft, Path]]:
+    """'full' (verifier vocabulary) and 'reduced' (200 of 256 tokens) drafts, each saved
+    with save_checkpoint; name -> (draft, checkpoint dir)."""
+    g = torch.Generator().manual_seed(5)
+    reduced_ids = torch.randperm(VOCAB, generator=g)[:200].sort().values
+    out: dict[str, tuple[DFlashDraft, Path]] = {}
+    for name, ids in (("full", None), ("reduced", reduced_ids)):
+        d = _draft(verifier_dir, ids)
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        root = tmp_path_factory.mktemp(f"ckpt-{name}")
+        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+        out[name] = (d, path)
+    return out
+
+
+@contextmanager
+def _notes() -> Iterator[list[str]]:
+    """Collect everything said at WARNING or above: Python warnings, stdlib logging
+    (transformers' library logger does not propagate to the root, so it gets its own
+    handler; its load report of missing/unexpected keys is a WARNING) and loguru
+    (speculators.utils.loading)."""
+    notes: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            notes.append(f"logging {record.name} {record.levelname}: {record.getMessage()}")
+
+    handler = _Collect(level=logging.WARNING)
+    loggers = [logging.getLogger(), logging.getLogger("transformers")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    sink = loguru.logger.add(
+        lambda m: notes.append(f"loguru {m.record['level'].name}: {m.record['message']}"),
+        level="WARNING",
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield notes
+        notes.extend(f"warning {w.category.__name__}: {w.message}" for w in caught)
+    finally:
+        loguru.logger.remove(sink)
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def _speculators_config(path: Path) -> Any:
+    cfg = spec_dflash.DFlashSpeculatorConfig.from_pretrained(str(path))
+    # speculators' default is flex attention with a compiled block mask; eager is its
+    # plain-PyTorch path (float mask) and runs on CPU
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    return cfg
+
+
+def _load(path: Path) -> Any:
+    """speculators' own loading path: config, weights, then the verifier's embedding,
+    lm_head and final norm (load_verifier_weights, from speculators_config.verifier)."""
+    return spec_dflash.DFlashDraftModel.from_pretrained(
+        str(path), config=_speculators_config(path), dtype=torch.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(drafts: dict[str, tuple[DFlashDraft, Path]]) -> dict[str, tuple[Any, list[str]]]:
+    """name -> (speculators DFlashDraftModel loaded from fanout's checkpoint, notes)."""
+    out = {}
+    for name, (_, path) in drafts.items():
+        with _notes() as notes:
+            model = _load(path)
+        out[name] = (model, notes)
+    return out
+
+
+# ---- 1. loading --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_checkpoint_loads_without_warnings(
+    name: str, loaded: dict[str, tuple[Any, list[str]]]
+) -> None:
+    model, notes = loaded[name]
+    assert type(model).__name__ == "DFlashDraftModel"
+    assert notes == []
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_checkpoint_has_no_missing_or_unexpected_keys(
+    name: str, drafts: dict[str, tuple[DFlashDraft, Path]]
+) -> None:
+    _, path = drafts[name]
+    with _notes() as notes:
+        model, info = spec_dflash.DFlashDraftModel.from_pretrained(
+            str(path),
+            config=_speculators_config(path),
+            dtype=torch.float32,
+            output_loading_info=True,
+        )
+    assert notes == []
+    assert info["missing_keys"] == set()
+    assert info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set()
+    assert info["error_msgs"] == []
+    # every trainable parameter of speculators' model comes from the file (none left
+    # at its init): the verifier-owned ones are the frozen ones it reloads itself
+    model.load_verifier_weights()
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    saved = set(load_file(str(path / "model.safetensors")))
+    assert trainable == saved - {"lm_head.weight", "d2t", "t2d"}
+
+
+def test_the_capture_sees_a_bad_checkpoint(
+    drafts: dict[str, tuple[DFlashDraft, Path]], tmp_path: Path
+) -> None:
+    """Control for the two tests above: a file with a missing and an unexpected tensor
+    is reported both by the loading info and by transformers' load report (a WARNING
+    the capture must see)."""
+    _, path = drafts["full"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bad / f).write_bytes((path / f).read_bytes())
+    t = load_file(str(bad / "model.safetensors"))
+    t.pop("norm.weight")
+    t["extra.weight"] = torch.zeros(2)
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with _notes() as notes:
+        _, info = spec_dflash.DFlashDraftModel.from_pretrained(
+            str(bad),
+            config=_speculators_config(bad),
+            dtype=torch.float32,
+            output_loading_info=True,
+        )
+    assert info["missing_keys"] == {"norm.weight"}
+    assert info["unexpected_keys"] == {"extra.weight"}
+    assert any("norm.weight" in n and "extra.weight" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_loaded_tensors_equal_the_checkpoint(
+    name: str,
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+) -> None:
+    draft, path = drafts[name]
+    model, _ = loaded[name]
+    sd = model.state_dict()
+    saved = load_file(str(path / "model.safetensors"))
+    for k, v in saved.items():
+        assert sd[k].dtype == (v.dtype if k in ("d2t", "t2d") else torch.float32), k
+        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
+    for k, v in draft.trainable_state().items():  # and they are the draft's own weights
+        assert torch.equal(sd[k], v), k
+    vt = read_verifier_tensors(
+        verifier_dir, ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    )
+    assert torch.equal(sd["embed_tokens.weight"], vt["model.embed_tokens.weight"])
+    assert torch.equal(sd["verifier_norm.weight"], vt["model.norm.weight"])
+    head = vt["lm_head.weight"]
+    if draft.t2d is not None and draft.d2t is not None:
+        head = head[draft.t2d]
+        assert torch.equal(model.t2d, draft.t2d)
+        assert torch.equal(model.d2t, draft.d2t)
+    assert torch.equal(sd["lm_head.weight"], head)
+    assert torch.equal(sd["lm_head.weight"], draft.lm_head_weight)
+    assert torch.equal(sd["verifier_lm_head.weight"], head)
+
+
+def test_config_as_fanout_means_it(
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+) -> None:
+    draft, path = drafts["full"]
+    model, _ = loaded["full"]
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["speculators_version"] == SPECULATORS_VERSION == version("speculators")
+    # HF hidden_states numbering: fanout's decoder layer i is hidden_states[i + 1]
+    want_ids = [i + 1 for i in draft.cfg.target_layer_ids]
+    assert raw["aux_hidden_state_layer_ids"] == want_ids
+    assert model.config.aux_hidden_state_layer_ids == want_ids
+    assert model.target_layer_ids == want_ids
+    tl = model.config.transformer_layer_config
+    assert tl.model_type == "qwen3"
+    assert tl.num_hidden_layers == draft.cfg.num_layers == len(model.layers)
+    assert tl.rope_parameters["rope_theta"] == ROPE_THETA
+    assert tl.rms_norm_eps == RMS_EPS
+    assert (tl.hidden_size, tl.head_dim, tl.vocab_size) == (H, 8, VOCAB)
+    assert model.config.block_size == BS
+    assert model.mask_token_id == MASK
+    assert model.config.draft_vocab_size == VOCAB
+    assert model.config.sample_from_anchor is False
+    proposal = model.config.speculators_config.proposal_methods[0]
+    assert proposal.speculative_tokens == BS - 1
+    verifier = model.config.speculators_config.verifier
+    assert verifier.name_or_path == str(verifier_dir.resolve())
+    assert verifier.architectures == ["Qwen3ForCausalLM"]
+    torch.testing.assert_close(
+        model.rotary_emb.inv_freq, draft.rope.inv_freq, rtol=1e-6, atol=0
+    )  # the draft's RoPE, from rope_parameters
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_config_matches_what_speculators_writes(
+    name: str,
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    tmp_path: Path,
+) -> None:
+    """speculators re-saves the loaded draft; both config.json files, read back through
+    speculators' config class (so fields fanout leaves to their defaults compare as the
+    defaults), must agree except for `_WRITER_ONLY`, and the re-saved weights must be
+    fanout's file."""
+    _, path = drafts[name]
+    model, _ = loaded[name]
+    resaved = tmp_path / "resaved"
+    model.save_pretrained(resaved)
+    ours = _flat(spec_dflash.DFlashSpeculatorConfig.from_pretrained(str(path)).to_dict())
+    theirs = _flat(spec_dflash.DFlashSpeculatorConfig.from_pretrained(str(resaved)).to_dict())
+    ignored = {k for k in ours.keys() | theirs.keys() if k.split(".")[0] in _WRITER_ONLY}
+    ignored |= {k for k in ours.keys() | theirs.keys() if k.endswith(".transformers_version")}
+    diff = {
+        k: (ours.get(k, "<absent>"), theirs.get(k, "<absent>"))
+        for k in sorted((ours.keys() | theirs.keys()) - ignored)
+        if ours.get(k, "<absent>") != theirs.get(k, "<absent>")
+    }
+    assert diff == {}, f"fanout vs speculators-written config.json (ours, theirs): {diff}"
+    # the top-level fields a non-speculators reader (vLLM) sees without defaults
+    raw_ours = json.loads((path / "config.json").read_text())
+    raw_theirs = json.loads((resaved / "config.json").read_text())
+    missing = sorted(set(raw_theirs) - set(raw_ours) - _WRITER_ONLY)
+    assert missing == [], f"speculators writes top-level {missing}, fanout does not"
+    mine, re = (
+        load_file(str(path / "model.safetensors")),
+        load_file(str(resaved / "model.safetensors")),
+    )
+    assert set(mine) == set(re)
+    for k in mine:
+        assert torch.equal(mine[k].to(re[k].dtype), re[k]), k
+
+
+# ---- 2. the same loss on the same rows -----------------------------------------------
+
+
+def _layout(first_doc: int = 22, prompt: int = 3, hole: int | None = 10) -> dict[str, torch.Tensor]:
+    """One packed row [1, T]: document 0 = [0, first_doc), document 1 = the rest; each
+    document's first `prompt` tokens unsupervised, plus an unsupervised `hole`."""
+    doc = torch.tensor([0] * first_doc + [1] * (T - first_doc))[None]
+    pos = torch.cat([torch.arange(first_doc), torch.arange(T - first_doc)])[None]
+    lm = torch.ones(1, T, dtype=torch.long)
+    lm[0, :prompt] = 0
+    lm[0, first_doc : first_doc + prompt] = 0
+    if hole is not None:
+        lm[0, hole] = 0
+    return {"document_ids": doc, "position_ids": pos, "loss_mask": lm}
+
+
+def _anchors(*valid_anchors: int, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.tensor([[*valid_anchors] + [0] * pad])  # [1, A]: fanout pads with anchor 0
+    v = torch.tensor([[True] * len(valid_anchors) + [False] * pad])
+    return a, v
+
+
+def _rows(
+    draft: DFlashDraft,
+    verifier_dir: Path,
+    layout: dict[str, torch.Tensor],
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A fanout batch row and the matching pre-norm verifier states for speculators.
+
+    Random context, tokens and verifier states, except that about half the block slots
+    get a verifier state whose greedy token is the draft's own prediction (so the
+    per-slot accuracies and the EAL prefix rule see both hits and misses). Labels:
+    `target_ids[p] = argmax(lm_head(norm(pre[p])))`, fanout's capture rule; fanout's
+    `last_hidden_states` are the normed states (HF `last_hidden_state`)."""
+    vt = read_verifier_tensors(verifier_dir, ["lm_head.weight", "model.norm.weight"])
+    head, w = vt["lm_head.weight"], vt["model.norm.weight"]
+    g = torch.Generator().manual_seed(seed)
+    batch = {
+        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
+        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
+        **layout,
+    }
+    pre = 2.0 * torch.randn(1, T, H, generator=g)
+    with torch.no_grad():
+        hid = draft.block_hidden(batch, anchors, valid)  # [1, A, bs, H]
+        full_pred = (hid @ draft.lm_head_weight.t()).argmax(-1)  # [1, A, bs] draft ids
+        if draft.d2t is not None:
+            full_pred = full_pred + draft.d2t[full_pred]
+        for j in range(anchors.shape[1]):
+            if not valid[0, j]:
+                continue
+            for k in range(1, BS):
+                if torch.rand((), generator=g) < 0.5:
+                    # norm(h / w) = c·h (c > 0), so the verifier's argmax is the draft's
+                    pre[0, int(anchors[0, j]) + k - 1] = hid[0, j, k] / w
+    post = F.rms_norm(pre, (H,), w, eps=RMS_EPS)
+    batch["target_ids"] = (post @ head.t()).argmax(-1)
+    batch["last_hidden_states"] = post
+    return batch, pre
+
+
+def _with(draft: DFlashDraft, **update: Any) -> DFlashDraft:
+    d = copy.deepcopy(draft)
+    d.cfg = draft.cfg.model_copy(update=update)
+    return d
+
+
+def _patch_anchors(
+    monkeypatch: pytest.MonkeyPatch, anchors: torch.Tensor, valid: torch.Tensor
+) -> None:
+    """Both sides use exactly these anchors: fanout's select_anchors (as DFlashDraft.loss
+    imports it) returns them [B, A]; speculators' (as its core imports it) gets them as
+    one packed row [A]."""
+    monkeypatch.setattr(fanout_dflash, "select_anchors", lambda *a, **k: (anchors, valid))
+    monkeypatch.setattr(
+        spec_core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
+    )
+
+
+def _spec_loss(
+    model: Any, batch: dict[str, torch.Tensor], pre: torch.Tensor, n_anchors: int, **kw: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    _, loss, metrics = model(
+        hidden_states=batch["hidden_states"],
+        input_ids=batch["input_ids"],
+        loss_mask=batch["loss_mask"],
+        verifier_last_hidden_states=pre,
+        document_ids=batch["document_ids"],
+        position_ids=batch["position_ids"],
+        max_anchors=n_anchors,
+        **kw,
+    )
+    return loss, metrics
+
+
+def _compare(
+    fan: Any, spec_loss: torch.Tensor, spec_metrics: dict[str, torch.Tensor], eal: bool = True
+) -> None:
+    n = fan.n_tokens
+    assert n > 0
+    assert int(spec_metrics["full_acc_total"]) == n
+    torch.testing.assert_close(
+        spec_loss.detach() * (n + EPS_DEN) / n, fan.loss.detach(), rtol=2e-6, atol=1e-7
+    )  # atol: a KL near 0 is a sum of cancelling fp32 terms
+    for k in range(1, BS):
+        count = int(fan.per_slot_count[k - 1])
+        assert int(spec_metrics[f"position_{k}_acc_total"]) == count, k
+        hits = float(fan.per_slot_acc[k - 1]) * count
+        assert abs(float(spec_metrics[f"position_{k}_acc_sum"]) - hits) < 1e-3, k
+    if eal:
+        spec_eal = spec_metrics["eal_sum"] / spec_metrics["eal_total"]
+        torch.testing.assert_close(spec_eal, fan.eal.float(), rtol=1e-6, atol=0)
+
+
+def _compare_grads(draft: DFlashDraft, model: Any, scale: float) -> None:
+    """fanout's fused linear CE/KL backward against speculators' plain autograd."""
+    spec_params = dict(model.named_parameters())
+    for k, p in draft.named_parameters():
+        assert p.grad is not None, k
+        g_spec = spec_params[k].grad
+        assert g_spec is not None, k
+        # fp32 sums in another order: observed up to 3e-6 of the largest entry (KL)
+        tol = 1e-5 * float(g_spec.abs().max())
+        torch.testing.assert_close(p.grad, g_spec * scale, rtol=1e-4, atol=tol, msg=k)
+
+
+CASES = {
+    "ce-exp": ({"loss_type": "ce", "loss_weighting": "exp"}, "ce", "fixed-exp-decay"),
+    "ce-dpace": ({"loss_type": "ce", "loss_weighting": "dpace"}, "ce", "dpace"),
+    "kl-exp": ({"loss_type": "kl", "loss_weighting": "exp"}, "kl_div", "fixed-exp-decay"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_metrics_and_grads_equal_speculators(
+    case: str,
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    update, loss_name, weighting = CASES[case]
+    draft = _with(drafts["full"][0], gamma=2.5, dpace_alpha=0.3, **update)
+    model, _ = loaded["full"]
+    model.zero_grad(set_to_none=True)
+    layout = _layout()
+    # blocks inside their documents; slot 2 of the block at 8 hits the hole at 10;
+    # the block at 35 is the last the row allows (anchors < T - block_size); 1 padding
+    anchors, valid = _anchors(3, 8, 13, 17, 25, 30, 35)
+    batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
+    sup = slot_supervision(layout["loss_mask"], layout["document_ids"], anchors, valid, BS)
+    _patch_anchors(monkeypatch, anchors, valid)
+
+    fan = draft.loss(batch, None)
+    fan.loss.backward()
+    fn = getattr(spec_eager, f"{loss_name}_loss")
+    spec_loss, metrics = _spec_loss(
+        model,
+        batch,
+        pre,
+        anchors.shape[1],
+        loss_config={loss_name: (fn, 1.0)},
+        gamma=2.5,
+        per_position_loss_weight=weighting,
+        dpace_alpha=0.3,
+    )
+    spec_loss.backward()
+
+    assert fan.n_tokens == int(sup.sum())
+    assert float(fan.per_slot_acc.min()) > 0 and float(fan.per_slot_acc.max()) < 1
+    _compare(fan, spec_loss, metrics)
+    _compare_grads(draft, model, (fan.n_tokens + EPS_DEN) / fan.n_tokens)
+    model.zero_grad(set_to_none=True)
+
+
+def test_two_rows_equal_one_packed_row(
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fanout normalises a [B, T] batch over all its rows' supervised slots: exactly
+    speculators on the rows packed into one [1, 2T] row (documents renumbered)."""
+    draft = copy.deepcopy(drafts["full"][0])
+    model, _ = loaded["full"]
+    la, lb = _layout(), _layout(first_doc=18, prompt=2, hole=None)
+    a0, v0 = _anchors(3, 8, 14, 25, 31)  # 5 valid + 1 padding
+    a1, v1 = _anchors(2, 6, 12, 20, 26, 34, pad=0)  # 6 valid
+    r0, p0 = _rows(draft, verifier_dir, la, a0, v0, seed=21)
+    r1, p1 = _rows(draft, verifier_dir, lb, a1, v1, seed=22)
+    two = {k: torch.cat([r0[k], r1[k]]) for k in r0}  # [2, T]
+    anchors, valid = torch.cat([a0, a1]), torch.cat([v0, v1])  # [2, 6]
+    _patch_anchors(monkeypatch, anchors, valid)
+    fan = draft.loss(two, None)
+
+    packed = {k: torch.cat([r0[k], r1[k]], dim=1) for k in r0}  # [1, 2T]
+    packed["document_ids"] = torch.cat([r0["document_ids"], r1["document_ids"] + 2], dim=1)
+    pre = torch.cat([p0, p1], dim=1)
+    flat_a = torch.cat([a0, a1 + T], dim=1)
+    flat_v = torch.cat([v0, v1], dim=1)
+    _patch_anchors(monkeypatch, flat_a, flat_v)
+    with torch.no_grad():
+        spec_loss, metrics = _spec_loss(
+            model,
+            packed,
+            pre,
+            flat_a.shape[1],
+            loss_config={"ce": (spec_eager.ce_loss, 1.0)},
+            gamma=draft.cfg.resolved_gamma,
+        )
+    _compare(fan, spec_loss, metrics)
+
+
+# ---- 3. the differences, pinned ------------------------------------------------------
+
+
+def _reduced_crossing(
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> dict[str, Any]:
+    """The reduced-vocabulary draft on a row whose documents' first tokens are
+    supervised, with blocks that cross into the next document (19: slot 3; 21, document
+    0's last token, which fanout's anchor rule never draws: slots 1-3); fanout's loss and
+    speculators' pieces (`_backbone_forward`) on it, same anchors."""
+    draft = copy.deepcopy(drafts["reduced"][0])
+    model, _ = loaded["reduced"]
+    assert draft.t2d is not None and draft.d2t is not None
+    layout = _layout(prompt=0, hole=None)
+    anchors, valid = _anchors(2, 7, 12, 19, 21, 26, 31)
+    batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=31)
+    _patch_anchors(monkeypatch, anchors, valid)
+    fan = draft.loss(batch, None)
+    with torch.no_grad():
+        _, logits, targets, spec_mask, idx = model._backbone_forward(
+            batch["hidden_states"],
+            batch["input_ids"],
+            batch["loss_mask"],
+            pre,
+            batch["document_ids"],
+            batch["position_ids"],
+            max_anchors=anchors.shape[1],
+        )
+    lm, doc = layout["loss_mask"], layout["document_ids"]
+    pos = idx.view(1, -1, BS)  # [1, A, bs] row positions of the slots
+    label = batch["target_ids"][0, (pos - 1).clamp(min=0)]  # the verifier's greedy token
+    return {
+        "draft": draft,
+        "fan": fan,
+        "logits": logits,
+        "targets": targets,
+        "spec_mask": spec_mask,
+        "anchors": anchors,
+        "valid": valid,
+        "pos": pos,
+        "label": label,
+        "loss_sup": slot_supervision(lm, doc, anchors, valid, BS),  # fanout, before vocab
+        "oov": ~draft.t2d[label],  # verifier token outside the draft vocabulary
+        "cross": (doc[0, pos] != doc[0, anchors][:, :, None]) & valid[:, :, None],
+    }
+
+
+def test_supervision_differences(
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """speculators supervises exactly fanout's slots plus the cross-document ones plus
+    those whose verifier token is outside the draft vocabulary; given fanout's slot mask,
+    its loss and per-slot accuracies are fanout's."""
+    r = _reduced_crossing(drafts, loaded, verifier_dir, monkeypatch)
+    fan, draft = r["fan"], r["draft"]
+    spec_sup = r["spec_mask"].bool().view(1, -1, BS)  # [1, A, bs]
+    cross, oov = r["cross"].clone(), r["oov"]
+    cross[:, :, 0] = False
+    fan_sup = r["loss_sup"] & ~oov
+    assert int(cross.sum()) == 4
+    assert (oov & spec_sup & ~cross).any()
+    assert fan.n_tokens == int(fan_sup.sum())
+    assert not (fan_sup & ~spec_sup).any()  # fanout's slots are a subset of speculators'
+    assert torch.equal(spec_sup & ~fan_sup, spec_sup & (cross | oov))
+
+    flat = fan_sup.flatten()[None].to(r["spec_mask"].dtype)
+    spec_loss, metrics = spec_metrics.compute_metrics(
+        r["logits"],
+        r["targets"],
+        flat,
+        BS,
+        gamma=draft.cfg.resolved_gamma,
+        loss_config={"ce": (spec_eager.ce_loss, 1.0)},
+    )
+    # EAL: see test_eal_counts_blocks_whose_first_token_is_outside_the_draft_vocab
+    _compare(fan, spec_loss, metrics, eal=False)
+
+
+def test_eal_counts_blocks_whose_first_token_is_outside_the_draft_vocab(
+    drafts: dict[str, tuple[DFlashDraft, Path]],
+    loaded: dict[str, tuple[Any, list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EAL under greedy verification, from speculators' draft logits: every block whose
+    slot 1 is a loss-supervised, same-document slot counts, with 1 + the run of slots
+    whose greedy draft token (mapped to the verifier vocabulary by d2t) is the verifier's
+    token. A block whose slot-1 verifier token is outside the draft vocabulary can never
+    be accepted there: it still counts, with length 1 (the bonus token)."""
+    r = _reduced_crossing(drafts, loaded, verifier_dir, monkeypatch)
+    draft, fan = r["draft"], r["fan"]
+    pred = r["logits"].argmax(-1).view(1, -1, BS)  # [1, A, bs] draft ids
+    pred = pred + draft.d2t[pred]  # -> verifier ids
+    ok = (pred == r["label"]) & r["loss_sup"]  # an OOV label is never matched
+    run = torch.cumprod(ok[:, :, 1:].long(), dim=2).sum(dim=2)  # [1, A]
+    counted = r["loss_sup"][:, :, 1]
+    assert (counted & r["oov"][:, :, 1]).any(), "the row must have such a block"
+    want = (1.0 + run[counted].float()).mean()
+    torch.testing.assert_close(fan.eal.float(), want, rtol=1e-6, atol=0)
+
+
+def test_anchor_candidates(verifier_dir: Path) -> None:
+    """fanout's anchor candidates are speculators' minus the positions whose next slot
+    is unsupervised or in another document."""
+    layout = _layout(hole=10)
+    lm, doc = layout["loss_mask"], layout["document_ids"]
+    fa, fv = select_anchors(lm, doc, T, BS, None)
+    ours = set(fa[fv].tolist())
+    sa, sv = spec_utils.select_anchors(lm, T, BS)
+    theirs = set(sa[sv].tolist())
+    assert ours <= theirs
+    extra = {p for p in theirs if not lm[0, p + 1] or doc[0, p + 1] != doc[0, p]}
+    assert theirs - ours == extra
+    assert extra == {9, 21}  # before the hole; document 0's last token

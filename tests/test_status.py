@@ -1,0 +1,115 @@
+"""`fanout status`: how it ended, for the producer and each consumer.
+
+    .venv/bin/pytest tests/test_status.py -x -q
+
+A clean exit is recorded (producer `finished`; consumer `finished` at the end of
+its stream, `stopped` before it); a process that vanished without one shows `lost`
+at once when it ran on this host (its pid is gone), else once its heartbeat is older
+than ttl. Real child processes, both backends. The real `fanout produce` exiting 0
+is in tests/test_roles.py.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fanout.cli import main as cli_main
+from fanout.coordinator import Coordinator, RunConfig
+from fanout.status import snapshot
+from fanout.store import RunDir
+from test_coordinator import make_contract
+
+CTX = mp.get_context("spawn")
+
+
+def _child(root: str, db: str | None, clean: bool, ready: Any) -> None:
+    """Take the producer role and consumers a and b; then end cleanly (b read its
+    stream to the end, a stopped before it, the producer finished) or hang until
+    SIGKILLed."""
+    co = Coordinator.open(root, db_path=db)
+    p = co.register_producer(make_contract())
+    a, b = co.register_consumer("a"), co.register_consumer("b")
+    if clean:
+        co.finish(b)
+        co.stop(a)
+        co.finish_producer(p)
+        co.close()
+    ready.put(os.getpid())
+    if not clean:
+        time.sleep(600)
+
+
+def _run_child(co: Coordinator, db: str | None, clean: bool) -> int:
+    ready = CTX.Queue()
+    p = CTX.Process(target=_child, args=(str(co.root), db, clean, ready))
+    p.start()
+    pid = int(ready.get(timeout=120))
+    if not clean:
+        os.kill(pid, signal.SIGKILL)
+    p.join(60)
+    assert p.exitcode == (0 if clean else -signal.SIGKILL)
+    return pid
+
+
+def _states(co: Coordinator) -> dict[str, tuple[str, str]]:
+    s = snapshot(co)
+    out = {c["id"]: (c["state"], c["recorded_state"]) for c in s["consumers"]}
+    out["producer"] = (s["producer"]["state"], s["producer"]["recorded_state"])
+    return out
+
+
+def test_clean_exits_are_recorded_and_vanished_processes_show_lost(
+    db: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=600), db_path=db)
+    run = ["status", "--run-dir", str(rd.root), *(["--db-path", db] if db else [])]
+
+    pid = _run_child(co, db, clean=True)
+    assert _states(co) == {
+        "a:dp0": ("stopped", "stopped"),
+        "b:dp0": ("finished", "finished"),
+        "producer": ("finished", "finished"),
+    }
+    assert cli_main(run) == 0
+    table = capsys.readouterr().out
+    assert f"producer finished  {socket.gethostname()}:{pid}  exited" in table
+
+    # Every role was released: a new process takes them all without --takeover.
+    pid = _run_child(co, db, clean=False)  # then SIGKILLed: no clean exit recorded
+    states = _states(co)
+    assert states == {
+        "a:dp0": ("lost", "active"),
+        "b:dp0": ("lost", "active"),
+        "producer": ("lost", "active"),
+    }  # at once (pid gone on this host), with 600 s of ttl still to run
+    assert cli_main(run) == 0
+    table = capsys.readouterr().out
+    assert "producer lost" in table and "last heartbeat" in table
+    assert [line.split()[1] for line in table.splitlines() if line.startswith("a:dp0")] == ["lost"]
+
+    # A live one is active; one on another host shows lost once its heartbeat is
+    # older than ttl (the wall clock, for people: the reclaimer uses the counter).
+    co.register_consumer("c")
+    assert _states(co)["c:dp0"] == ("active", "active")
+    with co.conn.write() as cur:
+        cur.execute(
+            "UPDATE consumers SET host='elsewhere', pid=7, proc='other-boot/pid:[1]/3' "
+            "WHERE id='c:dp0'"
+        )
+    assert _states(co)["c:dp0"] == ("active", "active")
+    with co.conn.write() as cur:
+        cur.execute("UPDATE consumers SET hb_wall=hb_wall-601 WHERE id='c:dp0'")
+    assert _states(co)["c:dp0"] == ("lost", "active")
+    assert cli_main([*run, "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)["consumers"][2]
+    assert (c["id"], c["host"], c["pid"], c["state"]) == ("c:dp0", "elsewhere", 7, "lost")
