@@ -147,9 +147,10 @@ def test_kill9_with_the_coordinator_on_postgres(
     chaos_root: Path, assets_root: Path, pg_url: str
 ) -> None:
     """Scenario 1, shorter, with the coordinator on PostgreSQL: producer and trainers
-    SIGKILLed (mid-transaction included) and restarted; every promise checked the same."""
+    SIGKILLed (mid-transaction included) and restarted; every promise checked the same.
+    Three epochs so the stream outlasts the 12 kills (two ended after 11 once)."""
     cfg = _cfg(
-        chaos_root / "kill9pg", chaos_root, conversations=400, epochs=2, kills=12,
+        chaos_root / "kill9pg", chaos_root, conversations=400, epochs=3, kills=12,
         timeout_s=400.0, db_path=pg_url,
     )  # fmt: skip
     rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()

@@ -101,7 +101,7 @@ def _argv(cfg: ProducerConfig) -> list[str]:
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             argv.append(flag if v else "--no-" + flag[2:])
-        elif isinstance(v, list):
+        elif isinstance(v, list | tuple):
             argv += [flag, *map(str, v)]
         else:
             argv += [flag, str(v)]

@@ -273,7 +273,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
         if isinstance(v, bool):
             produce.append(flag if v else "--no-" + flag[2:])
         else:
-            produce += [flag, *map(str, v if isinstance(v, list) else [v])]
+            produce += [flag, *map(str, v if isinstance(v, list | tuple) else [v])]
 
     logs = tmp_path / "logs"
     logs.mkdir()
