@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from fanout.status import format_table, snapshot
 from fanout.store import RunDir, Store, WindowReader, verify_file
 from fanout.train import TrainConfig, Trainer
 from fanout.windowfile import WindowFormatError, hidden_name, scale_name
-from tiny_run import one_thread  # noqa: F401 (an autouse fixture)
+from tiny_run import one_thread, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -376,14 +375,6 @@ with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) a
 """
 
 
-def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-
-
 def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None:
     layers = [6, 3]
     store = Store(RunDir(env.superset))
@@ -408,7 +399,7 @@ def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None
     cmd = [sys.executable, str(script)]
     p1 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.05, "every": 3})], env=ENV)
     try:
-        _wait_for(lambda: len(recorded()) >= 5 or p1.poll() is not None, 120, "rows")
+        wait_for(lambda: len(recorded()) >= 5 or p1.poll() is not None, 120, "rows")
         p1.send_signal(signal.SIGKILL)
         assert p1.wait(30) == -signal.SIGKILL
     finally:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,13 @@ from fanout.errors import ContractMismatch
 from fanout.producer import Producer, ProducerConfig, stream_rows, window_count
 from fanout.store import RunDir, Store, parse_window_name
 from fanout.windowfile import hidden_name
-from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
+    build_tiny_assets,
+    config_flags,
+    one_thread,
+    tiny_producer_config,
+    wait_for,
+)
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -94,26 +99,9 @@ def _cfg(tiny: Tiny, run_dir: Path, **kw: Any) -> ProducerConfig:
     return tiny_producer_config(tiny.root, run_dir, **(own | kw))
 
 
-def _argv(cfg: ProducerConfig) -> list[str]:
+def _argv_of(cfg: ProducerConfig) -> list[str]:
     """The `fanout produce` command line for `cfg` (every field as a flag)."""
-    argv = [sys.executable, "-m", "fanout.cli", "produce"]
-    for k, v in cfg.model_dump(exclude_none=True).items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            argv.append(flag if v else "--no-" + flag[2:])
-        elif isinstance(v, list | tuple):
-            argv += [flag, *map(str, v)]
-        else:
-            argv += [flag, str(v)]
-    return argv
-
-
-def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
+    return [sys.executable, "-m", "fanout.cli", "produce", *config_flags(cfg)]
 
 
 def _window_files(run_dir: Path) -> list[str]:
@@ -253,7 +241,7 @@ def test_changed_contract_is_refused_naming_the_fields(
     assert (run / "stream.json").read_text() == stream_json  # a refused producer changes nothing
     assert (run / "token_counts.safetensors").read_bytes() == counts
     # the CLI says the same and exits 1
-    argv = _argv(_cfg(tiny, run, max_windows=1, target_layer_ids=[0, 2]))
+    argv = _argv_of(_cfg(tiny, run, max_windows=1, target_layer_ids=[0, 2]))
     assert cli.main(argv[3:]) == 1
     err = capsys.readouterr().err
     assert "contract mismatch" in err and "target_layer_ids" in err
@@ -265,7 +253,7 @@ def test_changed_contract_is_refused_naming_the_fields(
 def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = _cfg(tiny, run, epochs=2, capture_batch_rows=1)
-    argv = _argv(cfg)
+    argv = _argv_of(cfg)
     log = open(tmp_path / "producer.log", "w")  # noqa: SIM115 - closed below
 
     def ready() -> int:
@@ -273,7 +261,7 @@ def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: P
 
     p1 = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
     try:
-        _wait_for(lambda: ready() >= 1 or p1.poll() is not None, 180, "a first window")
+        wait_for(lambda: ready() >= 1 or p1.poll() is not None, 180, "a first window")
         p1.send_signal(signal.SIGKILL)
         assert p1.wait(30) == -signal.SIGKILL
         total = json.loads((run / "stream.json").read_text())["total_windows"]
@@ -281,7 +269,7 @@ def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: P
         assert 1 <= after_kill < total, "the kill landed after the run ended; test is vacuous"
 
         p2 = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=ENV)
-        _wait_for(lambda: ready() > after_kill or p2.poll() is not None, 180, "a new window")
+        wait_for(lambda: ready() > after_kill or p2.poll() is not None, 180, "a new window")
         assert p2.poll() is None, "restarted producer ended before SIGTERM"
         p2.send_signal(signal.SIGTERM)
         assert p2.wait(60) == 0  # graceful: finish or discard the window in flight, exit 0

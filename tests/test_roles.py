@@ -27,13 +27,14 @@ from typing import Any
 
 import pytest
 
+import tiny_run
 from fanout.assets import generate_corpus
 from fanout.coordinator import Coordinator, RunConfig
 from fanout.errors import FanoutError, RoleHeld, RoleTaken, StaleLease
 from fanout.liveness import Heartbeat, Holder, ProcessInfo, RoleWatch, this_process
 from fanout.store import RunDir
 from test_coordinator import FakeClock, make_contract
-from tiny_run import build_tiny_assets, tiny_producer_config
+from tiny_run import build_tiny_assets, config_flags, tiny_producer_config
 
 CTX = mp.get_context("spawn")
 HOST = socket.gethostname()
@@ -45,15 +46,6 @@ def new_run(tmp_path: Path, db: str | None, ttl_s: float = 600.0) -> Coordinator
     unless the test says so."""
     rd = RunDir(tmp_path / "run").create()
     return Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=ttl_s), db_path=db)
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    end = time.monotonic() + timeout
-    while not (got := pred()):
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-    return got
 
 
 # ---- a child process that holds a role ---------------------------------------------
@@ -230,6 +222,10 @@ class Cli:
         return code, self.log.read_text()
 
 
+def wait_for(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    return tiny_run.wait_for(pred, timeout, what, poll_s=0.05)  # each poll is a query
+
+
 def _row(run: Path, sql: str) -> Any:
     """One row of `sql`; None while the producer has not created the database yet."""
     try:
@@ -267,13 +263,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
         root, run, max_live_windows=2, heartbeat_s=0.3, ttl_s=600.0,
         cache_dir=str(root / "cache"),
     )  # fmt: skip
-    produce = ["produce"]
-    for k, v in cfg.model_dump(exclude_none=True).items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            produce.append(flag if v else "--no-" + flag[2:])
-        else:
-            produce += [flag, *map(str, v if isinstance(v, list | tuple) else [v])]
+    produce = ["produce", *config_flags(cfg)]
 
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -34,7 +34,12 @@ from fanout.flags import flag_name
 from fanout.producer import Producer, ProducerConfig
 from fanout.store import RunDir
 from fanout.train import TrainConfig, Trainer
-from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
+    build_tiny_assets,
+    config_flags,
+    one_thread,
+    tiny_producer_config,
+)
 
 
 @dataclass(frozen=True)
@@ -255,14 +260,7 @@ def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str
 
 def _script_argv(cfg: TrainConfig) -> list[str]:
     """scripts/train.py and a flag for every field of `cfg`."""
-    argv = [str(Path(__file__).parents[1] / "scripts" / "train.py")]
-    for k, v in cfg.model_dump(exclude_none=True).items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            argv += [flag] if v else ["--no-" + flag[2:]]
-        else:
-            argv += [flag, *map(str, v if isinstance(v, list) else [v])]
-    return argv
+    return [str(Path(__file__).parents[1] / "scripts" / "train.py"), *config_flags(cfg)]
 
 
 def test_torchrun_ranks_split_the_rows_stay_in_sync_and_resume(run: Run) -> None:

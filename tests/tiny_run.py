@@ -7,12 +7,14 @@ a producer config over them; each test module adds its own settings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from pydantic import BaseModel
 
 from fanout.assets import build_tokenizer, tiny_verifier_for_tokenizer, write_jsonl
 from fanout.producer import ProducerConfig
@@ -54,3 +56,25 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def config_flags(cfg: BaseModel) -> list[str]:
+    """The command-line flags that give a subcommand every set field of `cfg`."""
+    out: list[str] = []
+    for k, v in cfg.model_dump(exclude_none=True).items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            out += [flag, *map(str, v if isinstance(v, list | tuple) else [v])]
+    return out
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, poll_s: float = 0.005) -> Any:
+    """Poll `pred` until it returns something truthy (returned); fail after `timeout` s."""
+    end = time.monotonic() + timeout
+    while not (got := pred()):
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll_s)
+    return got

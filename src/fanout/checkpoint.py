@@ -546,14 +546,14 @@ def load_draft(
                 f"{tuple(draft.lm_head_weight.shape)}"
             )
         draft.lm_head_weight = saved_head.to(dtype)
-    expected = set(draft.trainable_state())
-    missing, unexpected = sorted(expected - set(w)), sorted(set(w) - expected)
+    shapes = {k: v.shape for k, v in draft.trainable_state().items()}
+    missing, unexpected = sorted(set(shapes) - set(w)), sorted(set(w) - set(shapes))
     if missing or unexpected:
         raise CheckpointError(
             f"{weights_file}: missing tensors {missing}, unexpected tensors {unexpected}"
         )
     for k, v in w.items():
-        want = draft.trainable_state()[k].shape
+        want = shapes[k]
         if v.shape != want:
             raise CheckpointError(
                 f"{weights_file}: {k} is {tuple(v.shape)}, expected {tuple(want)}"
