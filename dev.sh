@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: creates .venv on first use, then runs
 #   ./dev.sh demo [ARGS]   the main job on embedded defaults (fanout demo)
 #   ./dev.sh test [ARGS]   the test suite (pytest, slow soaks excluded)
-#   ./dev.sh lint          ruff check + ruff format --check + mypy (src, tests, benchmarks, scripts)
+#   ./dev.sh lint          ruff check + ruff format --check + lint-imports (layers) + mypy (src, tests, benchmarks, scripts)
 #   ./dev.sh fanout ARGS   any fanout subcommand inside the venv
 # FANOUT_SPECULATORS=1 (default in CI) also installs speculators for its conformance test
 set -euo pipefail
@@ -35,7 +35,7 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/fanout" demo "$@" ;;
   test) exec "$VENV/bin/python" -m pytest -m "not slow" "$@" ;;
-  lint) "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && exec "$VENV/bin/mypy" ;;
+  lint) "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && "$VENV/bin/lint-imports" && exec "$VENV/bin/mypy" ;;
   fanout) exec "$VENV/bin/fanout" "$@" ;;
   *) sed -n '2,7p' "$0"; exit 2 ;;
 esac

@@ -131,8 +131,8 @@ def _encode_part(args: tuple[str, list[str]]) -> tuple[float, int]:
 
 def ceiling(paths: list[str], workers: int, cache: str, trials: int) -> tuple[float, int, float]:
     """(d): render everything first, then time only encode_batch_fast in `workers` processes."""
-    from fanout.chat import load_conversations
-    from fanout.template import ChatEncoder, load_chat_spec
+    from fanout.data.chat import load_conversations
+    from fanout.data.template import ChatEncoder, load_chat_spec
 
     spec = load_chat_spec(TOK, cache)
     enc = ChatEncoder(spec)
@@ -160,7 +160,7 @@ def ceiling(paths: list[str], workers: int, cache: str, trials: int) -> tuple[fl
 FIRST_ROW = """
 import time, sys
 t0 = time.perf_counter()
-from fanout.prepare import PrepareConfig, iter_packed_rows
+from fanout.data.prepare import PrepareConfig, iter_packed_rows
 cfg = PrepareConfig(data=sys.argv[1:-2], tokenizer=sys.argv[-2], seq_len=int(sys.argv[-1]), progress=False)
 batch = next(iter(iter_packed_rows(cfg)))
 print(time.perf_counter() - t0, batch["input_ids"].shape[0], flush=True)
@@ -172,7 +172,7 @@ t0 = time.perf_counter()
 import datasets
 from transformers import AutoTokenizer
 sys.path.insert(0, sys.argv[1])
-from fanout.chat import ChatFormat, detect_format, to_conversation
+from fanout.data.chat import ChatFormat, detect_format, to_conversation
 tok_dir, T, nproc = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 paths = sys.argv[5:]
 datasets.disable_progress_bars()
@@ -239,7 +239,7 @@ def main() -> int:
     args = ap.parse_args()
     global TOK
 
-    from fanout.workers import resolve_workers
+    from fanout.data.workers import resolve_workers
 
     cores = resolve_workers(args.workers or None)
     tmp = Path(tempfile.mkdtemp(prefix="fanout-bench-"))
@@ -247,8 +247,8 @@ def main() -> int:
     env = {**os.environ, "FANOUT_CACHE": cache, "PYTHONPATH": str(REPO / "src")}
     paths = write_inputs(tmp, args.repeat)
     TOK = family_tokenizer(args.template, tmp / f"tok-{args.template}")
-    from fanout.masks import plan_path
-    from fanout.template import load_chat_spec
+    from fanout.data.masks import plan_path
+    from fanout.data.template import load_chat_spec
 
     spec = load_chat_spec(TOK, cache)  # tokenizer.json built once, outside every timing
     T = ["--seq-len", str(args.seq_len)]

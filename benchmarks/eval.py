@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from fanout.bench import resolve_assets
-from fanout.demo import demo_config, heldout_prompts
-from fanout.eval import EvalConfig, evaluate, table
+from fanout.bench.bench import resolve_assets
+from fanout.bench.demo import demo_config, heldout_prompts
+from fanout.train.eval import EvalConfig, evaluate, table
 
 REPO = Path(__file__).resolve().parents[1]
 

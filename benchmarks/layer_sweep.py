@@ -5,7 +5,7 @@
 
 Three drafts that differ only in their verifier layers (`--sets`, default [1,4,7],
 [2,5] and [1..7] of an 8-layer tiny random Qwen3, H 512, on CPU) train on the same
-rows two ways, every role its own process (fanout.bench's harness: `fanout produce`,
+rows two ways, every role its own process (fanout.bench.bench's harness: `fanout produce`,
 `fanout train`, telemetry, validity rules):
 - `sweep`: one producer captures the union (`--capture-layer-ids`), three trainers
   each read their own set (`--target-layer-ids`) from the one stream;
@@ -15,7 +15,7 @@ which all three are in their steady state) of `sweep` ÷ that of `separate` (goa
 ≥ 2.0); `captures_per_window` counts verifier passes per window (1.0 vs 3.0).
 
 Bytes: a third phase captures `--bytes-windows` windows of the union (nothing
-evicted) and reads them once per set through `fanout.consumer.ConsumerStream`, the
+evicted) and reads them once per set through `fanout.train.consumer.ConsumerStream`, the
 trainers' own reader, page-cache-cold: before each consumer every window file is
 dropped from the page cache with `posix_fadvise(POSIX_FADV_DONTNEED)` (checked with
 `mincore`: nothing left resident). Afterwards `mincore` says which pages of each
@@ -124,7 +124,7 @@ def read_bytes() -> int | None:
 
 
 def _bench_config(a: argparse.Namespace, sets: list[list[int]]) -> Any:
-    from fanout.bench import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
+    from fanout.bench.bench import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
 
     consumers = [
         ConsumerSpec(
@@ -174,10 +174,10 @@ def _cid(layers: list[int]) -> str:
 
 
 def throughput(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict[str, Any]:
-    """The `sweep` and `separate` scenarios; their fanout.report metrics."""
-    from fanout.bench import execute, plan, resolve_assets
+    """The `sweep` and `separate` scenarios; their fanout.bench.report metrics."""
+    from fanout.bench.bench import execute, plan, resolve_assets
+    from fanout.bench.report import scenario_metrics
     from fanout.contract import CaptureContract
-    from fanout.report import scenario_metrics
 
     cfg = _bench_config(a, sets)
     assets = resolve_assets(cfg.assets, work)
@@ -216,11 +216,11 @@ def throughput(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict
 
 def bytes_read(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict[str, Any]:
     """Capture windows of the union once, then read them page-cache-cold per layer set."""
-    from fanout.bench import resolve_assets
-    from fanout.consumer import ConsumerConfig, ConsumerStream
-    from fanout.producer import Producer, ProducerConfig
-    from fanout.store import RunDir, Store
-    from fanout.windowfile import HIDDEN, WindowReader, hidden_name
+    from fanout.bench.bench import resolve_assets
+    from fanout.produce.producer import Producer, ProducerConfig
+    from fanout.store.store import RunDir, Store
+    from fanout.store.windowfile import HIDDEN, WindowReader, hidden_name
+    from fanout.train.consumer import ConsumerConfig, ConsumerStream
 
     cfg = _bench_config(a, sets)
     assets = resolve_assets(cfg.assets, work)
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from fanout.report import hardware
+    from fanout.bench.report import hardware
 
     sets = [[int(x) for x in s.split(",")] for s in a.sets.split()]
     work = Path(a.out or REPO / "runs" / f"layer-sweep-{time.strftime('%Y%m%d-%H%M%S')}")

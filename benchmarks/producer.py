@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from fanout.assets import tiny_qwen3_verifier
-from fanout.producer import Producer, ProducerConfig, stream_rows
-from fanout.verifier import packed_attention_mask
+from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.model.verifier import packed_attention_mask
+from fanout.produce.producer import Producer, ProducerConfig, stream_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from fanout.assets import ensure_demo_assets
-from fanout.producer import Producer, ProducerConfig
-from fanout.train import TrainConfig, Trainer
+from fanout.bench.assets import ensure_demo_assets
+from fanout.produce.producer import Producer, ProducerConfig
+from fanout.train.trainer import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from fanout.contract import CaptureContract
-from fanout.coordinator import Coordinator, RunConfig
+from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.errors import FanoutError
-from fanout.store import Published, RunDir, window_name
+from fanout.store.store import Published, RunDir, window_name
 
 MiB = 1 << 20
 
@@ -118,7 +118,7 @@ def bench_cycles(tmpdir: Path, procs: int, cycles: int, db: str | None = None) -
 
 
 def _postgres_version(url: str) -> str:
-    from fanout.postgresdb import PostgresDatabase
+    from fanout.coord.postgresdb import PostgresDatabase
 
     db = PostgresDatabase(url)
     try:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import xxhash
 
-from fanout.store import RunDir, Store, WindowMeta, WindowReader
+from fanout.store.store import RunDir, Store, WindowMeta, WindowReader
 
 MiB = 1 << 20
 T, D = 1024, 4096  # tokens per row, n·H (e.g. 4 captured layers of H=1024): 8 MiB/row in bf16

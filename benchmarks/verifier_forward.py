@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from fanout.assets import tiny_qwen3_verifier
-from fanout.verifier import Verifier, load_verifier, packed_attention_mask
+from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.model.verifier import Verifier, load_verifier, packed_attention_mask
 
 
 def _rows(b: int, t: int, vocab: int, docs: int) -> tuple[torch.Tensor, ...]:

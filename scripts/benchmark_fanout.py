@@ -12,7 +12,7 @@ run is invalid (see docs/benchmarks.md for the validity rules).
 import argparse
 import sys
 
-from fanout.bench import add_arguments, run
+from fanout.bench.bench import add_arguments, run
 from fanout.errors import FanoutError
 
 

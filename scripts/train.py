@@ -9,7 +9,7 @@
 
 import sys
 
-from fanout.train import main
+from fanout.train.trainer import main
 
 if __name__ == "__main__":
     sys.exit(main())

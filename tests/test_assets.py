@@ -14,7 +14,7 @@ from typing import Any, cast
 import pytest
 import torch
 
-from fanout.assets import (
+from fanout.bench.assets import (
     MASK_TOKEN,
     AssetSettings,
     DemoAssets,

@@ -1,4 +1,4 @@
-"""fanout.bench + fanout.report: config validation, a 3-scenario smoke run, failure handling.
+"""fanout.bench.bench + fanout.bench.report: config validation, a 3-scenario smoke run, failure handling.
 
 The smoke config is cpu-tiny.json shrunk (tiny verifier, ~10 windows) so the whole
 three-scenario run stays well under a minute or two on 2 cores; cpu-tiny.json itself
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fanout.bench import BenchConfig, run_bench
+from fanout.bench.bench import BenchConfig, run_bench
 from fanout.cli import main as cli_main
 from fanout.errors import ConfigError
 

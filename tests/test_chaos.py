@@ -435,7 +435,7 @@ def test_bad_input_rows(chaos_root: Path, assets_root: Path) -> None:
 
 
 def test_changed_contract_is_refused(chaos_root: Path, assets_root: Path) -> None:
-    from fanout.assets import tiny_qwen3_verifier
+    from fanout.bench.assets import tiny_qwen3_verifier
 
     a = _assets(assets_root, 60)
     work = chaos_root / "contract"

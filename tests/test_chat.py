@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fanout.chat import (
+from fanout.data.chat import (
     ChatFormat,
     detect_format,
     iter_raw_chunks,

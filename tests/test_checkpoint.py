@@ -10,8 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fanout.assets import tiny_qwen3_verifier
-from fanout.checkpoint import (
+from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.errors import CheckpointError, ConfigError
+from fanout.model.dflash import DFlashDraft
+from fanout.ops.adamw import make_optimizer
+from fanout.train.checkpoint import (
     FORMAT_VERSION,
     MARKER,
     latest_checkpoint,
@@ -20,9 +23,6 @@ from fanout.checkpoint import (
     save_checkpoint,
     upgrade_checkpoint,
 )
-from fanout.errors import CheckpointError, ConfigError
-from fanout.model.dflash import DFlashDraft
-from fanout.ops.adamw import make_optimizer
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_aux_layer_ids_index_hf_hidden_states(verifier_dir: Path, tmp_path: Path
     numbering speculators and vLLM read). Off by one, they would be the layer below."""
     from transformers import AutoModelForCausalLM
 
-    from fanout.verifier import load_verifier
+    from fanout.model.verifier import load_verifier
 
     d = _draft(verifier_dir)
     opt, _ = make_optimizer(d.parameters(), lr=1e-3)

@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 import torch
 
-from fanout.assets import generate_corpus
-from fanout.consumer import ConsumerConfig, ConsumerStream, row_order
-from fanout.coordinator import Coordinator
-from fanout.producer import Producer, ProducerConfig
-from fanout.store import RunDir, Store
-from fanout.windowfile import hidden_name
+from fanout.bench.assets import generate_corpus
+from fanout.coord.coordinator import Coordinator
+from fanout.produce.producer import Producer, ProducerConfig
+from fanout.store.store import RunDir, Store
+from fanout.store.windowfile import hidden_name
+from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ RECORDER = """
 import json, os, sys, time
 import torch
 torch.set_num_threads(1)
-from fanout.consumer import ConsumerConfig, ConsumerStream
+from fanout.train.consumer import ConsumerConfig, ConsumerStream
 a = json.loads(sys.argv[1])
 ckpt = a["ckpt"]
 state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0,

@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from fanout import retention, schema, sqlitedb
 from fanout.cli import main as cli_main
 from fanout.contract import CaptureContract
-from fanout.coordinator import Coordinator, RunConfig
+from fanout.coord import retention, schema, sqlitedb
+from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.leases import Claim, ProducerReg
+from fanout.coord.liveness import Heartbeat, Reclaimer
 from fanout.errors import (
     AcquireTimeout,
     ContractMismatch,
@@ -30,9 +32,7 @@ from fanout.errors import (
     StorageFull,
     UnsupportedFilesystem,
 )
-from fanout.leases import Claim, ProducerReg
-from fanout.liveness import Heartbeat, Reclaimer
-from fanout.store import Published, RunDir, Store, WindowMeta, window_name
+from fanout.store.store import Published, RunDir, Store, WindowMeta, window_name
 
 
 def make_contract(**kw: object) -> CaptureContract:

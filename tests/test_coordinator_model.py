@@ -29,10 +29,10 @@ from hypothesis.stateful import (
 )
 
 from fanout.contract import CaptureContract
-from fanout.coordinator import Coordinator, RunConfig
+from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.leases import ConsumerReg, Lease
 from fanout.errors import AcquireTimeout, StaleLease
-from fanout.leases import ConsumerReg, Lease
-from fanout.store import Published, RunDir, window_name
+from fanout.store.store import Published, RunDir, window_name
 
 K, TTL = 3, 10.0
 NAMES = ("a", "b")

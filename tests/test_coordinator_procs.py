@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from fanout.coordinator import Coordinator, RunConfig
+from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.liveness import Heartbeat
+from fanout.coord.postgresdb import PostgresDatabase
 from fanout.errors import CoordinatorBusy, FanoutError, StaleLease
 from fanout.filesystem import FileSystem
-from fanout.liveness import Heartbeat
-from fanout.postgresdb import PostgresDatabase
-from fanout.store import Published, RunDir, Store, WindowMeta, parse_window_name, window_name
+from fanout.store.store import Published, RunDir, Store, WindowMeta, parse_window_name, window_name
 from test_coordinator import make_contract
 
 CTX = mp.get_context("spawn")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from fanout.assets import tiny_qwen3_verifier
+from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.errors import ConfigError
 from fanout.model.anchors import select_anchors, slot_supervision
 from fanout.model.dflash import DFlashConfig, DFlashDraft, default_gamma
@@ -332,9 +332,9 @@ def test_one_layer_rule_for_producer_and_trainer(tmp_path: Path) -> None:
     """The producer's default capture layers and a draft built without explicit layers
     come from the same function (they once disagreed: [18] vs [1] for 36 layers, 1 draft
     layer)."""
-    from fanout.assets import tiny_qwen3_verifier
+    from fanout.bench.assets import tiny_qwen3_verifier
     from fanout.model.dflash import default_target_layer_ids
-    from fanout.verifier import resolve_target_layer_ids
+    from fanout.model.verifier import resolve_target_layer_ids
 
     assert default_target_layer_ids(36, 1) == [18]
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]

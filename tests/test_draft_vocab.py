@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from fanout.cache import PackedDataset, ShardWriter
-from fanout.draft_vocab import (
+from fanout.data.cache import PackedDataset, ShardWriter
+from fanout.data.draft_vocab import (
     TOKEN_COUNTS,
     count_tokens,
     coverage,

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from fanout.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
-from fanout.checkpoint import save_checkpoint
+from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
 from fanout.errors import CheckpointError
 from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.spec_decode import Decoder, first_mismatch
+from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
-from fanout.spec_decode import Decoder, first_mismatch
-from fanout.verifier import load_verifier
+from fanout.train.checkpoint import save_checkpoint
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
 
 EOS = 255
@@ -254,7 +254,7 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
-    from fanout.checkpoint import load_draft
+    from fanout.train.checkpoint import load_draft
 
     shallow = tiny_qwen3_verifier(tmp_path / "v2", 512, hidden_size=32, num_layers=2, head_dim=8)
     with pytest.raises(CheckpointError, match=r"decoder layers \[1, 2\]\) do not exist"):
@@ -264,8 +264,8 @@ def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> N
 def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
     import argparse
 
-    from fanout.eval import EvalConfig, add_arguments
     from fanout.flags import flag_name, model_from_args
+    from fanout.train.eval import EvalConfig, add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

@@ -13,13 +13,13 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field
 
-from fanout.consumer import ConsumerConfig
 from fanout.errors import ConfigError
 from fanout.flags import add_model_flags, flag_name, model_from_args
-from fanout.producer import ProducerConfig
-from fanout.producer import add_arguments as producer_arguments
-from fanout.train import TrainConfig
-from fanout.train import add_arguments as train_arguments
+from fanout.produce.producer import ProducerConfig
+from fanout.produce.producer import add_arguments as producer_arguments
+from fanout.train.consumer import ConsumerConfig
+from fanout.train.trainer import TrainConfig
+from fanout.train.trainer import add_arguments as train_arguments
 
 
 def _parser(add: object) -> argparse.ArgumentParser:

@@ -14,12 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanout.assets import generate_corpus
-from fanout.consumer import Batch
-from fanout.fp8 import FP8, FP8_MAX, dequantize, quantize_into
-from fanout.producer import Producer, stream_rows
-from fanout.store import Store, WindowReader
-from fanout.windowfile import hidden_name, scale_name
+from fanout.bench.assets import generate_corpus
+from fanout.ops.fp8 import FP8, FP8_MAX, dequantize, quantize_into
+from fanout.produce.producer import Producer, stream_rows
+from fanout.store.store import Store, WindowReader
+from fanout.store.windowfile import hidden_name, scale_name
+from fanout.train.consumer import Batch
 from tiny_run import build_tiny_assets, tiny_producer_config
 
 LAYERS = (1, 2)  # tiny_producer_config's captured layers
@@ -144,7 +144,7 @@ def test_fp8_windows_hold_the_quantised_capture_at_about_half_the_bytes(
 
 
 def test_a_trainer_learns_from_fp8_windows(assets: dict[str, Any]) -> None:
-    from fanout.train import TrainConfig, Trainer
+    from fanout.train.trainer import TrainConfig, Trainer
 
     p = _produce(assets, "run-fp8-train", "float8_e4m3fn")
     cfg = TrainConfig(

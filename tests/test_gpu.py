@@ -38,8 +38,8 @@ def test_fused_adamw_on_cuda_matches_reference() -> None:
 
 
 def test_bf16_capture_packed_equals_unpacked(tmp_path: Path) -> None:
-    from fanout.assets import tiny_qwen3_verifier
-    from fanout.verifier import load_verifier
+    from fanout.bench.assets import tiny_qwen3_verifier
+    from fanout.model.verifier import load_verifier
 
     vdir = tiny_qwen3_verifier(tmp_path / "v", 512, hidden_size=64, num_layers=6)
     v = load_verifier(vdir, device="cuda", dtype="bfloat16", num_draft_layers=2)
@@ -59,7 +59,7 @@ def test_bf16_capture_packed_equals_unpacked(tmp_path: Path) -> None:
 
 
 def test_bf16_dflash_step_on_cuda(tmp_path: Path) -> None:
-    from fanout.assets import tiny_qwen3_verifier
+    from fanout.bench.assets import tiny_qwen3_verifier
     from fanout.model.dflash import DFlashDraft
     from fanout.ops.adamw import make_optimizer
 
@@ -94,7 +94,7 @@ def test_bf16_dflash_step_on_cuda(tmp_path: Path) -> None:
 def test_nvml_telemetry_on_real_gpu(tmp_path: Path) -> None:
     import os
 
-    from fanout.telemetry import Sampler, read_samples, summarize
+    from fanout.bench.telemetry import Sampler, read_samples, summarize
 
     out = tmp_path / "t.jsonl"
     x = torch.randn(4096, 4096, device="cuda")
@@ -114,16 +114,16 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(
     """The CUDA producer queues device→host copies on a side stream and publishes from a
     second thread; a missing wait or a reused buffer would show up as windows that
     differ from a plain, synchronous capture of the same rows (fp8: their scales too)."""
-    from fanout.assets import (
+    from fanout.bench.assets import (
         build_tokenizer,
         generate_corpus,
         tiny_verifier_for_tokenizer,
         write_jsonl,
     )
-    from fanout.fp8 import dequantize
-    from fanout.producer import Producer, ProducerConfig, stream_rows
-    from fanout.store import parse_window_name
-    from fanout.windowfile import hidden_name, scale_name
+    from fanout.ops.fp8 import dequantize
+    from fanout.produce.producer import Producer, ProducerConfig, stream_rows
+    from fanout.store.store import parse_window_name
+    from fanout.store.windowfile import hidden_name, scale_name
 
     corpus = generate_corpus(80, seed=0)
     data = write_jsonl(tmp_path / "chat.jsonl", corpus)

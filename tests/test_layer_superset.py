@@ -27,16 +27,21 @@ import pytest
 import torch
 import xxhash
 
-from fanout.assets import build_tokenizer, generate_corpus, tiny_verifier_for_tokenizer, write_jsonl
-from fanout.consumer import ConsumerConfig, ConsumerStream, row_order
+from fanout.bench.assets import (
+    build_tokenizer,
+    generate_corpus,
+    tiny_verifier_for_tokenizer,
+    write_jsonl,
+)
 from fanout.contract import CaptureContract, LayersNotCaptured
-from fanout.coordinator import Coordinator
+from fanout.coord.coordinator import Coordinator
+from fanout.coord.status import format_table, snapshot
 from fanout.errors import AcquireTimeout, ConfigError, CorruptWindow
-from fanout.producer import Producer, ProducerConfig
-from fanout.status import format_table, snapshot
-from fanout.store import RunDir, Store, WindowReader, verify_file
-from fanout.train import TrainConfig, Trainer
-from fanout.windowfile import WindowFormatError, hidden_name, scale_name
+from fanout.produce.producer import Producer, ProducerConfig
+from fanout.store.store import RunDir, Store, WindowReader, verify_file
+from fanout.store.windowfile import WindowFormatError, hidden_name, scale_name
+from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
+from fanout.train.trainer import TrainConfig, Trainer
 from tiny_run import one_thread, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +154,7 @@ def test_capture_layer_ids_all_and_its_older_name() -> None:
         ProducerConfig(**base, target_layer_ids=[1], capture_layer_ids=[1, 2])
     with pytest.raises(ValueError, match="stands alone"):
         ProducerConfig(**base, capture_layer_ids=["all", 1])
-    from fanout.verifier import resolve_target_layer_ids
+    from fanout.model.verifier import resolve_target_layer_ids
 
     assert resolve_target_layer_ids(8, "all", None) == list(range(8))
 
@@ -191,7 +196,7 @@ def test_three_layer_sets_on_one_run_train_exactly_as_on_their_own_runs(env: Env
 def test_an_uncaptured_layer_is_refused_at_once_naming_the_captured_ones(
     env: Env, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fanout import train
+    from fanout.train import trainer as train
 
     t0 = time.monotonic()
     with pytest.raises(
@@ -300,7 +305,7 @@ def test_a_consumer_of_other_layers_reads_past_a_flip_the_layers_reader_reports_
 
 
 def test_fp8_subset_reads_their_scales(env: Env, tmp_path: Path) -> None:
-    from fanout.fp8 import FP8, dequantize
+    from fanout.ops.fp8 import FP8, dequantize
 
     run = tmp_path / "fp8"
     Producer(_producer_cfg(env.root, run, capture_layer_ids=[1, 2, 3], max_windows=1,
@@ -348,7 +353,7 @@ RECORDER = """
 import json, os, sys, time
 import torch, xxhash
 torch.set_num_threads(1)
-from fanout.consumer import ConsumerConfig, ConsumerStream
+from fanout.train.consumer import ConsumerConfig, ConsumerStream
 a = json.loads(sys.argv[1])
 ckpt = a["ckpt"]
 state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0,

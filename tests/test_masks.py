@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fanout import masks
-from fanout.chat import Conversation, load_conversations
+from fanout.data import masks
+from fanout.data.chat import Conversation, load_conversations
+from fanout.data.template import ChatEncoder, load_chat_spec
+from fanout.data.workers import verify_against_rule
 from fanout.errors import ConfigError
-from fanout.template import ChatEncoder, load_chat_spec
-from fanout.workers import verify_against_rule
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 FAMILIES: dict[str, Any] = {

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fanout.data.packing import Doc, Packer, concat_batches, shuffled
 from fanout.errors import BadRow, ConfigError
-from fanout.packing import Doc, Packer, concat_batches, shuffled
 
 
 def make_docs(lengths: list[int], seed: int = 0) -> list[Doc]:

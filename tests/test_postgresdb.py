@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from conftest import PostgresControl
-from fanout.coordinator import DB_POINTER, Coordinator, RunConfig
+from fanout.coord.coordinator import DB_POINTER, Coordinator, RunConfig
+from fanout.coord.liveness import Heartbeat
+from fanout.coord.postgresdb import PostgresDatabase, _translate, parse_url, redact
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
-from fanout.liveness import Heartbeat
-from fanout.postgresdb import PostgresDatabase, _translate, parse_url, redact
-from fanout.store import Published, RunDir
+from fanout.store.store import Published, RunDir
 from test_coordinator import make_contract
 
 

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fanout.chat import load_conversations
 from fanout.cli import main as cli_main
+from fanout.data.chat import load_conversations
+from fanout.data.packing import ROW_KEYS, concat_batches
+from fanout.data.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
+from fanout.data.template import ChatEncoder, load_chat_spec
+from fanout.data.workers import WorkerPool, resolve_workers, start_method, usable_cpus
 from fanout.errors import BadRow, ConfigError
-from fanout.packing import ROW_KEYS, concat_batches
-from fanout.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
-from fanout.template import ChatEncoder, load_chat_spec
-from fanout.workers import WorkerPool, resolve_workers, start_method, usable_cpus
 
 FASTCHAT = "chat/fastchat/dummy_conversation.json"
 GLAIVE = "chat/llama-factory/glaive_toolcall_en_demo.json"
@@ -219,7 +219,7 @@ def test_start_methods_give_identical_rows(
 ) -> None:
     """Forked (warm, inherited tokenizer) and spawned workers, prewarmed or not, must
     produce exactly the in-process rows."""
-    from fanout.prepare import _Run
+    from fanout.data.prepare import _Run
 
     cfg = PrepareConfig(**{**base, "chunk_rows": 61})
     spec = load_chat_spec(cfg.tokenizer, cfg.cache_root())

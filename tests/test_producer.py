@@ -27,13 +27,13 @@ import pytest
 import torch
 
 from fanout import cli
-from fanout.assets import generate_corpus
+from fanout.bench.assets import generate_corpus
 from fanout.contract import CaptureContract
-from fanout.coordinator import Coordinator
+from fanout.coord.coordinator import Coordinator
 from fanout.errors import ContractMismatch
-from fanout.producer import Producer, ProducerConfig, stream_rows, window_count
-from fanout.store import RunDir, Store, parse_window_name
-from fanout.windowfile import hidden_name
+from fanout.produce.producer import Producer, ProducerConfig, stream_rows, window_count
+from fanout.store.store import RunDir, Store, parse_window_name
+from fanout.store.windowfile import hidden_name
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
     config_flags,
@@ -52,7 +52,7 @@ CONSUMER = """
 import json, sys, time
 import torch, xxhash
 torch.set_num_threads(1)
-from fanout.consumer import ConsumerConfig, ConsumerStream
+from fanout.train.consumer import ConsumerConfig, ConsumerStream
 a = json.loads(sys.argv[1])
 cfg = ConsumerConfig(run_dir=a["run_dir"], consumer_id=a["id"], heartbeat_s=0.3,
                      acquire_timeout_s=120)
@@ -414,7 +414,7 @@ def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
 
     cfg = _cfg(tiny, tmp_path / "run", max_windows=2, storage_dtype=storage,
                store_last_hidden_states=True)  # fmt: skip
-    with caplog.at_level("WARNING", logger="fanout.producer"):
+    with caplog.at_level("WARNING", logger="fanout.produce.producer"):
         p = Producer(cfg, fs=SmallDisk())
     warned = [r.getMessage() for r in caplog.records if "will wait on a full disk" in r.message]
     assert len(warned) == 1 and "only 0.0 GiB are free" in warned[0], caplog.text
@@ -425,6 +425,6 @@ def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
             data = sum(r.get(k).numel() * r.get(k).element_size() for k in r.names())
             assert data == p.window_bytes(), (storage, data, p.window_bytes())
     caplog.clear()
-    with caplog.at_level("WARNING", logger="fanout.producer"):
+    with caplog.at_level("WARNING", logger="fanout.produce.producer"):
         Producer(cfg)  # the real disk has room: no warning
     assert "full disk" not in caplog.text

@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 
 import tiny_run
-from fanout.assets import generate_corpus
-from fanout.coordinator import Coordinator, RunConfig
+from fanout.bench.assets import generate_corpus
+from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.liveness import Heartbeat, Holder, ProcessInfo, RoleWatch, this_process
 from fanout.errors import FanoutError, RoleHeld, RoleTaken, StaleLease
-from fanout.liveness import Heartbeat, Holder, ProcessInfo, RoleWatch, this_process
-from fanout.store import RunDir
+from fanout.store.store import RunDir
 from test_coordinator import FakeClock, make_contract
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config
 
@@ -127,7 +127,7 @@ def test_a_crashed_holder_is_replaced_at_once_without_takeover(
     child = int(ready.get(timeout=120))
     os.kill(child, signal.SIGKILL)
     p.join(60)
-    with caplog.at_level(logging.INFO, logger="fanout.coordinator"):
+    with caplog.at_level(logging.INFO, logger="fanout.coord.coordinator"):
         _register(co, "producer")
         reg = _register(co, "a")
     assert reg.cursor == 0

@@ -4,7 +4,7 @@
 `FANOUT_SPECULATORS=1 ./dev.sh ...` run it). speculators' own `DFlashDraftModel` is the
 oracle here:
 
-1. a fanout checkpoint (`fanout.checkpoint.save_checkpoint`) loads with
+1. a fanout checkpoint (`fanout.train.checkpoint.save_checkpoint`) loads with
    `DFlashDraftModel.from_pretrained` with no missing/unexpected keys, no warning from
    any channel (Python warnings, stdlib logging incl. transformers' load report,
    loguru), every tensor equal to `model.safetensors`, and the config fields it
@@ -94,11 +94,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fanout.assets import tiny_qwen3_verifier
-from fanout.checkpoint import save_checkpoint
+from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.model import dflash as fanout_dflash
 from fanout.model.anchors import select_anchors, slot_supervision
 from fanout.model.dflash import DFlashDraft, read_verifier_tensors
+from fanout.train.checkpoint import save_checkpoint
 
 with warnings.catch_warnings():
     # import-time DeprecationWarnings from torch.compile's first import and friends

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fanout import sqlitedb
+from fanout.coord import sqlitedb
+from fanout.coord.schema import check_schema
 from fanout.errors import (
     CoordinatorBusy,
     CoordinatorFull,
@@ -19,7 +20,6 @@ from fanout.errors import (
     NoCoordinator,
     NotACoordinatorDatabase,
 )
-from fanout.schema import check_schema
 
 
 def _driver_error(make: str) -> sqlite3.Error:

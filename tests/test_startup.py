@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fanout.assets import generate_corpus
-from fanout.producer import Producer
-from fanout.train import WaitNotice
+from fanout.bench.assets import generate_corpus
+from fanout.produce.producer import Producer
+from fanout.train.trainer import WaitNotice
 from tiny_run import build_tiny_assets, tiny_producer_config
 
 
@@ -57,8 +57,15 @@ def test_wait_notice_says_what_it_waits_for_every_few_seconds() -> None:
 
 def test_trainer_module_imports_nothing_heavy() -> None:
     """transformers, matplotlib, pandas, the data stage: none is needed to train."""
-    heavy = ["transformers", "matplotlib", "pandas", "fanout.prepare", "fanout.verifier", "psycopg"]
-    code = f"import sys, fanout.train; print([m for m in {heavy!r} if m in sys.modules])"
+    heavy = [
+        "transformers",
+        "matplotlib",
+        "pandas",
+        "fanout.data.prepare",
+        "fanout.model.verifier",
+        "psycopg",
+    ]
+    code = f"import sys, fanout.train.trainer; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from fanout.cli import main as cli_main
-from fanout.coordinator import Coordinator, RunConfig
-from fanout.status import snapshot
-from fanout.store import RunDir
+from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.status import snapshot
+from fanout.store.store import RunDir
 from test_coordinator import make_contract
 
 CTX = mp.get_context("spawn")

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from fanout.errors import CorruptWindow, StorageError, StorageFull
 from fanout.filesystem import FaultyFileSystem, FileSystem
-from fanout.store import (
+from fanout.store.store import (
     Published,
     RunDir,
     Store,
@@ -37,7 +37,7 @@ from fanout.store import (
     verify_file,
     window_name,
 )
-from fanout.windowfile import TENSOR_CHECKSUM, hidden_name
+from fanout.store.windowfile import TENSOR_CHECKSUM, hidden_name
 
 CONTRACT = "c0ffee" * 4
 

@@ -1,4 +1,4 @@
-"""fanout.telemetry: host-only sampling, a fake NVML through the seam, summary validity."""
+"""fanout.bench.telemetry: host-only sampling, a fake NVML through the seam, summary validity."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fanout.telemetry import Sampler, dir_bytes, proc_stats, read_samples, summarize
+from fanout.bench.telemetry import Sampler, dir_bytes, proc_stats, read_samples, summarize
 
 
 class FakeNVML:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fanout.chat import Conversation, load_conversations
-from fanout.template import EMPTY_THINK, ChatEncoder, load_chat_spec
+from fanout.data.chat import Conversation, load_conversations
+from fanout.data.template import EMPTY_THINK, ChatEncoder, load_chat_spec
 
 DATASETS = [
     "chat/fastchat/dummy_conversation.json",
@@ -168,8 +168,8 @@ def test_control_tokens_in_content_are_flagged(encoder: ChatEncoder) -> None:
 def test_chat_template_files(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
     """--chat-template: a .jinja file, or JSON as HF writes chat_template.json /
     tokenizer_config.json (a string or a list of named templates)."""
+    from fanout.data.template import read_chat_template
     from fanout.errors import ConfigError
-    from fanout.template import read_chat_template
 
     j = tmp_path / "t.jinja"
     j.write_text("{{ messages[0].content }}")

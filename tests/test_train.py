@@ -27,13 +27,13 @@ from typing import Any
 import pytest
 import torch
 
-from fanout.assets import generate_corpus
-from fanout.checkpoint import latest_checkpoint
+from fanout.bench.assets import generate_corpus
 from fanout.errors import ConfigError
 from fanout.flags import flag_name
-from fanout.producer import Producer, ProducerConfig
-from fanout.store import RunDir
-from fanout.train import TrainConfig, Trainer
+from fanout.produce.producer import Producer, ProducerConfig
+from fanout.store.store import RunDir
+from fanout.train.checkpoint import latest_checkpoint
+from fanout.train.trainer import TrainConfig, Trainer
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
     config_flags,
@@ -134,8 +134,8 @@ def test_loss_decreases_and_eal_rises(run: Run) -> None:
     assert spec["speculators_model_type"] == "dflash" and spec["block_size"] == 4
     assert spec["fanout"]["train_eal"] == pytest.approx(_mean(log[-50:], "eal"), abs=1e-3)
     # serve it: real speculative decoding on held-out prompts from the checkpoint alone
-    from fanout.assets import write_jsonl
-    from fanout.eval import EvalConfig, evaluate
+    from fanout.bench.assets import write_jsonl
+    from fanout.train.eval import EvalConfig, evaluate
 
     held = write_jsonl(run.root / "held.jsonl", repetitive_corpus(6, seed=77))
     rep = evaluate(
@@ -159,7 +159,7 @@ def test_loss_decreases_and_eal_rises(run: Run) -> None:
 
 
 def test_eval_every_logs_tau_on_held_out_prompts(run: Run) -> None:
-    from fanout.assets import write_jsonl
+    from fanout.bench.assets import write_jsonl
 
     held = write_jsonl(run.root / "held_ev.jsonl", repetitive_corpus(4, seed=78))
     cfg = _cfg(
@@ -222,7 +222,7 @@ def test_help_documents_every_flag(
 def test_config_file_with_flag_override_reaches_the_trainer(
     run: Run, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fanout import train
+    from fanout.train import trainer as train
 
     save = run.root / "drafts" / "cfgfile"
     cfg_file = run.root / "train.json"
@@ -249,7 +249,7 @@ def test_config_file_with_flag_override_reaches_the_trainer(
 
 
 def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str]) -> None:
-    from fanout import train
+    from fanout.train import trainer as train
 
     rc = train.main(["--run-dir", str(run.run_dir), "--consumer-id", "x", "--save-path", "s"])
     assert rc == 1
@@ -268,7 +268,7 @@ def test_torchrun_ranks_split_the_rows_stay_in_sync_and_resume(run: Run) -> None
     ddp:dp0 / ddp:dp1 over the same windows, identical weights after every run (the
     checksum differs if gradients are not averaged), one checkpoint, and a resume
     that continues both ranks from it."""
-    from fanout.coordinator import Coordinator
+    from fanout.coord.coordinator import Coordinator
 
     def torchrun(cfg: TrainConfig) -> list[dict[str, Any]]:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -329,9 +329,9 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
 def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run) -> None:
     from safetensors import safe_open
 
-    from fanout.coordinator import Coordinator
-    from fanout.draft_vocab import read_token_counts, select_draft_vocab
-    from fanout.store import Store
+    from fanout.coord.coordinator import Coordinator
+    from fanout.data.draft_vocab import read_token_counts, select_draft_vocab
+    from fanout.store.store import Store
 
     with Coordinator.open(run.run_dir) as co:
         stream_id = co.contract.stream_id

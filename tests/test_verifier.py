@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fanout.assets import tiny_qwen3_verifier
+from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.contract import CaptureContract
 from fanout.errors import ConfigError
-from fanout.verifier import (
+from fanout.model.verifier import (
     Verifier,
     config_hash,
     default_target_layer_ids,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from fanout.assets import build_tokenizer, tiny_verifier_for_tokenizer, write_jsonl
-from fanout.producer import ProducerConfig
+from fanout.bench.assets import build_tokenizer, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.produce.producer import ProducerConfig
 
 
 def build_tiny_assets(

@@ -26,20 +26,32 @@ def _register(name: str, module: str, help_text: str) -> None:
 
 
 _register(
-    "status", "fanout.status", "show the state of a run directory (windows, consumers, leases)"
+    "status",
+    "fanout.coord.status",
+    "show the state of a run directory (windows, consumers, leases)",
 )
 _register(
-    "sweep", "fanout.status", "remove temp debris and orphan window files from a run directory"
+    "sweep",
+    "fanout.coord.status",
+    "remove temp debris and orphan window files from a run directory",
 )
-_register("produce", "fanout.producer", "run the verifier over packed rows and publish windows")
-_register("train", "fanout.train", "train one DFlash draft as a consumer of a run")
-_register("prepare", "fanout.prepare", "chat data → packed, loss-masked token rows (cached)")
 _register(
-    "eval", "fanout.eval", "speculative decoding with trained drafts: lossless check, τ, speedup"
+    "produce", "fanout.produce.producer", "run the verifier over packed rows and publish windows"
 )
-_register("bench", "fanout.bench", "1p1c / 1p3c / unshared benchmark → report.json, .md, plots")
+_register("train", "fanout.train.trainer", "train one DFlash draft as a consumer of a run")
+_register("prepare", "fanout.data.prepare", "chat data → packed, loss-masked token rows (cached)")
 _register(
-    "demo", "fanout.demo", "one producer, three drafts on CPU for a few minutes; prints a report"
+    "eval",
+    "fanout.train.eval",
+    "speculative decoding with trained drafts: lossless check, τ, speedup",
+)
+_register(
+    "bench", "fanout.bench.bench", "1p1c / 1p3c / unshared benchmark → report.json, .md, plots"
+)
+_register(
+    "demo",
+    "fanout.bench.demo",
+    "one producer, three drafts on CPU for a few minutes; prints a report",
 )
 
 

@@ -66,7 +66,7 @@ class CaptureContract(BaseModel):
     storage_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] = Field(
         "bfloat16",
         description="dtype of hidden_states on disk; float8_e4m3fn windows also carry "
-        "hidden_states_scale.<layer> [R, T] (fanout.fp8).",
+        "hidden_states_scale.<layer> [R, T] (fanout.ops.fp8).",
     )
     target_kind: Literal["greedy_ids"] = Field(
         "greedy_ids", description="What target_ids holds: the verifier's argmax next token."

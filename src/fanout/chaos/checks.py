@@ -89,7 +89,7 @@ def window_digest(path: Path) -> tuple[int, int, str]:
     import torch
     import xxhash
 
-    from fanout.store import WindowReader
+    from fanout.store.store import WindowReader
 
     with WindowReader(path, verify=True) as r:
         h = xxhash.xxh3_64()
@@ -117,7 +117,7 @@ class Sampler:
 
     def _open(self) -> Any:
         if self.co is None:
-            from fanout.coordinator import Coordinator
+            from fanout.coord.coordinator import Coordinator
             from fanout.errors import (
                 ConfigError,
                 CoordinatorBusy,
@@ -138,8 +138,8 @@ class Sampler:
         return self.co
 
     def sample(self) -> None:
+        from fanout.coord.status import snapshot
         from fanout.errors import CorruptWindow
-        from fanout.status import snapshot
 
         co = self._open()
         if co is not None:
@@ -185,7 +185,7 @@ def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
     The integrity check is SQLite's `PRAGMA integrity_check`; PostgreSQL keeps its
     own files consistent, so there it is the invariant that every lease names a
     ready window of the same generation (what a torn write would break)."""
-    from fanout.coordinator import Coordinator
+    from fanout.coord.coordinator import Coordinator
     from fanout.errors import ConfigError
 
     try:

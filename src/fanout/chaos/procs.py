@@ -29,11 +29,11 @@ PRELOAD = [
     "transformers",
     "transformers.models.qwen3.modeling_qwen3",
     "fanout.cli",
-    "fanout.producer",
-    "fanout.prepare",
-    "fanout.verifier",
-    "fanout.train",
-    "fanout.status",
+    "fanout.produce.producer",
+    "fanout.data.prepare",
+    "fanout.model.verifier",
+    "fanout.train.trainer",
+    "fanout.coord.status",
 ]
 
 
@@ -52,7 +52,7 @@ def build_assets(root: str | os.PathLike[str], conversations: int = 60) -> Chaos
     of `conversations` rows under `root`; reused when already there."""
     from filelock import FileLock
 
-    from fanout.assets import (
+    from fanout.bench.assets import (
         build_tokenizer,
         generate_corpus,
         tiny_verifier_for_tokenizer,

@@ -1,0 +1,1 @@
+"""fanout.bench.bench."""

@@ -1,0 +1,530 @@
+"""The fan-out benchmark: 1 producer → 1 or 3 trainers vs three unshared pairs.
+
+    fanout bench benchmarks/fanout/cpu-tiny.json --out runs/bench-cpu   # ~4 min on 2 cores
+    python scripts/benchmark_fanout.py benchmarks/fanout/cpu-tiny.json --json out.json
+
+Scenarios, run one after another on the same data and models:
+- `1p1c`: one producer, the first consumer;
+- `1p3c`: one producer, every consumer (block sizes 4/8/16), one shared stream;
+- `unshared`: one producer + one consumer per draft, each pair its own run dir —
+  what online training does today: one verifier pass per draft.
+Every role is its own process (`python -m fanout.cli produce|train`, logs under
+`<out>/<scenario>/logs/`); a telemetry sampler (fanout.bench.telemetry) watches them
+and the run dirs. Numbers come from the trainers' `train_log.jsonl`, the
+producer's summary and the coordinator (`fanout.coord.status.snapshot`), over each
+scenario's steady window (after `warmup_steps`, while every consumer runs).
+Validity rules are checked and stated in the report (fanout.bench.report); any role
+failure or broken rule makes the run invalid and `fanout bench` exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.errors import ConfigError
+
+Scenario = Literal["1p1c", "1p3c", "unshared"]
+SCENARIOS: tuple[Scenario, ...] = ("1p1c", "1p3c", "unshared")
+
+
+class AssetsSpec(BaseModel):
+    """Where the verifier, tokenizer and data come from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache_dir: str = Field("runs/assets", description="cache of built assets (relative: to cwd)")
+    verifier_dir: str | None = Field(
+        None, description="existing HF verifier dir; default: build a random tiny Qwen3"
+    )
+    tokenizer_dir: str | None = Field(
+        None, description="tokenizer dir; default: the verifier's, or the demo tokenizer"
+    )
+    data: list[str] | None = Field(None, description="chat data files; default: demo corpus")
+    conversations: int | None = Field(
+        None, ge=1, description="use only the first N conversations (JSONL) of the data"
+    )
+    demo_conversations: int = Field(4000, ge=1, description="size of the generated corpus")
+    demo_train_steps: int = Field(
+        200, ge=1, description="training steps of the demo verifier (only if it is used)"
+    )
+    use_demo_verifier: bool = Field(
+        False, description="use the briefly trained demo verifier instead of a random one"
+    )
+    verifier_hidden_size: int = Field(128, ge=16, description="random verifier hidden size")
+    verifier_num_layers: int = Field(16, ge=4, description="random verifier layers")
+    verifier_intermediate_size: int = Field(512, ge=16, description="random verifier MLP width")
+
+
+class ProducerSpec(BaseModel):
+    """`fanout produce` settings shared by every scenario (each a flag of ProducerConfig)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq_len: int = Field(256, ge=8, description="tokens per packed row T")
+    window_rows: int = Field(4, ge=1, description="rows per window R")
+    max_live_windows: int = Field(4, ge=2, description="K: window files alive at once")
+    lag_policy: Literal["hold", "recapture", "detach"] = Field("hold", description="lag policy")
+    epochs: int = Field(1, ge=1, description="passes over the data (sets the stream length)")
+    num_draft_layers: int = Field(1, ge=1, description="DFlash layer rule → captured layers")
+    capture_batch_rows: int = Field(4, ge=1, description="rows per verifier forward")
+    device: str = Field("cpu", description="verifier device (1p1c, 1p3c)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="dtype")
+    workers: int | None = Field(1, ge=0, description="data-prep workers (None: all cores)")
+    threads: int | None = Field(
+        None, ge=1, description="torch/OMP threads of producers; None: threads_per_role"
+    )
+    extra_args: list[str] = Field(default_factory=list, description="more `produce` flags")
+
+
+class ConsumerSpec(BaseModel):
+    """One trainer (`scripts/train.py` flags)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="consumer id (also a file name)")
+    block_size: int = Field(8, ge=2, description="draft block size")
+    max_anchors: int = Field(16, ge=1, description="anchors per row per step")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    seed: int = Field(0, description="init / anchor seed")
+    device: str = Field("cpu", description="training device")
+    rows_per_step: int = Field(2, ge=1, description="rows per optimizer step")
+    num_layers: int = Field(1, ge=1, description="draft layers")
+    extra_args: list[str] = Field(default_factory=list, description="more `train` flags")
+
+
+class BenchConfig(BaseModel):
+    """A benchmark (benchmarks/fanout/*.json). Unknown fields are rejected."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="benchmark name (report title)")
+    description: str = Field("", description="what it measures, for the report")
+    assets: AssetsSpec = Field(default_factory=AssetsSpec)
+    producer: ProducerSpec = Field(default_factory=ProducerSpec)
+    consumers: list[ConsumerSpec] = Field(min_length=1, description="the drafts (1p3c uses all)")
+    scenarios: list[Scenario] = Field(default_factory=lambda: list(SCENARIOS), min_length=1)
+    unshared_producer_devices: list[str] | None = Field(
+        None, description="verifier device of each unshared pair; default: producer.device"
+    )
+    warmup_steps: int = Field(2, ge=1, description="first steps per consumer left out")
+    telemetry_interval_s: float = Field(0.5, gt=0, description="sampler interval (s)")
+    scenario_timeout_s: float = Field(900.0, gt=0, description="kill a scenario after (s)")
+    threads_per_role: int | None = Field(
+        None, ge=1, description="OMP/torch threads per role process; None: library default"
+    )
+    trainer_heartbeat_s: float = Field(2.0, gt=0, description="trainer heartbeat interval (s)")
+
+    def model_post_init(self, _ctx: Any) -> None:
+        ids = [c.id for c in self.consumers]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"bench config: consumer ids must be unique, got {ids}")
+        devs = self.unshared_producer_devices
+        if devs is not None and len(devs) != len(self.consumers):
+            raise ConfigError(
+                f"bench config: unshared_producer_devices has {len(devs)} entries "
+                f"for {len(self.consumers)} consumers"
+            )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> BenchConfig:
+        from pydantic import ValidationError
+
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except ValidationError as e:
+            errs = "; ".join(
+                f"{'.'.join(str(x) for x in err['loc'])}: {err['msg']}" for err in e.errors()
+            )
+            raise ConfigError(f"{path}: {errs}") from e
+        except OSError as e:
+            raise ConfigError(f"{path}: {e}") from e
+
+
+# --------------------------------------------------------------------------- assets
+
+
+@dataclass(frozen=True)
+class Assets:
+    verifier_dir: Path
+    tokenizer_dir: Path
+    data: list[str]
+    mask_token_id: int | None
+
+
+def resolve_assets(spec: AssetsSpec, work: Path) -> Assets:
+    """Build (or find cached) what the config asks for; the data subset goes under `work`."""
+    cache = Path(spec.cache_dir)
+    mask: int | None = None
+    if spec.verifier_dir is not None and spec.data is not None:
+        ver = Path(spec.verifier_dir)
+        tok = Path(spec.tokenizer_dir or spec.verifier_dir)
+        data = list(spec.data)
+    else:
+        from fanout.bench.assets import AssetSettings, ensure_demo_assets
+
+        settings = AssetSettings(
+            n_conversations=spec.demo_conversations, train_steps=spec.demo_train_steps
+        )
+        demo = ensure_demo_assets(cache, settings)
+        mask = demo.mask_token_id
+        tok = Path(spec.tokenizer_dir or demo.tokenizer_dir)
+        data = list(spec.data or [str(demo.data_path)])
+        if spec.verifier_dir is not None:
+            ver = Path(spec.verifier_dir)
+        elif spec.use_demo_verifier:
+            ver = demo.verifier_dir
+        else:
+            ver = _random_verifier(spec, cache, tok)
+    if spec.conversations is not None:
+        data = [str(_subset(data, spec.conversations, work / "data"))]
+    return Assets(ver, tok, data, mask)
+
+
+def _random_verifier(spec: AssetsSpec, cache: Path, tok: Path) -> Path:
+    from filelock import FileLock
+    from tokenizers import Tokenizer
+
+    from fanout.bench.assets import tiny_qwen3_verifier
+
+    vocab = Tokenizer.from_file(str(tok / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    h, n, i = spec.verifier_hidden_size, spec.verifier_num_layers, spec.verifier_intermediate_size
+    out = cache / f"bench-verifier-v{vocab}-h{h}-l{n}-i{i}"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "config.json").is_file():
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tiny_qwen3_verifier(tmp, vocab, hidden_size=h, num_layers=n, intermediate_size=i)
+            shutil.rmtree(out, ignore_errors=True)
+            os.rename(tmp, out)
+    return out
+
+
+def _subset(files: list[str], n: int, out_dir: Path) -> Path:
+    """The first `n` JSONL lines of the files, as one file (same rows in every scenario)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / f"first-{n}.jsonl"
+    lines: list[str] = []
+    for f in files:
+        if not f.endswith(".jsonl"):
+            raise ConfigError(f"assets.conversations needs JSONL data, got {f}")
+        with open(f) as fh:
+            for line in fh:
+                if line.strip():
+                    lines.append(line if line.endswith("\n") else line + "\n")
+                if len(lines) >= n:
+                    break
+        if len(lines) >= n:
+            break
+    out.write_text("".join(lines))
+    return out
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Role:
+    name: str
+    kind: Literal["producer", "consumer"]
+    cmd: list[str]
+    log: Path
+    run_dir: Path
+    device: str
+    proc: subprocess.Popen[bytes] | None = None
+    rc: int | None = None
+    stopped_by_us: bool = False
+    save_path: Path | None = None
+    spec: ConsumerSpec | None = None
+    summary_path: Path | None = None
+
+
+@dataclass
+class ScenarioRun:
+    name: str
+    dir: Path
+    roles: list[Role]
+    run_dirs: list[Path]
+    started_wall: float = 0.0
+    ended_wall: float = 0.0
+    timed_out: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _producer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, device: str, n: int, work: Path) -> list[str]:  # fmt: skip
+    p = cfg.producer
+    cmd = [
+        sys.executable, "-m", "fanout.cli", "produce",
+        "--run-dir", str(run_dir), "--verifier-name-or-path", str(a.verifier_dir),
+        "--tokenizer", str(a.tokenizer_dir), "--data", *a.data,
+        "--seq-len", str(p.seq_len), "--window-rows", str(p.window_rows),
+        "--max-live-windows", str(p.max_live_windows), "--lag-policy", p.lag_policy,
+        "--epochs", str(p.epochs), "--num-draft-layers", str(p.num_draft_layers),
+        "--capture-batch-rows", str(p.capture_batch_rows), "--device", device,
+        "--dtype", p.dtype, "--expected-consumers", str(n),
+        "--cache-dir", str(work / "cache"), "--no-progress", "--exit-when-idle-s", "5",
+    ]  # fmt: skip
+    if p.workers is not None:
+        cmd += ["--workers", str(p.workers)]
+    return cmd + p.extra_args
+
+
+def _consumer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, c: ConsumerSpec, save: Path) -> list[str]:  # fmt: skip
+    cmd = [
+        sys.executable, "-m", "fanout.cli", "train",
+        "--run-dir", str(run_dir), "--consumer-id", c.id,
+        "--verifier-name-or-path", str(a.verifier_dir), "--block-size", str(c.block_size),
+        "--max-anchors", str(c.max_anchors), "--lr", str(c.lr), "--seed", str(c.seed),
+        "--device", c.device, "--rows-per-step", str(c.rows_per_step),
+        "--num-layers", str(c.num_layers),
+        "--save-path", str(save), "--checkpoint-every", "1000000000",
+        "--heartbeat-s", str(cfg.trainer_heartbeat_s),
+    ]  # fmt: skip
+    if a.mask_token_id is not None:
+        cmd += ["--mask-token-id", str(a.mask_token_id)]
+    return cmd + c.extra_args
+
+
+def plan(cfg: BenchConfig, scenario: Scenario, a: Assets, work: Path) -> ScenarioRun:
+    """The roles of one scenario (nothing started)."""
+    d = work / scenario
+    shutil.rmtree(d, ignore_errors=True)
+    logs = d / "logs"
+    logs.mkdir(parents=True)
+    if scenario == "unshared":
+        devs = cfg.unshared_producer_devices or [cfg.producer.device] * len(cfg.consumers)
+        pairs = [
+            (d / f"run-{c.id}", dev, [c], f"producer-{c.id}") for c, dev in zip(cfg.consumers, devs)
+        ]
+    else:
+        cons = cfg.consumers[:1] if scenario == "1p1c" else cfg.consumers
+        pairs = [(d / "run", cfg.producer.device, cons, "producer")]
+    roles: list[Role] = []
+    for run_dir, dev, cons, pname in pairs:
+        summary = logs / f"{pname}.summary.json"
+        cmd = _producer_cmd(cfg, a, run_dir, dev, len(cons), work)
+        cmd += ["--summary-json", str(summary)]
+        roles.append(
+            Role(pname, "producer", cmd, logs / f"{pname}.log", run_dir, dev, summary_path=summary)
+        )
+        for c in cons:
+            save = d / "drafts" / c.id
+            roles.append(
+                Role(
+                    c.id,
+                    "consumer",
+                    _consumer_cmd(cfg, a, run_dir, c, save),
+                    logs / f"{c.id}.log",
+                    run_dir,
+                    c.device,
+                    save_path=save,
+                    spec=c,
+                )
+            )
+    return ScenarioRun(scenario, d, roles, [p[0] for p in pairs])
+
+
+def _env(cfg: BenchConfig, kind: str) -> dict[str, str]:
+    # Passive OMP waits: with more threads than free cores, spinning threads would
+    # steal the cores the other roles need (and make numbers depend on the OMP build).
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
+    n = cfg.threads_per_role
+    if kind == "producer" and cfg.producer.threads:
+        n = cfg.producer.threads
+    if n:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[k] = str(n)
+    return env
+
+
+def _coordinator_probe(run_dirs: list[Path]) -> Any:
+    """Sampler probe: live windows / bytes per run dir (read-only, opened once it exists)."""
+    from fanout.coord.coordinator import Coordinator
+
+    opened: dict[Path, Any] = {}
+
+    def probe() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for r in run_dirs:
+            if r not in opened:
+                if not (r / "coordinator.sqlite3").is_file() or not (r / "contract.json").is_file():
+                    continue
+                opened[r] = Coordinator.open(r)
+            q = opened[r].conn.execute
+            ready, live = q(
+                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
+            ).fetchone()
+            out[str(r)] = {
+                "ready_windows": int(ready),
+                "live_bytes": int(live),
+                "produced": int(opened[r].meta("next_window")),
+            }
+        return out
+
+    return probe
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the role and its data-prep workers
+
+
+def execute(
+    cfg: BenchConfig, run: ScenarioRun, *, stop_after_s: float | None = None, echo: Any = None
+) -> Path:
+    """Start every role, sample telemetry, wait; returns the telemetry JSONL path.
+
+    A role that exits non-zero stops the others (SIGTERM, then SIGKILL). With
+    `stop_after_s` (the demo), trainers get SIGINT at that age and the producers
+    SIGTERM once the trainers are gone; those exits count as clean.
+    """
+    from fanout.bench.telemetry import Sampler
+
+    tel = run.dir / "telemetry.jsonl"
+    sampler = Sampler(
+        tel,
+        run_dirs=run.run_dirs,
+        interval_s=cfg.telemetry_interval_s,
+        probe=_coordinator_probe(run.run_dirs),
+    )
+    run.started_wall = time.time()
+    t0 = time.monotonic()
+    with sampler:
+        for r in run.roles:
+            with r.log.open("wb") as logf:
+                r.proc = subprocess.Popen(
+                    r.cmd,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=_env(cfg, r.kind),
+                    start_new_session=True,
+                )
+            sampler.add_role(r.name, r.proc.pid)
+        failed = False
+        try:
+            while True:
+                for r in run.roles:
+                    if r.rc is None and r.proc is not None and (rc := r.proc.poll()) is not None:
+                        r.rc = rc
+                        if echo:
+                            echo(f"  {run.name}: {r.name} exited {rc}")
+                        if rc != 0 and not r.stopped_by_us:
+                            failed = True
+                if all(r.rc is not None for r in run.roles) or failed:
+                    break
+                age = time.monotonic() - t0
+                consumers = [r for r in run.roles if r.kind == "consumer"]
+                if stop_after_s is not None and age > stop_after_s:
+                    for r in consumers:
+                        if r.rc is None and not r.stopped_by_us and r.proc is not None:
+                            r.stopped_by_us = True
+                            _stop(r.proc, signal.SIGINT)
+                if all(r.rc is not None for r in consumers):
+                    # Trainers done: producers finish by themselves; nudge a held one.
+                    for r in run.roles:
+                        if (
+                            r.rc is None
+                            and r.proc is not None
+                            and stop_after_s is not None
+                            and not r.stopped_by_us  # once: a second signal could land
+                        ):  # during the interpreter's shutdown, after handlers are reset
+                            r.stopped_by_us = True
+                            _stop(r.proc, signal.SIGTERM)
+                if age > cfg.scenario_timeout_s:
+                    run.timed_out = True
+                    run.notes.append(f"timed out after {cfg.scenario_timeout_s:.0f} s")
+                    break
+                time.sleep(0.2)
+        finally:
+            _shutdown(run)
+    run.ended_wall = time.time()
+    return tel
+
+
+def _shutdown(run: ScenarioRun) -> None:
+    live = [r for r in run.roles if r.proc is not None and r.proc.poll() is None]
+    for r in live:
+        assert r.proc is not None
+        _stop(r.proc, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for r in live:
+        assert r.proc is not None
+        try:
+            r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _stop(r.proc, signal.SIGKILL)
+            r.proc.wait()
+        if r.rc is None:  # stopped as a consequence (failure elsewhere, timeout): not a cause
+            r.rc, r.stopped_by_us = r.proc.returncode, True
+
+
+# --------------------------------------------------------------------------- whole run
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def run_bench(
+    cfg: BenchConfig,
+    out: str | os.PathLike[str],
+    *,
+    stop_after_s: float | None = None,
+    echo: Any = print,
+) -> dict[str, Any]:
+    """Run every scenario of `cfg` under `out`; write report.json/.md + plots; return the report."""
+    from fanout.bench.report import build_report, write_report
+
+    work = Path(out)
+    work.mkdir(parents=True, exist_ok=True)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and _main_thread():
+        # Started in the background (nohup, `&`): SIGINT is ignored and our trainers
+        # would inherit that, so the time limit's SIGINT would not stop them.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    echo(f"bench {cfg.name}: assets …")
+    assets = resolve_assets(cfg.assets, work)
+    runs: list[tuple[ScenarioRun, Path]] = []
+    for sc in cfg.scenarios:
+        run = plan(cfg, sc, assets, work)
+        echo(f"bench {cfg.name}: scenario {sc} ({len(run.roles)} processes) …")
+        tel = execute(cfg, run, stop_after_s=stop_after_s, echo=echo)
+        runs.append((run, tel))
+    report = build_report(cfg, assets, runs, work)
+    write_report(report, runs, work)
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "bench") -> None:
+    p.add_argument("config", help="benchmark config JSON (e.g. benchmarks/fanout/cpu-tiny.json)")
+    p.add_argument(
+        "--out", default=None, help="report directory (default: runs/bench/<name>-<timestamp>)"
+    )
+    p.add_argument("--json", default=None, help="also copy report.json here")
+
+
+def run(args: argparse.Namespace, name: str = "bench") -> int:
+    cfg = BenchConfig.load(args.config)
+    out = args.out or f"runs/bench/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    report = run_bench(cfg, out)
+    from fanout.bench.report import format_table
+
+    print(format_table(report))
+    print(f"report: {Path(out) / 'report.md'}  (JSON: {Path(out) / 'report.json'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if report["valid"] else 1

@@ -1,0 +1,271 @@
+"""The producer's side of the coordinator: register, claim, publish, fail, backpressure.
+
+    p = coord.register_producer(contract)            # RoleHeld if a live producer runs
+    while coord.wait_for_capacity(p, timeout_s=60):  # blocks at K live windows
+        claim = coord.claim(p)                       # demand (recaptures) first
+        if claim is None:
+            break                                    # finite stream fully produced
+        coord.publish_ready(claim, store.publish(tensors, meta))
+    coord.finish_producer(p)                         # a clean exit: state 'finished'
+
+A mixin of fanout.coord.coordinator.Coordinator (one class for callers, two files for
+readers). Every call is one serialised write transaction fenced by the producer's
+token and, for a claim, the claim's token: a producer that was taken over
+(RoleTaken) or declared lost gets StaleLease and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fanout.contract import CaptureContract
+from fanout.coord import retention, schema
+from fanout.coord.leases import Claim, ProducerReg, PublishedLike
+from fanout.coord.liveness import HOLDER_COLUMNS, Holder, ProcessInfo, Reclaimer
+from fanout.errors import ContractMismatch, StaleLease
+
+log = logging.getLogger("fanout.coord.coordinator")
+T = TypeVar("T")
+
+
+def _now() -> float:
+    return time.time()  # wall clock: display only
+
+
+class ProducerSide:
+    conn: schema.Database
+    root: Path
+    config: retention.RunConfig
+    contract: CaptureContract
+    clock: Callable[[], float]
+    _reclaimer: Reclaimer
+    _blocked_since: float | None
+
+    if TYPE_CHECKING:  # provided by Coordinator
+
+        def _write(self) -> Any: ...
+        @staticmethod
+        def _bump(cur: schema.Sql, key: str, n: int = 1) -> int: ...
+        @staticmethod
+        def _meta_cur(cur: schema.Sql, key: str) -> Any: ...
+        def _rows(self, window: int) -> tuple[int, int]: ...
+        def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None: ...
+        def _finish_evictions(self, doomed: retention.Doomed) -> None: ...
+        def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]: ...
+        def _fenced(self, role: str, token: int, holder: Holder) -> StaleLease: ...
+        def _take_role(
+            self,
+            role: str,
+            select: tuple[str, tuple[object, ...]],
+            takeover: bool,
+            register: Callable[[schema.Sql, ProcessInfo], T],
+        ) -> T: ...
+
+    def register_producer(
+        self, contract: CaptureContract, owner: str = "", *, takeover: bool = False
+    ) -> ProducerReg:
+        """Become the run's producer: fences the previous one and releases its claims.
+
+        RoleHeld while another live producer holds the run (Coordinator._take_role),
+        unless `takeover`; a crashed or finished one is replaced without asking.
+        """
+        if contract != self.contract:
+            raise ContractMismatch(self.contract.diff(contract), where="producer")
+        owner = owner or f"pid {os.getpid()}"
+
+        def register(cur: schema.Sql, me: ProcessInfo) -> int:
+            token = self._bump(cur, "next_token")
+            cur.execute(
+                "INSERT INTO producer(id, token, hb_wall, state, owner, host, pid, proc) "
+                "VALUES (1, ?, ?, 'active', ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                "token=excluded.token, hb_wall=excluded.hb_wall, state='active', "
+                "owner=excluded.owner, host=excluded.host, pid=excluded.pid, proc=excluded.proc",
+                (token, _now(), owner, me.host, me.pid, me.proc),
+            )
+            self._release_claims(cur)
+            return token
+
+        token = self._take_role(
+            f"the producer of {self.root}",
+            (f"SELECT {HOLDER_COLUMNS} FROM producer", ()),
+            takeover,
+            register,
+        )
+        self._reclaimer.own("producer")
+        log.info("producer %s registered (token %d)", owner, token)
+        return ProducerReg(token, owner)
+
+    def check_producer_role(self, takeover: bool = False) -> None:
+        """Raise RoleHeld now if a live producer holds the run (and not `takeover`): a
+        second producer learns it before it writes anything to the run dir."""
+        if not takeover:
+            self._take_role(
+                f"the producer of {self.root}",
+                (f"SELECT {HOLDER_COLUMNS} FROM producer", ()),
+                False,
+                lambda cur, me: None,
+            )
+
+    def finish_producer(self, preg: ProducerReg) -> None:
+        """A clean exit (stream done, --max-windows, a signal): state 'finished', claims
+        released. `fanout status` shows it finished, and nobody reclaims it as lost."""
+        with self._write() as cur:
+            self._check_producer(cur, preg.token)
+            self._release_claims(cur)
+            cur.execute("UPDATE producer SET state='finished', hb_wall=?", (_now(),))
+
+    @staticmethod
+    def _release_claims(cur: schema.Sql) -> None:
+        # Queued with demand so the window is captured again first, under a new generation.
+        cur.execute(
+            "UPDATE windows SET state='queued', demand=1, claim_token=NULL WHERE state='capturing'"
+        )
+
+    def _check_producer(self, cur: schema.Sql, token: int) -> None:
+        row = cur.execute(f"SELECT {HOLDER_COLUMNS} FROM producer").fetchone()
+        if row is None:
+            raise StaleLease(f"producer token {token}: no producer is registered")
+        holder = Holder(*row)
+        if holder.token != token or holder.state != "active":
+            raise self._fenced(f"the producer of {self.root}", token, holder)
+
+    def claim(self, preg: ProducerReg) -> Claim | None:
+        """Claim the next window to capture: demand first, then the next in order.
+
+        None when there is nothing to claim now: at capacity (call wait_for_capacity
+        first) or the finite stream is fully produced and nothing is on demand.
+        """
+        with self._write() as cur:
+            self._check_producer(cur, preg.token)
+            if not retention.has_capacity(cur, self.config.max_live_windows):
+                return None
+            row = cur.execute(
+                "SELECT window, captures FROM windows WHERE state='queued' "
+                "ORDER BY demand DESC, window LIMIT 1"
+            ).fetchone()
+            if row is not None:
+                w, captures = int(row[0]), int(row[1])
+                if captures:
+                    self._bump(cur, "recaptures")
+            else:
+                w, captures = int(self._meta_cur(cur, "next_window")), 0
+                total = self.config.total_windows
+                if total is not None and w >= total:
+                    return None
+                self._bump(cur, "next_window")
+                cur.execute(
+                    "INSERT INTO windows(window, state, updated_at) VALUES (?, 'queued', ?)",
+                    (w, _now()),
+                )
+            gen = self._bump(cur, "next_generation")
+            token = self._bump(cur, "next_token")
+            cur.execute(
+                "UPDATE windows SET state='capturing', generation=?, claim_token=?, updated_at=? "
+                "WHERE window=?",
+                (gen, token, _now(), w),
+            )
+        return Claim(w, gen, token, preg.token, self._rows(w))
+
+    def _check_claim(self, cur: schema.Sql, claim: Claim) -> None:
+        self._check_producer(cur, claim.producer_token)
+        row = cur.execute(
+            "SELECT 1 FROM windows WHERE window=? AND state='capturing' AND claim_token=?",
+            (claim.window, claim.token),
+        ).fetchone()
+        if row is None:
+            raise StaleLease(f"claim {claim.token} on window {claim.window} is no longer held")
+
+    def renew(self, claim: Claim) -> None:
+        """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
+        with self._write() as cur:
+            self._check_claim(cur, claim)
+            cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (_now(),))
+
+    def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
+        """Record a durable, final-named window file (Store.publish's result) as ready."""
+        with self._write() as cur:
+            self._check_claim(cur, claim)
+            cur.execute(
+                "UPDATE windows SET state='ready', name=?, path=?, nbytes=?, checksum=?, "
+                "captures=captures+1, demand=0, attempts=0, claim_token=NULL, last_error=NULL, "
+                "updated_at=? WHERE window=?",
+                (
+                    published.name,
+                    str(published.path),
+                    int(published.nbytes),
+                    str(published.checksum),
+                    _now(),
+                    claim.window,
+                ),
+            )
+            n, nbytes = cur.execute(
+                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
+            ).fetchone()
+            high = (
+                "UPDATE counters SET value = CASE WHEN value < ? THEN ? ELSE value END WHERE key=?"
+            )
+            cur.execute(high, (n, n, "hw_windows"))
+            cur.execute(high, (int(nbytes), int(nbytes), "hw_bytes"))
+
+    def fail(self, claim: Claim, reason: str) -> None:
+        """A capture failed: requeue the window (retried first) or, after max_attempts, fail it."""
+        with self._write() as cur:
+            self._check_claim(cur, claim)
+            attempts = cur.execute(
+                "UPDATE windows SET attempts=attempts+1, last_error=?, claim_token=NULL, "
+                "demand=1, updated_at=? WHERE window=? RETURNING attempts",
+                (reason, _now(), claim.window),
+            ).fetchone()[0]
+            state = "failed" if attempts >= self.config.max_attempts else "queued"
+            cur.execute("UPDATE windows SET state=? WHERE window=?", (state, claim.window))
+        log.warning(
+            "window %d capture failed (%s); attempt %d → %s", claim.window, reason, attempts, state
+        )
+
+    def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
+        """Block while K windows are live; apply the lag policy. False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        cfg = self.config
+        while True:
+            self.reclaim_lost()
+            with self._write() as cur:
+                self._check_producer(cur, preg.token)
+                doomed = retention.mark_evictable(cur, cfg.expected_consumers, recover=True)
+                if not doomed:
+                    if retention.has_capacity(cur, cfg.max_live_windows, extra=False):
+                        self._blocked_since = None
+                        return True
+                    # The lag policy may make room below K before the extra slot is used.
+                    doomed = self._apply_lag_policy(cur)
+                    if not doomed and retention.has_capacity(cur, cfg.max_live_windows):
+                        self._blocked_since = None
+                        return True
+            if doomed:
+                self._finish_evictions(doomed)
+                continue
+            if time.monotonic() >= deadline:
+                return False
+            self._wait_change(deadline)
+
+    def _apply_lag_policy(self, cur: schema.Sql) -> retention.Doomed:
+        cfg = self.config
+        if cfg.lag_policy == "hold" or not retention.enough_registered(cur, cfg.expected_consumers):
+            return []
+        if cfg.lag_policy == "recapture":
+            return retention.recapture_victim(cur)
+        now = self.clock()  # detach: blocked for detach_after on the producer's own clock
+        if self._blocked_since is None:
+            self._blocked_since = now
+        if now - self._blocked_since < cfg.detach_after:
+            return []
+        gone = retention.detach_laggard(cur, self._bump(cur, "next_token"))
+        if gone is None:
+            return []
+        log.warning("detached laggard %s at cursor %d (leader at %d)", *gone)
+        self._blocked_since = now
+        return retention.mark_evictable(cur, cfg.expected_consumers)

@@ -1,0 +1,76 @@
+"""What the coordinator hands out: registrations, claims and leases, each with its fencing token.
+
+    from fanout.coord.leases import Lease
+    lease = coord.acquire(reg); print(lease.window, lease.path, lease.rows)
+
+Plain frozen values: holding one proves nothing by itself; every call that uses
+one re-checks its token inside the coordinator's write transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerReg:
+    """A consumer's registration: pass it to every consumer-side call."""
+
+    consumer_id: str  # name:dp<rank>
+    token: int  # epoch token; changes on every (re)registration, reclaim or detach
+    cursor: int  # next window it needs, at registration time
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerReg:
+    token: int
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The producer's right to capture one window under one generation."""
+
+    window: int
+    generation: int  # new for every claim: a crashed attempt's file name never collides
+    token: int  # claim fencing token
+    producer_token: int
+    rows: tuple[int, int]  # stream rows [start, stop)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A consumer's right to read one window until it acks or releases it."""
+
+    consumer_id: str
+    window: int
+    generation: int
+    name: str
+    path: str
+    token: int  # lease fencing token
+    epoch: int  # the consumer's token when granted
+    rows: tuple[int, int]
+
+
+class PublishedLike(Protocol):
+    """What publish_ready needs of fanout.store.store.Published (read-only members)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def path(self) -> Any: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def checksum(self) -> str: ...
+
+
+class WindowFiles(Protocol):
+    """What the coordinator needs from fanout.store.store.Store (a seam for tests)."""
+
+    def remove(self, name: str) -> bool: ...
+    def quarantine(self, name: str) -> Path: ...
+    def sweep(self, is_live: Callable[[int, int], bool]) -> Any: ...

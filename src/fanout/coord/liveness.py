@@ -1,0 +1,280 @@
+"""Liveness: heartbeats out, lost-process detection in.
+
+    from fanout.coord.liveness import Heartbeat
+    with Heartbeat("runs/demo", reg, interval_s=5.0) as hb:   # own thread, own connection
+        train()
+        hb.check()            # raises the StaleLease/Detached the heartbeat thread saw
+
+A process is lost when its heartbeat *counter* has not moved for `ttl` seconds on
+the reclaimer's OWN monotonic clock. Wall-clock timestamps written by other
+hosts or by a process that was paused are never compared: clocks drift, and a
+paused process's clock keeps running while it does nothing. If the reclaimer
+itself was not watching for a while (it was paused, or its loop stalled), it
+forgets what it saw and starts watching afresh, so a reclaimer that wakes from
+SIGSTOP does not declare everyone else lost.
+
+Roles are exclusive: the producer, and each consumer id `name:dp<rank>`, is held by
+one process at a time. The coordinator stores who (host, pid and `proc`, the
+process's identity on its kernel); a newcomer is refused while the holder is live
+(RoleWatch) unless it asks to take over, and a holder that is gone from this host,
+or whose heartbeat counter stood still for `ttl`, is replaced without asking.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from fanout.errors import FanoutError
+
+if TYPE_CHECKING:
+    from fanout.coord.coordinator import ConsumerReg, ProducerReg
+
+log = logging.getLogger(__name__)
+
+
+class Reclaimer:
+    """In-memory observations {(id, token): (last_seen_seq, clock_when_first_seen)}."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._seen: dict[tuple[str, int], tuple[int, float]] = {}
+        self._last: float | None = None
+        self._own: set[str] = set()
+
+    def own(self, pid: str) -> None:
+        """Never declare this process's own registrations lost."""
+        self._own.add(pid)
+
+    def observe(
+        self, rows: Iterable[tuple[str, int, int]], exclude: Iterable[str] = ()
+    ) -> list[tuple[str, int, int]]:
+        """Feed (id, token, hb_seq) of every active process; return the lost ones."""
+        now = self.clock()
+        # Not watching for more than ttl/2 (we were paused, or our caller's loop was
+        # slow): what we saw before may be long superseded, so start over.
+        if self._last is None or now - self._last > self.ttl_s / 2:
+            self._seen.clear()
+        self._last = now
+        skip = self._own | set(exclude)
+        lost, seen = [], {}
+        for pid, token, seq in rows:
+            key = (pid, int(token))
+            prev = self._seen.get(key)
+            if prev is None or prev[0] != seq:
+                prev = (int(seq), now)
+            seen[key] = prev
+            if pid not in skip and now - prev[1] >= self.ttl_s:
+                lost.append((pid, int(token), int(seq)))
+        self._seen = seen
+        return lost
+
+
+# ---- who holds a role -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """A process as the coordinator records a role's holder."""
+
+    host: str  # socket.gethostname(), for people
+    pid: int
+    proc: str  # "<boot id>/<pid namespace>/<start ticks>"; "" where /proc is missing
+
+    def __str__(self) -> str:
+        return f"{self.host} pid {self.pid}"
+
+
+@functools.cache
+def _kernel() -> str:
+    """This boot of this kernel and our pid namespace: where a pid means one process."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _stat(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks) of `pid`, None if there is no such process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):  # fields: after "pid (comm)"
+        return None
+    return fields[0], fields[19]  # fields 3 (state) and 22 (starttime) of proc(5)
+
+
+def this_process() -> ProcessInfo:
+    """This process (computed each time: a forked child is another process)."""
+    pid = os.getpid()
+    kernel = _kernel()
+    try:
+        st = _stat(pid) if kernel else None
+    except OSError:
+        st = None
+    return ProcessInfo(socket.gethostname(), pid, f"{kernel}/{st[1]}" if st else "")
+
+
+def process_gone(proc: str | None, pid: int | None) -> bool | None:
+    """Has the process recorded as (`proc`, `pid`) exited? True or False where this
+    host can tell (same kernel boot and pid namespace): no such pid, another process
+    under it (its start time differs) or a zombie is gone. None where it cannot (the
+    holder ran on another host or container, or /proc is missing)."""
+    if not proc or pid is None:
+        return None
+    kernel, _, start = proc.rpartition("/")
+    if not kernel or kernel != _kernel():
+        return None
+    try:
+        st = _stat(pid)
+    except OSError:
+        return None
+    return st is None or st[1] != start or st[0] in ("Z", "X", "x")
+
+
+HOLDER_COLUMNS = "state, token, hb_seq, hb_wall, host, pid, proc"  # Holder's fields, in order
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """A role's row as the coordinator stores it (producer or consumers table)."""
+
+    state: str
+    token: int
+    hb_seq: int
+    hb_wall: float  # wall clock of its last heartbeat: display, and a same-host shortcut
+    host: str | None
+    pid: int | None
+    proc: str | None
+
+    def __str__(self) -> str:
+        if self.pid is None:
+            return "an unknown process (registered by an older fanout)"
+        return f"{self.host} pid {self.pid}"
+
+    def is_process(self, me: ProcessInfo) -> bool:
+        if self.proc and me.proc:
+            return self.proc == me.proc
+        return self.host == me.host and self.pid == me.pid
+
+
+Verdict = Literal["free", "held", "watch"]
+
+
+class RoleWatch:
+    """May a newcomer take a role now? Feed it the holder's row until it says free or held.
+
+    free: nobody active holds it (never registered, finished, stopped, lost, detached),
+    this very process holds it (a re-registration), or the holder is gone from this
+    host (a crash: restarts need no flag). held: the holder runs on this host with a
+    heartbeat younger than ttl (same clock), or its heartbeat counter moved while we
+    watched. Otherwise watch: the holder is on another host (or not beating); it is
+    free once its counter stood still for ttl on our own clock, as a reclaimer would
+    declare it lost.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.clock = ttl_s, clock
+        self._seen: dict[int, tuple[int, float]] = {}  # token -> (first seq, when)
+        self.reason = ""
+
+    def verdict(self, holder: Holder | None, me: ProcessInfo) -> Verdict:
+        if holder is None or holder.state != "active":
+            self.reason = "not held"
+            return "free"
+        if holder.is_process(me):
+            self.reason = "held by this process"
+            return "free"
+        gone = process_gone(holder.proc, holder.pid)
+        if gone:
+            self.reason = "it has exited"
+            return "free"
+        if gone is False and 0 <= time.time() - holder.hb_wall < self.ttl_s:
+            self.reason = "it runs on this host"
+            return "held"
+        now = self.clock()
+        seq, since = self._seen.setdefault(holder.token, (holder.hb_seq, now))
+        if holder.hb_seq != seq:
+            self._seen[holder.token] = (holder.hb_seq, now)
+            self.reason = "its heartbeat moved while we watched"
+            return "held"
+        if now - since >= self.ttl_s:
+            self.reason = f"its heartbeat stood still for {self.ttl_s:g} s (ttl_s)"
+            return "free"
+        return "watch"
+
+
+class Heartbeat:
+    """Daemon thread: heartbeat every `interval_s` with its own coordinator connection.
+
+    Optionally also runs `reclaim_lost()` (the producer's loop may spend longer than
+    ttl/2 inside one verifier forward). Stops at the first fencing error and
+    keeps it for `check()` to raise in the owner's thread.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        reg: ConsumerReg | ProducerReg,
+        interval_s: float = 5.0,
+        *,
+        reclaim: bool = False,
+        open_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.run_dir, self.reg, self.interval_s, self.reclaim = run_dir, reg, interval_s, reclaim
+        self.open_kwargs = open_kwargs or {}
+        self.error: BaseException | None = None
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fanout-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def check(self) -> None:
+        """Raise the fencing error the heartbeat thread hit, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        from fanout.coord.coordinator import Coordinator, ProducerReg
+
+        coord = Coordinator.open(self.run_dir, **self.open_kwargs)
+        me = "producer" if isinstance(self.reg, ProducerReg) else self.reg.consumer_id
+        try:
+            while not self._stop.is_set():
+                try:
+                    coord.heartbeat(self.reg)
+                    self.beats += 1
+                    if self.reclaim:
+                        coord.reclaim_lost(exclude=[me])
+                except FanoutError as e:
+                    log.error("heartbeat for %s stopped: %s", me, e)
+                    self.error = e
+                    return
+                self._stop.wait(self.interval_s)
+        finally:
+            coord.close()

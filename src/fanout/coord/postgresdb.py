@@ -1,0 +1,328 @@
+"""The coordinator on PostgreSQL: for trainers (or a producer) on more than one host.
+
+    fanout produce --run-dir /shared/run1 --db-path 'postgresql://fanout@db-host/fanout?schema=run1' ...
+    python scripts/train.py --run-dir /shared/run1 ...   # finds the URL in run1/coordinator.dbpath
+
+    from fanout.coord.postgresdb import PostgresDatabase
+    db = PostgresDatabase("postgresql://fanout@db-host/fanout?schema=run1")
+    with db.write() as cur: cur.execute("UPDATE counters SET value=value+1 WHERE key=?", ("x",))
+
+SQLite's WAL needs every process on one host (shared memory), so across hosts
+the same tables live in a PostgreSQL schema (`?schema=NAME`, default `fanout`;
+one run per schema, created if missing) and the coordinator runs the same
+statements with the same semantics:
+- writes are serialised like SQLite's `BEGIN IMMEDIATE`: each write transaction
+  first takes a transaction-scoped advisory lock keyed by the schema. Under READ
+  COMMITTED every later statement then sees everything committed before, so the
+  rules in fanout.coord.retention / fanout.coord.claims read and decide exactly as on SQLite
+  (no serialization-failure retries to reason about). The lock waits at most
+  `lock_timeout_s`, then CoordinatorBusy;
+- `wait_change` is LISTEN/NOTIFY: every write transaction notifies the schema's
+  channel at commit, and a waiting consumer or producer wakes on it (SQLite
+  polls `PRAGMA data_version` instead);
+- statements are written with `?` placeholders (fanout.coord.schema); `_translate`
+  turns them into psycopg's `%s` and quotes the column `window` (reserved here).
+
+Credentials: a password in the URL is used but never written to the run dir;
+other processes read the URL from `coordinator.dbpath`, so give them the
+password through PGPASSWORD or ~/.pgpass (libpq's own mechanisms).
+Needs `psycopg` 3 (`pip install 'fanout[postgres]'`), imported only here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import weakref
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from functools import lru_cache
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
+
+log = logging.getLogger("fanout.coord.coordinator")
+
+SCHEMES = ("postgresql://", "postgres://")
+DEFAULT_SCHEMA = "fanout"
+_LOCK_CLASS = 0x66616E6F  # "fano": namespaces fanout's advisory locks among others'
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,50}")
+
+
+def is_url(location: object) -> bool:
+    return isinstance(location, str) and location.startswith(SCHEMES)
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+    """(libpq URL without `schema`, schema name, URL for messages and files: no password)."""
+    base, _, query = url.partition("?")
+    names = [v for k, v in parse_qsl(query, keep_blank_values=True) if k == "schema"]
+    schema = names[-1] if names else DEFAULT_SCHEMA
+    if not _NAME.fullmatch(schema):
+        raise ConfigError(
+            f"{redact(url)}: schema {schema!r} must be a letter or _ then letters, digits, _ "
+            "(at most 51 characters)"
+        )
+    # Drop `schema` (libpq refuses parameters it does not know), keep the rest verbatim.
+    rest = [kv for kv in query.split("&") if kv and kv.partition("=")[0] != "schema"]
+    conninfo = base + ("?" + "&".join(rest) if rest else "")
+    return conninfo, schema, redact(url)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, in the user part or as `?password=` (safe to log
+    and to write to the run dir)."""
+    base, sep, query = url.partition("?")
+    kept = [kv for kv in query.split("&") if kv.partition("=")[0] != "password"]
+    url = base + (sep + "&".join(kept) if kept else "")
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}@{host}"))
+
+
+@lru_cache(maxsize=512)
+def _translate(sql: str) -> str:
+    """`?` → `%s`, a literal `%` → `%%`, `window` → `"window"` (fanout's statements
+    have no `?` or `window` inside string literals, so a lexer would buy nothing)."""
+    sql = sql.replace("%", "%%").replace("?", "%s")
+    return re.sub(r"\bwindow\b", '"window"', sql)
+
+
+def _lock_key(schema: str) -> int:
+    """One advisory lock per run (a crc32 collision only serialises two runs' writes)."""
+    return (_LOCK_CLASS << 32) | zlib.crc32(schema.encode())  # < 2**63: a valid bigint
+
+
+class PostgresDatabase:
+    """A `schema.Database` in one PostgreSQL schema. `raw` is the psycopg connection.
+
+    A lost connection (server restart, failover, a dropped TCP link) is replaced on
+    the next call, waiting up to `reconnect_s` for the server to come back. That is
+    safe because it happens only where nothing of the call has run yet: a read, or a
+    write whose BEGIN or lock failed. A connection lost inside a write's body or at
+    its COMMIT leaves the outcome unknown; that call raises CoordinatorUnavailable,
+    and the process restarts as it would after a crash (claims released, trainers
+    from their checkpoints).
+    """
+
+    dialect = "postgres"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        lock_timeout_s: float = 60.0,
+        connect_timeout_s: int = 10,
+        reconnect_s: float = 60.0,
+    ):
+        try:
+            import psycopg
+        except ImportError:
+            raise ConfigError(
+                f"{redact(url)}: a PostgreSQL coordinator needs psycopg 3 "
+                "(pip install 'fanout[postgres]')"
+            ) from None
+        self._psycopg = psycopg
+        self._errors = psycopg.errors
+        self._sql = psycopg.sql
+        self._conninfo, self.schema, self.where = parse_url(url)
+        self._channel = self._sql.Identifier(f"fanout_{self.schema}")
+        self._lock = _lock_key(self.schema)
+        self._lock_timeout_s = lock_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._reconnect_s = reconnect_s
+        self._in_write = False
+        self.reconnects = 0
+        try:
+            self._connect()
+        except psycopg.OperationalError as e:
+            raise CoordinatorUnavailable(
+                f"cannot connect to the coordinator database {self.where}: {e}".strip()
+            ) from None
+
+    def _connect(self) -> None:
+        self.raw = self._psycopg.connect(
+            self._conninfo, autocommit=True, connect_timeout=self._connect_timeout_s
+        )
+        # Like a sqlite3 connection, one dropped unclosed closes itself, when collected
+        # or at interpreter exit (psycopg would warn; __del__ order at exit is arbitrary).
+        weakref.finalize(self, self.raw.close)
+        self._pid = self.raw.info.backend_pid
+        self.raw.execute(
+            self._sql.SQL("SET search_path TO {}").format(self._sql.Identifier(self.schema))
+        )
+        self.raw.execute(f"SET lock_timeout = {int(self._lock_timeout_s * 1000)}")
+
+    def _lost(self) -> bool:
+        return bool(self.raw.closed or self.raw.broken)
+
+    def _reconnect(self, cause: Exception) -> None:
+        """Replace a lost connection, retrying for up to `reconnect_s`."""
+        log.warning(
+            "coordinator database %s: connection lost (%s); reconnecting", self.where, cause
+        )
+        with suppress(self._psycopg.Error):
+            self.raw.close()
+        deadline = time.monotonic() + self._reconnect_s
+        delay = 0.2
+        while True:
+            try:
+                self._connect()
+                self.reconnects += 1
+                log.warning("coordinator database %s: reconnected", self.where)
+                return
+            except self._psycopg.OperationalError as e:
+                if time.monotonic() + delay > deadline:
+                    raise CoordinatorUnavailable(
+                        f"coordinator database {self.where} unreachable for "
+                        f"{self._reconnect_s:.0f} s: {e}".strip()
+                    ) from None
+                time.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    # ---- the Database protocol -----------------------------------------------------
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        query, args = _translate(sql), tuple(params)
+        return self._run(lambda: self.raw.execute(query, args))
+
+    def _run(self, call: Callable[[], Any]) -> Any:
+        """Run one statement. Outside a write transaction (a read, LISTEN) a lost
+        connection is replaced and the statement run once more; inside one it is not
+        (the transaction died with the connection): the caller gets the error."""
+        try:
+            return call()
+        except self._errors.OperationalError as e:
+            if self._in_write or not self._lost():
+                raise self._typed(e) from None
+            self._reconnect(e)
+        try:
+            return call()
+        except self._errors.OperationalError as e:
+            raise self._typed(e) from None
+
+    def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> Any:
+        cur = self.raw.cursor()
+        try:
+            cur.executemany(_translate(sql), [tuple(p) for p in seq])
+        except self._errors.OperationalError as e:
+            raise self._typed(e) from None
+        return cur
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def _begin(self) -> None:
+        """BEGIN and take the run's advisory lock; on a lost connection (nothing has
+        run yet) reconnect and begin again."""
+        for attempt in (0, 1):
+            try:
+                self.raw.execute("BEGIN")
+                self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
+                return
+            except self._errors.OperationalError as e:
+                if attempt or not self._lost():
+                    self._rollback()
+                    raise self._typed(e) from None
+                self._reconnect(e)
+
+    def _rollback(self) -> None:
+        if self._lost():
+            return  # the server rolled back when the connection went
+        with suppress(self._errors.OperationalError):  # it went just now: same
+            self.raw.execute("ROLLBACK")
+
+    @contextmanager
+    def write(self) -> Iterator[PostgresDatabase]:
+        """BEGIN; take the run's advisory lock; body; NOTIFY; COMMIT (ROLLBACK on error)."""
+        self._begin()
+        self._in_write = True
+        try:
+            yield self
+            self.raw.execute(self._sql.SQL("NOTIFY {}").format(self._channel))
+            self.raw.execute("COMMIT")
+        except self._errors.OperationalError as e:
+            self._rollback()
+            raise self._typed(e) from None
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._in_write = False
+
+    def _typed(self, e: Exception) -> Exception:
+        if isinstance(e, self._errors.DiskFull):
+            return CoordinatorFull(
+                f"coordinator database {self.where}: disk full ({e}); the transaction rolled "
+                "back and nothing changed. Free space on the database server and start the "
+                "process again."
+            )
+        if isinstance(e, (self._errors.LockNotAvailable, self._errors.QueryCanceled)):
+            return CoordinatorBusy(
+                f"coordinator database {self.where} stayed locked for "
+                f"{self._lock_timeout_s:.0f} s: {e}"
+            )
+        return CoordinatorUnavailable(f"coordinator database {self.where}: {e}")
+
+    def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
+        """LISTEN, wait for another connection's commit notification (ours are skipped), UNLISTEN.
+
+        Listening only while waiting keeps our own notifications from piling up in the
+        driver. A commit between the caller's last read and LISTEN is not seen: the wait
+        then lasts `max_s` (50 ms) instead of returning at once, and the caller re-reads.
+        """
+        end = time.monotonic() + max_s
+        if deadline is not None:
+            end = min(end, deadline)
+        self._run(lambda: self.raw.execute(self._sql.SQL("LISTEN {}").format(self._channel)))
+        try:
+            while (left := end - time.monotonic()) > 0:
+                got = list(self.raw.notifies(timeout=left, stop_after=1))
+                if not got or any(n.pid != self._pid for n in got):
+                    return
+        except self._errors.OperationalError:
+            return  # lost while waiting: the caller's next call reconnects
+        finally:
+            try:
+                if not self._lost():
+                    self.raw.execute(self._sql.SQL("UNLISTEN {}").format(self._channel))
+            except self._errors.OperationalError:
+                pass  # lost: the listen went with the connection; the next call reconnects
+
+    # ---- creating and finding a run's tables -----------------------------------------
+
+    def has_tables(self) -> bool:
+        return "meta" in self.table_names()
+
+    def table_names(self) -> set[str]:
+        """The tables of this run's schema (none yet: the run is not created)."""
+        rows = self._run(
+            lambda: self.raw.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema=%s",
+                (self.schema,),
+            ).fetchall()
+        )
+        return {str(r[0]) for r in rows}
+
+    def create_namespace(self) -> None:
+        """CREATE SCHEMA if missing (needs the CREATE privilege on the database)."""
+        self.raw.execute(
+            self._sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                self._sql.Identifier(self.schema)
+            )
+        )
+
+
+def exists(url: str) -> bool:
+    """Does the URL's schema hold a coordinator's tables? (PostgreSQL's DDL is
+    transactional, so a producer killed inside create leaves nothing behind.)"""
+    db = PostgresDatabase(url)
+    try:
+        return db.has_tables()
+    finally:
+        db.close()

@@ -1,0 +1,219 @@
+"""The coordinator's tables, in one schema for both databases that can hold them.
+
+    from fanout.coord import schema
+    db = sqlitedb.SqliteDatabase(Path("runs/demo/coordinator.sqlite3"))   # or postgresdb
+    schema.create_schema(db, {"config": ..., "contract": ..., "stream_id": ...})
+    schema.check_schema(db)                      # SchemaVersionError if unknown
+
+Two backends hold the same tables with the same statements: fanout.coord.sqlitedb (the
+embedded default, one host) and fanout.coord.postgresdb (several hosts). Both are a
+`Database`: `execute` for reads, `write()` for one serialised write transaction,
+`wait_change` to sleep until another process commits. The statements are
+written once, in the subset both dialects share (`?` placeholders, `RETURNING`,
+`ON CONFLICT`, `CASE` instead of SQLite's two-argument `MAX`); the PostgreSQL
+backend translates placeholders and quotes the column `window`, a reserved word
+there. Only the DDL's types differ (`DDL.format(**DIALECTS[...])`).
+
+The schema is versioned (`meta.schema_version`); versions 1 (counters kept in
+`meta`) and 2 (no role holders, no 'stopped' consumers) are migrated in place,
+anything else unknown is refused with
+`SchemaVersionError` instead of being guessed at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
+
+SCHEMA_VERSION = 3
+
+# Integer counters (table `counters`): id sources (never reused) and what `fanout status` reports.
+COUNTERS = (
+    "next_window", "next_generation", "next_token", "recaptures", "evictions",
+    "corrupt", "detaches", "reclaims", "hw_windows", "hw_bytes",
+)  # fmt: skip
+
+# Types per dialect. PostgreSQL's INTEGER is 32-bit and its REAL 32-bit float: byte
+# counts and wall-clock seconds need BIGINT and DOUBLE PRECISION there. SQLite's
+# WITHOUT ROWID saves a b-tree for tables keyed by text.
+DIALECTS = {
+    "sqlite": {"int": "INTEGER", "real": "REAL", "no_rowid": "WITHOUT ROWID"},
+    "postgres": {"int": "BIGINT", "real": "DOUBLE PRECISION", "no_rowid": ""},
+}
+
+DDL = """
+CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT) {no_rowid};
+CREATE TABLE counters(key TEXT PRIMARY KEY, value {int} NOT NULL) {no_rowid};
+CREATE TABLE windows(
+  window     {int} PRIMARY KEY,
+  state      TEXT NOT NULL CHECK (state IN
+               ('queued','capturing','ready','evicting','evicted','failed')),
+  generation {int} NOT NULL DEFAULT 0,     -- of the current/last capture (fencing)
+  demand     {int} NOT NULL DEFAULT 0,     -- 1: a consumer waits for it (recapture)
+  claim_token {int},                       -- producer's claim while capturing
+  name       TEXT, path TEXT, nbytes {int} NOT NULL DEFAULT 0, checksum TEXT,
+  captures   {int} NOT NULL DEFAULT 0,     -- completed captures (>1 = recaptured)
+  attempts   {int} NOT NULL DEFAULT 0,     -- failed attempts since last success
+  last_error TEXT,
+  updated_at {real} NOT NULL               -- wall clock, display only
+);
+CREATE INDEX windows_by_state ON windows(state, window);
+CREATE TABLE consumers(
+  id         TEXT PRIMARY KEY,             -- name:dp<rank>
+  expect     TEXT NOT NULL,                -- JSON of the contract fields it asked for
+  cursor     {int} NOT NULL,               -- next window it needs
+  hb_seq     {int} NOT NULL DEFAULT 0,     -- heartbeat counter (liveness)
+  hb_wall    {real} NOT NULL,              -- wall clock of last heartbeat, display only
+  state      TEXT NOT NULL CHECK (state IN ('active','lost','finished','stopped','detached')),
+  token      {int} NOT NULL,               -- epoch token (fencing)
+  note       TEXT,
+  host       TEXT,                         -- who holds the role (schema 3)
+  pid        {int},                        -- its process id there
+  proc       TEXT                          -- boot id/pid namespace/start time (fanout.coord.liveness)
+) {no_rowid};
+CREATE TABLE leases(
+  token      {int} PRIMARY KEY,            -- fencing token of this lease
+  consumer   TEXT NOT NULL,
+  window     {int} NOT NULL,
+  generation {int} NOT NULL,
+  epoch      {int} NOT NULL,               -- consumer token when granted
+  acquired_wall {real} NOT NULL
+);
+CREATE UNIQUE INDEX leases_by_consumer ON leases(consumer, window);
+CREATE INDEX leases_by_window ON leases(window);
+CREATE TABLE producer(
+  id      {int} PRIMARY KEY CHECK (id = 1),
+  token   {int} NOT NULL,
+  hb_seq  {int} NOT NULL DEFAULT 0,
+  hb_wall {real} NOT NULL,
+  state   TEXT NOT NULL CHECK (state IN ('active','lost','finished')),
+  owner   TEXT NOT NULL,
+  host    TEXT,                            -- who holds the role (schema 3), as in consumers
+  pid     {int},
+  proc    TEXT
+);
+"""
+
+
+class Sql(Protocol):
+    """What a transaction body (and a reader) may call: the DB-API subset both drivers share."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
+    def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> Any: ...
+
+
+class Database(Sql, Protocol):
+    """One connection to a coordinator database (fanout.coord.sqlitedb or fanout.coord.postgresdb).
+
+    Not thread-safe: one per thread. `where` names it in messages (a path, or a URL
+    without its password).
+    """
+
+    dialect: str
+    where: str
+
+    def write(self) -> AbstractContextManager[Sql]:
+        """One write transaction, serialised against every other writer; rolls back on error."""
+        ...
+
+    def wait_change(self, deadline: float | None, max_s: float) -> None:
+        """Sleep until another connection commits, `max_s` passes or monotonic `deadline`."""
+        ...
+
+    def table_names(self) -> set[str]:
+        """The tables this database (PostgreSQL: this schema) holds."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def statements(dialect: str) -> list[str]:
+    ddl = DDL.format(**DIALECTS[dialect])
+    return [s for s in ddl.split(";") if s.strip()]
+
+
+def create_schema(db: Database, meta: dict[str, object]) -> None:
+    """Create the tables and seed `meta` and the counters in one transaction."""
+    with db.write() as cur:
+        for stmt in statements(db.dialect):
+            cur.execute(stmt)
+        cur.executemany(
+            "INSERT INTO meta(key, value) VALUES (?, ?)",
+            [("schema_version", str(SCHEMA_VERSION))] + [(k, str(v)) for k, v in meta.items()],
+        )
+        cur.executemany("INSERT INTO counters(key, value) VALUES (?, 0)", [(k,) for k in COUNTERS])
+
+
+def _migrate_v1(db: Database) -> None:
+    """Version 1 kept the counters in `meta` (an untyped SQLite column); move them out."""
+    keys = ",".join("?" * len(COUNTERS))
+    with db.write() as cur:
+        if (
+            str(cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+            != "1"
+        ):
+            return  # another process migrated it first
+        cur.execute(statements(db.dialect)[1])  # CREATE TABLE counters
+        cur.execute(
+            f"INSERT INTO counters(key, value) SELECT key, value FROM meta WHERE key IN ({keys})",
+            COUNTERS,
+        )
+        cur.execute(f"DELETE FROM meta WHERE key IN ({keys})", COUNTERS)
+        cur.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+
+
+_V2_CONSUMER_COLUMNS = "id, expect, cursor, hb_seq, hb_wall, state, token, note"
+
+
+def _migrate_v2(db: Database) -> None:
+    """Version 3 records who holds each role (host, pid, proc) and lets a consumer be
+    'stopped' (exited cleanly before the end of its stream). Adding a value to a CHECK
+    needs a new table on SQLite, so `consumers` is copied into one (same statements on
+    PostgreSQL); `producer` gets the columns in place."""
+    with db.write() as cur:
+        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if str(row[0]) != "2":
+            return  # another process migrated it first
+        create = next(st for st in statements(db.dialect) if "TABLE consumers(" in st)
+        cur.execute(create.replace("TABLE consumers(", "TABLE consumers_v3("))
+        cols = _V2_CONSUMER_COLUMNS
+        cur.execute(f"INSERT INTO consumers_v3({cols}) SELECT {cols} FROM consumers")
+        cur.execute("DROP TABLE consumers")
+        cur.execute("ALTER TABLE consumers_v3 RENAME TO consumers")
+        int_type = DIALECTS[db.dialect]["int"]
+        for col, tp in (("host", "TEXT"), ("pid", int_type), ("proc", "TEXT")):
+            cur.execute(f"ALTER TABLE producer ADD COLUMN {col} {tp}")
+        cur.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+
+
+def check_schema(db: Database) -> None:
+    """Raise unless the database has SCHEMA_VERSION (after migrating 1): NoCoordinator
+    when it has no tables yet (being created), NotACoordinatorDatabase when its tables
+    are not fanout's, SchemaVersionError for a version this code does not know."""
+    tables = db.table_names()
+    if not tables:
+        raise NoCoordinator(
+            f"{db.where}: no coordinator tables yet (a producer is creating the run, or was "
+            "stopped while it did; a restarted producer creates them)"
+        )
+    if "meta" not in tables:
+        raise NotACoordinatorDatabase(
+            f"{db.where}: not a fanout coordinator database (its tables: "
+            f"{', '.join(sorted(tables)[:5])}); check --run-dir / --db-path"
+        )
+    row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    version = None if row is None else str(row[0])
+    if version == "1" and db.dialect == "sqlite":
+        _migrate_v1(db)
+        version = "2"
+    if version == "2":
+        _migrate_v2(db)
+        version = str(SCHEMA_VERSION)
+    if version != str(SCHEMA_VERSION):
+        raise SchemaVersionError(
+            f"{db.where}: coordinator schema version {version or 'missing'}, this fanout knows "
+            f"{SCHEMA_VERSION}; use the fanout version that created the run, or start a new run dir"
+        )

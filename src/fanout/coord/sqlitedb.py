@@ -1,0 +1,336 @@
+"""The coordinator on SQLite: the embedded default, for a producer and trainers on one host.
+
+    from fanout.coord.sqlitedb import SqliteDatabase, check_local_filesystem
+    check_local_filesystem(path)               # refuses NFS/CIFS/Lustre/...
+    db = SqliteDatabase(path)                   # WAL, autocommit, busy timeout
+    with db.write() as cur: cur.execute(...)    # BEGIN IMMEDIATE ... COMMIT
+
+Every connection is stdlib `sqlite3` in autocommit mode (`isolation_level=None`)
+so that this module, not the driver, decides where transactions begin: every
+writing transaction is `BEGIN IMMEDIATE` (takes the write lock up front, so two
+writers never deadlock upgrading a read lock) and short. `write()` wraps the
+transient "database is locked" in bounded retries; a caller only ever sees
+`CoordinatorBusy` after `max_wait_s` of continuous contention.
+
+Errors are classified by SQLite's result code (`sqlite_errorcode`, Python ≥ 3.11),
+never by reading messages: BUSY/LOCKED → `CoordinatorBusy`, FULL → `CoordinatorFull`,
+NOTADB/CORRUPT → `NotACoordinatorDatabase`, CANTOPEN/READONLY/PERM/IOERR →
+`CoordinatorUnavailable` (`typed_error`). Python 3.10's exceptions carry no code; there
+the code is recovered from SQLite's fixed text for exactly these codes (`sqlite3_errstr`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fanout.errors import (
+    CoordinatorBusy,
+    CoordinatorFull,
+    CoordinatorUnavailable,
+    FanoutError,
+    NotACoordinatorDatabase,
+    UnsupportedFilesystem,
+)
+
+log = logging.getLogger("fanout.coord.coordinator")
+
+# Filesystems on which SQLite WAL is unsafe: WAL coordinates writers through a
+# shared-memory file (`-shm`) that must be mmapped by every process on ONE host,
+# and POSIX locks on these are either per-host, emulated, or lied about.
+NETWORK_FS_TYPES = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "fuse.sshfs", "sshfs",
+        "lustre", "gpfs", "ceph", "fuse.ceph", "fuse.cephfs", "glusterfs",
+        "fuse.glusterfs", "beegfs", "fuse.beegfs", "panfs", "afs", "ocfs2", "gfs2",
+        "orangefs", "pvfs2", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs",
+        "wekafs", "9p", "fuse.weka",
+    }
+)  # fmt: skip
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str]]:
+    """(mount point, fs type) per line of /proc/self/mountinfo (octal escapes decoded).
+
+    Format (proc(5)): `id parent major:minor root MOUNTPOINT opts [optional...] - FSTYPE src sopts`.
+    """
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # "\040" -> " "
+        out.append((point, right.split()[0]))
+    return out
+
+
+def filesystem_type(path: Path, mountinfo: str | None = None) -> tuple[str, str]:
+    """(fs type, mount point) of the filesystem holding `path` (longest mount prefix)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return ("unknown", "/")
+    target = os.path.realpath(path)
+    best = ("unknown", "/")
+    best_len = -1
+    for point, fstype in parse_mountinfo(mountinfo):
+        p = point.rstrip("/") or "/"
+        inside = target == p or p == "/" or target.startswith(p + "/")
+        # ">=" so that a later mount stacked on the same point wins, as the kernel does.
+        if inside and len(p) >= best_len:
+            best, best_len = (fstype, p), len(p)
+    return best
+
+
+def check_local_filesystem(db_path: Path, mountinfo: str | None = None) -> None:
+    """Raise UnsupportedFilesystem if the database's directory is on a network filesystem."""
+    fstype, point = filesystem_type(db_path.parent, mountinfo)
+    if fstype in NETWORK_FS_TYPES or fstype.startswith(("nfs", "fuse.ceph")):
+        raise UnsupportedFilesystem(
+            f"coordinator database {db_path} would live on {fstype} (mounted at {point}); "
+            "SQLite WAL needs shared memory and locks on one host, so it must be on a "
+            "local disk of the producer's host. Keep the artifacts on the shared "
+            "filesystem and put the database elsewhere with --db-path /local/disk/run.sqlite3, "
+            "use a PostgreSQL coordinator (--db-path postgresql://host/db) for trainers on "
+            "other hosts, or pass allow_network_fs=True / --allow-network-fs if you know it is safe."
+        )
+
+
+# SQLite's primary result codes (sqlite3.h; the stdlib names them only from 3.11 on).
+SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY = 3, 5, 6, 8
+SQLITE_IOERR, SQLITE_CORRUPT, SQLITE_FULL, SQLITE_CANTOPEN, SQLITE_NOTADB = 10, 11, 13, 14, 26
+# Python 3.10 fallback: `sqlite3_errstr(code)`, the text SQLite reports for these codes.
+_CODE_OF_TEXT = {
+    "access permission denied": SQLITE_PERM,
+    "database is locked": SQLITE_BUSY,
+    "database table is locked": SQLITE_LOCKED,
+    "attempt to write a readonly database": SQLITE_READONLY,
+    "disk I/O error": SQLITE_IOERR,
+    "database disk image is malformed": SQLITE_CORRUPT,
+    "database or disk is full": SQLITE_FULL,
+    "unable to open database file": SQLITE_CANTOPEN,
+    "file is not a database": SQLITE_NOTADB,
+}
+
+
+def error_code(e: sqlite3.Error) -> int | None:
+    """SQLite's primary result code of `e` (extended codes folded: BUSY_SNAPSHOT → BUSY)."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is None:  # Python 3.10
+        code = _CODE_OF_TEXT.get(str(e))
+    return None if code is None else int(code) & 0xFF
+
+
+def typed_error(e: sqlite3.Error, where: str) -> FanoutError | None:
+    """The fanout error for a driver error a caller can act on; None for the rest
+    (those are bugs, and propagate as they are)."""
+    code = error_code(e)
+    if code in (SQLITE_BUSY, SQLITE_LOCKED):
+        return CoordinatorBusy(f"coordinator database {where} is locked by another process: {e}")
+    if code == SQLITE_FULL:
+        return CoordinatorFull(
+            f"coordinator database {where}: disk full ({e}); the transaction rolled back "
+            "and nothing changed. Free space on that filesystem (or move the database with "
+            "--db-path) and start the process again."
+        )
+    if code in (SQLITE_NOTADB, SQLITE_CORRUPT):
+        return NotACoordinatorDatabase(
+            f"{where}: not a fanout coordinator database ({e}); check --run-dir / --db-path, "
+            "or move the file away and start the run again"
+        )
+    if code in (SQLITE_CANTOPEN, SQLITE_READONLY, SQLITE_PERM, SQLITE_IOERR):
+        return CoordinatorUnavailable(
+            f"coordinator database {where}: cannot open or write it ({e}); check that its "
+            "directory exists and is writable by this user on a read-write filesystem"
+        )
+    return None
+
+
+def connect(db_path: Path, *, busy_timeout_s: float = 5.0) -> sqlite3.Connection:
+    """Open a connection with the pragmas every coordinator connection uses (typed errors)."""
+    try:
+        return _connect(db_path, busy_timeout_s)
+    except sqlite3.Error as e:
+        typed = typed_error(e, str(db_path))
+        if typed is None:
+            raise
+        raise typed from None
+
+
+def _connect(db_path: Path, busy_timeout_s: float) -> sqlite3.Connection:
+    conn = sqlite3.connect(
+        db_path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=True
+    )
+    conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        raise UnsupportedFilesystem(f"{db_path}: SQLite refused WAL mode (got {mode!r})")
+    # NORMAL in WAL: a commit is durable across a *process* crash (the WAL is in the
+    # page cache the kernel owns); only a power loss can drop the last commits, and
+    # the publish protocol already fsyncs every window file before its row commits,
+    # so a lost row only means a window is captured again. FULL would fsync per
+    # lease/ack and cap the coordinator at the disk's fsync rate.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    # Checkpoints (WAL -> database file) are the only fsyncs left; one per 4000 pages
+    # (16 MiB of WAL) instead of SQLite's 1000 amortizes them over ~1000 lease cycles.
+    # journal_size_limit truncates the WAL back afterwards, so disk use stays flat.
+    conn.execute("PRAGMA wal_autocheckpoint=4000")
+    conn.execute("PRAGMA journal_size_limit=67108864")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+def _is_busy(e: sqlite3.Error) -> bool:
+    return error_code(e) in (SQLITE_BUSY, SQLITE_LOCKED)
+
+
+def _busy_timeout_of_run(db_path: Path) -> float:
+    """The busy timeout the run was created with (RunConfig.busy_timeout_s), else 5 s."""
+    probe = sqlite3.connect(db_path, timeout=5.0, isolation_level=None)
+    try:
+        raw = probe.execute("SELECT value FROM meta WHERE key='config'").fetchone()
+        return float(json.loads(raw[0])["busy_timeout_s"]) if raw else 5.0
+    except (sqlite3.Error, ValueError, KeyError):
+        return 5.0  # schema.check_schema (run by the caller) explains what is wrong
+    finally:
+        probe.close()
+
+
+def exists(db_path: Path) -> bool:
+    """Is there a coordinator database at `db_path`? Removes the empty file that a
+    process killed inside create (before its schema committed) leaves: nothing was
+    ever stored in it, and no later open could use it."""
+    if not db_path.exists():
+        return False
+    try:
+        conn = sqlite3.connect(db_path)
+        try:
+            empty = int(conn.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()[0]) == 0
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        typed = typed_error(e, str(db_path))
+        if typed is None:
+            raise
+        raise typed from None
+    if empty:
+        log.warning("%s has no tables (interrupted create); creating it again", db_path)
+        for p in (db_path, Path(f"{db_path}-wal"), Path(f"{db_path}-shm")):
+            p.unlink(missing_ok=True)
+    return not empty
+
+
+class SqliteDatabase:
+    """A `schema.Database` on one SQLite file (WAL). `raw` is the sqlite3 connection."""
+
+    dialect = "sqlite"
+
+    def __init__(self, path: Path, *, busy_timeout_s: float | None = None) -> None:
+        self.path = path
+        self.where = str(path)
+        if busy_timeout_s is None:
+            busy_timeout_s = _busy_timeout_of_run(path) if path.is_file() else 5.0
+        self.raw = connect(path, busy_timeout_s=busy_timeout_s)
+        self._busy_ms = int(busy_timeout_s * 1000)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        try:
+            return self.raw.execute(sql, params)
+        except sqlite3.Error as e:
+            raise self._typed(e) from None
+
+    def table_names(self) -> set[str]:
+        """Names of the tables in the database (empty while a create is in flight)."""
+        rows = self.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()
+        return {str(r[0]) for r in rows}
+
+    def _typed(self, e: sqlite3.Error) -> Exception:
+        return typed_error(e, self.where) or e
+
+    def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> sqlite3.Cursor:
+        return self.raw.executemany(sql, seq)
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @contextmanager
+    def write(self, max_wait_s: float = 60.0) -> Iterator[sqlite3.Cursor]:
+        """`BEGIN IMMEDIATE` ... `COMMIT`, retrying a busy database for up to `max_wait_s`.
+
+        The body must be short and must not have side effects outside the database:
+        on a busy error at BEGIN we simply retry; errors inside the body roll back.
+        """
+        conn = self.raw
+        deadline = time.monotonic() + max_wait_s
+        delay = 0.0001
+        # Waiting for the write lock is done here, not by SQLite's busy handler: it sleeps
+        # 1, 2, 5, 10, ... 100 ms between tries, which under 8 contending processes turns
+        # sub-millisecond transactions into tens of milliseconds of idling.
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            while True:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    break
+                except sqlite3.Error as e:
+                    if not _is_busy(e):
+                        raise self._typed(e) from None
+                    if time.monotonic() > deadline:
+                        raise CoordinatorBusy(
+                            f"coordinator database stayed locked for {max_wait_s:.0f} s: {e}"
+                        ) from None
+                    time.sleep(delay * (0.5 + random.random()))
+                    delay = min(delay * 1.5, 0.002)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+        cur = conn.cursor()
+        try:
+            yield cur
+        except sqlite3.Error as e:
+            self._rollback()
+            raise self._typed(e) from None
+        except BaseException:
+            self._rollback()
+            raise
+        # COMMIT in WAL mode can itself be busy only while a checkpoint holds the lock.
+        while True:
+            try:
+                conn.execute("COMMIT")
+                return
+            except sqlite3.Error as e:
+                if not _is_busy(e):
+                    self._rollback()
+                    raise self._typed(e) from None
+                if time.monotonic() > deadline:
+                    self._rollback()
+                    raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
+                time.sleep(0.002)
+
+    def _rollback(self) -> None:
+        # After some errors (SQLITE_FULL among them) SQLite has already rolled back,
+        # and ROLLBACK would fail with "no transaction is active".
+        if self.raw.in_transaction:
+            self.raw.execute("ROLLBACK")
+
+    def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
+        """Poll `PRAGMA data_version` (changes when another connection commits)."""
+        end = time.monotonic() + max_s
+        if deadline is not None:
+            end = min(end, deadline)
+        v0 = self.raw.execute("PRAGMA data_version").fetchone()[0]
+        pause = 0.0005
+        while time.monotonic() < end:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+            if self.raw.execute("PRAGMA data_version").fetchone()[0] != v0:
+                return

@@ -1,0 +1,205 @@
+"""`fanout status` and `fanout sweep`: look at a run directory, clean up its debris.
+
+    fanout status --run-dir runs/demo            # compact table
+    fanout status --run-dir runs/demo --json     # machine-readable (see snapshot())
+    fanout sweep --run-dir runs/demo             # remove temp debris and orphan files
+
+`status` only reads the database (no write transaction, no torch import). A
+process the database still calls active is shown `lost` when it has exited
+without saying so (it ran on this host and its pid is gone) or its heartbeat is
+older than ttl_s by the wall clock; the coordinator itself declares it lost by its
+heartbeat counter (fanout.coord.liveness), and `--json` keeps that as `recorded_state`.
+`sweep` finishes interrupted evictions, then removes tmp/ debris and window files
+no ready or capturing row names (Store.sweep with Coordinator.is_live); it is
+safe while a producer and consumers run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from fanout.coord.coordinator import Coordinator
+from fanout.coord.liveness import process_gone
+
+STATES = ("queued", "capturing", "ready", "evicting", "evicted", "failed")
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--run-dir", default=".", help="run directory (default: current directory)")
+    parser.add_argument(
+        "--db-path",
+        default=None,
+        help="coordinator database (a path or a postgresql:// URL) if not the one recorded "
+        "in the run dir at create",
+    )
+    parser.add_argument(
+        "--allow-network-fs",
+        action="store_true",
+        help="open a database on a network filesystem anyway (unsafe with WAL; tests/experts)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def shown_state(state: str, age_s: float, ttl_s: float, proc: str | None, pid: int | None) -> str:
+    """What status shows for a process the database records in `state`: an 'active' one
+    that is gone from this host, or whose heartbeat is older than ttl, is `lost` (for
+    people: the reclaimer decides by the heartbeat counter, not by wall clocks)."""
+    if state == "active" and (process_gone(proc, pid) or age_s > ttl_s):
+        return "lost"
+    return state
+
+
+def snapshot(co: Coordinator) -> dict[str, Any]:
+    """Everything `fanout status --json` prints. Heartbeat ages use the wall clock and
+    are for people only; liveness decisions never use them."""
+    q = co.conn.execute
+    now = time.time()
+    ttl = co.config.ttl_s
+    counts = dict(q("SELECT state, COUNT(*) FROM windows GROUP BY state").fetchall())
+    windows = {s: int(counts.get(s, 0)) for s in STATES}
+    windows["evicted"] = int(co.meta("evictions"))  # old evicted rows are compacted away
+    live_bytes = q("SELECT COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'").fetchone()[0]
+    frontier = int(co.meta("next_window"))
+    captured = list(co.contract.target_layer_ids)
+    consumers = [
+        {
+            "id": cid,
+            # the layers it trains on (registered; older registrations read them all)
+            "target_layer_ids": json.loads(expect or "{}").get("target_layer_ids", captured),
+            "state": shown_state(state, now - hb_wall, ttl, proc, pid),
+            "recorded_state": state,
+            "host": host,
+            "pid": pid,
+            "cursor": cursor,
+            "lag_windows": max(0, frontier - cursor),
+            "heartbeats": hb_seq,
+            "heartbeat_age_s": round(now - hb_wall, 3),
+            "note": note,
+        }
+        for cid, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect in q(
+            "SELECT id, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect "
+            "FROM consumers ORDER BY id"
+        )
+    ]
+    leases = [
+        {"consumer": c, "window": w, "generation": g, "token": t, "age_s": round(now - a, 3)}
+        for c, w, g, t, a in q(
+            "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
+        )
+    ]
+    prod = q("SELECT state, owner, hb_seq, hb_wall, host, pid, proc FROM producer").fetchone()
+    producer = (
+        {"state": "none"}
+        if prod is None
+        else {
+            "state": shown_state(prod[0], now - prod[3], ttl, prod[6], prod[5]),
+            "recorded_state": prod[0],
+            "owner": prod[1],
+            "host": prod[4],
+            "pid": prod[5],
+            "heartbeats": prod[2],
+            "heartbeat_age_s": round(now - prod[3], 3),
+        }
+    )
+    cfg = co.config
+    return {
+        "run_dir": str(co.root),
+        "db_path": str(co.db_path),
+        "stream_id": co.meta("stream_id"),
+        "config": cfg.model_dump(mode="json"),
+        "capture": {
+            "target_layer_ids": list(co.contract.target_layer_ids),
+            "storage_dtype": co.contract.storage_dtype,
+            "seq_len": co.contract.seq_len,
+            "window_rows": co.contract.window_rows,
+        },
+        "windows": windows,
+        "produced_windows": frontier,
+        "live_bytes": int(live_bytes),
+        "high_water": {"windows": int(co.meta("hw_windows")), "bytes": int(co.meta("hw_bytes"))},
+        "consumers": consumers,
+        "leases": leases,
+        "recaptures": int(co.meta("recaptures")),
+        "evictions": int(co.meta("evictions")),
+        "corrupt": int(co.meta("corrupt")),
+        "detaches": int(co.meta("detaches")),
+        "reclaims": int(co.meta("reclaims")),
+        "producer": producer,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _producer_detail(p: dict[str, Any]) -> str:
+    if "owner" not in p:
+        return ""
+    who = f"{p['host']}:{p['pid']}" if p["pid"] is not None else p["owner"]
+    when = {"finished": "exited", "lost": "last heartbeat"}.get(p["state"], "heartbeat")
+    return f"  {who}  {when} {p['heartbeat_age_s']:.1f}s ago"
+
+
+def _layers(ids: list[int]) -> str:
+    return ",".join(map(str, ids))
+
+
+def format_table(s: dict[str, Any]) -> str:
+    cfg = s["config"]
+    total = cfg["total_windows"] if cfg["total_windows"] is not None else "∞"
+    w = s["windows"]
+    lines = [
+        f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
+        f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
+        f"database {s['db_path']}",
+        f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
+        f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
+        f"windows  produced {s['produced_windows']}/{total}  "
+        + "  ".join(f"{k} {w[k]}" for k in STATES if w[k] or k in ("ready", "evicted")),
+        f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
+        f"({s['high_water']['windows']} windows)",
+        f"events   recaptures {s['recaptures']}  corrupt {s['corrupt']}  "
+        f"detaches {s['detaches']}  reclaims {s['reclaims']}",
+        f"producer {s['producer']['state']}" + _producer_detail(s["producer"]),
+        "",
+        f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
+        f"{'holder':<22} {'layers':<16} leases",
+    ]
+    held: dict[str, list[str]] = {}
+    for lease in s["leases"]:
+        held.setdefault(lease["consumer"], []).append(f"{lease['window']}.g{lease['generation']}")
+    for c in s["consumers"]:
+        holder = f"{c['host']}:{c['pid']}" if c["pid"] is not None else "-"
+        lines.append(
+            f"{c['id']:<24} {c['state']:<9} {c['cursor']:>7} {c['lag_windows']:>5} "
+            f"{c['heartbeat_age_s']:>7.1f}s  {holder:<22} {_layers(c['target_layer_ids']):<16} "
+            f"{' '.join(held.get(c['id'], [])) or '-'}"
+        )
+    if not s["consumers"]:
+        lines.append("(no consumers registered)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace, name: str) -> int:
+    with Coordinator.open(
+        args.run_dir, db_path=args.db_path, allow_network_fs=args.allow_network_fs
+    ) as co:
+        if name == "sweep":
+            report = co.sweep()
+            if args.json:
+                print(json.dumps({"tmp_removed": report.tmp_removed,
+                                  "orphans_removed": report.orphans_removed,
+                                  "kept": report.kept}))  # fmt: skip
+            else:
+                print(
+                    f"sweep {co.root}: {report.removed} removed "
+                    f"({len(report.tmp_removed)} temp, {len(report.orphans_removed)} orphan), "
+                    f"{report.kept} live kept"
+                )
+            return 0
+        s = snapshot(co)
+        print(json.dumps(s, indent=2) if args.json else format_table(s))
+    return 0

@@ -1,0 +1,491 @@
+"""`fanout prepare`: chat data → packed, loss-masked rows (cached), or streamed online.
+
+    fanout prepare --data ../shared/data/chat/mt-bench-101/mtbench101.jsonl \\
+        --tokenizer ../shared/data/tokenizers/qwen3 --seq-len 4096 --out /tmp/prepared
+
+    from fanout.data.prepare import PrepareConfig, prepare, open_packed, iter_packed_rows, prewarm
+    cfg = PrepareConfig(data=["chat.jsonl"], tokenizer="tok/", seq_len=4096)
+    ds = prepare(cfg)                      # or loads from the fingerprinted cache
+    ds.rows(np.arange(4))["input_ids"]     # [4, 4096] int32
+    for batch in iter_packed_rows(cfg): …  # online: rows while workers still tokenize
+
+Pipeline: files are read in chunks (JSONL lines stay raw bytes) → the shared warm
+worker pool parses, converts, renders the chat template, tokenizes and masks each
+chunk (fanout.data.workers) → results come back in input order → optional seeded
+shuffle buffer → best-fit packer (fanout.data.packing) → safetensors shards in the
+cache (fanout.data.cache). Nothing here imports torch or transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from itertools import chain, repeat
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fanout.data.cache import MANIFEST, PackedDataset, ShardWriter, fingerprint
+from fanout.data.chat import ChatFormat, detect_format, iter_raw_chunks
+from fanout.data.masks import RULES_VERSION, VERIFY_ROWS, plan_path
+from fanout.data.packing import Doc, OverLength, Packer, shuffled
+from fanout.data.template import ChatSpec, default_cache_root, load_chat_spec
+from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
+from fanout.errors import BadRow, ConfigError
+from fanout.flags import problems
+
+__all__ = [
+    "PackedDataset",
+    "PrepareConfig",
+    "iter_packed_rows",
+    "open_packed",
+    "prepare",
+    "prewarm",
+]
+
+
+class PrepareConfig(BaseModel):
+    """Every option of the data stage; each field is one `fanout prepare` flag."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: list[str] = Field(description="input files: JSON array, JSONL or Parquet", min_length=1)
+    tokenizer: str = Field(description="local Hugging Face tokenizer directory")
+    chat_template: str | None = Field(
+        None,
+        description="chat template file (.jinja, or .json holding chat_template) to use "
+        "instead of the tokenizer's",
+    )
+    seq_len: int = Field(4096, ge=2, description="tokens per packed row (T)")
+    format: Literal["auto", "sharegpt", "openai", "pairs"] = Field(
+        "auto", description="input shape; auto detects per file from the first rows"
+    )
+    messages_field: str | None = Field(None, description="field holding the turns")
+    role_map: dict[str, str] = Field(
+        default_factory=dict, description="extra source-role → canonical-role mapping"
+    )
+    pair_keys: tuple[str, str] = Field(("user", "bot"), description="pairs: user/bot keys")
+    workers: int | None = Field(
+        None, ge=0, description="worker processes; None/0 = all usable cores (FANOUT_WORKERS)"
+    )
+    cache_dir: str | None = Field(
+        None, description="cache root: prepared rows and tokenizer builds (default $FANOUT_CACHE)"
+    )
+    no_cache: bool = Field(
+        False, description="neither read nor write the prepared-rows cache (needs --out)"
+    )
+    out: str | None = Field(None, description="output directory (default: the cache entry)")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="bad rows: stop naming file:line:field, or skip and count"
+    )
+    over_length: OverLength = Field(
+        "split", description="conversations longer than seq_len: split | drop | error"
+    )
+    lookahead: int = Field(64, ge=1, description="open rows the best-fit packer keeps")
+    shuffle_buffer: int = Field(0, ge=0, description="seeded shuffle buffer (docs); 0 = off")
+    seed: int = Field(0, description="shuffle seed")
+    epoch: int = Field(0, ge=0, description="epoch (changes the shuffled order)")
+    chunk_rows: int = Field(512, ge=1, description="rows per worker task")
+    rows_per_shard: int = Field(1024, ge=1, description="packed rows per cache shard")
+    progress: bool = Field(True, description="show a progress bar on stderr")
+
+    @field_validator("data")
+    @classmethod
+    def _files_exist(cls, v: list[str]) -> list[str]:
+        missing = [p for p in v if not Path(p).is_file()]
+        if missing:
+            raise ValueError(f"no such file(s): {missing}")
+        return v
+
+    @field_validator("role_map")
+    @classmethod
+    def _roles_known(cls, v: dict[str, str]) -> dict[str, str]:
+        ChatFormat(role_map=v)  # one place validates roles
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, v: str | None) -> str | None:
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"no such file: {v}")
+        return v
+
+    def chat_format(self) -> ChatFormat:
+        return ChatFormat(
+            format=self.format,
+            messages_field=self.messages_field,
+            role_map=self.role_map,
+            pair_keys=self.pair_keys,
+        )
+
+    def cache_root(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_root()
+
+    def output_options(self) -> dict[str, Any]:
+        """Every option that changes the packed rows (the cache fingerprint's inputs)."""
+        keep = [
+            "seq_len",
+            "format",
+            "messages_field",
+            "role_map",
+            "pair_keys",
+            "on_bad_row",
+            "over_length",
+            "lookahead",
+            "shuffle_buffer",
+            "seed",
+            "epoch",
+        ]
+        return {k: getattr(self, k) for k in keep}
+
+
+def open_packed(out_dir: str | Path) -> PackedDataset:
+    """Reopen a prepared dataset directory (an `--out` dir or a cache entry)."""
+    return PackedDataset(out_dir)
+
+
+def prewarm(cfg: PrepareConfig) -> tuple[ChatSpec, WorkerPool]:
+    """Load the tokenizer spec and start the workers in the background; returns at once."""
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template)
+    pool = shared_pool(cfg.workers)
+    pool.prewarm(spec)
+    return spec, pool
+
+
+def _chunk_sizes(chunk_rows: int) -> Iterator[int]:
+    # Small first chunks so the first rows arrive fast; full-size after that.
+    return chain((s for s in (32, 128) if s < chunk_rows), repeat(chunk_rows))
+
+
+def _tasks(cfg: PrepareConfig, spec: ChatSpec, formats: dict[str, str]) -> Iterator[ChunkTask]:
+    skip = cfg.on_bad_row == "skip"
+    for path in cfg.data:
+        fmt: ChatFormat | None = None
+        for (file, first), items, raw, nbytes in iter_raw_chunks(
+            path, _chunk_sizes(cfg.chunk_rows)
+        ):
+            verify = 0
+            if fmt is None:  # a file's first chunk: its first rows check the mask path
+                fmt = detect_format(_head(file, items, raw), cfg.chat_format())
+                formats[file] = f"{fmt.format} (turns in '{fmt.resolved_messages_field()}')"
+                verify = VERIFY_ROWS
+            yield ChunkTask(spec, fmt, file, first, items, raw, skip, nbytes, verify)
+
+
+def _head(file: str, items: list[Any], raw: bool) -> list[Any]:
+    """The first few parsed records, for format detection (bad JSON is skipped here)."""
+    if not raw:
+        return items[:8]
+    out = []
+    for _, line in items[:8]:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+class _Run:
+    """One pass: chunks → docs → packer; keeps the counters for the summary."""
+
+    def __init__(self, cfg: PrepareConfig, spec: ChatSpec, pool: WorkerPool) -> None:
+        self.cfg, self.spec, self.pool = cfg, spec, pool
+        self.formats: dict[str, str] = {}
+        self.skipped: dict[str, int] = {}
+        self.rows_in = 0
+        self.mask_paths: dict[str, int] = {}  # path -> chunks; plus rows aligned / verified
+        self.mask_aligned = self.mask_verified = 0
+        self.packer = Packer(cfg.seq_len, cfg.lookahead, cfg.over_length, spec.pad_token_id)
+        self.t0 = time.perf_counter()
+        self.bar: Any = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            total = sum(Path(p).stat().st_size for p in cfg.data)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc="prepare", file=sys.stderr)
+
+    def _results(self) -> Iterator[ChunkResult]:
+        tasks = _tasks(self.cfg, self.spec, self.formats)
+        for res in self.pool.map_ordered(encode_chunk, tasks):
+            if res.error is not None:
+                raise BadRow(*res.error)
+            self.rows_in += res.rows_in
+            self.mask_paths[res.mask_path] = self.mask_paths.get(res.mask_path, 0) + 1
+            self.mask_aligned += res.aligned
+            self.mask_verified += res.verified
+            for k, v in res.skipped.items():
+                self.skipped[k] = self.skipped.get(k, 0) + v
+            if self.bar is not None:
+                dt = max(1e-9, time.perf_counter() - self.t0)
+                self.bar.set_postfix_str(
+                    f"{self.rows_in / dt:,.0f} rows/s {self.packer.tokens / dt:,.0f} tok/s"
+                )
+                self.bar.update(res.nbytes)
+            yield res
+
+    def _docs(self) -> Iterator[Doc]:
+        for res in self._results():
+            offs = np.concatenate([[0], np.cumsum(res.lengths)])  # [D+1]
+            for d in range(res.lengths.shape[0]):
+                a, b = offs[d], offs[d + 1]
+                yield Doc(res.ids[a:b], res.mask[a:b], (res.file, int(res.lines[d])))
+
+    def batches(self) -> Iterator[dict[str, np.ndarray]]:
+        docs = shuffled(self._docs(), self.cfg.shuffle_buffer, self.cfg.seed, self.cfg.epoch)
+        try:
+            for doc in docs:
+                out = self.packer.add(doc)
+                if out is not None:
+                    yield out
+            out = self.packer.flush()
+            if out is not None:
+                yield out
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+
+    def summary(self) -> dict[str, Any]:
+        secs = time.perf_counter() - self.t0
+        rep = self.packer.report()
+        return {
+            **rep,
+            "input_rows": self.rows_in,
+            "skipped_bad_rows": sum(self.skipped.values()),
+            "skipped_by_reason": dict(sorted(self.skipped.items())),
+            "formats": self.formats,
+            "seconds": round(secs, 3),
+            "tokens_per_s": round(float(rep["tokens"]) / secs, 1) if secs > 0 else 0.0,
+            "workers": self.pool.workers,
+            "mask_path": ",".join(sorted(self.mask_paths)) or plan_path(self.spec),
+            "mask_verified_rows": self.mask_verified,
+            "mask_aligned_rows": self.mask_aligned,
+            "chat_template": self.spec.template_source,
+        }
+
+
+def iter_packed_rows(cfg: PrepareConfig) -> Iterator[dict[str, np.ndarray]]:
+    """Online mode: yield dicts of [n, T] arrays as rows close; no cache, no full pass."""
+    spec, pool = prewarm(cfg)
+    yield from _Run(cfg, spec, pool).batches()
+
+
+def _materialize(entry: Path, out: Path) -> None:
+    """Make `out` a copy of a cache entry (hard links when possible), atomically."""
+    if out.resolve() == entry.resolve():
+        return
+    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ConfigError(f"--out {out}: exists and is not a prepared dataset; refusing to replace")
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in entry.iterdir():
+        try:
+            os.link(f, tmp / f.name)
+        except OSError:  # other filesystem
+            shutil.copy2(f, tmp / f.name)
+    if out.exists():
+        old = out.with_name(out.name + f".old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def prepare(cfg: PrepareConfig) -> PackedDataset:
+    """Run the data stage (or load it from the cache) and return the packed dataset."""
+    # no workers on a cache hit
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template)
+    fp = fingerprint(
+        list(cfg.data),
+        {
+            "tokenizer": spec.fingerprint,
+            "template": spec.template_fingerprint(),
+            "mask_path": plan_path(spec),
+            "mask_rules": RULES_VERSION,
+            **cfg.output_options(),
+        },
+    )
+    entry = cfg.cache_root() / "prepared" / fp
+    if not cfg.no_cache and (entry / MANIFEST).is_file():
+        if cfg.out:
+            _materialize(entry, Path(cfg.out))
+            return PackedDataset(cfg.out)
+        return PackedDataset(entry)
+    if cfg.no_cache and not cfg.out:
+        raise ConfigError("--no-cache needs --out (where else would the rows go?)")
+    target = Path(cfg.out) if cfg.no_cache and cfg.out else entry
+    if target.exists() and not (target / MANIFEST).is_file() and any(target.iterdir()):
+        raise ConfigError(f"--out {target}: exists and is not a prepared dataset")
+    pool = shared_pool(cfg.workers)
+    pool.prewarm(spec)
+    run = _Run(cfg, spec, pool)
+    writer = ShardWriter(target, cfg.seq_len, cfg.rows_per_shard)
+    try:
+        for batch in run.batches():
+            writer.write(batch)
+        summary = run.summary()
+        built = writer.commit(
+            {
+                "fingerprint": fp,
+                "tokenizer_fingerprint": spec.fingerprint,
+                "template_fingerprint": spec.template_fingerprint(),
+                "pad_token_id": spec.pad_token_id,
+                "summary": summary,
+                "config": cfg.model_dump(mode="json"),
+            }
+        )
+    except BaseException:
+        writer.abort()
+        raise
+    if cfg.out and not cfg.no_cache:
+        _materialize(entry, Path(cfg.out))
+        return PackedDataset(cfg.out)
+    return PackedDataset(built)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _help(name: str) -> str:
+    return PrepareConfig.model_fields[name].description or name
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "prepare") -> None:
+    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help=_help("data"))
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help=_help("tokenizer"))
+    p.add_argument("--chat-template", metavar="FILE", help=_help("chat_template"))
+    p.add_argument("--seq-len", type=int, default=4096, metavar="T", help=_help("seq_len"))
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "sharegpt", "openai", "pairs"],
+        help=_help("format"),
+    )
+    p.add_argument("--messages-field", metavar="NAME", help=_help("messages_field"))
+    p.add_argument(
+        "--role-map",
+        default="",
+        metavar="SRC=ROLE,…",
+        help="extra role mapping, e.g. bot=assistant,human=user (roles: system|user|assistant|tool)",
+    )
+    p.add_argument("--pair-keys", default="user,bot", metavar="U,A", help=_help("pair_keys"))
+    p.add_argument("--workers", type=int, metavar="N", help=_help("workers"))
+    # Not exclusive: --no-cache skips the row cache, the tokenizer build still lives there.
+    p.add_argument("--cache-dir", metavar="DIR", help=_help("cache_dir"))
+    p.add_argument("--no-cache", action="store_true", help=_help("no_cache"))
+    p.add_argument("--out", metavar="DIR", help=_help("out"))
+    p.add_argument(
+        "--on-bad-row", default="error", choices=["error", "skip"], help=_help("on_bad_row")
+    )
+    p.add_argument(
+        "--over-length",
+        default="split",
+        choices=["split", "drop", "error"],
+        help=_help("over_length"),
+    )
+    p.add_argument("--lookahead", type=int, default=64, metavar="ROWS", help=_help("lookahead"))
+    p.add_argument(
+        "--shuffle-buffer", type=int, default=0, metavar="DOCS", help=_help("shuffle_buffer")
+    )
+    p.add_argument("--seed", type=int, default=0, help=_help("seed"))
+    p.add_argument("--epoch", type=int, default=0, help=_help("epoch"))
+    p.add_argument("--chunk-rows", type=int, default=512, metavar="ROWS", help=_help("chunk_rows"))
+    p.add_argument(
+        "--rows-per-shard", type=int, default=1024, metavar="ROWS", help=_help("rows_per_shard")
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+
+
+def config_from_args(args: argparse.Namespace) -> PrepareConfig:
+    try:
+        role_map = dict(kv.split("=", 1) for kv in args.role_map.split(",") if kv)
+        pair = tuple(args.pair_keys.split(","))
+        return PrepareConfig(
+            data=args.data,
+            tokenizer=args.tokenizer,
+            chat_template=args.chat_template,
+            seq_len=args.seq_len,
+            format=args.format,
+            messages_field=args.messages_field,
+            role_map=role_map,
+            pair_keys=pair,
+            workers=args.workers,
+            cache_dir=args.cache_dir,
+            no_cache=args.no_cache,
+            out=args.out,
+            on_bad_row=args.on_bad_row,
+            over_length=args.over_length,
+            lookahead=args.lookahead,
+            shuffle_buffer=args.shuffle_buffer,
+            seed=args.seed,
+            epoch=args.epoch,
+            chunk_rows=args.chunk_rows,
+            rows_per_shard=args.rows_per_shard,
+            progress=not args.no_progress,
+        )
+    except ValidationError as e:
+        raise ConfigError(problems(e)) from None
+    except ValueError as e:  # --role-map / --pair-keys that do not parse
+        raise ConfigError(f"--role-map / --pair-keys: {e}") from None
+
+
+def format_summary(ds: PackedDataset) -> str:
+    s = ds.summary
+    lines = [
+        ("dataset", str(ds.dir)),
+        ("fingerprint", ds.fingerprint),
+        ("size on disk", f"{ds.manifest.get('bytes', 0) / 1e6:,.1f} MB"),
+        ("input rows", f"{s['input_rows']:,}"),
+        ("documents", f"{s['documents']:,}"),
+        ("packed rows", f"{s['rows']:,} × {ds.seq_len}"),
+        ("tokens", f"{s['tokens']:,}"),
+        ("masked tokens", f"{s['masked_tokens']:,}"),
+        ("fill", f"{s['fill']:.2%}"),
+        ("over-length split/dropped", f"{s['split_over_length']}/{s['dropped_over_length']}"),
+        ("skipped bad rows", f"{s['skipped_bad_rows']}"),
+    ]
+    if "mask_path" in s:
+        lines.append(
+            (
+                "loss mask",
+                f"{s['mask_path']} (checked against the prefix rule on {s['mask_verified_rows']} "
+                f"rows; {s['mask_aligned_rows']} rows aligned)",
+            )
+        )
+    lines += [(f"  skipped: {k}", str(v)) for k, v in s["skipped_by_reason"].items()]
+    lines += [(f"format {Path(f).name}", v) for f, v in s["formats"].items()]
+    lines += [
+        ("workers", str(s["workers"])),
+        ("seconds", f"{s['seconds']:.2f}"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+    ]
+    w = max(len(k) for k, _ in lines)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in lines)
+
+
+def run(args: argparse.Namespace, name: str = "prepare") -> int:
+    cfg = config_from_args(args)
+    t0 = time.perf_counter()
+    ds = prepare(cfg)
+    if args.json:
+        print(json.dumps({"dir": str(ds.dir), "fingerprint": ds.fingerprint, **ds.summary}))
+    else:
+        print(format_summary(ds))
+        root = cfg.cache_root() / "prepared"
+        if not cfg.no_cache:
+            print(f"cache: {root} ({_dir_bytes(root) / 1e6:,.1f} MB)")
+        print(f"done in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) if d.is_dir() else 0

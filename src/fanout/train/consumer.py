@@ -1,0 +1,355 @@
+"""The consumer stream: one trainer's ordered, resumable view of a run's windows.
+
+    from fanout.train.consumer import ConsumerConfig, ConsumerStream
+    with ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8",
+                                       target_layer_ids=[17, 1])) as s:
+        for batch in s.batches(rows_per_step=4):
+            loss = step(batch.tensors)                  # forward/backward/optimizer step
+            s.ack(batch)                                # only after the optimizer step
+
+Registers with the coordinator (`name:dp<rank>`), acquires the window at its
+cursor, prefetches (acquire + mmap + checksum) the next window in a background
+thread while the current one trains, heartbeats in another, and acks a window
+only after the step that consumed its last row. Rows within a window are
+shuffled with the consumer's own seed (so different drafts see different
+orders) yet reproducibly, so a resume at (cursor, rows_done) continues exactly.
+A corrupt window is reported (quarantined + recaptured) and waited for again.
+
+Layers: a consumer reads any subset of the layers the run captured, in the order
+its draft wants (`target_layer_ids`; default: all, in capture order). Windows store
+one tensor per layer, so it maps and verifies only its layers' bytes (and those
+of the other row tensors); a batch's `hidden_states` is its layers side by side,
+`[B, T, k·H]` (fp8: plus `hidden_states_scale` `[B, T, k]`), the layout a draft's
+`fc` reads. Its layer set is recorded with its registration (`fanout status`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fanout.coord.coordinator import Coordinator
+from fanout.coord.leases import ConsumerReg, Lease
+from fanout.coord.liveness import Heartbeat
+from fanout.errors import ConfigError, CorruptWindow
+from fanout.filesystem import FileSystem
+from fanout.store.store import RunDir, Store, WindowReader
+from fanout.store.windowfile import hidden_name, layer_tensor_names, scale_name
+
+log = logging.getLogger(__name__)
+
+# Per-row tensors a batch carries besides the hidden states (last_hidden_states only
+# when the run stores them); hidden states are read per layer (`read_layers`).
+ROW_TENSORS = ("target_ids", "input_ids", "loss_mask", "document_ids", "position_ids")
+
+
+class ConsumerConfig(BaseModel):
+    """How one trainer reads a run. Flags of scripts/train.py map onto these fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str = Field(description="run directory the producer writes")
+    consumer_id: str = Field(description="consumer name (scoped by data-parallel rank)")
+    dp_rank: int = Field(0, ge=0, description="data-parallel rank: consumer id is name:dp<rank>")
+    dp_world_size: int = Field(
+        1, ge=1, description="data-parallel ranks: each reads rows order[rank::world] of a window"
+    )
+    db_path: str | None = Field(
+        None, description="coordinator database (path or postgresql:// URL) if not as recorded"
+    )
+    acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
+    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s); keep < ttl/3")
+    row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
+    prefetch: bool = Field(True, description="acquire + verify the next window in background")
+    max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
+    target_layer_ids: list[int] | None = Field(
+        None,
+        description="captured layers to read, in this order (a batch's hidden_states is "
+        "their concatenation); any subset of the run's; default: all, in capture order",
+    )
+    takeover: bool = Field(
+        False,
+        description="take this consumer id over from a live process that holds it (that "
+        "one is fenced off and exits); without it, a live holder makes this one exit",
+    )
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> ConsumerConfig:
+        if self.dp_rank >= self.dp_world_size:
+            raise ValueError(f"dp_rank {self.dp_rank} >= dp_world_size {self.dp_world_size}")
+        return self
+
+
+@dataclass
+class OpenWindow:
+    lease: Lease
+    reader: WindowReader
+    order: np.ndarray  # row indices in consumption order
+
+    @property
+    def window(self) -> int:
+        return self.lease.window
+
+
+@dataclass
+class Batch:
+    """Rows for one optimizer step and what to ack once the step is done."""
+
+    tensors: dict[str, torch.Tensor]  # each [B, ...]
+    rows: list[tuple[int, int]]  # (window, row-in-window) of every row, in order
+    completes: list[OpenWindow] = field(default_factory=list)  # ack these after the step
+    next_position: tuple[int, int] = (0, 0)  # (cursor window, rows done in it) after the step
+    wait_s: float = 0.0  # time spent waiting for windows while assembling this batch
+
+
+def row_order(window: int, rows: int, seed: int, rank: int = 0, world: int = 1) -> np.ndarray:
+    """Consumption order of a window's rows: a permutation seeded by (seed, window);
+    data-parallel rank `rank` of `world` takes every world-th row of it. Every rank
+    gets the same number of rows (a window whose rows do not divide by `world`, e.g.
+    a finite stream's last one, loses its remainder), so ranks step in lock-step."""
+    order = np.random.default_rng([seed, window]).permutation(rows)
+    if world == 1:
+        return order
+    return order[rank::world][: rows // world]
+
+
+class ConsumerStream:
+    """Iterate a run's windows for one consumer. Not thread-safe; one per trainer process."""
+
+    def __init__(
+        self,
+        cfg: ConsumerConfig,
+        expect: dict[str, Any] | None = None,
+        *,
+        cursor: int | None = None,
+        skip_rows: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = RunDir(Path(cfg.run_dir))
+        self.store = Store(self.run_dir, FileSystem())
+        self.coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
+        try:
+            expect = self._read_layers(expect)
+            self.reg: ConsumerReg = self.coord.register_consumer(
+                cfg.consumer_id, cfg.dp_rank, expect=expect, cursor=cursor, takeover=cfg.takeover
+            )
+        except BaseException:  # RoleHeld, ContractMismatch: nothing was registered
+            self.coord.close()
+            raise
+        self._skip = skip_rows
+        self._hb = Heartbeat(
+            self.run_dir.root, self.reg, cfg.heartbeat_s, open_kwargs={"db_path": cfg.db_path}
+        ).start()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fanout-prefetch")
+        self._closing = threading.Event()  # set by close(): cancels a waiting prefetch
+        self._local = threading.local()
+        self._held: dict[int, OpenWindow] = {}  # leased, not yet acked (incl. prefetched)
+        self.finished = False
+        self.wait_s = 0.0
+        self.waiting_for: int | None = None  # the window windows() is waiting for, if any
+
+    @property
+    def contract_hash(self) -> str:
+        return self.coord.contract.stream_id
+
+    def _read_layers(self, expect: dict[str, Any] | None) -> dict[str, Any]:
+        """Settle which layers this consumer reads (`self.layers`) and the tensors it
+        maps and verifies per window (`self.read_names`); return `expect` with the
+        layers in it, so registration checks them (a subset of the captured ones) and
+        records them (`fanout status`)."""
+        contract = self.coord.contract
+        expect = dict(expect or {})
+        asked, given = self.cfg.target_layer_ids, expect.get("target_layer_ids")
+        if asked is not None and given is not None and list(asked) != list(given):
+            raise ConfigError(
+                f"target_layer_ids {list(asked)} in the consumer config, {list(given)} expected"
+            )
+        layers = asked if asked is not None else given
+        if layers is None:
+            layers = contract.target_layer_ids
+        self.layers = [int(i) for i in layers]
+        expect["target_layer_ids"] = self.layers
+        self.fp8 = contract.storage_dtype == "float8_e4m3fn"
+        self.row_names = list(ROW_TENSORS)
+        if contract.store_last_hidden_states:
+            self.row_names.append("last_hidden_states")
+        self.read_names = self.row_names + layer_tensor_names(self.layers, self.fp8)
+        return expect
+
+    def take_rows(self, reader: WindowReader, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `idx` of an open window as a batch part: the row tensors, and this
+        consumer's layers side by side, `hidden_states` [b, T, k·H] (fp8:
+        `hidden_states_scale` [b, T, k]) in `self.layers` order."""
+        out = {n: reader.get(n).index_select(0, idx) for n in self.row_names}
+        out["hidden_states"] = torch.cat(
+            [reader.get(hidden_name(i)).index_select(0, idx) for i in self.layers], dim=-1
+        )  # [b, T, k·H]
+        if self.fp8:
+            out["hidden_states_scale"] = torch.stack(
+                [reader.get(scale_name(i)).index_select(0, idx) for i in self.layers], dim=-1
+            )  # [b, T, k]
+        return out
+
+    # ---- windows ------------------------------------------------------------------
+
+    def _thread_coord(self) -> Coordinator:
+        # Coordinator connections are per thread; the prefetch thread gets its own.
+        c = getattr(self._local, "coord", None)
+        if c is None:
+            c = Coordinator.open(self.run_dir.root, db_path=self.cfg.db_path, store=self.store)
+            self._local.coord = c
+        return c
+
+    def _open(self, window: int) -> OpenWindow | None:
+        """Acquire + open + verify `window` (any thread). None at the end of the stream."""
+        on_main = threading.current_thread() is threading.main_thread()
+        coord = self.coord if on_main else self._thread_coord()
+        while True:
+            lease = coord.acquire(
+                self.reg,
+                timeout_s=self.cfg.acquire_timeout_s,
+                window=window,
+                cancel=None if on_main else self._closing,
+            )
+            if lease is None:
+                return None
+            try:
+                reader = self.store.open(  # maps all, verifies only what this consumer reads
+                    lease.name,
+                    expect_contract=self.contract_hash,
+                    expect_window=lease.window,
+                    tensors=self.read_names,
+                )
+            except CorruptWindow as e:
+                log.error("%s: %s — reported; waiting for its recapture", self.reg.consumer_id, e)
+                coord.report_corrupt(lease, e.reason)
+                continue
+            cfg = self.cfg
+            world = cfg.dp_world_size
+            order = row_order(lease.window, reader.rows, cfg.row_shuffle_seed, cfg.dp_rank, world)
+            if reader.rows % world:
+                log.warning(
+                    "%s: window %d has %d rows for %d ranks: %d rows not trained on",
+                    self.reg.consumer_id, lease.window, reader.rows, world, reader.rows % world,
+                )  # fmt: skip
+            ow = OpenWindow(lease, reader, order)
+            self._held[lease.window] = ow
+            return ow
+
+    def windows(self) -> Iterator[OpenWindow]:
+        """Windows from the cursor on, in order; the next one prefetched meanwhile."""
+        w = self.reg.cursor
+        pending: Future[OpenWindow | None] | None = None
+        while self.cfg.max_windows is None or w < self.cfg.max_windows:
+            self._hb.check()
+            t0 = time.monotonic()
+            self.waiting_for = w
+            cur = pending.result() if pending is not None else self._open(w)
+            self.waiting_for = None
+            self.wait_s += time.monotonic() - t0
+            if cur is None:
+                self.finished = True
+                return
+            nxt = w + 1
+            if self.cfg.prefetch and (self.cfg.max_windows is None or nxt < self.cfg.max_windows):
+                pending = self._pool.submit(self._open, nxt)
+            else:
+                pending = None
+            yield cur
+            w = nxt
+        self.finished = True
+
+    def batches(self, rows_per_step: int) -> Iterator[Batch]:
+        """Batches of `rows_per_step` rows; a batch may span windows (acks follow)."""
+        if rows_per_step < 1:
+            raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
+        parts: list[dict[str, torch.Tensor]] = []
+        rows: list[tuple[int, int]] = []
+        completes: list[OpenWindow] = []
+        waited = self.wait_s
+        skip = self._skip
+        for ow in self.windows():
+            order = ow.order[skip:]
+            skip = 0
+            start = 0
+            if len(order) == 0:  # a data-parallel shard of a window with fewer rows than ranks
+                completes.append(ow)  # acked with the next batch
+                continue
+            while start < len(order):
+                take = order[start : start + rows_per_step - len(rows)]
+                parts.append(self.take_rows(ow.reader, torch.from_numpy(take)))
+                rows.extend((ow.window, int(i)) for i in take)
+                start += len(take)
+                done_window = start >= len(order)
+                if done_window:
+                    completes.append(ow)
+                if len(rows) == rows_per_step:
+                    consumed = len(ow.order) - len(order) + start  # rows of this window so far
+                    pos = (ow.window + 1, 0) if done_window else (ow.window, consumed)
+                    yield self._assemble(parts, rows, completes, pos, self.wait_s - waited)
+                    parts, rows, completes, waited = [], [], [], self.wait_s
+        if rows:  # the stream's last partial batch
+            last = rows[-1][0]
+            yield self._assemble(parts, rows, completes, (last + 1, 0), self.wait_s - waited)
+
+    @staticmethod
+    def _assemble(
+        parts: list[dict[str, torch.Tensor]],
+        rows: list[tuple[int, int]],
+        completes: list[OpenWindow],
+        pos: tuple[int, int],
+        wait_s: float,
+    ) -> Batch:
+        tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}  # [B, ...]
+        return Batch(tensors, list(rows), list(completes), pos, wait_s)
+
+    # ---- acks and shutdown --------------------------------------------------------
+
+    def ack(self, batch: Batch) -> None:
+        """After the optimizer step that consumed `batch`: ack its completed windows."""
+        for ow in batch.completes:
+            self.coord.ack(ow.lease)
+            self._held.pop(ow.window, None)
+            ow.reader.close()
+
+    def close(self, clean: bool | None = None) -> None:
+        """Release leases held (prefetched), stop threads, and record how it ended:
+        'finished' if the stream ended, 'stopped' after a clean exit before that. Not
+        clean (`clean` False, or by default when an exception is propagating: close()
+        called from a `finally`), the registration is left alone: the consumer reads as
+        lost once its heartbeat expires, and a fenced-off one must not write at all."""
+        if clean is None:
+            clean = sys.exc_info()[0] is None
+        # A prefetch may be waiting for a window the producer has not made yet (up to
+        # acquire_timeout_s): cancel it rather than hold the trainer's exit that long.
+        self._closing.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._hb.stop()
+        try:
+            for ow in list(self._held.values()):  # un-acked: give back so eviction proceeds
+                self.coord.release(ow.lease)
+                ow.reader.close()
+            self._held.clear()
+            if self.finished:
+                self.coord.finish(self.reg)
+            elif clean:
+                self.coord.stop(self.reg)
+        finally:
+            self.coord.close()
+
+    def __enter__(self) -> ConsumerStream:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(clean=exc_type is None)

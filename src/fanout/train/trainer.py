@@ -1,0 +1,755 @@
+"""The DFlash trainer: one consumer of a run, training one draft.
+
+    python scripts/train.py --run-dir runs/r1 --consumer-id draft-b8 \
+        --verifier-name-or-path VERIFIER_DIR --block-size 8 --max-anchors 64 \
+        --lr 3e-4 --rows-per-step 2 --max-steps 200 --save-path runs/r1/drafts/b8
+    torchrun --nproc-per-node 4 scripts/train.py ...   # data parallel (fanout.train.distributed)
+
+Reads rows from fanout.train.consumer (lease → train → ack after the optimizer step),
+trains fanout.model.dflash with the fused linear CE and fused AdamW, logs JSONL
+(loss, per-slot accuracy, EAL, step ms split fetch/fwd/bwd/opt, tokens/s,
+window wait) and saves speculators-format checkpoints that carry the consumer
+cursor, so `--resume` continues at the exact next row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fanout.contract import CaptureContract
+from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
+from fanout.errors import ConfigError, CoordinatorBusy, Detached, NoCoordinator
+from fanout.flags import add_model_flags, model_from_args
+from fanout.model.dflash import DFlashDraft
+from fanout.ops.adamw import make_optimizer
+from fanout.ops.fp8 import dequantize
+from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.train.consumer import Batch, ConsumerConfig, ConsumerStream
+from fanout.train.distributed import DataParallel
+
+log = logging.getLogger(__name__)
+
+EXIT_DETACHED = 3
+# steps averaged into a checkpoint's train_eal
+RECENT_EAL_STEPS = 50
+
+
+class TrainConfig(BaseModel):
+    """Every scripts/train.py flag (speculators trainer names where the meaning is the same)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str = Field(description="run directory the producer writes")
+    consumer_id: str = Field(description="this trainer's consumer name")
+    dp_rank: int = Field(
+        0,
+        ge=0,
+        description="data-parallel rank (consumer id name:dp<rank>); under torchrun, RANK",
+    )
+    db_path: str | None = Field(
+        None,
+        description="coordinator database (a path or a postgresql:// URL); default: as the "
+        "producer recorded it in the run dir",
+    )
+    verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
+    checkpoint_verifier_name: str | None = Field(
+        None,
+        description="verifier name written into checkpoints for serving (e.g. Qwen/Qwen3-8B); "
+        "default: the absolute path of --verifier-name-or-path",
+    )
+    num_layers: int = Field(1, ge=1, description="draft decoder layers")
+    block_size: int = Field(8, ge=2, description="tokens per draft block (anchor + masks)")
+    max_anchors: int = Field(64, ge=1, description="anchors drawn per row per step")
+    mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
+    target_layer_ids: list[int] | None = Field(
+        None,
+        description="verifier layers of the context, in the order the draft concatenates "
+        "them: any subset of the layers the run captured (contract.json); default: all of them",
+    )
+    draft_vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="reduced draft vocabulary: the N tokens the run's data uses most "
+        "(token_counts.safetensors, written by the producer); default: the full vocab",
+    )
+    label_source: Literal["target_ids", "input_ids"] = Field(
+        "target_ids", description="labels: verifier greedy predictions or the data tokens"
+    )
+    loss_type: Literal["ce", "kl"] = Field(
+        "ce",
+        description="ce: cross-entropy against the labels; kl: KL from the verifier's full "
+        "next-token distribution (the run must be captured with --store-last-hidden-states)",
+    )
+    gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
+    per_position_loss_weight: Literal["exp", "dpace"] = Field(
+        "exp", description="per-slot loss weights"
+    )
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE smoothing")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps warming up")
+    scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "cosine", description="lr schedule after warm-up"
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip global grad norm; none = off")
+    adamw_backend: Literal["auto", "fused", "foreach"] = Field(
+        "auto", description="AdamW implementation (auto: fused where supported)"
+    )
+    epochs: float | None = Field(
+        None, gt=0, description="passes over the data to read; default: the whole stream"
+    )
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="every N steps, speculative-decode --eval-prompts held-out prompts with the "
+        "draft and log eval_tau (loads the whole verifier into this trainer; docs/eval.md)",
+    )
+    eval_data: str | None = Field(None, description="held-out chat data for --eval-every")
+    eval_tokenizer: str | None = Field(
+        None, description="tokenizer dir for --eval-data; default: --verifier-name-or-path"
+    )
+    eval_prompts: int = Field(4, ge=1, description="prompts per --eval-every evaluation")
+    eval_max_new_tokens: int = Field(32, ge=1, description="tokens generated per eval prompt")
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> TrainConfig:
+        if self.eval_every and not self.eval_data:
+            raise ValueError("--eval-every needs --eval-data (held-out chat data)")
+        if self.eval_data and not Path(self.eval_data).is_file():
+            raise ValueError(f"--eval-data {self.eval_data}: no such file")
+        return self
+
+    rows_per_step: int = Field(2, ge=1, description="window rows per optimizer step")
+    save_path: str = Field(description="checkpoint directory")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
+    resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
+    log_every: int = Field(1, ge=1, description="steps between log records")
+    logger: Literal["jsonl", "tensorboard"] = Field("jsonl", description="metrics sink")
+    device: str = Field(
+        "cpu",
+        description="training device: cpu | cuda | cuda:N (under torchrun, cuda = LOCAL_RANK)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype (bf16 autocast on CUDA)"
+    )
+    seed: int = Field(0, description="seeds init, anchors and row order within windows")
+    acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
+    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s)")
+    progress: bool | None = Field(
+        None,
+        description="per-step progress bar on stderr (step, loss, EAL, rows/s, time waiting "
+        "for windows, window, cursor); default: when stderr is a terminal",
+    )
+    takeover: bool = Field(
+        False,
+        description="take this consumer id over from a live trainer that holds it (that one "
+        "is fenced off and exits); without it, a live holder makes this one exit",
+    )
+
+
+def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
+    """Windows to read: `epochs` × windows per epoch (from the producer's stream.json)."""
+    if epochs is None:
+        return None
+    info = run_dir / "stream.json"
+    if not info.is_file():
+        raise ConfigError(f"--epochs needs {info} (written by the producer); use --max-steps")
+    s = json.loads(info.read_text())
+    return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
+
+
+WAIT_NOTICE_EVERY_S = 5.0  # a waiting trainer says on stderr what it waits for this often
+
+
+def _secs(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
+def _say(line: str) -> None:
+    """One line on stderr, above the progress bar if one is drawn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+class WaitNotice:
+    """Says on stderr what the trainer is waiting for, while it waits, e.g.
+
+        waiting for window 12 from the producer (15 s of 600 s; --acquire-timeout-s)
+
+    `begin(what, after_s)` and `end()` bracket a wait; the first line comes once the wait
+    is `after_s` old, then one every `every_s`. `tick()` prints a line when one is due:
+    the waiting loop calls it, or for a wait that blocks inside a call (acquiring a
+    window) the thread that `start()` runs does. `clock` and `write` are seams for tests.
+    """
+
+    def __init__(
+        self,
+        limit_s: float,
+        *,
+        every_s: float = WAIT_NOTICE_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        write: Callable[[str], None] = _say,
+    ) -> None:
+        self.limit_s = limit_s
+        self.every_s = every_s
+        self.clock = clock
+        self.write = write
+        self._lock = threading.Lock()
+        self._what: Callable[[], str] | None = None
+        self._since = self._due = 0.0
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, what: Callable[[], str], *, after_s: float = 0.0) -> None:
+        with self._lock:
+            self._what, self._since = what, self.clock()
+            self._due = self._since + after_s
+
+    def end(self) -> None:
+        with self._lock:
+            self._what = None
+
+    def tick(self) -> str | None:
+        """Print (and return) the line if one is due."""
+        with self._lock:
+            now = self.clock()
+            if self._what is None or now < self._due:
+                return None
+            self._due = now + self.every_s
+            line = (
+                f"waiting for {self._what()} ({_secs(now - self._since)} s of "
+                f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
+            )
+        self.write(line)
+        return line
+
+    def start(self, period_s: float = 0.5) -> WaitNotice:
+        def watch() -> None:
+            while not self._stopped.wait(period_s):
+                self.tick()
+
+        self._thread = threading.Thread(target=watch, name="fanout-wait-notice", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _wait_for_run(
+    run_dir: Path, db_path: str | None, timeout_s: float, notice: WaitNotice | None = None
+) -> CaptureContract:
+    """Wait up to `timeout_s` (--acquire-timeout-s) until a producer has created the run,
+    saying so on stderr at once and then every few seconds (`WaitNotice`).
+
+    Waits only on what a producer that is starting explains: no database yet
+    (NoCoordinator: no file, or its tables not committed yet) or one the create holds
+    locked (CoordinatorBusy). Anything else (not a database, an unknown schema version,
+    an unreachable server) fails at once: waiting would not fix it.
+    """
+    from fanout.coord.coordinator import Coordinator
+    from fanout.coord.postgresdb import redact
+
+    def what() -> str:
+        where = Coordinator.resolve_db_path(run_dir.absolute(), db_path)
+        return f"a producer to create {redact(where) if isinstance(where, str) else where}"
+
+    notice = notice or WaitNotice(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    notice.begin(what)
+    try:
+        while True:
+            try:
+                with Coordinator.open(run_dir, db_path=db_path) as coord:
+                    return coord.contract
+            except (NoCoordinator, CoordinatorBusy) as e:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"{run_dir}: no run after waiting {_secs(timeout_s)} s "
+                        f"(--acquire-timeout-s): {e}"
+                    ) from None
+            notice.tick()
+            time.sleep(0.2)
+    finally:
+        notice.end()
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), None where that is unknown."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def lr_lambda(cfg: TrainConfig, total: int | None) -> Any:
+    warm = int(cfg.warmup_ratio * total) if total else 0
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.scheduler_type == "constant" or not total:
+            return 1.0
+        frac = min(1.0, (step - warm) / max(1, total - warm))
+        if cfg.scheduler_type == "linear":
+            return max(0.0, 1.0 - frac)
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+class MetricsLog:
+    """JSONL metrics (always) + TensorBoard scalars (optional)."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = path.open("a")
+        self.tb: Any = None
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(path.parent / "tb"))
+            except ImportError:
+                log.warning("tensorboard not installed; logging JSONL only")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        # start-up stamps (monotonic), logged with the first step (docs/operations.md)
+        age = _process_age_s()
+        self.startup: dict[str, float] = {"init": time.monotonic()}
+        if age is not None:
+            self.startup["process"] = self.startup["init"] - age
+        self.cfg = cfg
+        self.dp = DataParallel.from_env(cfg.device)
+        self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
+        torch.manual_seed(cfg.seed)
+        self.device = self.dp.device(cfg.device)
+        run_dir = Path(cfg.run_dir)
+        contract = _wait_for_run(run_dir, cfg.db_path, cfg.acquire_timeout_s)
+        self.startup["run"] = time.monotonic()
+        if contract.window_rows % self.dp.world:
+            raise ConfigError(
+                f"{run_dir}: {contract.window_rows} rows per window do not split over "
+                f"{self.dp.world} data-parallel ranks; use a world size that divides it"
+            )
+        if cfg.loss_type == "kl" and not contract.store_last_hidden_states:
+            raise ConfigError(
+                f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
+                "captured without them: produce the run with --store-last-hidden-states"
+            )
+        # Any subset of the captured layers, in the draft's order; refused now (naming the
+        # captured ones) rather than after the draft is built. The consumer reads only these.
+        layers = cfg.target_layer_ids or list(contract.target_layer_ids)
+        contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
+        self.expect = {"target_layer_ids": layers}
+        overrides: dict[str, Any] = dict(
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            max_anchors=cfg.max_anchors,
+            target_layer_ids=layers,
+            gamma=cfg.gamma,
+            loss_weighting=cfg.per_position_loss_weight,
+            dpace_alpha=cfg.dpace_alpha,
+            label_source=cfg.label_source,
+            loss_type=cfg.loss_type,
+        )
+        if cfg.mask_token_id is not None:
+            overrides["mask_token_id"] = cfg.mask_token_id
+        vocab_ids = None
+        if cfg.draft_vocab_size is not None:
+            counts = read_token_counts(run_dir, contract.stream_id, timeout_s=cfg.acquire_timeout_s)
+            vocab_ids = select_draft_vocab(counts, cfg.draft_vocab_size)
+            overrides["draft_vocab_size"] = cfg.draft_vocab_size
+            log.info(
+                "draft vocabulary: %d of %d tokens, covering %.2f%% of the data's "
+                "loss-masked tokens",
+                cfg.draft_vocab_size,
+                counts.shape[0],
+                100 * coverage(counts, vocab_ids),
+            )
+        self.draft = DFlashDraft.from_verifier(
+            cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
+        )
+        self.opt, self.backend = make_optimizer(
+            self.draft.parameters(),
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            backend=cfg.adamw_backend,
+            max_grad_norm=cfg.max_grad_norm,
+        )
+        self.gen = torch.Generator().manual_seed(self._anchor_seed())
+        self.max_windows = _stream_windows(run_dir, cfg.epochs)
+        rows_total = None
+        if self.max_windows is not None:
+            rows_total = self.max_windows * contract.window_rows
+        rows_per_step = cfg.rows_per_step * self.dp.world  # ranks share the stream's rows
+        total_steps = cfg.max_steps or (rows_total // rows_per_step if rows_total else None)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total_steps))
+        self.total_steps = total_steps
+        # cursor 0, not "whatever the database says": a model without a checkpoint has
+        # seen nothing, even if an earlier incarnation of this consumer acked windows.
+        self.state: dict[str, Any] = {"step": 0, "cursor": 0, "rows_done": 0, "epoch": 0}
+        if cfg.resume and (ckpt := latest_checkpoint(cfg.save_path)) is not None:
+            self.state = load_checkpoint(
+                ckpt, self.draft, self.opt, generators={"anchors": self.gen}
+            )
+            self.sched.load_state_dict(self.state.pop("scheduler"))
+            if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
+                self.gen.manual_seed(self._anchor_seed(self.state["step"]))
+            log.info(
+                "resumed from %s at step %d, cursor %s",
+                ckpt,
+                self.state["step"],
+                self.state["cursor"],
+            )
+        self.dp.broadcast_parameters(self.draft)  # identical start on every rank
+        name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
+        self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
+        # EAL of the last logged steps: the train-time estimate a checkpoint records
+        self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
+        self._eval_session: Any = None  # fanout.train.eval.EvalSession, built at the first eval
+        self._in_step = False
+        self._stop_requested = False
+        self.interrupted = False
+        self.startup["ready"] = time.monotonic()
+
+    def _anchor_seed(self, step: int = 0) -> int:
+        """Ranks draw anchors from their own streams (seed, rank) over their own rows."""
+        return self.cfg.seed + 1_000_003 * self.dp.rank + step
+
+    def request_stop(self, signum: int, _frame: Any) -> None:
+        """SIGINT/SIGTERM handler: finish the step in progress (ack, log), save, stop.
+
+        Outside a step (waiting for a window) nothing is half-done: stop at once.
+        """
+        log.warning("signal %d: stopping after the current step and saving", signum)
+        if self._in_step:
+            self._stop_requested = True
+        else:
+            raise KeyboardInterrupt
+
+    def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors.items()}
+        scale = moved.pop("hidden_states_scale", None)
+        if scale is not None:  # fp8 windows: dequantise on the device (half the copy)
+            moved["hidden_states"] = dequantize(moved["hidden_states"], scale)
+        return {k: v.float() if v.is_floating_point() else v.long() for k, v in moved.items()}
+
+    def save(self) -> Path | None:
+        """Write a checkpoint (rank 0 only: every rank holds the same weights)."""
+        if not self.dp.is_main:
+            return None
+        state = dict(self.state, scheduler=self.sched.state_dict(), adamw_backend=self.backend)
+        return save_checkpoint(
+            self.cfg.save_path,
+            self.draft,
+            self.opt,
+            state,
+            generators={"anchors": self.gen},
+            verifier_name_or_path=self.cfg.verifier_name_or_path,
+            verifier_serving_name=self.cfg.checkpoint_verifier_name,
+            config_extra=self._checkpoint_extra(),
+        )
+
+    def _eval(self) -> dict[str, Any]:
+        """Real speculative decoding of the draft as it is now (`fanout.train.eval`): the
+        acceptance length τ and whether the output stayed lossless. The verifier and
+        prompts are loaded at the first call and kept."""
+        from fanout.train.eval import EvalConfig, EvalSession
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if self._eval_session is None:
+            ecfg = EvalConfig(
+                verifier_name_or_path=cfg.verifier_name_or_path,
+                data=cfg.eval_data or "",
+                tokenizer=cfg.eval_tokenizer or cfg.verifier_name_or_path,
+                num_prompts=cfg.eval_prompts,
+                max_new_tokens=cfg.eval_max_new_tokens,
+                device=str(self.device),
+            )
+            self._eval_session = EvalSession(ecfg, list(self.draft.cfg.target_layer_ids))
+        self.draft.eval()
+        try:
+            rep = self._eval_session.run({"draft": self.draft}, {"draft": None})
+        finally:
+            self.draft.train()
+        d = rep["drafts"]["draft"]
+        return {
+            "eval_tau": d["acceptance_length"],
+            "eval_lossless": rep["lossless"],
+            "eval_s": round(time.perf_counter() - t0, 2),
+        }
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Train-time numbers a checkpoint carries next to the draft (`fanout eval`
+        prints `train_eal` beside the measured acceptance length)."""
+        recent = list(self.recent_eal)
+        extra: dict[str, Any] = {"step": self.state["step"]}
+        if recent:
+            extra["train_eal"] = round(sum(recent) / len(recent), 4)
+            extra["train_eal_steps"] = len(recent)
+        return extra
+
+    def _next_batch(
+        self, stream: ConsumerStream, batches: Iterator[Batch], waits: WaitNotice
+    ) -> Batch | None:
+        """The next batch (None at the end); if that takes a while, `waits` says on stderr
+        which window it waits for."""
+
+        def what() -> str:
+            w = stream.waiting_for
+            return "the next window" if w is None else f"window {w} from the producer"
+
+        waits.begin(what, after_s=waits.every_s)
+        try:
+            batch = next(batches, None)
+        finally:
+            waits.end()
+        self.startup.setdefault("first_batch", time.monotonic())
+        return batch
+
+    def _progress_bar(self) -> Any:
+        """tqdm on stderr (rank 0; --progress, default: when stderr is a terminal)."""
+        from tqdm import tqdm
+
+        show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
+        return tqdm(
+            total=self.total_steps,
+            initial=self.state["step"],
+            desc=self.cfg.consumer_id,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not (show and self.dp.is_main),
+        )
+
+    def _show_step(self, bar: Any, rec: dict[str, Any], batch: Batch) -> None:
+        """Progress: step, loss, EAL, rows/s and % of the time spent waiting for windows
+        (both since this run started), the newest window of the step, the cursor."""
+        self._rows_seen += len(batch.rows)
+        self._waited_s += batch.wait_s
+        if bar.disable:
+            return
+        elapsed = max(time.perf_counter() - self._t_loop, 1e-9)
+        bar.set_postfix_str(
+            f"loss {rec['loss']:.4f} EAL {rec['eal']:.2f} | {self._rows_seen / elapsed:.1f} "
+            f"rows/s | waiting {100 * self._waited_s / elapsed:.0f}% | window "
+            f"{rec['windows'][-1]} cursor {self.state['cursor']}",
+            refresh=False,
+        )
+        bar.update(1)
+
+    def _log_startup(self) -> None:
+        """Where the time to the first step went (docs/operations.md, "Trainer start-up")."""
+        st, now = self.startup, time.monotonic()
+        parts = [
+            ("waiting for the run", st["run"] - st["init"]),
+            ("draft + optimizer", st["ready"] - st["run"]),
+            ("registering", st["registered"] - st["ready"]),
+            ("first window", st["first_batch"] - st["registered"]),
+            ("first step", now - st["first_batch"]),
+        ]
+        if "process" in st:
+            parts.insert(0, ("interpreter + imports", st["init"] - st["process"]))
+        log.info(
+            "%s: first step %.2f s after %s (%s)",
+            self.cfg.consumer_id,
+            now - st.get("process", st["init"]),
+            "the process started" if "process" in st else "the trainer was built",
+            ", ".join(f"{k} {v:.2f} s" for k, v in parts),
+        )
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        ccfg = ConsumerConfig(
+            run_dir=cfg.run_dir,
+            consumer_id=cfg.consumer_id,
+            dp_rank=self.rank,
+            dp_world_size=self.dp.world,
+            db_path=cfg.db_path,
+            acquire_timeout_s=cfg.acquire_timeout_s,
+            heartbeat_s=cfg.heartbeat_s,
+            row_shuffle_seed=cfg.seed,
+            max_windows=self.max_windows,
+            takeover=cfg.takeover,
+        )
+        stream = ConsumerStream(
+            ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
+        )
+        self.startup["registered"] = time.monotonic()
+        log.info(
+            "%s: draft %d params, AdamW %s, from cursor %d",
+            stream.reg.consumer_id,
+            sum(p.numel() for p in self.draft.parameters() if p.requires_grad),
+            self.backend,
+            stream.reg.cursor,
+        )
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda" and cfg.dtype == "bfloat16"
+            else torch.autocast("cpu", enabled=False)
+        )
+        first = last = None
+        bar = self._progress_bar()
+        waits = WaitNotice(cfg.acquire_timeout_s).start()
+        batches = stream.batches(cfg.rows_per_step)
+        self._rows_seen, self._waited_s, self._t_loop = 0, 0.0, time.perf_counter()
+        try:
+            try:
+                t_fetch = time.perf_counter()
+                while (batch := self._next_batch(stream, batches, waits)) is not None:
+                    self._in_step = True
+                    t0 = time.perf_counter()
+                    inputs = self._to_device(batch)
+                    with autocast:
+                        out = self.draft.loss(inputs, self.gen)
+                    t1 = time.perf_counter()
+                    out.loss.backward()
+                    self.dp.average_gradients(self.draft)
+                    t2 = time.perf_counter()
+                    self.opt.step()
+                    self.sched.step()
+                    self.opt.zero_grad(set_to_none=True)
+                    t3 = time.perf_counter()
+                    stream.ack(batch)  # only now: the step that consumed these rows is done
+                    self.state["step"] += 1
+                    self.state["cursor"], self.state["rows_done"] = batch.next_position
+                    step = self.state["step"]
+                    loss, eal = self.dp.mean([float(out.loss.detach()), float(out.eal)])
+                    self.recent_eal.append(eal)
+                    rec = {
+                        "step": step,
+                        "loss": round(loss, 6),
+                        "eal": round(eal, 4),
+                        "acc": [round(float(a), 4) for a in out.per_slot_acc],
+                        "lr": self.sched.get_last_lr()[0],
+                        "tokens": out.n_tokens,
+                        "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
+                        "fwd_ms": round((t1 - t0) * 1e3, 2),
+                        "bwd_ms": round((t2 - t1) * 1e3, 2),
+                        "opt_ms": round((t3 - t2) * 1e3, 2),
+                        "tokens_per_s": round(out.n_tokens / max(t3 - t_fetch, 1e-9), 1),
+                        "window_wait_ms": round(batch.wait_s * 1e3, 2),
+                        "windows": sorted({w for w, _ in batch.rows}),
+                        "acked": [ow.window for ow in batch.completes],
+                        "time": time.time(),
+                    }
+                    if first is None:
+                        first = rec
+                        self._log_startup()
+                    last = rec
+                    self._show_step(bar, rec, batch)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and self.dp.is_main:
+                        rec |= self._eval()
+                    if step % cfg.log_every == 0:
+                        self.metrics.write(rec)
+                    if step % cfg.checkpoint_every == 0:
+                        self.save()
+                    self._in_step = False
+                    if self.dp.agree(self._stop_requested):  # every rank stops after this step
+                        self.interrupted = True
+                        break
+                    if cfg.max_steps and step >= cfg.max_steps:
+                        break
+                    t_fetch = time.perf_counter()
+            except KeyboardInterrupt:
+                self.interrupted = True  # while waiting for a window: nothing half-done
+            if self.state["step"]:
+                self.save()
+        finally:
+            waits.stop()
+            bar.close()
+            stream.close()
+            self.metrics.close()
+        trained = [p.detach().double().sum() for p in self.draft.parameters() if p.requires_grad]
+        return {
+            "consumer": stream.reg.consumer_id,
+            "steps": self.state["step"],
+            "cursor": self.state["cursor"],
+            "finished_stream": stream.finished,
+            "interrupted": self.interrupted,
+            "adamw_backend": self.backend,
+            "first_loss": first and first["loss"],
+            "last_loss": last and last["loss"],
+            "first_eal": first and first["eal"],
+            "last_eal": last and last["eal"],
+            "dp_world_size": self.dp.world,
+            # equal on every data-parallel rank when their weights are in sync
+            "param_checksum": float(torch.stack(trained).sum()),
+        }
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "train") -> None:
+    add_model_flags(p, TrainConfig)
+
+
+def run(args: argparse.Namespace, name: str = "train") -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = model_from_args(TrainConfig, args)
+    trainer: Trainer | None = None
+    try:
+        trainer = Trainer(cfg)
+        signal.signal(signal.SIGINT, trainer.request_stop)
+        signal.signal(signal.SIGTERM, trainer.request_stop)
+        summary = trainer.run()
+    except Detached as e:
+        print(
+            f"{cfg.consumer_id}: detached by the run's lag policy: {e}. "
+            "Restart with --resume to rejoin (recapture) or give it its own run.",
+            file=sys.stderr,
+        )
+        return EXIT_DETACHED
+    finally:
+        if trainer is not None:
+            trainer.dp.close()
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    from fanout.errors import FanoutError
+
+    try:
+        return run(p.parse_args(argv))
+    except FanoutError as e:
+        print(f"train: error: {e}", file=sys.stderr)
+        return 1
