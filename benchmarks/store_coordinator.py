@@ -97,7 +97,7 @@ def bench_cycles(tmpdir: Path, procs: int, cycles: int, db: str | None = None) -
     for proc in ps:
         proc.start()
     # Every consumer must be registered before the clock starts (expected_consumers).
-    while co.conn.execute("SELECT COUNT(*) FROM consumers").fetchone()[0] < procs:
+    while co.consumers_registered() < procs:
         time.sleep(0.01)
     start.set()
     res = [out.get(timeout=600) for _ in ps]
@@ -122,7 +122,7 @@ def _postgres_version(url: str) -> str:
 
     db = PostgresDatabase(url)
     try:
-        return "PostgreSQL " + str(db.execute("SHOW server_version").fetchone()[0])
+        return db.server_version()
     finally:
         db.close()
 

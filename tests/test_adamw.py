@@ -1,4 +1,5 @@
-"""make_optimizer: backend choice and updates identical to torch.optim.AdamW + clip_grad_norm_."""
+"""make_optimizer: backend choice and updates identical to torch.optim.AdamW + clip_grad_norm_
+(bitwise for the same backend), without importing torch._dynamo (tests/test_optim.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,44 @@ def test_bad_config_raises() -> None:
         make_optimizer(_params(0), lr=1e-3, max_grad_norm=0.0)
     with pytest.raises(ConfigError, match="no trainable"):
         make_optimizer([torch.zeros(3)], lr=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_clipped_steps_bitwise_equal_torch_same_backend(
+    backend: Literal["fused", "foreach"],
+) -> None:
+    """ClippedAdamW runs torch.optim.AdamW's kernels without torch.optim: the same
+    backend, clipped the same way (fused: the clip factor as the kernel's grad_scale,
+    a non-finite norm as found_inf), gives the same bits, non-finite steps included."""
+    mine, ref = _params(0), _params(0)
+    opt, _ = make_optimizer(mine, lr=0.05, weight_decay=0.1, backend=backend, max_grad_norm=0.5)
+    ref_opt = torch.optim.AdamW(
+        ref, lr=0.05, weight_decay=0.1, fused=backend == "fused", foreach=backend == "foreach"
+    )
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        scale = float("inf") if step == 3 else 5.0 if step % 2 else 0.01
+        for a, b in zip(mine, ref):
+            grad = torch.randn(a.shape, generator=g) * scale
+            a.grad, b.grad = grad.clone(), grad.clone()
+        opt.step()
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in ref if p.grad is not None], foreach=True
+        )
+        finite = bool(torch.isfinite(norm))
+        if backend == "fused":
+            coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+            ref_opt.grad_scale = (1.0 / coef).float()  # type: ignore[attr-defined]
+            ref_opt.found_inf = torch.tensor(0.0 if finite else 1.0)  # type: ignore[attr-defined]
+            ref_opt.step()
+        elif finite:
+            torch.nn.utils.clip_grads_with_norm_(ref, 0.5, norm, foreach=True)
+            ref_opt.step()
+        for a, b in zip(mine, ref):
+            assert torch.equal(a, b), step
+    assert opt.skipped_steps == 1
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["param_groups"] == ref_sd["param_groups"]
+    for k, st in sd["state"].items():
+        for name, v in st.items():
+            assert torch.equal(v, ref_sd["state"][k][name]), (k, name)

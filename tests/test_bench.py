@@ -13,9 +13,20 @@ from typing import Any
 
 import pytest
 
-from fanout.bench.bench import BenchConfig, run_bench
+from fanout.bench.bench import (
+    BenchConfig,
+    ConsumerSpec,
+    Role,
+    ScenarioRun,
+    _coordinator_probe,
+    run_bench,
+)
+from fanout.bench.report import scenario_metrics
 from fanout.cli import main as cli_main
+from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.errors import ConfigError
+from fanout.store.store import Published, RunDir, window_name
+from test_coordinator import make_contract
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_TINY = REPO / "benchmarks" / "fanout" / "cpu-tiny.json"
@@ -68,6 +79,62 @@ def test_unknown_and_bad_fields_are_rejected(tmp_path: Path) -> None:
     p.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"scenarios\.0"):
         BenchConfig.load(p)
+
+
+def _shared_run(root: Path, db: str | None, windows: int) -> None:
+    """A finished 1p1c run without processes: `windows` metadata-only windows
+    published, and consumer b4 that read them all (and its train_log.jsonl)."""
+    rd = RunDir(root).create()
+    cfg = RunConfig(total_windows=windows, max_live_windows=windows + 1)
+    with Coordinator.create(rd.root, make_contract(), cfg, db_path=db) as co:
+        p = co.register_producer(make_contract())
+        reg = co.register_consumer("b4")
+        log, t = [], 1000.0
+        for step in range(windows):
+            cl = co.claim(p)
+            assert cl is not None
+            name = window_name(cl.window, cl.generation)
+            co.publish_ready(cl, Published(name, rd.windows / name, 100, "xxh3_128:0"))
+            lease = co.acquire(reg, timeout_s=10)
+            assert lease is not None
+            co.ack(lease)
+            t += 0.5
+            log.append(
+                {"step": step + 1, "time": t, "acked": [lease.window], "loss": 1.0, "eal": 1.0,
+                 "window_wait_ms": 1.0, "tokens": 16}
+            )  # fmt: skip
+        co.finish(reg)
+        co.finish_producer(p)
+    drafts = root.parent / "drafts" / "b4"
+    drafts.mkdir(parents=True)
+    (drafts / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+
+
+def test_metrics_and_probe_read_the_coordinator_on_either_database(
+    db: str | None, tmp_path: Path
+) -> None:
+    """The report and the telemetry probe find the run's database the way every other
+    fanout command does (the run dir records it): a run on PostgreSQL counts too."""
+    root = tmp_path / "1p1c" / "run"
+    probe = _coordinator_probe([root])
+    assert probe() == {}  # not created yet
+    _shared_run(root, db, windows=3)
+    assert probe() == {str(root): {"ready_windows": 0, "live_bytes": 0, "produced": 3}}
+    spec = ConsumerSpec(id="b4")
+    roles = [
+        Role("producer", "producer", [], tmp_path / "p.log", root, "cpu", rc=0),
+        Role("b4", "consumer", [], tmp_path / "b4.log", root, "cpu", rc=0, spec=spec,
+             save_path=tmp_path / "1p1c" / "drafts" / "b4"),
+    ]  # fmt: skip
+    run = ScenarioRun("1p1c", tmp_path / "1p1c", roles, [root], 999.0, 1002.0)
+    cfg = BenchConfig(name="t", consumers=[spec], warmup_steps=1)
+    m = scenario_metrics(cfg, run, tmp_path / "no-telemetry.jsonl")
+    assert m["valid"], m["reasons"]
+    assert (m["unique_windows"], m["captures"], m["captures_per_window"]) == (3, 3, 1.0)
+    assert m["producers"]["producer"]["produced_windows"] == 3
+    assert m["peak_live_windows"] >= 1 and m["peak_live_bytes"] >= 100
+    assert m["consumers"]["b4"]["windows_acked"] == 3 and m["consumers"]["b4"]["steps"] == 3
+    assert m["aggregate"]["rows_per_s"] > 0
 
 
 def _check_valid_report(rep: dict[str, Any], out: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 from typing import Any
@@ -13,16 +14,10 @@ from safetensors import safe_open
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.errors import CheckpointError, ConfigError
 from fanout.model.dflash import DFlashDraft
-from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import (
-    FORMAT_VERSION,
-    MARKER,
-    latest_checkpoint,
-    load_checkpoint,
-    load_draft,
-    save_checkpoint,
-    upgrade_checkpoint,
-)
+from fanout.ops.adamw import ClippedAdamW, make_optimizer
+from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.train.serving import FORMAT_VERSION, MARKER, load_draft, upgrade_checkpoint
+from faults import Recording, after_rename, fail_each_call
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +56,7 @@ def _batch(seed: int) -> dict:
     }
 
 
-def _step(d: DFlashDraft, opt: torch.optim.Optimizer, gen: torch.Generator, i: int) -> float:
+def _step(d: DFlashDraft, opt: ClippedAdamW, gen: torch.Generator, i: int) -> float:
     out = d.loss(_batch(i), gen)
     opt.zero_grad()
     out.loss.backward()
@@ -243,6 +238,25 @@ def test_format_1_is_refused_then_upgraded(verifier_dir: Path, tmp_path: Path) -
     assert load_checkpoint(path, _draft(verifier_dir), None)["step"] == 3
 
 
+def test_upgrade_checkpoint_command(
+    verifier_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`fanout upgrade-checkpoint DIR` (the CLI) upgrades a format-1 checkpoint; a second
+    run, on a format-2 one, is one named error line and exit 1."""
+    from fanout.cli import main as cli_main
+
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 3}, verifier_name_or_path=str(verifier_dir))
+    _as_format_1(path)
+    assert cli_main(["upgrade-checkpoint", str(path)]) == 0
+    assert f"upgraded {path} to format {FORMAT_VERSION}" in capsys.readouterr().out
+    assert load_draft(path, verifier_dir).cfg.target_layer_ids == [1, 2]
+    assert cli_main(["upgrade-checkpoint", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a format-1 fanout checkpoint" in err[0], err
+
+
 def test_inconsistent_layer_ids_refused(verifier_dir: Path, tmp_path: Path) -> None:
     d = _draft(verifier_dir)
     opt, _ = make_optimizer(d.parameters(), lr=1e-3)
@@ -291,3 +305,51 @@ def test_load_draft_named_errors(verifier_dir: Path, tmp_path: Path) -> None:
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"model\.safetensors: missing"):
         load_draft(path, verifier_dir)
+
+
+def test_a_fault_at_any_step_of_a_save_keeps_a_whole_commit(
+    verifier_dir: Path, tmp_path: Path
+) -> None:
+    """Every write of a save goes through the FileSystem seam; failing each call in turn
+    (ENOSPC) leaves the newest committed checkpoint whole and loadable, and no temp
+    or set-aside directory behind."""
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    save_checkpoint(tmp_path, d, opt, {"step": 2, "cursor": 2})
+    steps: set[str] = set()
+
+    def check(n: int, e: OSError) -> None:
+        steps.add(getattr(e, "step", "makedirs"))
+        latest = latest_checkpoint(tmp_path)
+        assert latest is not None and latest.name in ("checkpoint-00000002", "checkpoint-00000003")
+        assert load_checkpoint(latest, _draft(verifier_dir), None)["cursor"] == int(latest.name[-1])
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], (n, e)
+
+    path, failures = fail_each_call(
+        lambda fs: save_checkpoint(tmp_path, d, opt, {"step": 3, "cursor": 3}, fs=fs),
+        check,
+        errno_=errno.ENOSPC,
+    )
+    assert {"create", "write", "fsync", "rename", "fsync directory"} <= steps
+    assert failures > 20 and latest_checkpoint(tmp_path) == path
+    assert load_checkpoint(path, _draft(verifier_dir), opt)["step"] == 3
+
+
+def test_upgrade_rewrites_config_atomically_and_durably(verifier_dir: Path, tmp_path: Path) -> None:
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 3}, verifier_name_or_path=str(verifier_dir))
+    _as_format_1(path)
+    old = (path / "config.json").read_bytes()
+
+    def check(n: int, e: OSError) -> None:
+        assert (path / "config.json").read_bytes() == old or after_rename(e), (n, e)
+        assert not [p.name for p in path.iterdir() if p.name.startswith(".")], (n, e)
+        (path / "config.json").write_bytes(old)
+
+    fail_each_call(lambda fs: upgrade_checkpoint(path, fs), check)
+    fs = Recording()
+    (path / "config.json").write_bytes(old)
+    upgrade_checkpoint(path, fs)
+    assert fs.ops == ["open_new", "write", "fsync", "close", "rename", "fsync_dir"]
+    assert load_draft(path, verifier_dir).cfg.target_layer_ids == [1, 2]

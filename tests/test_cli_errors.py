@@ -23,9 +23,9 @@ import pytest
 
 from fanout.bench.assets import generate_corpus
 from fanout.errors import ConfigError, NotACoordinatorDatabase
+from fanout.filesystem import FaultyFileSystem
 from fanout.model.verifier import max_position_embeddings
 from fanout.produce.producer import Producer, ProducerConfig, check_inputs
-from fanout.filesystem import FaultyFileSystem
 from tiny_run import build_tiny_assets, tiny_producer_config
 
 
@@ -238,12 +238,12 @@ def test_train_on_a_file_that_is_not_a_database_fails_at_once(tmp_path: Path) ->
 
 
 def test_wait_for_run_raises_the_type_at_once(tmp_path: Path) -> None:
-    from fanout.train.trainer import WaitNotice, _wait_for_run
+    from fanout.train.progress import WaitNotice, wait_for_run
 
     (tmp_path / "coordinator.sqlite3").write_bytes(b"garbage" * 1000)
     said: list[str] = []
     with pytest.raises(NotACoordinatorDatabase):
-        _wait_for_run(tmp_path, None, 600.0, WaitNotice(600.0, write=said.append))
+        wait_for_run(tmp_path, None, 600.0, WaitNotice(600.0, write=said.append))
     assert said == []
 
 

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import pytest
 
 from fanout.contract import CaptureContract, LayersNotCaptured
 from fanout.errors import ConfigError, ContractMismatch
+from faults import Recording, after_rename, fail_each_call
 
 
 def make(**over: object) -> CaptureContract:
@@ -64,3 +67,21 @@ def test_target_layers_may_be_any_subset_of_the_captured_ones_in_any_order() -> 
         a.require({"target_layer_ids": [1, 1]})
     with pytest.raises(ConfigError, match="window format 1"):
         make(format_version=1).require({})
+
+
+def test_save_is_durable_and_never_torn(tmp_path: Path) -> None:
+    """contract.json goes through FileSystem.write_atomic: fsynced, renamed, directory
+    fsynced; a fault at any step leaves the old contract loadable and no temp file."""
+    path = tmp_path / "contract.json"
+    fs = Recording()
+    make().save(path, fs)
+    assert fs.ops == ["open_new", "write", "fsync", "close", "rename", "fsync_dir"]
+    old, new = make(), make(seq_len=256)
+
+    def check(n: int, e: OSError) -> None:
+        got = CaptureContract.load(path)
+        assert got == (new if after_rename(e) else old), (n, e)
+        assert os.listdir(tmp_path) == ["contract.json"]
+
+    fail_each_call(lambda fs: new.save(path, fs), check, errno_=errno.ENOSPC)
+    assert CaptureContract.load(path) == new

@@ -19,8 +19,9 @@ from fanout.cli import main as cli_main
 from fanout.contract import CaptureContract
 from fanout.coord import retention, schema, sqlitedb
 from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.leases import Claim, ProducerReg
-from fanout.coord.liveness import Heartbeat, Reclaimer
+from fanout.coord.liveness import Reclaimer
 from fanout.errors import (
     AcquireTimeout,
     ContractMismatch,
@@ -307,6 +308,32 @@ def test_two_consumers_every_window_in_order_then_evicted(db: str | None, tmp_pa
     assert seen == {"a": list(range(6)), "b": list(range(6))}
     assert files(store) == []
     assert co.meta("evictions") == 6
+
+
+def test_named_reads_and_the_audit_on_either_database(db: str | None, tmp_path: Path) -> None:
+    """What callers outside fanout.coord ask instead of SQL: live and pending windows,
+    who still reads, whether a run was used, and the end-of-run audit."""
+    co, store, c = new_run(tmp_path, db, max_live_windows=3, total_windows=2)
+    p = co.register_producer(c, owner="me")
+    assert not co.run_was_used("me") and co.run_was_used("someone else")
+    cl = co.claim(p)
+    assert cl is not None
+    assert co.pending_windows() == 1 and co.live_windows() == (0, 0)
+    publish(co, store, c, cl)
+    n, nbytes = co.live_windows()
+    assert n == 1 and nbytes > 0 and co.pending_windows() == 0 and co.run_was_used("me")
+    reg = co.register_consumer("a")
+    assert co.consumers_registered() == 1
+    assert (co.active_consumers_before(2), co.active_consumers_before(0)) == (1, 0)
+    lease = co.acquire(reg, timeout_s=1)
+    assert lease is not None
+    audit = co.audit()
+    assert audit["integrity_check"] == "ok" and audit["leases_left"] == 1
+    assert audit["consumers"] == {"a:dp0": "active"} and audit["failed_windows"] == 0
+    assert audit["counters"]["next_window"] == 1 and audit["counters"]["evictions"] == 0
+    with co.conn.write() as cur:  # what a torn write would leave: a lease on no window
+        cur.execute("DELETE FROM windows WHERE window=?", (lease.window,))
+    assert co.audit()["integrity_check"] == "1 leases name no ready window"
 
 
 def test_ack_is_fenced_and_never_moves_cursor_back(db: str | None, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.liveness import Heartbeat
+from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.postgresdb import PostgresDatabase
 from fanout.errors import CoordinatorBusy, FanoutError, StaleLease
 from fanout.filesystem import FileSystem

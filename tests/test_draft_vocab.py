@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from fanout.data.draft_vocab import (
     write_token_counts,
 )
 from fanout.errors import ConfigError
+from faults import after_rename, fail_each_call
 
 
 def _dataset(tmp_path: Path, rows: int, t: int, vocab: int, seed: int) -> PackedDataset:
@@ -100,3 +103,21 @@ def test_token_counts_file_round_trip_and_errors(tmp_path: Path) -> None:
         read_token_counts(tmp_path, "s1")
     with pytest.raises(ConfigError, match=r"in \[1, 4\]"):
         select_draft_vocab(counts, 5)
+
+
+def test_token_counts_are_written_whole_or_not_at_all(tmp_path: Path) -> None:
+    """A fault at any step (ENOSPC) leaves the old counts readable and no temp file."""
+    old, new = np.arange(4, dtype=np.int64), np.array([9, 9, 9, 9], dtype=np.int64)
+    write_token_counts(tmp_path, old, "s1")
+
+    def check(n: int, e: OSError) -> None:
+        got = read_token_counts(tmp_path, "s1")
+        want = new if after_rename(e) else old
+        np.testing.assert_array_equal(got, want)
+        assert os.listdir(tmp_path) == [TOKEN_COUNTS], (n, e)
+
+    fail_each_call(
+        lambda fs: write_token_counts(tmp_path, new, "s1", fs), check, errno_=errno.ENOSPC
+    )
+    np.testing.assert_array_equal(read_token_counts(tmp_path, "s1"), new)
+    assert (tmp_path / TOKEN_COUNTS).stat().st_mode & 0o777 == 0o644

@@ -254,7 +254,7 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
-    from fanout.train.checkpoint import load_draft
+    from fanout.train.serving import load_draft
 
     shallow = tiny_qwen3_verifier(tmp_path / "v2", 512, hidden_size=32, num_layers=2, head_dim=8)
     with pytest.raises(CheckpointError, match=r"decoder layers \[1, 2\]\) do not exist"):
@@ -272,8 +272,7 @@ def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
     opts = {s for a in p._actions for s in a.option_strings}
     renamed = {"json_out": "--json"}
     for field in EvalConfig.model_fields:
-        if field != "role_map":  # a mapping: reachable through --config only
-            assert renamed.get(field, flag_name(field)) in opts, field
+        assert renamed.get(field, flag_name(field)) in opts, field
     conf = tmp_path / "c.json"
     conf.write_text(json.dumps({"role_map": {"bot": "assistant"}, "num_prompts": 2}))
     args = p.parse_args(
@@ -283,3 +282,8 @@ def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
     cfg = model_from_args(EvalConfig, args)
     assert cfg.draft == ["a", "b", "c"] and cfg.json_out == "o"
     assert cfg.role_map == {"bot": "assistant"} and cfg.num_prompts == 2
+    args = p.parse_args(
+        ["--config", str(conf), "--verifier-name-or-path", str(tmp_path), "--tokenizer",
+         str(tmp_path), "--data", str(conf), "--draft", "a", "--role-map", "gpt=assistant"]
+    )  # fmt: skip
+    assert model_from_args(EvalConfig, args).role_map == {"gpt": "assistant"}  # flag wins

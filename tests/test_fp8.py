@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from fanout.bench.assets import generate_corpus
 from fanout.ops.fp8 import FP8, FP8_MAX, dequantize, quantize_into
-from fanout.produce.producer import Producer, stream_rows
+from fanout.produce.producer import Producer
+from fanout.produce.stream import stream_rows
 from fanout.store.store import Store, WindowReader
 from fanout.store.windowfile import hidden_name, scale_name
 from fanout.train.consumer import Batch

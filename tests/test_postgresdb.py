@@ -19,7 +19,7 @@ import pytest
 
 from conftest import PostgresControl
 from fanout.coord.coordinator import DB_POINTER, Coordinator, RunConfig
-from fanout.coord.liveness import Heartbeat
+from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.postgresdb import PostgresDatabase, _translate, parse_url, redact
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
 from fanout.store.store import Published, RunDir

@@ -11,6 +11,7 @@ CLI (`python -m fanout.cli produce`) and a small consumer script written below.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -31,9 +32,13 @@ from fanout.bench.assets import generate_corpus
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator
 from fanout.errors import ContractMismatch
-from fanout.produce.producer import Producer, ProducerConfig, stream_rows, window_count
+from fanout.filesystem import FileSystem
+from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.rundir import write_stream_info
+from fanout.produce.stream import stream_rows, window_count
 from fanout.store.store import RunDir, Store, parse_window_name
 from fanout.store.windowfile import hidden_name
+from faults import Recording, after_rename, fail_each_call
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
     config_flags,
@@ -149,6 +154,27 @@ def test_stream_rows_each_epoch_is_a_seeded_permutation() -> None:
     np.testing.assert_array_equal(rows, again)  # window w always means the same rows
     other = np.concatenate([stream_rows(w, r, n, epochs, seed + 1)[0] for w in range(total)])
     assert not np.array_equal(rows, other)
+
+
+# ---- stream.json ----------------------------------------------------------------------
+
+
+def test_stream_json_is_written_whole_and_durably(tmp_path: Path) -> None:
+    """stream.json goes through FileSystem.write_atomic: fsynced, renamed, run dir fsynced;
+    a fault at any step (ENOSPC) leaves the old one readable and no temp file."""
+    write_stream_info(tmp_path, {"total_windows": 1}, FileSystem())
+    fs = Recording()
+    write_stream_info(tmp_path, {"total_windows": 1}, fs)
+    assert fs.ops == ["open_new", "write", "fsync", "close", "rename", "fsync_dir"]
+
+    def check(n: int, e: OSError) -> None:
+        info = json.loads((tmp_path / "stream.json").read_text())
+        assert info == {"total_windows": 2 if after_rename(e) else 1}, (n, e)
+        assert os.listdir(tmp_path) == ["stream.json"], (n, e)
+
+    write = lambda fs: write_stream_info(tmp_path, {"total_windows": 2}, fs)  # noqa: E731
+    fail_each_call(write, check, errno_=errno.ENOSPC)
+    assert json.loads((tmp_path / "stream.json").read_text()) == {"total_windows": 2}
 
 
 # ---- capture --------------------------------------------------------------------------
@@ -280,7 +306,7 @@ def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: P
                 p.kill()
         log.close()
     text = (tmp_path / "producer.log").read_text()
-    assert "signal 15" in text
+    assert "signal 15: stopping once the window in flight is published" in text
     assert _rows_of(run, "SELECT window FROM windows WHERE state='capturing'") == []
 
     # A third producer (in this process) finishes the stream.
@@ -314,7 +340,7 @@ def _run_with(p: Producer, reader: subprocess.Popen[bytes]) -> dict[str, Any]:
         while reader.poll() is None and not done.is_set():
             time.sleep(0.05)
         if reader.returncode:
-            p._stop = True  # the reader failed: the producer would hold forever
+            p.stop.request()  # the reader failed: the producer would hold forever
 
     done = threading.Event()
     threading.Thread(target=watch, daemon=True).start()
@@ -414,7 +440,7 @@ def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
 
     cfg = _cfg(tiny, tmp_path / "run", max_windows=2, storage_dtype=storage,
                store_last_hidden_states=True)  # fmt: skip
-    with caplog.at_level("WARNING", logger="fanout.produce.producer"):
+    with caplog.at_level("WARNING", logger="fanout.produce.rundir"):
         p = Producer(cfg, fs=SmallDisk())
     warned = [r.getMessage() for r in caplog.records if "will wait on a full disk" in r.message]
     assert len(warned) == 1 and "only 0.0 GiB are free" in warned[0], caplog.text
@@ -425,6 +451,6 @@ def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
             data = sum(r.get(k).numel() * r.get(k).element_size() for k in r.names())
             assert data == p.window_bytes(), (storage, data, p.window_bytes())
     caplog.clear()
-    with caplog.at_level("WARNING", logger="fanout.produce.producer"):
+    with caplog.at_level("WARNING", logger="fanout.produce.rundir"):
         Producer(cfg)  # the real disk has room: no warning
     assert "full disk" not in caplog.text

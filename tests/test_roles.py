@@ -30,7 +30,8 @@ import pytest
 import tiny_run
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.liveness import Heartbeat, Holder, ProcessInfo, RoleWatch, this_process
+from fanout.coord.heartbeat import Heartbeat
+from fanout.coord.liveness import Holder, ProcessInfo, RoleWatch, this_process
 from fanout.errors import FanoutError, RoleHeld, RoleTaken, StaleLease
 from fanout.store.store import RunDir
 from test_coordinator import FakeClock, make_contract

@@ -78,20 +78,6 @@ def test_classified_by_code_whatever_the_message(code: int, want: type[Exception
     assert isinstance(sqlitedb.typed_error(e, "db"), want)
 
 
-def test_python_310_fallback_reads_sqlite_errstr() -> None:
-    """Python 3.10's exceptions carry no code: SQLite's fixed text for the code is used."""
-    for text, want in [
-        ("database is locked", CoordinatorBusy),
-        ("database or disk is full", CoordinatorFull),
-        ("file is not a database", NotACoordinatorDatabase),
-    ]:
-        e = sqlite3.OperationalError(text)
-        assert not hasattr(e, "sqlite_errorcode")
-        assert isinstance(sqlitedb.typed_error(e, "db"), want), text
-    # a message that merely mentions a word is not a code
-    assert sqlitedb.typed_error(sqlite3.OperationalError("table locked_rows: no"), "db") is None
-
-
 def test_driver_errors_keep_their_code() -> None:
     e = _driver_error("SELECT * FROM no_such_table")
     assert sqlitedb.error_code(e) == 1  # SQLITE_ERROR: a bug, not classified

@@ -18,7 +18,7 @@ import pytest
 
 from fanout.bench.assets import generate_corpus
 from fanout.produce.producer import Producer
-from fanout.train.trainer import WaitNotice
+from fanout.train.progress import WaitNotice
 from tiny_run import build_tiny_assets, tiny_producer_config
 
 
@@ -56,7 +56,8 @@ def test_wait_notice_says_what_it_waits_for_every_few_seconds() -> None:
 
 
 def test_trainer_module_imports_nothing_heavy() -> None:
-    """transformers, matplotlib, pandas, the data stage: none is needed to train."""
+    """transformers, matplotlib, pandas, the data stage, torch._dynamo: none is needed to
+    train (the optimizer's path past import: tests/test_optim.py)."""
     heavy = [
         "transformers",
         "matplotlib",
@@ -64,6 +65,8 @@ def test_trainer_module_imports_nothing_heavy() -> None:
         "fanout.data.prepare",
         "fanout.model.verifier",
         "psycopg",
+        "torch._dynamo",
+        "sympy",
     ]
     code = f"import sys, fanout.train.trainer; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run(

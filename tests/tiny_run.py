@@ -65,6 +65,8 @@ def config_flags(cfg: BaseModel) -> list[str]:
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
             out.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, dict):  # --role-map a=b,c=d (a bare flag: the empty map)
+            out += [flag, *(f"{a}={b}" for a, b in v.items())]
         else:
             out += [flag, *map(str, v if isinstance(v, list | tuple) else [v])]
     return out

@@ -5,7 +5,10 @@
 
 Each subcommand lives in the module that owns it; this file only maps names to
 `add_arguments(parser)` / `run(args) -> int` pairs, imported lazily so that
-`fanout status` never pays for importing torch.
+`fanout status` never pays for importing torch. Every subcommand takes
+`--log-level {debug,info,warning,error}` (default: info for the long-running
+`produce` and `train`, warning for the rest); a subcommand with a config also takes
+`--config FILE` (fanout.flags).
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import os
 import sys
 
 from fanout.errors import FanoutError
+from fanout.flags import add_log_level_flag, configure_logging
 
 # name -> (module, one-line help). Each module defines add_arguments(p) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {}
+# Commands whose progress log is their record (the rest log warnings and errors only).
+INFO_LOGGING = ("produce", "train")
 
 
 def _register(name: str, module: str, help_text: str) -> None:
@@ -46,6 +52,11 @@ _register(
     "speculative decoding with trained drafts: lossless check, τ, speedup",
 )
 _register(
+    "upgrade-checkpoint",
+    "fanout.train.serving",
+    "rewrite format-1 draft checkpoints' config.json as format 2 (weights unchanged)",
+)
+_register(
     "bench", "fanout.bench.bench", "1p1c / 1p3c / unshared benchmark → report.json, .md, plots"
 )
 _register(
@@ -61,6 +72,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        add_log_level_flag(p, "info" if name in INFO_LOGGING else "warning")
         # Only import the module whose flags we need (keeps `fanout status` light).
         if name == wanted:
             importlib.import_module(module).add_arguments(p, name)
@@ -74,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    configure_logging(args)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.run(args, args.command) or 0)

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError, ContractMismatch
+from fanout.filesystem import FileSystem
 
 # 2: one tensor per captured layer, a checksum per tensor (fanout-window-2); 1 is refused.
 CONTRACT_FORMAT_VERSION = 2
@@ -140,18 +141,11 @@ class CaptureContract(BaseModel):
         if bad:
             raise ContractMismatch(bad, where)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically (temp + fsync + rename), 0644."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    def save(self, path: str | os.PathLike[str], fs: FileSystem | None = None) -> None:
+        """Write atomically and durably, 0644 (`FileSystem.write_atomic`; `fs` injects
+        faults in tests)."""
         data = json.dumps(self.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        (fs or FileSystem()).write_atomic(path, data.encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> CaptureContract:

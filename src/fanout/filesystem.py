@@ -4,27 +4,48 @@
     fs = FaultyFileSystem(fail_at=3, errno_=errno.EIO)   # the 3rd call raises EIO
     Store(RunDir(root).create(), fs=fs).publish(tensors, meta)
 
-`FileSystem` makes the real calls (open with O_EXCL and mode 0644, write loops
-on short writes, fsync, hard link that never overwrites, rename, unlink, fsync
-of a directory, mkdir -p). Reads are not part of the seam: they cannot leave
+`FileSystem` makes the real calls (open with O_EXCL and mode 0644, open an
+existing file to fsync it, write loops on short writes, fsync, hard link that
+never overwrites, rename, unlink, fsync of a directory, mkdir -p). Reads are not part of the seam: they cannot leave
 debris behind, and the reader validates everything it maps anyway.
 
 `FaultyFileSystem` counts calls (all of them, or only the op names in `ops`)
 and raises `OSError(errno_)` at call number `fail_at` (1-based) — once, or on
 every counted call from then on when `persistent` is set. Tests and chaos runs
 inject EIO/ENOSPC with it instead of monkeypatching `os`.
+
+The one atomic write of the package is built from those calls, so a fault
+injected into the seam reaches every file written with it:
+
+    fs.write_atomic(run / "stream.json", text.encode())   # replace whole or not at all
+    fs.write_atomic(windows / name, writer, tmp=tmp_path, overwrite=False)  # publish
+    fs.write_new(tmp_dir / "config.json", data)           # a file of a directory ...
+    fs.commit_dir(tmp_dir, final_dir)                     # ... renamed into place whole
+
+`write_atomic`: temp file (O_EXCL, 0644) → write → fsync → close → rename over the
+final name (or, with `overwrite=False`, hard link that fails if it exists, then
+unlink the temp) → fsync the final name's directory. A reader sees the old file
+or the new one, never a torn one; when the call returns, the new one survives a
+crash. On failure the temp file is removed (and, with `overwrite=False`, the
+final link too), so the old file is intact; a failed fsync is never retried. The
+error is an `AtomicWriteError`: an OSError with the cause's errno (ENOSPC stays
+ENOSPC) naming the step and the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+import secrets
 import shutil
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 StrPath = str | os.PathLike[str]
 # What write() accepts: anything exposing the buffer protocol, passed as a memoryview
@@ -35,6 +56,7 @@ Buffer = bytes | bytearray | memoryview
 OPS = frozenset(
     {
         "open_new",
+        "open_existing",
         "write",
         "pwrite",
         "fsync",
@@ -49,6 +71,7 @@ OPS = frozenset(
 )
 
 FILE_MODE = 0o644
+T = TypeVar("T")
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
 
 
@@ -81,6 +104,52 @@ def _sync_file_range(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE = None
 
 
+class AtomicWriteError(OSError):
+    """An atomic write failed at `step` ("create", "write", "fsync", "rename", "link",
+    "fsync directory", ...) on `path`. Its errno is the cause's, so `except OSError`
+    and errno checks (ENOSPC, EEXIST) work as on the cause itself."""
+
+    def __init__(self, step: str, path: StrPath, cause: OSError) -> None:
+        self.reason = cause.strerror or str(cause)
+        super().__init__(cause.errno, f"{step} failed on {path}: {self.reason}")
+        self.step = step
+        self.path = Path(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across processes
+        return (type(self), (self.step, self.path, OSError(self.errno, self.reason)))
+
+
+@dataclass(frozen=True, slots=True)
+class TempFile:
+    """The file a writer passed to `write_new`/`write_atomic` fills: already created
+    (0644, empty), open for writing at `fd`. Write through the FileSystem
+    (`fs.write(t.fd, ...)`, `fs.pwrite`) so faults reach the writes, or hand `path`
+    to a library that only takes a path (safetensors' save_file); the file found at
+    `path` afterwards is the one made durable, even if the library replaced it."""
+
+    fd: int
+    path: Path
+
+
+# What write_new / write_atomic put in the file: bytes, or a writer that fills it.
+Data = Buffer | Callable[[TempFile], Any]
+
+
+def _named(e: BaseException, step: str, path: StrPath) -> AtomicWriteError | None:
+    """The AtomicWriteError to raise for `e`, or None to re-raise `e` as it is (not an
+    OSError, or already named by an inner step)."""
+    if isinstance(e, OSError) and not isinstance(e, AtomicWriteError):
+        return AtomicWriteError(step, path, e)
+    return None
+
+
+def _replaced(fd: int, path: Path) -> bool:
+    """Whether `path` is no longer the file open at `fd` (a library wrote a new one)."""
+    st = os.stat(path)
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) != (fst.st_dev, fst.st_ino)
+
+
 class FileSystem:
     """Real filesystem calls. Subclass and override `_before(op, arg)` to observe or
     interrupt them (that is how FaultyFileSystem and the kill -9 tests work)."""
@@ -102,6 +171,20 @@ class FileSystem:
             os.close(fd)
             raise
         self._after("open_new", path)
+        return fd
+
+    def open_existing(self, path: StrPath) -> int:
+        """Open an existing file read-only to fsync what another writer (a library, a
+        subprocess, a hard link) put there, setting its mode to 0644 as open_new does."""
+        self._before("open_existing", path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_mode & 0o777 != FILE_MODE:
+                os.fchmod(fd, FILE_MODE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._after("open_existing", path)
         return fd
 
     def write(self, fd: int, data: Buffer) -> None:
@@ -192,6 +275,176 @@ class FileSystem:
         """Bytes an unprivileged writer may still use on `path`'s filesystem (a reading,
         not an op: never counted or failed by FaultyFileSystem)."""
         return shutil.disk_usage(path).free
+
+    # -- the atomic write, built from the calls above ----------------------------------
+
+    @overload
+    def write_new(self, path: StrPath, data: Buffer) -> None: ...
+    @overload
+    def write_new(self, path: StrPath, data: Callable[[TempFile], T]) -> T: ...
+    def write_new(self, path: StrPath, data: Data) -> Any:
+        """Create `path` (never overwrites: FileExistsError), fill it, fsync, close.
+
+        The content is durable when this returns; the name is durable once its
+        directory is fsynced (`write_atomic` and `commit_dir` do that). `data` is bytes
+        or a writer called with the TempFile (its result is returned). On any failure
+        the partial file is removed and the error re-raised, an OSError as
+        AtomicWriteError. Never retries a failed fsync.
+        """
+        path = Path(path)
+        step, fd, made, out = "create", None, False, None
+        try:
+            try:
+                fd = self.open_new(path)
+            except FileExistsError:
+                raise  # not ours: leave it
+            except BaseException:
+                made = True  # open_new may have created it before failing (fchmod)
+                raise
+            made = True
+            step = "write"
+            if callable(data):
+                out = data(TempFile(fd, path))
+            else:
+                self.write(fd, data)
+            if _replaced(fd, path):  # the writer put a new file at `path`: sync that one
+                step, fd_, fd = "reopen", fd, None
+                self.close(fd_)
+                fd = self.open_existing(path)
+            step = "fsync"
+            self.fsync(fd)  # never retried: the kernel may have dropped the pages
+            step, fd_, fd = "close", fd, None
+            self.close(fd_)
+        except BaseException as e:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    self.close(fd)
+            if made:
+                with contextlib.suppress(OSError):
+                    self.unlink(path)
+            named = _named(e, step, path)
+            if named is None:
+                raise
+            raise named from e
+        return out
+
+    @overload
+    def write_atomic(
+        self, path: StrPath, data: Buffer, *, tmp: StrPath | None = None, overwrite: bool = True
+    ) -> None: ...
+    @overload
+    def write_atomic(
+        self,
+        path: StrPath,
+        data: Callable[[TempFile], T],
+        *,
+        tmp: StrPath | None = None,
+        overwrite: bool = True,
+    ) -> T: ...
+    def write_atomic(
+        self, path: StrPath, data: Data, *, tmp: StrPath | None = None, overwrite: bool = True
+    ) -> Any:
+        """Put `data` under `path` whole or not at all, durably.
+
+        Steps: `write_new(tmp)` (create O_EXCL 0644 → write → fsync → close) → rename
+        `tmp` over `path` → fsync `path`'s directory. With `overwrite=False` the
+        rename is a hard link that fails if `path` exists (FileExistsError inside an
+        AtomicWriteError of step "link"), then the temp name is unlinked.
+
+        Args:
+            path: the final name.
+            data: bytes, or a writer called with the TempFile (its result is returned).
+            tmp: the temp file's name; default `.<name>.<pid>-<random>.tmp` beside
+                `path`. One on another directory of the same filesystem (the store's
+                tmp/) is fine: only `path`'s directory is fsynced.
+            overwrite: replace an existing `path` (rename) or refuse to (link).
+
+        On failure the temp file is removed, and with `overwrite=False` so is a
+        final link already made: the old file (or no file) stays. With
+        `overwrite=True` a failure of the last directory fsync leaves the new, whole
+        file in place (the rename cannot be undone). Raises AtomicWriteError (an
+        OSError with the cause's errno) or whatever the writer raised.
+        """
+        path = Path(path)
+        if tmp is None:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        tmp = Path(tmp)
+        out = self.write_new(tmp, data)
+        step, where, linked, tmp_left = "rename", path, False, True
+        try:
+            if overwrite:
+                self.rename(tmp, path)
+                tmp_left = False
+            else:
+                step = "link"
+                self.link(tmp, path)
+                linked = True
+                step, where = "unlink temp file", tmp
+                self.unlink(tmp)
+                tmp_left = False
+            step, where = "fsync directory", path.parent
+            self.fsync_dir(path.parent)
+        except BaseException as e:
+            for p in (path if linked else None, tmp if tmp_left else None):
+                if p is not None:
+                    with contextlib.suppress(OSError):
+                        self.unlink(p)
+            named = _named(e, step, where)
+            if named is None:
+                raise
+            raise named from e
+        return out
+
+    def commit_dir(self, tmp: StrPath, final: StrPath) -> None:
+        """Move a fully written directory `tmp` into place as `final`, whole or not at all.
+
+        Steps: fsync every file (`open_existing` → fsync → close) and directory under
+        `tmp` (cheap for files already written with write_new) → rename an existing
+        `final` aside to `.<name>.old-<pid>` → rename `tmp` to `final` → fsync the
+        parent → remove the old one. `tmp` and `final` must be siblings. A reader
+        sees the old directory, none (only between the two renames) or the new one,
+        never a partial one. On failure before the rename `tmp` is left for the
+        caller to remove and the old `final` is put back; raises AtomicWriteError.
+        """
+        tmp, final = Path(tmp), Path(final)
+        step, where = "fsync", tmp
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        moved = False
+        try:
+            for dirpath, _, files in os.walk(tmp):
+                for f in files:
+                    where = Path(dirpath) / f
+                    if where.is_symlink():
+                        continue
+                    fd = self.open_existing(where)
+                    try:
+                        self.fsync(fd)
+                    finally:
+                        self.close(fd)
+                step, where = "fsync directory", Path(dirpath)
+                self.fsync_dir(dirpath)
+                step = "fsync"
+            if os.path.lexists(final):
+                step, where = "rename aside", final
+                shutil.rmtree(old, ignore_errors=True)
+                self.rename(final, old)
+                moved = True
+            step, where = "rename", final
+            self.rename(tmp, final)
+            moved = False  # the old one is debris now
+            step, where = "fsync directory", final.parent
+            self.fsync_dir(final.parent)
+        except BaseException as e:
+            if moved:
+                with contextlib.suppress(OSError):
+                    self.rename(old, final)
+            named = _named(e, step, where)
+            if named is None:
+                raise
+            raise named from e
+        finally:
+            if not moved:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 class FaultyFileSystem(FileSystem):

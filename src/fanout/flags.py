@@ -8,27 +8,80 @@ the field's description, so flags, config files and Python calls cannot drift
 apart. A `--config FILE` (JSON object of field names) supplies defaults that
 explicit flags override. Validation errors name the field and where its value
 came from.
+
+Field types and their flags:
+- `bool`: `--x` / `--no-x`;  `Literal[...]`: a choice;  `int | None`: 'none' for None;
+- `list[T]`: `--x A B` (a repeatable field, `flag_options(repeatable=True)`, also
+  takes `--x A --x B`);
+- `tuple[str, ...]`: `--x a,b` or `--x a b`;
+- `dict[str, str]`: `--x k=v,k2=v2` (or `--x k=v k2=v2`; a bare `--x` is the empty map).
+
+A field whose flag differs from its name says so with
+`Field(..., json_schema_extra=flag_options(flag="--json", metavar="OUT"))`.
+The commands' shared flags live here too: `--log-level` (`add_log_level_flag`,
+`configure_logging`).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import logging
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from fanout.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
+
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
+
+
+def flag_options(
+    *, flag: str | None = None, metavar: str | None = None, repeatable: bool = False
+) -> dict[str, Any]:
+    """`json_schema_extra` for a field whose flag is not the default one:
+    `flag` replaces `--field-name`, `metavar` names the value in --help,
+    `repeatable` lets a list flag be given several times (values add up)."""
+    out: dict[str, Any] = {}
+    if flag is not None:
+        out["flag"] = flag
+    if metavar is not None:
+        out["metavar"] = metavar
+    if repeatable:
+        out["repeatable"] = True
+    return out
+
+
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    extra = field.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def field_flag(name: str, field: FieldInfo) -> str:
+    """The flag that sets field `name` (`--name-with-dashes` unless the field says)."""
+    return str(_extra(field).get("flag") or flag_name(name))
+
+
+def declared_in(model: type[BaseModel], name: str) -> type:
+    """The class that declares field `name` of `model`: the model itself or the component
+    config it inherits the field from."""
+    for cls in model.__mro__:
+        if name in inspect.get_annotations(cls):
+            return cls
+    raise KeyError(f"{model.__name__} has no field {name!r}")
 
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
@@ -47,6 +100,50 @@ def _parse_none(conv: Any) -> Any:
     return parse
 
 
+class _Switch(argparse.BooleanOptionalAction):
+    """`--x` / `--no-x`. Unlike argparse's own, a field whose flag starts with --no-
+    (`no_cache` → `--no-cache`) is set True by that flag (False by `--no-no-cache`)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        self._negative = {"--no-" + s[2:] for s in option_strings if s.startswith("--")}
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string in self.option_strings:
+            setattr(namespace, self.dest, option_string not in self._negative)
+
+
+def flag_kind(field: FieldInfo) -> str:
+    """How a field's flag is parsed: bool | choice | list | tuple | dict | scalar."""
+    tp, _ = _unwrap_optional(field.annotation)
+    origin = get_origin(tp)
+    if tp is bool:
+        return "bool"
+    if origin is Literal:
+        return "choice"
+    if origin is dict:
+        return "dict"
+    if origin is tuple:
+        return "tuple"
+    if origin is list:
+        return "list"
+    return "scalar"
+
+
+def _shown(default: Any) -> str:
+    if isinstance(default, dict):
+        return ",".join(f"{k}={v}" for k, v in default.items()) or "{}"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    return str(default)
+
+
 def add_model_flags(
     parser: argparse.ArgumentParser,
     model: type[BaseModel],
@@ -54,7 +151,11 @@ def add_model_flags(
     exclude: tuple[str, ...] = (),
     config_flag: bool = True,
 ) -> None:
-    """Add one flag per field of `model` (defaults SUPPRESSed: unset flags stay unset)."""
+    """Add one flag per field of `model` (defaults SUPPRESSed: unset flags stay unset).
+
+    --help lists required fields first, then the command's own, then those of each
+    component config it inherits. Required fields are not required by argparse: a
+    --config file may give them (the model names what is missing)."""
     if config_flag:
         parser.add_argument(
             "--config",
@@ -62,34 +163,69 @@ def add_model_flags(
             default=None,
             help="JSON file of field values (flag names with underscores); flags override it",
         )
-    for name, field in model.model_fields.items():
+    mro = model.__mro__
+    fields = sorted(
+        model.model_fields.items(),
+        key=lambda kv: (not kv[1].is_required(), mro.index(declared_in(model, kv[0]))),
+    )
+    for name, field in fields:
         if name in exclude:
             continue
         tp, optional = _unwrap_optional(field.annotation)
+        extra = _extra(field)
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
         default = field.default if field.default is not PydanticUndefined else None
         if field.default_factory is not None:
             default = field.default_factory()  # type: ignore[call-arg]
         required = field.is_required()
         help_text = (field.description or "").rstrip(".")
-        help_text += " (required)" if required else f" (default: {default})"
-        origin = get_origin(tp)
-        if tp is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif origin is Literal:
+        help_text += " (required)" if required else f" (default: {_shown(default)})"
+        kind = flag_kind(field)
+        if kind == "bool":
+            kwargs["action"] = _Switch
+        elif kind == "choice":
             kwargs["choices"] = list(get_args(tp))
-        elif origin in (list, tuple):
+        elif kind == "dict":
+            kwargs["nargs"] = "*"
+            kwargs["metavar"] = "KEY=VALUE"
+            help_text += "; KEY=VALUE pairs, comma- or space-separated"
+        elif kind == "tuple":
+            kwargs["nargs"] = "+"
+            help_text += "; comma- or space-separated"
+        elif kind == "list":
             inner = get_args(tp)[0]
             kwargs["nargs"] = "+"
             kwargs["type"] = inner if inner in (int, float) else str
             if optional:
                 help_text += "; 'none' for the default rule"
                 kwargs["type"] = _parse_none(kwargs["type"])
+            if extra.get("repeatable"):
+                kwargs["action"] = "extend"
+                help_text += "; repeatable"
         elif tp in (int, float, str):
             kwargs["type"] = _parse_none(tp) if optional else tp
         else:
             kwargs["type"] = str
-        parser.add_argument(flag_name(name), help=help_text.replace("%", "%%"), **kwargs)
+        if "metavar" in extra:
+            kwargs["metavar"] = extra["metavar"]
+        parser.add_argument(field_flag(name, field), help=help_text.replace("%", "%%"), **kwargs)
+
+
+def _from_flag(flag: str, kind: str, v: Any) -> Any:
+    """A flag's parsed strings → the value the model validates (tuples, maps, None)."""
+    if kind == "list" and v == [None]:  # nargs="+" with a single 'none' means None
+        return None
+    if kind == "tuple":
+        return tuple(p for item in v for p in item.split(",") if p)
+    if kind == "dict":
+        out: dict[str, str] = {}
+        for item in (p for s in v for p in s.split(",") if p):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise ConfigError(f"{flag}: expected KEY=VALUE pairs (a=b,c=d), got {item!r}")
+            out[key] = value
+        return out
+    return v
 
 
 def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M:
@@ -109,23 +245,53 @@ def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M
             raise ConfigError(f"--config {path}: expected a JSON object")
         values.update(loaded)
         source = f"--config {path} and flags"
-    for name in model.model_fields:
+    for name, field in model.model_fields.items():
         if name in vars(args):
-            v = getattr(args, name)
-            # nargs="+" with a single 'none' means None
-            if isinstance(v, list) and v == [None]:
-                v = None
-            values[name] = v
+            values[name] = _from_flag(
+                field_flag(name, field), flag_kind(field), getattr(args, name)
+            )
     values.update(fixed)
     try:
         return model.model_validate(values)
     except ValidationError as e:
-        raise ConfigError(f"invalid {model.__name__} from {source}: {problems(e)}") from None
+        raise ConfigError(f"invalid {model.__name__} from {source}: {problems(e, model)}") from None
 
 
-def problems(e: ValidationError) -> str:
+def problems(e: ValidationError, model: type[BaseModel] | None = None) -> str:
     """A pydantic error on one line, each problem named by its flag: `--lr: Input ...`."""
-    return "; ".join(
-        f"{flag_name(str(err['loc'][0])) if err['loc'] else '?'}: {err['msg']}"
-        for err in e.errors()
+    fields = model.model_fields if model is not None else {}
+
+    def where(loc: tuple[int | str, ...]) -> str:
+        if not loc:
+            return "?"
+        name = str(loc[0])
+        return field_flag(name, fields[name]) if name in fields else flag_name(name)
+
+    return "; ".join(f"{where(err['loc'])}: {err['msg']}" for err in e.errors())
+
+
+# --------------------------------------------------------------------------- logging
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser, default: str = "warning") -> None:
+    """`--log-level {debug,info,warning,error}`: how much the command logs on stderr."""
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=None,
+        help=f"log messages of this level and above on stderr (default: {default})",
     )
+    parser.set_defaults(log_level_default=default)
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Set up logging from `--log-level` (or the command's default level).
+
+    A process that already has log handlers (a test runner, an embedding program)
+    keeps them; an explicit --log-level still sets the level."""
+    given: str | None = getattr(args, "log_level", None)
+    name: str = given or getattr(args, "log_level_default", None) or "warning"
+    level = getattr(logging, name.upper())
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    if given:
+        logging.getLogger().setLevel(level)

@@ -36,6 +36,8 @@ from typing import Any
 
 from filelock import FileLock
 
+from fanout.filesystem import FileSystem
+
 log = logging.getLogger(__name__)
 
 # Bump when the corpus templates, tokenizer recipe or model recipe change: it is part
@@ -440,9 +442,9 @@ def ensure_demo_assets(
             shutil.rmtree(tmp, ignore_errors=True)
             try:
                 _build(tmp, s)
-                if final.exists():  # debris without assets.json from an older crash
-                    shutil.rmtree(final)
-                os.rename(tmp, final)
+                # an existing `final` is debris without assets.json from an older crash:
+                # commit_dir sets it aside and removes it
+                FileSystem().commit_dir(tmp, final)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     manifest = json.loads((final / "assets.json").read_text())

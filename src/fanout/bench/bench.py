@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.errors import ConfigError
+from fanout.filesystem import FileSystem
 
 Scenario = Literal["1p1c", "1p3c", "unshared"]
 SCENARIOS: tuple[Scenario, ...] = ("1p1c", "1p3c", "unshared")
@@ -207,8 +209,7 @@ def _random_verifier(spec: AssetsSpec, cache: Path, tok: Path) -> Path:
             tmp = out.with_name(out.name + f".tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             tiny_qwen3_verifier(tmp, vocab, hidden_size=h, num_layers=n, intermediate_size=i)
-            shutil.rmtree(out, ignore_errors=True)
-            os.rename(tmp, out)
+            FileSystem().commit_dir(tmp, out)
     return out
 
 
@@ -349,26 +350,25 @@ def _env(cfg: BenchConfig, kind: str) -> dict[str, str]:
     return env
 
 
-def _coordinator_probe(run_dirs: list[Path]) -> Any:
-    """Sampler probe: live windows / bytes per run dir (read-only, opened once it exists)."""
+def _coordinator_probe(run_dirs: list[Path]) -> Callable[[], dict[str, Any]]:
+    """Sampler probe: live windows / bytes per run dir, read-only, each opened once its
+    producer has created it (SQLite or PostgreSQL: the run dir records which)."""
     from fanout.coord.coordinator import Coordinator
 
-    opened: dict[Path, Any] = {}
+    opened: dict[Path, Coordinator] = {}
 
     def probe() -> dict[str, Any]:
         out: dict[str, Any] = {}
         for r in run_dirs:
             if r not in opened:
-                if not (r / "coordinator.sqlite3").is_file() or not (r / "contract.json").is_file():
+                co = Coordinator.open_if_created(r)
+                if co is None:
                     continue
-                opened[r] = Coordinator.open(r)
-            q = opened[r].conn.execute
-            ready, live = q(
-                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
-            ).fetchone()
+                opened[r] = co
+            ready, live = opened[r].live_windows()
             out[str(r)] = {
-                "ready_windows": int(ready),
-                "live_bytes": int(live),
+                "ready_windows": ready,
+                "live_bytes": live,
                 "produced": int(opened[r].meta("next_window")),
             }
         return out
@@ -404,45 +404,14 @@ def execute(
     t0 = time.monotonic()
     with sampler:
         for r in run.roles:
-            with r.log.open("wb") as logf:
-                r.proc = subprocess.Popen(
-                    r.cmd,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    env=_env(cfg, r.kind),
-                    start_new_session=True,
-                )
+            _start(cfg, r)
+            assert r.proc is not None
             sampler.add_role(r.name, r.proc.pid)
-        failed = False
         try:
-            while True:
-                for r in run.roles:
-                    if r.rc is None and r.proc is not None and (rc := r.proc.poll()) is not None:
-                        r.rc = rc
-                        if echo:
-                            echo(f"  {run.name}: {r.name} exited {rc}")
-                        if rc != 0 and not r.stopped_by_us:
-                            failed = True
-                if all(r.rc is not None for r in run.roles) or failed:
-                    break
+            while not _reap(run, echo):
                 age = time.monotonic() - t0
-                consumers = [r for r in run.roles if r.kind == "consumer"]
-                if stop_after_s is not None and age > stop_after_s:
-                    for r in consumers:
-                        if r.rc is None and not r.stopped_by_us and r.proc is not None:
-                            r.stopped_by_us = True
-                            _stop(r.proc, signal.SIGINT)
-                if all(r.rc is not None for r in consumers):
-                    # Trainers done: producers finish by themselves; nudge a held one.
-                    for r in run.roles:
-                        if (
-                            r.rc is None
-                            and r.proc is not None
-                            and stop_after_s is not None
-                            and not r.stopped_by_us  # once: a second signal could land
-                        ):  # during the interpreter's shutdown, after handlers are reset
-                            r.stopped_by_us = True
-                            _stop(r.proc, signal.SIGTERM)
+                if stop_after_s is not None:
+                    _stop_on_time(run, age > stop_after_s)
                 if age > cfg.scenario_timeout_s:
                     run.timed_out = True
                     run.notes.append(f"timed out after {cfg.scenario_timeout_s:.0f} s")
@@ -452,6 +421,47 @@ def execute(
             _shutdown(run)
     run.ended_wall = time.time()
     return tel
+
+
+def _start(cfg: BenchConfig, r: Role) -> None:
+    """Start role `r` in its own session (so a stop reaches its data-prep workers too)."""
+    with r.log.open("wb") as logf:
+        r.proc = subprocess.Popen(
+            r.cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=_env(cfg, r.kind),
+            start_new_session=True,
+        )
+
+
+def _reap(run: ScenarioRun, echo: Any) -> bool:
+    """Record the exit codes of roles that exited. True when the scenario is over:
+    every role exited, or one failed (exited non-zero without being stopped by us)."""
+    failed = False
+    for r in run.roles:
+        if r.rc is None and r.proc is not None and (rc := r.proc.poll()) is not None:
+            r.rc = rc
+            if echo:
+                echo(f"  {run.name}: {r.name} exited {rc}")
+        failed |= r.rc not in (0, None) and not r.stopped_by_us
+    return failed or all(r.rc is not None for r in run.roles)
+
+
+def _stop_on_time(run: ScenarioRun, past_limit: bool) -> None:
+    """A time-limited run (`stop_after_s`): SIGINT each trainer once past the limit; once
+    every trainer is gone, SIGTERM each producer still held (once each: a second signal
+    could land during the interpreter's shutdown, after its handlers are reset)."""
+    consumers = [r for r in run.roles if r.kind == "consumer"]
+    for r in consumers if past_limit else []:
+        if r.rc is None and not r.stopped_by_us and r.proc is not None:
+            r.stopped_by_us = True
+            _stop(r.proc, signal.SIGINT)
+    if all(r.rc is not None for r in consumers):
+        for r in run.roles:
+            if r.rc is None and r.proc is not None and not r.stopped_by_us:
+                r.stopped_by_us = True
+                _stop(r.proc, signal.SIGTERM)
 
 
 def _shutdown(run: ScenarioRun) -> None:

@@ -13,7 +13,8 @@ verified at first sight: a partial file under a final name fails the run). At th
 end it checks what the system promises (`ChaosReport.problems()`): each consumer's
 train_log.jsonl is an in-order cover of the stream with repeats only right after
 its own crash (`check_cover`), every capture of a window holds the same bytes,
-`PRAGMA integrity_check` is ok, no lease is left and windows/ + tmp/ end empty.
+the database's own integrity check is ok and every lease names a ready window
+(`Coordinator.audit`), no lease is left and windows/ + tmp/ end empty.
 
 Roles run from a forkserver that has already imported torch and transformers
 (`launcher="fork"`): a restart then costs ~1 s instead of ~8 s of imports on a

@@ -180,11 +180,9 @@ class Sampler:
 
 
 def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
-    """integrity check, leases left, consumer states and debris after a run.
-
-    The integrity check is SQLite's `PRAGMA integrity_check`; PostgreSQL keeps its
-    own files consistent, so there it is the invariant that every lease names a
-    ready window of the same generation (what a torn write would break)."""
+    """The coordinator's audit after a run (Coordinator.audit: integrity check, leases
+    left, consumer states, counters; the same on SQLite and PostgreSQL) and the debris
+    left in windows/ and tmp/."""
     from fanout.coord.coordinator import Coordinator
     from fanout.errors import ConfigError
 
@@ -193,26 +191,8 @@ def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
     except ConfigError as e:
         return {"integrity_check": f"no database: {e}"}
     try:
-        q = co.conn.execute
-        if co.conn.dialect == "sqlite":
-            integrity = q("PRAGMA integrity_check").fetchone()[0]
-        else:
-            torn = q(
-                "SELECT COUNT(*) FROM leases l LEFT JOIN windows w ON w.window=l.window "
-                "AND w.generation=l.generation AND w.state='ready' WHERE w.window IS NULL"
-            ).fetchone()[0]
-            integrity = "ok" if torn == 0 else f"{torn} leases name no ready window"
         return {
-            "integrity_check": integrity,
-            "leases_left": q("SELECT COUNT(*) FROM leases").fetchone()[0],
-            "consumers": dict(q("SELECT id, state FROM consumers").fetchall()),
-            "failed_windows": q("SELECT COUNT(*) FROM windows WHERE state='failed'").fetchone()[0],
-            "counters": dict(
-                q(
-                    "SELECT key, value FROM counters WHERE key IN ('recaptures','evictions',"
-                    "'corrupt','detaches','reclaims','next_window','hw_windows')"
-                ).fetchall()
-            ),
+            **co.audit(),
             "files_left": sorted(os.listdir(run_dir / "windows")),
             "tmp_left": sorted(os.listdir(run_dir / "tmp")),
         }

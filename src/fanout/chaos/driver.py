@@ -167,8 +167,7 @@ class ChaosRun:
 
     def _demand(self) -> bool:
         co = self.sampler._open()
-        q = "SELECT COUNT(*) FROM windows WHERE state IN ('queued', 'capturing')"
-        return co is not None and bool(co.conn.execute(q).fetchone()[0])
+        return co is not None and co.pending_windows() > 0
 
     def _kill_one(self, now: float, killed: set[int]) -> float:
         """SIGKILL the next role of a shuffled bag (every role gets its share of kills);

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fanout.filesystem import FileSystem
+
 PRELOAD = [
     "torch",
     "transformers",
@@ -79,9 +81,8 @@ def build_assets(root: str | os.PathLike[str], conversations: int = 60) -> Chaos
             )
         if not out.data.is_file():
             corpus = corpus or generate_corpus(4000, 0)
-            tmp = out.data.with_suffix(".tmp")
-            write_jsonl(tmp, corpus[:conversations])
-            tmp.replace(out.data)
+            rows = corpus[:conversations]
+            FileSystem().write_atomic(out.data, lambda t: write_jsonl(t.path, rows))
     return out
 
 

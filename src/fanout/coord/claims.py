@@ -8,10 +8,12 @@
         coord.publish_ready(claim, store.publish(tensors, meta))
     coord.finish_producer(p)                         # a clean exit: state 'finished'
 
-A mixin of fanout.coord.coordinator.Coordinator (one class for callers, two files for
-readers). Every call is one serialised write transaction fenced by the producer's
-token and, for a claim, the claim's token: a producer that was taken over
-(RoleTaken) or declared lost gets StaleLease and changes nothing.
+A layer of fanout.coord.coordinator.Coordinator (one class for callers, a file per
+side for readers) on fanout.coord.base.CoordinatorBase, whose connection, tokens
+(`_bump`), role taking (`_take_role`, `_fenced`) and eviction it uses. Every call
+is one serialised write transaction fenced by the producer's token and, for a
+claim, the claim's token: a producer that was taken over (RoleTaken) or declared
+lost gets StaleLease and changes nothing.
 """
 
 from __future__ import annotations
@@ -19,52 +21,26 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
 
 from fanout.contract import CaptureContract
-from fanout.coord import retention, schema
+from fanout.coord import reads, retention, schema
+from fanout.coord.base import CoordinatorBase, release_claims
 from fanout.coord.leases import Claim, ProducerReg, PublishedLike
-from fanout.coord.liveness import HOLDER_COLUMNS, Holder, ProcessInfo, Reclaimer
+from fanout.coord.liveness import HOLDER_COLUMNS, Holder, ProcessInfo
 from fanout.errors import ContractMismatch, StaleLease
 
 log = logging.getLogger("fanout.coord.coordinator")
-T = TypeVar("T")
 
 
 def _now() -> float:
     return time.time()  # wall clock: display only
 
 
-class ProducerSide:
-    conn: schema.Database
-    root: Path
-    config: retention.RunConfig
-    contract: CaptureContract
-    clock: Callable[[], float]
-    _reclaimer: Reclaimer
-    _blocked_since: float | None
+class ProducerSide(CoordinatorBase):
+    """The producer's calls of fanout.coord.coordinator.Coordinator (which adds opening
+    and the consumers' calls); what both share is fanout.coord.base's."""
 
-    if TYPE_CHECKING:  # provided by Coordinator
-
-        def _write(self) -> Any: ...
-        @staticmethod
-        def _bump(cur: schema.Sql, key: str, n: int = 1) -> int: ...
-        @staticmethod
-        def _meta_cur(cur: schema.Sql, key: str) -> Any: ...
-        def _rows(self, window: int) -> tuple[int, int]: ...
-        def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None: ...
-        def _finish_evictions(self, doomed: retention.Doomed) -> None: ...
-        def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]: ...
-        def _fenced(self, role: str, token: int, holder: Holder) -> StaleLease: ...
-        def _take_role(
-            self,
-            role: str,
-            select: tuple[str, tuple[object, ...]],
-            takeover: bool,
-            register: Callable[[schema.Sql, ProcessInfo], T],
-        ) -> T: ...
+    _blocked_since: float | None = None  # when claims first found no room, on self.clock
 
     def register_producer(
         self, contract: CaptureContract, owner: str = "", *, takeover: bool = False
@@ -87,7 +63,7 @@ class ProducerSide:
                 "owner=excluded.owner, host=excluded.host, pid=excluded.pid, proc=excluded.proc",
                 (token, _now(), owner, me.host, me.pid, me.proc),
             )
-            self._release_claims(cur)
+            release_claims(cur)
             return token
 
         token = self._take_role(
@@ -116,15 +92,8 @@ class ProducerSide:
         released. `fanout status` shows it finished, and nobody reclaims it as lost."""
         with self._write() as cur:
             self._check_producer(cur, preg.token)
-            self._release_claims(cur)
+            release_claims(cur)
             cur.execute("UPDATE producer SET state='finished', hb_wall=?", (_now(),))
-
-    @staticmethod
-    def _release_claims(cur: schema.Sql) -> None:
-        # Queued with demand so the window is captured again first, under a new generation.
-        cur.execute(
-            "UPDATE windows SET state='queued', demand=1, claim_token=NULL WHERE state='capturing'"
-        )
 
     def _check_producer(self, cur: schema.Sql, token: int) -> None:
         row = cur.execute(f"SELECT {HOLDER_COLUMNS} FROM producer").fetchone()
@@ -203,9 +172,7 @@ class ProducerSide:
                     claim.window,
                 ),
             )
-            n, nbytes = cur.execute(
-                "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
-            ).fetchone()
+            n, nbytes = reads.live_windows(cur)
             high = (
                 "UPDATE counters SET value = CASE WHEN value < ? THEN ? ELSE value END WHERE key=?"
             )

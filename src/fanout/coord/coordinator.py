@@ -19,11 +19,16 @@ counter and are never reused, so a process that was reclaimed, detached or
 superseded ("zombie") gets StaleLease/RoleTaken/Detached on its next write and
 changes nothing. Roles are exclusive: while a live process holds the producer role
 or a consumer id, a second one is refused with RoleHeld unless it takes over
-(`takeover=True`, the `--takeover` flag; see `_take_role`). The producer's calls
-live in fanout.coord.claims (a mixin of this class), the eviction and lag rules in
-fanout.coord.retention (with RunConfig), liveness and role holders in fanout.coord.liveness,
-the tokens' value types in fanout.coord.leases; the file side of eviction and
-quarantine goes through fanout.store.store (imported lazily: no torch for `status`).
+(`takeover=True`, the `--takeover` flag; see `_take_role`). The class is built in
+layers, each its own module: fanout.coord.base (the connection, tokens, role taking,
+reclaiming lost processes, eviction's file side and the named reads of
+fanout.coord.reads), fanout.coord.claims (the producer's calls) and this module
+(opening a run, the consumers' calls). The eviction and lag rules live in
+fanout.coord.retention (with RunConfig), liveness and role holders in
+fanout.coord.liveness, the heartbeat thread in fanout.coord.heartbeat, the tokens'
+value types in fanout.coord.leases; the file side of eviction and quarantine goes
+through fanout.store.store (imported lazily: no torch for `status`). Only
+fanout.coord speaks SQL: everything else calls named methods.
 """
 
 from __future__ import annotations
@@ -33,42 +38,35 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fanout.contract import CaptureContract
 from fanout.coord import postgresdb, retention, schema, sqlitedb
+from fanout.coord.base import Location
 from fanout.coord.claims import ProducerSide
 from fanout.coord.leases import ConsumerReg, Lease, ProducerReg, WindowFiles
-from fanout.coord.liveness import (
-    HOLDER_COLUMNS,
-    Holder,
-    ProcessInfo,
-    Reclaimer,
-    RoleWatch,
-    this_process,
-)
+from fanout.coord.liveness import HOLDER_COLUMNS, Holder, ProcessInfo, this_process
 from fanout.coord.retention import RunConfig
 from fanout.errors import (
     AcquireCancelled,
     AcquireTimeout,
     ConfigError,
+    CoordinatorBusy,
     Detached,
     NoCoordinator,
-    RoleHeld,
-    RoleTaken,
     StaleLease,
     WindowGone,
 )
+from fanout.filesystem import FileSystem
 
 log = logging.getLogger(__name__)
 
 DB_NAME = "coordinator.sqlite3"
 DB_POINTER = "coordinator.dbpath"  # written when --db-path puts the database elsewhere
 
-Location = Path | str  # a SQLite file, or a postgresql:// URL (without its password)
-T = TypeVar("T")
+__all__ = ["DB_NAME", "DB_POINTER", "Coordinator", "Location", "RunConfig"]
 
 
 def _root(run_dir: Any) -> Path:
@@ -81,30 +79,11 @@ def _now() -> float:
 
 
 class Coordinator(ProducerSide):
-    """One connection to a run's coordinator database. Not thread-safe: one per thread."""
+    """One connection to a run's coordinator database. Not thread-safe: one per thread.
 
-    def __init__(
-        self,
-        conn: schema.Database,
-        root: Path,
-        db_path: Location,
-        *,
-        store: WindowFiles | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.conn, self.root, self.db_path, self.clock = conn, root, db_path, clock
-        try:
-            schema.check_schema(conn)
-            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
-        except BaseException:
-            conn.close()
-            raise
-        self.config = RunConfig.model_validate_json(meta["config"])
-        self.contract = CaptureContract.model_validate_json(meta["contract"])
-        self._store = store
-        self._reclaimer = Reclaimer(self.config.ttl_s, clock)
-        self._blocked_since: float | None = None  # producer's own clock, for `detach`
-        self._role_watch: dict[str, RoleWatch] = {}  # what _take_role saw, per role
+    Opening (create, open) and the consumers' calls are here; the producer's in
+    fanout.coord.claims, what both share in fanout.coord.base.
+    """
 
     # ---- opening -----------------------------------------------------------------
 
@@ -168,7 +147,8 @@ class Coordinator(ProducerSide):
                     "or give this run its own ?schema=NAME"
                 )
         if where != root / DB_NAME:
-            (root / DB_POINTER).write_text(f"{where}\n")
+            # atomic: a torn pointer would send trainers to a database that is not there
+            FileSystem().write_atomic(root / DB_POINTER, f"{where}\n".encode())
         contract.save(root / "contract.json")
         schema.create_schema(
             conn,
@@ -209,48 +189,18 @@ class Coordinator(ProducerSide):
             where = conn.where
         return cls(conn, root, where, store=store, clock=clock)
 
-    def close(self) -> None:
-        self.conn.close()
-
-    def __enter__(self) -> Coordinator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def store(self) -> WindowFiles:
-        if self._store is None:
-            # Imported lazily: `fanout status` must not pay for torch.
-            from fanout.filesystem import FileSystem
-            from fanout.store.store import RunDir, Store
-
-            self._store = Store(RunDir(self.root), FileSystem())
-        return self._store
-
-    # ---- small helpers -----------------------------------------------------------
-
-    def meta(self, key: str) -> Any:
-        """A counter (schema.COUNTERS, an int) or a stored run setting (text)."""
-        return self._meta_cur(self.conn, key)
-
-    @staticmethod
-    def _bump(cur: schema.Sql, key: str, n: int = 1) -> int:
-        row = cur.execute(
-            "UPDATE counters SET value = value + ? WHERE key=? RETURNING value", (n, key)
-        ).fetchone()
-        return int(row[0])
-
-    def _rows(self, window: int) -> tuple[int, int]:
-        r = self.contract.window_rows
-        return (window * r, (window + 1) * r)
-
-    def _write(self) -> Any:
-        return self.conn.write()
-
-    def _wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
-        """Sleep until another connection commits or max_s passes."""
-        self.conn.wait_change(deadline, max_s)
+    @classmethod
+    def open_if_created(
+        cls, run_dir: str | os.PathLike[str], *, db_path: str | os.PathLike[str] | None = None
+    ) -> Coordinator | None:
+        """open(), or None while no producer has created the run yet (no database,
+        its tables not committed, or the create holding it locked). For watchers
+        (bench probes, reports, the chaos sampler) on either database: the run dir
+        records where the database is (DB_POINTER)."""
+        try:
+            return cls.open(run_dir, db_path=db_path)
+        except (NoCoordinator, CoordinatorBusy):
+            return None
 
     # ---- consumer side -----------------------------------------------------------
 
@@ -322,90 +272,6 @@ class Coordinator(ProducerSide):
         if holder.token != token or holder.state != "active":
             raise self._fenced(f"consumer {cid}", token, holder)
         return int(cursor)
-
-    def _fenced(self, role: str, token: int, holder: Holder) -> StaleLease:
-        """The error for a call whose token is no longer the role's: who has the role now.
-
-        Never advises registering again: the role is someone else's (RoleTaken), or
-        this process was declared lost, or it already ended its registration.
-        """
-        if holder.token == token:
-            return StaleLease(
-                f"{role}: this process already ended its registration (state {holder.state}); "
-                "no further calls are accepted"
-            )
-        mine = holder.is_process(this_process())
-        if not mine and not (holder.state == "lost" and holder.pid is None):
-            now = {"active": "holds it now"}.get(holder.state, f"is now {holder.state}")
-            return RoleTaken(
-                f"{role}: another process took this role: {holder} registered it after this "
-                f"process and {now} (token {token} is stale, the role's is {holder.token}). "
-                "This process is fenced off and stops here; nothing it does changes the run"
-            )
-        if holder.state != "lost":
-            return StaleLease(
-                f"{role}: token {token} is stale: this same process registered the role again "
-                f"(token {holder.token}); the older registration is fenced off"
-            )
-        return StaleLease(
-            f"{role}: token {token} is stale: this process was declared lost (its heartbeat "
-            f"did not move for ttl_s = {self.config.ttl_s:g} s: paused, stalled, or cut off "
-            "from the coordinator) and fenced off; it stops here. Nothing holds the role now: "
-            "restarting this process (trainers: with --resume) rejoins"
-        )
-
-    def _take_role(
-        self,
-        role: str,
-        select: tuple[str, tuple[object, ...]],
-        takeover: bool,
-        register: Callable[[schema.Sql, ProcessInfo], T],
-    ) -> T:
-        """Run `register` in the write transaction that finds `role` free (RoleWatch).
-
-        Raises RoleHeld while another live process holds it, unless `takeover`. A
-        holder that exited on this host is replaced at once; one on another host once
-        its heartbeat counter stood still for ttl_s while we watched (no wall clocks).
-        """
-        me = this_process()
-        # Kept per role: a check before a registration (check_producer_role) counts
-        # toward the registration's own watch.
-        watch = self._role_watch.setdefault(role, RoleWatch(self.config.ttl_s))
-        waiting = False
-        while True:
-            with self._write() as cur:
-                row = cur.execute(*select).fetchone()
-                holder = None if row is None else Holder(*row)
-                verdict = watch.verdict(holder, me)
-                if verdict == "free" or takeover:
-                    if verdict != "free":
-                        log.warning("%s: taking over from %s (--takeover)", role, holder)
-                    elif holder is not None and holder.state == "active":
-                        log.info("%s: replacing %s: %s", role, holder, watch.reason)
-                    return register(cur, me)
-                if verdict == "held":
-                    assert holder is not None
-                    del self._role_watch[role]  # a later try watches afresh
-                    raise RoleHeld(self._held_message(role, holder, watch.reason))
-            if not waiting:
-                waiting = True
-                log.warning(
-                    "%s is registered to %s (on another host, or not heartbeating): waiting "
-                    "up to %g s (ttl_s) to see whether its heartbeat moves",
-                    role, holder, self.config.ttl_s,
-                )  # fmt: skip
-            self._wait_change(None, max_s=0.2)
-
-    def _held_message(self, role: str, holder: Holder, reason: str) -> str:
-        age = _now() - holder.hb_wall
-        return (
-            f"{role} is held by {holder} (last heartbeat {age:.1f} s ago; {reason}); "
-            "refusing to start a second one. To replace it, stop that process, or start "
-            "this one with --takeover (the other is then fenced off and exits). A holder "
-            "that stopped or crashed is replaced without --takeover: at once when it ran "
-            f"on this host, else once its heartbeat has not moved for ttl_s = "
-            f"{self.config.ttl_s:g} s"
-        )
 
     def heartbeat(self, reg: ConsumerReg | ProducerReg) -> None:
         """Prove liveness (increments the heartbeat counter). Fenced."""
@@ -500,13 +366,6 @@ class Coordinator(ProducerSide):
             raise WindowGone(f"window {w} failed {self.config.max_attempts} captures: {err}")
         return None, state
 
-    @staticmethod
-    def _meta_cur(cur: schema.Sql, key: str) -> Any:
-        if key in schema.COUNTERS:
-            return int(cur.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()[0])
-        row = cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return None if row is None else row[0]
-
     def _held_lease(self, cur: schema.Sql, lease: Lease) -> None:
         self._check_consumer(cur, lease.consumer_id, lease.epoch)
         held = cur.execute(
@@ -580,74 +439,3 @@ class Coordinator(ProducerSide):
         log.warning(
             "window %d g%d corrupt (%s): quarantined", lease.window, lease.generation, reason
         )
-
-    # ---- eviction ----------------------------------------------------------------
-
-    def _finish_evictions(self, doomed: retention.Doomed) -> None:
-        """File first (unlink), then row (evicted): a row never names a missing ready file."""
-        if not doomed:
-            return
-        for _, name in doomed:
-            if name:
-                self.store.remove(name)
-        with self._write() as cur:
-            retention.finish_evicted(cur, [w for w, _ in doomed])
-
-    def evict(self) -> int:
-        """Evict every evictable window now (also done by ack and the producer's wait)."""
-        with self._write() as cur:
-            doomed = retention.mark_evictable(cur, self.config.expected_consumers, recover=True)
-        self._finish_evictions(doomed)
-        return len(doomed)
-
-    # ---- liveness and sweeping ---------------------------------------------------
-
-    def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Declare lost every process whose heartbeat counter stood still for ttl_s
-        on this process's own clock; release its leases/claims and fence it."""
-        rows = self.conn.execute(
-            "SELECT id, token, hb_seq FROM consumers WHERE state='active' UNION ALL "
-            "SELECT 'producer', token, hb_seq FROM producer WHERE state='active'"
-        ).fetchall()
-        lost = self._reclaimer.observe([(r[0], r[1], r[2]) for r in rows], exclude)
-        done = []
-        for pid, token, seq in lost:
-            with self._write() as cur:
-                new = self._bump(cur, "next_token")
-                if pid == "producer":
-                    n = cur.execute(
-                        "UPDATE producer SET state='lost', token=? WHERE token=? AND hb_seq=? "
-                        "AND state='active'",
-                        (new, token, seq),
-                    ).rowcount
-                    if n:
-                        self._release_claims(cur)
-                else:
-                    n = cur.execute(
-                        "UPDATE consumers SET state='lost', token=? WHERE id=? AND token=? AND "
-                        "hb_seq=? AND state='active'",
-                        (new, pid, token, seq),
-                    ).rowcount
-                    if n:
-                        cur.execute("DELETE FROM leases WHERE consumer=?", (pid,))
-                if n:
-                    self._bump(cur, "reclaims")
-                    done.append(pid)
-        for pid in done:
-            log.warning(
-                "%s lost: no heartbeat for %.1f s; leases/claims released", pid, self.config.ttl_s
-            )
-        return done
-
-    def is_live(self, window: int, generation: int) -> bool:
-        """For the sweeper: is window `window` generation `generation` ready or being captured?"""
-        row = self.conn.execute(
-            "SELECT 1 FROM windows WHERE window=? AND generation=? AND state IN ('ready','capturing')",
-            (window, generation),
-        ).fetchone()
-        return row is not None
-
-    def sweep(self) -> Any:
-        """Finish interrupted evictions, then let the store remove debris and orphans."""
-        self.evict()
-        return self.store.sweep(self.is_live)

@@ -309,6 +309,15 @@ class PostgresDatabase:
         )
         return {str(r[0]) for r in rows}
 
+    def server_version(self) -> str:
+        """The server's version, as `PostgreSQL <version>` (for benchmark tables)."""
+        return "PostgreSQL " + str(self.execute("SHOW server_version").fetchone()[0])
+
+    def integrity_check(self) -> str:
+        """PostgreSQL keeps its own files consistent (WAL, checksums): nothing to check
+        from a client; the run's invariants are fanout.coord.reads.audit's."""
+        return "ok"
+
     def create_namespace(self) -> None:
         """CREATE SCHEMA if missing (needs the CREATE privilege on the database)."""
         self.raw.execute(

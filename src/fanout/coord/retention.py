@@ -39,8 +39,9 @@ EVICTED_ROWS_KEPT = 64  # older evicted rows are deleted, so metadata stays flat
 _FAR = 1 << 62
 
 
-class RunConfig(BaseModel):
-    """How a run shares its windows. Stored in the database at create time."""
+class RunOptions(BaseModel):
+    """How a run shares its windows, as a producer's flags set it (`fanout produce`
+    inherits these fields). RunConfig adds what the producer works out itself."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -55,9 +56,6 @@ class RunConfig(BaseModel):
     )
     expected_consumers: int = Field(
         1, ge=1, description="Nothing is evicted until this many consumers have registered."
-    )
-    total_windows: int | None = Field(
-        None, ge=1, description="Windows in the run; None = endless stream."
     )
     ttl_s: float = Field(
         30.0, gt=0, description="Seconds without a heartbeat before a process is lost."
@@ -75,6 +73,14 @@ class RunConfig(BaseModel):
     @property
     def detach_after(self) -> float:
         return self.ttl_s if self.detach_after_s is None else self.detach_after_s
+
+
+class RunConfig(RunOptions):
+    """How a run shares its windows. Stored in the database at create time."""
+
+    total_windows: int | None = Field(
+        None, ge=1, description="Windows in the run; None = endless stream."
+    )
 
 
 Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'

@@ -127,6 +127,10 @@ class Database(Sql, Protocol):
         """The tables this database (PostgreSQL: this schema) holds."""
         ...
 
+    def integrity_check(self) -> str:
+        """`ok`, or what the database's own consistency check found wrong."""
+        ...
+
     def close(self) -> None: ...
 
 

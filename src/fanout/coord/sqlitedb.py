@@ -12,11 +12,10 @@ writers never deadlock upgrading a read lock) and short. `write()` wraps the
 transient "database is locked" in bounded retries; a caller only ever sees
 `CoordinatorBusy` after `max_wait_s` of continuous contention.
 
-Errors are classified by SQLite's result code (`sqlite_errorcode`, Python ≥ 3.11),
-never by reading messages: BUSY/LOCKED → `CoordinatorBusy`, FULL → `CoordinatorFull`,
+Errors are classified by SQLite's result code (`sqlite_errorcode`), never by reading
+messages: BUSY/LOCKED → `CoordinatorBusy`, FULL → `CoordinatorFull`,
 NOTADB/CORRUPT → `NotACoordinatorDatabase`, CANTOPEN/READONLY/PERM/IOERR →
-`CoordinatorUnavailable` (`typed_error`). Python 3.10's exceptions carry no code; there
-the code is recovered from SQLite's fixed text for exactly these codes (`sqlite3_errstr`).
+`CoordinatorUnavailable` (`typed_error`).
 """
 
 from __future__ import annotations
@@ -106,28 +105,20 @@ def check_local_filesystem(db_path: Path, mountinfo: str | None = None) -> None:
         )
 
 
-# SQLite's primary result codes (sqlite3.h; the stdlib names them only from 3.11 on).
-SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED, SQLITE_READONLY = 3, 5, 6, 8
-SQLITE_IOERR, SQLITE_CORRUPT, SQLITE_FULL, SQLITE_CANTOPEN, SQLITE_NOTADB = 10, 11, 13, 14, 26
-# Python 3.10 fallback: `sqlite3_errstr(code)`, the text SQLite reports for these codes.
-_CODE_OF_TEXT = {
-    "access permission denied": SQLITE_PERM,
-    "database is locked": SQLITE_BUSY,
-    "database table is locked": SQLITE_LOCKED,
-    "attempt to write a readonly database": SQLITE_READONLY,
-    "disk I/O error": SQLITE_IOERR,
-    "database disk image is malformed": SQLITE_CORRUPT,
-    "database or disk is full": SQLITE_FULL,
-    "unable to open database file": SQLITE_CANTOPEN,
-    "file is not a database": SQLITE_NOTADB,
-}
+# SQLite's primary result codes (sqlite3.h), as the stdlib names them.
+SQLITE_PERM, SQLITE_BUSY, SQLITE_LOCKED = (
+    sqlite3.SQLITE_PERM,
+    sqlite3.SQLITE_BUSY,
+    sqlite3.SQLITE_LOCKED,
+)
+SQLITE_READONLY, SQLITE_IOERR = sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR
+SQLITE_CORRUPT, SQLITE_FULL = sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_FULL
+SQLITE_CANTOPEN, SQLITE_NOTADB = sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_NOTADB
 
 
 def error_code(e: sqlite3.Error) -> int | None:
     """SQLite's primary result code of `e` (extended codes folded: BUSY_SNAPSHOT → BUSY)."""
-    code = getattr(e, "sqlite_errorcode", None)
-    if code is None:  # Python 3.10
-        code = _CODE_OF_TEXT.get(str(e))
+    code = getattr(e, "sqlite_errorcode", None)  # None: not raised by SQLite itself
     return None if code is None else int(code) & 0xFF
 
 
@@ -253,6 +244,10 @@ class SqliteDatabase:
         """Names of the tables in the database (empty while a create is in flight)."""
         rows = self.execute("SELECT name FROM sqlite_master WHERE type='table'").fetchall()
         return {str(r[0]) for r in rows}
+
+    def integrity_check(self) -> str:
+        """`PRAGMA integrity_check`: "ok", or the first problem SQLite found in the file."""
+        return str(self.execute("PRAGMA integrity_check").fetchone()[0])
 
     def _typed(self, e: sqlite3.Error) -> Exception:
         return typed_error(e, self.where) or e

@@ -61,7 +61,7 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
     counts = dict(q("SELECT state, COUNT(*) FROM windows GROUP BY state").fetchall())
     windows = {s: int(counts.get(s, 0)) for s in STATES}
     windows["evicted"] = int(co.meta("evictions"))  # old evicted rows are compacted away
-    live_bytes = q("SELECT COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'").fetchone()[0]
+    live_bytes = co.live_windows()[1]
     frontier = int(co.meta("next_window"))
     captured = list(co.contract.target_layer_ids)
     consumers = [

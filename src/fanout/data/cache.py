@@ -9,8 +9,9 @@
 Layout of an entry: `shard-00000.safetensors …` (tensors `input_ids` int32,
 `loss_mask` uint8, `document_ids` int32, `position_ids` int32, each [rows, T]) and
 `manifest.json` (fingerprint, seq_len, shard row counts, summary), written last.
-Everything is built in a sibling `*.tmp-<pid>` directory, fsynced, then renamed,
-so a crash leaves only debris that the next run removes. Reading maps the
+Everything is built in a sibling `*.tmp-<pid>` directory, each file fsynced
+(`FileSystem.write_new`), then renamed into place (`FileSystem.commit_dir`), so a
+crash leaves only debris and never a partial entry. Reading maps the
 safetensors data region with `np.memmap` (the format is an 8-byte header length,
 a JSON header, then raw little-endian tensors), so `rows()` touches only the pages
 it needs.
@@ -31,6 +32,7 @@ from safetensors.numpy import save_file
 
 from fanout.data.packing import ROW_KEYS
 from fanout.errors import CorruptWindow, StorageError
+from fanout.filesystem import FileSystem
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -49,23 +51,23 @@ def fingerprint(paths: list[str | Path], options: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ShardWriter:
-    """Accumulates row batches into shards under a temp dir; `commit` renames it into place."""
+    """Accumulates row batches into shards under a temp dir; `commit` renames it into place.
+    `fs`: the filesystem seam every write goes through (a FaultyFileSystem in tests)."""
 
-    def __init__(self, final_dir: str | Path, seq_len: int, rows_per_shard: int = 1024) -> None:
+    def __init__(
+        self,
+        final_dir: str | Path,
+        seq_len: int,
+        rows_per_shard: int = 1024,
+        fs: FileSystem | None = None,
+    ) -> None:
+        self.fs = fs or FileSystem()
         self.final = Path(final_dir)
-        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.fs.makedirs(self.final.parent)
         self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
         shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
+        self.fs.makedirs(self.tmp)
         self.seq_len = seq_len
         self.rows_per_shard = rows_per_shard
         self._pending: list[dict[str, np.ndarray]] = []
@@ -88,10 +90,7 @@ class ShardWriter:
         name = f"shard-{len(self.shards):05d}.safetensors"
         path = self.tmp / name
         try:
-            save_file(head, str(path))
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-            os.chmod(path, 0o644)
+            self.fs.write_new(path, lambda t: save_file(head, str(t.path)))
         except OSError as e:
             raise StorageError(f"writing cache shard {path}: {e}") from e
         self.bytes += path.stat().st_size
@@ -109,16 +108,9 @@ class ShardWriter:
             "bytes": self.bytes,
             **extra,
         }
-        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_dir(self.tmp)
-        if self.final.exists():  # an older dataset (or a racing identical entry): swap it out
-            old = self.final.with_name(f"{self.final.name}.old-{os.getpid()}")
-            os.replace(self.final, old)
-            os.replace(self.tmp, self.final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        self.fs.write_new(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        # an older dataset (or a racing identical entry) is swapped out
+        self.fs.commit_dir(self.tmp, self.final)
         return self.final
 
     def abort(self) -> None:

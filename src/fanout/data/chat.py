@@ -53,7 +53,9 @@ OPENAI_ROLES = {r: r for r in ROLES}
 
 
 class ChatFormat(BaseModel):
-    """How input records map to messages. Every field is a `fanout prepare` flag."""
+    """How input records map to messages. Declared once here: `fanout prepare`, `produce`
+    and `eval` inherit these fields, one flag each (`--role-map bot=assistant,human=user`,
+    `--pair-keys user,bot`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -64,7 +66,8 @@ class ChatFormat(BaseModel):
     )
     role_map: dict[str, str] = Field(
         default_factory=dict,
-        description="extra source role → canonical role (system|user|assistant|tool)",
+        description="extra source role → canonical role (system|user|assistant|tool), "
+        "e.g. bot=assistant,human=user",
     )
     pair_keys: tuple[str, str] = Field(
         ("user", "bot"), description="pairs format: keys of the user and assistant text"

@@ -46,15 +46,15 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fanout.data.chatspec import ChatSpec
 from fanout.errors import ConfigError
 
 if TYPE_CHECKING:
     from fanout.data.chat import Conversation
-    from fanout.data.template import ChatEncoder, ChatSpec
 
 # Bump when a policy or path changes the masks: it is part of the prepared-rows cache key.
 RULES_VERSION = 2
@@ -244,6 +244,24 @@ class TurnText:
         return best
 
 
+class Encoder(Protocol):
+    """What the maskers read from their encoder (a fanout.data.template.ChatEncoder,
+    which builds its masker from itself: typed here so this module never imports it)."""
+
+    spec: ChatSpec
+    tokenizer: Any  # a tokenizers.Tokenizer
+    turn_text: TurnText
+
+    def template_messages(self, conv: Conversation) -> list[dict[str, Any]]: ...
+
+    def render_messages(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        generation_prompt: bool,
+    ) -> str: ...
+
+
 def turn_text_for(spec: ChatSpec) -> TurnText:
     """The special tokens the template writes (plus bos/eos and the stops): the only
     ones a rendering's structure is made of (a vocabulary's hundreds of reserved
@@ -288,7 +306,7 @@ def _content_core(m: dict[str, Any]) -> list[str]:
     return out
 
 
-def general_spans(enc: ChatEncoder, conv: Conversation) -> tuple[str, list[tuple[int, int]], bool]:
+def general_spans(enc: Encoder, conv: Conversation) -> tuple[str, list[tuple[int, int]], bool]:
     """The rule: (full rendering, trained char spans in it, whether alignment was needed).
 
     Raises MaskError when an assistant turn cannot be placed (a bad row).
@@ -461,7 +479,7 @@ class ChatMLScan:
 
     name = CHATML
 
-    def __init__(self, enc: ChatEncoder) -> None:
+    def __init__(self, enc: Encoder) -> None:
         tok = enc.tokenizer.token_to_id
         self.im_start = tok("<|im_start|>")
         self.im_end = tok("<|im_end|>")
@@ -518,18 +536,18 @@ class _Unavailable(Exception):
 _PROBES = ("Hello", "1", "你好", "(x)", '"q"', "-", "x\ny", "\u00e9t\u00e9")
 
 
-def _ids(enc: ChatEncoder, text: str) -> list[int]:
+def _ids(enc: Encoder, text: str) -> list[int]:
     return list(enc.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def _special_id(enc: ChatEncoder, tok: str) -> int:
+def _special_id(enc: Encoder, tok: str) -> int:
     i = enc.tokenizer.token_to_id(tok)
     if i is None or tok not in enc.spec.special_added:
         raise _Unavailable(f"{tok!r} is not a special token of this tokenizer")
     return int(i)
 
 
-def stable_header(enc: ChatEncoder, text: str) -> list[int]:
+def stable_header(enc: Encoder, text: str) -> list[int]:
     """Ids of a header, provided they do not depend on the text that follows it."""
     h = _ids(enc, text)
     for probe in _PROBES:
@@ -538,7 +556,7 @@ def stable_header(enc: ChatEncoder, text: str) -> list[int]:
     return h
 
 
-def _scan_for(path: str, enc: ChatEncoder) -> MarkerScan:
+def _scan_for(path: str, enc: Encoder) -> MarkerScan:
     spec = enc.spec
     if path == LLAMA3:
         hdr = stable_header(enc, "<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -578,7 +596,7 @@ class RuleMasker:
 Masker = ChatMLScan | MarkerScan | RuleMasker
 
 
-def build_masker(enc: ChatEncoder) -> tuple[Masker, str | None]:
+def build_masker(enc: Encoder) -> tuple[Masker, str | None]:
     """(masker, why the planned fast path was not usable, if it was not)."""
     path = plan_path(enc.spec)
     if path in (RULE, GENERATION):

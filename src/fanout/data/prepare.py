@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
 from fanout.data.cache import MANIFEST, PackedDataset, ShardWriter, fingerprint
 from fanout.data.chat import ChatFormat, detect_format, iter_raw_chunks
@@ -39,9 +39,11 @@ from fanout.data.packing import Doc, OverLength, Packer, shuffled
 from fanout.data.template import ChatSpec, default_cache_root, load_chat_spec
 from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
 from fanout.errors import BadRow, ConfigError
-from fanout.flags import problems
+from fanout.filesystem import FileSystem
+from fanout.flags import add_model_flags, model_from_args
 
 __all__ = [
+    "DataOptions",
     "PackedDataset",
     "PrepareConfig",
     "iter_packed_rows",
@@ -51,37 +53,25 @@ __all__ = [
 ]
 
 
-class PrepareConfig(BaseModel):
-    """Every option of the data stage; each field is one `fanout prepare` flag."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class DataOptions(ChatFormat):
+    """Data-stage options every command that prepares rows shares (`fanout prepare`,
+    `fanout produce`), on top of the chat format. Declared once here; the commands'
+    configs inherit them, so each is one flag and one config-file key everywhere."""
 
     data: list[str] = Field(description="input files: JSON array, JSONL or Parquet", min_length=1)
-    tokenizer: str = Field(description="local Hugging Face tokenizer directory")
     chat_template: str | None = Field(
         None,
         description="chat template file (.jinja, or .json holding chat_template) to use "
         "instead of the tokenizer's",
     )
-    seq_len: int = Field(4096, ge=2, description="tokens per packed row (T)")
-    format: Literal["auto", "sharegpt", "openai", "pairs"] = Field(
-        "auto", description="input shape; auto detects per file from the first rows"
-    )
-    messages_field: str | None = Field(None, description="field holding the turns")
-    role_map: dict[str, str] = Field(
-        default_factory=dict, description="extra source-role → canonical-role mapping"
-    )
-    pair_keys: tuple[str, str] = Field(("user", "bot"), description="pairs: user/bot keys")
     workers: int | None = Field(
         None, ge=0, description="worker processes; None/0 = all usable cores (FANOUT_WORKERS)"
     )
     cache_dir: str | None = Field(
-        None, description="cache root: prepared rows and tokenizer builds (default $FANOUT_CACHE)"
+        None,
+        description="cache root: prepared rows and tokenizer builds (default: $FANOUT_CACHE; "
+        "fanout produce: RUN_DIR/cache)",
     )
-    no_cache: bool = Field(
-        False, description="neither read nor write the prepared-rows cache (needs --out)"
-    )
-    out: str | None = Field(None, description="output directory (default: the cache entry)")
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="bad rows: stop naming file:line:field, or skip and count"
     )
@@ -89,25 +79,44 @@ class PrepareConfig(BaseModel):
         "split", description="conversations longer than seq_len: split | drop | error"
     )
     lookahead: int = Field(64, ge=1, description="open rows the best-fit packer keeps")
-    shuffle_buffer: int = Field(0, ge=0, description="seeded shuffle buffer (docs); 0 = off")
-    seed: int = Field(0, description="shuffle seed")
-    epoch: int = Field(0, ge=0, description="epoch (changes the shuffled order)")
     chunk_rows: int = Field(512, ge=1, description="rows per worker task")
     rows_per_shard: int = Field(1024, ge=1, description="packed rows per cache shard")
     progress: bool = Field(True, description="show a progress bar on stderr")
 
+    def chat_format(self) -> ChatFormat:
+        return ChatFormat(**{k: getattr(self, k) for k in ChatFormat.model_fields})
+
+    def data_options(self) -> dict[str, Any]:
+        """This config's DataOptions fields, by name (to build a PrepareConfig from)."""
+        return {k: getattr(self, k) for k in DataOptions.model_fields}
+
+
+class PrepareConfig(DataOptions):
+    """Every option of the data stage; each field is one `fanout prepare` flag.
+
+    The chat-format and shared data fields come from ChatFormat and DataOptions;
+    these are prepare's own. `fanout produce` declares its own `tokenizer` (optional:
+    the verifier's), `seq_len` (part of its contract) and `seed` (its stream seed), and
+    has no row shuffle of prepare's (it permutes rows per epoch itself)."""
+
+    tokenizer: str = Field(description="local Hugging Face tokenizer directory")
+    seq_len: int = Field(4096, ge=2, description="tokens per packed row (T)")
+    no_cache: bool = Field(
+        False, description="neither read nor write the prepared-rows cache (needs --out)"
+    )
+    out: str | None = Field(None, description="output directory (default: the cache entry)")
+    shuffle_buffer: int = Field(0, ge=0, description="seeded shuffle buffer (docs); 0 = off")
+    seed: int = Field(0, description="shuffle seed")
+    epoch: int = Field(0, ge=0, description="epoch (changes the shuffled order)")
+
+    # Only here, not in DataOptions: a ProducerConfig names files that need not exist
+    # yet when it is built (fanout.produce.producer.check_inputs checks them at start).
     @field_validator("data")
     @classmethod
     def _files_exist(cls, v: list[str]) -> list[str]:
         missing = [p for p in v if not Path(p).is_file()]
         if missing:
             raise ValueError(f"no such file(s): {missing}")
-        return v
-
-    @field_validator("role_map")
-    @classmethod
-    def _roles_known(cls, v: dict[str, str]) -> dict[str, str]:
-        ChatFormat(role_map=v)  # one place validates roles
         return v
 
     @field_validator("chat_template")
@@ -117,25 +126,14 @@ class PrepareConfig(BaseModel):
             raise ValueError(f"no such file: {v}")
         return v
 
-    def chat_format(self) -> ChatFormat:
-        return ChatFormat(
-            format=self.format,
-            messages_field=self.messages_field,
-            role_map=self.role_map,
-            pair_keys=self.pair_keys,
-        )
-
     def cache_root(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else default_cache_root()
 
     def output_options(self) -> dict[str, Any]:
         """Every option that changes the packed rows (the cache fingerprint's inputs)."""
         keep = [
+            *ChatFormat.model_fields,
             "seq_len",
-            "format",
-            "messages_field",
-            "role_map",
-            "pair_keys",
             "on_bad_row",
             "over_length",
             "lookahead",
@@ -282,21 +280,20 @@ def _materialize(entry: Path, out: Path) -> None:
         return
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: exists and is not a prepared dataset; refusing to replace")
+    fs = FileSystem()
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in entry.iterdir():
-        try:
-            os.link(f, tmp / f.name)
-        except OSError:  # other filesystem
-            shutil.copy2(f, tmp / f.name)
-    if out.exists():
-        old = out.with_name(out.name + f".old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    fs.makedirs(tmp)
+    try:
+        for f in entry.iterdir():
+            try:
+                fs.link(f, tmp / f.name)
+            except OSError:  # other filesystem
+                shutil.copy2(f, tmp / f.name)
+        fs.commit_dir(tmp, out)  # fsyncs the copies; an older `out` is swapped out
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def prepare(cfg: PrepareConfig) -> PackedDataset:
@@ -354,88 +351,14 @@ def prepare(cfg: PrepareConfig) -> PackedDataset:
 # --------------------------------------------------------------------------- CLI
 
 
-def _help(name: str) -> str:
-    return PrepareConfig.model_fields[name].description or name
-
-
 def add_arguments(p: argparse.ArgumentParser, name: str = "prepare") -> None:
-    p.add_argument("--data", nargs="+", required=True, metavar="PATH", help=_help("data"))
-    p.add_argument("--tokenizer", required=True, metavar="DIR", help=_help("tokenizer"))
-    p.add_argument("--chat-template", metavar="FILE", help=_help("chat_template"))
-    p.add_argument("--seq-len", type=int, default=4096, metavar="T", help=_help("seq_len"))
-    p.add_argument(
-        "--format",
-        default="auto",
-        choices=["auto", "sharegpt", "openai", "pairs"],
-        help=_help("format"),
-    )
-    p.add_argument("--messages-field", metavar="NAME", help=_help("messages_field"))
-    p.add_argument(
-        "--role-map",
-        default="",
-        metavar="SRC=ROLE,…",
-        help="extra role mapping, e.g. bot=assistant,human=user (roles: system|user|assistant|tool)",
-    )
-    p.add_argument("--pair-keys", default="user,bot", metavar="U,A", help=_help("pair_keys"))
-    p.add_argument("--workers", type=int, metavar="N", help=_help("workers"))
-    # Not exclusive: --no-cache skips the row cache, the tokenizer build still lives there.
-    p.add_argument("--cache-dir", metavar="DIR", help=_help("cache_dir"))
-    p.add_argument("--no-cache", action="store_true", help=_help("no_cache"))
-    p.add_argument("--out", metavar="DIR", help=_help("out"))
-    p.add_argument(
-        "--on-bad-row", default="error", choices=["error", "skip"], help=_help("on_bad_row")
-    )
-    p.add_argument(
-        "--over-length",
-        default="split",
-        choices=["split", "drop", "error"],
-        help=_help("over_length"),
-    )
-    p.add_argument("--lookahead", type=int, default=64, metavar="ROWS", help=_help("lookahead"))
-    p.add_argument(
-        "--shuffle-buffer", type=int, default=0, metavar="DOCS", help=_help("shuffle_buffer")
-    )
-    p.add_argument("--seed", type=int, default=0, help=_help("seed"))
-    p.add_argument("--epoch", type=int, default=0, help=_help("epoch"))
-    p.add_argument("--chunk-rows", type=int, default=512, metavar="ROWS", help=_help("chunk_rows"))
-    p.add_argument(
-        "--rows-per-shard", type=int, default=1024, metavar="ROWS", help=_help("rows_per_shard")
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_flags(p, PrepareConfig)
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
 def config_from_args(args: argparse.Namespace) -> PrepareConfig:
-    try:
-        role_map = dict(kv.split("=", 1) for kv in args.role_map.split(",") if kv)
-        pair = tuple(args.pair_keys.split(","))
-        return PrepareConfig(
-            data=args.data,
-            tokenizer=args.tokenizer,
-            chat_template=args.chat_template,
-            seq_len=args.seq_len,
-            format=args.format,
-            messages_field=args.messages_field,
-            role_map=role_map,
-            pair_keys=pair,
-            workers=args.workers,
-            cache_dir=args.cache_dir,
-            no_cache=args.no_cache,
-            out=args.out,
-            on_bad_row=args.on_bad_row,
-            over_length=args.over_length,
-            lookahead=args.lookahead,
-            shuffle_buffer=args.shuffle_buffer,
-            seed=args.seed,
-            epoch=args.epoch,
-            chunk_rows=args.chunk_rows,
-            rows_per_shard=args.rows_per_shard,
-            progress=not args.no_progress,
-        )
-    except ValidationError as e:
-        raise ConfigError(problems(e)) from None
-    except ValueError as e:  # --role-map / --pair-keys that do not parse
-        raise ConfigError(f"--role-map / --pair-keys: {e}") from None
+    """PrepareConfig from `--config FILE` and flags (flags win)."""
+    return model_from_args(PrepareConfig, args)
 
 
 def format_summary(ds: PackedDataset) -> str:

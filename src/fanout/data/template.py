@@ -33,11 +33,9 @@ import functools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import chain
 from pathlib import Path
@@ -48,7 +46,9 @@ import xxhash
 
 from fanout.data import masks
 from fanout.data.chat import Conversation
+from fanout.data.chatspec import ChatSpec
 from fanout.errors import ConfigError
+from fanout.filesystem import FileSystem
 
 # Files in an HF tokenizer directory that can change ids or the rendering.
 TOKENIZER_FILES = (
@@ -80,37 +80,6 @@ def tokenizer_fingerprint(tok_dir: str | Path) -> str:
     if not found:
         raise ConfigError(f"--tokenizer: no tokenizer files in {d}")
     return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class ChatSpec:
-    """Everything a worker needs to render + tokenize + mask; small and picklable."""
-
-    tokenizer_json: str
-    fingerprint: str  # tokenizer fingerprint
-    templates: dict[str, str]  # name -> Jinja source ("default", maybe "tool_use")
-    special_tokens: dict[str, str]  # passed to the template like transformers does
-    added_tokens: dict[str, int] = field(default_factory=dict)
-    pad_token_id: int = 0
-    special_added: tuple[str, ...] = ()  # added tokens flagged special (control tokens)
-    generation_eos: tuple[str, ...] = ()  # generation_config.json eos ids, as token texts
-    mask_path: str = "auto"  # masks.PATHS or auto (FANOUT_MASK_PATH)
-    template_source: str = ""  # "tokenizer" or the --chat-template file
-
-    def template_fingerprint(self) -> str:
-        """The template, its variables and the end-of-turn tokens (what the mask reads)."""
-        blob = json.dumps(
-            [self.templates, self.special_tokens, self.generation_eos], sort_keys=True
-        )
-        return xxhash.xxh3_128_hexdigest(blob.encode())
-
-    def template_for(self, has_tools: bool) -> str:
-        # Same choice as PreTrainedTokenizerBase.get_chat_template for a dict of templates.
-        if has_tools and "tool_use" in self.templates:
-            return self.templates["tool_use"]
-        if "default" in self.templates:
-            return self.templates["default"]
-        raise ConfigError(f"tokenizer has no default chat template (has {sorted(self.templates)})")
 
 
 def default_cache_root() -> Path:
@@ -201,11 +170,9 @@ def load_chat_spec(
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode != 0:
                     raise ConfigError(f"--tokenizer {tok_dir}: cannot load it: {r.stderr[-2000:]}")
-                if entry.exists():  # an entry of an older layout: swap it out
-                    old = entry.with_name(entry.name + f".old{os.getpid()}")
-                    os.replace(entry, old)
-                    shutil.rmtree(old, ignore_errors=True)
-                os.replace(tmp, entry)  # atomic: the entry appears whole or not at all
+                # fsynced, then renamed: the entry appears whole or not at all (an entry
+                # of an older layout is swapped out)
+                FileSystem().commit_dir(tmp, entry)
     meta = json.loads(meta_path.read_text())
     templates = meta["templates"]
     source = "tokenizer"

@@ -208,32 +208,40 @@ def _read_config(root: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- config
 
 
-class VerifierConfig(BaseModel):
-    """How to load and run the verifier. CLI flags map onto these fields one to one."""
+class VerifierOptions(BaseModel):
+    """How to run the verifier, whatever it is and whichever layers it captures. Declared
+    once here; `fanout produce` inherits these fields (one flag each)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    path: str = Field(description="Local HF model directory (config.json + weights).")
-    device: str = Field("auto", description="'auto' (CUDA if present), 'cpu', 'cuda', 'cuda:N'.")
-    dtype: DTypeName = Field("auto", description="Compute dtype; auto = bf16 on CUDA, fp32 on CPU.")
-    storage_dtype: StorageDType = Field(
-        "bfloat16", description="dtype of captured hidden states (what windows store)."
+    device: str = Field(
+        "auto", description="verifier device: auto (CUDA if present) | cpu | cuda | cuda:N"
     )
-    target_layer_ids: tuple[int, ...] | Literal["all"] | None = Field(
-        None, description="Decoder layers to capture (0-based), or 'all'; None = DFlash rule."
+    dtype: DTypeName = Field(
+        "auto", description="verifier compute dtype; auto = bf16 on CUDA, fp32 on CPU"
+    )
+    storage_dtype: StorageDType = Field(
+        "bfloat16",
+        description="dtype of captured hidden states, what windows store (contract); "
+        "float8_e4m3fn halves the bytes of bf16 with one float32 scale per token and layer "
+        "(docs/producer.md)",
     )
     num_draft_layers: int | None = Field(
-        5, gt=0, description="Draft layers for the DFlash rule (ignored with target_layer_ids)."
+        5, gt=0, description="draft layers for the DFlash layer rule (when no layers are given)"
     )
     chunk_tokens: int = Field(
-        1024, gt=0, description="Tokens per lm_head chunk for target_ids (bounds logits memory)."
+        1024, gt=0, description="tokens per lm_head chunk for target_ids (bounds logits memory)"
     )
     store_last_hidden_states: bool = Field(
-        False, description="Also return the final-normed hidden states [B, T, H]."
+        False, description="also capture the final-normed hidden states [R, T, H] (contract)"
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="HF attention backend; both take our 4D packed-document mask."
+        "sdpa", description="HF attention backend; both take our 4D packed-document mask"
     )
+
+    def verifier_options(self) -> dict[str, Any]:
+        """This config's VerifierOptions fields, by name (`load_verifier(path, **these)`)."""
+        return {k: getattr(self, k) for k in VerifierOptions.model_fields}
 
     @field_validator("device")
     @classmethod
@@ -244,6 +252,15 @@ class VerifierConfig(BaseModel):
             except RuntimeError as e:
                 raise ValueError(f"device {v!r}: {e}") from None
         return v
+
+
+class VerifierConfig(VerifierOptions):
+    """How to load and run the verifier: which one, which layers, and VerifierOptions."""
+
+    path: str = Field(description="Local HF model directory (config.json + weights).")
+    target_layer_ids: tuple[int, ...] | Literal["all"] | None = Field(
+        None, description="Decoder layers to capture (0-based), or 'all'; None = DFlash rule."
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,16 @@ tmp/<name>.<pid>-<rand>.tmp (O_EXCL, 0644) → header with zeroed checksums →
 tensor bytes straight from tensor memory, each tensor hashed chunk by chunk as it
 is written → real header (every tensor's checksum, then the header's own)
 pwritten at offset 0 → fsync → close → link to
-windows/<name> (fails if it exists) → unlink tmp → fsync windows/. The caller
-then commits the window in the coordinator. Every write-side call goes through
-the `FileSystem` seam (fanout.filesystem), so tests inject EIO/ENOSPC and kills.
+windows/<name> (fails if it exists) → unlink tmp → fsync windows/: the
+package's one atomic write, `FileSystem.write_atomic(..., overwrite=False)`, with
+a writer that streams and hashes the tensors. The caller then commits the window
+in the coordinator. Every write-side call goes through the `FileSystem` seam
+(fanout.filesystem), so tests inject EIO/ENOSPC and kills.
 The file format and the reader live in fanout.store.windowfile (re-exported here).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import secrets
@@ -35,7 +36,7 @@ import torch
 import xxhash
 
 from fanout.errors import CorruptWindow, StorageError, StorageFull
-from fanout.filesystem import FileSystem
+from fanout.filesystem import AtomicWriteError, FileSystem, TempFile
 from fanout.store.windowfile import (
     CHECKSUM_ALGO,
     WindowFormatError,
@@ -85,10 +86,6 @@ class RunDir:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "root", Path(self.root))
-
-    @property
-    def db(self) -> Path:
-        return self.root / "coordinator.sqlite3"
 
     @property
     def contract(self) -> Path:
@@ -147,7 +144,8 @@ class SweepReport:
 
 def _storage_error(e: OSError, name: str, op: str, path: Path) -> StorageError:
     cls = StorageFull if e.errno in _FULL_ERRNOS else StorageError
-    return cls(f"window {name}: {op} failed on {path}: {e.strerror or e}")
+    reason = e.reason if isinstance(e, AtomicWriteError) else e.strerror or e
+    return cls(f"window {name}: {op} failed on {path}: {reason}")
 
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -205,37 +203,20 @@ class Store:
         prefix, _ = layout.header()  # checksums zeroed; same length as the real one
         final = self.run_dir.windows / name
         tmp = self.run_dir.tmp / f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        fs, fd, linked, tmp_made = self.fs, None, False, False
-        op, path = "create temp file", tmp
-        try:
-            tmp_made = True  # from here on, a failure tries to unlink it (missing is fine)
-            fd = fs.open_new(tmp)
-            op = "write"
-            fs.write(fd, prefix)
-            sums = self._write_hashed(fd, len(prefix), layout.names, layout.views)
+
+        def write(t: TempFile) -> str:
+            self.fs.write(t.fd, prefix)
+            sums = self._write_hashed(t.fd, len(prefix), layout.names, layout.views)
             real, checksum = layout.header(sums)
-            op = "write header"
-            fs.pwrite(fd, real, 0)
-            op = "fsync"
-            fs.fsync(fd)  # never retried: a failed fsync aborts the window
-            op, fd_ = "close", fd
-            fd = None
-            fs.close(fd_)
-            op, path = "link into windows/", final
-            fs.link(tmp, final)
-            linked = True
-            op, path = "unlink temp file", tmp
-            fs.unlink(tmp)
-            tmp_made = False
-            op, path = "fsync directory", self.run_dir.windows
-            fs.fsync_dir(self.run_dir.windows)
-        except BaseException as e:
-            self._abort(fd, tmp if tmp_made else None, final if linked else None)
-            if isinstance(e, FileExistsError) and path == final:
+            self.fs.pwrite(t.fd, real, 0)
+            return checksum
+
+        try:  # fsync never retried; link never overwrites; temp (and link) gone on failure
+            checksum = self.fs.write_atomic(final, write, tmp=tmp, overwrite=False)
+        except AtomicWriteError as e:
+            if e.errno == errno.EEXIST and e.step == "link":
                 raise StorageError(f"window {name}: {final} already exists; not overwritten") from e
-            if isinstance(e, OSError):
-                raise _storage_error(e, name, op, path) from e
-            raise
+            raise _storage_error(e, name, e.step, e.path) from e
         return Published(name, final, len(prefix) + layout.data_bytes, checksum)
 
     def _write_hashed(
@@ -267,17 +248,6 @@ class Store:
                     offset += chunk.nbytes
                 sums[k] = f"{CHECKSUM_ALGO}:{h.hexdigest()}"
         return sums
-
-    def _abort(self, fd: int | None, tmp: Path | None, final: Path | None) -> None:
-        """Best-effort cleanup after a failed publish; errors here are swallowed
-        (the sweeper removes whatever a failing filesystem leaves behind)."""
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                self.fs.close(fd)
-        for p in (final, tmp):
-            if p is not None:
-                with contextlib.suppress(OSError):
-                    self.fs.unlink(p)
 
     # -- read, quarantine, evict, sweep ------------------------------------------
 

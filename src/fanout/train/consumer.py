@@ -40,8 +40,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fanout.coord.coordinator import Coordinator
+from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.leases import ConsumerReg, Lease
-from fanout.coord.liveness import Heartbeat
 from fanout.errors import ConfigError, CorruptWindow
 from fanout.filesystem import FileSystem
 from fanout.store.store import RunDir, Store, WindowReader
@@ -54,35 +54,49 @@ log = logging.getLogger(__name__)
 ROW_TENSORS = ("target_ids", "input_ids", "loss_mask", "document_ids", "position_ids")
 
 
-class ConsumerConfig(BaseModel):
-    """How one trainer reads a run. Flags of scripts/train.py map onto these fields."""
+class ConsumerOptions(BaseModel):
+    """How one trainer reads a run, as its flags set it: `fanout train` inherits these
+    fields (one flag each). ConsumerConfig adds what the trainer works out itself."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     run_dir: str = Field(description="run directory the producer writes")
     consumer_id: str = Field(description="consumer name (scoped by data-parallel rank)")
-    dp_rank: int = Field(0, ge=0, description="data-parallel rank: consumer id is name:dp<rank>")
-    dp_world_size: int = Field(
-        1, ge=1, description="data-parallel ranks: each reads rows order[rank::world] of a window"
+    dp_rank: int = Field(
+        0,
+        ge=0,
+        description="data-parallel rank: the consumer id is name:dp<rank> (under torchrun, RANK)",
     )
     db_path: str | None = Field(
-        None, description="coordinator database (path or postgresql:// URL) if not as recorded"
+        None,
+        description="coordinator database (a path or a postgresql:// URL); default: as the "
+        "producer recorded it in the run dir",
     )
     acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
     heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s); keep < ttl/3")
-    row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
     prefetch: bool = Field(True, description="acquire + verify the next window in background")
-    max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
     target_layer_ids: list[int] | None = Field(
         None,
         description="captured layers to read, in this order (a batch's hidden_states is "
-        "their concatenation); any subset of the run's; default: all, in capture order",
+        "their concatenation, the order a draft concatenates them): any subset of the "
+        "layers the run captured (contract.json); default: all, in capture order",
     )
     takeover: bool = Field(
         False,
         description="take this consumer id over from a live process that holds it (that "
         "one is fenced off and exits); without it, a live holder makes this one exit",
     )
+
+
+class ConsumerConfig(ConsumerOptions):
+    """How one trainer reads a run: ConsumerOptions plus what the trainer derives (its
+    world size under torchrun, its row seed, the windows its --epochs come to)."""
+
+    dp_world_size: int = Field(
+        1, ge=1, description="data-parallel ranks: each reads rows order[rank::world] of a window"
+    )
+    row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
+    max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> ConsumerConfig:

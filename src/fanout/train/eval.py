@@ -33,19 +33,22 @@ from pydantic import Field, field_validator
 
 from fanout.data.chat import ChatFormat, Conversation, load_conversations
 from fanout.errors import BadRow, CheckpointError, ConfigError
-from fanout.flags import add_model_flags, model_from_args
+from fanout.flags import add_model_flags, flag_options, model_from_args
 from fanout.model.dflash import DFlashDraft
 from fanout.model.spec_decode import Decoder, DecodeResult, first_mismatch
-from fanout.train.checkpoint import latest_checkpoint, load_draft, read_config
+from fanout.train.checkpoint import latest_checkpoint
+from fanout.train.serving import load_draft, read_config
 
 
 class EvalConfig(ChatFormat):
-    """Every `fanout eval` flag (the chat-format fields are `fanout prepare`'s)."""
+    """Every `fanout eval` flag (the chat-format fields are ChatFormat's, as in `fanout
+    prepare` and `fanout produce`)."""
 
     verifier_name_or_path: str = Field(description="local verifier dir (the full model)")
     draft: list[str] = Field(
         default_factory=list,
-        description="draft checkpoint dir or trainer --save-path (repeatable; at least one)",
+        description="draft checkpoint dir or trainer --save-path (at least one)",
+        json_schema_extra=flag_options(metavar="DIR", repeatable=True),
     )
     data: str = Field(description="chat data (JSON/JSONL/Parquet, any format prepare reads)")
     tokenizer: str = Field(description="tokenizer dir with the chat template")
@@ -58,7 +61,11 @@ class EvalConfig(ChatFormat):
     eos_token_id: list[int] | None = Field(
         None, description="stop tokens; default: the verifier's config / generation_config"
     )
-    json_out: str | None = Field(None, description="write the full report as JSON here")
+    json_out: str | None = Field(
+        None,
+        description="write the full report as JSON here",
+        json_schema_extra=flag_options(flag="--json", metavar="OUT"),
+    )
 
     @field_validator("data", "tokenizer", "verifier_name_or_path")
     @classmethod
@@ -290,18 +297,16 @@ def table(report: dict[str, Any]) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "eval") -> None:
-    # role_map (a mapping) is reachable through --config only
-    add_model_flags(p, EvalConfig, exclude=("role_map", "json_out", "draft"))
-    p.add_argument("--draft", dest="draft", action="extend", nargs="+", metavar="DIR",
-                   default=argparse.SUPPRESS,
-                   help="draft checkpoint dir or trainer --save-path; repeat for several "
-                   "(required)")  # fmt: skip
-    p.add_argument("--json", dest="json_out", default=argparse.SUPPRESS, metavar="OUT",
-                   help="write the full report as JSON to OUT")  # fmt: skip
+    add_model_flags(p, EvalConfig)
+
+
+def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """EvalConfig from `--config FILE` and flags (flags win)."""
+    return model_from_args(EvalConfig, args)
 
 
 def run(args: argparse.Namespace, name: str = "eval") -> int:
-    cfg = model_from_args(EvalConfig, args)
+    cfg = config_from_args(args)
     try:
         report = evaluate(cfg, echo=lambda s: print(s, flush=True))
     except BadRow as e:

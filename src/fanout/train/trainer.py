@@ -6,10 +6,11 @@
     torchrun --nproc-per-node 4 scripts/train.py ...   # data parallel (fanout.train.distributed)
 
 Reads rows from fanout.train.consumer (lease → train → ack after the optimizer step),
-trains fanout.model.dflash with the fused linear CE and fused AdamW, logs JSONL
-(loss, per-slot accuracy, EAL, step ms split fetch/fwd/bwd/opt, tokens/s,
-window wait) and saves speculators-format checkpoints that carry the consumer
-cursor, so `--resume` continues at the exact next row.
+trains fanout.model.dflash with the fused linear CE and fused AdamW + LR schedule
+(fanout.train.optim), logs JSONL (loss, per-slot accuracy, EAL, step ms split
+fetch/fwd/bwd/opt, tokens/s, window wait; fanout.train.progress) and saves
+speculators-format checkpoints that carry the consumer cursor, so `--resume`
+continues at the exact next row.
 """
 
 from __future__ import annotations
@@ -19,28 +20,33 @@ import collections
 import json
 import logging
 import math
-import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from fanout.contract import CaptureContract
 from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
-from fanout.errors import ConfigError, CoordinatorBusy, Detached, NoCoordinator
-from fanout.flags import add_model_flags, model_from_args
+from fanout.errors import ConfigError, Detached
+from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
 from fanout.model.dflash import DFlashDraft
-from fanout.ops.adamw import make_optimizer
 from fanout.ops.fp8 import dequantize
 from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fanout.train.consumer import Batch, ConsumerConfig, ConsumerStream
+from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
 from fanout.train.distributed import DataParallel
+from fanout.train.optim import build_optimizer
+from fanout.train.progress import (
+    MetricsLog,
+    ProgressBar,
+    StartupClock,
+    WaitNotice,
+    wait_for_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,23 +55,12 @@ EXIT_DETACHED = 3
 RECENT_EAL_STEPS = 50
 
 
-class TrainConfig(BaseModel):
-    """Every scripts/train.py flag (speculators trainer names where the meaning is the same)."""
+class TrainConfig(ConsumerOptions):
+    """Every `fanout train` (scripts/train.py) flag; speculators trainer names where the
+    meaning is the same. How the trainer reads the run (run_dir, consumer_id, dp_rank,
+    db_path, target_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
+    ConsumerOptions', declared once in fanout.train.consumer; these are the trainer's."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    run_dir: str = Field(description="run directory the producer writes")
-    consumer_id: str = Field(description="this trainer's consumer name")
-    dp_rank: int = Field(
-        0,
-        ge=0,
-        description="data-parallel rank (consumer id name:dp<rank>); under torchrun, RANK",
-    )
-    db_path: str | None = Field(
-        None,
-        description="coordinator database (a path or a postgresql:// URL); default: as the "
-        "producer recorded it in the run dir",
-    )
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
     checkpoint_verifier_name: str | None = Field(
         None,
@@ -76,11 +71,6 @@ class TrainConfig(BaseModel):
     block_size: int = Field(8, ge=2, description="tokens per draft block (anchor + masks)")
     max_anchors: int = Field(64, ge=1, description="anchors drawn per row per step")
     mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
-    target_layer_ids: list[int] | None = Field(
-        None,
-        description="verifier layers of the context, in the order the draft concatenates "
-        "them: any subset of the layers the run captured (contract.json); default: all of them",
-    )
     draft_vocab_size: int | None = Field(
         None,
         gt=0,
@@ -149,18 +139,24 @@ class TrainConfig(BaseModel):
         "float32", description="compute dtype (bf16 autocast on CUDA)"
     )
     seed: int = Field(0, description="seeds init, anchors and row order within windows")
-    acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
-    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s)")
     progress: bool | None = Field(
         None,
         description="per-step progress bar on stderr (step, loss, EAL, rows/s, time waiting "
         "for windows, window, cursor); default: when stderr is a terminal",
     )
-    takeover: bool = Field(
-        False,
-        description="take this consumer id over from a live trainer that holds it (that one "
-        "is fenced off and exits); without it, a live holder makes this one exit",
-    )
+
+    def consumer_config(
+        self, *, dp_rank: int, dp_world_size: int, max_windows: int | None
+    ) -> ConsumerConfig:
+        """The ConsumerStream's config: this config's ConsumerOptions, the rank and world
+        size the trainer runs with, `seed` as the row seed, and the windows to read."""
+        options = {k: getattr(self, k) for k in ConsumerOptions.model_fields}
+        return ConsumerConfig(
+            **(options | {"dp_rank": dp_rank}),
+            dp_world_size=dp_world_size,
+            row_shuffle_seed=self.seed,
+            max_windows=max_windows,
+        )
 
 
 def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
@@ -174,195 +170,64 @@ def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
     return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
 
 
-WAIT_NOTICE_EVERY_S = 5.0  # a waiting trainer says on stderr what it waits for this often
-
-
-def _secs(x: float) -> str:
-    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
-
-
-def _say(line: str) -> None:
-    """One line on stderr, above the progress bar if one is drawn."""
-    from tqdm import tqdm
-
-    tqdm.write(line, file=sys.stderr)
-
-
-class WaitNotice:
-    """Says on stderr what the trainer is waiting for, while it waits, e.g.
-
-        waiting for window 12 from the producer (15 s of 600 s; --acquire-timeout-s)
-
-    `begin(what, after_s)` and `end()` bracket a wait; the first line comes once the wait
-    is `after_s` old, then one every `every_s`. `tick()` prints a line when one is due:
-    the waiting loop calls it, or for a wait that blocks inside a call (acquiring a
-    window) the thread that `start()` runs does. `clock` and `write` are seams for tests.
-    """
-
-    def __init__(
-        self,
-        limit_s: float,
-        *,
-        every_s: float = WAIT_NOTICE_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-        write: Callable[[str], None] = _say,
-    ) -> None:
-        self.limit_s = limit_s
-        self.every_s = every_s
-        self.clock = clock
-        self.write = write
-        self._lock = threading.Lock()
-        self._what: Callable[[], str] | None = None
-        self._since = self._due = 0.0
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def begin(self, what: Callable[[], str], *, after_s: float = 0.0) -> None:
-        with self._lock:
-            self._what, self._since = what, self.clock()
-            self._due = self._since + after_s
-
-    def end(self) -> None:
-        with self._lock:
-            self._what = None
-
-    def tick(self) -> str | None:
-        """Print (and return) the line if one is due."""
-        with self._lock:
-            now = self.clock()
-            if self._what is None or now < self._due:
-                return None
-            self._due = now + self.every_s
-            line = (
-                f"waiting for {self._what()} ({_secs(now - self._since)} s of "
-                f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
-            )
-        self.write(line)
-        return line
-
-    def start(self, period_s: float = 0.5) -> WaitNotice:
-        def watch() -> None:
-            while not self._stopped.wait(period_s):
-                self.tick()
-
-        self._thread = threading.Thread(target=watch, name="fanout-wait-notice", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
-
-
-def _wait_for_run(
-    run_dir: Path, db_path: str | None, timeout_s: float, notice: WaitNotice | None = None
-) -> CaptureContract:
-    """Wait up to `timeout_s` (--acquire-timeout-s) until a producer has created the run,
-    saying so on stderr at once and then every few seconds (`WaitNotice`).
-
-    Waits only on what a producer that is starting explains: no database yet
-    (NoCoordinator: no file, or its tables not committed yet) or one the create holds
-    locked (CoordinatorBusy). Anything else (not a database, an unknown schema version,
-    an unreachable server) fails at once: waiting would not fix it.
-    """
-    from fanout.coord.coordinator import Coordinator
-    from fanout.coord.postgresdb import redact
-
-    def what() -> str:
-        where = Coordinator.resolve_db_path(run_dir.absolute(), db_path)
-        return f"a producer to create {redact(where) if isinstance(where, str) else where}"
-
-    notice = notice or WaitNotice(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    notice.begin(what)
-    try:
-        while True:
-            try:
-                with Coordinator.open(run_dir, db_path=db_path) as coord:
-                    return coord.contract
-            except (NoCoordinator, CoordinatorBusy) as e:
-                if time.monotonic() > deadline:
-                    raise ConfigError(
-                        f"{run_dir}: no run after waiting {_secs(timeout_s)} s "
-                        f"(--acquire-timeout-s): {e}"
-                    ) from None
-            notice.tick()
-            time.sleep(0.2)
-    finally:
-        notice.end()
-
-
-def _process_age_s() -> float | None:
-    """Seconds since this process started (Linux /proc), None where that is unknown."""
-    try:
-        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def lr_lambda(cfg: TrainConfig, total: int | None) -> Any:
-    warm = int(cfg.warmup_ratio * total) if total else 0
-
-    def f(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if cfg.scheduler_type == "constant" or not total:
-            return 1.0
-        frac = min(1.0, (step - warm) / max(1, total - warm))
-        if cfg.scheduler_type == "linear":
-            return max(0.0, 1.0 - frac)
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
-
-    return f
-
-
-class MetricsLog:
-    """JSONL metrics (always) + TensorBoard scalars (optional)."""
-
-    def __init__(self, path: Path, kind: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = path.open("a")
-        self.tb: Any = None
-        if kind == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(path.parent / "tb"))
-            except ImportError:
-                log.warning("tensorboard not installed; logging JSONL only")
-
-    def write(self, rec: dict[str, Any]) -> None:
-        self.f.write(json.dumps(rec) + "\n")
-        self.f.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
-
-    def close(self) -> None:
-        self.f.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
 class Trainer:
+    """One consumer of a run training one draft: `Trainer(cfg).run()` → summary dict.
+
+    Built in stages (`__init__`): wait for the run and check it (`_check_run`), build
+    the draft (`_build_draft`), AdamW + LR schedule (`fanout.train.optim`), resume
+    (`_resume`). `run()` registers as a consumer (`_open_stream`), then per batch: one
+    optimizer step and the ack (`_step`), then reporting, eval and checkpoints
+    (`_after_step`); `fanout.train.progress` holds what it says along the way.
+    """
+
     def __init__(self, cfg: TrainConfig) -> None:
-        # start-up stamps (monotonic), logged with the first step (docs/operations.md)
-        age = _process_age_s()
-        self.startup: dict[str, float] = {"init": time.monotonic()}
-        if age is not None:
-            self.startup["process"] = self.startup["init"] - age
+        self.startup = StartupClock()  # logged with the first step (docs/operations.md)
         self.cfg = cfg
         self.dp = DataParallel.from_env(cfg.device)
         self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
         torch.manual_seed(cfg.seed)
         self.device = self.dp.device(cfg.device)
-        run_dir = Path(cfg.run_dir)
-        contract = _wait_for_run(run_dir, cfg.db_path, cfg.acquire_timeout_s)
-        self.startup["run"] = time.monotonic()
+        contract = wait_for_run(Path(cfg.run_dir), cfg.db_path, cfg.acquire_timeout_s)
+        self.startup.mark("run")
+        layers = self._check_run(contract)
+        self.expect = {"target_layer_ids": layers}
+        self.draft = self._build_draft(contract, layers)
+        self.gen = torch.Generator().manual_seed(self._anchor_seed())
+        self.max_windows = _stream_windows(Path(cfg.run_dir), cfg.epochs)
+        self.total_steps = self._total_steps(contract)
+        self.opt, self.backend, self.sched = build_optimizer(
+            self.draft.parameters(),
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            backend=cfg.adamw_backend,
+            max_grad_norm=cfg.max_grad_norm,
+            warmup_ratio=cfg.warmup_ratio,
+            scheduler_type=cfg.scheduler_type,
+            total_steps=self.total_steps,
+        )
+        self.state = self._resume()
+        self.dp.broadcast_parameters(self.draft)  # identical start on every rank
+        name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
+        self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
+        self.autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda" and cfg.dtype == "bfloat16"
+            else torch.autocast("cpu", enabled=False)
+        )
+        # EAL of the last logged steps: the train-time estimate a checkpoint records
+        self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
+        self._eval_session: Any = None  # fanout.train.eval.EvalSession, built at the first eval
+        self._in_step = False
+        self._stop_requested = False
+        self.interrupted = False
+        self.startup.mark("ready")
+
+    # ---- building -------------------------------------------------------------------
+
+    def _check_run(self, contract: CaptureContract) -> list[int]:
+        """Refuse a run this trainer cannot train on, now rather than after the draft is
+        built; return the verifier layers the draft reads (the consumer reads only these)."""
+        cfg, run_dir = self.cfg, Path(self.cfg.run_dir)
         if contract.window_rows % self.dp.world:
             raise ConfigError(
                 f"{run_dir}: {contract.window_rows} rows per window do not split over "
@@ -373,11 +238,15 @@ class Trainer:
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
                 "captured without them: produce the run with --store-last-hidden-states"
             )
-        # Any subset of the captured layers, in the draft's order; refused now (naming the
-        # captured ones) rather than after the draft is built. The consumer reads only these.
+        # Any subset of the captured layers, in the draft's order (naming the captured ones).
         layers = cfg.target_layer_ids or list(contract.target_layer_ids)
         contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
-        self.expect = {"target_layer_ids": layers}
+        return layers
+
+    def _build_draft(self, contract: CaptureContract, layers: list[int]) -> DFlashDraft:
+        """The draft on `self.device`: shapes and frozen embedding/head from the verifier,
+        the rest from the flags; with --draft-vocab-size, the run's most used tokens."""
+        cfg = self.cfg
         overrides: dict[str, Any] = dict(
             num_layers=cfg.num_layers,
             block_size=cfg.block_size,
@@ -393,7 +262,9 @@ class Trainer:
             overrides["mask_token_id"] = cfg.mask_token_id
         vocab_ids = None
         if cfg.draft_vocab_size is not None:
-            counts = read_token_counts(run_dir, contract.stream_id, timeout_s=cfg.acquire_timeout_s)
+            counts = read_token_counts(
+                Path(cfg.run_dir), contract.stream_id, timeout_s=cfg.acquire_timeout_s
+            )
             vocab_ids = select_draft_vocab(counts, cfg.draft_vocab_size)
             overrides["draft_vocab_size"] = cfg.draft_vocab_size
             log.info(
@@ -403,51 +274,34 @@ class Trainer:
                 counts.shape[0],
                 100 * coverage(counts, vocab_ids),
             )
-        self.draft = DFlashDraft.from_verifier(
+        return DFlashDraft.from_verifier(
             cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
         )
-        self.opt, self.backend = make_optimizer(
-            self.draft.parameters(),
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            backend=cfg.adamw_backend,
-            max_grad_norm=cfg.max_grad_norm,
-        )
-        self.gen = torch.Generator().manual_seed(self._anchor_seed())
-        self.max_windows = _stream_windows(run_dir, cfg.epochs)
+
+    def _total_steps(self, contract: CaptureContract) -> int | None:
+        """The schedule's length: --max-steps, else the steps --epochs of rows make
+        (ranks share the stream's rows), else None (no decay)."""
         rows_total = None
         if self.max_windows is not None:
             rows_total = self.max_windows * contract.window_rows
-        rows_per_step = cfg.rows_per_step * self.dp.world  # ranks share the stream's rows
-        total_steps = cfg.max_steps or (rows_total // rows_per_step if rows_total else None)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg, total_steps))
-        self.total_steps = total_steps
+        rows_per_step = self.cfg.rows_per_step * self.dp.world
+        return self.cfg.max_steps or (rows_total // rows_per_step if rows_total else None)
+
+    def _resume(self) -> dict[str, Any]:
+        """The training state: from the newest checkpoint with --resume (weights,
+        optimizer, schedule and anchor generator restored in place), else fresh."""
+        cfg = self.cfg
         # cursor 0, not "whatever the database says": a model without a checkpoint has
         # seen nothing, even if an earlier incarnation of this consumer acked windows.
-        self.state: dict[str, Any] = {"step": 0, "cursor": 0, "rows_done": 0, "epoch": 0}
-        if cfg.resume and (ckpt := latest_checkpoint(cfg.save_path)) is not None:
-            self.state = load_checkpoint(
-                ckpt, self.draft, self.opt, generators={"anchors": self.gen}
-            )
-            self.sched.load_state_dict(self.state.pop("scheduler"))
-            if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
-                self.gen.manual_seed(self._anchor_seed(self.state["step"]))
-            log.info(
-                "resumed from %s at step %d, cursor %s",
-                ckpt,
-                self.state["step"],
-                self.state["cursor"],
-            )
-        self.dp.broadcast_parameters(self.draft)  # identical start on every rank
-        name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
-        self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
-        # EAL of the last logged steps: the train-time estimate a checkpoint records
-        self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
-        self._eval_session: Any = None  # fanout.train.eval.EvalSession, built at the first eval
-        self._in_step = False
-        self._stop_requested = False
-        self.interrupted = False
-        self.startup["ready"] = time.monotonic()
+        state: dict[str, Any] = {"step": 0, "cursor": 0, "rows_done": 0, "epoch": 0}
+        if not cfg.resume or (ckpt := latest_checkpoint(cfg.save_path)) is None:
+            return state
+        state = load_checkpoint(ckpt, self.draft, self.opt, generators={"anchors": self.gen})
+        self.sched.load_state_dict(state.pop("scheduler"))
+        if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
+            self.gen.manual_seed(self._anchor_seed(state["step"]))
+        log.info("resumed from %s at step %d, cursor %s", ckpt, state["step"], state["cursor"])
+        return state
 
     def _anchor_seed(self, step: int = 0) -> int:
         """Ranks draw anchors from their own streams (seed, rank) over their own rows."""
@@ -464,12 +318,169 @@ class Trainer:
         else:
             raise KeyboardInterrupt
 
+    # ---- training -------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train until the stream ends, --max-steps, or a stop signal; save; summarise."""
+        cfg = self.cfg
+        stream = self._open_stream()
+        first = last = None
+        bar = self._progress_bar()
+        waits = WaitNotice(cfg.acquire_timeout_s).start()
+        batches = stream.batches(cfg.rows_per_step)
+        try:
+            try:
+                t_fetch = time.perf_counter()
+                while (batch := self._next_batch(stream, batches, waits)) is not None:
+                    rec = self._step(stream, batch, t_fetch)
+                    if first is None:
+                        first = rec
+                        log.info("%s", self.startup.line(cfg.consumer_id))
+                    last = rec
+                    bar.update(rec, batch, self.state["cursor"])
+                    self._after_step(rec)
+                    self._in_step = False
+                    if self.dp.agree(self._stop_requested):  # every rank stops after this step
+                        self.interrupted = True
+                        break
+                    if cfg.max_steps and rec["step"] >= cfg.max_steps:
+                        break
+                    t_fetch = time.perf_counter()
+            except KeyboardInterrupt:
+                self.interrupted = True  # while waiting for a window: nothing half-done
+            if self.state["step"]:
+                self.save()
+        finally:
+            waits.stop()
+            bar.close()
+            stream.close()
+            self.metrics.close()
+        return self._summary(stream, first, last)
+
+    def _open_stream(self) -> ConsumerStream:
+        """Register as the run's consumer, reading on from this trainer's cursor."""
+        ccfg = self.cfg.consumer_config(
+            dp_rank=self.rank, dp_world_size=self.dp.world, max_windows=self.max_windows
+        )
+        stream = ConsumerStream(
+            ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
+        )
+        self.startup.mark("registered")
+        log.info(
+            "%s: draft %d params, AdamW %s, from cursor %d",
+            stream.reg.consumer_id,
+            sum(p.numel() for p in self.draft.parameters() if p.requires_grad),
+            self.backend,
+            stream.reg.cursor,
+        )
+        return stream
+
+    def _next_batch(
+        self, stream: ConsumerStream, batches: Iterator[Batch], waits: WaitNotice
+    ) -> Batch | None:
+        """The next batch (None at the end); if that takes a while, `waits` says on stderr
+        which window it waits for."""
+
+        def what() -> str:
+            w = stream.waiting_for
+            return "the next window" if w is None else f"window {w} from the producer"
+
+        waits.begin(what, after_s=waits.every_s)
+        try:
+            batch = next(batches, None)
+        finally:
+            waits.end()
+        self.startup.mark("first_batch")
+        return batch
+
     def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
         moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors.items()}
         scale = moved.pop("hidden_states_scale", None)
         if scale is not None:  # fp8 windows: dequantise on the device (half the copy)
             moved["hidden_states"] = dequantize(moved["hidden_states"], scale)
         return {k: v.float() if v.is_floating_point() else v.long() for k, v in moved.items()}
+
+    def _step(self, stream: ConsumerStream, batch: Batch, t_fetch: float) -> dict[str, Any]:
+        """One optimizer step on `batch`, then the ack of its rows (only then: the step
+        that consumed them is done); returns the step's log record."""
+        self._in_step = True
+        t0 = time.perf_counter()
+        inputs = self._to_device(batch)
+        with self.autocast:
+            out = self.draft.loss(inputs, self.gen)
+        t1 = time.perf_counter()
+        out.loss.backward()
+        self.dp.average_gradients(self.draft)
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        stream.ack(batch)
+        self.state["step"] += 1
+        self.state["cursor"], self.state["rows_done"] = batch.next_position
+        loss, eal = self.dp.mean([float(out.loss.detach()), float(out.eal)])
+        self.recent_eal.append(eal)
+        return {
+            "step": self.state["step"],
+            "loss": round(loss, 6),
+            "eal": round(eal, 4),
+            "acc": [round(float(a), 4) for a in out.per_slot_acc],
+            "lr": self.sched.get_last_lr()[0],
+            "tokens": out.n_tokens,
+            "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
+            "fwd_ms": round((t1 - t0) * 1e3, 2),
+            "bwd_ms": round((t2 - t1) * 1e3, 2),
+            "opt_ms": round((t3 - t2) * 1e3, 2),
+            "tokens_per_s": round(out.n_tokens / max(t3 - t_fetch, 1e-9), 1),
+            "window_wait_ms": round(batch.wait_s * 1e3, 2),
+            "windows": sorted({w for w, _ in batch.rows}),
+            "acked": [ow.window for ow in batch.completes],
+            "time": time.time(),
+        }
+
+    def _after_step(self, rec: dict[str, Any]) -> None:
+        """Every --eval-every steps an eval (its numbers join `rec`), every --log-every
+        the metrics record, every --checkpoint-every a checkpoint."""
+        cfg, step = self.cfg, rec["step"]
+        if cfg.eval_every and step % cfg.eval_every == 0 and self.dp.is_main:
+            rec |= self._eval()
+        if step % cfg.log_every == 0:
+            self.metrics.write(rec)
+        if step % cfg.checkpoint_every == 0:
+            self.save()
+
+    def _progress_bar(self) -> ProgressBar:
+        """On stderr, rank 0 only (--progress; default: when stderr is a terminal)."""
+        show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
+        return ProgressBar(
+            total=self.total_steps,
+            initial=self.state["step"],
+            desc=self.cfg.consumer_id,
+            show=show and self.dp.is_main,
+        )
+
+    def _summary(
+        self, stream: ConsumerStream, first: dict[str, Any] | None, last: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        trained = [p.detach().double().sum() for p in self.draft.parameters() if p.requires_grad]
+        return {
+            "consumer": stream.reg.consumer_id,
+            "steps": self.state["step"],
+            "cursor": self.state["cursor"],
+            "finished_stream": stream.finished,
+            "interrupted": self.interrupted,
+            "adamw_backend": self.backend,
+            "first_loss": first and first["loss"],
+            "last_loss": last and last["loss"],
+            "first_eal": first and first["eal"],
+            "last_eal": last and last["eal"],
+            "dp_world_size": self.dp.world,
+            # equal on every data-parallel rank when their weights are in sync
+            "param_checksum": float(torch.stack(trained).sum()),
+        }
+
+    # ---- checkpoints and eval -------------------------------------------------------
 
     def save(self) -> Path | None:
         """Write a checkpoint (rank 0 only: every rank holds the same weights)."""
@@ -486,6 +497,16 @@ class Trainer:
             verifier_serving_name=self.cfg.checkpoint_verifier_name,
             config_extra=self._checkpoint_extra(),
         )
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Train-time numbers a checkpoint carries next to the draft (`fanout eval`
+        prints `train_eal` beside the measured acceptance length)."""
+        recent = list(self.recent_eal)
+        extra: dict[str, Any] = {"step": self.state["step"]}
+        if recent:
+            extra["train_eal"] = round(sum(recent) / len(recent), 4)
+            extra["train_eal_steps"] = len(recent)
+        return extra
 
     def _eval(self) -> dict[str, Any]:
         """Real speculative decoding of the draft as it is now (`fanout.train.eval`): the
@@ -517,212 +538,18 @@ class Trainer:
             "eval_s": round(time.perf_counter() - t0, 2),
         }
 
-    def _checkpoint_extra(self) -> dict[str, Any]:
-        """Train-time numbers a checkpoint carries next to the draft (`fanout eval`
-        prints `train_eal` beside the measured acceptance length)."""
-        recent = list(self.recent_eal)
-        extra: dict[str, Any] = {"step": self.state["step"]}
-        if recent:
-            extra["train_eal"] = round(sum(recent) / len(recent), 4)
-            extra["train_eal_steps"] = len(recent)
-        return extra
-
-    def _next_batch(
-        self, stream: ConsumerStream, batches: Iterator[Batch], waits: WaitNotice
-    ) -> Batch | None:
-        """The next batch (None at the end); if that takes a while, `waits` says on stderr
-        which window it waits for."""
-
-        def what() -> str:
-            w = stream.waiting_for
-            return "the next window" if w is None else f"window {w} from the producer"
-
-        waits.begin(what, after_s=waits.every_s)
-        try:
-            batch = next(batches, None)
-        finally:
-            waits.end()
-        self.startup.setdefault("first_batch", time.monotonic())
-        return batch
-
-    def _progress_bar(self) -> Any:
-        """tqdm on stderr (rank 0; --progress, default: when stderr is a terminal)."""
-        from tqdm import tqdm
-
-        show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
-        return tqdm(
-            total=self.total_steps,
-            initial=self.state["step"],
-            desc=self.cfg.consumer_id,
-            unit="step",
-            file=sys.stderr,
-            dynamic_ncols=True,
-            disable=not (show and self.dp.is_main),
-        )
-
-    def _show_step(self, bar: Any, rec: dict[str, Any], batch: Batch) -> None:
-        """Progress: step, loss, EAL, rows/s and % of the time spent waiting for windows
-        (both since this run started), the newest window of the step, the cursor."""
-        self._rows_seen += len(batch.rows)
-        self._waited_s += batch.wait_s
-        if bar.disable:
-            return
-        elapsed = max(time.perf_counter() - self._t_loop, 1e-9)
-        bar.set_postfix_str(
-            f"loss {rec['loss']:.4f} EAL {rec['eal']:.2f} | {self._rows_seen / elapsed:.1f} "
-            f"rows/s | waiting {100 * self._waited_s / elapsed:.0f}% | window "
-            f"{rec['windows'][-1]} cursor {self.state['cursor']}",
-            refresh=False,
-        )
-        bar.update(1)
-
-    def _log_startup(self) -> None:
-        """Where the time to the first step went (docs/operations.md, "Trainer start-up")."""
-        st, now = self.startup, time.monotonic()
-        parts = [
-            ("waiting for the run", st["run"] - st["init"]),
-            ("draft + optimizer", st["ready"] - st["run"]),
-            ("registering", st["registered"] - st["ready"]),
-            ("first window", st["first_batch"] - st["registered"]),
-            ("first step", now - st["first_batch"]),
-        ]
-        if "process" in st:
-            parts.insert(0, ("interpreter + imports", st["init"] - st["process"]))
-        log.info(
-            "%s: first step %.2f s after %s (%s)",
-            self.cfg.consumer_id,
-            now - st.get("process", st["init"]),
-            "the process started" if "process" in st else "the trainer was built",
-            ", ".join(f"{k} {v:.2f} s" for k, v in parts),
-        )
-
-    def run(self) -> dict[str, Any]:
-        cfg = self.cfg
-        ccfg = ConsumerConfig(
-            run_dir=cfg.run_dir,
-            consumer_id=cfg.consumer_id,
-            dp_rank=self.rank,
-            dp_world_size=self.dp.world,
-            db_path=cfg.db_path,
-            acquire_timeout_s=cfg.acquire_timeout_s,
-            heartbeat_s=cfg.heartbeat_s,
-            row_shuffle_seed=cfg.seed,
-            max_windows=self.max_windows,
-            takeover=cfg.takeover,
-        )
-        stream = ConsumerStream(
-            ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
-        )
-        self.startup["registered"] = time.monotonic()
-        log.info(
-            "%s: draft %d params, AdamW %s, from cursor %d",
-            stream.reg.consumer_id,
-            sum(p.numel() for p in self.draft.parameters() if p.requires_grad),
-            self.backend,
-            stream.reg.cursor,
-        )
-        autocast = (
-            torch.autocast("cuda", dtype=torch.bfloat16)
-            if self.device.type == "cuda" and cfg.dtype == "bfloat16"
-            else torch.autocast("cpu", enabled=False)
-        )
-        first = last = None
-        bar = self._progress_bar()
-        waits = WaitNotice(cfg.acquire_timeout_s).start()
-        batches = stream.batches(cfg.rows_per_step)
-        self._rows_seen, self._waited_s, self._t_loop = 0, 0.0, time.perf_counter()
-        try:
-            try:
-                t_fetch = time.perf_counter()
-                while (batch := self._next_batch(stream, batches, waits)) is not None:
-                    self._in_step = True
-                    t0 = time.perf_counter()
-                    inputs = self._to_device(batch)
-                    with autocast:
-                        out = self.draft.loss(inputs, self.gen)
-                    t1 = time.perf_counter()
-                    out.loss.backward()
-                    self.dp.average_gradients(self.draft)
-                    t2 = time.perf_counter()
-                    self.opt.step()
-                    self.sched.step()
-                    self.opt.zero_grad(set_to_none=True)
-                    t3 = time.perf_counter()
-                    stream.ack(batch)  # only now: the step that consumed these rows is done
-                    self.state["step"] += 1
-                    self.state["cursor"], self.state["rows_done"] = batch.next_position
-                    step = self.state["step"]
-                    loss, eal = self.dp.mean([float(out.loss.detach()), float(out.eal)])
-                    self.recent_eal.append(eal)
-                    rec = {
-                        "step": step,
-                        "loss": round(loss, 6),
-                        "eal": round(eal, 4),
-                        "acc": [round(float(a), 4) for a in out.per_slot_acc],
-                        "lr": self.sched.get_last_lr()[0],
-                        "tokens": out.n_tokens,
-                        "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
-                        "fwd_ms": round((t1 - t0) * 1e3, 2),
-                        "bwd_ms": round((t2 - t1) * 1e3, 2),
-                        "opt_ms": round((t3 - t2) * 1e3, 2),
-                        "tokens_per_s": round(out.n_tokens / max(t3 - t_fetch, 1e-9), 1),
-                        "window_wait_ms": round(batch.wait_s * 1e3, 2),
-                        "windows": sorted({w for w, _ in batch.rows}),
-                        "acked": [ow.window for ow in batch.completes],
-                        "time": time.time(),
-                    }
-                    if first is None:
-                        first = rec
-                        self._log_startup()
-                    last = rec
-                    self._show_step(bar, rec, batch)
-                    if cfg.eval_every and step % cfg.eval_every == 0 and self.dp.is_main:
-                        rec |= self._eval()
-                    if step % cfg.log_every == 0:
-                        self.metrics.write(rec)
-                    if step % cfg.checkpoint_every == 0:
-                        self.save()
-                    self._in_step = False
-                    if self.dp.agree(self._stop_requested):  # every rank stops after this step
-                        self.interrupted = True
-                        break
-                    if cfg.max_steps and step >= cfg.max_steps:
-                        break
-                    t_fetch = time.perf_counter()
-            except KeyboardInterrupt:
-                self.interrupted = True  # while waiting for a window: nothing half-done
-            if self.state["step"]:
-                self.save()
-        finally:
-            waits.stop()
-            bar.close()
-            stream.close()
-            self.metrics.close()
-        trained = [p.detach().double().sum() for p in self.draft.parameters() if p.requires_grad]
-        return {
-            "consumer": stream.reg.consumer_id,
-            "steps": self.state["step"],
-            "cursor": self.state["cursor"],
-            "finished_stream": stream.finished,
-            "interrupted": self.interrupted,
-            "adamw_backend": self.backend,
-            "first_loss": first and first["loss"],
-            "last_loss": last and last["loss"],
-            "first_eal": first and first["eal"],
-            "last_eal": last and last["eal"],
-            "dp_world_size": self.dp.world,
-            # equal on every data-parallel rank when their weights are in sync
-            "param_checksum": float(torch.stack(trained).sum()),
-        }
-
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "train") -> None:
     add_model_flags(p, TrainConfig)
 
 
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """TrainConfig from `--config FILE` and flags (flags win)."""
+    return model_from_args(TrainConfig, args)
+
+
 def run(args: argparse.Namespace, name: str = "train") -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = model_from_args(TrainConfig, args)
+    cfg = config_from_args(args)
     trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg)
@@ -744,12 +571,16 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """scripts/train.py: `fanout train` with its own parser (torchrun starts this one)."""
     p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
+    add_log_level_flag(p, "info")
     add_arguments(p)
     from fanout.errors import FanoutError
 
+    args = p.parse_args(argv)
+    configure_logging(args)
     try:
-        return run(p.parse_args(argv))
+        return run(args)
     except FanoutError as e:
         print(f"train: error: {e}", file=sys.stderr)
         return 1

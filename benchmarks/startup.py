@@ -1,0 +1,151 @@
+"""Trainer start-up: launch → first step of `fanout train` on a produced run, by part.
+
+    .venv/bin/python benchmarks/startup.py --pairs 5
+    git archive HEAD~1 src | tar -x -C /tmp/before      # compare with another checkout:
+    .venv/bin/python benchmarks/startup.py --tree before=/tmp/before/src --tree after=src
+
+Builds the tiny test assets (a 512-token BPE tokenizer, a Qwen3 with hidden 32 × 4
+layers, tied embeddings) and produces a run (window_rows 4) once, then starts one-step
+trainers on it (`--block-size 4 --max-anchors 16 --max-steps 1`, a new consumer id
+each), alternating between the `--tree`s (PYTHONPATH = that tree's src) so that every
+tree sees the same load. Each trainer logs where its start went with its first step
+("first step X s after the process started (interpreter + imports ..., draft +
+optimizer ..., ...)"); the table gives the median (min) of each part and of the whole
+command, with the load average (`os.getloadavg`) before and after. docs/operations.md,
+"Trainer start-up", quotes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = (
+    "interpreter + imports",
+    "waiting for the run",
+    "draft + optimizer",
+    "registering",
+    "first window",
+    "first step",
+)
+
+
+def build_run(root: Path) -> Path:
+    """Tiny assets + a produced run under `root`; returns `root`."""
+    from fanout.bench.assets import (
+        build_tokenizer,
+        generate_corpus,
+        tiny_verifier_for_tokenizer,
+        write_jsonl,
+    )
+    from fanout.produce.producer import Producer, ProducerConfig
+
+    corpus = generate_corpus(120, seed=0)
+    write_jsonl(root / "chat.jsonl", corpus)
+    tok = build_tokenizer(root / "tok", corpus, 512)
+    tiny_verifier_for_tokenizer(
+        root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
+    )
+    cfg = ProducerConfig(
+        run_dir=str(root / "run"),
+        verifier_name_or_path=str(root / "verifier"),
+        data=[str(root / "chat.jsonl")],
+        tokenizer=str(tok),
+        seq_len=96,
+        window_rows=4,
+        target_layer_ids=[1, 2],
+        workers=1,
+        progress=False,
+        exit_when_idle_s=0,
+        max_live_windows=1000,
+        expected_consumers=1000,
+    )
+    Producer(cfg).run()
+    return root
+
+
+def one_trainer(root: Path, src: str, name: str) -> dict[str, Any]:
+    """Launch one trainer with PYTHONPATH=`src`; its parts and the whole command (s)."""
+    argv = [
+        sys.executable, "-m", "fanout.cli", "train", "--run-dir", str(root / "run"),
+        "--consumer-id", name, "--verifier-name-or-path", str(root / "verifier"),
+        "--save-path", str(root / "drafts" / name), "--block-size", "4",
+        "--max-anchors", "16", "--max-steps", "1", "--no-progress",
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    r = subprocess.run(
+        argv, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=src), check=False
+    )
+    wall = time.monotonic() - t0
+    line = next((x for x in r.stderr.splitlines() if "first step" in x), None)
+    if r.returncode or line is None:
+        raise RuntimeError(f"trainer {name} ({src}) failed:\n{r.stderr[-2000:]}")
+    total = re.search(r"first step ([\d.]+) s after", line)
+    found = re.findall(r"([a-z +]+?) ([\d.]+) s", line.split("(", 1)[1])
+    out: dict[str, Any] = {k.strip(): float(v) for k, v in found}
+    out["command_s"] = round(wall, 3)
+    out["first_step_s"] = float(total.group(1)) if total else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="NAME=SRC",
+        help="a source tree to time (its src dir, put on PYTHONPATH); repeat to compare; "
+        "default: this checkout's src",
+    )
+    ap.add_argument("--pairs", type=int, default=5, help="trainers per tree (default 5)")
+    ap.add_argument("--workdir", type=Path, help="assets + run dir; default: a temp dir")
+    ap.add_argument("--json", type=Path, help="write the results to this JSON file")
+    args = ap.parse_args(argv)
+    trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(REPO / "src")}
+    with tempfile.TemporaryDirectory(prefix="fanout-startup-") as tmp:
+        root = args.workdir or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        if not (root / "run" / "contract.json").is_file():
+            build_run(root)
+        load_before = os.getloadavg()
+        runs: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
+        for i in range(args.pairs):
+            for k, src in trees.items():
+                runs[k].append(one_trainer(root, src, f"{k}-{os.getpid()}-{i}"))
+        load_after = os.getloadavg()
+    cols = ("command_s", "first_step_s", *PARTS)
+    print(
+        f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}; "
+        f"load {load_before[0]:.1f} → {load_after[0]:.1f}; {args.pairs} trainers per tree, "
+        "alternating; median (min), s"
+    )
+    print("| tree | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    summary: dict[str, dict[str, list[float]]] = {}
+    for k, rs in runs.items():
+        cells, summary[k] = [], {}
+        for c in cols:
+            xs = [r[c] for r in rs if r.get(c) is not None]
+            summary[k][c] = [statistics.median(xs), min(xs)] if xs else []
+            cells.append(f"{statistics.median(xs):.2f} ({min(xs):.2f})" if xs else "-")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    if args.json:
+        out = {"trees": trees, "load": [load_before, load_after], "runs": runs}
+        args.json.write_text(json.dumps(out | {"summary": summary}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The heartbeat thread: keeps a producer's or a trainer's heartbeat counter moving.
+
+    from fanout.coord.heartbeat import Heartbeat
+    with Heartbeat("runs/demo", reg, interval_s=5.0) as hb:   # own thread, own connection
+        train()
+        hb.check()            # raises the StaleLease/Detached the heartbeat thread saw
+
+A client of the Coordinator (it opens its own connection: one per thread), so it
+sits above fanout.coord.coordinator; the rules that declare a silent process lost
+are fanout.coord.liveness's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from fanout.coord.coordinator import Coordinator
+from fanout.coord.leases import ConsumerReg, ProducerReg
+from fanout.errors import FanoutError
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Daemon thread: heartbeat every `interval_s` with its own coordinator connection.
+
+    Optionally also runs `reclaim_lost()` (the producer's loop may spend longer than
+    ttl/2 inside one verifier forward). Stops at the first fencing error and
+    keeps it for `check()` to raise in the owner's thread.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        reg: ConsumerReg | ProducerReg,
+        interval_s: float = 5.0,
+        *,
+        reclaim: bool = False,
+        open_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.run_dir, self.reg, self.interval_s, self.reclaim = run_dir, reg, interval_s, reclaim
+        self.open_kwargs = open_kwargs or {}
+        self.error: BaseException | None = None
+        self.beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="fanout-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def check(self) -> None:
+        """Raise the fencing error the heartbeat thread hit, if any."""
+        if self.error is not None:
+            raise self.error
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        coord = Coordinator.open(self.run_dir, **self.open_kwargs)
+        me = "producer" if isinstance(self.reg, ProducerReg) else self.reg.consumer_id
+        try:
+            while not self._stop.is_set():
+                try:
+                    coord.heartbeat(self.reg)
+                    self.beats += 1
+                    if self.reclaim:
+                        coord.reclaim_lost(exclude=[me])
+                except FanoutError as e:
+                    log.error("heartbeat for %s stopped: %s", me, e)
+                    self.error = e
+                    return
+                self._stop.wait(self.interval_s)
+        finally:
+            coord.close()

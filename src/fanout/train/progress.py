@@ -1,0 +1,262 @@
+"""What a trainer tells its operator: what it waits for, per-step progress, where its
+start-up went, and the metrics log.
+
+    notice = WaitNotice(600.0).start()          # "waiting for window 12 from the producer ..."
+    contract = wait_for_run(run_dir, None, 600.0)
+    clock = StartupClock(); ...; clock.mark("ready"); log.info(clock.line("b8"))
+    bar = ProgressBar(total=200, initial=0, desc="b8", show=True); bar.update(rec, batch, cursor)
+    metrics = MetricsLog(save_path / "train_log.jsonl", "jsonl"); metrics.write(rec)
+
+Lines for people go to stderr (above the progress bar when one is drawn); the trainer's
+summary stays alone on stdout. `clock` and `write` seams let tests run WaitNotice on a
+fake clock (tests/test_startup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fanout.contract import CaptureContract
+from fanout.errors import ConfigError, CoordinatorBusy, NoCoordinator
+from fanout.train.consumer import Batch
+
+log = logging.getLogger(__name__)
+
+WAIT_NOTICE_EVERY_S = 5.0  # a waiting trainer says on stderr what it waits for this often
+
+
+def _secs(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
+def _say(line: str) -> None:
+    """One line on stderr, above the progress bar if one is drawn."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+class WaitNotice:
+    """Says on stderr what the trainer is waiting for, while it waits, e.g.
+
+        waiting for window 12 from the producer (15 s of 600 s; --acquire-timeout-s)
+
+    `begin(what, after_s)` and `end()` bracket a wait; the first line comes once the wait
+    is `after_s` old, then one every `every_s`. `tick()` prints a line when one is due:
+    the waiting loop calls it, or for a wait that blocks inside a call (acquiring a
+    window) the thread that `start()` runs does. `clock` and `write` are seams for tests.
+    """
+
+    def __init__(
+        self,
+        limit_s: float,
+        *,
+        every_s: float = WAIT_NOTICE_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+        write: Callable[[str], None] = _say,
+    ) -> None:
+        self.limit_s = limit_s
+        self.every_s = every_s
+        self.clock = clock
+        self.write = write
+        self._lock = threading.Lock()
+        self._what: Callable[[], str] | None = None
+        self._since = self._due = 0.0
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, what: Callable[[], str], *, after_s: float = 0.0) -> None:
+        with self._lock:
+            self._what, self._since = what, self.clock()
+            self._due = self._since + after_s
+
+    def end(self) -> None:
+        with self._lock:
+            self._what = None
+
+    def tick(self) -> str | None:
+        """Print (and return) the line if one is due."""
+        with self._lock:
+            now = self.clock()
+            if self._what is None or now < self._due:
+                return None
+            self._due = now + self.every_s
+            line = (
+                f"waiting for {self._what()} ({_secs(now - self._since)} s of "
+                f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
+            )
+        self.write(line)
+        return line
+
+    def start(self, period_s: float = 0.5) -> WaitNotice:
+        def watch() -> None:
+            while not self._stopped.wait(period_s):
+                self.tick()
+
+        self._thread = threading.Thread(target=watch, name="fanout-wait-notice", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def wait_for_run(
+    run_dir: Path, db_path: str | None, timeout_s: float, notice: WaitNotice | None = None
+) -> CaptureContract:
+    """Wait up to `timeout_s` (--acquire-timeout-s) until a producer has created the run,
+    saying so on stderr at once and then every few seconds (`WaitNotice`).
+
+    Waits only on what a producer that is starting explains: no database yet
+    (NoCoordinator: no file, or its tables not committed yet) or one the create holds
+    locked (CoordinatorBusy). Anything else (not a database, an unknown schema version,
+    an unreachable server) fails at once: waiting would not fix it.
+    """
+    from fanout.coord.coordinator import Coordinator
+    from fanout.coord.postgresdb import redact
+
+    def what() -> str:
+        where = Coordinator.resolve_db_path(run_dir.absolute(), db_path)
+        return f"a producer to create {redact(where) if isinstance(where, str) else where}"
+
+    notice = notice or WaitNotice(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    notice.begin(what)
+    try:
+        while True:
+            try:
+                with Coordinator.open(run_dir, db_path=db_path) as coord:
+                    return coord.contract
+            except (NoCoordinator, CoordinatorBusy) as e:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        f"{run_dir}: no run after waiting {_secs(timeout_s)} s "
+                        f"(--acquire-timeout-s): {e}"
+                    ) from None
+            notice.tick()
+            time.sleep(0.2)
+    finally:
+        notice.end()
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc), None where that is unknown."""
+    try:
+        stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class StartupClock:
+    """Where the time to the first step went (docs/operations.md, "Trainer start-up").
+
+    Monotonic stamps: `init` (the trainer is being built; `process`, when the process
+    started, where /proc says), then the trainer `mark`s `run` (the run exists), `ready`
+    (draft, optimizer, resume done), `registered` (a consumer of the run) and
+    `first_batch`; `line()` at the first step says how long each stretch took.
+    """
+
+    def __init__(self) -> None:
+        age = process_age_s()
+        self.stamps: dict[str, float] = {"init": time.monotonic()}
+        if age is not None:
+            self.stamps["process"] = self.stamps["init"] - age
+
+    def mark(self, name: str) -> None:
+        """Stamp `name` now, the first time only."""
+        self.stamps.setdefault(name, time.monotonic())
+
+    def line(self, consumer_id: str) -> str:
+        st, now = self.stamps, time.monotonic()
+        parts = [
+            ("waiting for the run", st["run"] - st["init"]),
+            ("draft + optimizer", st["ready"] - st["run"]),
+            ("registering", st["registered"] - st["ready"]),
+            ("first window", st["first_batch"] - st["registered"]),
+            ("first step", now - st["first_batch"]),
+        ]
+        if "process" in st:
+            parts.insert(0, ("interpreter + imports", st["init"] - st["process"]))
+        since = "the process started" if "process" in st else "the trainer was built"
+        return (
+            f"{consumer_id}: first step {now - st.get('process', st['init']):.2f} s after "
+            f"{since} ({', '.join(f'{k} {v:.2f} s' for k, v in parts)})"
+        )
+
+
+class ProgressBar:
+    """tqdm on stderr: step, loss, EAL, rows/s and % of the time spent waiting for windows
+    (both since the bar was made), the newest window of the step, the cursor. `show`
+    False: nothing is drawn."""
+
+    def __init__(self, *, total: int | None, initial: int, desc: str, show: bool) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not show,
+        )
+        self.rows_seen, self.waited_s, self.t0 = 0, 0.0, time.perf_counter()
+
+    def update(self, rec: dict[str, Any], batch: Batch, cursor: int) -> None:
+        self.rows_seen += len(batch.rows)
+        self.waited_s += batch.wait_s
+        if self.bar.disable:
+            return
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(
+            f"loss {rec['loss']:.4f} EAL {rec['eal']:.2f} | {self.rows_seen / elapsed:.1f} "
+            f"rows/s | waiting {100 * self.waited_s / elapsed:.0f}% | window "
+            f"{rec['windows'][-1]} cursor {cursor}",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class MetricsLog:
+    """JSONL metrics (always) + TensorBoard scalars (optional)."""
+
+    def __init__(self, path: Path, kind: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = path.open("a")
+        self.tb: Any = None
+        if kind == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(path.parent / "tb"))
+            except ImportError:
+                log.warning("tensorboard not installed; logging JSONL only")
+
+    def write(self, rec: dict[str, Any]) -> None:
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, rec["step"])
+
+    def close(self) -> None:
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()

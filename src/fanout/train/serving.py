@@ -1,0 +1,376 @@
+"""What a serving engine reads of a checkpoint: the speculators DFlash config, layer
+numbering, format versions, and drafts loaded from `config.json` + `model.safetensors` alone.
+
+    fanout upgrade-checkpoint out/draft/checkpoint-00000100     # format 1 -> 2, in place
+    from fanout.train.serving import load_draft, read_config
+    draft = load_draft("out/draft/checkpoint-00000100", "models/qwen3-8b")
+
+fanout.train.checkpoint writes checkpoints (and their exact-resume state) with
+`speculators_config` from here; `fanout eval` and anything that serves a draft read them
+back through `read_config` / `load_draft`, so both sides share one layer-numbering rule
+(`to_serving_layer_ids` / `from_serving_layer_ids`) and one format check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from fanout.errors import CheckpointError
+from fanout.filesystem import FileSystem
+from fanout.model.dflash import DFlashConfig, DFlashDraft, read_verifier_config
+
+# Written last into a checkpoint directory (fanout.train.checkpoint); one without it is
+# debris, never read.
+MARKER = "COMMITTED"
+# 2: aux_hidden_state_layer_ids in HF hidden_states numbering (layer id + 1), the
+#    speculators 0.9.0 config layout. 1 (before 2026-12) named the layer below the
+#    one the draft trained on; such checkpoints are refused (see check_format).
+FORMAT_VERSION = 2
+# The speculators release whose DFlash config this layout matches (tests/test_speculators.py
+# loads our checkpoints with it when it is installed).
+SPECULATORS_VERSION = "0.9.0"
+
+
+def json_bytes(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+# ---- layer numbering: where fanout's and the serving side's conventions meet ----------
+#
+# fanout (z-lab / SpecForge numbering): target layer i is the *output of decoder layer i*
+#   (0-based), i.e. HF `output_hidden_states` entry `hidden_states[i + 1]`.
+# speculators / vLLM: `aux_hidden_state_layer_ids` are indices into HF `hidden_states`
+#   (entry 0 = embeddings); vLLM subtracts 1 when it wires the decoder layers.
+# These two functions are the only place the +1 happens; every writer and reader of a
+# checkpoint's `aux_hidden_state_layer_ids` goes through them.
+
+
+def to_serving_layer_ids(target_layer_ids: list[int] | tuple[int, ...]) -> list[int]:
+    """fanout decoder-layer ids -> speculators/vLLM `aux_hidden_state_layer_ids`.
+
+    >>> to_serving_layer_ids([1, 9, 17])
+    [2, 10, 18]
+    """
+    return [int(i) + 1 for i in target_layer_ids]
+
+
+def from_serving_layer_ids(aux_hidden_state_layer_ids: list[int]) -> list[int]:
+    """speculators/vLLM `aux_hidden_state_layer_ids` -> fanout decoder-layer ids.
+    Entry 0 (the embeddings) is no decoder layer's output: refused."""
+    if any(int(j) < 1 for j in aux_hidden_state_layer_ids):
+        raise CheckpointError(
+            f"aux_hidden_state_layer_ids {aux_hidden_state_layer_ids}: 0 is the embedding "
+            "output, which no fanout capture provides"
+        )
+    return [int(j) - 1 for j in aux_hidden_state_layer_ids]
+
+
+def _verifier_identity(verifier_name_or_path: str, serving_name: str | None) -> dict[str, Any]:
+    """`speculators_config.verifier`: an absolute path for a local dir (a relative one
+    breaks loading from any other directory) unless a serving name (`Qwen/Qwen3-8B`) is
+    given, and the verifier's `architectures` from its config.json when it is local."""
+    local = Path(verifier_name_or_path) if verifier_name_or_path else None
+    archs: list[str] = []
+    name = verifier_name_or_path
+    if local is not None and local.is_dir():
+        name = str(local.resolve())
+        try:
+            archs = list(json.loads((local / "config.json").read_text()).get("architectures") or [])
+        except (OSError, json.JSONDecodeError):
+            archs = []
+    return {"name_or_path": serving_name or name, "architectures": archs}
+
+
+def speculators_config(
+    draft: DFlashDraft,
+    verifier_name_or_path: str = "",
+    *,
+    verifier_serving_name: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `config.json` speculators 0.9.0 writes for a DFlash draft of this shape (and
+    vLLM reads), plus a `fanout` section (format version, the full DFlashConfig in
+    fanout's own layer numbering, and `extra`, e.g. the train-time EAL)."""
+    c = draft.cfg
+    layer_cfg = {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        # transformers >= 5 (and speculators 0.9.0) keep RoPE under rope_parameters
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * c.num_layers,
+        "tie_word_embeddings": c.tie_word_embeddings,
+    }
+    return {
+        "speculators_model_type": "dflash",
+        # what speculators' save_pretrained of a DFlash draft writes (the model class)
+        "architectures": ["DFlashDraftModel"],
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
+        "block_size": c.block_size,
+        "target_hidden_size": c.hidden_size,
+        "aux_hidden_state_layer_ids": to_serving_layer_ids(c.target_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": c.block_size - 1,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": _verifier_identity(verifier_name_or_path, verifier_serving_name),
+        },
+        "dtype": "bfloat16",
+        # the draft's own head is never tied (speculators forces False and writes it)
+        "tie_word_embeddings": False,
+        "fanout": {
+            "format_version": FORMAT_VERSION,
+            # fanout numbering (decoder-layer outputs); aux_hidden_state_layer_ids above
+            # is the same list + 1
+            "dflash_config": c.model_dump(),
+            **(extra or {}),
+        },
+    }
+
+
+def check_format(path: Path, cfg: dict[str, Any]) -> None:
+    """Refuse checkpoints this fanout cannot read correctly, by name and reason."""
+    fan = cfg.get("fanout")
+    if not isinstance(fan, dict):
+        raise CheckpointError(
+            f"{path / 'config.json'}: no `fanout` section; not a checkpoint written by fanout "
+            "(a speculators draft from elsewhere cannot be resumed by fanout)"
+        )
+    version = fan.get("format_version")
+    if version == 1:
+        raise CheckpointError(
+            f"{path / 'config.json'}: fanout checkpoint format 1: its "
+            "aux_hidden_state_layer_ids name the verifier layer *before* each one the draft "
+            "trained on, so an engine would feed it the wrong hidden states. Rewrite its "
+            f"config with `fanout upgrade-checkpoint {path}` (weights unchanged)"
+        )
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path / 'config.json'}: fanout checkpoint format {version!r}; this fanout reads "
+            f"format {FORMAT_VERSION}"
+        )
+    fan_ids = fan.get("dflash_config", {}).get("target_layer_ids")
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or from_serving_layer_ids(aux) != fan_ids:
+        raise CheckpointError(
+            f"{path / 'config.json'}: aux_hidden_state_layer_ids {aux} is not "
+            f"fanout.dflash_config.target_layer_ids {fan_ids} + 1; the file was edited "
+            "inconsistently"
+        )
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """A committed checkpoint's `config.json`, format-checked (CheckpointError if not)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: no such checkpoint directory")
+    if not (p / MARKER).is_file():
+        raise CheckpointError(f"{p}: not a committed checkpoint (no {MARKER} marker)")
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p / 'config.json'}: unreadable: {e}") from e
+    check_format(p, cfg)
+    return dict(cfg)
+
+
+def upgrade_checkpoint(path: str | Path, fs: FileSystem | None = None) -> Path:
+    """Rewrite a format-1 checkpoint's `config.json` as format 2 (weights are unchanged:
+    only the layer numbering and the speculators layout of the config differ), atomically
+    (`FileSystem.write_atomic`; `fs` injects faults in tests)."""
+    p = Path(path)
+    cfg = json.loads((p / "config.json").read_text())
+    if cfg.get("fanout", {}).get("format_version") != 1:
+        raise CheckpointError(f"{p / 'config.json'}: not a format-1 fanout checkpoint")
+    dcfg = DFlashConfig(**cfg["fanout"]["dflash_config"])
+    verifier = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "")
+    stub = _ConfigOnly(dcfg)
+    new = speculators_config(stub, verifier)  # type: ignore[arg-type]
+    (fs or FileSystem()).write_atomic(p / "config.json", json_bytes(new))
+    return p
+
+
+class _ConfigOnly:
+    """What speculators_config reads of a draft: its `cfg` (no weights needed)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        self.cfg = cfg
+
+
+_TRAINING_ONLY = (
+    "max_anchors",
+    "gamma",
+    "loss_weighting",
+    "dpace_alpha",
+    "label_source",
+    "loss_type",
+)
+
+
+def load_draft(
+    path: str | Path,
+    verifier_dir: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDraft:
+    """Build a draft for inference from a checkpoint's speculators files alone
+    (`config.json` + `model.safetensors`, what an engine loads) and the verifier's frozen
+    embedding/head/norm. Layer ids are read back from `aux_hidden_state_layer_ids` (-1).
+
+    Raises CheckpointError naming the file and field when the directory is not a committed
+    format-2 checkpoint, misses files or tensors, or does not fit the verifier (hidden
+    size, vocabulary, layer ids beyond its depth)."""
+    p = Path(path)
+    vdir = Path(verifier_dir)
+    dcfg = draft_config(p, read_config(p), read_verifier_config(vdir), vdir)
+    weights_file = p / "model.safetensors"
+    if not weights_file.is_file():
+        raise CheckpointError(f"{weights_file}: missing (the draft's weights)")
+    try:
+        w = load_file(str(weights_file))
+    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+        raise CheckpointError(f"{weights_file}: unreadable: {e}") from e
+    vocab_ids = None
+    if dcfg.draft_vocab_size is not None:
+        if "d2t" not in w:
+            raise CheckpointError(f"{weights_file}: draft_vocab_size set but no d2t tensor")
+        d2t = w.pop("d2t").long()
+        vocab_ids = d2t + torch.arange(d2t.numel())  # speculators: draft d -> d + d2t[d]
+        w.pop("t2d", None)
+    draft = DFlashDraft.with_verifier_tensors(dcfg, vdir, vocab_ids, dtype)
+    _load_weights(draft, w, weights_file, dtype)
+    return draft.to(device=device, dtype=dtype).eval()
+
+
+def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Path) -> DFlashConfig:
+    """The DFlashConfig a checkpoint's speculators `config.json` describes, checked against
+    the verifier it will run beside (hidden size, vocabulary, layer ids within its depth)."""
+    tl = cfg.get("transformer_layer_config") or {}
+    nvl = vcfg["_num_hidden_layers"]
+    layers = from_serving_layer_ids(cfg["aux_hidden_state_layer_ids"])
+    where = path / "config.json"
+    for key, mine in (("hidden_size", tl.get("hidden_size")), ("vocab_size", tl.get("vocab_size"))):
+        if mine != vcfg[key]:
+            raise CheckpointError(
+                f"{where}: transformer_layer_config.{key} = {mine} but verifier {vdir} has "
+                f"{key} = {vcfg[key]}: this draft was trained for another verifier"
+            )
+    if max(layers) >= nvl:
+        raise CheckpointError(
+            f"{where}: aux_hidden_state_layer_ids {cfg['aux_hidden_state_layer_ids']} "
+            f"(decoder layers {layers}) do not exist in the {nvl}-layer verifier {vdir}"
+        )
+    rope = tl.get("rope_parameters") or {}
+    # Training-only semantics (anchors, loss weights, label source) do not change what the
+    # draft proposes; take them from the fanout section so `loss` matches training too.
+    saved = cfg["fanout"].get("dflash_config", {})
+    training = {k: saved[k] for k in _TRAINING_ONLY if k in saved}
+    try:
+        return DFlashConfig(
+            **training,
+            hidden_size=tl["hidden_size"],
+            intermediate_size=tl["intermediate_size"],
+            num_layers=tl["num_hidden_layers"],
+            num_attention_heads=tl["num_attention_heads"],
+            num_key_value_heads=tl["num_key_value_heads"],
+            head_dim=tl["head_dim"],
+            rms_norm_eps=tl["rms_norm_eps"],
+            rope_theta=float(rope.get("rope_theta", tl.get("rope_theta", 1e4))),
+            max_position_embeddings=tl["max_position_embeddings"],
+            vocab_size=tl["vocab_size"],
+            draft_vocab_size=(
+                cfg["draft_vocab_size"] if cfg["draft_vocab_size"] != tl["vocab_size"] else None
+            ),
+            block_size=cfg["block_size"],
+            mask_token_id=cfg["mask_token_id"],
+            target_layer_ids=layers,
+            tie_word_embeddings=bool(tl.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing field {e.args[0]!r}") from e
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from e
+
+
+def _load_weights(
+    draft: DFlashDraft, w: dict[str, torch.Tensor], weights_file: Path, dtype: torch.dtype
+) -> None:
+    """Load `model.safetensors` tensors into `draft`: exactly its trainable tensors, each
+    of the draft's shape, plus a reduced `lm_head.weight` when the checkpoint has one."""
+    saved_head = w.pop("lm_head.weight", None)
+    if saved_head is not None:  # a reduced head is part of the checkpoint: use its copy
+        if saved_head.shape != draft.lm_head_weight.shape:
+            raise CheckpointError(
+                f"{weights_file}: lm_head.weight {tuple(saved_head.shape)} != "
+                f"{tuple(draft.lm_head_weight.shape)}"
+            )
+        draft.lm_head_weight = saved_head.to(dtype)
+    shapes = {k: v.shape for k, v in draft.trainable_state().items()}
+    missing, unexpected = sorted(set(shapes) - set(w)), sorted(set(w) - set(shapes))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{weights_file}: missing tensors {missing}, unexpected tensors {unexpected}"
+        )
+    for k, v in w.items():
+        if v.shape != shapes[k]:
+            raise CheckpointError(
+                f"{weights_file}: {k} is {tuple(v.shape)}, expected {tuple(shapes[k])}"
+            )
+    draft.load_state_dict({k: v.to(dtype) for k, v in w.items()}, strict=False)
+
+
+def train_eal(path: str | Path) -> float | None:
+    """The train-time EAL a checkpoint recorded (mean of its last logged steps), if any."""
+    v = read_config(path)["fanout"].get("train_eal")
+    return float(v) if isinstance(v, int | float) else None
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "upgrade-checkpoint") -> None:
+    p.add_argument(
+        "dirs", nargs="+", metavar="DIR", help="checkpoint directories (checkpoint-XXXXXXXX)"
+    )
+
+
+def run(args: argparse.Namespace, name: str = "upgrade-checkpoint") -> int:
+    """`fanout upgrade-checkpoint DIR [DIR ...]`: rewrite format-1 configs as format 2
+    (`python -m fanout.checkpoint upgrade DIR` before the package layout of 2026-12)."""
+    for d in args.dirs:
+        try:
+            upgrade_checkpoint(d)
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+        ) as e:  # CheckpointError is a ConfigError: cli names it
+            raise CheckpointError(f"{d}: cannot upgrade: {e}") from e
+        print(f"upgraded {d} to format {FORMAT_VERSION}")
+    return 0

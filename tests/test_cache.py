@@ -1,0 +1,48 @@
+"""The packed-row cache: an entry appears whole or not at all.
+
+.venv/bin/pytest tests/test_cache.py -x -q
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from fanout.data.cache import PackedDataset, ShardWriter
+from fanout.data.packing import ROW_KEYS
+from fanout.errors import StorageError
+from fanout.filesystem import FileSystem
+from faults import after_rename, fail_each_call
+
+
+def test_a_failed_shard_write_leaves_no_entry(tmp_path: Path) -> None:
+    """The cache entry appears whole (every shard and the manifest fsynced, then the
+    directory renamed) or not at all, whichever write fails."""
+
+    def build(fs: FileSystem) -> PackedDataset:
+        shutil.rmtree(tmp_path / f"ds.tmp-{os.getpid()}", ignore_errors=True)
+        w = ShardWriter(tmp_path / "ds", 8, rows_per_shard=2, fs=fs)
+        try:
+            rows = np.arange(40, dtype=np.int32).reshape(5, 8)
+            w.write({k: rows.astype(np.uint8 if k == "loss_mask" else np.int32) for k in ROW_KEYS})
+            w.commit(
+                {"fingerprint": "f", "tokenizer_fingerprint": "t", "pad_token_id": 0, "summary": {}}
+            )
+        except BaseException as e:
+            w.abort()
+            if isinstance(e, StorageError) and isinstance(e.__cause__, OSError):
+                raise e.__cause__ from None  # a failed shard: the injected error
+            raise
+        return PackedDataset(tmp_path / "ds")
+
+    def check(n: int, e: OSError) -> None:
+        if (tmp_path / "ds").exists():  # only a failed fsync of the parent after the rename
+            assert after_rename(e), (n, e)
+            shutil.rmtree(tmp_path / "ds")
+        assert os.listdir(tmp_path) == [], (n, e)
+
+    ds, failures = fail_each_call(build, check)
+    assert ds.num_rows == 5 and failures > 10

@@ -1,0 +1,332 @@
+"""Every config field of every subcommand is reachable, declared once, and reaches its component.
+
+.venv/bin/pytest tests/test_config_fields.py -q
+
+For `fanout prepare | produce | train | eval`, each field of the command's config
+(its own and those it inherits from component configs: ChatFormat, DataOptions,
+VerifierOptions, RunOptions, ConsumerOptions) is given a non-default value and must
+arrive in the built config (a) through its generated flag, (b) through a `--config`
+JSON file, with (c) a flag overriding the file. Parsing uses the real `fanout` parser
+(cli.build_parser) and the module's own `config_from_args`; no command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from types import ModuleType
+from typing import Any, get_args
+
+import pytest
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from fanout import cli
+from fanout.coord.retention import RunConfig, RunOptions
+from fanout.data import prepare as prepare_mod
+from fanout.data.chat import ChatFormat
+from fanout.data.prepare import DataOptions, PrepareConfig
+from fanout.flags import configure_logging, declared_in, field_flag, flag_kind
+from fanout.model.verifier import VerifierConfig, VerifierOptions
+from fanout.produce import producer as produce_mod
+from fanout.produce.producer import ProducerConfig
+from fanout.train import eval as eval_mod
+from fanout.train import trainer as train_mod
+from fanout.train.consumer import ConsumerConfig, ConsumerOptions
+from fanout.train.eval import EvalConfig
+from fanout.train.trainer import TrainConfig
+
+COMMANDS: dict[str, tuple[ModuleType, type[BaseModel]]] = {
+    "prepare": (prepare_mod, PrepareConfig),
+    "produce": (produce_mod, ProducerConfig),
+    "train": (train_mod, TrainConfig),
+    "eval": (eval_mod, EvalConfig),
+}
+
+# The component configs each command config is composed of (inherits).
+COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
+    PrepareConfig: (ChatFormat, DataOptions),
+    ProducerConfig: (ChatFormat, DataOptions, VerifierOptions, RunOptions),
+    TrainConfig: (ConsumerOptions,),
+    EvalConfig: (ChatFormat,),
+}
+
+# (command config, component config) pairs that share fields by name, and the fields
+# each command declares itself on purpose (its comment there says why).
+PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
+    (ProducerConfig, PrepareConfig): {"tokenizer", "seq_len", "seed"},
+    (ProducerConfig, VerifierConfig): {"target_layer_ids"},
+    (ProducerConfig, RunConfig): set(),
+    (TrainConfig, ConsumerConfig): set(),
+    (EvalConfig, ChatFormat): set(),
+    (PrepareConfig, ChatFormat): set(),
+}
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> dict[str, str]:
+    f = tmp_path / "chat.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    g = tmp_path / "other.jsonl"
+    g.write_text(f.read_text())
+    return {"file": str(f), "file2": str(g), "dir": str(tmp_path)}
+
+
+def _base(command: str, p: dict[str, str]) -> dict[str, Any]:
+    """Values for the required fields."""
+    bases: dict[str, dict[str, Any]] = {
+        "prepare": {"data": [p["file"]], "tokenizer": p["dir"]},
+        "produce": {"run_dir": "r", "verifier_name_or_path": p["dir"], "data": [p["file"]]},
+        "train": {
+            "run_dir": "r",
+            "consumer_id": "c",
+            "verifier_name_or_path": "v",
+            "save_path": "s",
+        },
+        "eval": {"verifier_name_or_path": p["dir"], "data": p["file"], "tokenizer": p["dir"]},
+    }
+    return bases[command]
+
+
+# Fields that are valid only together with another one.
+COMPANIONS: dict[tuple[str, str], dict[str, str]] = {("train", "eval_every"): {"eval_data": "file"}}
+
+
+def _candidates(field: FieldInfo, p: dict[str, str]) -> list[Any]:
+    """Values of the field's type to try, in order (the first valid non-default wins)."""
+    kind = flag_kind(field)
+    types = {field.annotation, *get_args(field.annotation)}  # T or T | None
+    d = field.get_default(call_default_factory=True)
+    if kind == "bool":
+        return [d is not True, d is True]
+    if kind == "choice":
+        (choices,) = (get_args(t) for t in types if get_args(t))
+        return list(choices)
+    if kind == "dict":
+        return [{"bot": "assistant", "human": "user"}, {}]
+    if kind == "tuple":
+        return [("q", "a"), ("user", "bot")]
+    if kind == "list":
+        return [[p["file"]], [p["file"], p["file2"]], [3, 1], [2], ["all"], ["x", "y"]]
+    if int in types:
+        n = d if isinstance(d, int) else 0
+        return [n + 1, n + 7, 1, 2, 3]
+    if float in types:
+        x = d if isinstance(d, float) else 0.0
+        return [x + 1, x / 2, 0.25, 0.75, 7.0]
+    return ["x-value", "y-value", p["file"], p["file2"], p["dir"], "cuda:1", "cpu"]
+
+
+def _validated(model: type[BaseModel], values: dict[str, Any], name: str) -> Any | None:
+    try:
+        return getattr(model.model_validate(values), name)
+    except ValidationError:
+        return None
+
+
+def _pick(model: type[BaseModel], base: dict[str, Any], name: str, p: dict[str, str],
+          avoid: list[Any]) -> Any:  # fmt: skip
+    field = model.model_fields[name]
+    for v in _candidates(field, p):
+        got = _validated(model, base | {name: v}, name)
+        if got is not None and all(got != a for a in avoid):
+            return v
+    raise AssertionError(f"{model.__name__}.{name}: no valid value other than {avoid}")
+
+
+def _argv(name: str, field: FieldInfo, value: Any) -> list[str]:
+    """The flag (as a user writes it) that sets `name` to `value`."""
+    flag, kind = field_flag(name, field), flag_kind(field)
+    if value is None:
+        return [flag, "none"]
+    if kind == "bool":
+        return [flag if value else "--no-" + flag[2:]]
+    if kind == "dict":
+        return [flag, ",".join(f"{k}={v}" for k, v in value.items())] if value else [flag]
+    if kind == "tuple":
+        return [flag, ",".join(value)]
+    if kind == "list":
+        return [flag, *map(str, value)]
+    return [flag, str(value)]
+
+
+def _build(command: str, argv: list[str]) -> BaseModel:
+    module, _ = COMMANDS[command]
+    args = cli.build_parser([command]).parse_args([command, *argv])
+    cfg: BaseModel = module.config_from_args(args)
+    return cfg
+
+
+def _fields(command: str) -> list[tuple[str, str]]:
+    return [(command, name) for name in COMMANDS[command][1].model_fields]
+
+
+ALL_FIELDS = [cf for c in COMMANDS for cf in _fields(c)]
+
+
+@pytest.mark.parametrize(("command", "name"), ALL_FIELDS, ids=[f"{c}.{n}" for c, n in ALL_FIELDS])
+def test_field_reachable_by_flag_and_config_file(
+    command: str, name: str, paths: dict[str, str], tmp_path: Path
+) -> None:
+    model = COMMANDS[command][1]
+    field = model.model_fields[name]
+    base = _base(command, paths) | {
+        k: paths[v] for k, v in COMPANIONS.get((command, name), {}).items()
+    }
+    default = None if field.is_required() else field.get_default(call_default_factory=True)
+    avoid = [base[name]] if name in base else [default]
+    value = _pick(model, base, name, paths, avoid)
+    want = _validated(model, base | {name: value}, name)
+    base_argv = [
+        a for k, v in base.items() if k != name for a in _argv(k, model.model_fields[k], v)
+    ]
+
+    # (a) the generated flag
+    got = getattr(_build(command, [*base_argv, *_argv(name, field, value)]), name)
+    assert got == want and got not in avoid, (name, got, want)
+
+    # (b) a --config file
+    conf = tmp_path / "c.json"
+    conf.write_text(json.dumps(base | {name: value}))
+    assert getattr(_build(command, ["--config", str(conf)]), name) == want
+
+    # (c) a flag overrides the file: back to the default where a flag can say it
+    # a flag can give the default back unless it is None of a switch or an empty list
+    sayable = default != [] and (default is not None or flag_kind(field) in ("scalar", "list"))
+    if not field.is_required() and sayable:
+        other = default
+    else:
+        other = _pick(model, base, name, paths, [want])
+    want_other = _validated(model, base | {name: other}, name)
+    got = getattr(_build(command, ["--config", str(conf), *_argv(name, field, other)]), name)
+    assert got == want_other != want, (name, got, want_other)
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_bad_flag_value_names_the_flag(command: str, paths: dict[str, str]) -> None:
+    from fanout.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--config .*no such file"):
+        _build(command, ["--config", paths["dir"] + "/nope.json"])
+    model = COMMANDS[command][1]
+    if "role_map" in model.model_fields:
+        base = _base(command, paths)
+        argv = [a for k, v in base.items() for a in _argv(k, model.model_fields[k], v)]
+        with pytest.raises(ConfigError, match="--role-map: expected KEY=VALUE"):
+            _build(command, [*argv, "--role-map", "bot"])
+        with pytest.raises(ConfigError, match=r"--role-map.*must be one of"):
+            _build(command, [*argv, "--role-map", "bot=narrator"])
+
+
+# ---- one definition per field ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("command", "component"), list(PAIRS), ids=lambda c: c.__name__)
+def test_shared_fields_are_declared_once(
+    command: type[BaseModel], component: type[BaseModel]
+) -> None:
+    """A field both configs have comes from one declaration (a common base), unless the
+    command declares its own on purpose (PAIRS, with the reason beside the field)."""
+    deliberate = PAIRS[(command, component)]
+    shared = set(command.model_fields) & set(component.model_fields)
+    copied = {
+        f for f in shared - deliberate if declared_in(command, f) is not declared_in(component, f)
+    }
+    assert copied == set(), f"{command.__name__} re-declares {component.__name__}'s {copied}"
+    for f in deliberate:
+        assert f in shared and declared_in(command, f) is command, f
+
+
+@pytest.mark.parametrize("command", list(COMPONENTS), ids=lambda c: c.__name__)
+def test_commands_inherit_their_components(command: type[BaseModel]) -> None:
+    for component in COMPONENTS[command]:
+        assert issubclass(command, component), (command.__name__, component.__name__)
+        assert set(component.model_fields) <= set(command.model_fields)
+
+
+# ---- the command's fields reach the component configs it builds ----------------------------
+
+
+def _nondefault(model: type[BaseModel], base: dict[str, Any], p: dict[str, str]) -> dict[str, Any]:
+    out = {}
+    for name, field in model.model_fields.items():
+        if name in base:
+            continue
+        default = field.get_default(call_default_factory=True)
+        out[name] = _pick(model, base, name, p, [default])
+    return out
+
+
+def test_producer_options_reach_prepare_verifier_and_run_configs(paths: dict[str, str]) -> None:
+    base = _base("produce", paths)
+    for name in [
+        *DataOptions.model_fields,
+        *VerifierOptions.model_fields,
+        *RunOptions.model_fields,
+    ]:
+        if name in base:
+            continue
+        # data fields: a value the data stage accepts too (PrepareConfig checks paths)
+        model, mbase = (
+            (PrepareConfig, _base("prepare", paths))
+            if name in DataOptions.model_fields
+            else (ProducerConfig, base)
+        )
+        v = _pick(model, mbase, name, paths, [ProducerConfig.model_fields[name].default])
+        cfg = ProducerConfig.model_validate(base | {name: v})
+        if name in DataOptions.model_fields:
+            got = getattr(cfg.prepare_config("default-cache"), name)
+        elif name in VerifierOptions.model_fields:
+            got = cfg.verifier_options()[name]
+            VerifierConfig(path="v", **cfg.verifier_options())  # load_verifier accepts them
+        else:
+            got = getattr(cfg.run_config(total_windows=7), name)
+        assert got == getattr(cfg, name), name
+    cfg = ProducerConfig.model_validate(base | {"tokenizer": None, "seq_len": 64})
+    prep = cfg.prepare_config("default-cache")
+    assert (prep.tokenizer, prep.seq_len, prep.cache_dir) == (paths["dir"], 64, "default-cache")
+
+
+def test_train_options_reach_the_consumer_config(paths: dict[str, str]) -> None:
+    base = _base("train", paths)
+    cfg = TrainConfig.model_validate(
+        base | _nondefault(ConsumerOptions, {k: base[k] for k in ("run_dir", "consumer_id")}, paths)
+    )
+    ccfg = cfg.consumer_config(dp_rank=cfg.dp_rank, dp_world_size=cfg.dp_rank + 1, max_windows=3)
+    for name in ConsumerOptions.model_fields:
+        assert getattr(ccfg, name) == getattr(cfg, name), name
+    assert (ccfg.row_shuffle_seed, ccfg.max_windows) == (cfg.seed, 3)
+
+
+# ---- --log-level and --config on every subcommand --------------------------------------------
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = cli.build_parser([name])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    p: argparse.ArgumentParser = sub.choices[name]
+    return p
+
+
+@pytest.mark.parametrize("name", list(cli.COMMANDS))
+def test_every_subcommand_takes_log_level(name: str) -> None:
+    opts = {s: a for a in _subparser(name)._actions for s in a.option_strings}
+    assert list(opts["--log-level"].choices or ()) == ["debug", "info", "warning", "error"]
+    if name in COMMANDS:
+        assert "--config" in opts
+
+
+def test_log_level_sets_the_level() -> None:
+    root = logging.getLogger()
+    before = root.level
+    try:
+        args = cli.build_parser(["status"]).parse_args(["status", "--log-level", "debug"])
+        configure_logging(args)
+        assert root.level == logging.DEBUG
+        args = cli.build_parser(["status"]).parse_args(["status", "--log-level", "error"])
+        configure_logging(args)
+        assert root.level == logging.ERROR
+    finally:
+        root.setLevel(before)
