@@ -1,4 +1,6 @@
-"""fanout.bench.bench + fanout.bench.report: config validation, a 3-scenario smoke run, failure handling.
+"""fanout.bench.bench + fanout.bench.report: config validation, the role specs against
+the commands' configs and flags, a 3-scenario smoke run, a 1p1c run on PostgreSQL,
+failure handling.
 
 The smoke config is cpu-tiny.json shrunk (tiny verifier, ~10 windows) so the whole
 three-scenario run stays well under a minute or two on 2 cores; cpu-tiny.json itself
@@ -14,18 +16,26 @@ from typing import Any
 import pytest
 
 from fanout.bench.bench import (
+    Assets,
     BenchConfig,
     ConsumerSpec,
+    ProducerSpec,
     Role,
     ScenarioRun,
     _coordinator_probe,
+    plan,
     run_bench,
+    schema_name,
 )
 from fanout.bench.report import scenario_metrics
+from fanout.cli import build_parser
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.postgresdb import parse_url
 from fanout.errors import ConfigError
+from fanout.produce import producer
 from fanout.store.store import Published, RunDir, window_name
+from fanout.train import trainer
 from test_coordinator import make_contract
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,6 +89,84 @@ def test_unknown_and_bad_fields_are_rejected(tmp_path: Path) -> None:
     p.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match=r"scenarios\.0"):
         BenchConfig.load(p)
+
+
+def test_role_specs_are_the_commands_fields() -> None:
+    """Every ProducerSpec / ConsumerSpec field is the command's field (annotation,
+    constraints, description), only its default the bench's: a changed constraint or
+    description in ProducerConfig / TrainConfig reaches the bench spec, and a changed
+    type fails here."""
+    bench_only = {ProducerSpec: {"threads", "extra_args"}, ConsumerSpec: {"id", "extra_args"}}
+    for spec, config in ((ProducerSpec, producer.ProducerConfig), (ConsumerSpec, trainer.TrainConfig)):  # fmt: skip
+        shared = set(spec.model_fields) - bench_only[spec]
+        assert shared, spec
+        for name in sorted(shared):
+            mine, theirs = spec.model_fields[name], config.model_fields.get(name)
+            assert theirs is not None, f"{spec.__name__}.{name} is no {config.__name__} field"
+            assert mine.annotation == theirs.annotation, f"{spec.__name__}.{name}"
+            assert mine.metadata == theirs.metadata, f"{spec.__name__}.{name}"
+            assert mine.description == theirs.description, f"{spec.__name__}.{name}"
+    assert trainer.TrainConfig.model_fields["consumer_id"].annotation is str  # ConsumerSpec.id
+    # Bench defaults stay the bench's.
+    assert ProducerSpec().seq_len == 256 and ConsumerSpec(id="b").max_anchors == 16
+    with pytest.raises(ValueError, match="greater than or equal to 8"):
+        ProducerSpec(seq_len=4)  # ProducerConfig's constraint
+
+
+def _parse(argv: list[str]) -> Any:
+    return build_parser(argv).parse_args(argv)
+
+
+def test_role_commands_parse_back_to_the_specs(tmp_path: Path) -> None:
+    """The generated `produce` / `train` argv, parsed by the commands themselves, gives
+    each spec field's value; with `database` set every run dir gets its own schema."""
+    raw = json.loads(CPU_TINY.read_text())
+    raw["producer"].update(workers=None, num_draft_layers=2, lag_policy="detach")
+    raw["database"] = "postgresql://bench@db-host/fanout?connect_timeout=5"
+    cfg = BenchConfig.model_validate(raw)
+    a = Assets(tmp_path / "ver", tmp_path / "tok", [str(tmp_path / "d.jsonl")], 7)
+    run = plan(cfg, "unshared", a, tmp_path / "out")
+    schemas = []
+    for role in run.roles:
+        args = _parse(role.cmd[3:])
+        if role.kind == "producer":
+            pc = producer.config_from_args(args)
+            for k, v in cfg.producer.model_dump(exclude={"threads", "extra_args"}).items():
+                assert getattr(pc, k) == v, k
+            assert (pc.run_dir, pc.progress) == (str(role.run_dir), False)
+            assert pc.db_path is not None
+            conninfo, schema, _ = parse_url(pc.db_path)
+            assert conninfo == "postgresql://bench@db-host/fanout?connect_timeout=5"
+            schemas.append(schema)
+        else:
+            tc = trainer.config_from_args(args)
+            assert role.spec is not None
+            for k, v in role.spec.model_dump(exclude={"id", "extra_args"}).items():
+                assert getattr(tc, k) == v, k
+            assert (tc.consumer_id, tc.mask_token_id, tc.db_path) == (role.spec.id, 7, None)
+    assert len(set(schemas)) == 3 and all(s.startswith("cpu_tiny_unshared_") for s in schemas)
+    # A new plan (the next bench run in the same --out) never reuses a schema name.
+    again = plan(cfg, "unshared", a, tmp_path / "out")
+    producers = [r for r in again.roles if r.kind == "producer"]
+    dbs = [producer.config_from_args(_parse(r.cmd[3:])).db_path for r in producers]
+    assert not {parse_url(d)[1] for d in dbs if d} & set(schemas)
+    # Without `database`: SQLite in the run dir (no --db-path).
+    cfg = cfg.model_copy(update={"database": None})
+    assert all("--db-path" not in r.cmd for r in plan(cfg, "1p1c", a, tmp_path / "out").roles)
+
+
+def test_schema_names_and_database_urls() -> None:
+    for bench in ("cpu-tiny", "Qwen3 8B / 1p3c!", "8b" * 40, "---"):
+        name = schema_name(bench, "unshared", 12, "0123abcd")
+        assert parse_url(f"postgresql://h/db?schema={name}")[1] == name  # allowed there
+        assert name.endswith("_unshared_12_0123abcd") and name == name.lower()
+    raw = json.loads(CPU_TINY.read_text())
+    for bad, why in (
+        ("postgresql://h/db?schema=x", "leave out"),
+        ("/var/lib/coordinator.sqlite3", "postgresql://"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            BenchConfig.model_validate(raw | {"database": bad})
 
 
 def _shared_run(root: Path, db: str | None, windows: int) -> None:
@@ -191,6 +279,29 @@ def test_role_failure_makes_run_invalid_and_exit_nonzero(
     assert any("b4 exited 2" in r for r in rep["reasons"]), rep["reasons"]
     # The producer, held by a consumer that never came, was stopped: not blamed.
     assert not any("producer exited" in r for r in rep["reasons"]), rep["reasons"]
+
+
+def test_1p1c_on_postgresql(assets_cache: Path, tmp_path: Path, postgres_server: str) -> None:
+    """A real `fanout bench` run (1p1c) with the coordinator on PostgreSQL: the producer
+    creates the run dir's own schema, the trainer finds it through the run dir, and the
+    report reads it. A password never reaches the report."""
+    url = postgres_server.replace("postgresql://postgres@", "postgresql://postgres:secret@")
+    cfg = smoke_config(assets_cache, scenarios=["1p1c"], database=url)
+    out = tmp_path / "out"
+    rep = run_bench(cfg, out, echo=lambda s: None)
+    assert rep["valid"], rep["reasons"]
+    sc = rep["scenarios"]["1p1c"]
+    c = sc["consumers"]["b4"]
+    assert c["windows_acked"] == sc["unique_windows"] >= 4
+    assert c["rows_per_s"] > 0 and c["steps"] >= 3
+    assert sc["captures_per_window"] == 1.0
+    (p,) = sc["producers"].values()
+    assert p["database"].startswith("postgresql://postgres@127.0.0.1:")
+    assert "schema=smoke_1p1c_0_" in (out / "1p1c" / "run" / "coordinator.dbpath").read_text()
+    assert not (out / "1p1c" / "run" / "coordinator.sqlite3").exists()
+    assert rep["database"]["kind"] == "postgresql"
+    assert rep["database"]["version"].startswith("PostgreSQL ")
+    assert "secret" not in (out / "report.json").read_text() + (out / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -294,3 +294,38 @@ def test_failed_start_never_touches_an_existing_run(tiny: Path, tmp_path: Path) 
     with pytest.raises(ConfigError, match="--format"):  # a restart that fails: run kept
         Producer(_cfg(tiny, run, data=[str(tiny / "bad.jsonl")]))
     assert sorted(os.listdir(run)) == before
+
+
+def test_failed_start_after_the_database_drops_it_and_a_retry_starts_clean(
+    db: str | None, tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A start that fails after it created the coordinator database (here: building the
+    capturer) removes that database too — on PostgreSQL its tables and the schema it
+    made — so the same command run again creates the run instead of being refused with
+    'a coordinator database already exists there'."""
+    from fanout.coord import postgresdb
+
+    run = tmp_path / "run"
+    cfg = _cfg(tiny, run, db_path=db, max_windows=1)
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("capturer failed")
+
+    with monkeypatch.context() as m:
+        m.setattr("fanout.produce.producer.WindowCapturer", broken)
+        with pytest.raises(RuntimeError, match="capturer failed"):
+            Producer(cfg)
+    assert not run.exists()
+    if db is not None:
+        assert not postgresdb.exists(db)
+        probe = postgresdb.PostgresDatabase(db)
+        try:
+            schemas = probe.execute(
+                "SELECT COUNT(*) FROM information_schema.schemata WHERE schema_name=?",
+                (probe.schema,),
+            ).fetchone()[0]
+        finally:
+            probe.close()
+        assert schemas == 0
+    summary = Producer(cfg).run()  # the retry: a clean create
+    assert summary["windows"] == 1

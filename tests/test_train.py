@@ -370,6 +370,24 @@ def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run)
     assert resumed.run()["steps"] == 31
 
 
+def test_missing_token_counts_are_waited_for_visibly_then_named(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--draft-vocab-size waits for the producer's token counts, saying so on stderr,
+    and names the file when --acquire-timeout-s runs out."""
+    from fanout.data.draft_vocab import TOKEN_COUNTS
+
+    counts = run.run_dir / TOKEN_COUNTS
+    aside = run.root / "counts.aside"
+    counts.rename(aside)
+    try:
+        with pytest.raises(ConfigError, match=f"{TOKEN_COUNTS} is missing"):
+            Trainer(_cfg(run, "no-counts", draft_vocab_size=100, acquire_timeout_s=1.5))
+    finally:
+        aside.rename(counts)
+    assert "waiting for the producer's token counts" in capsys.readouterr().err
+
+
 def test_kl_loss_trains_from_last_hidden_states_and_needs_them(run: Run) -> None:
     with pytest.raises(ConfigError, match="--store-last-hidden-states"):
         Trainer(_cfg(run, "kl-refused", max_steps=1, loss_type="kl"))

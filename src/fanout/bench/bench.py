@@ -13,6 +13,11 @@ Every role is its own process (`python -m fanout.cli produce|train`, logs under
 and the run dirs. Numbers come from the trainers' `train_log.jsonl`, the
 producer's summary and the coordinator (`fanout.coord.status.snapshot`), over each
 scenario's steady window (after `warmup_steps`, while every consumer runs).
+The coordinator is SQLite in each run dir, or with `database` set PostgreSQL: the
+producer gets `--db-path URL?schema=NAME`, a new schema per run dir (`schema_name`),
+and the trainers, probe and report find it in the run dir as every command does.
+The per-role specs are fields of the commands' own configs (ProducerConfig,
+TrainConfig) with bench defaults, and become flags in one place (`command_flags`).
 Validity rules are checked and stated in the report (fanout.bench.report); any role
 failure or broken rule makes the run invalid and `fanout bench` exit 1.
 """
@@ -23,20 +28,29 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qsl
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
 
+from fanout.coord.postgresdb import is_url
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
+from fanout.flags import field_flag, flag_kind
+from fanout.model.verifier import DTypeName
+from fanout.produce.producer import ProducerConfig
+from fanout.train.trainer import TrainConfig
 
 Scenario = Literal["1p1c", "1p3c", "unshared"]
 SCENARIOS: tuple[Scenario, ...] = ("1p1c", "1p3c", "unshared")
@@ -70,21 +84,33 @@ class AssetsSpec(BaseModel):
     verifier_intermediate_size: int = Field(512, ge=16, description="random verifier MLP width")
 
 
+def _field(config: type[BaseModel], name: str, default: Any) -> Any:
+    """Field `name` of a command's config (`fanout produce`'s ProducerConfig, `fanout
+    train`'s TrainConfig) as declared there — constraints, description, flag — with
+    only the default changed to the bench's. The spec's annotation must be the
+    command's too (tests/test_bench.py checks every spec field)."""
+    return FieldInfo.merge_field_infos(config.model_fields[name], default=default)
+
+
 class ProducerSpec(BaseModel):
-    """`fanout produce` settings shared by every scenario (each a flag of ProducerConfig)."""
+    """`fanout produce` settings shared by every scenario: fields of ProducerConfig
+    (bench defaults), passed as its flags, and bench-only `threads` and `extra_args`."""
 
     model_config = ConfigDict(extra="forbid")
 
-    seq_len: int = Field(256, ge=8, description="tokens per packed row T")
-    window_rows: int = Field(4, ge=1, description="rows per window R")
-    max_live_windows: int = Field(4, ge=2, description="K: window files alive at once")
-    lag_policy: Literal["hold", "recapture", "detach"] = Field("hold", description="lag policy")
-    epochs: int = Field(1, ge=1, description="passes over the data (sets the stream length)")
-    num_draft_layers: int = Field(1, ge=1, description="DFlash layer rule → captured layers")
-    capture_batch_rows: int = Field(4, ge=1, description="rows per verifier forward")
-    device: str = Field("cpu", description="verifier device (1p1c, 1p3c)")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="dtype")
-    workers: int | None = Field(1, ge=0, description="data-prep workers (None: all cores)")
+    seq_len: int = _field(ProducerConfig, "seq_len", 256)
+    window_rows: int = _field(ProducerConfig, "window_rows", 4)
+    max_live_windows: int = _field(ProducerConfig, "max_live_windows", 4)
+    lag_policy: Literal["hold", "recapture", "detach"] = _field(
+        ProducerConfig, "lag_policy", "hold"
+    )
+    epochs: int = _field(ProducerConfig, "epochs", 1)
+    num_draft_layers: int | None = _field(ProducerConfig, "num_draft_layers", 1)
+    capture_batch_rows: int = _field(ProducerConfig, "capture_batch_rows", 4)
+    # The verifier's device in 1p1c and 1p3c (unshared: BenchConfig.unshared_producer_devices).
+    device: str = _field(ProducerConfig, "device", "cpu")
+    dtype: DTypeName = _field(ProducerConfig, "dtype", "auto")
+    workers: int | None = _field(ProducerConfig, "workers", 1)
     threads: int | None = Field(
         None, ge=1, description="torch/OMP threads of producers; None: threads_per_role"
     )
@@ -92,18 +118,19 @@ class ProducerSpec(BaseModel):
 
 
 class ConsumerSpec(BaseModel):
-    """One trainer (`scripts/train.py` flags)."""
+    """One trainer: fields of `fanout train`'s TrainConfig (bench defaults), passed as
+    its flags; `id` is its --consumer-id, `extra_args` more flags."""
 
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="consumer id (also a file name)")
-    block_size: int = Field(8, ge=2, description="draft block size")
-    max_anchors: int = Field(16, ge=1, description="anchors per row per step")
-    lr: float = Field(3e-4, gt=0, description="peak learning rate")
-    seed: int = Field(0, description="init / anchor seed")
-    device: str = Field("cpu", description="training device")
-    rows_per_step: int = Field(2, ge=1, description="rows per optimizer step")
-    num_layers: int = Field(1, ge=1, description="draft layers")
+    block_size: int = _field(TrainConfig, "block_size", 8)
+    max_anchors: int = _field(TrainConfig, "max_anchors", 16)
+    lr: float = _field(TrainConfig, "lr", 3e-4)
+    seed: int = _field(TrainConfig, "seed", 0)
+    device: str = _field(TrainConfig, "device", "cpu")
+    rows_per_step: int = _field(TrainConfig, "rows_per_step", 2)
+    num_layers: int = _field(TrainConfig, "num_layers", 1)
     extra_args: list[str] = Field(default_factory=list, description="more `train` flags")
 
 
@@ -128,6 +155,22 @@ class BenchConfig(BaseModel):
         None, ge=1, description="OMP/torch threads per role process; None: library default"
     )
     trainer_heartbeat_s: float = Field(2.0, gt=0, description="trainer heartbeat interval (s)")
+    database: str | None = Field(
+        None,
+        description="coordinator database: None = SQLite in each run dir; a "
+        "postgresql://user@host/db URL (no ?schema=) = PostgreSQL, a new schema per run dir",
+    )
+
+    @field_validator("database")
+    @classmethod
+    def _postgres_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not is_url(v):
+            raise ValueError(f"expected a postgresql:// URL (or null for SQLite), got {v!r}")
+        if any(k == "schema" for k, _ in parse_qsl(v.partition("?")[2])):
+            raise ValueError("leave out ?schema=: the harness gives each run dir its own schema")
+        return v
 
     def model_post_init(self, _ctx: Any) -> None:
         ids = [c.id for c in self.consumers]
@@ -264,38 +307,87 @@ class ScenarioRun:
     notes: list[str] = field(default_factory=list)
 
 
-def _producer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, device: str, n: int, work: Path) -> list[str]:  # fmt: skip
-    p = cfg.producer
-    cmd = [
-        sys.executable, "-m", "fanout.cli", "produce",
-        "--run-dir", str(run_dir), "--verifier-name-or-path", str(a.verifier_dir),
-        "--tokenizer", str(a.tokenizer_dir), "--data", *a.data,
-        "--seq-len", str(p.seq_len), "--window-rows", str(p.window_rows),
-        "--max-live-windows", str(p.max_live_windows), "--lag-policy", p.lag_policy,
-        "--epochs", str(p.epochs), "--num-draft-layers", str(p.num_draft_layers),
-        "--capture-batch-rows", str(p.capture_batch_rows), "--device", device,
-        "--dtype", p.dtype, "--expected-consumers", str(n),
-        "--cache-dir", str(work / "cache"), "--no-progress", "--exit-when-idle-s", "5",
-    ]  # fmt: skip
-    if p.workers is not None:
-        cmd += ["--workers", str(p.workers)]
-    return cmd + p.extra_args
+def command_flags(config: type[BaseModel], values: Mapping[str, Any]) -> list[str]:
+    """The flags that set `values` (field name → value) of a command's config, written
+    as fanout.flags parses them back: `--x` / `--no-x`, `--x a b`, `--x none`, `--x k=v`."""
+    out: list[str] = []
+    for name, v in values.items():
+        field = config.model_fields[name]
+        flag, kind = field_flag(name, field), flag_kind(field)
+        if kind == "bool":
+            out.append(flag if v else "--no-" + flag[2:])
+        elif v is None:
+            out += [flag, "none"]
+        elif kind == "dict":
+            out += [flag, *(f"{k}={x}" for k, x in v.items())]
+        elif kind in ("list", "tuple"):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _spec_values(spec: BaseModel, config: type[BaseModel]) -> dict[str, Any]:
+    """The spec's fields that are fields of the command's config, by name."""
+    return {k: getattr(spec, k) for k in type(spec).model_fields if k in config.model_fields}
+
+
+def _producer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, device: str, n: int, work: Path, db: str | None) -> list[str]:  # fmt: skip
+    values = {
+        "run_dir": str(run_dir),
+        "verifier_name_or_path": str(a.verifier_dir),
+        "tokenizer": str(a.tokenizer_dir),
+        "data": a.data,
+        **_spec_values(cfg.producer, ProducerConfig),
+        "device": device,  # this pair's (unshared_producer_devices)
+        "expected_consumers": n,
+        "cache_dir": str(work / "cache"),
+        "progress": False,
+        "exit_when_idle_s": 5,
+    }
+    if db is not None:
+        values["db_path"] = db  # trainers, probe and report find it in the run dir
+    flags = command_flags(ProducerConfig, values)
+    return [sys.executable, "-m", "fanout.cli", "produce", *flags, *cfg.producer.extra_args]
 
 
 def _consumer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, c: ConsumerSpec, save: Path) -> list[str]:  # fmt: skip
-    cmd = [
-        sys.executable, "-m", "fanout.cli", "train",
-        "--run-dir", str(run_dir), "--consumer-id", c.id,
-        "--verifier-name-or-path", str(a.verifier_dir), "--block-size", str(c.block_size),
-        "--max-anchors", str(c.max_anchors), "--lr", str(c.lr), "--seed", str(c.seed),
-        "--device", c.device, "--rows-per-step", str(c.rows_per_step),
-        "--num-layers", str(c.num_layers),
-        "--save-path", str(save), "--checkpoint-every", "1000000000",
-        "--heartbeat-s", str(cfg.trainer_heartbeat_s),
-    ]  # fmt: skip
+    values = {
+        "run_dir": str(run_dir),
+        "consumer_id": c.id,
+        "verifier_name_or_path": str(a.verifier_dir),
+        **_spec_values(c, TrainConfig),
+        "save_path": str(save),
+        "checkpoint_every": 1_000_000_000,
+        "heartbeat_s": cfg.trainer_heartbeat_s,
+    }
     if a.mask_token_id is not None:
-        cmd += ["--mask-token-id", str(a.mask_token_id)]
-    return cmd + c.extra_args
+        values["mask_token_id"] = a.mask_token_id
+    flags = command_flags(TrainConfig, values)
+    return [sys.executable, "-m", "fanout.cli", "train", *flags, *c.extra_args]
+
+
+# PostgreSQL's limit on fanout's schema names (fanout.coord.postgresdb checks it).
+_SCHEMA_CHARS = 51
+
+
+def schema_name(bench: str, scenario: str, index: int, token: str) -> str:
+    """The PostgreSQL schema of a bench run dir: `<bench>_<scenario>_<index>_<token>`,
+    lower-case letters, digits and _ (the bench name shortened to fit)."""
+    tail = f"_{scenario}_{index}_{token}"
+    head = re.sub(r"[^a-z0-9_]+", "_", bench.lower()).strip("_") or "bench"
+    if not head[0].isalpha():
+        head = "b_" + head
+    return head[: _SCHEMA_CHARS - len(tail)] + tail
+
+
+def run_dir_database(cfg: BenchConfig, scenario: str, index: int, token: str) -> str | None:
+    """`--db-path` of a run dir: None (SQLite in the run dir) or cfg.database with a
+    schema of its own."""
+    if cfg.database is None:
+        return None
+    sep = "&" if "?" in cfg.database else "?"
+    return f"{cfg.database}{sep}schema={schema_name(cfg.name, scenario, index, token)}"
 
 
 def plan(cfg: BenchConfig, scenario: Scenario, a: Assets, work: Path) -> ScenarioRun:
@@ -313,9 +405,12 @@ def plan(cfg: BenchConfig, scenario: Scenario, a: Assets, work: Path) -> Scenari
         cons = cfg.consumers[:1] if scenario == "1p1c" else cfg.consumers
         pairs = [(d / "run", cfg.producer.device, cons, "producer")]
     roles: list[Role] = []
-    for run_dir, dev, cons, pname in pairs:
+    # A new schema name per plan: a schema an earlier bench left behind is never reused.
+    token = uuid.uuid4().hex[:8]
+    for i, (run_dir, dev, cons, pname) in enumerate(pairs):
         summary = logs / f"{pname}.summary.json"
-        cmd = _producer_cmd(cfg, a, run_dir, dev, len(cons), work)
+        db = run_dir_database(cfg, scenario, i, token)
+        cmd = _producer_cmd(cfg, a, run_dir, dev, len(cons), work, db)
         cmd += ["--summary-json", str(summary)]
         roles.append(
             Role(pname, "producer", cmd, logs / f"{pname}.log", run_dir, dev, summary_path=summary)

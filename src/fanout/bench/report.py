@@ -7,7 +7,8 @@
 Sources: each trainer's `train_log.jsonl` (step times, acked windows), each
 producer's `--summary-json`, the coordinator (`fanout.coord.status.snapshot`: windows
 produced, recaptures, high-water marks) and the telemetry JSONL. Every number in
-report.md is printed beside the hardware, sizes and versions it was measured on.
+report.md is printed beside the hardware, sizes and versions it was measured on,
+and the coordinator's database (SQLite, or the PostgreSQL server; `database`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fanout.bench.telemetry import read_samples, summarize
+from fanout.errors import FanoutError
 
 VALIDITY_RULES = [
     "every consumer acked every window of the stream exactly once, in order "
@@ -71,6 +73,8 @@ class BenchLike(Protocol):
     def warmup_steps(self) -> int: ...
     @property
     def threads_per_role(self) -> int | None: ...
+    @property
+    def database(self) -> str | None: ...
     @property
     def producer(self) -> ProducerSpecLike: ...
     @property
@@ -171,6 +175,29 @@ def versions() -> dict[str, str]:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = "not installed"
+    return out
+
+
+def database(url: str | None) -> dict[str, Any]:
+    """Where the scenarios' coordinators were, and that database's version: SQLite in
+    each run dir, or a PostgreSQL server (a schema per run dir; the URL without its
+    password, which never goes into a report)."""
+    if url is None:
+        import sqlite3
+
+        return {"kind": "sqlite", "where": "each run dir", "version": sqlite3.sqlite_version}
+    from fanout.coord.postgresdb import PostgresDatabase, redact
+
+    out: dict[str, Any] = {"kind": "postgresql", "where": redact(url), "version": None}
+    try:
+        db = PostgresDatabase(url)
+    except FanoutError as e:
+        out["version"] = f"unknown: {e}"
+        return out
+    try:
+        out["version"] = db.server_version()
+    finally:
+        db.close()
     return out
 
 
@@ -345,6 +372,7 @@ def _producer_metrics(
             total_windows=snap["config"]["total_windows"],
             high_water=hw,
             window_bytes=round(hw["bytes"] / max(1, hw["windows"])),
+            database=snap["db_path"],
         )
     if failures:
         reasons.append(f"producers reported {failures} failed publishes")
@@ -393,12 +421,16 @@ def build_report(
     sc = {run.name: scenario_metrics(cfg, run, tel) for run, tel in runs}
     rate = {k: v["aggregate"].get("rows_per_s") for k, v in sc.items()}
     shared = sc.get("1p3c")
+    db = database(cfg.database)
+    config = cfg.model_dump()
+    config["database"] = db["where"] if cfg.database else None  # no password
     rep: dict[str, Any] = {
         "name": cfg.name,
         "description": cfg.description,
         "created": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "hardware": hardware(),
         "versions": versions(),
+        "database": db,
         "sizes": {
             "verifier": _verifier_sizes(Path(assets.verifier_dir)),
             "seq_len": cfg.producer.seq_len,
@@ -409,7 +441,7 @@ def build_report(
             "consumers": [c.model_dump() for c in cfg.consumers],
             "threads_per_role": cfg.threads_per_role,
         },
-        "config": cfg.model_dump(),
+        "config": config,
         "validity_rules": VALIDITY_RULES,
         "scenarios": sc,
         "aggregate_rows_per_s": rate,
@@ -459,6 +491,13 @@ def _f(x: Any, nd: int = 2) -> str:
     return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
 
+def _database_line(db: dict[str, Any] | None) -> str:
+    if db is None or db["kind"] == "sqlite":
+        version = f" {db['version']}" if db else ""
+        return f"coordinator: SQLite{version}, in each run dir"
+    return f"coordinator: {db['version']} at {db['where']}, a schema per run dir"
+
+
 def format_table(rep: dict[str, Any]) -> str:
     hw, v, s = rep["hardware"], rep["versions"], rep["sizes"]
     ver = s["verifier"]
@@ -467,6 +506,7 @@ def format_table(rep: dict[str, Any]) -> str:
         f"hardware: {hw['cpu']}, {hw['usable_cpus']}/{hw['logical_cpus']} CPUs, "
         f"load {hw['load_avg_1m']}, GPUs {hw['gpus'] or 'none'}",
         f"versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}",
+        _database_line(rep.get("database")),
         f"sizes: verifier h{ver['hidden_size']} × {ver['num_hidden_layers']} layers, vocab "
         f"{ver['vocab_size']}; T={s['seq_len']}, R={s['window_rows']}, K={s['max_live_windows']}",
         "",
@@ -533,7 +573,8 @@ def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
             )
     out += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     out += ["", "## Hardware and versions", "", "```"]
-    out += [json.dumps({"hardware": rep["hardware"], "versions": rep["versions"]}, indent=2)]
+    keys = ("hardware", "versions", "database")
+    out += [json.dumps({k: rep[k] for k in keys if k in rep}, indent=2)]
     out += ["```", ""]
     return "\n".join(out)
 

@@ -69,6 +69,7 @@ class CoordinatorBase:
         self._store = store
         self._reclaimer = Reclaimer(self.config.ttl_s, clock)
         self._role_watch: dict[str, RoleWatch] = {}  # what _take_role saw, per role
+        self.created_namespace = False  # create() made the PostgreSQL schema
 
     def close(self) -> None:
         self.conn.close()

@@ -129,6 +129,7 @@ class Coordinator(ProducerSide):
         root.mkdir(parents=True, exist_ok=True)
         where = cls.resolve_db_path(root, db_path)
         conn: schema.Database
+        made_namespace = False  # a PostgreSQL schema this create made
         if isinstance(where, Path):
             if where.exists():
                 raise ConfigError(f"{where}: a coordinator database already exists; use open()")
@@ -139,7 +140,7 @@ class Coordinator(ProducerSide):
         else:
             conn = postgresdb.PostgresDatabase(where)
             where = conn.where  # never write a password into the run dir
-            conn.create_namespace()
+            made_namespace = conn.create_namespace()
             if conn.has_tables():
                 conn.close()
                 raise ConfigError(
@@ -159,7 +160,19 @@ class Coordinator(ProducerSide):
             },
         )
         log.info("created coordinator %s (stream %s, %s)", where, contract.stream_id, config)
-        return cls(conn, root, where, store=store, clock=clock)
+        coord = cls(conn, root, where, store=store, clock=clock)
+        coord.created_namespace = made_namespace
+        return coord
+
+    def discard_run(self) -> None:
+        """Drop this run's tables and close: for a producer start that failed before
+        anything used the run (fanout.produce.rundir). On PostgreSQL the schema goes
+        too when `create` made it, so a retry with the same URL starts clean; a SQLite
+        file is the caller's to remove with the run dir."""
+        schema.drop_tables(self.conn)
+        if self.created_namespace and isinstance(self.conn, postgresdb.PostgresDatabase):
+            self.conn.drop_namespace()
+        self.close()
 
     @classmethod
     def open(

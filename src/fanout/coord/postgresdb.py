@@ -318,10 +318,24 @@ class PostgresDatabase:
         from a client; the run's invariants are fanout.coord.reads.audit's."""
         return "ok"
 
-    def create_namespace(self) -> None:
-        """CREATE SCHEMA if missing (needs the CREATE privilege on the database)."""
+    def create_namespace(self) -> bool:
+        """CREATE SCHEMA if missing (needs the CREATE privilege on the database). True if
+        this call created it (so that dropping the run may drop the schema too)."""
+        existed = self.raw.execute(
+            "SELECT 1 FROM information_schema.schemata WHERE schema_name=%s", (self.schema,)
+        ).fetchone()
         self.raw.execute(
             self._sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                self._sql.Identifier(self.schema)
+            )
+        )
+        return existed is None
+
+    def drop_namespace(self) -> None:
+        """DROP SCHEMA, RESTRICT: refused by the server unless the schema is empty, so
+        nothing but what fanout created can go with it."""
+        self.raw.execute(
+            self._sql.SQL("DROP SCHEMA IF EXISTS {} RESTRICT").format(
                 self._sql.Identifier(self.schema)
             )
         )

@@ -22,6 +22,7 @@ anything else unknown is refused with
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -132,6 +133,18 @@ class Database(Sql, Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# The run's tables, in creation order (dropped in reverse).
+TABLES = tuple(re.findall(r"CREATE TABLE (\w+)\(", DDL))
+
+
+def drop_tables(db: Database) -> None:
+    """Drop the run's tables in one transaction: what `create_schema` made, nothing else
+    (for a run whose producer failed before anything used it)."""
+    with db.write() as cur:
+        for name in reversed(TABLES):
+            cur.execute(f"DROP TABLE IF EXISTS {name}")
 
 
 def statements(dialect: str) -> list[str]:

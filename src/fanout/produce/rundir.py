@@ -172,7 +172,12 @@ class CreatedPaths:
                 return False
             if used:
                 return False
-            coord.close()
+            try:
+                coord.discard_run()  # its tables (PostgreSQL: the schema it made, too)
+            except Exception as e:  # keep the rest for a post-mortem, say why
+                log.warning("%s: could not drop the unused run's tables: %s", self.root, e)
+                coord.close()
+                return False
         removed = self.remove()
         if removed:
             log.info(

@@ -31,7 +31,12 @@ import torch
 from pydantic import Field, model_validator
 
 from fanout.contract import CaptureContract
-from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
+from fanout.data.draft_vocab import (
+    TOKEN_COUNTS,
+    coverage,
+    read_token_counts,
+    select_draft_vocab,
+)
 from fanout.errors import ConfigError, Detached
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
 from fanout.model.dflash import DFlashDraft
@@ -262,9 +267,15 @@ class Trainer:
             overrides["mask_token_id"] = cfg.mask_token_id
         vocab_ids = None
         if cfg.draft_vocab_size is not None:
-            counts = read_token_counts(
-                Path(cfg.run_dir), contract.stream_id, timeout_s=cfg.acquire_timeout_s
-            )
+            # the producer writes the counts at its start: say so while they are missing
+            waits = WaitNotice(cfg.acquire_timeout_s).start()
+            waits.begin(lambda: f"the producer's token counts ({TOKEN_COUNTS} in the run dir)")
+            try:
+                counts = read_token_counts(
+                    Path(cfg.run_dir), contract.stream_id, timeout_s=cfg.acquire_timeout_s
+                )
+            finally:
+                waits.stop()
             vocab_ids = select_draft_vocab(counts, cfg.draft_vocab_size)
             overrides["draft_vocab_size"] = cfg.draft_vocab_size
             log.info(
@@ -566,7 +577,10 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
     finally:
         if trainer is not None:
             trainer.dp.close()
-    print(json.dumps(summary))
+    # One write() per line: torchrun's ranks share this pipe, unbuffered, and print()
+    # writes the text and its newline separately, so two summaries could interleave.
+    sys.stdout.write(json.dumps(summary) + "\n")
+    sys.stdout.flush()
     return 0
 
 
