@@ -124,7 +124,7 @@ def read_bytes() -> int | None:
 
 
 def _bench_config(a: argparse.Namespace, sets: list[list[int]]) -> Any:
-    from fanout.bench.bench import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
+    from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
 
     consumers = [
         ConsumerSpec(
@@ -174,9 +174,9 @@ def _cid(layers: list[int]) -> str:
 
 
 def throughput(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict[str, Any]:
-    """The `sweep` and `separate` scenarios; their fanout.bench.report metrics."""
+    """The `sweep` and `separate` scenarios; their fanout.bench.metrics numbers."""
     from fanout.bench.bench import execute, plan, resolve_assets
-    from fanout.bench.report import scenario_metrics
+    from fanout.bench.metrics import scenario_metrics
     from fanout.contract import CaptureContract
 
     cfg = _bench_config(a, sets)

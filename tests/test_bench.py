@@ -1,6 +1,6 @@
-"""fanout.bench.bench + fanout.bench.report: config validation, the role specs against
-the commands' configs and flags, a 3-scenario smoke run, a 1p1c run on PostgreSQL,
-failure handling.
+"""fanout.bench.bench, .config, .metrics and .report: config validation, the role
+specs against the commands' configs and flags, a 3-scenario smoke run, a 1p1c run on
+PostgreSQL, failure handling.
 
 The smoke config is cpu-tiny.json shrunk (tiny verifier, ~10 windows) so the whole
 three-scenario run stays well under a minute or two on 2 cores; cpu-tiny.json itself
@@ -17,17 +17,14 @@ import pytest
 
 from fanout.bench.bench import (
     Assets,
-    BenchConfig,
-    ConsumerSpec,
-    ProducerSpec,
     Role,
     ScenarioRun,
     _coordinator_probe,
     plan,
     run_bench,
-    schema_name,
 )
-from fanout.bench.report import scenario_metrics
+from fanout.bench.config import BenchConfig, ConsumerSpec, ProducerSpec, schema_name
+from fanout.bench.metrics import scenario_metrics
 from fanout.cli import build_parser
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator, RunConfig

@@ -199,6 +199,19 @@ def test_status_without_a_run(tmp_path: Path) -> None:
     error_line(fanout("status", "--run-dir", tmp_path / "none"), "no coordinator database")
 
 
+@pytest.mark.parametrize("command", ["status", "sweep", "demo"])
+def test_status_sweep_demo_bad_config_file(tmp_path: Path, command: str) -> None:
+    error_line(fanout(command, "--config", tmp_path / "nope.json"), "--config", "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"run_dir": str(tmp_path), "no_such_field": 1}))
+    error_line(fanout(command, "--config", bad), "bad.json", "--no-such-field")
+
+
+def test_demo_nonpositive_minutes_names_the_flag(tmp_path: Path) -> None:
+    error_line(fanout("demo", "--minutes", "0", "--run-dir", tmp_path), "--minutes", "greater")
+    assert not (tmp_path / "last").exists()
+
+
 def test_prepare_missing_data_file_names_the_flag(tmp_path: Path) -> None:
     error_line(
         fanout("prepare", "--data", "/nonexistent.jsonl", "--tokenizer", tmp_path),

@@ -2,9 +2,10 @@
 
 .venv/bin/pytest tests/test_config_fields.py -q
 
-For `fanout prepare | produce | train | eval`, each field of the command's config
-(its own and those it inherits from component configs: ChatFormat, DataOptions,
-VerifierOptions, RunOptions, ConsumerOptions) is given a non-default value and must
+For `fanout prepare | produce | train | eval | status | sweep | demo`, each field of
+the command's config (its own and those it inherits from component configs:
+ChatFormat, DataOptions, VerifierOptions, RunOptions, ConsumerOptions, RunDirOptions)
+is given a non-default value and must
 arrive in the built config (a) through its generated flag, (b) through a `--config`
 JSON file, with (c) a flag overriding the file. Parsing uses the real `fanout` parser
 (cli.build_parser) and the module's own `config_from_args`; no command runs.
@@ -24,7 +25,11 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from fanout import cli
+from fanout.bench import demo as demo_mod
+from fanout.bench.demo import DemoConfig
+from fanout.coord import status as status_mod
 from fanout.coord.retention import RunConfig, RunOptions
+from fanout.coord.status import RunDirOptions, StatusConfig, SweepConfig
 from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat
 from fanout.data.prepare import DataOptions, PrepareConfig
@@ -43,7 +48,12 @@ COMMANDS: dict[str, tuple[ModuleType, type[BaseModel]]] = {
     "produce": (produce_mod, ProducerConfig),
     "train": (train_mod, TrainConfig),
     "eval": (eval_mod, EvalConfig),
+    "status": (status_mod, StatusConfig),
+    "sweep": (status_mod, SweepConfig),
+    "demo": (demo_mod, DemoConfig),
 }
+# Modules serving several commands take the command's name: config_from_args(args, name).
+SHARED_MODULE = ("status", "sweep")
 
 # The component configs each command config is composed of (inherits).
 COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
@@ -51,6 +61,8 @@ COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
     ProducerConfig: (ChatFormat, DataOptions, VerifierOptions, RunOptions),
     TrainConfig: (ConsumerOptions,),
     EvalConfig: (ChatFormat,),
+    StatusConfig: (RunDirOptions,),
+    SweepConfig: (RunDirOptions,),
 }
 
 # (command config, component config) pairs that share fields by name, and the fields
@@ -62,6 +74,8 @@ PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
     (TrainConfig, ConsumerConfig): set(),
     (EvalConfig, ChatFormat): set(),
     (PrepareConfig, ChatFormat): set(),
+    # --json prints a different thing for each (a snapshot / what was removed)
+    (StatusConfig, SweepConfig): {"as_json"},
 }
 
 
@@ -87,7 +101,7 @@ def _base(command: str, p: dict[str, str]) -> dict[str, Any]:
         },
         "eval": {"verifier_name_or_path": p["dir"], "data": p["file"], "tokenizer": p["dir"]},
     }
-    return bases[command]
+    return bases.get(command, {})  # status, sweep, demo: no required fields
 
 
 # Fields that are valid only together with another one.
@@ -153,9 +167,11 @@ def _argv(name: str, field: FieldInfo, value: Any) -> list[str]:
 
 
 def _build(command: str, argv: list[str]) -> BaseModel:
-    module, _ = COMMANDS[command]
+    module, model = COMMANDS[command]
     args = cli.build_parser([command]).parse_args([command, *argv])
-    cfg: BaseModel = module.config_from_args(args)
+    name = [command] if command in SHARED_MODULE else []
+    cfg: BaseModel = module.config_from_args(args, *name)
+    assert type(cfg) is model
     return cfg
 
 
@@ -211,6 +227,11 @@ def test_bad_flag_value_names_the_flag(command: str, paths: dict[str, str]) -> N
     with pytest.raises(ConfigError, match=r"--config .*no such file"):
         _build(command, ["--config", paths["dir"] + "/nope.json"])
     model = COMMANDS[command][1]
+    # a config file with a field the command does not have names it (as its flag)
+    conf = Path(paths["dir"]) / "extra.json"
+    conf.write_text(json.dumps(_base(command, paths) | {"no_such_field": 1}))
+    with pytest.raises(ConfigError, match=rf"{model.__name__} .*--no-such-field: Extra inputs"):
+        _build(command, ["--config", str(conf)])
     if "role_map" in model.model_fields:
         base = _base(command, paths)
         argv = [a for k, v in base.items() for a in _argv(k, model.model_fields[k], v)]
@@ -218,6 +239,27 @@ def test_bad_flag_value_names_the_flag(command: str, paths: dict[str, str]) -> N
             _build(command, [*argv, "--role-map", "bot"])
         with pytest.raises(ConfigError, match=r"--role-map.*must be one of"):
             _build(command, [*argv, "--role-map", "bot=narrator"])
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "want"),
+    [
+        ("status", [], {"run_dir": ".", "db_path": None, "allow_network_fs": False,
+                        "as_json": False}),
+        ("status", ["--run-dir", "r", "--db-path", "d.sqlite3", "--allow-network-fs", "--json"],
+         {"run_dir": "r", "db_path": "d.sqlite3", "allow_network_fs": True, "as_json": True}),
+        ("sweep", [], {"run_dir": ".", "db_path": None, "allow_network_fs": False,
+                       "as_json": False}),
+        ("sweep", ["--run-dir", "r", "--json"], {"run_dir": "r", "as_json": True}),
+        ("demo", [], {"minutes": 2.0, "run_dir": "runs/demo"}),
+        ("demo", ["--minutes", "0.5", "--run-dir", "/tmp/d"], {"minutes": 0.5, "run_dir": "/tmp/d"}),
+    ],
+)  # fmt: skip
+def test_status_sweep_demo_keep_their_flags_and_defaults(
+    command: str, argv: list[str], want: dict[str, Any]
+) -> None:
+    cfg = _build(command, argv)
+    assert {k: getattr(cfg, k) for k in want} == want
 
 
 # ---- one definition per field ------------------------------------------------------------

@@ -75,6 +75,23 @@ def test_trainer_module_imports_nothing_heavy() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_status_and_sweep_import_no_torch(tmp_path: Path) -> None:
+    """`fanout status` / `sweep` (flags, --config, run) stay light: people run them in loops."""
+    conf = tmp_path / "status.json"
+    conf.write_text(json.dumps({"run_dir": str(tmp_path / "none"), "as_json": True}))
+    code = (
+        "import sys; from fanout import cli\n"
+        "for c in ('status', 'sweep'):\n"
+        f"    assert cli.main([c, '--config', {str(conf)!r}, '--json']) == 1\n"
+        "print([m for m in ('torch', 'numpy', 'transformers') if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "[]", out.stderr
+    assert out.stderr.count("no coordinator database") == 2, out.stderr
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("startup")

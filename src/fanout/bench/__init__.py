@@ -1,7 +1,8 @@
 """Measuring whole runs: the benchmark harness, its reports, telemetry and the demo.
 
-Owns: `fanout bench` (bench), report.json / .md / plots from a run (report), NVML
-and process telemetry (telemetry), `fanout demo` (demo) and the tiny assets it
+Owns: the benchmark config (config), `fanout bench` (bench), each scenario's numbers
+and validity (metrics), report.json / .md from a run (report) and its plots (plots),
+NVML and process telemetry (telemetry), `fanout demo` (demo) and the tiny assets it
 and the tests build (assets).
 
 May import: produce, train, coord, store, data, model, ops and the core; runs the

@@ -14,6 +14,9 @@ full report and plots are. It ends with `fanout eval` of the three drafts on eig
 held-out prompts (conversations the stream never trained on): real speculative
 decoding, checked lossless against plain greedy, with the acceptance length τ printed
 beside each draft's train-time EAL.
+
+Its flags are generated from DemoConfig (fanout.flags); `--config FILE` takes the
+same fields as JSON, flags win.
 """
 
 from __future__ import annotations
@@ -25,10 +28,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fanout.bench.bench import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec, run_bench
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.bench.bench import run_bench
+from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
+from fanout.flags import add_model_flags, model_from_args
 
 # seed of the generated held-out conversations (the assets' corpus uses seed 0)
 HELDOUT_SEED = 10_007
+
+
+class DemoConfig(BaseModel):
+    """`fanout demo`: how long to train and where to work."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    minutes: float = Field(2.0, gt=0, allow_inf_nan=False, description="Training time (minutes).")
+    run_dir: str = Field(
+        "runs/demo",
+        min_length=1,
+        description="Working directory: assets cache, run, report.",
+    )
 
 
 def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
@@ -142,27 +162,28 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "demo") -> None:
-    p.add_argument("--minutes", type=float, default=2.0, help="training time (minutes; default 2)")
-    p.add_argument(
-        "--run-dir",
-        default="runs/demo",
-        help="working directory: assets cache, run, report (default runs/demo)",
-    )
+    add_model_flags(p, DemoConfig)
+
+
+def config_from_args(args: argparse.Namespace) -> DemoConfig:
+    """DemoConfig from `--config FILE` and flags (flags win)."""
+    return model_from_args(DemoConfig, args)
 
 
 def run(args: argparse.Namespace, name: str = "demo") -> int:
-    if args.minutes <= 0:
-        from fanout.errors import ConfigError
+    return run_demo(config_from_args(args))
 
-        raise ConfigError(f"--minutes must be > 0, got {args.minutes}")
-    root = Path(args.run_dir)
+
+def run_demo(dcfg: DemoConfig) -> int:
+    """The whole demo: train for `dcfg.minutes`, print the summary, eval the drafts."""
+    root = Path(dcfg.run_dir)
     out = root / "last"
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time; assets stay cached
-    cfg = demo_config(root, args.minutes)
+    cfg = demo_config(root, dcfg.minutes)
     t0 = time.monotonic()
     print(f"fanout demo: building/caching assets under {root / 'assets'}, then "
-          f"{args.minutes:g} min of 1 producer → 3 drafts …", flush=True)  # fmt: skip
-    rep = run_bench(cfg, out, stop_after_s=args.minutes * 60, echo=lambda s: print(s, flush=True))
+          f"{dcfg.minutes:g} min of 1 producer → 3 drafts …", flush=True)  # fmt: skip
+    rep = run_bench(cfg, out, stop_after_s=dcfg.minutes * 60, echo=lambda s: print(s, flush=True))
     print("\n".join(summary_lines(rep, out)))
     if rep["valid"]:
         print("\n".join(eval_drafts(cfg, out)), flush=True)

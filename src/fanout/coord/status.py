@@ -12,6 +12,10 @@ heartbeat counter (fanout.coord.liveness), and `--json` keeps that as `recorded_
 `sweep` finishes interrupted evictions, then removes tmp/ debris and window files
 no ready or capturing row names (Store.sweep with Coordinator.is_live); it is
 safe while a producer and consumers run.
+
+Their flags are generated from StatusConfig / SweepConfig (fanout.flags), so both
+take `--config FILE` too. This module stays free of torch: `fanout status` is the
+command people run in a loop.
 """
 
 from __future__ import annotations
@@ -21,26 +25,66 @@ import json
 import time
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.liveness import process_gone
+from fanout.flags import add_model_flags, flag_options, model_from_args
 
 STATES = ("queued", "capturing", "ready", "evicting", "evicted", "failed")
 
 
-def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("--run-dir", default=".", help="run directory (default: current directory)")
-    parser.add_argument(
-        "--db-path",
-        default=None,
-        help="coordinator database (a path or a postgresql:// URL) if not the one recorded "
-        "in the run dir at create",
+class RunDirOptions(BaseModel):
+    """Which run directory `fanout status` / `fanout sweep` open, and how."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    run_dir: str = Field(".", min_length=1, description="Run directory.")
+    db_path: str | None = Field(
+        None,
+        description="Coordinator database (a path or a postgresql:// URL) if not the one "
+        "recorded in the run dir at create; None = the recorded one.",
     )
-    parser.add_argument(
-        "--allow-network-fs",
-        action="store_true",
-        help="open a database on a network filesystem anyway (unsafe with WAL; tests/experts)",
+    allow_network_fs: bool = Field(
+        False,
+        description="Open a database on a network filesystem anyway (unsafe with WAL; "
+        "tests/experts).",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+class StatusConfig(RunDirOptions):
+    """`fanout status`: show the state of a run directory."""
+
+    as_json: bool = Field(
+        False,
+        description="Print the whole snapshot as JSON instead of a table.",
+        json_schema_extra=flag_options(flag="--json"),
+    )
+
+
+class SweepConfig(RunDirOptions):
+    """`fanout sweep`: remove temp debris and orphan window files from a run directory."""
+
+    as_json: bool = Field(
+        False,
+        description="Print what was removed and kept as JSON instead of a line.",
+        json_schema_extra=flag_options(flag="--json"),
+    )
+
+
+CONFIGS: dict[str, type[StatusConfig] | type[SweepConfig]] = {
+    "status": StatusConfig,
+    "sweep": SweepConfig,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser, name: str = "status") -> None:
+    add_model_flags(parser, CONFIGS[name])
+
+
+def config_from_args(args: argparse.Namespace, name: str = "status") -> StatusConfig | SweepConfig:
+    """StatusConfig (or SweepConfig, for `name` "sweep") from `--config FILE` and flags."""
+    return model_from_args(CONFIGS[name], args)
 
 
 def shown_state(state: str, age_s: float, ttl_s: float, proc: str | None, pid: int | None) -> str:
@@ -183,13 +227,14 @@ def format_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace, name: str) -> int:
+def run(args: argparse.Namespace, name: str = "status") -> int:
+    cfg = config_from_args(args, name)
     with Coordinator.open(
-        args.run_dir, db_path=args.db_path, allow_network_fs=args.allow_network_fs
+        cfg.run_dir, db_path=cfg.db_path, allow_network_fs=cfg.allow_network_fs
     ) as co:
         if name == "sweep":
             report = co.sweep()
-            if args.json:
+            if cfg.as_json:
                 print(json.dumps({"tmp_removed": report.tmp_removed,
                                   "orphans_removed": report.orphans_removed,
                                   "kept": report.kept}))  # fmt: skip
@@ -201,5 +246,5 @@ def run(args: argparse.Namespace, name: str) -> int:
                 )
             return 0
         s = snapshot(co)
-        print(json.dumps(s, indent=2) if args.json else format_table(s))
+        print(json.dumps(s, indent=2) if cfg.as_json else format_table(s))
     return 0

@@ -19,8 +19,9 @@ the text is byte-identical to `apply_chat_template(..., tokenize=False)`; tests
 assert it on every conversation of the four datasets.
 
 Loss mask: `fanout.data.masks` decides it (the prefix rule for any template, HF's
-`{% generation %}` blocks, or an exact id scan per family: ChatML, Llama 3, Gemma,
-Mistral, harmony); the ChatEncoder renders, tokenizes and applies it. See docs/data.md.
+`{% generation %}` blocks, or an exact id scan per family from `fanout.data.maskers`:
+ChatML, Llama 3, Gemma, Mistral, harmony); the ChatEncoder renders, tokenizes and
+applies it. See docs/data.md.
 
 Template source: the tokenizer directory's chat template (tokenizer_config.json or
 chat_template.jinja, as transformers reads them; else chat_template.json), or a file
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from fanout.data import masks
+from fanout.data import maskers, masks
 from fanout.data.chat import Conversation
 from fanout.data.chatspec import ChatSpec
 from fanout.errors import ConfigError
@@ -348,9 +349,9 @@ class ChatEncoder:
         self._by_src = {spec.templates[n]: c for n, c in self._compiled.items()}
         self.turn_text = masks.turn_text_for(spec)
         self.family = masks.family_of(spec)
-        self.masker, self.mask_note = masks.build_masker(self)
+        self.masker, self.mask_note = maskers.build_masker(self)
         self.mask_path: str = self.masker.name
-        self._spans = isinstance(self.masker, masks.RuleMasker)
+        self._spans = isinstance(self.masker, maskers.RuleMasker)
         ctl = masks.control_tokens(spec)
         # Two tokens (ChatML): plain `in` tests, the cheapest per message; more: one regex.
         self._ctl_a, self._ctl_b = (ctl[0], ctl[-1]) if 0 < len(ctl) <= 2 else ("", "")
@@ -479,7 +480,7 @@ class ChatEncoder:
 
     def assistant_mask(self, ids: np.ndarray) -> np.ndarray:
         """Loss mask for a flat id array (concatenated conversations): id-scan paths only."""
-        if isinstance(self.masker, masks.RuleMasker):
+        if isinstance(self.masker, maskers.RuleMasker):
             raise ConfigError(f"mask path {self.mask_path} needs the rendering, not just ids")
         return self.masker.mask(ids)
 
