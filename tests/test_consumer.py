@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,41 +30,10 @@ from fanout.produce.producer import Producer, ProducerConfig
 from fanout.store.store import RunDir, Store
 from fanout.store.windowfile import hidden_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
-from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import RECORDER, build_tiny_assets, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-# A consumer process that records every row it is handed (one JSON line per row),
-# acks after each "step" and writes a checkpoint {cursor, rows_done, seen} every
-# `every` steps (atomically, like a trainer). With a checkpoint it resumes from it.
-RECORDER = """
-import json, os, sys, time
-import torch
-torch.set_num_threads(1)
-from fanout.train.consumer import ConsumerConfig, ConsumerStream
-a = json.loads(sys.argv[1])
-ckpt = a["ckpt"]
-state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0,
-                                                              "seen": 0}
-cfg = ConsumerConfig(run_dir=a["run_dir"], consumer_id="rec", heartbeat_s=0.3,
-                     row_shuffle_seed=a["seed"], acquire_timeout_s=60)
-out = open(a["out"], "a")
-seen = state["seen"]
-with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) as s:
-    for step, b in enumerate(s.batches(1), 1):
-        for w, i in b.rows:
-            out.write(json.dumps({"pid": os.getpid(), "w": w, "i": i}) + "\\n")
-        out.flush()
-        time.sleep(a["sleep"])
-        s.ack(b)
-        seen += len(b.rows)
-        if step % a["every"] == 0:
-            c, r = b.next_position
-            with open(ckpt + ".tmp", "w") as f:
-                json.dump({"cursor": c, "rows_done": r, "seen": seen}, f)
-            os.replace(ckpt + ".tmp", ckpt)
-"""
 
 
 @dataclass(frozen=True)
@@ -114,14 +82,6 @@ def _expected(env: Env, seed: int) -> list[tuple[int, int]]:
 def _db(env: Env, sql: str, *args: Any) -> list[Any]:
     with Coordinator.open(env.run_dir) as c:
         return c.conn.execute(sql, args).fetchall()
-
-
-def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def test_row_order_is_a_seeded_permutation() -> None:
@@ -215,7 +175,8 @@ def test_resume_at_cursor_and_rows_done_continues_at_the_next_row(env: Env) -> N
 
 def test_killed_consumer_resumes_from_its_checkpoint(env: Env, tmp_path: Path) -> None:
     out, ckpt = tmp_path / "rows.jsonl", tmp_path / "ckpt.json"
-    args = {"run_dir": str(env.run_dir), "out": str(out), "ckpt": str(ckpt), "seed": 5}
+    args = {"run_dir": str(env.run_dir), "out": str(out), "ckpt": str(ckpt),
+            "cfg": {"consumer_id": "rec", "row_shuffle_seed": 5}}  # fmt: skip
 
     def recorded() -> list[dict[str, Any]]:
         return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
@@ -223,7 +184,7 @@ def test_killed_consumer_resumes_from_its_checkpoint(env: Env, tmp_path: Path) -
     cmd = [sys.executable, str(env.root / "recorder.py")]
     p1 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.05, "every": 3})], env=ENV)
     try:
-        _wait_for(lambda: len(recorded()) >= 10 or p1.poll() is not None, 120, "rows")
+        wait_for(lambda: len(recorded()) >= 10 or p1.poll() is not None, 120, "rows")
         p1.send_signal(signal.SIGKILL)
         assert p1.wait(30) == -signal.SIGKILL
     finally:
@@ -271,9 +232,9 @@ def test_detached_trainer_exits_3_with_a_clear_message(env: Env, tmp_path: Path)
         # Once it trains, freeze it: it holds the producer at K until the lag policy
         # detaches it (after ttl_s blocked); then let it run into the news.
         try:
-            _wait_for(lambda: log.exists() and log.stat().st_size > 0, 120, "a first step")
+            wait_for(lambda: log.exists() and log.stat().st_size > 0, 120, "a first step")
             trainer.send_signal(signal.SIGSTOP)
-            _wait_for(lambda: _db_state(run, "slow:dp0") == "detached", 60, "the trainer's detach")
+            wait_for(lambda: _db_state(run, "slow:dp0") == "detached", 60, "the trainer's detach")
         finally:
             trainer.send_signal(signal.SIGCONT)
 

@@ -42,7 +42,7 @@ from fanout.store.store import RunDir, Store, WindowReader, verify_file
 from fanout.store.windowfile import WindowFormatError, hidden_name, scale_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.train.trainer import TrainConfig, Trainer
-from tiny_run import one_thread, wait_for  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import RECORDER, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -59,23 +59,16 @@ class Env:
 
 
 def _producer_cfg(env_root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
+    """tiny_producer_config, capturing only what each test names (capture_layer_ids)."""
     base: dict[str, Any] = dict(
-        run_dir=str(run_dir),
-        verifier_name_or_path=str(env_root / "verifier"),
-        data=[str(env_root / "chat.jsonl")],
-        tokenizer=str(env_root / "tok"),
-        seq_len=96,
-        window_rows=4,
-        workers=1,
-        progress=False,
-        exit_when_idle_s=0,
+        target_layer_ids=None,
         max_windows=3,
         max_live_windows=1000,  # never evicts: every test reads every window
         expected_consumers=1000,
         cache_dir=str(env_root / "cache"),  # one data preparation, the same rows everywhere
         heartbeat_s=0.3,
     )
-    return ProducerConfig(**(base | kw))
+    return tiny_producer_config(env_root, run_dir, **(base | kw))
 
 
 @pytest.fixture(scope="module")
@@ -347,38 +340,6 @@ def test_old_window_format_and_old_runs_are_refused_clearly(env: Env, tmp_path: 
 
 # ---- kill -9 and resume of a subset consumer ------------------------------------------
 
-# Records every row it is handed with a hash of its hidden states, acks after each step
-# and checkpoints {cursor, rows_done, seen} every `every` steps; resumes from it.
-RECORDER = """
-import json, os, sys, time
-import torch, xxhash
-torch.set_num_threads(1)
-from fanout.train.consumer import ConsumerConfig, ConsumerStream
-a = json.loads(sys.argv[1])
-ckpt = a["ckpt"]
-state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0,
-                                                              "seen": 0}
-cfg = ConsumerConfig(run_dir=a["run_dir"], consumer_id="sub", heartbeat_s=0.3,
-                     target_layer_ids=a["layers"], max_windows=a["windows"],
-                     acquire_timeout_s=60)
-out = open(a["out"], "a")
-seen = state["seen"]
-with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) as s:
-    for step, b in enumerate(s.batches(1), 1):
-        (w, i), = b.rows
-        h = xxhash.xxh3_64_hexdigest(b.tensors["hidden_states"][0].contiguous().view(torch.uint8).numpy().tobytes())
-        out.write(json.dumps({"w": w, "i": i, "h": h}) + "\\n")
-        out.flush()
-        time.sleep(a["sleep"])
-        s.ack(b)
-        seen += 1
-        if step % a["every"] == 0:
-            c, r = b.next_position
-            with open(ckpt + ".tmp", "w") as f:
-                json.dump({"cursor": c, "rows_done": r, "seen": seen}, f)
-            os.replace(ckpt + ".tmp", ckpt)
-"""
-
 
 def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None:
     layers = [6, 3]
@@ -393,8 +354,12 @@ def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None
     script = tmp_path / "recorder.py"
     script.write_text(RECORDER)
     out, ckpt = tmp_path / "rows.jsonl", tmp_path / "ckpt.json"
-    args = {"run_dir": str(env.superset), "out": str(out), "ckpt": str(ckpt), "layers": layers,
-            "windows": len(store.list_windows())}  # fmt: skip
+    cfg = {
+        "consumer_id": "sub",
+        "target_layer_ids": layers,
+        "max_windows": len(store.list_windows()),
+    }
+    args = {"run_dir": str(env.superset), "out": str(out), "ckpt": str(ckpt), "cfg": cfg}
 
     def recorded() -> list[tuple[int, int, str]]:
         if not out.exists():

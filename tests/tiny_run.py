@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel
 
 from fanout.bench.assets import build_tokenizer, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.flags import to_flags
 from fanout.produce.producer import ProducerConfig
 
 
@@ -60,16 +61,7 @@ def one_thread() -> Iterator[None]:
 
 def config_flags(cfg: BaseModel) -> list[str]:
     """The command-line flags that give a subcommand every set field of `cfg`."""
-    out: list[str] = []
-    for k, v in cfg.model_dump(exclude_none=True).items():
-        flag = "--" + k.replace("_", "-")
-        if isinstance(v, bool):
-            out.append(flag if v else "--no-" + flag[2:])
-        elif isinstance(v, dict):  # --role-map a=b,c=d (a bare flag: the empty map)
-            out += [flag, *(f"{a}={b}" for a, b in v.items())]
-        else:
-            out += [flag, *map(str, v if isinstance(v, list | tuple) else [v])]
-    return out
+    return to_flags(type(cfg), cfg.model_dump(exclude_none=True))
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, poll_s: float = 0.005) -> Any:
@@ -80,3 +72,38 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, poll_s: float =
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(poll_s)
     return got
+
+
+# A consumer process (`python recorder.py JSON`) that records every row it is handed, one
+# JSON line per row {"pid", "w", "i", "h": xxh3 of the row's hidden states}, acks after
+# each "step" of `sleep` s and writes a checkpoint {cursor, rows_done, seen} every `every`
+# steps (atomically, like a trainer); with a checkpoint it resumes from it. JSON keys:
+# run_dir, out, ckpt, sleep, every, and cfg (ConsumerConfig fields: consumer_id, ...).
+RECORDER = """
+import json, os, sys, time
+import torch, xxhash
+torch.set_num_threads(1)
+from fanout.train.consumer import ConsumerConfig, ConsumerStream
+a = json.loads(sys.argv[1])
+ckpt = a["ckpt"]
+state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0,
+                                                              "seen": 0}
+cfg = ConsumerConfig(run_dir=a["run_dir"], heartbeat_s=0.3, acquire_timeout_s=60, **a["cfg"])
+out = open(a["out"], "a")
+seen = state["seen"]
+with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) as s:
+    for step, b in enumerate(s.batches(1), 1):
+        for k, (w, i) in enumerate(b.rows):
+            raw = b.tensors["hidden_states"][k].contiguous().view(torch.uint8).numpy().tobytes()
+            h = xxhash.xxh3_64_hexdigest(raw)
+            out.write(json.dumps({"pid": os.getpid(), "w": w, "i": i, "h": h}) + "\\n")
+        out.flush()
+        time.sleep(a["sleep"])
+        s.ack(b)
+        seen += len(b.rows)
+        if step % a["every"] == 0:
+            c, r = b.next_position
+            with open(ckpt + ".tmp", "w") as f:
+                json.dump({"cursor": c, "rows_done": r, "seen": seen}, f)
+            os.replace(ckpt + ".tmp", ckpt)
+"""

@@ -30,6 +30,7 @@ import json
 import logging
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
@@ -255,6 +256,27 @@ def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M
         return model.model_validate(values)
     except ValidationError as e:
         raise ConfigError(f"invalid {model.__name__} from {source}: {problems(e, model)}") from None
+
+
+def to_flags(config: type[BaseModel], values: Mapping[str, Any]) -> list[str]:
+    """The flags that set `values` (field name → value) of a command's config, written
+    as `model_from_args` parses them back: `--x` / `--no-x`, `--x a b`, `--x none`,
+    `--x k=v`. The bench harness and the tests build their subcommand argv with it."""
+    out: list[str] = []
+    for name, v in values.items():
+        field = config.model_fields[name]
+        flag, kind = field_flag(name, field), flag_kind(field)
+        if kind == "bool":
+            out.append(flag if v else "--no-" + flag[2:])
+        elif v is None:
+            out += [flag, "none"]
+        elif kind == "dict":
+            out += [flag, *(f"{k}={x}" for k, x in v.items())]
+        elif kind in ("list", "tuple"):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
 
 
 def problems(e: ValidationError, model: type[BaseModel] | None = None) -> str:

@@ -18,7 +18,7 @@ producer gets `--db-path URL?schema=NAME`, a new schema per run dir (`schema_nam
 and the trainers, probe and report find it in the run dir as every command does.
 The config and its per-role specs (fanout.bench.config) are fields of the commands'
 own configs (ProducerConfig, TrainConfig) with bench defaults, and become flags in one
-place (`command_flags`). Validity rules are checked (fanout.bench.metrics) and stated
+place (`fanout.flags.to_flags`). Validity rules are checked (fanout.bench.metrics) and stated
 in the report (fanout.bench.report); any role failure or broken rule makes the run
 invalid and `fanout bench` exit 1.
 """
@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -51,7 +51,7 @@ from fanout.bench.config import (
 )
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
-from fanout.flags import field_flag, flag_kind
+from fanout.flags import to_flags
 from fanout.produce.producer import ProducerConfig
 from fanout.train.trainer import TrainConfig
 
@@ -164,26 +164,6 @@ class ScenarioRun:
     notes: list[str] = field(default_factory=list)
 
 
-def command_flags(config: type[BaseModel], values: Mapping[str, Any]) -> list[str]:
-    """The flags that set `values` (field name → value) of a command's config, written
-    as fanout.flags parses them back: `--x` / `--no-x`, `--x a b`, `--x none`, `--x k=v`."""
-    out: list[str] = []
-    for name, v in values.items():
-        field = config.model_fields[name]
-        flag, kind = field_flag(name, field), flag_kind(field)
-        if kind == "bool":
-            out.append(flag if v else "--no-" + flag[2:])
-        elif v is None:
-            out += [flag, "none"]
-        elif kind == "dict":
-            out += [flag, *(f"{k}={x}" for k, x in v.items())]
-        elif kind in ("list", "tuple"):
-            out += [flag, *map(str, v)]
-        else:
-            out += [flag, str(v)]
-    return out
-
-
 def _spec_values(spec: BaseModel, config: type[BaseModel]) -> dict[str, Any]:
     """The spec's fields that are fields of the command's config, by name."""
     return {k: getattr(spec, k) for k in type(spec).model_fields if k in config.model_fields}
@@ -204,7 +184,7 @@ def _producer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, device: str, n: in
     }
     if db is not None:
         values["db_path"] = db  # trainers, probe and report find it in the run dir
-    flags = command_flags(ProducerConfig, values)
+    flags = to_flags(ProducerConfig, values)
     return [sys.executable, "-m", "fanout.cli", "produce", *flags, *cfg.producer.extra_args]
 
 
@@ -220,7 +200,7 @@ def _consumer_cmd(cfg: BenchConfig, a: Assets, run_dir: Path, c: ConsumerSpec, s
     }
     if a.mask_token_id is not None:
         values["mask_token_id"] = a.mask_token_id
-    flags = command_flags(TrainConfig, values)
+    flags = to_flags(TrainConfig, values)
     return [sys.executable, "-m", "fanout.cli", "train", *flags, *c.extra_args]
 
 
