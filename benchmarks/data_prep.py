@@ -25,7 +25,7 @@ mistral, harmony, deepseek, phi3, generation) runs the same measurement with tha
 family's real template and a test tokenizer (the Qwen3 vocabulary with the family's
 special tokens added, as in tests/test_masks.py); rows the template refuses (Gemma:
 tool turns; Mistral: tool calls without ids) are skipped and counted. It adds
-(g) the same run as (a) with the prefix rule forced (FANOUT_MASK_PATH=prefix-rule).
+(g) the same run as (a) with the prefix rule forced (`--mask-path prefix-rule`).
 Keys: `vs_ceiling.<family>` = a/d (goal >= 0.75 on the fast paths) and
 `general_rule_vs_fast.<family>` = g/a (the cost of the general rule).
 (a) and (b) alternate `--trials` times (default 2) on the same files; each
@@ -283,11 +283,10 @@ def main() -> int:
     res["skipped_bad_rows"] = sa["skipped_bad_rows"]
     res["mask_path"] = sa.get("mask_path")
     # (g) the same as (a) with the prefix rule forced: what the general rule costs
-    env_g = {**env, "FANOUT_MASK_PATH": "prefix-rule"}
     walls_g, cpus_g = [], []
     for _ in range(args.trials):
         out = ["--no-cache", "--out", str(tmp / "g"), "--workers", str(cores)]
-        wall, sg, cpu = run_prepare(paths, [*T, *out], env_g)
+        wall, sg, cpu = run_prepare(paths, [*T, *out, "--mask-path", "prefix-rule"], env)
         if sg["tokens"] != tokens or sg["masked_tokens"] != sa["masked_tokens"]:
             raise SystemExit("(g) prefix rule and (a) disagree on the output")
         walls_g.append(wall)

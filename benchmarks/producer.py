@@ -16,6 +16,15 @@ with the Qwen3 tokenizer (cached, not timed); then
 `producer_vs_forward` = producer tokens/s ÷ forward tokens/s (goal ≥ 0.9). Tokens
 are row tokens (R·T per window, padding included) on both sides. The producer's
 own split (capture vs publish seconds) says where its time goes.
+
+Tensor parallelism (`--tp N`, under torchrun; fanout.produce.tp):
+
+    torchrun --nproc-per-node 2 benchmarks/producer.py --tp 2 --json /tmp/tp.json
+
+rank 0 first produces the windows alone (TP 1), then all N ranks produce the same
+windows again as one TP producer; it prints tokens/s at TP N vs 1 and per device,
+and checks that the windows match (ids exactly, hidden states within
+`torch.testing.assert_close`'s tolerance for the storage dtype).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -103,6 +113,44 @@ def _profiled(out_dir: str | None, name: str) -> Iterator[None]:
     print(f"--- {name}: top operators by {key}\n{table}")
 
 
+def _verifier(a: argparse.Namespace, tmp: str) -> Path:
+    """The random Qwen3 of the sizes asked for, saved under `tmp` (at least --tp heads)."""
+    heads = max(a.tp, a.hidden // 32)
+    return tiny_qwen3_verifier(
+        os.path.join(tmp, "verifier"),
+        a.vocab,
+        hidden_size=a.hidden,
+        num_layers=a.layers,
+        num_heads=heads,
+        num_kv_heads=max(a.tp, heads // 2),
+        head_dim=32,
+        intermediate_size=3 * a.hidden,
+    )
+
+
+def _config(a: argparse.Namespace, tmp: str, ver: Path, run: str, **kw: Any) -> ProducerConfig:
+    return ProducerConfig(
+        run_dir=os.path.join(tmp, run),
+        verifier_name_or_path=str(ver),
+        data=a.data,
+        tokenizer=a.tokenizer,
+        seq_len=a.seq_len,
+        window_rows=a.window_rows,
+        max_live_windows=max(2, a.windows),
+        num_draft_layers=a.num_draft_layers,
+        capture_batch_rows=a.capture_batch_rows,
+        device=a.device,
+        dtype=a.dtype,
+        storage_dtype=a.storage_dtype,
+        max_windows=a.windows,
+        epochs=1000,  # endless enough: max_windows ends the run
+        cache_dir=os.path.join(tmp, "cache"),
+        progress=False,
+        exit_when_idle_s=0,
+        **kw,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=64, help="verifier hidden size H")
@@ -130,40 +178,15 @@ def main() -> None:
         help="directory: run both loops under torch.profiler instead of plain timing, print "
         "each one's top operators and write Chrome traces there (numbers are then inflated)",
     )
+    ap.add_argument("--tp", type=int, default=1, help="> 1: TP N vs 1 under torchrun")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if a.tp > 1:
+        tp_main(a)
+        return
 
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
-        heads = max(1, a.hidden // 32)
-        ver = tiny_qwen3_verifier(
-            os.path.join(tmp, "verifier"),
-            a.vocab,
-            hidden_size=a.hidden,
-            num_layers=a.layers,
-            num_heads=heads,
-            num_kv_heads=max(1, heads // 2),
-            head_dim=32,
-            intermediate_size=3 * a.hidden,
-        )
-        cfg = ProducerConfig(
-            run_dir=os.path.join(tmp, "run"),
-            verifier_name_or_path=str(ver),
-            data=a.data,
-            tokenizer=a.tokenizer,
-            seq_len=a.seq_len,
-            window_rows=a.window_rows,
-            max_live_windows=max(2, a.windows),
-            num_draft_layers=a.num_draft_layers,
-            capture_batch_rows=a.capture_batch_rows,
-            device=a.device,
-            dtype=a.dtype,
-            storage_dtype=a.storage_dtype,
-            max_windows=a.windows,
-            epochs=1000,  # endless enough: max_windows ends the run
-            cache_dir=os.path.join(tmp, "cache"),
-            progress=False,
-            exit_when_idle_s=0,
-        )
+        cfg = _config(a, tmp, _verifier(a, tmp), "run")
         p = Producer(cfg)  # prepare + load: not timed
         with _profiled(a.profile, "forward"):
             t_fwd, tokens = forward_loop(p, a.windows)
@@ -221,6 +244,102 @@ def main() -> None:
     print(f"producer_vs_forward = {res['producer_vs_forward']:.3f}  (goal >= 0.9)")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+
+
+def _timed_run(p: Producer) -> tuple[float, dict[str, Any]]:
+    forward = p.tp.capture if p.tp else p.verifier.capture  # under TP every rank runs it
+    forward(  # warm-up of the capture path, at the batch shape it will run
+        *(torch.zeros(p.cfg.capture_batch_rows, p.cfg.seq_len, dtype=torch.long) for _ in range(3))
+    )
+    _sync(p.verifier.device)
+    t0 = time.perf_counter()
+    summary = p.run()
+    _sync(p.verifier.device)
+    return time.perf_counter() - t0, summary
+
+
+def _match(a: Path, b: Path) -> dict[str, Any]:
+    """Windows of runs `a` and `b`: largest float difference, and whether they match
+    (ids exactly; floats per `torch.testing.assert_close`'s defaults for their dtype)."""
+    from fanout.store.store import RunDir, Store
+
+    sa, sb = Store(RunDir(a)), Store(RunDir(b))
+    worst, ok, windows = 0.0, True, 0
+    for na, nb in zip(sa.list_windows(), sb.list_windows(), strict=True):
+        with sa.open(na) as ra, sb.open(nb) as rb:
+            windows += 1
+            ok &= ra.meta.window == rb.meta.window and ra.names() == rb.names()
+            for k in ra.names():
+                x, y = ra.get(k), rb.get(k)
+                if not x.is_floating_point():
+                    ok &= bool(torch.equal(x, y))
+                    continue
+                worst = max(worst, (x.float() - y.float()).abs().max().item())
+                try:
+                    torch.testing.assert_close(x, y)
+                except AssertionError:
+                    ok = False
+    return {"windows_compared": windows, "windows_match": ok, "max_abs_diff": worst}
+
+
+def tp_main(a: argparse.Namespace) -> None:
+    """`--tp N` under torchrun: TP 1 on rank 0 alone, then TP N on every rank."""
+    import torch.distributed as dist
+
+    from fanout.model.verifier import load_verifier
+    from fanout.produce.tp import Leader, follow, start_process_group
+
+    rank, control = start_process_group(a.device, timeout_s=3600)  # rank 0 runs TP 1 alone
+    tmp = a.workdir or os.path.join(tempfile.gettempdir(), "fanout-bench-tp")
+    if rank == 0:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
+        for old in ("run-tp1", f"run-tp{a.tp}"):
+            shutil.rmtree(Path(tmp) / old, ignore_errors=True)
+        ver = _verifier(a, tmp)
+        one = Producer(_config(a, tmp, ver, "run-tp1"))
+        t1, s1 = _timed_run(one)
+        del one
+    dist.barrier(group=control)
+    ver = Path(tmp) / "verifier"
+    cfg = _config(a, tmp, ver, f"run-tp{a.tp}", tp=a.tp)
+    verifier = load_verifier(ver, target_layer_ids=None, **cfg.verifier_options())
+    if rank != 0:
+        follow(verifier, control, 3600)
+        dist.destroy_process_group()
+        return
+    leader = Leader(verifier, control, 3600)
+    try:
+        tn, sn = _timed_run(Producer(cfg, tp=leader))
+    finally:
+        leader.close(0)
+    dist.destroy_process_group()
+    tok1, tokn = s1["rows"] * a.seq_len / t1, sn["rows"] * a.seq_len / tn
+    dev = verifier.device
+    hw = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine()
+    res = {
+        "hardware": f"{dev.type}: {hw}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        "torch": torch.__version__,
+        "sizes": {"H": a.hidden, "L": a.layers, "vocab": a.vocab, "T": a.seq_len,
+                  "R": a.window_rows, "windows": a.windows, "tp": a.tp,
+                  "capture_batch_rows": a.capture_batch_rows, "dtype": str(verifier.dtype),
+                  "storage": a.storage_dtype},
+        "tp1_s": t1, "tpn_s": tn, "tp1_tokens_per_s": tok1, "tpn_tokens_per_s": tokn,
+        "tpn_vs_tp1": tokn / tok1, "tpn_tokens_per_s_per_device": tokn / a.tp,
+        **_match(Path(tmp) / "run-tp1", Path(cfg.run_dir)),
+    }  # fmt: skip
+    print(f"hardware: {res['hardware']}, torch {res['torch']}")
+    print(f"sizes:    {res['sizes']}")
+    print(f"{'TP':<4}{'seconds':>10}{'tokens/s':>12}{'tokens/s/device':>18}")
+    print(f"{1:<4}{t1:>10.3f}{tok1:>12.0f}{tok1:>18.0f}")
+    print(f"{a.tp:<4}{tn:>10.3f}{tokn:>12.0f}{tokn / a.tp:>18.0f}")
+    print(f"tp{a.tp}_vs_tp1 = {res['tpn_vs_tp1']:.3f} (tokens/s); per device "
+          f"{res['tpn_tokens_per_s_per_device'] / tok1:.3f}")  # fmt: skip
+    print(f"windows match: {res['windows_match']} ({res['windows_compared']} windows, "
+          f"max |diff| {res['max_abs_diff']:.3g})")  # fmt: skip
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    if not res["windows_match"]:
+        raise SystemExit("TP windows differ from the 1-process windows")
 
 
 if __name__ == "__main__":

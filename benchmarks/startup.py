@@ -80,7 +80,7 @@ def one_trainer(root: Path, src: str, name: str) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "fanout.cli", "train", "--run-dir", str(root / "run"),
         "--consumer-id", name, "--verifier-name-or-path", str(root / "verifier"),
-        "--save-path", str(root / "drafts" / name), "--block-size", "4",
+        "--save-path", str(root / "drafts" / name), "--num-layers", "1", "--block-size", "4",
         "--max-anchors", "16", "--max-steps", "1", "--no-progress",
     ]  # fmt: skip
     t0 = time.monotonic()

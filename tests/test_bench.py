@@ -29,6 +29,7 @@ from fanout.cli import build_parser
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.postgresdb import parse_url
+from fanout.coord.status import snapshot
 from fanout.errors import ConfigError
 from fanout.produce import producer
 from fanout.store.store import Published, RunDir, window_name
@@ -259,6 +260,26 @@ def test_smoke_three_scenarios_end_to_end(assets_cache: Path, tmp_path: Path) ->
     assert logs == sorted(
         [f"producer-{c}.log" for c in ("b4", "b8", "b16")] + ["b4.log", "b8.log", "b16.log"]
     )
+
+
+def test_a_draft_that_stops_early_leaves_the_others_to_finish(
+    assets_cache: Path, tmp_path: Path
+) -> None:
+    """1p3c with b4 at --max-steps 3 (cpu-tiny-mixed's shape): b4 ends on its own,
+    recorded finished, and no longer holds the producer back; b8 and b16 read the
+    whole stream; the report is valid and says so per draft."""
+    cfg = smoke_config(assets_cache, scenarios=["1p3c"])
+    raw = cfg.model_dump()
+    raw["consumers"][0]["max_steps"] = 3
+    rep = run_bench(BenchConfig.model_validate(raw), tmp_path / "out", echo=lambda s: None)
+    assert rep["valid"], rep["reasons"]
+    sc = rep["scenarios"]["1p3c"]
+    assert sc["consumers"]["b4"]["steps"] == 3
+    for c in ("b8", "b16"):
+        assert sc["consumers"][c]["windows_acked"] == sc["unique_windows"] > 3
+    with Coordinator.open(tmp_path / "out" / "1p3c" / "run") as co:
+        states = {c["id"]: c["recorded_state"] for c in snapshot(co)["consumers"]}
+    assert states == {"b4:dp0": "finished", "b8:dp0": "finished", "b16:dp0": "finished"}
 
 
 def test_role_failure_makes_run_invalid_and_exit_nonzero(

@@ -23,6 +23,7 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ from fanout.chaos import (
     run_cli,
     window_digest,
 )
+from fanout.chaos.soak import MAX_KILL_GAP_S, SoakReport, run_rounds
+from tiny_run import wait_for
 
 
 @pytest.fixture(scope="session")
@@ -118,29 +121,34 @@ def test_check_cover_rejects(recs: list[dict[str, Any]], msg: str) -> None:
 # ---------------------------------------------------------------- 1. kill -9
 
 
+def _assert_soak_ok(rep: SoakReport) -> None:
+    problems = rep.problems()
+    assert not problems, "\n".join(problems)
+
+
 def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> None:
     """≥ 30 SIGKILLs (0.5-1.5 s apart) of a 1P3C run, each role restarted at once.
 
-    Four epochs: on an idle machine one epoch of 700 conversations finishes in ~30 s,
-    before 30 kills at that pace; the stream must outlast the kills (three epochs ended
-    after 29 once)."""
+    The stream is looped (fanout.chaos.soak): if it ends before the 30th kill (on an
+    idle machine one epoch of 700 conversations takes ~30 s), another round on a fresh
+    run takes the rest, so the count is met on any machine; every round is checked."""
     cfg = _cfg(
-        chaos_root / "kill9", chaos_root, conversations=700, epochs=4, kills=30, timeout_s=540.0
+        chaos_root / "kill9", chaos_root, conversations=700, epochs=2, kills=30, timeout_s=540.0
     )
-    rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()
-    print(_summary(rep))
-    _assert_ok(rep)
+    rep = run_rounds(cfg, _assets(assets_root, cfg.conversations))
+    print(rep.summary())
+    _assert_soak_ok(rep)
     assert rep.total_kills >= 30
     assert rep.kills["producer"] >= 3 and all(rep.kills[f"c{i}"] >= 3 for i in range(3))
     assert rep.unexpected_exits == {}
     # The sampler checks the files live at each 0.2 s sample: how many windows that covers
     # depends on the machine's speed (fewer on a loaded one), so the floor is a count.
-    assert rep.files_verified >= 50 and rep.samples >= 50
-    assert rep.cli_samples >= 3
+    assert rep.total("files_verified") >= 50 and rep.total("samples") >= 50
+    assert rep.total("cli_samples") >= 3
     assert rep.max_live <= cfg.max_live_windows + 1
     # Replays after a crash between a step's log line and its checkpoint are checked
     # when they happen (check_cover); they are forced in the test below.
-    assert all(c["windows"] == rep.total_windows for c in rep.covers.values())
+    assert rep.every_consumer_read_every_window()
 
 
 def test_kill9_with_the_coordinator_on_postgres(
@@ -148,20 +156,21 @@ def test_kill9_with_the_coordinator_on_postgres(
 ) -> None:
     """Scenario 1, shorter, with the coordinator on PostgreSQL: producer and trainers
     SIGKILLed (mid-transaction included) and restarted; every promise checked the same.
-    Three epochs so the stream outlasts the 12 kills (two ended after 11 once)."""
+    Looped like the test above when the stream ends before the 12th kill (a round of its
+    own, in a schema of its own)."""
     cfg = _cfg(
-        chaos_root / "kill9pg", chaos_root, conversations=400, epochs=3, kills=12,
+        chaos_root / "kill9pg", chaos_root, conversations=400, epochs=2, kills=12,
         timeout_s=400.0, db_path=pg_url,
     )  # fmt: skip
-    rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()
-    print(_summary(rep))
-    _assert_ok(rep)
-    assert not (chaos_root / "kill9pg" / "run" / "coordinator.sqlite3").exists()
+    rep = run_rounds(cfg, _assets(assets_root, cfg.conversations))
+    print(rep.summary())
+    _assert_soak_ok(rep)
+    assert not list((chaos_root / "kill9pg").glob("**/coordinator.sqlite3"))
     assert rep.total_kills >= 12 and rep.kills["producer"] >= 1
     assert rep.unexpected_exits == {}
-    assert rep.samples >= 20 and rep.cli_samples >= 3
+    assert rep.total("samples") >= 20 and rep.total("cli_samples") >= 3
     assert rep.max_live <= cfg.max_live_windows + 1
-    assert all(c["windows"] == rep.total_windows for c in rep.covers.values())
+    assert rep.every_consumer_read_every_window()
 
 
 def test_kill_before_first_checkpoint_restarts_from_zero(
@@ -209,20 +218,78 @@ def test_producer_killed_inside_create_can_restart(chaos_root: Path, assets_root
     assert len(os.listdir(work / "run" / "windows")) == 1
 
 
+def _children(pid: int, needle: str) -> list[int]:
+    """Pids whose parent is `pid` and whose command line contains `needle` (/proc)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and needle in cmd:
+            out.append(int(d.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (state Z) has exited; only its parent's reaping is left
+        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_producer_leaves_no_template_build_running(
+    chaos_root: Path, assets_root: Path, tmp_path: Path
+) -> None:
+    """The tokenizer's chat metadata is built once in a child process; a producer
+    SIGKILLed meanwhile used to leave that child running on (each importing
+    transformers), and a soak on a loaded machine piled them up until no producer got
+    through its start-up. The child now exits when its parent dies."""
+    a = _assets(assets_root, 60)
+    code = (
+        "import sys; from fanout.data.template import load_chat_spec; "
+        f"load_chat_spec({str(a.tokenizer)!r}, cache_root={str(tmp_path / 'cache')!r})"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        kids = wait_for(lambda: _children(parent.pid, "fanout.data.template build"), 120,
+                        "the template build to start")  # fmt: skip
+    finally:
+        parent.kill()
+        parent.wait(30)
+    wait_for(lambda: not any(map(_alive, kids)), 60, "the orphaned template build to exit")
+    # it stopped when its parent died, seconds before it could have finished (importing
+    # transformers alone takes longer): its output was never written
+    assert not list((tmp_path / "cache").glob("tokenizers/*.tmp*/chat.json"))
+
+
+# FANOUT_SOAK_MINUTES=1.5 runs the same soak shortened (docs/reliability.md).
+SOAK_MINUTES = float(os.environ.get("FANOUT_SOAK_MINUTES", "10"))
+
+
 @pytest.mark.slow
 def test_kill9_soak_10_minutes(chaos_root: Path, assets_root: Path) -> None:
-    cfg = _cfg(
+    """Kill -9 for the whole SOAK_MINUTES, idle machine or loaded: the stream is looped
+    (fanout.chaos.soak) rather than sized for one machine's speed (one 3-epoch stream of
+    4000 conversations ended after 168 kills, in under 4 of 10 minutes, on an idle one)."""
+    cfg = _cfg(  # a short stream per round: little tail once the time is up
         chaos_root / "soak",
         chaos_root,
-        conversations=4000,
-        epochs=3,
-        minutes=10.0,
-        timeout_s=1800.0,
+        conversations=300,
+        epochs=1,
+        minutes=SOAK_MINUTES,
+        timeout_s=900.0,  # per round
     )
-    rep = ChaosRun(cfg, _assets(assets_root, cfg.conversations)).run()
-    print(_summary(rep))
-    _assert_ok(rep)
-    assert rep.total_kills >= 200 and rep.unexpected_exits == {}
+    rep = run_rounds(cfg, _assets(assets_root, cfg.conversations))
+    print(rep.summary())
+    _assert_soak_ok(rep)
+    assert rep.killing_s >= SOAK_MINUTES * 60  # it lasted its stated duration
+    # the kill schedule's own bound (at least one kill per MAX_KILL_GAP_S while roles
+    # run), whatever the machine's speed: a count of what was done, not a rate guess
+    assert rep.total_kills >= rep.killing_s / MAX_KILL_GAP_S - 4 * len(rep.rounds)
+    assert rep.unexpected_exits == {}
+    assert rep.every_consumer_read_every_window()
 
 
 # ---------------------------------------------------------------- 2. disk full

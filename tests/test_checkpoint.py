@@ -36,6 +36,7 @@ def _draft(vdir: Path, seed: int = 1, **kw: Any) -> DFlashDraft:
     torch.manual_seed(seed)
     args: dict[str, Any] = {
         "target_layer_ids": [1, 2],
+        "num_layers": 1,
         "block_size": 4,
         "max_anchors": 6,
         "mask_token_id": 255,

@@ -28,15 +28,20 @@ from fanout import cli
 from fanout.bench import demo as demo_mod
 from fanout.bench.demo import DemoConfig
 from fanout.coord import status as status_mod
+from fanout.coord.heartbeat import HeartbeatOptions
 from fanout.coord.retention import RunConfig, RunOptions
-from fanout.coord.status import RunDirOptions, StatusConfig, SweepConfig
+from fanout.coord.status import DetachConfig, RunDirOptions, StatusConfig, SweepConfig
 from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat
 from fanout.data.prepare import DataOptions, PrepareConfig
-from fanout.flags import configure_logging, declared_in, field_flag, flag_kind
+from fanout.flags import configure_logging, declared_in, field_flag, flag_kind, to_flags
+from fanout.model.dflash import DFlashConfig, DraftRecipe
 from fanout.model.verifier import VerifierConfig, VerifierOptions
 from fanout.produce import producer as produce_mod
 from fanout.produce.producer import ProducerConfig
+from fanout.regen import regenerate as regen_mod
+from fanout.regen.engine import RegenOptions
+from fanout.regen.regenerate import RegenerateConfig
 from fanout.train import eval as eval_mod
 from fanout.train import trainer as train_mod
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
@@ -45,24 +50,35 @@ from fanout.train.trainer import TrainConfig
 
 COMMANDS: dict[str, tuple[ModuleType, type[BaseModel]]] = {
     "prepare": (prepare_mod, PrepareConfig),
+    "regenerate": (regen_mod, RegenerateConfig),
     "produce": (produce_mod, ProducerConfig),
     "train": (train_mod, TrainConfig),
     "eval": (eval_mod, EvalConfig),
     "status": (status_mod, StatusConfig),
     "sweep": (status_mod, SweepConfig),
+    "detach": (status_mod, DetachConfig),
     "demo": (demo_mod, DemoConfig),
 }
 # Modules serving several commands take the command's name: config_from_args(args, name).
-SHARED_MODULE = ("status", "sweep")
+SHARED_MODULE = ("status", "sweep", "detach")
 
 # The component configs each command config is composed of (inherits).
 COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
     PrepareConfig: (ChatFormat, DataOptions),
-    ProducerConfig: (ChatFormat, DataOptions, VerifierOptions, RunOptions),
-    TrainConfig: (ConsumerOptions,),
+    ProducerConfig: (
+        ChatFormat,
+        DataOptions,
+        VerifierOptions,
+        RunOptions,
+        RegenOptions,
+        HeartbeatOptions,
+    ),
+    RegenerateConfig: (ChatFormat, RegenOptions),
+    TrainConfig: (ConsumerOptions, DraftRecipe, HeartbeatOptions),
     EvalConfig: (ChatFormat,),
     StatusConfig: (RunDirOptions,),
     SweepConfig: (RunDirOptions,),
+    DetachConfig: (RunDirOptions,),
 }
 
 # (command config, component config) pairs that share fields by name, and the fields
@@ -72,8 +88,28 @@ PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
     (ProducerConfig, VerifierConfig): {"target_layer_ids"},
     (ProducerConfig, RunConfig): set(),
     (TrainConfig, ConsumerConfig): set(),
+    # the producer writes the run (dir, database) the trainer reads and may override; its
+    # --takeover takes the producer role, the trainer's a consumer id. --heartbeat-s is
+    # shared; layers are named apart (--capture-layer-ids / --draft-layer-ids).
+    (ProducerConfig, ConsumerOptions): {"run_dir", "db_path", "takeover"},
+    # the trainer's mask id is a choice (None: the verifier's last id), the draft's the id
+    # it resolved to
+    (TrainConfig, DFlashConfig): {"mask_token_id"},
     (EvalConfig, ChatFormat): set(),
     (PrepareConfig, ChatFormat): set(),
+    # regenerate reads chat data but does not pack it; its device/dtype run only the hf engine
+    (RegenerateConfig, DataOptions): {"data", "on_bad_row", "progress"},
+    (RegenerateConfig, VerifierOptions): {"device", "dtype"},
+    (RegenerateConfig, ProducerConfig): {
+        "data",
+        "on_bad_row",
+        "progress",
+        "device",
+        "dtype",
+        "verifier_name_or_path",
+        "tokenizer",
+        "seed",
+    },
     # --json prints a different thing for each (a snapshot / what was removed)
     (StatusConfig, SweepConfig): {"as_json"},
 }
@@ -92,6 +128,7 @@ def _base(command: str, p: dict[str, str]) -> dict[str, Any]:
     """Values for the required fields."""
     bases: dict[str, dict[str, Any]] = {
         "prepare": {"data": [p["file"]], "tokenizer": p["dir"]},
+        "regenerate": {"data": [p["file"]], "out": "o"},
         "produce": {"run_dir": "r", "verifier_name_or_path": p["dir"], "data": [p["file"]]},
         "train": {
             "run_dir": "r",
@@ -100,6 +137,7 @@ def _base(command: str, p: dict[str, str]) -> dict[str, Any]:
             "save_path": "s",
         },
         "eval": {"verifier_name_or_path": p["dir"], "data": p["file"], "tokenizer": p["dir"]},
+        "detach": {"consumer_id": "c"},
     }
     return bases.get(command, {})  # status, sweep, demo: no required fields
 
@@ -130,7 +168,8 @@ def _candidates(field: FieldInfo, p: dict[str, str]) -> list[Any]:
     if float in types:
         x = d if isinstance(d, float) else 0.0
         return [x + 1, x / 2, 0.25, 0.75, 7.0]
-    return ["x-value", "y-value", p["file"], p["file2"], p["dir"], "cuda:1", "cpu"]
+    json_obj = '{"enable_thinking": false}'  # --chat-template-kwargs
+    return ["x-value", "y-value", p["file"], p["file2"], p["dir"], "cuda:1", "cpu", json_obj]
 
 
 def _validated(model: type[BaseModel], values: dict[str, Any], name: str) -> Any | None:
@@ -278,7 +317,8 @@ def test_shared_fields_are_declared_once(
     }
     assert copied == set(), f"{command.__name__} re-declares {component.__name__}'s {copied}"
     for f in deliberate:
-        assert f in shared and declared_in(command, f) is command, f
+        assert f in shared and declared_in(command, f) is not declared_in(component, f), f
+        assert declared_in(command, f) in command.__mro__, f
 
 
 @pytest.mark.parametrize("command", list(COMPONENTS), ids=lambda c: c.__name__)
@@ -340,6 +380,77 @@ def test_train_options_reach_the_consumer_config(paths: dict[str, str]) -> None:
     for name in ConsumerOptions.model_fields:
         assert getattr(ccfg, name) == getattr(cfg, name), name
     assert (ccfg.row_shuffle_seed, ccfg.max_windows) == (cfg.seed, 3)
+
+
+def test_train_recipe_reaches_the_draft_config(paths: dict[str, str]) -> None:
+    """Each DraftRecipe field the trainer is given arrives in the draft's DFlashConfig,
+    and the model and the trainer have one default: the real-verifier recipe."""
+    base = _base("train", paths)
+    chosen = {"num_layers": 2, "block_size": 8, "max_anchors": 7, "draft_vocab_size": 100,
+              "gamma": 2.5, "loss_weighting": "dpace", "dpace_alpha": 0.25,
+              "label_source": "input_ids", "loss_type": "ce"}  # fmt: skip
+    assert set(chosen) == set(DraftRecipe.model_fields)
+    shape = dict(hidden_size=8, intermediate_size=8, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=4, vocab_size=256, mask_token_id=255)  # fmt: skip
+    # dpace needs ce: loss_type's other value goes with the default weighting
+    for over in ({}, {"loss_type": "kl", "loss_weighting": "exp"}):
+        want = chosen | over
+        dcfg = DFlashConfig(**TrainConfig.model_validate(base | want).draft_recipe(),
+                            **shape, target_layer_ids=[1])  # fmt: skip
+        assert {k: getattr(dcfg, k) for k in want} == want
+    for name, v in (chosen | {"loss_type": "kl"}).items():  # each tried off its default
+        assert v != DraftRecipe.model_fields[name].default, name
+    defaults = TrainConfig.model_validate(base)
+    model = DFlashConfig(**shape, target_layer_ids=[1])
+    assert defaults.draft_recipe() == {k: getattr(model, k) for k in chosen}
+    assert (model.num_layers, model.block_size, model.max_anchors) == (5, 16, 512)
+
+
+@pytest.mark.parametrize(
+    ("field", "names", "value", "argv_value"),
+    [
+        ("loss_weighting", ("per_position_loss_weight", "loss_weighting"), "dpace", ["dpace"]),
+        ("draft_layer_ids", ("draft_layer_ids", "target_layer_ids"), [1, 3], ["3", "1"]),
+    ],
+)
+def test_renamed_flag_keeps_its_old_name(
+    paths: dict[str, str], field: str, names: tuple[str, str], value: Any, argv_value: list[str]
+) -> None:
+    """A field's flag and its older name (--per-position-loss-weight, speculators' name,
+    and --loss-weighting; --draft-layer-ids and --target-layer-ids) set the same field,
+    from flags and from --config keys; to_flags writes the first; --help shows both."""
+    base = _base("train", paths)
+    argv = [a for k, v in base.items() for a in (field_flag(k, TrainConfig.model_fields[k]), v)]
+    flags = ["--" + n.replace("_", "-") for n in names]
+    for flag in flags:
+        cfg = _build("train", [*argv, flag, *argv_value])
+        assert isinstance(cfg, TrainConfig) and getattr(cfg, field) == value
+    for key in names:
+        assert getattr(TrainConfig.model_validate(base | {key: value}), field) == value
+    assert to_flags(TrainConfig, {field: value})[0] == flags[0]
+    help_text = _subparser("train").format_help()
+    assert all(f in help_text for f in flags)
+
+
+def test_chaos_argv_is_written_by_to_flags_and_parses_back(tmp_path: Path) -> None:
+    """The chaos driver's producer and trainer command lines come from the one argv
+    writer (flags.to_flags) and parse back, through the real parser, to what it set."""
+    from fanout.chaos.driver import ChaosConfig, ChaosRun
+    from fanout.chaos.procs import ChaosAssets
+
+    assets = ChaosAssets(tokenizer=tmp_path / "tok", verifier=tmp_path / "ver",
+                         data=tmp_path / "chat.jsonl")  # fmt: skip
+    run = ChaosRun(ChaosConfig(work_dir=str(tmp_path / "w"), consumers=2,
+                               target_layer_ids=(0, 2)), assets)  # fmt: skip
+    produce = _build("produce", run.producer_argv()[1:])
+    assert isinstance(produce, ProducerConfig)
+    assert produce.capture_layer_ids == [0, 2] and produce.data == [str(assets.data)]
+    assert produce.progress is False
+    assert produce.heartbeat_s == run.cfg.heartbeat_s and produce.db_path is None
+    train = _build("train", run.trainer_argv(1)[1:])
+    assert isinstance(train, TrainConfig)
+    assert (train.consumer_id, train.resume, train.num_layers, train.seed) == ("c1", True, 1, 1)
+    assert (train.block_size, train.max_anchors) == (4, 8)
 
 
 # ---- --log-level and --config on every subcommand --------------------------------------------

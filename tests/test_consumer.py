@@ -250,7 +250,8 @@ def test_detached_trainer_exits_3_with_a_clear_message(env: Env, tmp_path: Path)
         errf.close()
     err = (tmp_path / "trainer.err").read_text()
     assert rc == 3, err[-2000:]
-    assert "slow: detached by the run's lag policy" in err and "--resume" in err
+    assert "slow: consumer slow:dp0 was detached (by the detach lag policy" in err
+    assert "saved a checkpoint at step" in err and "--resume" in err  # nothing trained lost
     assert summary["windows"] == p.total_windows  # the producer went on without it
     with Coordinator.open(run) as c:
         assert int(c.meta("detaches")) == 1

@@ -183,7 +183,9 @@ def _downgrade_to_v2(cur: Any, dialect: str) -> None:
 def test_schema_version_1_is_migrated_in_place(tmp_path: Path) -> None:
     """A run made by a fanout whose counters lived in `meta` (schema 1) opens, keeps its
     counters and windows, and carries on."""
-    co, store, c = new_run(tmp_path)
+    # ttl 2 s: schema 1 recorded no holder's host or pid, so the migrated producer row
+    # is watched for a whole ttl before this process may register again.
+    co, store, c = new_run(tmp_path, ttl_s=2.0)
     p = co.register_producer(c)
     produce(co, p, store, c)
     counters = dict(co.conn.execute("SELECT key, value FROM counters").fetchall())
@@ -208,7 +210,7 @@ def test_schema_version_1_is_migrated_in_place(tmp_path: Path) -> None:
 def test_schema_version_2_is_migrated_in_place(db: str | None, tmp_path: Path) -> None:
     """A schema-2 run (no role holders, no 'stopped' state) opens on both backends: its
     consumers keep cursors and tokens, and the new columns and state work."""
-    co, store, c = new_run(tmp_path, db)
+    co, store, c = new_run(tmp_path, db, ttl_s=2.0)  # the unknown holder: watched for ttl
     p = co.register_producer(c)
     produce(co, p, store, c)
     a = co.register_consumer("a")

@@ -27,6 +27,13 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     rep = json.loads((tmp_path / "last" / "eval.json").read_text())
     assert rep["lossless"] and set(rep["drafts"]) == {"b4", "b8", "b16"}
     assert all(d["train_eal"] is not None for d in rep["drafts"].values())
+    # report.md shows that eval beside curves.png: τ, train EAL, per-position acceptance
+    md = (tmp_path / "last" / "report.md").read_text()
+    assert "## Speculative decoding (fanout eval)" in md and "![curves.png](curves.png)" in md
+    for name, d in rep["drafts"].items():
+        row = next(x for x in md.splitlines() if x.startswith(f"| {name} |"))
+        assert f"| {d['acceptance_length']:.2f} | {d['train_eal']:.2f} |" in row, row
+        assert " ".join(f"{a:.2f}" for a in d["per_position_acceptance"]) in row, row
 
 
 def test_demo_rejects_nonpositive_minutes(tmp_path: Path) -> None:

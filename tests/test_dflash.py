@@ -41,6 +41,7 @@ def _draft(verifier_dir: Path, **kw: Any) -> DFlashDraft:
     torch.manual_seed(1)
     args: dict[str, Any] = {
         "target_layer_ids": [1, 2],
+        "num_layers": 1,
         "block_size": 4,
         "max_anchors": 8,
         "mask_token_id": 511,

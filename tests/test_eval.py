@@ -9,6 +9,7 @@ checked for the defining property: output identical to greedy, token for token.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ import torch
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
 from fanout.errors import CheckpointError
 from fanout.model.dflash import DFlashConfig, DFlashDraft
-from fanout.model.spec_decode import Decoder, first_mismatch
+from fanout.model.draft_cache import DraftCache, UncachedDraft
+from fanout.model.sampling import Sampling
+from fanout.model.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
 from fanout.train.checkpoint import save_checkpoint
@@ -47,7 +50,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 class ScriptedDraft:
     """Proposes the verifier's own greedy continuation with slot `right + 1` wrong, so
-    every verify step must accept exactly `right` drafts (fewer only near the end)."""
+    every verify step must accept exactly `right` drafts (fewer only near the end). It is
+    its own draft context (`context=`): it records the context length at every block."""
 
     def __init__(self, greedy: list[int], prompt_len: int, block_size: int, right: int) -> None:
         self.cfg = DFlashConfig(
@@ -55,20 +59,24 @@ class ScriptedDraft:
             num_key_value_heads=2, head_dim=8, vocab_size=256, mask_token_id=EOS,
             target_layer_ids=[1, 3], block_size=block_size,
         )  # fmt: skip
-        self.fc = torch.nn.Linear(1, 1)  # only its dtype is read
         self.seq, self.p0, self.right = greedy, prompt_len, right
         self.contexts: list[int] = []
+        self.length = 0
 
-    def propose(self, context: torch.Tensor, anchor: int) -> torch.Tensor:
-        p = context.shape[0]  # context covers positions 0..p-1
-        assert context.shape[1] == 2 * 32
+    def extend(self, hidden: torch.Tensor) -> None:
+        assert hidden.shape[1] == 2 * 32
+        self.length += hidden.shape[0]
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        p = self.length  # context covers positions 0..p-1
+        assert p == len(seq) - 1
         self.contexts.append(p)
         j = p - self.p0 + 1  # index in `greedy` of the token after the anchor
         out = []
         for k in range(self.cfg.block_size - 1):
             t = self.seq[j + k] if j + k < len(self.seq) else 0
             out.append(t if k < self.right else (t + 1) % 250)
-        return torch.tensor(out)
+        return torch.nn.functional.one_hot(torch.tensor(out), 256).float()
 
 
 @pytest.mark.parametrize(("block_size", "right"), [(4, 0), (4, 3), (8, 2), (16, 5), (16, 15)])
@@ -77,7 +85,7 @@ def test_scripted_acceptance_and_rollback(decoder: Decoder, block_size: int, rig
     dec = Decoder(decoder.verifier, set())  # no EOS: the full length is decoded
     greedy = dec.greedy(prompt, 60)
     draft = ScriptedDraft(greedy.tokens, len(prompt), block_size, right)
-    spec = dec.speculative(prompt, draft, 60)  # type: ignore[arg-type]
+    spec = dec.speculative(prompt, draft, 60, context=draft)  # type: ignore[arg-type]
     assert first_mismatch(greedy.tokens, spec.tokens) is None
     assert all(n == right for n in spec.accepted[:-1])  # the last may be cut by the end
     assert spec.acceptance_length == pytest.approx(
@@ -116,7 +124,7 @@ def test_eos_stops_both_at_the_same_token(vdir: Path, decoder: Decoder) -> None:
     dec = Decoder(decoder.verifier, {eos})
     g = dec.greedy(prompt, 30)
     draft = ScriptedDraft(free, len(prompt), 8, 7)  # proposes right through the EOS
-    s = dec.speculative(prompt, draft, 30)  # type: ignore[arg-type]
+    s = dec.speculative(prompt, draft, 30, context=draft)  # type: ignore[arg-type]
     assert g.tokens == s.tokens == free[: free.index(eos) + 1]
 
 
@@ -166,7 +174,41 @@ def test_trained_draft_is_lossless_and_accepts(vdir: Path, decoder: Decoder) -> 
         s = dec.speculative(prompt, draft, 40)
         assert first_mismatch(g.tokens, s.tokens) is None
         taus.append(s.acceptance_length)
+        # the cached draft loop against the uncached reference: same tokens, same steps
+        ref = dec.speculative(prompt, draft, 40, cache_draft=False)
+        assert (ref.tokens, ref.accepted) == (s.tokens, s.accepted)
+        for rule in ("served", "sampled_draft"):
+            hot = [
+                dec.speculative(prompt, draft, 40, Sampling(1.0, top_k=8),
+                                torch.Generator().manual_seed(seed), rule, cache_draft=c)
+                for c in (True, False)
+            ]  # fmt: skip
+            assert (hot[0].tokens, hot[0].accepted) == (hot[1].tokens, hot[1].accepted)
     assert sum(taus) / len(taus) > 1.3, taus
+
+
+def test_cached_draft_with_a_draft_vocabulary(decoder: Decoder, vdir: Path) -> None:
+    torch.manual_seed(3)
+    keep = torch.randperm(256)[:64]
+    draft = DFlashDraft.from_verifier(
+        vdir, target_layer_ids=[1, 3], block_size=8, mask_token_id=EOS,
+        draft_vocab_size=64, draft_vocab_ids=keep,
+    )  # fmt: skip
+    ctx = DraftCache(draft)
+    ref = UncachedDraft(draft)
+    hidden = torch.randn(9, 64)
+    for c in (ctx, ref):
+        c.extend(hidden[:5])
+        c.extend(hidden[5:])  # two appends = one context of 9 positions
+    a, b = ctx.logits(list(range(10))), ref.logits(list(range(10)))  # [7, 256]
+    assert torch.allclose(a, b, atol=1e-5)
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[keep] = False
+    assert torch.isinf(a[:, outside]).all() and torch.isfinite(a[:, keep]).all()
+    prompt = _prompt(12, 4)
+    g = decoder.greedy(prompt, 30)
+    s = decoder.speculative(prompt, draft, 30)
+    assert first_mismatch(g.tokens, s.tokens) is None
 
 
 # ---- the command ------------------------------------------------------------------------
@@ -197,7 +239,10 @@ def _eval(chat_run: dict[str, Path], *extra: str) -> subprocess.CompletedProcess
         "--data", str(chat_run["data"]), "--num-prompts", "3", "--max-new-tokens", "24",
         *extra,
     ]  # fmt: skip
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # one intra-op thread, as `one_thread` gives the in-process tests: on 2 shared cores
+    # a second thread only stalls on the other's load
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_cli_reports_tau_and_lossless(chat_run: dict[str, Path], tmp_path: Path) -> None:
@@ -219,6 +264,47 @@ def test_cli_reports_tau_and_lossless(chat_run: dict[str, Path], tmp_path: Path)
         assert len(d["per_position_acceptance"]) == bs - 1
         assert d["speedup_vs_greedy"] > 0
     assert "lossless" in r.stdout and "b8" in r.stdout
+    assert rep["temperatures"] == ["0.0"]  # the default: greedy only
+    assert (
+        rep["drafts"]["b4"]["at_temperature"]["0.0"]["acceptance_length"]
+        == (rep["drafts"]["b4"]["acceptance_length"])
+    )
+
+
+def test_cli_temperatures_records_and_model_card(chat_run: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "eval.json"
+    r = _eval(
+        chat_run, "--draft", str(chat_run["b4"]), "--temperature", "1", "0.5",
+        "--top-k", "20", "--model-card", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["temperatures"] == ["0.0", "0.5", "1.0"]  # 0 always: the lossless check
+    d = rep["drafts"]["b4"]
+    for t in rep["temperatures"]:
+        f = d["at_temperature"][t]
+        assert 1.0 <= f["acceptance_length"] <= 4 and len(f["per_position_acceptance"]) == 3
+        assert f["speedup_vs_greedy"] > 0 and f["verify_steps"] > 0
+        ci = f["acceptance_length_ci95"]
+        assert ci[0] <= f["acceptance_length"] <= ci[1]
+        assert ("acceptance_length_sampled_draft" in f) == (t != "0.0")
+    # records: an outside decoder can replay every verify step
+    recs = rep["prompt_records"]
+    assert [x["prompt_tokens"] for x in recs] == rep["prompt_tokens"]
+    for x in recs:
+        for t, e in x["drafts"]["b4"].items():
+            runs = [e, e["sampled_draft"]] if t != "0.0" else [e]
+            for run in runs:
+                # the prefill's token, then n + 1 per verify step (the last may be cut)
+                assert 1 + sum(n + 1 for n in run["accepted"]) >= len(run["tokens"])
+        assert x["drafts"]["b4"]["0.0"]["tokens"] == x["greedy"]
+    steps = sum(len(x["drafts"]["b4"]["1.0"]["accepted"]) for x in recs)
+    assert steps == d["at_temperature"]["1.0"]["verify_steps"]
+    card = (chat_run["b4"] / "README.md").read_text()
+    assert "[2, 3]" in card  # layers 1, 2 in HF numbering
+    assert "| 1.0 | served (greedy draft) |" in card and "sampled draft" in card
+    assert "training steps | 1 |" in card
+    (chat_run["b4"] / "README.md").unlink()
 
 
 def _one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -251,6 +337,8 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
     _one_line_error(r, "model.safetensors: missing")
     r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--data", str(tmp_path / "none.jsonl"))
     _one_line_error(r, "--data")
+    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--temperature", "-1")
+    _one_line_error(r, "--temperature", "must be >= 0")
 
 
 def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
@@ -287,3 +375,38 @@ def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
          str(tmp_path), "--data", str(conf), "--draft", "a", "--role-map", "gpt=assistant"]
     )  # fmt: skip
     assert model_from_args(EvalConfig, args).role_map == {"gpt": "assistant"}  # flag wins
+
+
+def _result(accepted: list[int], decode_s: float, bs: int = 4) -> DecodeResult:
+    tokens = 1 + sum(n + 1 for n in accepted)
+    return DecodeResult(
+        list(range(tokens)), len(accepted), decode_s + 0.5, accepted, bs, prefill_seconds=0.5
+    )
+
+
+def test_tau_interval_by_hand() -> None:
+    from fanout.train.eval import tau_interval
+
+    assert tau_interval([_result([1, 2], 1.0)]) is None  # one prompt: no interval
+    same = tau_interval([_result([1, 2], 1.0)] * 3)
+    assert same == [2.5, 2.5]  # no spread between prompts
+    rs = [_result([3, 3], 1.0), _result([0, 0, 0, 0], 1.0)]  # τ = (8 + 4) / 6 = 2
+    # residuals a_i - τ s_i = 4, -4; var = 2/1 · 32 = 64; half = 1.96 · 8 / 6
+    half = 1.96 * 8 / 6
+    assert tau_interval(rs) == [round(2 - half, 4), round(2 + half, 4)]
+
+
+def test_speedup_beyond_tau_is_flagged() -> None:
+    from fanout.train.eval import _summary, table
+
+    greedy = [_result([], 10.0, bs=0)]
+    greedy[0].tokens = list(range(9))  # 8 decoded tokens in 10 s
+    fast = [_result([1, 1, 1, 1], 1.0)]  # τ 2, 8 tokens in 1 s: 10x "faster"
+    d = _summary({(0.0, "served"): fast}, greedy, None)
+    assert d["acceptance_length"] == 2.0 and d["speedup_vs_greedy"] == pytest.approx(10.0)
+    assert d["speedup_exceeds_tau"] is True
+    rep = {"drafts": {"b4": d}, "greedy_tokens_per_s": 0.8, "hardware": "cpu",
+           "lossless": True, "mismatches": []}  # fmt: skip
+    assert any("exceeds τ" in line for line in table(rep))
+    honest = _summary({(0.0, "served"): [_result([1, 1, 1, 1], 6.0)]}, greedy, None)
+    assert honest["speedup_exceeds_tau"] is False

@@ -153,7 +153,8 @@ def test_config_file_then_flags_override(tmp_path: Path) -> None:
     p = _parser(train_arguments)
     cfg = model_from_args(TrainConfig, p.parse_args(["--config", str(cfg_file), "--lr", "0.1"]))
     assert cfg.lr == 0.1  # flag wins
-    assert cfg.block_size == 4 and cfg.target_layer_ids == [1, 2]  # from the file
+    # from the file, under the older key of --draft-layer-ids
+    assert cfg.block_size == 4 and cfg.draft_layer_ids == [1, 2]
     assert cfg.consumer_id == "b4"
 
 

@@ -152,6 +152,7 @@ def test_a_trainer_learns_from_fp8_windows(assets: dict[str, Any]) -> None:
         run_dir=str(p.run_dir.root),
         consumer_id="fp8",
         verifier_name_or_path=str(assets["ver"]),
+        num_layers=1,
         block_size=4,
         max_anchors=16,
         rows_per_step=2,

@@ -4,8 +4,9 @@ trains on its own subset (issue 15).
     .venv/bin/pytest tests/test_layer_superset.py -x -q
 
 A random tiny Qwen3 with 8 layers. One run captures layers 1..7; three trainers read
-[1, 4, 7], [5, 2] (its own order) and [1..7] from it, and each matches a trainer of
-a run that captured exactly its layers, loss for loss. Windows hold one tensor per
+[1, 4, 7], [5, 2] (read as [2, 5]: a draft's layers are ascending, the order engines
+serve them in; tests/test_layer_order.py) and [1..7] from it, and each matches a
+trainer of a run that captured exactly its layers, loss for loss. Windows hold one tensor per
 layer with a checksum each: a reader verifies only what it reads, a flipped byte in
 a layer is caught by whoever reads that layer, and a layer that was not captured is
 refused before anything starts.
@@ -47,7 +48,7 @@ from tiny_run import RECORDER, one_thread, tiny_producer_config, wait_for  # noq
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 UNION = [1, 2, 3, 4, 5, 6, 7]
-SETS = {"a": [1, 4, 7], "b": [5, 2], "c": UNION}  # the draft's order, not sorted
+SETS = {"a": [1, 4, 7], "b": [5, 2], "c": UNION}  # b is asked unsorted: read ascending
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ def _train_cfg(env: Env, run_dir: Path, name: str, **kw: Any) -> TrainConfig:
         run_dir=str(run_dir),
         consumer_id=name,
         verifier_name_or_path=str(env.verifier),
+        num_layers=1,
         block_size=4,
         max_anchors=16,
         rows_per_step=2,
@@ -167,23 +169,24 @@ def test_three_layer_sets_on_one_run_train_exactly_as_on_their_own_runs(env: Env
         assert [r["loss"] for r in a] == [r["loss"] for r in b], k
         assert [r["windows"] for r in a] == [r["windows"] for r in b] == [[0], [0], [1], [1]]
         assert summaries[k][0]["param_checksum"] == summaries[k][1]["param_checksum"]
-        # the checkpoint records the layers the draft used, in serving numbering, its order
+        # the checkpoint records the layers the draft used, in serving numbering, ascending
         cfgs = sorted(Path(shared.save_path).glob("**/config.json"))
         spec = json.loads(cfgs[-1].read_text())
-        assert spec["aux_hidden_state_layer_ids"] == [i + 1 for i in layers], k
-    # negative control: the same layers in another order are another context
-    swapped = _train_cfg(env, env.superset, "swapped-b", target_layer_ids=[2, 5], max_steps=1)
-    Trainer(swapped).run()
+        assert spec["aux_hidden_state_layer_ids"] == [i + 1 for i in sorted(layers)], k
+    # [5, 2] is [2, 5]; negative control: another layer is another context
     sweep_b = _log(_train_cfg(env, env.superset, "sweep-b"))
-    assert _log(swapped)[0]["loss"] != sweep_b[0]["loss"]
+    for name, layers, same in (("sorted-b", [2, 5], True), ("other-b", [2, 6], False)):
+        cfg = _train_cfg(env, env.superset, name, target_layer_ids=layers, max_steps=1)
+        Trainer(cfg).run()
+        assert (_log(cfg)[0]["loss"] == sweep_b[0]["loss"]) is same, name
     # fanout status shows each consumer's layer set
     with Coordinator.open(env.superset) as co:
         snap = snapshot(co)
         table = format_table(snap)
     got = {c["id"]: c["target_layer_ids"] for c in snap["consumers"]}
     for k, layers in SETS.items():
-        assert got[f"sweep-{k}:dp0"] == layers
-    assert "layers" in table and "5,2" in table and "1,4,7" in table
+        assert got[f"sweep-{k}:dp0"] == sorted(layers)
+    assert "layers" in table and "2,5" in table and "5,2" not in table and "1,4,7" in table
 
 
 def test_an_uncaptured_layer_is_refused_at_once_naming_the_captured_ones(
@@ -267,7 +270,7 @@ def test_a_consumer_of_other_layers_reads_past_a_flip_the_layers_reader_reports_
     name = store.list_windows()[0]
     with store.open(name) as r:
         lo, _ = r.byte_range(hidden_name(3))
-        want = _layers_of(r, [4, 1]).clone()
+        want = _layers_of(r, [1, 4]).clone()  # asked [4, 1]: read ascending
     _flip(store.path(name), lo + 7)
 
     def ccfg(cid: str, layers: list[int], **kw: Any) -> ConsumerConfig:
@@ -314,7 +317,7 @@ def test_fp8_subset_reads_their_scales(env: Env, tmp_path: Path) -> None:
         q, scale = b.tensors["hidden_states"], b.tensors["hidden_states_scale"]
         assert q.dtype == FP8 and q.shape == (4, 96, 64) and scale.shape == (4, 96, 2)
         want = torch.cat(
-            [dequantize(r.get(hidden_name(i)), r.get(scale_name(i))[..., None]) for i in (3, 1)],
+            [dequantize(r.get(hidden_name(i)), r.get(scale_name(i))[..., None]) for i in (1, 3)],
             -1,
         )[idx]
         assert torch.equal(dequantize(q, scale), want)
@@ -342,12 +345,12 @@ def test_old_window_format_and_old_runs_are_refused_clearly(env: Env, tmp_path: 
 
 
 def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None:
-    layers = [6, 3]
+    layers = [6, 3]  # asked unsorted; read as 3 then 6
     store = Store(RunDir(env.superset))
-    want = []  # (window, row, hash of that row's layers 6 then 3), in consumption order
+    want = []  # (window, row, hash of that row's layers 3 then 6), in consumption order
     for w, name in enumerate(store.list_windows()):
         with store.open(name) as r:
-            hidden = _layers_of(r, layers)
+            hidden = _layers_of(r, sorted(layers))
             for i in row_order(w, r.rows, 0):
                 raw = hidden[int(i)].contiguous().view(torch.uint8).numpy().tobytes()
                 want.append((w, int(i), xxhash.xxh3_64_hexdigest(raw)))
@@ -386,4 +389,4 @@ def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None
     with Coordinator.open(env.superset) as co:
         snap = snapshot(co)
     sub = [c for c in snap["consumers"] if c["id"] == "sub:dp0"]
-    assert sub and sub[0]["target_layer_ids"] == layers and sub[0]["state"] == "finished"
+    assert sub and sub[0]["target_layer_ids"] == [3, 6] and sub[0]["state"] == "finished"

@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from fanout.cli import main as cli_main
+from fanout.data import masks
 from fanout.data.chat import load_conversations
+from fanout.data.masks import MaskPathName
 from fanout.data.packing import ROW_KEYS, concat_batches
 from fanout.data.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
 from fanout.data.template import ChatEncoder, load_chat_spec
@@ -354,6 +357,30 @@ def test_chat_template_flag_overrides_the_tokenizers_and_the_summary_says_the_pa
     # no system block, no empty think block: fewer tokens; a similar trained share
     assert s["tokens"] < default.summary["tokens"]
     assert 0.99 < s["masked_tokens"] / default.summary["masked_tokens"] < 1.01
+
+
+def test_mask_path_flag_forces_the_rule_with_the_same_rows(
+    base: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--mask-path (a DataOptions field, no environment variable) forces a path: the
+    prefix rule gives the chatml scan's exact rows, under another cache key."""
+    assert get_args(MaskPathName) == ("auto", *masks.PATHS)
+    monkeypatch.setenv("FANOUT_MASK_PATH", "chatml-scan")  # the old variable: ignored
+    default = prepare(PrepareConfig(**base, out=str(tmp_path / "d")))
+    assert default.summary["mask_path"] == "chatml-scan"
+    argv = ["prepare", "--data", *base["data"], "--tokenizer", base["tokenizer"],
+            "--seq-len", "1024", "--workers", "1", "--cache-dir", base["cache_dir"],
+            "--out", str(tmp_path / "r"), "--no-progress", "--mask-path", "prefix-rule"]  # fmt: skip
+    assert cli_main(argv) == 0
+    ruled = open_packed(tmp_path / "r")
+    assert ruled.summary["mask_path"] == "prefix-rule"
+    assert ruled.fingerprint != default.fingerprint  # the path is part of the cache key
+    a, b = all_rows(default), all_rows(ruled)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    with pytest.raises(ValidationError, match="mask_path"):
+        PrepareConfig.model_validate(base | {"mask_path": "nonsense"})
 
 
 def test_chat_template_that_cannot_be_masked_is_refused_by_row(

@@ -296,7 +296,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
 
         train = [
             "train", "--run-dir", str(run), "--consumer-id", "c0", "--verifier-name-or-path",
-            str(root / "verifier"), "--block-size", "4", "--max-anchors", "8",
+            str(root / "verifier"), "--num-layers", "1", "--block-size", "4", "--max-anchors", "8",
             "--rows-per-step", "2", "--save-path", str(tmp_path / "draft"),
             "--heartbeat-s", "0.3", "--acquire-timeout-s", "600",
         ]  # fmt: skip

@@ -105,7 +105,7 @@ def _train(run: Path, name: str, *more: str) -> subprocess.CompletedProcess[str]
     argv = [
         "train", "--run-dir", run / "run", "--consumer-id", name,
         "--verifier-name-or-path", run / "verifier", "--save-path", run / "drafts" / name,
-        "--block-size", "4", "--max-anchors", "8", "--max-steps", "3", *more,
+        "--num-layers", "1", "--block-size", "4", "--max-anchors", "8", "--max-steps", "3", *more,
     ]  # fmt: skip
     return subprocess.run(
         [sys.executable, "-m", "fanout.cli", *map(str, argv)],

@@ -90,6 +90,7 @@ def _cfg(run: Run, name: str, **kw: Any) -> TrainConfig:
         run_dir=str(run.run_dir),
         consumer_id=name,
         verifier_name_or_path=str(run.verifier),
+        num_layers=1,
         block_size=4,
         max_anchors=16,
         rows_per_step=2,

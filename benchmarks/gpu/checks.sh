@@ -9,8 +9,10 @@
 # a chat file from ../shared/data into .benchdata/ (both git-ignored; carry both).
 # `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py, the
 # producer benchmark at the README's size (H 1024 × 24 layers, vocab 151,669,
-# T 2048, R 8) over 16 and 48 windows, one profiled producer run, and `fanout eval`
-# in bf16 of the demo's three trained drafts (prepare trains them if runs/demo has none).
+# T 2048, R 8) over 16 and 48 windows, one profiled producer run, the same at
+# --tp 2 under torchrun when the device has two GPUs or more, and `fanout eval`
+# in bf16 of the demo's three trained drafts (prepare trains them if runs/demo has none),
+# greedy and at T = 1.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-run}
@@ -25,6 +27,10 @@ if [ "$mode" = prepare ]; then
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl \
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+  # transformers' tensor parallelism (the --tp check) needs accelerate (the `tp` extra)
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl accelerate==1.15.0 psutil==7.2.2
   mkdir -p .benchdata
   cp -r ../shared/data/tokenizers/qwen3 .benchdata/tokenizer
   cp ../shared/data/chat/fastchat/dummy_conversation.json .benchdata/chat.json
@@ -55,8 +61,23 @@ done
 "${bench[@]}" --windows 16 --storage-dtype float8_e4m3fn --json "$OUT/producer-fp8.json" 2>&1 \
   | grep -v "it/s\]" | tee "$OUT/producer-fp8.log"
 "${bench[@]}" --windows 8 --profile "$OUT/profile" 2>&1 | grep -v "it/s\]" > "$OUT/profile.log"
+# tensor-parallel capture (fanout.produce.tp, NCCL): TP 2 vs 1 on the same windows, which
+# must match; needs two GPUs
+ngpu=$(nvidia-smi --list-gpus | wc -l)
+if [ "$ngpu" -ge 2 ]; then
+  python3 -m torch.distributed.run --standalone --nproc-per-node 2 "${bench[@]:1}" --tp 2 \
+    --windows 16 --workdir /tmp --json "$OUT/producer-tp2.json" 2>&1 | grep -v "it/s\]" \
+    | tee "$OUT/producer-tp2.log"
+else
+  echo "tp check skipped: this device has $ngpu GPU; --tp 2 needs 2 or more" \
+    | tee "$OUT/producer-tp2.log"
+fi
 # fanout eval in bf16 on CUDA: the demo's trained drafts, real speculative decoding
 python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bfloat16 \
   --num-prompts 16 --max-new-tokens 96 --json "$OUT/eval-bf16.json" 2>&1 \
   | grep -v "Loading weights" | tee "$OUT/eval-bf16.log"
+# the same at serving temperatures: sampled speculative decoding on CUDA (T = 0 and 1)
+python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bfloat16 \
+  --num-prompts 16 --max-new-tokens 96 --temperature 0 1 --top-k 50 \
+  --json "$OUT/eval-bf16-t1.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/eval-bf16-t1.log"
 ls -la "$OUT"

@@ -1,4 +1,6 @@
-"""The `fanout` command: `fanout prepare | produce | train | eval | status | sweep | bench | demo`.
+"""The `fanout` command: `fanout prepare | regenerate | produce | train | eval | status |
+detach | sweep | bench | demo | upgrade-checkpoint` (every name in COMMANDS;
+tests/test_docs_match_code.py checks).
 
     fanout --help
     fanout status --run-dir runs/demo --json
@@ -42,10 +44,20 @@ _register(
     "remove temp debris and orphan window files from a run directory",
 )
 _register(
+    "detach",
+    "fanout.coord.status",
+    "release a stopped or lost consumer so it no longer holds the producer back",
+)
+_register(
     "produce", "fanout.produce.producer", "run the verifier over packed rows and publish windows"
 )
 _register("train", "fanout.train.trainer", "train one DFlash draft as a consumer of a run")
 _register("prepare", "fanout.data.prepare", "chat data → packed, loss-masked token rows (cached)")
+_register(
+    "regenerate",
+    "fanout.regen.regenerate",
+    "chat data → the same conversations with the verifier's own answers (on-policy data)",
+)
 _register(
     "eval",
     "fanout.train.eval",
@@ -54,7 +66,8 @@ _register(
 _register(
     "upgrade-checkpoint",
     "fanout.train.serving",
-    "rewrite format-1 draft checkpoints' config.json as format 2 (weights unchanged)",
+    "rewrite draft checkpoints this fanout refuses: format 1 -> 2, unsorted layers -> "
+    "ascending (fc columns permuted)",
 )
 _register(
     "bench", "fanout.bench.bench", "1p1c / 1p3c / unshared benchmark → report.json, .md, plots"

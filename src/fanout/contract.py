@@ -5,7 +5,9 @@
 
 Two consumers can share a producer's windows iff they agree on every field
 here, except the layers: `target_layer_ids` is the set the producer captured,
-and a consumer may train on any subset of it, in any order (`require`).
+and a consumer may train on any subset of it (`require`). A draft reads its subset in
+ascending layer order, whatever order it was asked in (`ascending_layer_ids`, the one
+place that order is decided; `DraftLayerIds` refuses any other order).
 Consumer-side choices (block size, loss, lr, seed, layer subset) are deliberately
 not in it. The hash of the contract names the stream; a window file carries it in
 its metadata so a file from another contract is never served.
@@ -15,17 +17,60 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError, ContractMismatch
 from fanout.filesystem import FileSystem
 
 # 2: one tensor per captured layer, a checksum per tensor (fanout-window-2); 1 is refused.
 CONTRACT_FORMAT_VERSION = 2
+
+log = logging.getLogger(__name__)
+
+
+def ascending_layer_ids(ids: Iterable[int], where: str = "target_layer_ids") -> list[int]:
+    """The layers a draft reads, in the one order they are ever used: ascending.
+
+    Serving engines gather a draft's auxiliary hidden states in layer order whatever
+    order its config lists them in (vLLM's model loop appends layer `idx`'s state when
+    `idx` is in the set; `fanout eval`'s hooks fire in layer order too), so the context
+    a draft trains on, its `fc` columns and `aux_hidden_state_layer_ids` are ascending.
+    Another order is normalised here, at the config boundary, and said at info.
+
+    >>> ascending_layer_ids([5, 2])
+    [2, 5]
+    """
+    asked = [int(i) for i in ids]
+    out = sorted(asked)
+    if out != asked:
+        log.info(
+            "%s %s: a draft reads its layers in ascending order (the order serving engines "
+            "feed them), so it reads %s",
+            where,
+            asked,
+            out,
+        )
+    return out
+
+
+def _strictly_ascending(v: list[int]) -> list[int]:
+    if list(v) != sorted(set(v)):
+        raise ValueError(
+            f"target_layer_ids {list(v)} are not distinct and ascending; a draft's context "
+            "and fc columns are in ascending layer order (fanout.contract.ascending_layer_ids)"
+        )
+    return v
+
+
+# A draft's layers (DFlashConfig.target_layer_ids): refused unless strictly ascending,
+# so an order that reached a draft without passing `ascending_layer_ids` fails loudly.
+DraftLayerIds = Annotated[list[int], AfterValidator(_strictly_ascending)]
 
 
 class LayersNotCaptured(ContractMismatch):
@@ -39,7 +84,7 @@ class LayersNotCaptured(ContractMismatch):
         self.args = (
             f"capture contract mismatch{loc}: target layers {missing} were not captured by "
             f"this run: it captured {captured}. --target-layer-ids (target_layer_ids) may be "
-            "any subset of those, in any order; for other layers produce a run with "
+            "any subset of those (read in ascending order); for other layers produce a run with "
             "--capture-layer-ids",
         )
 
@@ -108,7 +153,7 @@ class CaptureContract(BaseModel):
 
         Consumers pass only what their flags imply (e.g. target_layer_ids, seq_len);
         unknown field names are a ConfigError, not a silent pass. `target_layer_ids`
-        must be a subset of the captured layers (any order, no duplicates), not equal
+        must be a subset of the captured layers (no duplicates), not equal
         to them: LayersNotCaptured lists the captured ones. A run written in an older
         window format is a ConfigError (its windows cannot be read).
         """

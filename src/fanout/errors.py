@@ -2,7 +2,13 @@
 
 Each class is raised by one component and documented there; they live together
 so that a caller (CLI, trainer, harness) can catch them without importing the
-heavier modules that raise them.
+heavier modules that raise them. Two derive from these but live beside their one
+raiser, which is what describes them: `fanout.contract.LayersNotCaptured` (a
+ContractMismatch) and `fanout.data.masks.MaskError` (a FanoutError and ValueError,
+caught by the data workers). Not FanoutErrors, by design: `fanout.filesystem.AtomicWriteError`
+(an OSError, handled as the OS error it wraps; the filesystem seam is stdlib only) and
+`fanout.regen.openai.Transient` (a retry signal that never leaves its module).
+tests/test_docs_match_code.py checks that every other public error class is a FanoutError.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ class Detached(FanoutError):
 
 
 class WindowGone(FanoutError):
-    """The window a consumer needs was evicted and the lag policy cannot bring it back."""
+    """The window a consumer needs will never be served: its capture failed
+    `max_attempts` times (`Coordinator.acquire`; the message names the window and the
+    last error). Waiting cannot change that; an evicted window is recaptured instead."""
 
 
 class AcquireTimeout(FanoutError):
@@ -62,6 +70,12 @@ class CoordinatorFull(StorageFull):
     space is freed."""
 
 
+class RankLost(FanoutError):
+    """A tensor-parallel rank of `fanout produce --tp N` died or stopped answering
+    within --tp-timeout-s (fanout.produce.tp). Every other rank stops with this: rank 0
+    after failing its claim in flight, so a restart recaptures that window."""
+
+
 class CorruptWindow(FanoutError):
     """A window file failed validation (truncated, bad header, checksum mismatch)."""
 
@@ -80,6 +94,19 @@ class BadRow(FanoutError):
         self.field = field
         self.reason = reason
         super().__init__(f"{file}:{line}: field {field!r}: {reason}")
+
+
+class WindowFormatError(FanoutError):
+    """A window file in a format this fanout no longer reads (fanout.store.windowfile). Not
+    corrupt, so never quarantined or recaptured: the run must be produced again."""
+
+    def __init__(self, path: str, found: str, what: str, reads: str) -> None:
+        self.path = path
+        self.found = found
+        super().__init__(
+            f"{path}: window format {found!r} ({what}) is not read by this fanout, which "
+            f"reads {reads}. Produce the run again with this version, in a new --run-dir"
+        )
 
 
 class UnsupportedFilesystem(FanoutError):
@@ -134,3 +161,10 @@ class RoleTaken(StaleLease):
     """This process was fenced off because another process registered its role (a
     `--takeover`, or a restart that found it lost). It must stop: it changes nothing
     from now on. The message names the new holder where the coordinator knows it."""
+
+
+class TrainerStopped(FanoutError):
+    """A trainer stopped before its end for a reason it did not choose (a window that
+    did not come within --acquire-timeout-s, one that failed for good, the coordinator
+    gone) after saving a checkpoint at its last completed step and recording itself
+    'stopped'; the message names the cause, the checkpoint and how to continue."""

@@ -17,7 +17,8 @@ Field types and their flags:
 - `dict[str, str]`: `--x k=v,k2=v2` (or `--x k=v k2=v2`; a bare `--x` is the empty map).
 
 A field whose flag differs from its name says so with
-`Field(..., json_schema_extra=flag_options(flag="--json", metavar="OUT"))`.
+`Field(..., json_schema_extra=flag_options(flag="--json", metavar="OUT"))`; a renamed
+flag keeps its old name working with `flag_options(aliases=("--old-name",))`.
 The commands' shared flags live here too: `--log-level` (`add_log_level_flag`,
 `configure_logging`).
 """
@@ -51,14 +52,21 @@ def flag_name(field: str) -> str:
 
 
 def flag_options(
-    *, flag: str | None = None, metavar: str | None = None, repeatable: bool = False
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    repeatable: bool = False,
 ) -> dict[str, Any]:
     """`json_schema_extra` for a field whose flag is not the default one:
-    `flag` replaces `--field-name`, `metavar` names the value in --help,
-    `repeatable` lets a list flag be given several times (values add up)."""
+    `flag` replaces `--field-name`, `aliases` are older flag names still accepted
+    (--help lists them; `to_flags` writes only `flag`), `metavar` names the value in
+    --help, `repeatable` lets a list flag be given several times (values add up)."""
     out: dict[str, Any] = {}
     if flag is not None:
         out["flag"] = flag
+    if aliases:
+        out["aliases"] = list(aliases)
     if metavar is not None:
         out["metavar"] = metavar
     if repeatable:
@@ -74,6 +82,11 @@ def _extra(field: FieldInfo) -> dict[str, Any]:
 def field_flag(name: str, field: FieldInfo) -> str:
     """The flag that sets field `name` (`--name-with-dashes` unless the field says)."""
     return str(_extra(field).get("flag") or flag_name(name))
+
+
+def field_aliases(field: FieldInfo) -> list[str]:
+    """The other flags that also set a field (`flag_options(aliases=...)`): old names."""
+    return [str(a) for a in _extra(field).get("aliases", ())]
 
 
 def declared_in(model: type[BaseModel], name: str) -> type:
@@ -209,7 +222,8 @@ def add_model_flags(
             kwargs["type"] = str
         if "metavar" in extra:
             kwargs["metavar"] = extra["metavar"]
-        parser.add_argument(field_flag(name, field), help=help_text.replace("%", "%%"), **kwargs)
+        flags = [field_flag(name, field), *field_aliases(field)]
+        parser.add_argument(*flags, help=help_text.replace("%", "%%"), **kwargs)
 
 
 def _from_flag(flag: str, kind: str, v: Any) -> Any:

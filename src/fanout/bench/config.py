@@ -108,6 +108,8 @@ class ConsumerSpec(BaseModel):
     device: str = _field(TrainConfig, "device", "cpu")
     rows_per_step: int = _field(TrainConfig, "rows_per_step", 2)
     num_layers: int = _field(TrainConfig, "num_layers", 1)
+    # A draft that ends before the stream does (the others train on: issue #27).
+    max_steps: int | None = _field(TrainConfig, "max_steps", None)
     extra_args: list[str] = Field(default_factory=list, description="more `train` flags")
 
 

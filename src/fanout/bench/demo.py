@@ -7,13 +7,15 @@ Needs nothing but Python and this repo: it builds its own tiny assets (a BPE
 tokenizer, a briefly trained tiny Qwen3 verifier, a generated chat corpus; cached
 under `<run-dir>/assets`, so the second run starts at once), then runs the `1p3c`
 scenario of the benchmark harness (fanout.bench.bench) with block sizes 4 / 8 / 16 for
-`--minutes`, stops the trainers, and prints: per-draft loss and expected
+`--minutes` on-policy (the producer runs with `--regenerate`: the verifier rewrites
+the corpus's answers chunk by chunk and the drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
 acceptance length (first → last), windows captured once and read three times, the
 disk high-water mark against what storing every window would take, and where the
-full report and plots are. It ends with `fanout eval` of the three drafts on eight
+full report and plots are. It ends with `fanout eval` of the three drafts on 64
 held-out prompts (conversations the stream never trained on): real speculative
 decoding, checked lossless against plain greedy, with the acceptance length τ printed
-beside each draft's train-time EAL.
+beside each draft's train-time EAL; report.md gets the same table (τ, train EAL,
+per-position acceptance) next to curves.png.
 
 Its flags are generated from DemoConfig (fanout.flags); `--config FILE` takes the
 same fields as JSON, flags win.
@@ -59,8 +61,16 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
             "drafts (block sizes 4, 8, 16) through one shared, bounded window stream on CPU."
         ),
         assets=AssetsSpec(cache_dir=str(run_dir / "assets"), use_demo_verifier=True),
+        # On-policy (issue #21): the producer regenerates the corpus's assistant turns with
+        # the verifier itself, chunk by chunk, and captures that text, so the drafts learn
+        # what the verifier writes (served τ near train EAL; docs/data.md).
         producer=ProducerSpec(
-            seq_len=256, window_rows=4, max_live_windows=4, epochs=50, num_draft_layers=1
+            seq_len=256,
+            window_rows=4,
+            max_live_windows=4,
+            epochs=50,
+            num_draft_layers=1,
+            extra_args=["--regenerate", "--turns", "all", "--max-new-tokens", "64"],
         ),
         consumers=[
             ConsumerSpec(id=f"b{b}", block_size=b, max_anchors=16, lr=2e-3, seed=i)
@@ -109,12 +119,17 @@ def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
     d = rep.get("disk")
     if d:
         wb = p.get("window_bytes", 0)
-        total = p.get("total_windows") or 0
+        total = p.get("total_windows")
+        # an on-policy stream's length is known only once its regeneration is done
+        whole = (
+            f"{wb * total / 2**20:.0f} MiB for the whole {total}-window stream"
+            if total
+            else "the whole stream's length not known yet (still regenerating)"
+        )
         lines.append(
             f"disk: high-water {d['high_water_bytes'] / 2**20:.1f} MiB "
             f"(≤ {rep['max_live_windows']} windows) vs {d['all_windows_bytes'] / 2**20:.1f} MiB "
-            f"to keep the {sc['unique_windows']} windows produced, "
-            f"{wb * total / 2**20:.0f} MiB for the whole {total}-window stream"
+            f"to keep the {sc['unique_windows']} windows produced, {whole}"
         )
     lines.append(f"report: {out / 'report.md'}  plots: {', '.join(rep.get('plots', []))}")
     lines += [f"invalid: {r}" for r in rep["reasons"]]
@@ -141,6 +156,7 @@ def heldout_prompts(train_data: list[str], out: Path, n: int = 8) -> Path:
 def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
     """`fanout eval` of the three drafts on held-out prompts: τ beside train-time EAL."""
     from fanout.bench.bench import resolve_assets
+    from fanout.bench.report import add_eval
     from fanout.train.eval import EvalConfig, evaluate, table
 
     assets = resolve_assets(cfg.assets, out)  # cached: returns at once
@@ -148,15 +164,18 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
     ecfg = EvalConfig(
         verifier_name_or_path=str(assets.verifier_dir),
         tokenizer=str(assets.tokenizer_dir),
-        data=str(heldout_prompts(assets.data, out / "heldout.jsonl")),
+        # 64 prompts: the demo's answers are short (~11 tokens), and τ needs a few
+        # hundred verify steps to be stable to about ±0.1 (its 95% interval is printed)
+        data=str(heldout_prompts(assets.data, out / "heldout.jsonl", n=64)),
         draft=[str(d) for d in drafts if d.is_dir()],
-        num_prompts=8,
-        max_new_tokens=64,
+        num_prompts=64,
+        max_new_tokens=128,
         json_out=str(out / "eval.json"),
     )
     rep = evaluate(ecfg, echo=lambda s: None)
     (out / "eval.json").write_text(json.dumps(rep, indent=2) + "\n")
-    return ["", "speculative decoding on 8 held-out prompts (fanout eval; τ = tokens per "
+    add_eval(out, rep)  # report.md: the τ table beside curves.png
+    return ["", f"speculative decoding on {rep['prompts']} held-out prompts (fanout eval; τ = tokens per "
             "verifier forward, train EAL = the checkpoint's train-time estimate):",
             *table(rep), f"eval report: {out / 'eval.json'}"]  # fmt: skip
 

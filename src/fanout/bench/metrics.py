@@ -56,6 +56,8 @@ class ConsumerSpecLike(Protocol):
     def rows_per_step(self) -> int: ...
     @property
     def block_size(self) -> int: ...
+    @property
+    def max_steps(self) -> int | None: ...
     def model_dump(self) -> dict[str, Any]: ...
 
 
@@ -193,7 +195,9 @@ def _consumer_metrics(
     recs = read_train_log(role.save_path / "train_log.jsonl")
     total = snap["config"]["total_windows"] if snap else None
     acked = [w for r in recs for w in r.get("acked", [])]
-    want = list(range(len(acked) if role.stopped_by_us else (total or 0)))
+    # A draft with --max-steps that reached them ended on its own, before the stream did.
+    own_end = role.spec.max_steps is not None and len(recs) == role.spec.max_steps
+    want = list(range(len(acked) if role.stopped_by_us or own_end else (total or 0)))
     if acked != want:
         reasons.append(f"{role.name}: acked windows {_short(acked)} != expected {_short(want)}")
     c: dict[str, Any] = {

@@ -267,12 +267,54 @@ def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
                 f"| {name} | {pid} | {_f(p.get('unique_windows_per_s'), 3)} | "
                 f"{p.get('produced_windows', '-')} | {p.get('recaptures', '-')} |"
             )
+    if rep.get("eval"):
+        out += ["", *eval_markdown(rep["eval"])]
     out += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     out += ["", "## Hardware and versions", "", "```"]
     keys = ("hardware", "versions", "database")
     out += [json.dumps({k: rep[k] for k in keys if k in rep}, indent=2)]
     out += ["```", ""]
     return "\n".join(out)
+
+
+def eval_markdown(ev: dict[str, Any]) -> list[str]:
+    """report.md's `fanout eval` section, from eval.json's greedy (T = 0) keys: per draft
+    τ beside its train-time EAL (whose curve is curves.png) and per-position acceptance."""
+    verdict = "every output equals greedy" if ev.get("lossless") else "**NOT lossless**"
+    out = [
+        "## Speculative decoding (fanout eval)",
+        "",
+        f"{ev.get('prompts', '?')} held-out prompts, greedy (T = 0): {verdict}. τ = tokens "
+        "per verifier forward, measured; train EAL = the checkpoint's train-time expected "
+        "acceptance length (its course: curves.png); acceptance at block position k = the "
+        "fraction of verify steps that accepted draft k.",
+        "",
+        "| draft | block | τ | train EAL | τ / train EAL | acceptance at position 1, 2, … |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, d in ev.get("drafts", {}).items():
+        tau, eal = d.get("acceptance_length"), d.get("train_eal")
+        ratio = _f(tau / eal) if tau is not None and eal else "-"
+        pos = " ".join(f"{a:.2f}" for a in d.get("per_position_acceptance") or [])
+        out.append(
+            f"| {name} | {d.get('block_size', '-')} | {_f(tau)} | {_f(eal)} | {ratio} | {pos} |"
+        )
+    return out
+
+
+def add_eval(out: Path, ev: dict[str, Any]) -> None:
+    """Put a `fanout eval` report (eval.json's content) into out/report.json and .md, which
+    write_report wrote: the T = 0 figures only (eval.json beside them has the rest)."""
+    rep = json.loads((out / "report.json").read_text())
+    keep = ("block_size", "acceptance_length", "train_eal", "per_position_acceptance")
+    rep["eval"] = {
+        "lossless": ev.get("lossless"),
+        "prompts": ev.get("prompts"),
+        "drafts": {n: {k: d.get(k) for k in keep} for n, d in ev.get("drafts", {}).items()},
+    }
+    plots = [str(Path(p).relative_to(out)) for p in rep.get("plots", [])]
+    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    (out / "report.md").write_text(_markdown(rep, plots))
 
 
 def write_report(rep: dict[str, Any], runs: Sequence[tuple[RunLike, Path]], out: Path) -> None:

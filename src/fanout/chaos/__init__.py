@@ -1,7 +1,7 @@
 """Chaos driver: a producer and N trainers as real processes, killed -9 at random, restarted.
 
     python -m fanout.chaos --work-dir runs/chaos --kills 30 --conversations 700   # ~1 min
-    python -m fanout.chaos --work-dir runs/soak --minutes 10 --conversations 4000 --epochs 3
+    python -m fanout.chaos --work-dir runs/soak --minutes 10 --conversations 700 --epochs 2
 
 Builds tiny assets once (BPE tokenizer, untrained 4-layer Qwen3 with H=32, synthetic
 chat JSONL), starts `fanout produce` and `fanout train --resume` ×N on one run
@@ -24,7 +24,9 @@ killed with a real SIGKILL. `launcher="exec"` starts `python -m fanout.cli` inst
 
 Modules: fanout.chaos.procs (assets, forkserver, role processes),
 fanout.chaos.checks (cover check, sampler, end-of-run state, report),
-fanout.chaos.driver (ChaosConfig, ChaosRun), `python -m fanout.chaos` (__main__).
+fanout.chaos.driver (ChaosConfig, ChaosRun), fanout.chaos.soak (rounds of runs until a
+kill count or a duration is met, so a soak lasts its duration on any machine),
+`python -m fanout.chaos` (__main__).
 """
 
 from fanout.chaos.checks import ChaosReport, Cover, Sampler, check_cover, read_log, window_digest

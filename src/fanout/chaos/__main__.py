@@ -1,9 +1,11 @@
-"""`python -m fanout.chaos`: one kill -9 chaos run (or the soak) with a printed verdict.
+"""`python -m fanout.chaos`: a kill -9 chaos run (or the soak) with a printed verdict.
 
     python -m fanout.chaos --work-dir runs/chaos --kills 30 --conversations 700
-    python -m fanout.chaos --work-dir runs/soak --minutes 10 --conversations 4000 --epochs 3
+    python -m fanout.chaos --work-dir runs/soak --minutes 10 --conversations 700 --epochs 2
 
-Prints one summary line and every broken promise; exit status 1 if there was one.
+Runs rounds (fanout.chaos.soak) until `--kills` kills or `--minutes` of killing: a
+stream that ends first is followed by another. Prints one summary line and every
+broken promise (by round); exit status 1 if there was one.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from fanout.chaos.driver import ChaosConfig, ChaosRun
+from fanout.chaos.driver import ChaosConfig
+from fanout.chaos.soak import run_rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,17 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         timeout_s=a.timeout_s,
     )
-    rep = ChaosRun(cfg).run()
-    text = json.dumps(asdict(rep), indent=2, default=str)
+    rep = run_rounds(cfg)  # rounds until the kill count or the duration is met
+    text = json.dumps({"rounds": [asdict(r) for r in rep.rounds]}, indent=2, default=str)
     if a.json:
         Path(a.json).write_text(text + "\n")
     problems = rep.problems()
-    print(
-        f"kills {rep.total_kills} {rep.kills}  windows {rep.total_windows}  rows checked "
-        f"{rep.rows_checked}  samples {rep.samples}+{rep.cli_samples} cli  max live "
-        f"{rep.max_live} (K={cfg.max_live_windows})  files verified {rep.files_verified}  "
-        f"elapsed {rep.elapsed_s} s"
-    )
+    print(f"{rep.summary()}  (K={cfg.max_live_windows})")
     for line in problems:
         print("PROBLEM:", line)
     return 1 if problems else 0

@@ -84,15 +84,15 @@ def check_cover(records: list[dict[str, Any]], total_windows: int) -> Cover:
 
 
 def window_digest(path: Path) -> tuple[int, int, str]:
-    """(window, generation, xxh3 of every tensor's bytes) of a fully verified window file.
-    Raises CorruptWindow for a partial or damaged file."""
+    """(window, generation, hash of every tensor's name and bytes) of a fully verified
+    window file. Raises CorruptWindow for a partial or damaged file."""
     import torch
-    import xxhash
 
+    from fanout.hashing import hasher
     from fanout.store.store import WindowReader
 
     with WindowReader(path, verify=True) as r:
-        h = xxhash.xxh3_64()
+        h = hasher()
         for n in sorted(r.names()):
             h.update(n.encode())
             h.update(r.get(n).contiguous().view(torch.uint8).numpy().tobytes())
@@ -204,6 +204,7 @@ def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
 class ChaosReport:
     config: dict[str, Any]
     elapsed_s: float = 0.0
+    killing_s: float = 0.0  # seconds from the start until the kill goal was met (or the end)
     kills: dict[str, int] = field(default_factory=dict)
     starts: dict[str, int] = field(default_factory=dict)
     unexpected_exits: dict[str, list[int]] = field(default_factory=dict)

@@ -6,8 +6,11 @@
 
 A loop (~20 ms a turn) restarts every role that died (a trainer that exited 0 is
 done; the producer is restarted only while trainers still need windows captured),
-SIGKILLs a random role every `kill_every_s` while killing is on, calls the
-scenario's `tick(run)` (fault injection) and samples the run. Then `check()`.
+SIGKILLs a random role every `kill_every_s` while killing is on (from the moment the
+first producer has created the run until the kill goal is met), calls the
+scenario's `tick(run)` (fault injection) and samples the run. Then `check()`. One run
+ends with its stream, however few kills fitted: fanout.chaos.soak loops runs until a
+kill count or a duration is reached, on any machine.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.chaos.checks import ChaosReport, Sampler, check_cover, final_state, read_log
 from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_forkserver
+from fanout.flags import to_flags
+from fanout.produce.producer import ProducerConfig
+from fanout.train.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,46 +102,49 @@ class ChaosRun:
     def producer_argv(self, **over: Any) -> list[str]:
         c, a = self.cfg, self.assets
         opts: dict[str, Any] = {
-            "run-dir": self.run_dir,
-            "verifier-name-or-path": a.verifier,
+            "run_dir": self.run_dir,
+            "verifier_name_or_path": a.verifier,
             "tokenizer": a.tokenizer,
-            "data": a.data,
-            "seq-len": c.seq_len,
-            "window-rows": c.window_rows,
-            "max-live-windows": c.max_live_windows,
-            "expected-consumers": c.consumers,
+            "data": [a.data],
+            "seq_len": c.seq_len,
+            "window_rows": c.window_rows,
+            "max_live_windows": c.max_live_windows,
+            "expected_consumers": c.consumers,
             "epochs": c.epochs,
-            "lag-policy": c.lag_policy,
-            "target-layer-ids": " ".join(map(str, c.target_layer_ids)),
-            "ttl-s": c.ttl_s,
-            "heartbeat-s": c.heartbeat_s,
+            "lag_policy": c.lag_policy,
+            "capture_layer_ids": c.target_layer_ids,
+            "ttl_s": c.ttl_s,
+            "heartbeat_s": c.heartbeat_s,
             "workers": 1,
-            "cache-dir": c.cache_dir or self.work / "cache",
+            "cache_dir": c.cache_dir or self.work / "cache",
             "device": "cpu",
-            "capture-batch-rows": c.window_rows,
-            "db-path": c.db_path,
+            "capture_batch_rows": c.window_rows,
+            "db_path": c.db_path,
+            "progress": False,
         }
         opts.update(over)
-        return ["produce", "--no-progress", *_flags(opts)]
+        return ["produce", *_flags(ProducerConfig, opts)]
 
     def trainer_argv(self, i: int, **over: Any) -> list[str]:
         c = self.cfg
         opts: dict[str, Any] = {
-            "run-dir": self.run_dir,
-            "consumer-id": f"c{i}",
-            "verifier-name-or-path": self.assets.verifier,
-            "block-size": 4,
-            "max-anchors": 8,
-            "rows-per-step": c.rows_per_step,
-            "save-path": self.work / "drafts" / f"c{i}",
-            "checkpoint-every": 1,
-            "heartbeat-s": c.heartbeat_s,
-            "acquire-timeout-s": c.timeout_s,
+            "run_dir": self.run_dir,
+            "consumer_id": f"c{i}",
+            "verifier_name_or_path": self.assets.verifier,
+            "num_layers": 1,
+            "block_size": 4,
+            "max_anchors": 8,
+            "rows_per_step": c.rows_per_step,
+            "save_path": self.work / "drafts" / f"c{i}",
+            "checkpoint_every": 1,
+            "heartbeat_s": c.heartbeat_s,
+            "acquire_timeout_s": c.timeout_s,
             "seed": i,
-            "db-path": c.db_path,
+            "db_path": c.db_path,
+            "resume": True,
         }
         opts.update(over)
-        return ["train", "--resume", *_flags(opts)]
+        return ["train", *_flags(TrainConfig, opts)]
 
     # ---- the loop ---------------------------------------------------------------
 
@@ -208,6 +217,11 @@ class ChaosRun:
             self.start_trainers()
         next_kill = t0 + self.rng.uniform(*c.kill_every_s)
         next_sample = next_cli = t0
+        # Killing starts once the first producer has created the run (stream.json): its
+        # first start-up prepares the data and builds the tokenizer cache, which a loaded
+        # machine may not finish between two kills; every later start-up is fair game.
+        killing_start: float | None = None
+        killing_end: float | None = None  # when the kill goal was met
         try:
             while not all(r.done for r in self.roles):
                 now = time.monotonic()
@@ -216,8 +230,14 @@ class ChaosRun:
                     break
                 for r in self.roles:
                     self._supervise(r, killed)
-                if now >= next_kill and self._killing(t0):
-                    next_kill = self._kill_one(now, killed)
+                if killing_start is None and (self.run_dir / "stream.json").is_file():
+                    killing_start = now
+                    next_kill = now + self.rng.uniform(*c.kill_every_s)
+                if killing_start is not None and killing_end is None:
+                    if not self._killing(killing_start):
+                        killing_end = now
+                    elif now >= next_kill:
+                        next_kill = self._kill_one(now, killed)
                 if tick is not None:
                     tick(self)
                 if now >= next_sample:
@@ -237,7 +257,10 @@ class ChaosRun:
             if self._status_proc is not None:
                 self._status_proc.wait(60)
                 self._cli_status(launch=False)
-        rep.elapsed_s = round(time.monotonic() - t0, 1)
+        end = time.monotonic()
+        rep.elapsed_s = round(end - t0, 1)
+        if killing_start is not None and (c.kills or c.minutes):
+            rep.killing_s = round((killing_end or end) - killing_start, 1)
         self.check()
         return rep
 
@@ -287,11 +310,7 @@ class ChaosRun:
         return rep
 
 
-def _flags(opts: dict[str, Any]) -> list[str]:
-    out: list[str] = []
-    for k, v in opts.items():
-        if v is None:
-            continue
-        out.append(f"--{k}")
-        out += str(v).split(" ") if k == "target-layer-ids" else [str(v)]
-    return out
+def _flags(config: type[BaseModel], opts: dict[str, Any]) -> list[str]:
+    """The command's flags for the fields `opts` sets (None: left to its default), by
+    the one argv writer, fanout.flags.to_flags."""
+    return to_flags(config, {k: v for k, v in opts.items() if v is not None})

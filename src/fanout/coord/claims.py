@@ -23,7 +23,7 @@ import os
 import time
 
 from fanout.contract import CaptureContract
-from fanout.coord import reads, retention, schema
+from fanout.coord import reads, retention, schema, waits
 from fanout.coord.base import CoordinatorBase, release_claims
 from fanout.coord.leases import Claim, ProducerReg, PublishedLike
 from fanout.coord.liveness import HOLDER_COLUMNS, Holder, ProcessInfo
@@ -41,6 +41,7 @@ class ProducerSide(CoordinatorBase):
     and the consumers' calls); what both share is fanout.coord.base's."""
 
     _blocked_since: float | None = None  # when claims first found no room, on self.clock
+    _block_recorded = False  # meta blocked_since is set (fanout status: "blocked … since")
 
     def register_producer(
         self, contract: CaptureContract, owner: str = "", *, takeover: bool = False
@@ -87,13 +88,22 @@ class ProducerSide(CoordinatorBase):
                 lambda cur, me: None,
             )
 
-    def finish_producer(self, preg: ProducerReg) -> None:
-        """A clean exit (stream done, --max-windows, a signal): state 'finished', claims
-        released. `fanout status` shows it finished, and nobody reclaims it as lost."""
+    def finish_producer(self, preg: ProducerReg, stream_end: int | None = None) -> None:
+        """A clean exit: state 'finished', claims released; `fanout status` shows it
+        finished, and nobody reclaims it as lost. `stream_end`: the producer ended the
+        stream by design (the run's last window, --max-windows, any budget) after that
+        many windows, and every trainer finishes at it; None (a signal): the stream
+        stays open for a restarted producer, and trainers wait for one."""
         with self._write() as cur:
             self._check_producer(cur, preg.token)
             release_claims(cur)
             cur.execute("UPDATE producer SET state='finished', hb_wall=?", (_now(),))
+            waits.record_stream_end(cur, stream_end)
+        self._block_recorded = False
+
+    def blocked_by(self) -> str:
+        """While blocked at K: who holds the producer back and the ways out, in words."""
+        return waits.producer_block(self.conn, self.config, str(self.root))
 
     def _check_producer(self, cur: schema.Sql, token: int) -> None:
         row = cur.execute(f"SELECT {HOLDER_COLUMNS} FROM producer").fetchone()
@@ -103,8 +113,10 @@ class ProducerSide(CoordinatorBase):
         if holder.token != token or holder.state != "active":
             raise self._fenced(f"the producer of {self.root}", token, holder)
 
-    def claim(self, preg: ProducerReg) -> Claim | None:
+    def claim(self, preg: ProducerReg, end: int | None = None) -> Claim | None:
         """Claim the next window to capture: demand first, then the next in order.
+        `end`: no new window at or past it (an open-ended run whose producer knows its
+        length, fanout.produce.onpolicy); the run's total_windows when that is set.
 
         None when there is nothing to claim now: at capacity (call wait_for_capacity
         first) or the finite stream is fully produced and nothing is on demand.
@@ -123,7 +135,7 @@ class ProducerSide(CoordinatorBase):
                     self._bump(cur, "recaptures")
             else:
                 w, captures = int(self._meta_cur(cur, "next_window")), 0
-                total = self.config.total_windows
+                total = self.config.total_windows if end is None else end
                 if total is not None and w >= total:
                     return None
                 self._bump(cur, "next_window")
@@ -195,7 +207,10 @@ class ProducerSide(CoordinatorBase):
         )
 
     def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
-        """Block while K windows are live; apply the lag policy. False on timeout."""
+        """Block while K windows are live; apply the lag policy. False on timeout.
+
+        While blocked, the run records since when (fanout.coord.waits.BLOCKED_SINCE),
+        so `fanout status` can say "producer blocked at K by … since …"."""
         deadline = time.monotonic() + timeout_s
         cfg = self.config
         while True:
@@ -204,12 +219,14 @@ class ProducerSide(CoordinatorBase):
                 self._check_producer(cur, preg.token)
                 doomed = retention.mark_evictable(cur, cfg.expected_consumers, recover=True)
                 if not doomed:
-                    if retention.has_capacity(cur, cfg.max_live_windows, extra=False):
-                        self._blocked_since = None
-                        return True
-                    # The lag policy may make room below K before the extra slot is used.
-                    doomed = self._apply_lag_policy(cur)
-                    if not doomed and retention.has_capacity(cur, cfg.max_live_windows):
+                    room = retention.has_capacity(cur, cfg.max_live_windows, extra=False)
+                    if not room:
+                        # The lag policy may make room below K before the extra slot is used.
+                        doomed = self._apply_lag_policy(cur)
+                        room = not doomed and retention.has_capacity(cur, cfg.max_live_windows)
+                    if room or not doomed:
+                        self._record_block(cur, blocked=not room)
+                    if room:
                         self._blocked_since = None
                         return True
             if doomed:
@@ -218,6 +235,11 @@ class ProducerSide(CoordinatorBase):
             if time.monotonic() >= deadline:
                 return False
             self._wait_change(deadline)
+
+    def _record_block(self, cur: schema.Sql, blocked: bool) -> None:
+        if blocked != self._block_recorded:  # a write only when it changes
+            waits.record_blocked(cur, blocked)
+            self._block_recorded = blocked
 
     def _apply_lag_policy(self, cur: schema.Sql) -> retention.Doomed:
         cfg = self.config

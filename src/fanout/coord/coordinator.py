@@ -43,11 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from fanout.contract import CaptureContract
-from fanout.coord import postgresdb, retention, schema, sqlitedb
+from fanout.coord import postgresdb, retention, schema, sqlitedb, waits
 from fanout.coord.base import Location
 from fanout.coord.claims import ProducerSide
 from fanout.coord.leases import ConsumerReg, Lease, ProducerReg, WindowFiles
-from fanout.coord.liveness import HOLDER_COLUMNS, Holder, ProcessInfo, this_process
+from fanout.coord.liveness import (
+    HOLDER_COLUMNS,
+    Holder,
+    ProcessInfo,
+    process_gone,
+    this_process,
+)
 from fanout.coord.retention import RunConfig
 from fanout.errors import (
     AcquireCancelled,
@@ -267,6 +273,20 @@ class Coordinator(ProducerSide):
         log.info("consumer %s registered at cursor %d (token %d)", cid, reg.cursor, reg.token)
         return reg
 
+    def check_consumer_role(self, name: str, dp_rank: int = 0, takeover: bool = False) -> None:
+        """Raise RoleHeld now if a live process holds consumer `name:dp<rank>` (and not
+        `takeover`): a second trainer learns it before it builds anything or takes its
+        --save-path (fanout.train.savepath)."""
+        if takeover:
+            return
+        cid = f"{name}:dp{dp_rank}"
+        self._take_role(
+            f"consumer {cid}",
+            (f"SELECT {HOLDER_COLUMNS} FROM consumers WHERE id=?", (cid,)),
+            False,
+            lambda cur, me: None,
+        )
+
     def resume(self, reg: ConsumerReg, cursor: int) -> ConsumerReg:
         """Re-register `reg`'s consumer at `cursor` (its checkpoint's)."""
         name, _, rank = reg.consumer_id.rpartition(":dp")
@@ -281,7 +301,7 @@ class Coordinator(ProducerSide):
             raise StaleLease(f"consumer {cid} is not registered")
         cursor, note, holder = row[0], row[1], Holder(*row[2:])
         if holder.state == "detached" and (holder.pid is None or holder.is_process(this_process())):
-            raise Detached(f"consumer {cid} was detached by the lag policy ({note})")
+            raise Detached(f"consumer {cid} was detached ({note})")
         if holder.token != token or holder.state != "active":
             raise self._fenced(f"consumer {cid}", token, holder)
         return int(cursor)
@@ -305,15 +325,21 @@ class Coordinator(ProducerSide):
         timeout_s: float | None = None,
         window: int | None = None,
         cancel: threading.Event | None = None,
+        on_wait: Callable[[waits.WaitState], None] | None = None,
     ) -> Lease | None:
         """Lease the window at the cursor (or `window` ≥ cursor), waiting until it is ready.
 
-        Returns None at the end of a finite stream. An evicted window is put on
-        demand and captured again (new generation); a failed one raises WindowGone.
-        Raises AcquireTimeout after `timeout_s` (None waits forever), AcquireCancelled
+        Returns None at the end of the stream: the run's last window, or where a
+        producer that finished by design ended it (fanout.coord.waits.stream_end). An
+        evicted window is put on demand and captured again (new generation), under
+        every lag policy (docs/operations.md, "Backpressure and lag policies"); a
+        failed one raises WindowGone. While it waits, `on_wait` hears why
+        (fanout.coord.waits.consumer_wait). AcquireTimeout once the waits that count
+        (the producer is gone, stopped or slow; not: another consumer holds it at K or
+        has not joined) add up to `timeout_s` (None waits forever); AcquireCancelled
         within ~50 ms of `cancel` being set (a prefetch thread at shutdown).
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        waited, last = 0.0, time.monotonic()
         while True:
             if cancel is not None and cancel.is_set():
                 raise AcquireCancelled(f"{reg.consumer_id}: acquire cancelled")
@@ -323,17 +349,27 @@ class Coordinator(ProducerSide):
                 if w < cursor:
                     raise ConfigError(f"{reg.consumer_id}: window {w} is behind cursor {cursor}")
                 total = self.config.total_windows
-                if total is not None and w >= total:
+                end = waits.stream_end(cur)
+                if (total is not None and w >= total) or (end is not None and w >= end):
                     return None
                 lease, state = self._try_lease(cur, reg, w)
-            if lease is not None:
-                return lease
+                if lease is not None:
+                    return lease
+                why = waits.consumer_wait(cur, self.config, reg.consumer_id, w)
+            if on_wait is not None:
+                on_wait(why)
             self.reclaim_lost()
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            waited += now - last if why.counts else 0.0
+            last = now
+            if timeout_s is not None and waited >= timeout_s:
                 raise AcquireTimeout(
-                    f"{reg.consumer_id}: window {w} not ready after {timeout_s} s (state {state})"
+                    f"{reg.consumer_id}: window {w} not ready after {timeout_s:g} s of "
+                    f"waiting on the producer (--acquire-timeout-s; window state {state}): "
+                    f"{why.text}"
                 )
-            self._wait_change(deadline)
+            left = None if timeout_s is None or not why.counts else now + timeout_s - waited
+            self._wait_change(left)
 
     def _try_lease(self, cur: schema.Sql, reg: ConsumerReg, w: int) -> tuple[Lease | None, str]:
         cid = reg.consumer_id
@@ -412,7 +448,9 @@ class Coordinator(ProducerSide):
         return n > 0
 
     def finish(self, reg: ConsumerReg) -> None:
-        """The consumer is done for good: its cursor stops holding windows back."""
+        """The consumer reached its own end (the stream's, --max-steps, --epochs): state
+        'finished', leases dropped; its cursor stops holding windows back under every
+        lag policy. A later --resume registers it again, as a late joiner."""
         with self._write() as cur:
             self._check_consumer(cur, reg.consumer_id, reg.token)
             cur.execute("DELETE FROM leases WHERE consumer=?", (reg.consumer_id,))
@@ -424,9 +462,9 @@ class Coordinator(ProducerSide):
         self._finish_evictions(doomed)
 
     def stop(self, reg: ConsumerReg) -> None:
-        """The consumer exits cleanly before the end of its stream (--max-steps, a
-        signal): state 'stopped', leases dropped. Its cursor still holds windows back,
-        as a lost one's does: a restart (--resume) continues there."""
+        """The consumer exits before its end (a signal, a timeout, a failed window):
+        state 'stopped', leases dropped. Its cursor still holds windows back, as a lost
+        one's does: a restart (--resume) continues there, `fanout detach` releases it."""
         with self._write() as cur:
             self._check_consumer(cur, reg.consumer_id, reg.token)
             cur.execute("DELETE FROM leases WHERE consumer=?", (reg.consumer_id,))
@@ -434,6 +472,53 @@ class Coordinator(ProducerSide):
                 "UPDATE consumers SET state='stopped', hb_wall=? WHERE id=?",
                 (_now(), reg.consumer_id),
             )
+
+    def detach_consumer(self, consumer_id: str, *, force: bool = False) -> list[str]:
+        """`fanout detach`: release a stopped or lost consumer (`name:dp<rank>`, or a
+        name: every rank of it) so it no longer holds windows back. Refuses an active
+        one (ConfigError naming it) unless `force` (it is fenced off: Detached on its
+        next call). Recorded (state 'detached', a note, the `detaches` counter); the
+        consumer may register again later. Returns one line per consumer."""
+        done: list[str] = []
+        with self._write() as cur:
+            rows = cur.execute(
+                f"SELECT id, cursor, {HOLDER_COLUMNS} FROM consumers ORDER BY id"
+            ).fetchall()
+            known = [str(r[0]) for r in rows]
+            mine = [r for r in rows if consumer_id in (r[0], str(r[0]).rpartition(":dp")[0])]
+            if not mine:
+                raise ConfigError(
+                    f"no consumer {consumer_id!r} in {self.root} (registered: "
+                    f"{', '.join(known) or 'none'})"
+                )
+            for row in mine:
+                cid, cursor, holder = str(row[0]), int(row[1]), Holder(*row[2:])
+                if holder.state in ("detached", "finished"):
+                    done.append(f"{cid}: already {holder.state}; it holds nothing back")
+                    continue
+                live = holder.state == "active" and not process_gone(holder.proc, holder.pid)
+                if live and not force:
+                    raise ConfigError(
+                        f"consumer {cid} of {self.root} is active ({holder}, last heartbeat "
+                        f"{_now() - holder.hb_wall:.1f} s ago): stop it first (SIGINT or "
+                        "SIGTERM: it saves a checkpoint and exits), or pass --force to detach "
+                        "it anyway (it is fenced off and exits 3)"
+                    )
+                was = "active" if live else ("lost" if holder.state == "active" else holder.state)
+                when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+                note = f"by `fanout detach` at {when}; was {was} at cursor {cursor}"
+                cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
+                cur.execute(
+                    "UPDATE consumers SET state='detached', token=?, note=? WHERE id=?",
+                    (self._bump(cur, "next_token"), note, cid),
+                )
+                self._bump(cur, "detaches")
+                done.append(f"{cid}: detached ({note})")
+            doomed = retention.mark_evictable(cur, self.config.expected_consumers)
+        self._finish_evictions(doomed)
+        for line in done:
+            log.warning("%s", line)
+        return done
 
     def report_corrupt(self, lease: Lease, reason: str) -> None:
         """Quarantine the leased file and queue the window for recapture (new generation)."""

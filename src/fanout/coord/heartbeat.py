@@ -7,7 +7,8 @@
 
 A client of the Coordinator (it opens its own connection: one per thread), so it
 sits above fanout.coord.coordinator; the rules that declare a silent process lost
-are fanout.coord.liveness's.
+are fanout.coord.liveness's. HeartbeatOptions is the `--heartbeat-s` flag both
+`fanout produce` and `fanout train` inherit (declared once, here).
 """
 
 from __future__ import annotations
@@ -17,11 +18,25 @@ import os
 import threading
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.leases import ConsumerReg, ProducerReg
 from fanout.errors import FanoutError
 
 log = logging.getLogger(__name__)
+
+
+class HeartbeatOptions(BaseModel):
+    """How often a process (producer or trainer) says it is alive: a field of both
+    commands' configs, declared once."""
+
+    heartbeat_s: float = Field(
+        2.0,
+        gt=0,
+        description="heartbeat interval (s); keep below a third of the run's --ttl-s, so "
+        "one late beat does not make this process look lost",
+    )
 
 
 class Heartbeat:

@@ -134,6 +134,30 @@ def process_gone(proc: str | None, pid: int | None) -> bool | None:
     return st is None or st[1] != start or st[0] in ("Z", "X", "x")
 
 
+def is_same_process(host: str | None, pid: int | None, proc: str | None, me: ProcessInfo) -> bool:
+    """Is the process recorded as (`host`, `pid`, `proc`) the process `me`? The pid and,
+    where both are known, `proc` (kernel boot, pid namespace and start time) must match:
+    `proc` alone does not tell apart processes started in the same clock tick, which a
+    barrier or a launcher starting several at once produces. A row from before pids
+    were recorded (schema 2) has no pid: there `proc` alone decides."""
+    if pid is not None and pid != me.pid:
+        return False
+    if proc and me.proc:
+        return proc == me.proc
+    return host == me.host and pid == me.pid
+
+
+def pid_gone(pid: int) -> bool:
+    """Has process `pid` of this pid namespace exited (no such process, or a zombie)?
+    For names that carry only a pid (a checkpoint's temp directory); False where /proc
+    cannot tell. A reused pid reads as live: the safe side for "may I remove its files"."""
+    try:
+        st = _stat(pid)
+    except OSError:
+        return False
+    return st is None or st[0] in ("Z", "X", "x")
+
+
 HOLDER_COLUMNS = "state, token, hb_seq, hb_wall, host, pid, proc"  # Holder's fields, in order
 
 
@@ -155,9 +179,7 @@ class Holder:
         return f"{self.host} pid {self.pid}"
 
     def is_process(self, me: ProcessInfo) -> bool:
-        if self.proc and me.proc:
-            return self.proc == me.proc
-        return self.host == me.host and self.pid == me.pid
+        return is_same_process(self.host, self.pid, self.proc, me)
 
 
 Verdict = Literal["free", "held", "watch"]

@@ -236,7 +236,7 @@ def detach_laggard(cur: Sql, new_token: int) -> tuple[str, int, int] | None:
     cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
     cur.execute(
         "UPDATE consumers SET state='detached', token=?, note=? WHERE id=?",
-        (new_token, f"detached at cursor {cursor} (leader at {lead})", cid),
+        (new_token, f"by the detach lag policy at cursor {cursor} (leader at {lead})", cid),
     )
     cur.execute("UPDATE counters SET value=value+1 WHERE key='detaches'")
     return cid, cursor, int(lead)

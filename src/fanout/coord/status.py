@@ -1,15 +1,16 @@
-"""`fanout status` and `fanout sweep`: look at a run directory, clean up its debris.
+"""`fanout status`, `sweep`, `detach`: look at a run directory, clean it up, release a consumer.
 
     fanout status --run-dir runs/demo            # compact table
     fanout status --run-dir runs/demo --json     # machine-readable (see snapshot())
     fanout sweep --run-dir runs/demo             # remove temp debris and orphan files
+    fanout detach --run-dir runs/demo --consumer-id b8:dp0   # release a stopped consumer
 
 `status` only reads the database (no write transaction, no torch import). A
 process the database still calls active is shown `lost` when it has exited
 without saying so (it ran on this host and its pid is gone) or its heartbeat is
 older than ttl_s by the wall clock; the coordinator itself declares it lost by its
 heartbeat counter (fanout.coord.liveness), and `--json` keeps that as `recorded_state`.
-`sweep` finishes interrupted evictions, then removes tmp/ debris and window files
+`detach` releases a stopped or lost consumer (Coordinator.detach_consumer). `sweep` finishes interrupted evictions, then removes tmp/ debris and window files
 no ready or capturing row names (Store.sweep with Coordinator.is_live); it is
 safe while a producer and consumers run.
 
@@ -27,6 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fanout.coord import waits
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.liveness import process_gone
 from fanout.flags import add_model_flags, flag_options, model_from_args
@@ -72,9 +74,24 @@ class SweepConfig(RunDirOptions):
     )
 
 
-CONFIGS: dict[str, type[StatusConfig] | type[SweepConfig]] = {
+class DetachConfig(RunDirOptions):
+    """`fanout detach`: release a stopped or lost consumer so it no longer holds the
+    producer back (it may register again later, e.g. with --resume)."""
+
+    consumer_id: str = Field(
+        min_length=1,
+        description="Consumer to detach: name:dp<rank>, or a name (every rank of it).",
+    )
+    force: bool = Field(
+        False,
+        description="Detach it even while it is active (it is fenced off and exits 3).",
+    )
+
+
+CONFIGS: dict[str, type[StatusConfig] | type[SweepConfig] | type[DetachConfig]] = {
     "status": StatusConfig,
     "sweep": SweepConfig,
+    "detach": DetachConfig,
 }
 
 
@@ -82,8 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser, name: str = "status") -> None
     add_model_flags(parser, CONFIGS[name])
 
 
-def config_from_args(args: argparse.Namespace, name: str = "status") -> StatusConfig | SweepConfig:
-    """StatusConfig (or SweepConfig, for `name` "sweep") from `--config FILE` and flags."""
+def config_from_args(
+    args: argparse.Namespace, name: str = "status"
+) -> StatusConfig | SweepConfig | DetachConfig:
+    """StatusConfig (SweepConfig, DetachConfig for `name` "sweep", "detach") from
+    `--config FILE` and flags."""
     return model_from_args(CONFIGS[name], args)
 
 
@@ -151,6 +171,8 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
     cfg = co.config
     return {
         "run_dir": str(co.root),
+        "stream_end": waits.stream_end(co.conn),
+        "blocked": _blocked(co, producer["state"]),
         "db_path": str(co.db_path),
         "stream_id": co.meta("stream_id"),
         "config": cfg.model_dump(mode="json"),
@@ -173,6 +195,48 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
         "reclaims": int(co.meta("reclaims")),
         "producer": producer,
     }
+
+
+def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
+    """Who holds an active producer at K (fanout.coord.waits), None while it is not."""
+    since = waits.blocked_since(co.conn)
+    if producer_state != "active" or since is None or not waits.is_blocked(co.conn, co.config):
+        return None
+    now = time.time()
+    text, _ = waits.block_text(co.conn, co.config)
+    held = waits.holders(co.conn)
+    return {
+        "since_wall": since,
+        "for_s": round(now - since, 1),
+        "by": [h.consumer_id for h in held],
+        "missing_consumers": waits.missing_consumers(co.conn, co.config.expected_consumers),
+        "text": text,
+        "ways_out": waits.ways_out(held, str(co.root)),
+    }
+
+
+def _producer_line(s: dict[str, Any]) -> list[str]:
+    p, cfg = s["producer"], s["config"]
+    lines = [f"producer {p['state']}" + _producer_detail(p)]
+    if p["state"] == "finished":
+        end, total = s["stream_end"], cfg["total_windows"]
+        if end is None and total is not None and s["produced_windows"] >= total:
+            end = total  # a run from before stream ends were recorded
+        lines[0] += (
+            f"  (stream ended at window {end})"
+            if end is not None
+            else "  (stopped by a signal: the stream is open, restart it to continue)"
+        )
+    b = s["blocked"]
+    if b is not None:
+        when = time.strftime("%H:%M:%S UTC", time.gmtime(b["since_wall"]))
+        lines.append(
+            f"producer blocked at K={cfg['max_live_windows']} {b['text'] or '(by nobody)'} "
+            f"since {when} ({b['for_s']:.0f} s)"
+        )
+        if b["ways_out"]:
+            lines.append(f"         {b['ways_out']}")
+    return lines
 
 
 def _mib(n: int) -> str:
@@ -207,7 +271,7 @@ def format_table(s: dict[str, Any]) -> str:
         f"({s['high_water']['windows']} windows)",
         f"events   recaptures {s['recaptures']}  corrupt {s['corrupt']}  "
         f"detaches {s['detaches']}  reclaims {s['reclaims']}",
-        f"producer {s['producer']['state']}" + _producer_detail(s["producer"]),
+        *_producer_line(s),
         "",
         f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
         f"{'holder':<22} {'layers':<16} leases",
@@ -224,6 +288,7 @@ def format_table(s: dict[str, Any]) -> str:
         )
     if not s["consumers"]:
         lines.append("(no consumers registered)")
+    lines += [f"  {c['id']}: {c['state']} {c['note']}" for c in s["consumers"] if c["note"]]
     return "\n".join(lines)
 
 
@@ -232,6 +297,10 @@ def run(args: argparse.Namespace, name: str = "status") -> int:
     with Coordinator.open(
         cfg.run_dir, db_path=cfg.db_path, allow_network_fs=cfg.allow_network_fs
     ) as co:
+        if isinstance(cfg, DetachConfig):
+            for line in co.detach_consumer(cfg.consumer_id, force=cfg.force):
+                print(line)
+            return 0
         if name == "sweep":
             report = co.sweep()
             if cfg.as_json:

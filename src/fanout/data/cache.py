@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 from safetensors.numpy import save_file
 
 from fanout.data.packing import ROW_KEYS
 from fanout.errors import CorruptWindow, StorageError
 from fanout.filesystem import FileSystem
+from fanout.hashing import hasher
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -40,8 +40,8 @@ _DTYPES = {"I32": np.int32, "U8": np.uint8}
 
 
 def fingerprint(paths: list[str | Path], options: dict[str, Any]) -> str:
-    """xxh3-128 over every input file's bytes (in order) and the options JSON."""
-    h = xxhash.xxh3_128()
+    """xxh3-128 (fanout.hashing) over every input file's bytes (in order) and the options JSON."""
+    h = hasher()
     h.update(json.dumps({"v": FORMAT_VERSION, **options}, sort_keys=True).encode())
     for p in paths:
         h.update(b"\0file\0")

@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-import xxhash
-
 from fanout.errors import ConfigError
+from fanout.hashing import hexdigest
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class ChatSpec:
     pad_token_id: int = 0
     special_added: tuple[str, ...] = ()  # added tokens flagged special (control tokens)
     generation_eos: tuple[str, ...] = ()  # generation_config.json eos ids, as token texts
-    mask_path: str = "auto"  # masks.PATHS or auto (FANOUT_MASK_PATH)
+    mask_path: str = "auto"  # masks.PATHS or auto (--mask-path, DataOptions.mask_path)
     template_source: str = ""  # "tokenizer" or the --chat-template file
 
     def template_fingerprint(self) -> str:
@@ -39,7 +38,7 @@ class ChatSpec:
         blob = json.dumps(
             [self.templates, self.special_tokens, self.generation_eos], sort_keys=True
         )
-        return xxhash.xxh3_128_hexdigest(blob.encode())
+        return hexdigest(blob.encode())
 
     def template_for(self, has_tools: bool) -> str:
         # Same choice as PreTrainedTokenizerBase.get_chat_template for a dict of templates.

@@ -10,8 +10,8 @@ family's assistant header and end tokens in the ids with numpy: no offsets, no p
 renders. A scan whose preconditions do not hold for the tokenizer (a header that
 merges with the text after it, a marker that is not a special token) falls back to
 the prefix rule (`RuleMasker`: the mask comes with the rendering, from
-`fanout.data.masks.general_spans`), and the note says why; with FANOUT_MASK_PATH set,
-that is a ConfigError instead. Every scan is checked against the rule at run time
+`fanout.data.masks.general_spans`), and the note says why; with `--mask-path` forcing
+the scan, that is a ConfigError instead. Every scan is checked against the rule at run time
 (see fanout.data.masks).
 """
 
@@ -243,5 +243,5 @@ def build_masker(enc: Encoder) -> tuple[Masker, str | None]:
         return _scan_for(path, enc), None
     except _Unavailable as e:
         if enc.spec.mask_path != "auto":
-            raise ConfigError(f"FANOUT_MASK_PATH={path}: not usable here: {e}") from None
+            raise ConfigError(f"--mask-path {path}: not usable here: {e}") from None
         return RuleMasker(RULE), f"{path} not usable ({e}); using {RULE}"

@@ -42,21 +42,21 @@ PATHS, chosen from the template (`plan_path`), the summary says which ran:
   fanout.data.maskers);
 - `prefix-rule`: the rule itself (any template; O(turns) renders per conversation).
 Every non-rule path is checked against the rule on the first conversations of each
-input file at run time (`verify_against_rule`): a disagreement is a ConfigError, never
-a silently different mask. `FANOUT_MASK_PATH=prefix-rule` forces the rule.
+input file at run time (`fanout.data.workers.verify_against_rule`): a disagreement is a
+ConfigError, never a silently different mask. `--mask-path prefix-rule` (DataOptions'
+`mask_path`) forces the rule.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from fanout.data.chatspec import ChatSpec
-from fanout.errors import ConfigError
+from fanout.errors import ConfigError, FanoutError
 
 if TYPE_CHECKING:
     from fanout.data.chat import Conversation
@@ -74,6 +74,17 @@ CHATML, LLAMA3, GEMMA, MISTRAL, HARMONY = (
     "harmony-scan",
 )
 PATHS = (RULE, GENERATION, CHATML, LLAMA3, GEMMA, MISTRAL, HARMONY)
+# `--mask-path` (DataOptions.mask_path): "auto" or one of PATHS, forced
+MaskPathName = Literal[
+    "auto",
+    "prefix-rule",
+    "generation-tags",
+    "chatml-scan",
+    "llama3-scan",
+    "gemma-scan",
+    "mistral-scan",
+    "harmony-scan",
+]
 
 # Tokens at which generation stops for the families we know (HF generation_config
 # eos lists); only those the tokenizer has as special tokens and the template uses
@@ -97,8 +108,10 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 VERIFY_ROWS = 8
 
 
-class MaskError(ValueError):
-    """The rule cannot place an assistant turn of this conversation: a bad row."""
+class MaskError(FanoutError, ValueError):
+    """The rule cannot place an assistant turn of this conversation: a bad row (the
+    workers count and skip it; a FanoutError like every typed error, and a ValueError for
+    callers that catch that)."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
@@ -134,20 +147,15 @@ def family_of(spec: ChatSpec) -> str:
 
 
 def plan_path(spec: ChatSpec) -> str:
-    """The mask path a ChatEncoder for `spec` will use (FANOUT_MASK_PATH overrides)."""
+    """The mask path a ChatEncoder for `spec` will use (`--mask-path` forces one)."""
     forced = spec.mask_path
     if forced != "auto":
         if forced not in PATHS:
-            raise ConfigError(f"FANOUT_MASK_PATH={forced!r}: expected auto or one of {PATHS}")
+            raise ConfigError(f"--mask-path {forced!r}: expected auto or one of {PATHS}")
         return forced
     if _GENERATION_TAG.search(template_text(spec)):
         return GENERATION
     return family_of(spec)
-
-
-def forced_path_from_env() -> str:
-    """FANOUT_MASK_PATH (a path of PATHS, which plan_path then uses), or "auto"."""
-    return os.environ.get("FANOUT_MASK_PATH", "auto") or "auto"
 
 
 def stop_tokens(spec: ChatSpec) -> tuple[str, ...]:

@@ -34,13 +34,13 @@ from pydantic import Field, field_validator
 
 from fanout.data.cache import MANIFEST, PackedDataset, ShardWriter, fingerprint
 from fanout.data.chat import ChatFormat, detect_format, iter_raw_chunks
-from fanout.data.masks import RULES_VERSION, VERIFY_ROWS, plan_path
+from fanout.data.masks import RULES_VERSION, VERIFY_ROWS, MaskPathName, plan_path
 from fanout.data.packing import Doc, OverLength, Packer, shuffled
 from fanout.data.template import ChatSpec, default_cache_root, load_chat_spec
 from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
 from fanout.errors import BadRow, ConfigError
 from fanout.filesystem import FileSystem
-from fanout.flags import add_model_flags, model_from_args
+from fanout.flags import add_model_flags, flag_options, model_from_args
 
 __all__ = [
     "DataOptions",
@@ -53,6 +53,14 @@ __all__ = [
 ]
 
 
+def existing_files(paths: list[str]) -> list[str]:
+    """`paths` unchanged if every one is a file; else the error a `data` field raises."""
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise ValueError(f"no such file(s): {missing}")
+    return paths
+
+
 class DataOptions(ChatFormat):
     """Data-stage options every command that prepares rows shares (`fanout prepare`,
     `fanout produce`), on top of the chat format. Declared once here; the commands'
@@ -63,6 +71,12 @@ class DataOptions(ChatFormat):
         None,
         description="chat template file (.jinja, or .json holding chat_template) to use "
         "instead of the tokenizer's",
+    )
+    mask_path: MaskPathName = Field(
+        "auto",
+        description="how the loss mask is computed: auto = the fastest path the template "
+        "allows, checked against the prefix rule; or force one (prefix-rule: the rule "
+        "itself, any template); part of the cache key",
     )
     workers: int | None = Field(
         None, ge=0, description="worker processes; None/0 = all usable cores (FANOUT_WORKERS)"
@@ -108,16 +122,18 @@ class PrepareConfig(DataOptions):
     shuffle_buffer: int = Field(0, ge=0, description="seeded shuffle buffer (docs); 0 = off")
     seed: int = Field(0, description="shuffle seed")
     epoch: int = Field(0, ge=0, description="epoch (changes the shuffled order)")
+    as_json: bool = Field(
+        False,
+        description="print the summary as one JSON object on stdout",
+        json_schema_extra=flag_options(flag="--json"),
+    )
 
     # Only here, not in DataOptions: a ProducerConfig names files that need not exist
     # yet when it is built (fanout.produce.producer.check_inputs checks them at start).
     @field_validator("data")
     @classmethod
     def _files_exist(cls, v: list[str]) -> list[str]:
-        missing = [p for p in v if not Path(p).is_file()]
-        if missing:
-            raise ValueError(f"no such file(s): {missing}")
-        return v
+        return existing_files(v)
 
     @field_validator("chat_template")
     @classmethod
@@ -151,7 +167,7 @@ def open_packed(out_dir: str | Path) -> PackedDataset:
 
 def prewarm(cfg: PrepareConfig) -> tuple[ChatSpec, WorkerPool]:
     """Load the tokenizer spec and start the workers in the background; returns at once."""
-    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template)
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template, cfg.mask_path)
     pool = shared_pool(cfg.workers)
     pool.prewarm(spec)
     return spec, pool
@@ -299,7 +315,7 @@ def _materialize(entry: Path, out: Path) -> None:
 def prepare(cfg: PrepareConfig) -> PackedDataset:
     """Run the data stage (or load it from the cache) and return the packed dataset."""
     # no workers on a cache hit
-    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template)
+    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template, cfg.mask_path)
     fp = fingerprint(
         list(cfg.data),
         {
@@ -353,7 +369,6 @@ def prepare(cfg: PrepareConfig) -> PackedDataset:
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "prepare") -> None:
     add_model_flags(p, PrepareConfig)
-    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
 
 
 def config_from_args(args: argparse.Namespace) -> PrepareConfig:
@@ -399,7 +414,7 @@ def run(args: argparse.Namespace, name: str = "prepare") -> int:
     cfg = config_from_args(args)
     t0 = time.perf_counter()
     ds = prepare(cfg)
-    if args.json:
+    if cfg.as_json:
         print(json.dumps({"dir": str(ds.dir), "fingerprint": ds.fingerprint, **ds.summary}))
     else:
         print(format_summary(ds))

@@ -36,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from contextvars import ContextVar
 from datetime import datetime
 from itertools import chain
@@ -43,13 +44,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from fanout.data import maskers, masks
 from fanout.data.chat import Conversation
 from fanout.data.chatspec import ChatSpec
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
+from fanout.hashing import hasher
 
 # Files in an HF tokenizer directory that can change ids or the rendering.
 TOKENIZER_FILES = (
@@ -68,8 +69,8 @@ SPEC_VERSION = 2  # chat.json layout; older cache entries are rebuilt
 
 
 def tokenizer_fingerprint(tok_dir: str | Path) -> str:
-    """xxh3-128 over the tokenizer files present (names and bytes)."""
-    h = xxhash.xxh3_128()
+    """xxh3-128 (fanout.hashing) over the tokenizer files present (names and bytes)."""
+    h = hasher()
     d = Path(tok_dir)
     found = False
     for name in TOKENIZER_FILES:
@@ -135,10 +136,13 @@ def load_chat_spec(
     tok_dir: str | Path,
     cache_root: str | Path | None = None,
     chat_template: str | Path | None = None,
+    mask_path: str = "auto",
 ) -> ChatSpec:
     """Load (building once, in a subprocess) the cached tokenizer.json + chat metadata.
 
-    `chat_template`: a template file that replaces the tokenizer's (`--chat-template`).
+    `chat_template`: a template file that replaces the tokenizer's (`--chat-template`);
+    `mask_path`: "auto" (chosen from the template) or a path of masks.PATHS to force
+    (`--mask-path`).
     """
     from filelock import FileLock
 
@@ -168,7 +172,8 @@ def load_chat_spec(
                     str(tok_dir),
                     str(tmp),
                 ]
-                r = subprocess.run(cmd, capture_output=True, text=True)
+                env = os.environ | {_PARENT_ENV: str(os.getpid())}
+                r = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if r.returncode != 0:
                     raise ConfigError(f"--tokenizer {tok_dir}: cannot load it: {r.stderr[-2000:]}")
                 # fsynced, then renamed: the entry appears whole or not at all (an entry
@@ -194,7 +199,7 @@ def load_chat_spec(
         pad_token_id=meta["pad_token_id"],
         special_added=tuple(meta["special_added"]),
         generation_eos=_generation_eos(tok_dir, meta["added_tokens"]),
-        mask_path=masks.forced_path_from_env(),
+        mask_path=mask_path,
         template_source=source,
     )
 
@@ -485,8 +490,30 @@ class ChatEncoder:
         return self.masker.mask(ids)
 
 
+_PARENT_ENV = "FANOUT_TEMPLATE_BUILD_PARENT"
+
+
+def _exit_with_parent() -> None:
+    """Exit when the process that started this build dies (its parent pid changes): a
+    SIGKILLed producer must not leave its template build running on, importing
+    transformers for nobody (the chaos soak found them piling up on a loaded machine)."""
+    import threading
+
+    # named by the parent: one that died while this process was still importing would
+    # otherwise be missed (getppid() would already be the reaper's)
+    parent = int(os.environ.get(_PARENT_ENV) or os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[0] == "build":
+        _exit_with_parent()
         _build(argv[1], argv[2])
         return 0
     print(__doc__.split("\n\n")[0], file=sys.stderr)

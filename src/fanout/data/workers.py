@@ -292,7 +292,7 @@ def verify_against_rule(
             bad = np.flatnonzero(got != want) if got.shape == want.shape else np.array([0])
             raise ConfigError(
                 f"{file}:{lines[d]}: loss mask path {enc.mask_path} disagrees with the prefix rule "
-                f"(token {int(bad[0])} of {got.shape[0]}); set FANOUT_MASK_PATH=prefix-rule "
+                f"(token {int(bad[0])} of {got.shape[0]}); pass --mask-path prefix-rule "
                 "to use the rule, and report the template"
             )
         done += 1

@@ -3,8 +3,10 @@
     from fanout.model import DFlashDraft, DFlashConfig
 
 Owns: loading and running the verifier with hidden-state capture (verifier), the
-DFlash draft and its loss (dflash), anchor sampling (anchors), and greedy /
-speculative decoding with a KV cache (spec_decode).
+DFlash draft and its loss (dflash), the verifier directory's config and tensors read
+without loading the model (verifier_dir), anchor sampling (anchors), greedy / sampled /
+speculative decoding with a KV cache (spec_decode), the draft's cached context at
+inference (draft_cache), and the rejection-sampling rules at T > 0 (sampling).
 
 May import: ops and the core.
 """

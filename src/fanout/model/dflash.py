@@ -36,24 +36,25 @@ is supervised — the empirical form of `1 + sum_k prod_{j<=k} acc_j`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from safetensors import safe_open
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from fanout.contract import DraftLayerIds
 from fanout.errors import ConfigError
+from fanout.flags import flag_options
 from fanout.model.anchors import (
     block_attention_mask,
     block_positions,
     select_anchors,
     slot_supervision,
 )
+from fanout.model.verifier_dir import read_verifier_config, read_verifier_tensors
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
 from fanout.ops.linear_kl import linear_kl_div_and_argmax
 
@@ -65,14 +66,62 @@ def default_gamma(block_size: int) -> float:
     return block_size / 2 if block_size <= 10 else 5 + (block_size - 10) / 3
 
 
-class DFlashConfig(BaseModel):
-    """Shape and training semantics of one DFlash draft. Validated at construction."""
+class DraftRecipe(BaseModel):
+    """What a user chooses about a draft: its depth, block, anchors and loss. Declared
+    once here; DFlashConfig (a draft's full config) and `fanout train`'s TrainConfig
+    (its flags) inherit these fields. The defaults are the recipe that works on a real
+    verifier (DFlash's released drafts and speculators: 5 layers, block 16, 512
+    anchors; docs/training.md says why); demos and tests set their own small values."""
+
+    num_layers: int = Field(5, ge=1, description="draft decoder layers")
+    block_size: int = Field(16, ge=2, description="tokens per draft block (anchor + masks)")
+    max_anchors: int = Field(512, ge=1, description="anchors drawn per row per step")
+    draft_vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="reduced draft vocabulary: the N tokens the run's data uses most "
+        "(token_counts.safetensors, written by the producer); default: the full vocab",
+    )
+    gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
+    # Speculators' trainer calls it per_position_loss_weight (the flag); checkpoints have
+    # always said loss_weighting (the field), so both names are accepted.
+    loss_weighting: Literal["exp", "dpace"] = Field(
+        "exp",
+        validation_alias=AliasChoices("loss_weighting", "per_position_loss_weight"),
+        description="per-slot loss weights",
+        json_schema_extra=flag_options(
+            flag="--per-position-loss-weight", aliases=("--loss-weighting",)
+        ),
+    )
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE confidence smoothing")
+    label_source: Literal["target_ids", "input_ids"] = Field(
+        "target_ids", description="labels: verifier greedy predictions or the data tokens"
+    )
+    loss_type: Literal["ce", "kl"] = Field(
+        "ce",
+        description="ce: cross-entropy against the labels; kl: KL from the verifier's full "
+        "next-token distribution (the run must be captured with --store-last-hidden-states)",
+    )
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> DraftRecipe:
+        if self.loss_type == "kl" and self.loss_weighting == "dpace":
+            # D-PACE turns each slot's CE into an acceptance estimate; a KL is not one.
+            raise ValueError(
+                "loss_weighting (--per-position-loss-weight) 'dpace' needs loss_type 'ce'"
+            )
+        return self
+
+
+class DFlashConfig(DraftRecipe):
+    """Shape and training semantics of one DFlash draft: the DraftRecipe plus what the
+    verifier and the run fix (shapes, vocabulary, mask id, layers). Validated at
+    construction."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     hidden_size: int = Field(gt=0, description="H: verifier (and draft) hidden size")
     intermediate_size: int = Field(gt=0, description="SwiGLU MLP width of each draft layer")
-    num_layers: int = Field(1, gt=0, description="number of draft decoder layers")
     num_attention_heads: int = Field(gt=0, description="query heads")
     num_key_value_heads: int = Field(gt=0, description="key/value heads (GQA)")
     head_dim: int = Field(gt=0, description="per-head width")
@@ -80,27 +129,9 @@ class DFlashConfig(BaseModel):
     rope_theta: float = Field(1e6, gt=0, description="RoPE base")
     max_position_embeddings: int = Field(40960, gt=0, description="verifier's max positions")
     vocab_size: int = Field(gt=0, description="verifier vocabulary size")
-    draft_vocab_size: int | None = Field(
-        None, gt=0, description="reduced draft vocabulary size (None = full verifier vocab)"
-    )
-    block_size: int = Field(16, ge=2, description="tokens per draft block (anchor + masks)")
-    max_anchors: int = Field(512, gt=0, description="anchors drawn per row per step")
     mask_token_id: int = Field(ge=0, description="token id of the noise/mask slots")
-    target_layer_ids: list[int] = Field(
-        min_length=1, description="verifier layers whose hidden states form the context"
-    )
-    gamma: float | None = Field(
-        None, gt=0, description="exp loss decay; None = default_gamma(block_size)"
-    )
-    loss_weighting: Literal["exp", "dpace"] = Field("exp", description="per-slot loss weights")
-    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE confidence smoothing")
-    label_source: Literal["target_ids", "input_ids"] = Field(
-        "target_ids", description="labels: verifier greedy predictions or the data tokens"
-    )
-    loss_type: Literal["ce", "kl"] = Field(
-        "ce",
-        description="ce: cross-entropy against the labels; kl: KL from the verifier's whole "
-        "next-token distribution (needs windows with last_hidden_states)",
+    target_layer_ids: DraftLayerIds = Field(
+        min_length=1, description="verifier layers whose hidden states form the context (ascending)"
     )
     tie_word_embeddings: bool = Field(False, description="verifier ties lm_head to embeddings")
 
@@ -117,9 +148,6 @@ class DFlashConfig(BaseModel):
             raise ValueError(f"mask_token_id {self.mask_token_id} >= vocab_size {self.vocab_size}")
         if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size")
-        if self.loss_type == "kl" and self.loss_weighting == "dpace":
-            # D-PACE turns each slot's CE into an acceptance estimate; a KL is not one.
-            raise ValueError("loss_weighting 'dpace' needs loss_type 'ce'")
         return self
 
     @property
@@ -179,6 +207,25 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
 
+    def kv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k-normed, rotated) and values of `x` `[B, L, H]`: `[B, nkv, L, hd]` each."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2)
+        return _apply_rope(k, *rope), v
+
+    def attend(
+        self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_q: Any, mask: Any
+    ) -> torch.Tensor:
+        """Queries of the block states `x` `[B, Q, H]` over `k`, `v` -> `[B, Q, H]`."""
+        b, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.nh, self.hd)).transpose(1, 2)
+        q = _apply_rope(q, *rope_q)  # [B, nh, Q, hd]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        return self.o_proj(o.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
+
     def forward(
         self,
         x: torch.Tensor,  # [B, Q, H] block states (after input_layernorm)
@@ -187,16 +234,8 @@ class Attention(nn.Module):
         rope_k: tuple[torch.Tensor, torch.Tensor],  # [B, T+Q, hd] x2
         mask: torch.Tensor,  # [B, 1, Q, T+Q] bool
     ) -> torch.Tensor:
-        b, q_len, _ = x.shape
-        kv_in = torch.cat([ctx, x], dim=1)  # [B, T+Q, H]
-        kv_len = kv_in.shape[1]
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.nh, self.hd)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(b, kv_len, self.nkv, self.hd)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, kv_len, self.nkv, self.hd).transpose(1, 2)
-        q = _apply_rope(q, *rope_q)  # [B, nh, Q, hd]
-        k = _apply_rope(k, *rope_k)  # [B, nkv, T+Q, hd]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
-        return self.o_proj(o.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))  # [B, Q, H]
+        k, v = self.kv(torch.cat([ctx, x], dim=1), rope_k)  # [B, nkv, T+Q, hd]
+        return self.attend(x, k, v, rope_q, mask)
 
 
 class MLP(nn.Module):
@@ -313,7 +352,7 @@ class DFlashDraft(nn.Module):
         vcfg = read_verifier_config(vdir)
         fields = {**vcfg, **overrides}
         if fields.get("target_layer_ids") is None:  # the DFlash rule, as the producer's
-            n_draft = fields.get("num_layers", 1)
+            n_draft = fields.get("num_layers", DraftRecipe.model_fields["num_layers"].default)
             fields["target_layer_ids"] = default_target_layer_ids(
                 vcfg["_num_hidden_layers"], n_draft
             )
@@ -377,32 +416,6 @@ class DFlashDraft(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(b, a, bs, -1)  # [B, A, bs, H]
-
-    @torch.no_grad()
-    def propose(self, context: torch.Tensor, anchor_token: int) -> torch.Tensor:
-        """Inference: the `block_size - 1` greedy tokens (verifier vocabulary) the draft
-        proposes after `anchor_token`, given the verifier's hidden states at the draft's
-        layers for every position before it, `context` `[p, n·H]` (one document,
-        positions 0..p-1; the anchor sits at position p). Same block, mask and RoPE
-        positions as training (`block_hidden` with one anchor at p)."""
-        p = context.shape[0]
-        dev = context.device
-        hs = torch.cat([context, context.new_zeros(1, context.shape[1])])[None]  # [1, p+1, n·H]
-        ids = torch.zeros(1, p + 1, dtype=torch.long, device=dev)  # only ids[anchor] is read
-        ids[0, p] = anchor_token
-        batch = {
-            "hidden_states": hs,  # row p is masked out: the block sees context t < p
-            "input_ids": ids,
-            "position_ids": torch.arange(p + 1, device=dev)[None],  # [1, p+1]
-            "document_ids": torch.zeros(1, p + 1, dtype=torch.long, device=dev),
-        }
-        anchors = torch.tensor([[p]], device=dev)  # [1, 1]
-        valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
-        hid = self.block_hidden(batch, anchors, valid)[0, 0, 1:]  # [bs-1, H]
-        pred = (hid.to(self.lm_head_weight.dtype) @ self.lm_head_weight.t()).argmax(-1)  # [bs-1]
-        if self.d2t is not None:  # draft id d -> verifier id d + d2t[d]
-            pred = pred + self.d2t[pred]
-        return pred
 
     def labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """Verifier-vocab label of every slot `[B, A, bs]` (slot 0's is meaningless)."""
@@ -532,55 +545,6 @@ def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) ->
             "or use fewer draft layers"
         )
     return ids
-
-
-def read_verifier_config(vdir: Path) -> dict[str, Any]:
-    """DFlashConfig fields from a HF Qwen3-style `config.json` (+ `_num_hidden_layers`)."""
-    path = vdir / "config.json"
-    try:
-        c = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read verifier config {path}: {e}") from e
-    c = c.get("text_config", c)  # multimodal wrappers nest the LM config
-    try:
-        rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta") or 1e4
-        return {
-            "hidden_size": c["hidden_size"],
-            "intermediate_size": c["intermediate_size"],
-            "num_attention_heads": c["num_attention_heads"],
-            "num_key_value_heads": c.get("num_key_value_heads", c["num_attention_heads"]),
-            "head_dim": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            "rms_norm_eps": c.get("rms_norm_eps", 1e-6),
-            "rope_theta": float(rope),
-            "max_position_embeddings": c.get("max_position_embeddings", 40960),
-            "vocab_size": c["vocab_size"],
-            "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
-            "_num_hidden_layers": c["num_hidden_layers"],
-        }
-    except KeyError as e:
-        raise ConfigError(f"{path}: missing field {e.args[0]!r}") from e
-
-
-def read_verifier_tensors(vdir: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """Read only `names` from the verifier's (possibly sharded) safetensors files."""
-    index = vdir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = {n: "model.safetensors" for n in names}
-    out: dict[str, torch.Tensor] = {}
-    for n in names:
-        if n not in weight_map:
-            raise ConfigError(f"{index}: tensor {n!r} not in weight_map")
-        f = vdir / weight_map[n]
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                if n not in sf.keys():  # noqa: SIM118 - safe_open has no __contains__
-                    raise ConfigError(f"{f}: verifier tensor {n!r} not found")
-                out[n] = sf.get_tensor(n)
-        except OSError as e:
-            raise ConfigError(f"cannot read verifier weights {f}: {e}") from e
-    return out
 
 
 def count_parameters(model: nn.Module) -> int:

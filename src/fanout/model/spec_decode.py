@@ -6,6 +6,7 @@
     spec = dec.speculative(prompt_ids, draft, max_new_tokens=64)
     assert spec.tokens == plain.tokens                 # lossless: the defining property
     print(spec.acceptance_length)                      # tokens per verifier forward (τ)
+    hot = dec.speculative(prompt_ids, draft, 64, Sampling(1.0), torch.Generator().manual_seed(0))
 
 This is the serving loop an engine runs (vLLM's DFlash proposer does the same steps with
 batching and paged KV), written plainly so it can be checked token for token:
@@ -29,8 +30,14 @@ output equals plain greedy decoding — up to floating-point differences between
 one-token and a multi-token forward, which fp32 on CPU keeps far below any argmax
 margin the tests meet (they require zero mismatches).
 
-Cost: the draft recomputes its context projection (fc + per-layer k/v of all p context
-positions) every block; an engine caches those. Fine for evaluation, not for serving.
+At T > 0 (`sampling=Sampling(T, top_p, top_k)`, a seeded `torch.Generator`) step 3
+applies a rejection rule of `fanout.model.sampling` instead of the argmax match:
+`rule="served"` (the draft's argmax tokens, as engines serve them) or
+`rule="sampled_draft"` (draft tokens sampled from q, min(1, p/q)). Both are lossless in
+distribution: the output is distributed as `sample` (plain sampling), not equal to it.
+
+The draft's context k/v are cached (`fanout.model.draft_cache.DraftCache`: appended as
+positions are accepted); `cache_draft=False` runs the uncached reference.
 """
 
 from __future__ import annotations
@@ -38,11 +45,16 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from fanout.model.dflash import DFlashDraft
+from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+from fanout.model.sampling import Sampling, one_hot, probabilities, sample, verify_block
+
+GREEDY = Sampling(0.0)
+Rule = Literal["served", "sampled_draft"]
 
 
 @dataclass
@@ -54,6 +66,12 @@ class DecodeResult:
     seconds: float  # wall time of the whole decode, prefill included
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verify
     block_size: int = 0  # draft block size (0 for plain greedy)
+    prefill_seconds: float = 0.0  # the prefill forward (and the draft's first context)
+
+    @property
+    def decode_seconds(self) -> float:
+        """Wall time after the prefill: what speculative decoding changes."""
+        return self.seconds - self.prefill_seconds
 
     @property
     def acceptance_length(self) -> float:
@@ -90,8 +108,8 @@ class Decoder:
         layer_ids: list[int] | None,
         last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run `ids` at positions start.. on top of `cache`. Returns the argmax of each
-        position's logits `[n]` (only the last with `last_only`) and, for `layer_ids`, the
+        """Run `ids` at positions start.. on top of `cache`. Returns each position's logits
+        `[n, V]` (only the last, `[1, V]`, with `last_only`) and, for `layer_ids`, the
         decoder-layer outputs `[n, len(layer_ids)·H]` (the capture rule of
         `fanout.model.verifier`: output of decoder layer i = HF hidden_states[i + 1])."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, n]
@@ -115,9 +133,8 @@ class Decoder:
         finally:
             for h in handles:
                 h.remove()
-        pred = out.logits[0].argmax(dim=-1)  # [n] or [1]
         hidden = torch.cat(outs, dim=-1)[0] if layer_ids else None  # [n, k·H]
-        return pred, hidden
+        return out.logits[0], hidden
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
@@ -135,61 +152,129 @@ class Decoder:
                 break
         return tokens[:max_new_tokens]
 
+    @staticmethod
+    def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> int:
+        """The token of the last row of `logits`: argmax at T = 0, else a draw from p."""
+        if s.greedy:
+            return int(logits[-1].argmax())
+        assert gen is not None, "sampling needs a torch.Generator"
+        return int(sample(probabilities(logits[-1:], s), gen)[0])
+
     # ---- decoding --------------------------------------------------------------------
 
     @torch.inference_mode()
     def greedy(self, prompt: list[int], max_new_tokens: int) -> DecodeResult:
         """Plain greedy decoding: one verifier forward per new token."""
+        return self.sample(prompt, max_new_tokens, GREEDY, None)
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampling: Sampling,
+        gen: torch.Generator | None,
+    ) -> DecodeResult:
+        """Plain decoding with the verifier alone, one forward per new token: argmax at
+        T = 0 (`greedy`), else a draw from the processed distribution."""
         t0 = time.perf_counter()
         cache = self._new_cache()
-        pred, _ = self._forward(prompt, 0, cache, None, last_only=True)
-        tokens = [int(pred[-1])]
+        logits, _ = self._forward(prompt, 0, cache, None, last_only=True)
+        tokens = [self._pick(logits, sampling, gen)]
+        self._sync()
+        prefill = time.perf_counter() - t0
         forwards = 0
         while not self._done(tokens, max_new_tokens):
-            pred, _ = self._forward([tokens[-1]], len(prompt) + len(tokens) - 1, cache, None)
-            tokens.append(int(pred[-1]))
+            logits, _ = self._forward(
+                [tokens[-1]], len(prompt) + len(tokens) - 1, cache, None
+            )  # fmt: skip
+            tokens.append(self._pick(logits, sampling, gen))
             forwards += 1
         self._sync()
-        return DecodeResult(tokens, forwards, time.perf_counter() - t0)
+        return DecodeResult(tokens, forwards, time.perf_counter() - t0, prefill_seconds=prefill)
 
     @torch.inference_mode()
     def speculative(
-        self, prompt: list[int], draft: DFlashDraft, max_new_tokens: int
+        self,
+        prompt: list[int],
+        draft: DFlashDraft,
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        gen: torch.Generator | None = None,
+        rule: Rule = "served",
+        *,
+        cache_draft: bool = True,
+        context: DraftContext | None = None,
     ) -> DecodeResult:
-        """DFlash speculative decoding (module docstring); lossless w.r.t. `greedy`."""
+        """DFlash speculative decoding (module docstring): equal to `greedy` at T = 0,
+        distributed as `sample` at T > 0. `context` replaces the draft's own (tests)."""
         t0 = time.perf_counter()
         bs = draft.cfg.block_size
         layer_ids = list(draft.cfg.target_layer_ids)
-        dtype = draft.fc.weight.dtype
         cache = self._new_cache()
-        pred, hid = self._forward(prompt, 0, cache, layer_ids, last_only=True)
+        if context is None:
+            context = DraftCache(draft) if cache_draft else UncachedDraft(draft)
+        logits, hid = self._forward(prompt, 0, cache, layer_ids, last_only=True)
         assert hid is not None
-        ctx = [hid.to(dtype)]  # context hidden states, positions 0..p-1: list of [n, k·H]
-        tokens = [int(pred[-1])]
+        context.extend(hid)  # positions 0..len(prompt)-1
+        tokens = [self._pick(logits, sampling, gen)]
+        self._sync()
+        prefill = time.perf_counter() - t0
         accepted: list[int] = []
         while not self._done(tokens, max_new_tokens):
             p = len(prompt) + len(tokens) - 1  # position of the anchor (last accepted token)
-            context = torch.cat(ctx)  # [p, k·H]
-            proposal = draft.propose(context, tokens[-1])  # [bs - 1] verifier ids
-            block = [tokens[-1], *proposal.tolist()]
-            pred, hid = self._forward(block, p, cache, layer_ids)  # [bs], [bs, k·H]
+            proposal = self._propose(context.logits([*prompt, *tokens]), sampling, gen, rule)
+            block = [tokens[-1], *proposal[0].tolist()]
+            logits, hid = self._forward(block, p, cache, layer_ids)  # [bs, V], [bs, k·H]
             assert hid is not None
-            y = pred.tolist()
-            n = 0
-            while n < bs - 1 and block[n + 1] == y[n]:
-                n += 1
+            n, last = self._verify(block, logits, proposal, sampling, gen)
             accepted.append(n)
             # keep the anchor and the n accepted drafts; a negative count ("remove this
             # many") means the same in every transformers version that has crop
             cache.crop(-(bs - 1 - n)) if n < bs - 1 else None
-            ctx.append(hid[: n + 1].to(dtype))
-            new = [*block[1 : n + 1], y[n]]
+            context.extend(hid[: n + 1])
+            new = [*block[1 : n + 1], last]
             tokens.extend(new)
             if any(t in self.eos for t in new):
                 break
         self._sync()
         tokens = self._clip(tokens, max_new_tokens)
-        return DecodeResult(tokens, len(accepted), time.perf_counter() - t0, accepted, bs)
+        return DecodeResult(
+            tokens, len(accepted), time.perf_counter() - t0, accepted, bs, prefill
+        )  # fmt: skip
+
+    @staticmethod
+    def _propose(
+        q_logits: torch.Tensor, s: Sampling, gen: torch.Generator | None, rule: Rule
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens `[bs-1]` and the q they were drawn from (None for argmax tokens:
+        q is then the point mass the served rule verifies against)."""
+        if s.greedy or rule == "served":
+            return q_logits.argmax(-1), None
+        assert gen is not None
+        q = probabilities(q_logits, s)  # [bs-1, V]
+        return sample(q, gen), q
+
+    @staticmethod
+    def _verify(
+        block: list[int],
+        logits: torch.Tensor,
+        proposal: tuple[torch.Tensor, torch.Tensor | None],
+        s: Sampling,
+        gen: torch.Generator | None,
+    ) -> tuple[int, int]:
+        """(drafts accepted, the token after them) for one verify forward's `logits`."""
+        bs = len(block)
+        if s.greedy:  # the argmax match; the token after them is the verifier's own
+            y = logits.argmax(-1).tolist()
+            n = 0
+            while n < bs - 1 and block[n + 1] == y[n]:
+                n += 1
+            return n, y[n]
+        assert gen is not None
+        d, q = proposal
+        p = probabilities(logits, s)  # [bs, V]
+        return verify_block(p, one_hot(d, p.shape[1]) if q is None else q, d, gen)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -204,4 +289,4 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-__all__ = ["DecodeResult", "Decoder", "first_mismatch"]
+__all__ = ["GREEDY", "DecodeResult", "Decoder", "Rule", "first_mismatch"]

@@ -34,6 +34,9 @@ only; padding, document id −1, attends only to itself), and the caller's
 it ran alone (tested: max abs diff ≤ 1e-4 in fp32). Supported attention
 implementations: `sdpa` (boolean mask) and `eager` (additive mask); both accept a
 prepared 4D mask unchanged (transformers 5.x; tested with 5.24).
+
+**Tensor parallel** (`tp` > 1, one process per rank under torchrun): each rank loads
+its shard with transformers' TP plan (fanout.model.tp) and `capture` runs unchanged.
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import xxhash
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
+from fanout.hashing import hasher, labelled
 
 # the DFlash layer rule lives with the draft (one rule for producer and trainer)
 from fanout.model.dflash import default_target_layer_ids
+from fanout.model.tp import ShardedHead, check_tp_model, model_device, tp_load_kwargs
 from fanout.ops.argmax import row_argmax
 from fanout.ops.fp8 import FP8, quantize_into
 
@@ -140,7 +144,7 @@ def weights_fingerprint(
     `full_hash_bytes` every byte; for larger ones the whole safetensors header
     (tensor names, dtypes, shapes, offsets) plus `samples_per_file` ranges of
     `sample_bytes` spread evenly over the data (first and last included). Index
-    files are hashed whole. All through xxh3-128.
+    files are hashed whole. All through xxh3-128 (fanout.hashing).
 
     Why: hashing all of a 16 GB checkpoint takes a minute or more on a network
     filesystem, every producer start. Headers catch any change of architecture,
@@ -152,7 +156,7 @@ def weights_fingerprint(
     """
     root = Path(path)
     files = _weight_files(root)
-    h = xxhash.xxh3_128()
+    h = hasher()
     h.update(f"fanout-weights-v1:{full_hash_bytes}:{samples_per_file}:{sample_bytes};".encode())
     for f in files:
         size = f.stat().st_size
@@ -172,7 +176,7 @@ def weights_fingerprint(
             for j in range(k):
                 fh.seek(data_start + (last - data_start) * j // (k - 1))
                 h.update(fh.read(sample_bytes))
-    return "xxh3_128:" + h.hexdigest()
+    return labelled(h)
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -237,6 +241,18 @@ class VerifierOptions(BaseModel):
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="HF attention backend; both take our 4D packed-document mask"
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        description="tensor-parallel ranks the verifier is split over; > 1 runs under "
+        "torchrun --nproc-per-node TP, rank 0 publishes (docs/producer.md)",
+    )
+    tp_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="with --tp: how long a rank waits on the others before it stops "
+        "(a dead or hung rank stops every rank within this)",
     )
 
     def verifier_options(self) -> dict[str, Any]:
@@ -354,6 +370,9 @@ class Verifier:
             self.num_layers, config.target_layer_ids, config.num_draft_layers
         )
         self._logits: torch.Tensor | None = None  # see _logits_buffer
+        plain = isinstance(head, torch.nn.Linear) and head.bias is None
+        self._plain_head = plain and config.tp == 1
+        self._sharded_head = ShardedHead(head.weight) if plain and config.tp > 1 else None
 
     @classmethod
     def from_config(cls, config: VerifierConfig) -> Verifier:
@@ -492,7 +511,8 @@ class Verifier:
         argmax is invariant to the monotone logit transforms some heads add after
         the projection (positive logit scales, tanh soft-capping), so the plain
         projection suffices for them too. A bias-free `nn.Linear` head (every
-        Llama/Qwen-style model) multiplies into one reused chunk buffer; any other
+        Llama/Qwen-style model) multiplies into one reused chunk buffer (under tensor
+        parallelism: its vocabulary shard, fanout.model.tp.ShardedHead); any other
         head is called as a module.
         """
         b, t, h = last.shape
@@ -500,10 +520,13 @@ class Verifier:
         ids = torch.empty(b * t, dtype=torch.int32, device=last.device)  # [B·T]
         step = self.config.chunk_tokens
         head = self.lm_head
-        plain = isinstance(head, torch.nn.Linear) and head.bias is None
-        weight_t = head.weight.t() if plain else None  # [H, vocab] view
+        sharded = self._sharded_head
+        weight_t = head.weight.t() if self._plain_head else None  # [H, vocab] view
         for s in range(0, b * t, step):
             x = flat[s : s + step]  # [c, H]
+            if sharded is not None:
+                ids[s : s + step] = sharded.argmax(x)
+                continue
             if weight_t is not None:
                 logits = torch.mm(x, weight_t, out=self._logits_buffer(x.shape[0]))  # [c, vocab]
             else:
@@ -546,6 +569,8 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
     root = Path(cfg.path)
     _read_config(root)  # clear errors for missing dir / config before HF's
     _weight_files(root)
+    if cfg.tp > 1:
+        check_tp_model(root, cfg.tp)  # before any weight is read
     dev = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     )
@@ -559,10 +584,14 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
             dtype=dtype,
             local_files_only=True,
             attn_implementation=cfg.attn_implementation,
+            **(tp_load_kwargs(cfg.tp) if cfg.tp > 1 else {}),
         )
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
-    model.to(dev)
+    if cfg.tp > 1:
+        dev = model_device(model)  # transformers put this rank's shard on its device
+    else:
+        model.to(dev)
     model.eval()
     model.requires_grad_(False)
     return model, dev

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from fanout.data.cache import PackedDataset
-from fanout.model.verifier import Verifier
+from fanout.model.verifier import Capture, Verifier
 from fanout.ops.fp8 import FP8
 from fanout.store.windowfile import hidden_name, scale_name
 
@@ -86,10 +86,19 @@ def _nothing() -> None:
 class WindowCapturer:
     """Captures windows of a prepared dataset with one verifier (see the module doc)."""
 
-    def __init__(self, verifier: Verifier, dataset: PackedDataset, batch_rows: int) -> None:
+    def __init__(
+        self,
+        verifier: Verifier,
+        dataset: PackedDataset,
+        batch_rows: int,
+        forward: Callable[..., Capture] | None = None,
+    ) -> None:
         self.verifier = verifier
         self.dataset = dataset
         self.batch_rows = batch_rows
+        # `Verifier.capture`, or under --tp the leader's (fanout.produce.tp), which has
+        # every rank run the same forward
+        self._forward = forward or verifier.capture
         self._bufs: dict[str, torch.Tensor] = {}
         self._slot = 0
         dev = verifier.device
@@ -135,7 +144,7 @@ class WindowCapturer:
         b = self.batch_rows
         for s in range(0, r, b):
             sl = slice(s, s + b)
-            cap = v.capture(
+            cap = self._forward(
                 as_t["input_ids"][sl],
                 as_t["position_ids"][sl],
                 as_t["document_ids"][sl],

@@ -17,6 +17,9 @@ process exits 0, recording the producer 'finished' (during start-up, before any
 claim, it exits at once). One producer per run: a second one is refused
 (RoleHeld) while the first is live, unless it asks to take over (--takeover).
 
+Under `torchrun --nproc-per-node N ... --tp N` rank 0 runs this loop and the other
+ranks run each of its verifier forwards with it (fanout.produce.tp).
+
 Which rows window w holds: fanout.produce.stream. The rest of the producer is
 split by what it does: the run directory it sets up and, after a failed start,
 removes (rundir), publishing and committing windows inline or overlapped
@@ -32,46 +35,56 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.heartbeat import Heartbeat
+from fanout.coord.heartbeat import Heartbeat, HeartbeatOptions
 from fanout.coord.leases import Claim, ProducerReg
 from fanout.coord.retention import RunOptions
+from fanout.data.cache import PackedDataset
 from fanout.data.draft_vocab import count_tokens, write_token_counts
 from fanout.data.prepare import DataOptions, PrepareConfig
 from fanout.errors import ConfigError, StorageError
 from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args, problems
-from fanout.model.verifier import VerifierOptions
+from fanout.model.verifier import Verifier, VerifierOptions
 from fanout.ops.fp8 import FP8
+from fanout.produce.backpressure import BlockedNotice
 from fanout.produce.capture import WindowCapturer
+from fanout.produce.onpolicy import OPEN, OnPolicyOptions, OnPolicyStream
 from fanout.produce.publisher import Publisher
 from fanout.produce.rundir import (
     CreatedPaths,
     check_disk_budget,
+    check_producer_role,
     create_run,
     open_existing_run,
+    take_start_lock,
     write_stream_info,
 )
 from fanout.produce.stats import ProducerStats
 from fanout.produce.stopping import StopFlag
 from fanout.produce.stream import stream_rows, window_count
+from fanout.produce.tp import Leader
+from fanout.regen.engine import RegenOptions
 from fanout.store.store import RunDir, Store, WindowMeta
 
 log = logging.getLogger(__name__)
 
 
-class ProducerConfig(DataOptions, VerifierOptions, RunOptions):
+class ProducerConfig(
+    DataOptions, VerifierOptions, RunOptions, RegenOptions, OnPolicyOptions, HeartbeatOptions
+):
     """Every `fanout produce` flag. Fields marked (contract) change what windows mean.
 
     Composed, not copied: the chat format and data-stage fields are DataOptions'
     (fanout.data.prepare), how the verifier runs is VerifierOptions'
     (fanout.model.verifier), how the run shares windows is RunOptions'
-    (fanout.coord.retention); each is declared once there. These are the producer's own.
+    (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy);
+    each is declared once there. These are the producer's own.
     """
 
     run_dir: str = Field(description="run directory (windows/, coordinator.sqlite3, ...)")
@@ -119,9 +132,11 @@ class ProducerConfig(DataOptions, VerifierOptions, RunOptions):
         description="publish window w on a background thread while capturing w+1 (two host "
         "buffers); auto = on when the verifier runs on CUDA",
     )
-    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (seconds)")
     max_windows: int | None = Field(
         None, ge=1, description="stop after publishing this many windows (tests, benchmarks)"
+    )
+    summary_json: str | None = Field(
+        None, description="also write the final summary (printed as JSON) to this file"
     )
     exit_when_idle_s: float = Field(
         30.0,
@@ -153,10 +168,18 @@ class ProducerConfig(DataOptions, VerifierOptions, RunOptions):
         except ValidationError as e:
             raise ConfigError(f"data preparation options: {problems(e, PrepareConfig)}") from None
 
-    def run_config(self, total_windows: int) -> RunConfig:
+    def run_config(self, total_windows: int | None) -> RunConfig:
         """The run's RunConfig: the RunOptions fields as given and the stream's length."""
         options = {k: getattr(self, k) for k in RunOptions.model_fields}
         return RunConfig(**options, total_windows=total_windows)
+
+
+def capture_layers(cfg: ProducerConfig) -> tuple[int, ...] | Literal["all"] | None:
+    """--capture-layer-ids (or its older name --target-layer-ids); None: DFlash rule."""
+    ids = cfg.capture_layer_ids or cfg.target_layer_ids
+    if ids == ["all"]:
+        return "all"
+    return tuple(int(i) for i in ids) if ids else None
 
 
 def check_inputs(cfg: ProducerConfig) -> None:
@@ -206,17 +229,27 @@ class Producer:
     stopping on a signal the StopFlag's (fanout.produce.stopping).
     """
 
-    def __init__(self, cfg: ProducerConfig, *, fs: FileSystem | None = None) -> None:
+    def __init__(
+        self, cfg: ProducerConfig, *, fs: FileSystem | None = None, tp: Leader | None = None
+    ) -> None:
         self.cfg = cfg
+        self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp)
         check_inputs(cfg)
-        self._created: CreatedPaths | None = CreatedPaths.note(Path(cfg.run_dir), cfg.db_path)
+        # One start at a time per run dir, up to its registration (fanout.produce.rundir):
+        # RoleHeld naming the producer starting there now (--takeover: wait for it).
+        self._start_lock = take_start_lock(Path(cfg.run_dir), cfg.db_path, cfg.takeover)
+        self._created: CreatedPaths | None = None
         self._created_db = False  # this process created the run's coordinator database
         self.stop = StopFlag()
         try:
+            self._created = CreatedPaths.note(Path(cfg.run_dir), cfg.db_path, self._start_lock)
+            check_producer_role(Path(cfg.run_dir), cfg.db_path, cfg.takeover)
             self._start(fs or FileSystem())
         except BaseException:
             self.discard_if_unused()
             raise
+        finally:
+            self._start_lock.release()
 
     @staticmethod
     def _owner() -> str:
@@ -234,7 +267,6 @@ class Producer:
 
     def _start(self, fs: FileSystem) -> None:
         from fanout.data.prepare import prepare
-        from fanout.model.verifier import load_verifier
 
         cfg = self.cfg
         try:
@@ -245,14 +277,17 @@ class Producer:
                 f"({e.filename})"
             ) from None
         self.store = Store(self.run_dir, fs)
-        self.dataset = prepare(cfg.prepare_config(str(self.run_dir.root / "cache")))
+        prep = cfg.prepare_config(str(self.run_dir.root / "cache"))
+        verifier, self.onpolicy = None, None
+        if cfg.regenerate:  # the verifier writes the data chunk by chunk as windows stream
+            verifier = self._load_verifier()
+            self.onpolicy = OnPolicyStream.open(prep, cfg, verifier, self.run_dir, self.tp)
+            self.dataset = cast(PackedDataset, self.onpolicy.rows)
+        else:
+            self.dataset = prepare(prep)
         if self.dataset.num_rows == 0:
             raise ConfigError(f"{cfg.data}: no usable rows after preparation")
-        self.verifier = load_verifier(
-            cfg.verifier_name_or_path,
-            target_layer_ids=self._capture_layers(),
-            **cfg.verifier_options(),
-        )
+        self.verifier: Verifier = verifier or self._load_verifier()
         self.contract = CaptureContract(
             **self.verifier.contract_fields(),
             dataset_fingerprint=self.dataset.fingerprint,
@@ -262,6 +297,8 @@ class Producer:
             shuffle_seed=cfg.seed,
         )
         self.total_windows = window_count(self.dataset.num_rows, cfg.epochs, cfg.window_rows)
+        if self.onpolicy:  # OPEN until the last chunk is regenerated
+            self.total_windows = self.onpolicy.total_windows
         check_disk_budget(self.run_dir.root, fs, cfg.max_live_windows, self.window_bytes())
         # A changed contract is refused before anything is written; a new run gets its
         # stream.json and token counts before its database, so a trainer that finds
@@ -277,7 +314,9 @@ class Producer:
         write_stream_info(self.run_dir.root, self._stream_info(), fs)
         write_token_counts(
             self.run_dir.root,
-            count_tokens(self.dataset, self.verifier.vocab_size),
+            count_tokens(
+                self.onpolicy.counted if self.onpolicy else self.dataset, self.verifier.vocab_size
+            ),
             self.contract.stream_id,
             fs,
         )
@@ -287,8 +326,18 @@ class Producer:
             )
             self._created_db = True
         self.coord = existing
+        # Registered under the start lock: a producer started a moment later finds the
+        # role held (RoleHeld), never a run it could still register in too.
+        self.preg = self.coord.register_producer(
+            self.contract, owner=self._owner(), takeover=cfg.takeover
+        )
         self.stats = ProducerStats()
-        self.capturer = WindowCapturer(self.verifier, self.dataset, cfg.capture_batch_rows)
+        self.capturer = WindowCapturer(
+            self.verifier,
+            self.dataset,
+            cfg.capture_batch_rows,
+            forward=self.tp.capture if self.tp else None,
+        )
         overlap = cfg.overlap_publish == "on" or (
             cfg.overlap_publish == "auto" and self.verifier.device.type == "cuda"
         )
@@ -303,12 +352,17 @@ class Producer:
             ),
         )
 
+    def _load_verifier(self) -> Verifier:
+        from fanout.model.verifier import load_verifier
+
+        return self.tp.verifier if self.tp else load_verifier(
+            self.cfg.verifier_name_or_path,
+            target_layer_ids=self._capture_layers(),
+            **self.cfg.verifier_options(),
+        )  # fmt: skip
+
     def _capture_layers(self) -> tuple[int, ...] | Literal["all"] | None:
-        """--capture-layer-ids (or its older name --target-layer-ids); None: DFlash rule."""
-        ids = self.cfg.capture_layer_ids or self.cfg.target_layer_ids
-        if ids == ["all"]:
-            return "all"
-        return tuple(int(i) for i in ids) if ids else None
+        return capture_layers(self.cfg)
 
     def window_bytes(self) -> int:
         """Bytes of one full window on disk, header aside (docs/producer.md's arithmetic)."""
@@ -327,15 +381,16 @@ class Producer:
         """stream.json's contents: what consumers need to turn `--epochs` into windows."""
         return {
             "stream_id": self.contract.stream_id,
-            "num_rows": self.dataset.num_rows,
+            # under --regenerate: null until the last chunk is done, then rewritten
+            "num_rows": self.dataset.num_rows if self.total_windows != OPEN else None,
             "window_rows": self.cfg.window_rows,
             "epochs": self.cfg.epochs,
-            "total_windows": self.total_windows,
+            "total_windows": self.total_windows if self.total_windows != OPEN else None,
             "dataset_summary": self.dataset.summary,
         }
 
     def _run_config(self) -> RunConfig:
-        return self.cfg.run_config(self.total_windows)
+        return self.cfg.run_config(None if self.onpolicy else self.total_windows)  # open-ended
 
     # ---- one window ---------------------------------------------------------------
 
@@ -343,9 +398,12 @@ class Producer:
         """Capture `claim`'s window and publish it (inline, or handed to the publisher)."""
         cfg = self.cfg
         t0 = time.monotonic()
-        idx, epoch = stream_rows(
-            claim.window, cfg.window_rows, self.dataset.num_rows, cfg.epochs, cfg.seed
-        )
+        if self.onpolicy:
+            idx, epoch = self.onpolicy.window_rows_of(claim.window)
+        else:
+            idx, epoch = stream_rows(
+                claim.window, cfg.window_rows, self.dataset.num_rows, cfg.epochs, cfg.seed
+            )
         window = self.capturer.capture(idx)
         self.stats.capture_s += time.monotonic() - t0
         tensors = window.tensors
@@ -368,9 +426,8 @@ class Producer:
         frontier = int(self.coord.meta("next_window"))
         if frontier < self.total_windows or self.coord.pending_windows():
             return False
-        if self.cfg.lag_policy != "recapture":
-            return True
-        # Under recapture a laggard may still demand windows: wait for consumers to finish.
+        # An active consumer behind the end may still demand an evicted window (a resumed
+        # or late trainer; under every policy): serve it until --exit-when-idle-s.
         return self.coord.active_consumers_before(self.total_windows) == 0
 
     def run(self) -> dict[str, Any]:
@@ -380,11 +437,11 @@ class Producer:
 
         self.stop.install()
         owner = self._owner()
-        preg = self.coord.register_producer(self.contract, owner=owner, takeover=self.cfg.takeover)
+        preg = self.preg  # registered at the end of the start, under the start lock
         swept = self.coord.sweep()
         log.info("producer %s: %s; swept %s", owner, self.verifier, swept)
         bar = tqdm(
-            total=self.total_windows,
+            total=self.total_windows if self.total_windows != OPEN else None,
             desc="produce",
             unit="win",
             disable=not self.cfg.progress,
@@ -403,7 +460,10 @@ class Producer:
             bar.update(self.stats.windows - n)
         bar.close()
         self.publisher.shutdown()
-        self.coord.finish_producer(preg)  # a clean exit: `fanout status` shows it finished
+        # A clean exit (`fanout status` shows it finished). Ended by design, the stream
+        # ends here for every trainer; stopped by a signal, it stays open for a restart.
+        end = None if self.stop else int(self.coord.meta("next_window"))
+        self.coord.finish_producer(preg, stream_end=end)
         summary = self.stats.summary()
         summary["stream_id"] = self.contract.stream_id
         summary["total_windows"] = self.total_windows
@@ -413,8 +473,11 @@ class Producer:
     def _loop(self, preg: ProducerReg, hb: Heartbeat, bar: Any) -> None:
         """Claim and produce windows until the stream is done, max_windows, or a stop."""
         idle_since: float | None = None
+        self.blocked = BlockedNotice(self.coord)
         while not self.stop:
             hb.check()
+            if self.tp:
+                self.tp.check()  # a dead tensor-parallel rank stops a hold at K too
             self.publisher.finish_inflight(block=False)
             started = self.stats.windows + self.publisher.in_flight
             if self.cfg.max_windows and started >= self.cfg.max_windows:
@@ -422,10 +485,12 @@ class Producer:
             w0 = time.monotonic()
             if not self.coord.wait_for_capacity(preg, timeout_s=0.5):
                 self.stats.waits_s += time.monotonic() - w0
-                bar.set_postfix_str("waiting on consumers (K live)")
+                self.blocked.waiting(bar)
                 continue
+            self.blocked.clear()
             self.stats.waits_s += time.monotonic() - w0
-            claim = self.coord.claim(preg)
+            self._reach()
+            claim = self.coord.claim(preg, end=self.total_windows)
             if claim is None:
                 if self._stream_done():
                     break
@@ -455,6 +520,15 @@ class Producer:
             if self.cfg.progress:
                 bar.set_postfix_str(self._progress_line())
 
+    def _reach(self) -> None:
+        """--regenerate: regenerate until any claim's rows exist (fanout.produce.onpolicy);
+        with the last chunk done, the stream's length (into stream.json too)."""
+        if self.onpolicy is None or self.total_windows != OPEN:
+            return
+        self.total_windows = self.onpolicy.reach(int(self.coord.meta("next_window")))
+        if self.total_windows != OPEN:
+            write_stream_info(self.run_dir.root, self._stream_info(), self.store.fs)
+
     def _progress_line(self) -> str:
         """live windows/bytes on disk, rates since start, backpressure wait so far."""
         return self.stats.progress_line(*self.coord.live_windows())
@@ -468,7 +542,6 @@ class Producer:
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "produce") -> None:
     add_model_flags(p, ProducerConfig)
-    p.add_argument("--summary-json", default=None, help="write the final summary here (JSON)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProducerConfig:
@@ -477,8 +550,6 @@ def config_from_args(args: argparse.Namespace) -> ProducerConfig:
 
 
 def run(args: argparse.Namespace, name: str = "produce") -> int:
-    import json
-
     cfg = config_from_args(args)
 
     def early_exit(signum: int, _frame: Any) -> None:
@@ -488,7 +559,30 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
 
     signal.signal(signal.SIGINT, early_exit)
     signal.signal(signal.SIGTERM, early_exit)
-    producer = Producer(cfg)  # a failed start removes what it created (discard_if_unused)
+    if cfg.tp > 1:  # every rank loads its shard; rank 0 produces, the others follow it
+        from fanout.model.verifier import load_verifier
+        from fanout.produce.tp import run_tensor_parallel
+
+        return run_tensor_parallel(
+            cfg.tp,
+            cfg.device,
+            cfg.tp_timeout_s,
+            verifier_path=cfg.verifier_name_or_path,
+            check=lambda: check_inputs(cfg),
+            load=lambda: load_verifier(
+                cfg.verifier_name_or_path,
+                target_layer_ids=capture_layers(cfg),
+                **cfg.verifier_options(),
+            ),
+            lead=lambda leader: _produce(cfg, leader),
+        )
+    return _produce(cfg, None)
+
+
+def _produce(cfg: ProducerConfig, tp: Leader | None) -> int:
+    import json
+
+    producer = Producer(cfg, tp=tp)  # a failed start removes what it created
     try:
         summary = producer.run()  # installs the in-loop (finish-then-stop) handlers
     except BaseException:
@@ -496,6 +590,6 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
         raise
     text = json.dumps(summary, indent=2)
     print(text)
-    if args.summary_json:
-        Path(args.summary_json).write_text(text + "\n")
+    if cfg.summary_json:
+        Path(cfg.summary_json).write_text(text + "\n")
     return 0

@@ -8,6 +8,9 @@ Row s of the endless stream is row perm_e[s mod N] of the prepared dataset,
 e = s div N, perm_e a permutation seeded by (seed, e). Window w holds rows
 [w·R, (w+1)·R) of that stream (the last one may be shorter), so a recapture
 reproduces it exactly.
+
+Under `fanout produce --regenerate` the rows are regenerated chunk by chunk and
+epoch 0 walks them in chunk order instead: fanout.produce.onpolicy.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The artifact store: publish, open, quarantine, evict and sweep window files.
 
     from fanout.store.store import RunDir, Store, WindowMeta
-    store = Store(RunDir("runs/demo").create())
-    pub = store.publish({"hidden_states": h, "input_ids": ids}, WindowMeta(
-        contract_hash=c.stream_id, window=3, generation=0, epoch=0, row_start=12, row_end=16))
+    from fanout.store.windowfile import hidden_name
+    store = Store(RunDir("runs/demo").create())          # h9, h17: layers 9, 17 [R, T, H]
+    pub = store.publish({hidden_name(9): h9, hidden_name(17): h17, "input_ids": ids},
+        WindowMeta(contract_hash=c.stream_id, window=3, generation=0, epoch=0,
+                   row_start=12, row_end=16))            # R = 4 rows: 12..15
     with store.open(pub.name, expect_contract=c.stream_id, expect_window=3) as w:
-        h0 = w.get("hidden_states")[0]                   # [T, H] bf16, a view of the mmap
+        h0 = w.get(hidden_name(9))[0]                    # [T, H] bf16, a view of the mmap
 
 Publish never leaves a partial file under a final name, and an fsync error
 aborts the window (it is never retried):
@@ -33,12 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 
 from fanout.errors import CorruptWindow, StorageError, StorageFull
 from fanout.filesystem import AtomicWriteError, FileSystem, TempFile
+from fanout.hashing import hasher, labelled
 from fanout.store.windowfile import (
-    CHECKSUM_ALGO,
     WindowFormatError,
     WindowMeta,
     WindowReader,
@@ -231,7 +232,7 @@ class Store:
         hint = offset + sum(v.nbytes for v in views) >= self.writeback_bytes
         with ThreadPoolExecutor(1, thread_name_prefix="fanout-hash") as pool:
             for k, v in zip(names, views, strict=True):
-                h = xxhash.xxh3_128()
+                h = hasher()
                 for i in range(0, v.nbytes, self.chunk_bytes):
                     chunk = v[i : i + self.chunk_bytes]
                     if chunk.nbytes < _INLINE_HASH_BYTES:  # a hand-off costs more than that
@@ -246,7 +247,7 @@ class Store:
                     if hint:  # the disk flushes this chunk while we write the next ones
                         self.fs.start_writeback(fd, offset, chunk.nbytes)
                     offset += chunk.nbytes
-                sums[k] = f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+                sums[k] = labelled(h)
         return sums
 
     # -- read, quarantine, evict, sweep ------------------------------------------

@@ -11,7 +11,7 @@ bytes), so `safetensors.safe_open` reads it too. Tensors are laid out by falling
 itemsize (then name, numbers in names compared as numbers), so each starts
 aligned and one tensor's bytes are one contiguous range. `__metadata__` carries
 format, contract hash, window, generation, epoch, row range, producer version and
-checksums (xxh3-128):
+checksums (xxh3-128, fanout.hashing):
 
 - `checksum.<tensor>`, one per tensor: over that tensor's bytes alone;
 - `checksum`: over the 8-byte length + the header JSON with this one value zeroed
@@ -48,20 +48,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from fanout import __version__
-from fanout.errors import CorruptWindow, FanoutError
+from fanout.errors import CorruptWindow, WindowFormatError
+from fanout.hashing import CHECKSUM_ALGO, HEX_DIGITS, hasher, labelled
 
 FORMAT = "fanout-window-2"
 # Formats this reader refuses, and what they were (for the error message).
 OLD_FORMATS = {
     "fanout-window-1": "one [R, T, n·H] hidden_states tensor and one checksum over the file",
 }
-CHECKSUM_ALGO = "xxh3_128"
-CHECKSUM_ZERO = f"{CHECKSUM_ALGO}:{'0' * 32}"
+_FORMAT_IS = "one tensor per captured layer, a checksum per tensor"
+CHECKSUM_ZERO = f"{CHECKSUM_ALGO}:{'0' * HEX_DIGITS}"
 TENSOR_CHECKSUM = "checksum."  # metadata key prefix: `checksum.<tensor name>`
-_CHECKSUM_RE = re.compile(rf"^{CHECKSUM_ALGO}:[0-9a-f]{{32}}$")
+_CHECKSUM_RE = re.compile(rf"^{CHECKSUM_ALGO}:[0-9a-f]{{{HEX_DIGITS}}}$")
 _UINT_RE = re.compile(r"^(0|[1-9][0-9]*)$")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit; a larger length means a corrupt prefix
 # Verifying a tensor (WindowReader._verify_tensor): hash granularity; reads requested
@@ -95,20 +95,6 @@ _NAME_RE = re.compile(r"^([0-9]{8,})\.g([0-9]+)\.safetensors$")
 
 HIDDEN = "hidden_states"
 HIDDEN_SCALE = "hidden_states_scale"
-
-
-class WindowFormatError(FanoutError):
-    """A window file in a format this fanout no longer reads (not corrupt: re-produce it)."""
-
-    def __init__(self, path: str, found: str) -> None:
-        self.path = path
-        self.found = found
-        super().__init__(
-            f"{path}: window format {found!r} ({OLD_FORMATS.get(found, 'unknown')}) is not "
-            f"read by this fanout, which reads {FORMAT!r} (one tensor per captured layer, "
-            "a checksum per tensor). Produce the run again with this version, in a new "
-            "--run-dir"
-        )
 
 
 def hidden_name(layer: int) -> str:
@@ -244,7 +230,7 @@ class WindowLayout:
         prefix = self._encode(md)
         if tensor_checksums is None:
             return prefix, CHECKSUM_ZERO
-        md["checksum"] = f"{CHECKSUM_ALGO}:{xxhash.xxh3_128(prefix).hexdigest()}"
+        md["checksum"] = labelled(hasher(prefix))
         final = self._encode(md)
         assert len(final) == len(prefix)
         return final, md["checksum"]
@@ -399,8 +385,8 @@ class WindowReader:
         raw_meta = header.pop("__metadata__", None)
         if not isinstance(raw_meta, dict):
             raise CorruptWindow(where, "no __metadata__ in header (not a fanout window)")
-        if raw_meta.get("format") in OLD_FORMATS:
-            raise WindowFormatError(where, raw_meta["format"])
+        if (found := raw_meta.get("format")) in OLD_FORMATS:
+            raise WindowFormatError(where, found, OLD_FORMATS[found], f"{FORMAT!r} ({_FORMAT_IS})")
         try:
             meta = WindowMeta.from_metadata(raw_meta)
         except ValueError as e:
@@ -461,11 +447,13 @@ class WindowReader:
         head = self._head  # prefix + header, as read at open
         if head.count(_checksum_field(stored)) != 1:
             raise CorruptWindow(where, "checksum field not found exactly once in the header")
-        got = xxhash.xxh3_128(head.replace(_checksum_field(stored), _checksum_field(CHECKSUM_ZERO)))
-        if f"{CHECKSUM_ALGO}:{got.hexdigest()}" != stored:
+        got = labelled(
+            hasher(head.replace(_checksum_field(stored), _checksum_field(CHECKSUM_ZERO)))
+        )
+        if got != stored:
             raise CorruptWindow(
                 where, f"header checksum mismatch: file says {stored}, header hashes to "
-                f"{CHECKSUM_ALGO}:{got.hexdigest()}",
+                f"{got}",
             )  # fmt: skip
         if set(self.checksums) != set(self._entries):
             raise CorruptWindow(
@@ -494,7 +482,7 @@ class WindowReader:
         mm, e = self._mm, self._entries[name]
         assert mm is not None
         start, end = self._data_start + e.begin, self._data_start + e.begin + e.nbytes
-        h = xxhash.xxh3_128()
+        h = hasher()
         if e.nbytes:
             first = start - start % mmap.PAGESIZE
             mm.madvise(mmap.MADV_RANDOM, first, end - first)
@@ -508,7 +496,7 @@ class WindowReader:
                         requested += step
                     h.update(mv[off : min(end, off + _HASH_STEP)])
             mm.madvise(mmap.MADV_NORMAL, first, end - first)
-        got = f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+        got = labelled(h)
         if got != self.checksums[name]:
             raise CorruptWindow(
                 str(self.path),

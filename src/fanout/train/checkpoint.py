@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
+from fanout.coord.liveness import pid_gone
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
 from fanout.model.dflash import DFlashDraft
@@ -197,10 +198,20 @@ def _prune(root: Path, keep: int) -> None:
     for p in root.glob(f"{PREFIX}*"):  # uncommitted debris older than the newest commit
         if not (p / MARKER).exists() and p.name < newest:
             shutil.rmtree(p, ignore_errors=True)
-    # temp dirs of other processes, and old ones a crash left set aside (commit_dir)
+    # Temp dirs of processes that exited, and old ones a crash left set aside
+    # (commit_dir). One live trainer holds a save path (fanout.train.savepath), but a
+    # live process's directory is never removed even so: it may be writing into it.
     for p in [*root.glob(f".tmp-{PREFIX}*"), *root.glob(f".{PREFIX}*.old-*")]:
-        if not p.name.endswith(f"-{os.getpid()}"):
+        if _writer_gone(p.name):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _writer_gone(name: str) -> bool:
+    """Has the process whose pid ends `name` (`...-<pid>`) exited? Never this one."""
+    pid = name.rpartition("-")[2]
+    if not pid.isdigit():
+        return True  # not a name fanout writes: debris
+    return int(pid) != os.getpid() and pid_gone(int(pid))
 
 
 def latest_checkpoint(save_dir: str | Path) -> Path | None:

@@ -2,7 +2,7 @@
 
     from fanout.train.consumer import ConsumerConfig, ConsumerStream
     with ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8",
-                                       target_layer_ids=[17, 1])) as s:
+                                       draft_layer_ids=[1, 17])) as s:
         for batch in s.batches(rows_per_step=4):
             loss = step(batch.tensors)                  # forward/backward/optimizer step
             s.ack(batch)                                # only after the optimizer step
@@ -15,8 +15,9 @@ shuffled with the consumer's own seed (so different drafts see different
 orders) yet reproducibly, so a resume at (cursor, rows_done) continues exactly.
 A corrupt window is reported (quarantined + recaptured) and waited for again.
 
-Layers: a consumer reads any subset of the layers the run captured, in the order
-its draft wants (`target_layer_ids`; default: all, in capture order). Windows store
+Layers: a consumer reads any subset of the layers the run captured
+(`draft_layer_ids`, `--draft-layer-ids`; default: all), in ascending layer order, the order a draft is
+served in (`fanout.contract.ascending_layer_ids` sorts any other). Windows store
 one tensor per layer, so it maps and verifies only its layers' bytes (and those
 of the other row tensors); a batch's `hidden_states` is its layers side by side,
 `[B, T, k·H]` (fp8: plus `hidden_states_scale` `[B, T, k]`), the layout a draft's
@@ -37,13 +38,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_validator
 
+from fanout.contract import ascending_layer_ids
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.heartbeat import Heartbeat
+from fanout.coord.heartbeat import Heartbeat, HeartbeatOptions
 from fanout.coord.leases import ConsumerReg, Lease
+from fanout.coord.waits import WaitState
 from fanout.errors import ConfigError, CorruptWindow
 from fanout.filesystem import FileSystem
+from fanout.flags import flag_options
 from fanout.store.store import RunDir, Store, WindowReader
 from fanout.store.windowfile import hidden_name, layer_tensor_names, scale_name
 
@@ -54,7 +58,7 @@ log = logging.getLogger(__name__)
 ROW_TENSORS = ("target_ids", "input_ids", "loss_mask", "document_ids", "position_ids")
 
 
-class ConsumerOptions(BaseModel):
+class ConsumerOptions(HeartbeatOptions):
     """How one trainer reads a run, as its flags set it: `fanout train` inherits these
     fields (one flag each). ConsumerConfig adds what the trainer works out itself."""
 
@@ -73,19 +77,29 @@ class ConsumerOptions(BaseModel):
         "producer recorded it in the run dir",
     )
     acquire_timeout_s: float = Field(600.0, gt=0, description="max wait for one window (s)")
-    heartbeat_s: float = Field(2.0, gt=0, description="heartbeat interval (s); keep < ttl/3")
     prefetch: bool = Field(True, description="acquire + verify the next window in background")
-    target_layer_ids: list[int] | None = Field(
+    # Named apart from the producer's capture set (--capture-layer-ids) and the
+    # verifier's; --target-layer-ids, its older name, still works (flag and key).
+    draft_layer_ids: list[int] | None = Field(
         None,
-        description="captured layers to read, in this order (a batch's hidden_states is "
-        "their concatenation, the order a draft concatenates them): any subset of the "
-        "layers the run captured (contract.json); default: all, in capture order",
+        validation_alias=AliasChoices("draft_layer_ids", "target_layer_ids"),
+        description="captured layers the draft reads (a batch's hidden_states is their "
+        "concatenation, the context a draft reads), always in ascending layer order: "
+        "another order is sorted; any subset of the layers the run captured "
+        "(contract.json); default: all of them",
+        json_schema_extra=flag_options(aliases=("--target-layer-ids",)),
     )
     takeover: bool = Field(
         False,
         description="take this consumer id over from a live process that holds it (that "
         "one is fenced off and exits); without it, a live holder makes this one exit",
     )
+
+    @field_validator("draft_layer_ids")
+    @classmethod
+    def _ascending(cls, v: list[int] | None) -> list[int] | None:
+        # the one layer order (DESIGN.md "Layer order is ascending"), decided here
+        return None if v is None else ascending_layer_ids(v)
 
 
 class ConsumerConfig(ConsumerOptions):
@@ -172,6 +186,7 @@ class ConsumerStream:
         self.finished = False
         self.wait_s = 0.0
         self.waiting_for: int | None = None  # the window windows() is waiting for, if any
+        self.wait_state: WaitState | None = None  # why it is not ready (the coordinator's)
 
     @property
     def contract_hash(self) -> str:
@@ -184,15 +199,15 @@ class ConsumerStream:
         records them (`fanout status`)."""
         contract = self.coord.contract
         expect = dict(expect or {})
-        asked, given = self.cfg.target_layer_ids, expect.get("target_layer_ids")
+        asked, given = self.cfg.draft_layer_ids, expect.get("target_layer_ids")
         if asked is not None and given is not None and list(asked) != list(given):
             raise ConfigError(
-                f"target_layer_ids {list(asked)} in the consumer config, {list(given)} expected"
+                f"draft_layer_ids {list(asked)} in the consumer config, {list(given)} expected"
             )
         layers = asked if asked is not None else given
         if layers is None:
             layers = contract.target_layer_ids
-        self.layers = [int(i) for i in layers]
+        self.layers = ascending_layer_ids(layers, f"consumer {self.cfg.consumer_id} layers")
         expect["target_layer_ids"] = self.layers
         self.fp8 = contract.storage_dtype == "float8_e4m3fn"
         self.row_names = list(ROW_TENSORS)
@@ -235,6 +250,7 @@ class ConsumerStream:
                 timeout_s=self.cfg.acquire_timeout_s,
                 window=window,
                 cancel=None if on_main else self._closing,
+                on_wait=self._waiting,
             )
             if lease is None:
                 return None
@@ -261,6 +277,9 @@ class ConsumerStream:
             self._held[lease.window] = ow
             return ow
 
+    def _waiting(self, why: WaitState) -> None:
+        self.wait_state = why  # read by the trainer's wait notice (another thread)
+
     def windows(self) -> Iterator[OpenWindow]:
         """Windows from the cursor on, in order; the next one prefetched meanwhile."""
         w = self.reg.cursor
@@ -270,7 +289,7 @@ class ConsumerStream:
             t0 = time.monotonic()
             self.waiting_for = w
             cur = pending.result() if pending is not None else self._open(w)
-            self.waiting_for = None
+            self.waiting_for = self.wait_state = None
             self.wait_s += time.monotonic() - t0
             if cur is None:
                 self.finished = True
@@ -337,12 +356,14 @@ class ConsumerStream:
             self._held.pop(ow.window, None)
             ow.reader.close()
 
-    def close(self, clean: bool | None = None) -> None:
+    def close(self, clean: bool | None = None, *, done: bool = False) -> None:
         """Release leases held (prefetched), stop threads, and record how it ended:
-        'finished' if the stream ended, 'stopped' after a clean exit before that. Not
-        clean (`clean` False, or by default when an exception is propagating: close()
-        called from a `finally`), the registration is left alone: the consumer reads as
-        lost once its heartbeat expires, and a fenced-off one must not write at all."""
+        'finished' if the stream ended or the caller reached its own end (`done`: its
+        --max-steps), so it no longer holds windows back; 'stopped' after a clean exit
+        before that. Not clean (`clean` False, or by default when an exception is
+        propagating: close() called from a `finally`), the registration is left alone:
+        the consumer reads as lost once its heartbeat expires, and a fenced-off one
+        must not write at all."""
         if clean is None:
             clean = sys.exc_info()[0] is None
         # A prefetch may be waiting for a window the producer has not made yet (up to
@@ -355,7 +376,7 @@ class ConsumerStream:
                 self.coord.release(ow.lease)
                 ow.reader.close()
             self._held.clear()
-            if self.finished:
+            if clean and (self.finished or done):
                 self.coord.finish(self.reg)
             elif clean:
                 self.coord.stop(self.reg)

@@ -35,7 +35,8 @@ from fanout.data.chat import ChatFormat, Conversation, load_conversations
 from fanout.errors import BadRow, CheckpointError, ConfigError
 from fanout.flags import add_model_flags, flag_options, model_from_args
 from fanout.model.dflash import DFlashDraft
-from fanout.model.spec_decode import Decoder, DecodeResult, first_mismatch
+from fanout.model.sampling import Sampling
+from fanout.model.spec_decode import Decoder, DecodeResult, Rule, first_mismatch
 from fanout.train.checkpoint import latest_checkpoint
 from fanout.train.serving import load_draft, read_config
 
@@ -61,11 +62,38 @@ class EvalConfig(ChatFormat):
     eos_token_id: list[int] | None = Field(
         None, description="stop tokens; default: the verifier's config / generation_config"
     )
+    temperature: list[float] = Field(
+        default_factory=lambda: [0.0],
+        description="sampling temperatures to evaluate (0 = greedy, always evaluated: the "
+        "lossless check)",
+        json_schema_extra=flag_options(metavar="T"),
+    )
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass kept at T > 0 (p and q)")
+    top_k: int = Field(0, ge=0, description="most likely tokens kept at T > 0 (0: all)")
+    seed: int = Field(0, description="sampling seed (per prompt: seed, prompt index)")
+    sampled_draft: bool = Field(
+        True,
+        description="at T > 0 also report τ under the min(1, p/q) rule with sampled draft "
+        "tokens (acceptance_length_sampled_draft) beside the served greedy-draft rule",
+    )
+    cache_draft: bool = Field(
+        True, description="cache the draft's context k/v as engines do (off: the slow reference)"
+    )
+    model_card: bool = Field(
+        False, description="write README.md (τ per temperature) into each draft's checkpoint"
+    )
     json_out: str | None = Field(
         None,
         description="write the full report as JSON here",
         json_schema_extra=flag_options(flag="--json", metavar="OUT"),
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _temps(cls, v: list[float]) -> list[float]:
+        if any(t < 0 for t in v):
+            raise ValueError(f"{v}: temperatures must be >= 0")
+        return sorted({0.0, *(float(t) for t in v)})
 
     @field_validator("data", "tokenizer", "verifier_name_or_path")
     @classmethod
@@ -147,36 +175,96 @@ def draft_names(dirs: list[Path]) -> list[str]:
 # ---- the run -------------------------------------------------------------------------
 
 
-def _summary(
-    results: list[DecodeResult], greedy: list[DecodeResult], train_eal: float | None
-) -> dict[str, Any]:
+def temperature_key(t: float) -> str:
+    """`at_temperature` key: the temperature as a decimal string ("0.0", "1.0", "0.8")."""
+    return str(float(t))
+
+
+def tau_interval(results: list[DecodeResult]) -> list[float] | None:
+    """95% interval for τ = Σ(n+1) / Σ steps: normal approximation with the ratio's
+    cluster-robust (per prompt) standard error — steps of one prompt are not independent.
+    None with fewer than two prompts."""
+    a = [sum(n + 1 for n in r.accepted) for r in results]
+    s = [len(r.accepted) for r in results]
+    m, total = len(results), sum(s)
+    if m < 2 or total == 0:
+        return None
+    tau = sum(a) / total
+    var = m / (m - 1) * sum((ai - tau * si) ** 2 for ai, si in zip(a, s))
+    half = 1.96 * var**0.5 / total
+    return [round(tau - half, 4), round(tau + half, 4)]
+
+
+def _rates(results: list[DecodeResult]) -> tuple[int, float, float]:
+    """(tokens, decode tok/s, prefill s): decode = the tokens after the prefill's one."""
+    decoded = sum(len(r.tokens) - 1 for r in results)
+    secs = sum(r.decode_seconds for r in results)
+    return decoded, decoded / max(secs, 1e-9), sum(r.prefill_seconds for r in results)
+
+
+def _figures(results: list[DecodeResult], greedy: list[DecodeResult]) -> dict[str, Any]:
+    """τ, per-position acceptance, steps, CI and the decode speed-up of one (draft, T)."""
     bs = results[0].block_size
     steps = sum(len(r.accepted) for r in results)
     per_pos = [sum(r.position_accepted()[k] for r in results) for k in range(bs - 1)]
-    tokens = sum(len(r.tokens) for r in results)
-    secs = sum(r.seconds for r in results)
-    g_tokens = sum(len(g.tokens) for g in greedy)
-    g_secs = sum(g.seconds for g in greedy)
-    g_fw = sum(g.forwards for g in greedy)
-    s_fw = sum(r.forwards for r in results)
     tau = sum(n + 1 for r in results for n in r.accepted) / max(steps, 1)
-    tps = tokens / max(secs, 1e-9)
-    g_tps = g_tokens / max(g_secs, 1e-9)
+    _, tps, _ = _rates(results)
+    _, g_tps, _ = _rates(greedy)
+    speedup = tps / max(g_tps, 1e-9)
     return {
-        "block_size": bs,
         "acceptance_length": round(tau, 4),
-        "train_eal": train_eal,
-        "train_serve_gap": None if train_eal is None else round(train_eal - tau, 4),
+        "acceptance_length_ci95": tau_interval(results),
         "per_position_acceptance": [round(c / max(steps, 1), 4) for c in per_pos],
         "verify_steps": steps,
+        "speedup_vs_greedy": round(speedup, 4),
+        # a verify forward never costs less than a one-token one: speed-up > τ is a
+        # measurement artefact (warm-up, load), not a result
+        "speedup_exceeds_tau": speedup > tau,
+    }
+
+
+def _summary(
+    runs: dict[tuple[float, str], list[DecodeResult]],
+    greedy: list[DecodeResult],
+    train_eal: float | None,
+) -> dict[str, Any]:
+    """One draft: T = 0 figures at the top level (as before), every T under
+    `at_temperature`; the sampled-draft rule beside the served one, under its own name."""
+    at0 = runs[(0.0, "served")]
+    fig0 = _figures(at0, greedy)
+    tokens, tps, prefill = _rates(at0)
+    g_fw = sum(g.forwards for g in greedy)
+    s_fw = sum(r.forwards for r in at0)
+    at: dict[str, Any] = {}
+    for (t, rule), results in runs.items():
+        if rule != "served":
+            continue
+        entry = _figures(results, greedy)
+        other = runs.get((t, "sampled_draft"))
+        if other is not None:
+            f = _figures(other, greedy)
+            entry |= {f"{k}_sampled_draft": f[k] for k in
+                      ("acceptance_length", "per_position_acceptance", "speedup_vs_greedy")}  # fmt: skip
+        at[temperature_key(t)] = entry
+    tau = fig0["acceptance_length"]
+    return {
+        "block_size": at0[0].block_size,
+        **fig0,
+        "train_eal": train_eal,
+        "train_serve_gap": None if train_eal is None else round(train_eal - tau, 4),
         "verifier_forwards": s_fw,
         "greedy_forwards": g_fw,
         "forwards_saved": g_fw - s_fw,
         "forwards_saved_fraction": round((g_fw - s_fw) / max(g_fw, 1), 4),
         "tokens": tokens,
         "tokens_per_s": round(tps, 2),
-        "speedup_vs_greedy": round(tps / max(g_tps, 1e-9), 4),
+        "prefill_seconds": round(prefill, 4),
+        "decode_seconds": round(sum(r.decode_seconds for r in at0), 4),
+        "at_temperature": at,
     }
+
+
+Job = tuple[str, float, str]  # (draft name, temperature, rule); ("", 0.0, "greedy")
 
 
 class EvalSession:
@@ -197,6 +285,35 @@ class EvalSession:
         self.decoder = Decoder(self.verifier, eos_ids(vdir, cfg.eos_token_id))
         self._warm = False
 
+    def _jobs(self, drafts: dict[str, DFlashDraft]) -> list[Job]:
+        jobs: list[Job] = [("", 0.0, "greedy")]
+        for name in drafts:
+            for t in self.cfg.temperature:
+                jobs.append((name, t, "served"))
+                if t > 0 and self.cfg.sampled_draft:
+                    jobs.append((name, t, "sampled_draft"))
+        return jobs
+
+    def _decode(self, job: Job, p: Prompt, drafts: dict[str, DFlashDraft]) -> DecodeResult:
+        cfg, dec = self.cfg, self.decoder
+        name, t, rule = job
+        if rule == "greedy":
+            return dec.greedy(p.ids, cfg.max_new_tokens)
+        s = Sampling(t, cfg.top_p, cfg.top_k)
+        # the same draws for every draft and rule on a prompt (common random numbers)
+        gen = torch.Generator(device=dec.device).manual_seed(cfg.seed * 1_000_003 + p.index)
+        r: Rule = "sampled_draft" if rule == "sampled_draft" else "served"
+        return dec.speculative(
+            p.ids, drafts[name], cfg.max_new_tokens, s, gen, r, cache_draft=cfg.cache_draft
+        )
+
+    def warm(self, drafts: dict[str, DFlashDraft]) -> None:
+        """Untimed: every mode once on the first prompt (first-call allocations, kernel
+        choices); `run` does it at its first call."""
+        for job in self._jobs(drafts):
+            self._decode(job, self.prompts[0], drafts)
+        self._warm = True
+
     def run(
         self, drafts: dict[str, DFlashDraft], train_eals: dict[str, float | None]
     ) -> dict[str, Any]:
@@ -206,42 +323,57 @@ class EvalSession:
         )
         if missing:
             raise ConfigError(f"eval: verifier hooks lack layers {sorted(missing)}")
-        if not self._warm:  # untimed: first-call allocations and kernel choices
-            dec.greedy(prompts[0].ids, cfg.max_new_tokens)
-            for draft in drafts.values():
-                dec.speculative(prompts[0].ids, draft, cfg.max_new_tokens)
-            self._warm = True
-        # Interleaved per prompt (greedy, then each draft) so that load drifting on a
-        # shared machine hits both sides of the speedup ratio alike.
-        greedy: list[DecodeResult] = []
-        runs: dict[str, list[DecodeResult]] = {name: [] for name in drafts}
+        jobs = self._jobs(drafts)
+        if not self._warm:
+            self.warm(drafts)
+        # Interleaved per prompt, the order alternating, so that load drifting on a shared
+        # machine and any first-call cost of a new prompt length hit every mode alike.
+        out: dict[Job, list[DecodeResult]] = {job: [] for job in jobs}
         mismatches: list[dict[str, Any]] = []
-        for p in prompts:
-            g = dec.greedy(p.ids, cfg.max_new_tokens)
-            greedy.append(g)
-            for name, draft in drafts.items():
-                r = dec.speculative(p.ids, draft, cfg.max_new_tokens)
-                at = first_mismatch(g.tokens, r.tokens)
+        records: list[dict[str, Any]] = []
+        for i, p in enumerate(prompts):
+            dec.greedy(p.ids, 1)  # untimed: this prompt length's prefill shapes
+            done = {job: self._decode(job, p, drafts) for job in (jobs if i % 2 else jobs[::-1])}
+            g = done[jobs[0]]
+            rec: dict[str, Any] = {"conversation": p.index, "prompt_tokens": len(p.ids),
+                                   "greedy": g.tokens, "drafts": {n: {} for n in drafts}}  # fmt: skip
+            for job, r in done.items():
+                out[job].append(r)
+                name, t, rule = job
+                if rule == "greedy":
+                    continue
+                slot = rec["drafts"][name].setdefault(temperature_key(t), {})
+                entry = {"tokens": r.tokens, "accepted": r.accepted}
+                slot.update(entry if rule == "served" else {"sampled_draft": entry})
+                at = first_mismatch(g.tokens, r.tokens) if t == 0 else None
                 if at is not None:
                     mismatches.append({"draft": name, "prompt": p.index, "position": at})
-                runs[name].append(r)
-        g_secs = max(sum(g.seconds for g in greedy), 1e-9)
+            records.append(rec)
+        greedy = out[jobs[0]]
+        _, g_tps, _ = _rates(greedy)
+        summaries = {
+            name: _summary({(t, rule): rs for (n, t, rule), rs in out.items() if n == name},
+                           greedy, train_eals[name])
+            for name in drafts
+        }  # fmt: skip
         return {
             "lossless": not mismatches,
             "mismatches": mismatches,
-            "drafts": {name: _summary(runs[name], greedy, train_eals[name]) for name in drafts},
+            "drafts": summaries,
             "prompts": len(prompts),
             "prompt_tokens": [len(p.ids) for p in prompts],
             "generated_tokens": [len(g.tokens) for g in greedy],
-            "greedy_tokens_per_s": round(sum(len(g.tokens) for g in greedy) / g_secs, 2),
+            "greedy_tokens_per_s": round(g_tps, 2),
+            "temperatures": [temperature_key(t) for t in cfg.temperature],
+            "prompt_records": records,
             "hardware": _hardware(cfg.device),
             "config": cfg.model_dump(),
         }
 
 
-def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
-    """Load every `--draft` from its checkpoint files, run them (EvalSession); return the
-    report (what `--json` writes)."""
+def load_drafts(cfg: EvalConfig) -> tuple[list[Path], dict[str, DFlashDraft], dict[str, Any]]:
+    """Every `--draft` from its checkpoint files: (checkpoint dirs, drafts by name, their
+    train-time EAL by name)."""
     if not cfg.draft:
         raise ConfigError("--draft: give at least one draft checkpoint or save path")
     vdir = Path(cfg.verifier_name_or_path)
@@ -253,15 +385,29 @@ def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
         drafts[name] = load_draft(d, vdir, device=cfg.device, dtype=dtype)
         v = read_config(d)["fanout"].get("train_eal")
         train_eals[name] = float(v) if isinstance(v, int | float) else None
+    return dirs, drafts, train_eals
+
+
+def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
+    """Load every `--draft` from its checkpoint files, run them (EvalSession); return the
+    report (what `--json` writes); with `--model-card`, write each draft's README.md."""
+    dirs, drafts, train_eals = load_drafts(cfg)
     layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
     session = EvalSession(cfg, layers)
     ps = session.prompts
     echo(
         f"fanout eval: {len(ps)} prompts ({min(len(p.ids) for p in ps)}–"
         f"{max(len(p.ids) for p in ps)} tokens), {cfg.max_new_tokens} new tokens each, "
-        f"{len(drafts)} draft(s), {cfg.device} {cfg.dtype}"
+        f"{len(drafts)} draft(s), {cfg.device} {cfg.dtype}, temperatures "
+        f"{', '.join(temperature_key(t) for t in cfg.temperature)}"
     )
-    return session.run(drafts, train_eals)
+    report = session.run(drafts, train_eals)
+    if cfg.model_card:
+        from fanout.train.model_card import write_model_card
+
+        for name, d in zip(report["drafts"], dirs):
+            echo(f"model card: {write_model_card(d, name, report)}")
+    return report
 
 
 def _hardware(device: str) -> str:
@@ -271,29 +417,48 @@ def _hardware(device: str) -> str:
 
 
 def table(report: dict[str, Any]) -> list[str]:
-    """The stdout table: τ beside train EAL, per-position acceptance, speed."""
+    """The stdout table: per draft and temperature τ (95% interval, verify steps) beside
+    train EAL, per-position acceptance and the decode speed-up; then the notes."""
     lines = [
-        f"{'draft':<14} {'bs':>3} {'τ':>6} {'train EAL':>9} {'fwd saved':>10} "
-        f"{'tok/s':>8} {'speedup':>8}  acceptance at block position 1, 2, …"
+        f"{'draft':<14} {'bs':>3} {'T':>4} {'τ':>6} {'95% CI':>13} {'steps':>6} "
+        f"{'train EAL':>9} {'speedup':>8}  acceptance at block position 1, 2, …"
     ]
+    notes = []
     for name, d in report["drafts"].items():
         eal = f"{d['train_eal']:.2f}" if d["train_eal"] is not None else "—"
-        pos = " ".join(f"{a:.2f}" for a in d["per_position_acceptance"])
-        lines.append(
-            f"{name:<14} {d['block_size']:>3} {d['acceptance_length']:>6.2f} {eal:>9} "
-            f"{100 * d['forwards_saved_fraction']:>9.1f}% {d['tokens_per_s']:>8.1f} "
-            f"{d['speedup_vs_greedy']:>7.2f}×  {pos}"
-        )
+        for t, f in d["at_temperature"].items():
+            ci = f["acceptance_length_ci95"]
+            ci_s = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else "—"
+            pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"])
+            lines.append(
+                f"{name:<14} {d['block_size']:>3} {t:>4} {f['acceptance_length']:>6.2f} "
+                f"{ci_s:>13} {f['verify_steps']:>6} {eal:>9} "
+                f"{f['speedup_vs_greedy']:>7.2f}×  {pos}"
+            )
+            if "acceptance_length_sampled_draft" in f:
+                lines.append(
+                    f"{'  sampled draft':<14} {'':>3} {t:>4} "
+                    f"{f['acceptance_length_sampled_draft']:>6.2f} {'':>13} {'':>6} {'':>9} "
+                    f"{f['speedup_vs_greedy_sampled_draft']:>7.2f}×  (min(1, p/q) rule)"
+                )
+            if f["speedup_exceeds_tau"]:
+                notes.append(
+                    f"note: {name} at T={t}: speed-up {f['speedup_vs_greedy']:.2f}× exceeds "
+                    f"τ {f['acceptance_length']:.2f} — impossible for a real gain (a verify "
+                    "forward costs at least a one-token one): a timing artefact"
+                )
     lines.append(
-        f"greedy alone: {report['greedy_tokens_per_s']:.1f} tok/s on {report['hardware']}; "
+        f"greedy alone: {report['greedy_tokens_per_s']:.1f} tok/s decode on "
+        f"{report['hardware']}; speed-ups are decode time (prefill excluded); τ interval: "
+        "normal approx., per-prompt cluster SE; "
         + (
-            "lossless: every speculative output equals greedy token for token"
+            "lossless: every speculative output equals greedy token for token (T = 0)"
             if report["lossless"]
             else f"NOT LOSSLESS: {len(report['mismatches'])} mismatch(es), first "
             f"{report['mismatches'][0]}"
         )
     )
-    return lines
+    return lines + notes
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "eval") -> None:

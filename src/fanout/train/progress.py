@@ -31,6 +31,8 @@ from fanout.train.consumer import Batch
 log = logging.getLogger(__name__)
 
 WAIT_NOTICE_EVERY_S = 5.0  # a waiting trainer says on stderr what it waits for this often
+# ... and this often while it waits for another consumer (not counted toward the timeout)
+NOT_COUNTED_EVERY_S = 30.0
 
 
 def _secs(x: float) -> str:
@@ -49,8 +51,10 @@ class WaitNotice:
 
         waiting for window 12 from the producer (15 s of 600 s; --acquire-timeout-s)
 
-    `begin(what, after_s)` and `end()` bracket a wait; the first line comes once the wait
-    is `after_s` old, then one every `every_s`. `tick()` prints a line when one is due:
+    `begin(what, after_s, counts)` and `end()` bracket a wait; the first line comes once
+    the wait is `after_s` old, then one every `every_s`. While `counts()` says the wait
+    does not count toward the timeout (another consumer holds the producer), the line
+    says so instead, every NOT_COUNTED_EVERY_S. `tick()` prints a line when one is due:
     the waiting loop calls it, or for a wait that blocks inside a call (acquiring a
     window) the thread that `start()` runs does. `clock` and `write` are seams for tests.
     """
@@ -69,13 +73,20 @@ class WaitNotice:
         self.write = write
         self._lock = threading.Lock()
         self._what: Callable[[], str] | None = None
+        self._counts: Callable[[], bool] | None = None
         self._since = self._due = 0.0
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def begin(self, what: Callable[[], str], *, after_s: float = 0.0) -> None:
+    def begin(
+        self,
+        what: Callable[[], str],
+        *,
+        after_s: float = 0.0,
+        counts: Callable[[], bool] | None = None,
+    ) -> None:
         with self._lock:
-            self._what, self._since = what, self.clock()
+            self._what, self._counts, self._since = what, counts, self.clock()
             self._due = self._since + after_s
 
     def end(self) -> None:
@@ -88,11 +99,19 @@ class WaitNotice:
             now = self.clock()
             if self._what is None or now < self._due:
                 return None
-            self._due = now + self.every_s
-            line = (
-                f"waiting for {self._what()} ({_secs(now - self._since)} s of "
-                f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
-            )
+            waited = _secs(now - self._since)
+            if self._counts is not None and not self._counts():
+                self._due = now + max(self.every_s, NOT_COUNTED_EVERY_S)
+                line = (
+                    f"waiting for {self._what()} ({waited} s; a wait for another consumer "
+                    "does not count toward --acquire-timeout-s)"
+                )
+            else:
+                self._due = now + self.every_s
+                line = (
+                    f"waiting for {self._what()} ({waited} s of "
+                    f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
+                )
         self.write(line)
         return line
 

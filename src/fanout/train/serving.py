@@ -2,6 +2,7 @@
 numbering, format versions, and drafts loaded from `config.json` + `model.safetensors` alone.
 
     fanout upgrade-checkpoint out/draft/checkpoint-00000100     # format 1 -> 2, in place
+                                                # (and unsorted layers -> ascending)
     from fanout.train.serving import load_draft, read_config
     draft = load_draft("out/draft/checkpoint-00000100", "models/qwen3-8b")
 
@@ -19,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 from fanout.errors import CheckpointError
 from fanout.filesystem import FileSystem
-from fanout.model.dflash import DFlashConfig, DFlashDraft, read_verifier_config
+from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.verifier_dir import read_verifier_config
 
 # Written last into a checkpoint directory (fanout.train.checkpoint); one without it is
 # debris, never read.
@@ -48,7 +51,9 @@ def json_bytes(obj: Any) -> bytes:
 # speculators / vLLM: `aux_hidden_state_layer_ids` are indices into HF `hidden_states`
 #   (entry 0 = embeddings); vLLM subtracts 1 when it wires the decoder layers.
 # These two functions are the only place the +1 happens; every writer and reader of a
-# checkpoint's `aux_hidden_state_layer_ids` goes through them.
+# checkpoint's `aux_hidden_state_layer_ids` goes through them. The list is ascending
+# (fanout.contract.ascending_layer_ids): engines feed the layers in that order whatever
+# order it lists, so check_format refuses any other and upgrade_checkpoint permutes fc.
 
 
 def to_serving_layer_ids(target_layer_ids: list[int] | tuple[int, ...]) -> list[int]:
@@ -185,6 +190,13 @@ def check_format(path: Path, cfg: dict[str, Any]) -> None:
             f"fanout.dflash_config.target_layer_ids {fan_ids} + 1; the file was edited "
             "inconsistently"
         )
+    if aux != sorted(set(aux)):
+        raise CheckpointError(
+            f"{path / 'config.json'}: aux_hidden_state_layer_ids {aux} are not in ascending "
+            "order: its fc columns follow that order, but serving engines (and fanout eval) "
+            "feed a draft its layers in ascending order, so it would read the wrong layers. "
+            f"Rewrite it with `fanout upgrade-checkpoint {path}` (permutes the fc columns)"
+        )
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -203,19 +215,67 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 
 def upgrade_checkpoint(path: str | Path, fs: FileSystem | None = None) -> Path:
-    """Rewrite a format-1 checkpoint's `config.json` as format 2 (weights are unchanged:
-    only the layer numbering and the speculators layout of the config differ), atomically
-    (`FileSystem.write_atomic`; `fs` injects faults in tests)."""
+    """Rewrite a checkpoint this fanout refuses into one it reads, each file atomically
+    (`FileSystem.write_atomic`; `fs` injects faults in tests):
+    - format 1 -> 2: the config's layer numbering and speculators layout (weights as they are);
+    - layer ids not ascending (written before the order was canonical): the `fc` columns
+      (and their optimizer moments) permuted to ascending layer order, then the config.
+    Weight files first, each marked as permuted in its metadata, the config last: an
+    upgrade cut short leaves a checkpoint that is still refused, and running it again
+    finishes it without permuting a file twice."""
     p = Path(path)
+    fs = fs or FileSystem()
     cfg = json.loads((p / "config.json").read_text())
-    if cfg.get("fanout", {}).get("format_version") != 1:
-        raise CheckpointError(f"{p / 'config.json'}: not a format-1 fanout checkpoint")
-    dcfg = DFlashConfig(**cfg["fanout"]["dflash_config"])
-    verifier = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "")
-    stub = _ConfigOnly(dcfg)
-    new = speculators_config(stub, verifier)  # type: ignore[arg-type]
-    (fs or FileSystem()).write_atomic(p / "config.json", json_bytes(new))
+    fan = dict(cfg.get("fanout") or {})
+    saved = dict(fan.get("dflash_config") or {})
+    ids = [int(i) for i in saved.get("target_layer_ids") or []]
+    version = fan.get("format_version")
+    if version not in (1, FORMAT_VERSION) or (version == FORMAT_VERSION and ids == sorted(ids)):
+        raise CheckpointError(
+            f"{p / 'config.json'}: not a format-1 fanout checkpoint, nor one with unsorted "
+            "layer ids: nothing to upgrade"
+        )
+    order = sorted(range(len(ids)), key=ids.__getitem__)  # new column block j = old order[j]
+    if order != list(range(len(ids))):
+        for name in ("model.safetensors", "resume.safetensors"):
+            _permute_fc(p / name, order, fs)
+    dcfg = DFlashConfig(**(saved | {"target_layer_ids": sorted(ids)}))
+    if version == 1:
+        verifier = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "")
+        new = speculators_config(_ConfigOnly(dcfg), verifier)  # type: ignore[arg-type]
+        new["fanout"] = fan | new["fanout"]  # keeps what the trainer added (train_eal, ...)
+    else:
+        new = cfg | {"aux_hidden_state_layer_ids": to_serving_layer_ids(dcfg.target_layer_ids)}
+        new["fanout"] = fan | {"dflash_config": dcfg.model_dump()}
+    fs.write_atomic(p / "config.json", json_bytes(new))
     return p
+
+
+# Metadata key of a weights file whose fc columns upgrade_checkpoint put in ascending order.
+_PERMUTED = "fanout_fc_layer_order"
+
+
+def _permute_fc(path: Path, order: list[int], fs: FileSystem) -> None:
+    """Permute the column blocks of `fc.weight` [H, n·H] (serving file) or `w.fc.weight`
+    and its optimizer moments (resume file: fc is the draft's first parameter, so its
+    state is `opt.0.*`) from the trained order into ascending layer order."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata() or {})
+    if meta.get(_PERMUTED) == "ascending":
+        return  # an earlier upgrade that was cut short got this far
+    t = load_file(str(path))
+    key = "fc.weight" if "fc.weight" in t else "w.fc.weight"
+    if key not in t:
+        raise CheckpointError(f"{path}: no fc.weight tensor")
+    shape = t[key].shape
+    keys = [key] + [k for k in t if k.startswith("opt.0.") and t[k].shape == shape]
+    n = len(order)
+    for k in keys:
+        w = t[k]  # [H, n·H]
+        t[k] = w.reshape(w.shape[0], n, -1)[:, order, :].reshape(shape).contiguous()
+    fs.write_atomic(path, save(t, metadata=meta | {_PERMUTED: "ascending"}))
 
 
 class _ConfigOnly:
@@ -361,7 +421,8 @@ def add_arguments(p: argparse.ArgumentParser, name: str = "upgrade-checkpoint") 
 
 
 def run(args: argparse.Namespace, name: str = "upgrade-checkpoint") -> int:
-    """`fanout upgrade-checkpoint DIR [DIR ...]`: rewrite format-1 configs as format 2
+    """`fanout upgrade-checkpoint DIR [DIR ...]`: rewrite format-1 configs as format 2,
+    and put unsorted layer ids (and their fc columns) in ascending order
     (`python -m fanout.checkpoint upgrade DIR` before the package layout of 2026-12)."""
     for d in args.dirs:
         try:
@@ -372,5 +433,5 @@ def run(args: argparse.Namespace, name: str = "upgrade-checkpoint") -> int:
             KeyError,
         ) as e:  # CheckpointError is a ConfigError: cli names it
             raise CheckpointError(f"{d}: cannot upgrade: {e}") from e
-        print(f"upgraded {d} to format {FORMAT_VERSION}")
+        print(f"upgraded {d} to format {FORMAT_VERSION}, layers in ascending order")
     return 0

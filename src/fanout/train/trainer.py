@@ -30,20 +30,21 @@ from typing import Any, Literal
 import torch
 from pydantic import Field, model_validator
 
-from fanout.contract import CaptureContract
+from fanout.contract import CaptureContract, ascending_layer_ids
 from fanout.data.draft_vocab import (
     TOKEN_COUNTS,
     coverage,
     read_token_counts,
     select_draft_vocab,
 )
-from fanout.errors import ConfigError, Detached
+from fanout.errors import ConfigError, Detached, FanoutError
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
-from fanout.model.dflash import DFlashDraft
+from fanout.model.dflash import DFlashDraft, DraftRecipe
 from fanout.ops.fp8 import dequantize
 from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
 from fanout.train.distributed import DataParallel
+from fanout.train.ending import Ending, summary
 from fanout.train.optim import build_optimizer
 from fanout.train.progress import (
     MetricsLog,
@@ -52,6 +53,7 @@ from fanout.train.progress import (
     WaitNotice,
     wait_for_run,
 )
+from fanout.train.savepath import hold_save_path
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +62,15 @@ EXIT_DETACHED = 3
 RECENT_EAL_STEPS = 50
 
 
-class TrainConfig(ConsumerOptions):
+class TrainConfig(ConsumerOptions, DraftRecipe):
     """Every `fanout train` (scripts/train.py) flag; speculators trainer names where the
     meaning is the same. How the trainer reads the run (run_dir, consumer_id, dp_rank,
-    db_path, target_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
-    ConsumerOptions', declared once in fanout.train.consumer; these are the trainer's."""
+    db_path, draft_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
+    ConsumerOptions', declared once in fanout.train.consumer; the draft's recipe
+    (num_layers, block_size, max_anchors, draft_vocab_size, gamma, loss weighting,
+    dpace_alpha, label_source, loss_type) is DraftRecipe's, declared once in
+    fanout.model.dflash with the defaults that work on a real verifier; these are the
+    trainer's."""
 
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
     checkpoint_verifier_name: str | None = Field(
@@ -72,29 +78,7 @@ class TrainConfig(ConsumerOptions):
         description="verifier name written into checkpoints for serving (e.g. Qwen/Qwen3-8B); "
         "default: the absolute path of --verifier-name-or-path",
     )
-    num_layers: int = Field(1, ge=1, description="draft decoder layers")
-    block_size: int = Field(8, ge=2, description="tokens per draft block (anchor + masks)")
-    max_anchors: int = Field(64, ge=1, description="anchors drawn per row per step")
     mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
-    draft_vocab_size: int | None = Field(
-        None,
-        gt=0,
-        description="reduced draft vocabulary: the N tokens the run's data uses most "
-        "(token_counts.safetensors, written by the producer); default: the full vocab",
-    )
-    label_source: Literal["target_ids", "input_ids"] = Field(
-        "target_ids", description="labels: verifier greedy predictions or the data tokens"
-    )
-    loss_type: Literal["ce", "kl"] = Field(
-        "ce",
-        description="ce: cross-entropy against the labels; kl: KL from the verifier's full "
-        "next-token distribution (the run must be captured with --store-last-hidden-states)",
-    )
-    gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
-    per_position_loss_weight: Literal["exp", "dpace"] = Field(
-        "exp", description="per-slot loss weights"
-    )
-    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE smoothing")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps warming up")
@@ -150,6 +134,11 @@ class TrainConfig(ConsumerOptions):
         "for windows, window, cursor); default: when stderr is a terminal",
     )
 
+    def draft_recipe(self) -> dict[str, Any]:
+        """This config's DraftRecipe fields: what the trainer passes on to the draft's
+        DFlashConfig (with the run's layers and the verifier's shapes)."""
+        return {k: getattr(self, k) for k in DraftRecipe.model_fields}
+
     def consumer_config(
         self, *, dp_rank: int, dp_world_size: int, max_windows: int | None
     ) -> ConsumerConfig:
@@ -172,6 +161,11 @@ def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
     if not info.is_file():
         raise ConfigError(f"--epochs needs {info} (written by the producer); use --max-steps")
     s = json.loads(info.read_text())
+    if s.get("num_rows") is None:  # `produce --regenerate`: known once regeneration is done
+        raise ConfigError(
+            f"--epochs: {info} has no row count yet (the producer is still regenerating "
+            "its data); use --max-steps, or leave --epochs out to read to the stream's end"
+        )
     return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
 
 
@@ -196,6 +190,20 @@ class Trainer:
         self.startup.mark("run")
         layers = self._check_run(contract)
         self.expect = {"target_layer_ids": layers}
+        # Refused now, naming the holder, while a live process has this consumer id or
+        # (rank 0) a live trainer holds --save-path (fanout.train.savepath).
+        self.save_lock = hold_save_path(
+            cfg, cfg.save_path, self.rank, self.dp.is_main, self.expect, agree=self.dp.agree
+        )
+        try:
+            self._build(contract, layers)
+        except BaseException:
+            self.save_lock.release()
+            raise
+
+    def _build(self, contract: CaptureContract, layers: list[int]) -> None:
+        """Everything after the checks: draft, optimizer, resume, metrics log."""
+        cfg = self.cfg
         self.draft = self._build_draft(contract, layers)
         self.gen = torch.Generator().manual_seed(self._anchor_seed())
         self.max_windows = _stream_windows(Path(cfg.run_dir), cfg.epochs)
@@ -243,8 +251,8 @@ class Trainer:
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
                 "captured without them: produce the run with --store-last-hidden-states"
             )
-        # Any subset of the captured layers, in the draft's order (naming the captured ones).
-        layers = cfg.target_layer_ids or list(contract.target_layer_ids)
+        # Any subset of the captured layers (naming the captured ones), in ascending order.
+        layers = ascending_layer_ids(cfg.draft_layer_ids or contract.target_layer_ids)
         contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
         return layers
 
@@ -252,17 +260,7 @@ class Trainer:
         """The draft on `self.device`: shapes and frozen embedding/head from the verifier,
         the rest from the flags; with --draft-vocab-size, the run's most used tokens."""
         cfg = self.cfg
-        overrides: dict[str, Any] = dict(
-            num_layers=cfg.num_layers,
-            block_size=cfg.block_size,
-            max_anchors=cfg.max_anchors,
-            target_layer_ids=layers,
-            gamma=cfg.gamma,
-            loss_weighting=cfg.per_position_loss_weight,
-            dpace_alpha=cfg.dpace_alpha,
-            label_source=cfg.label_source,
-            loss_type=cfg.loss_type,
-        )
+        overrides: dict[str, Any] = cfg.draft_recipe() | {"target_layer_ids": layers}
         if cfg.mask_token_id is not None:
             overrides["mask_token_id"] = cfg.mask_token_id
         vocab_ids = None
@@ -277,7 +275,6 @@ class Trainer:
             finally:
                 waits.stop()
             vocab_ids = select_draft_vocab(counts, cfg.draft_vocab_size)
-            overrides["draft_vocab_size"] = cfg.draft_vocab_size
             log.info(
                 "draft vocabulary: %d of %d tokens, covering %.2f%% of the data's "
                 "loss-masked tokens",
@@ -332,13 +329,15 @@ class Trainer:
     # ---- training -------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        """Train until the stream ends, --max-steps, or a stop signal; save; summarise."""
+        """Train until the stream ends, --max-steps, or a stop signal; save; summarise.
+        What state each end leaves, and which keep a checkpoint: fanout.train.ending."""
         cfg = self.cfg
         stream = self._open_stream()
         first = last = None
         bar = self._progress_bar()
         waits = WaitNotice(cfg.acquire_timeout_s).start()
         batches = stream.batches(cfg.rows_per_step)
+        end = Ending(cfg.consumer_id)
         try:
             try:
                 t_fetch = time.perf_counter()
@@ -355,27 +354,36 @@ class Trainer:
                         self.interrupted = True
                         break
                     if cfg.max_steps and rec["step"] >= cfg.max_steps:
+                        end.reached = True  # its own end: finished, holds nothing back
                         break
                     t_fetch = time.perf_counter()
             except KeyboardInterrupt:
                 self.interrupted = True  # while waiting for a window: nothing half-done
-            if self.state["step"]:
-                self.save()
+            except FanoutError as e:
+                end.failed(e)  # fenced: nothing more is written; else saved, then raised
+            if self.state["step"] and not end.fenced:
+                end.saved = self.save()
         finally:
             waits.stop()
             bar.close()
-            stream.close()
+            end.close(stream)
             self.metrics.close()
-        return self._summary(stream, first, last)
+            self.save_lock.release()  # the next trainer may have --save-path now
+        end.raise_failure(self.state)
+        return self._summary(stream, first, last) | {"state": end.state(stream)}
 
     def _open_stream(self) -> ConsumerStream:
         """Register as the run's consumer, reading on from this trainer's cursor."""
         ccfg = self.cfg.consumer_config(
             dp_rank=self.rank, dp_world_size=self.dp.world, max_windows=self.max_windows
         )
-        stream = ConsumerStream(
-            ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
-        )
+        try:
+            stream = ConsumerStream(
+                ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
+            )
+        except BaseException:  # RoleHeld, ContractMismatch: this trainer never started
+            self.save_lock.release()
+            raise
         self.startup.mark("registered")
         log.info(
             "%s: draft %d params, AdamW %s, from cursor %d",
@@ -393,10 +401,15 @@ class Trainer:
         which window it waits for."""
 
         def what() -> str:
-            w = stream.waiting_for
+            w, why = stream.waiting_for, stream.wait_state
+            if why is not None:  # what the producer is doing, as the coordinator sees it
+                return f"window {w}: {why.text}"
             return "the next window" if w is None else f"window {w} from the producer"
 
-        waits.begin(what, after_s=waits.every_s)
+        def counts() -> bool:
+            return stream.wait_state is None or stream.wait_state.counts
+
+        waits.begin(what, after_s=waits.every_s, counts=counts)
         try:
             batch = next(batches, None)
         finally:
@@ -474,22 +487,7 @@ class Trainer:
     def _summary(
         self, stream: ConsumerStream, first: dict[str, Any] | None, last: dict[str, Any] | None
     ) -> dict[str, Any]:
-        trained = [p.detach().double().sum() for p in self.draft.parameters() if p.requires_grad]
-        return {
-            "consumer": stream.reg.consumer_id,
-            "steps": self.state["step"],
-            "cursor": self.state["cursor"],
-            "finished_stream": stream.finished,
-            "interrupted": self.interrupted,
-            "adamw_backend": self.backend,
-            "first_loss": first and first["loss"],
-            "last_loss": last and last["loss"],
-            "first_eal": first and first["eal"],
-            "last_eal": last and last["eal"],
-            "dp_world_size": self.dp.world,
-            # equal on every data-parallel rank when their weights are in sync
-            "param_checksum": float(torch.stack(trained).sum()),
-        }
+        return summary(self, stream, first, last)
 
     # ---- checkpoints and eval -------------------------------------------------------
 
@@ -569,8 +567,8 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
         summary = trainer.run()
     except Detached as e:
         print(
-            f"{cfg.consumer_id}: detached by the run's lag policy: {e}. "
-            "Restart with --resume to rejoin (recapture) or give it its own run.",
+            f"{cfg.consumer_id}: {e}. Restart with --resume to rejoin (what it needs again "
+            "is recaptured), or give it its own run.",
             file=sys.stderr,
         )
         return EXIT_DETACHED
@@ -589,8 +587,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
     add_log_level_flag(p, "info")
     add_arguments(p)
-    from fanout.errors import FanoutError
-
     args = p.parse_args(argv)
     configure_logging(args)
     try:

@@ -1,0 +1,196 @@
+"""What a wait waits for: who holds the producer back, what a trainer's window waits on.
+
+    from fanout.coord.waits import consumer_wait, producer_block, stream_end
+    with db.write() as cur:
+        why = consumer_wait(cur, config, "b8:dp0", window=14)
+        why.text     # "the producer is blocked at K=4 by short:dp0 (stopped 40 s ago, ...)"
+        why.counts   # False: another consumer holds it, not counted toward the timeout
+
+Pure reads over the coordinator's tables (fanout.coord.schema), run inside the
+caller's transaction; fanout.coord.coordinator asks them while a consumer waits
+(`acquire`) and while the producer is blocked at K (`blocked_by`), and `fanout
+status` shows the same words. One rule for "who holds the producer": the counted
+consumers (fanout.coord.retention.COUNTED_STATES) whose cursor has not passed the
+oldest window still on disk, plus the expected consumers that have not joined.
+
+A wait *counts* toward a trainer's --acquire-timeout-s only when nothing but the
+producer can end it (the producer is gone, stopped, lost, or slow): a wait for
+another consumer (one that holds the producer at K, or has not joined yet) does
+not, so one trainer never exits because of another (issue #27).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fanout.coord import retention
+from fanout.coord.retention import RunConfig
+from fanout.coord.schema import Sql
+
+STREAM_END = "stream_end"  # meta key: windows [0, N) are the stream (a producer ended it)
+BLOCKED_SINCE = "blocked_since"  # meta key: wall clock since the producer is blocked at K
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """A consumer that holds the producer back: it still needs the oldest live window."""
+
+    consumer_id: str
+    state: str  # active, lost or stopped
+    cursor: int
+    since_wall: float  # its last heartbeat (a stopped one's: when it stopped)
+
+    def describe(self, now: float) -> str:
+        age = max(0.0, now - self.since_wall)
+        when = {"active": "heartbeat", "stopped": "stopped", "lost": "last heartbeat"}
+        return f"{self.consumer_id} ({self.state}, cursor {self.cursor}, {when.get(self.state, self.state)} {age:.0f} s ago)"
+
+
+@dataclass(frozen=True, slots=True)
+class WaitState:
+    """Why a consumer's window is not ready: words for people, and whether the wait
+    counts toward its --acquire-timeout-s."""
+
+    text: str
+    counts: bool
+
+
+def stream_end(cur: Sql) -> int | None:
+    """Windows in the stream as the producer that ended it recorded (its --max-windows
+    or any budget), while that producer is recorded finished; None while the stream is
+    open (a producer runs, was lost, or stopped on a signal)."""
+    row = cur.execute("SELECT state FROM producer").fetchone()
+    if row is None or row[0] != "finished":
+        return None
+    end = cur.execute("SELECT value FROM meta WHERE key=?", (STREAM_END,)).fetchone()
+    return None if end is None or end[0] in (None, "") else int(end[0])
+
+
+def record_stream_end(cur: Sql, end: int | None) -> None:
+    """At the producer's clean exit: `end` windows by design, or None (a signal: the
+    stream stays open for a restart)."""
+    cur.execute("DELETE FROM meta WHERE key IN (?, ?)", (STREAM_END, BLOCKED_SINCE))
+    if end is not None:
+        cur.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (STREAM_END, str(end)))
+
+
+def record_blocked(cur: Sql, blocked: bool) -> None:
+    """The producer's blocked-at-K stamp (`fanout status` shows since when)."""
+    cur.execute("DELETE FROM meta WHERE key=?", (BLOCKED_SINCE,))
+    if blocked:
+        cur.execute(
+            "INSERT INTO meta(key, value) VALUES (?, ?)", (BLOCKED_SINCE, repr(time.time()))
+        )
+
+
+def blocked_since(cur: Sql) -> float | None:
+    row = cur.execute("SELECT value FROM meta WHERE key=?", (BLOCKED_SINCE,)).fetchone()
+    return None if row is None else float(row[0])
+
+
+def holders(cur: Sql, exclude: str | None = None) -> list[Holding]:
+    """Counted consumers (other than `exclude`) that still need the oldest window on
+    disk: while they do, it cannot be evicted, and the producer stays at K."""
+    oldest = cur.execute(
+        "SELECT MIN(window) FROM windows WHERE state IN ('ready','evicting')"
+    ).fetchone()[0]
+    if oldest is None:
+        return []
+    rows = cur.execute(
+        f"SELECT id, state, cursor, hb_wall FROM consumers WHERE state IN "
+        f"{retention.COUNTED_STATES} AND cursor <= ? ORDER BY cursor, id",
+        (int(oldest),),
+    ).fetchall()
+    return [Holding(str(i), str(s), int(c), float(h)) for i, s, c, h in rows if i != exclude]
+
+
+def missing_consumers(cur: Sql, expected: int) -> int:
+    """Expected consumers (--expected-consumers) that have not registered yet."""
+    n = int(cur.execute("SELECT COUNT(*) FROM consumers").fetchone()[0])
+    return max(0, expected - n)
+
+
+def is_blocked(cur: Sql, cfg: RunConfig) -> bool:
+    """Is the producer at K with no room for anything (not even the slowest's window)?"""
+    return not retention.has_capacity(cur, cfg.max_live_windows)
+
+
+def block_text(cur: Sql, cfg: RunConfig, exclude: str | None = None) -> tuple[str, bool]:
+    """("by X (stopped 40 s ago), …", whether someone other than `exclude` holds it)."""
+    now = time.time()
+    held = holders(cur, exclude)
+    missing = missing_consumers(cur, cfg.expected_consumers)
+    parts = [h.describe(now) for h in held]
+    if missing:
+        joined = cfg.expected_consumers - missing
+        parts.append(
+            f"waiting for {missing} of {cfg.expected_consumers} expected consumers "
+            f"({joined} joined; nothing is evicted until --expected-consumers have registered)"
+        )
+    return ("by " + "; ".join(parts)) if parts else "", bool(parts)
+
+
+def ways_out(held: list[Holding], run_dir: str) -> str:
+    """What an operator can do about consumers that hold the producer back."""
+    idle = [h.consumer_id for h in held if h.state != "active"]
+    if not idle:
+        return ""
+    name = idle[0]
+    return (
+        f"ways out: resume it (fanout train ... --consumer-id {name.rpartition(':dp')[0]} "
+        f"--resume), release it (fanout detach --run-dir {run_dir} --consumer-id {name}), "
+        "or a lag policy that does not wait for it (--lag-policy recapture or detach)"
+    )
+
+
+def producer_block(cur: Sql, cfg: RunConfig, run_dir: str) -> str:
+    """The producer's own line while blocked at K: who holds it and the ways out."""
+    text, _ = block_text(cur, cfg)
+    out = ways_out(holders(cur), run_dir)
+    return (
+        f"blocked at K={cfg.max_live_windows} live windows {text or '(no consumer holds it)'}"
+        + (f"; {out}" if out else "")
+    )
+
+
+def consumer_wait(cur: Sql, cfg: RunConfig, consumer_id: str, window: int) -> WaitState:
+    """Why `window` is not ready for `consumer_id`: what the producer is doing."""
+    row = cur.execute("SELECT state, hb_wall FROM producer").fetchone()
+    frontier = int(cur.execute("SELECT value FROM counters WHERE key='next_window'").fetchone()[0])
+    if row is None:
+        return WaitState("no producer has registered with the run yet", True)
+    state, hb_wall = str(row[0]), float(row[1])
+    if state == "lost":
+        return WaitState(
+            f"the producer is lost (no heartbeat for ttl_s = {cfg.ttl_s:g} s; killed or cut "
+            "off): restart `fanout produce` with the same flags to continue the stream",
+            True,
+        )
+    if state == "finished":
+        end = stream_end(cur)
+        if end is not None:  # a window below the end: evicted and queued again
+            return WaitState(
+                f"the producer finished the stream at window {end}, but window {window} "
+                "must be captured again: start `fanout produce` with the same flags",
+                True,
+            )
+        ago = max(0.0, time.time() - hb_wall)
+        return WaitState(
+            f"the producer was stopped (a signal, {ago:.0f} s ago) after {frontier} windows; "
+            "the stream is open: restart `fanout produce` with the same flags to continue",
+            True,
+        )
+    w = cur.execute("SELECT state FROM windows WHERE window=?", (window,)).fetchone()
+    if w is not None and w[0] == "capturing":
+        return WaitState(f"the producer is capturing window {window}", True)
+    if is_blocked(cur, cfg):
+        text, others = block_text(cur, cfg, exclude=consumer_id)
+        if others:
+            return WaitState(
+                f"the producer is blocked at K={cfg.max_live_windows} live windows {text}",
+                False,
+            )
+        return WaitState(f"the producer is blocked at K={cfg.max_live_windows} live windows", True)
+    ahead = "queued for capture" if w is None or w[0] == "queued" else str(w[0])
+    return WaitState(f"the producer is capturing (window {window} {ahead})", True)

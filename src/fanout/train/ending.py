@@ -1,0 +1,115 @@
+"""How a trainer's run ends: the state it records, the checkpoint it keeps, its last line.
+
+    end = Ending("b8")
+    try:
+        ... train; end.reached = True at --max-steps; except FanoutError as e: end.failed(e)
+        if steps and not end.fenced: end.saved = trainer.save()
+    finally:
+        end.close(stream)          # 'finished' / 'stopped' in the run, or nothing if fenced
+    end.raise_failure(state)       # TrainerStopped naming the cause and the checkpoint
+
+Every exit that is not a crash keeps what was trained and says so:
+
+| how it ends                                   | consumer state | holds windows | checkpoint |
+| --------------------------------------------- | -------------- | ------------- | ---------- |
+| its own end: stream, --max-steps, --epochs    | finished       | no            | yes        |
+| SIGINT / SIGTERM                              | stopped        | yes           | yes        |
+| a window that did not come, or failed for good| stopped        | yes           | yes        |
+| detached (lag policy or `fanout detach`)      | detached       | no            | yes        |
+| fenced off (a takeover, or declared lost)     | unchanged      | -             | no         |
+
+A fenced-off trainer writes nothing: another process may hold its consumer id (and
+its save path) now. Exit codes are fanout.train.trainer's: 0 done or stopped by a
+signal, 1 with the TrainerStopped line, 3 detached.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from fanout.errors import Detached, FanoutError, StaleLease, TrainerStopped
+
+log = logging.getLogger("fanout.train.trainer")
+
+
+class Ending:
+    """What one trainer run's end has been so far."""
+
+    def __init__(self, consumer_id: str) -> None:
+        self.consumer_id = consumer_id
+        self.reached = False  # stopped at its own stopping condition (--max-steps)
+        self.failure: FanoutError | None = None
+        self.saved: Path | None = None
+
+    @property
+    def fenced(self) -> bool:
+        """Fenced off (StaleLease, RoleTaken): no checkpoint, no state is written."""
+        return isinstance(self.failure, StaleLease)
+
+    def failed(self, e: FanoutError) -> None:
+        self.failure = e
+
+    def state(self, stream: Any) -> str:
+        return "finished" if stream.finished or self.reached else "stopped"
+
+    def close(self, stream: Any) -> None:
+        """Close the stream, recording 'finished' or 'stopped' (not when fenced or
+        detached: the coordinator no longer takes this registration's writes)."""
+        clean = not self.fenced and not isinstance(self.failure, Detached)
+        try:
+            stream.close(clean=clean, done=self.reached)
+        except FanoutError as e:
+            if self.failure is None:
+                raise
+            # the coordinator may be what failed: the failure is the news, not this
+            log.warning("%s: could not record how it ended: %s", self.consumer_id, e)
+
+    def checkpoint_line(self, state: dict[str, Any]) -> str:
+        if self.saved is not None:
+            return (
+                f"saved a checkpoint at step {state['step']} (cursor {state['cursor']}): "
+                f"{self.saved}; continue with --resume"
+            )
+        if not state["step"]:
+            return "no step was trained, so there is no checkpoint"
+        return "rank 0 saved the checkpoint"
+
+    def raise_failure(self, state: dict[str, Any]) -> None:
+        """Re-raise a controlled failure as one line with the checkpoint in it."""
+        e = self.failure
+        if e is None:
+            return
+        if self.fenced:
+            raise e
+        if isinstance(e, Detached):
+            raise Detached(f"{e}; {self.checkpoint_line(state)}") from None
+        raise TrainerStopped(
+            f"{self.consumer_id} stopped: {e}; recorded 'stopped' (it holds windows back "
+            f"until resumed or `fanout detach`ed); {self.checkpoint_line(state)}"
+        ) from None
+
+
+def summary(
+    trainer: Any, stream: Any, first: dict[str, Any] | None, last: dict[str, Any] | None
+) -> dict[str, Any]:
+    """The trainer's one summary line (stdout): steps, cursor, how the stream ended."""
+    import torch
+
+    params = [p.detach().double().sum() for p in trainer.draft.parameters() if p.requires_grad]
+    return {
+        "consumer": stream.reg.consumer_id,
+        "steps": trainer.state["step"],
+        "cursor": trainer.state["cursor"],
+        "finished_stream": stream.finished,
+        "interrupted": trainer.interrupted,
+        "adamw_backend": trainer.backend,
+        "first_loss": first and first["loss"],
+        "last_loss": last and last["loss"],
+        "first_eal": first and first["eal"],
+        "last_eal": last and last["eal"],
+        "dp_world_size": trainer.dp.world,
+        # equal on every data-parallel rank when their weights are in sync
+        "param_checksum": float(torch.stack(params).sum()),
+    }
