@@ -37,7 +37,7 @@ import pytest
 import xxhash
 
 from fanout.bench.assets import generate_corpus
-from fanout.chaos.procs import PRELOAD
+from fanout.chaos.procs import PRELOAD, child_to_log
 from fanout.coord.coordinator import Coordinator
 from fanout.errors import FanoutError
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config, wait_for
@@ -54,15 +54,7 @@ HELD = re.compile(rf"is held by {re.escape(HOST)} pid (\d+)")
 
 def _racer(argv: list[str], log_path: str, barrier: Any, delay_s: float) -> None:
     """A forked `fanout` command: stdout/stderr to its log; starts once released."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    import torch
-
-    torch.set_num_threads(1)
+    child_to_log(log_path)
     from fanout.cli import main
 
     if barrier is not None:

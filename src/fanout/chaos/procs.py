@@ -89,8 +89,9 @@ def build_assets(root: str | os.PathLike[str], conversations: int = 60) -> Chaos
 # ---------------------------------------------------------------- processes
 
 
-def _child(argv: list[str], log_path: str) -> None:
-    """Body of a forked role: stdout/stderr to its log, one torch thread, the CLI."""
+def child_to_log(log_path: str) -> None:
+    """In a forked role: stdout/stderr (fds 1, 2 and sys.*) appended to `log_path`, line
+    buffered, and one torch thread (4+ roles on 2 cores: oversubscribed threads only spin)."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -99,7 +100,12 @@ def _child(argv: list[str], log_path: str) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     import torch
 
-    torch.set_num_threads(1)  # 4+ roles on 2 cores: oversubscribed threads only spin
+    torch.set_num_threads(1)
+
+
+def _child(argv: list[str], log_path: str) -> None:
+    """Body of a forked role: stdout/stderr to its log, one torch thread, the CLI."""
+    child_to_log(log_path)
     from fanout.cli import main
 
     code = main(argv)
