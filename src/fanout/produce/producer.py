@@ -357,12 +357,9 @@ class Producer:
 
         return self.tp.verifier if self.tp else load_verifier(
             self.cfg.verifier_name_or_path,
-            target_layer_ids=self._capture_layers(),
+            target_layer_ids=capture_layers(self.cfg),
             **self.cfg.verifier_options(),
         )  # fmt: skip
-
-    def _capture_layers(self) -> tuple[int, ...] | Literal["all"] | None:
-        return capture_layers(self.cfg)
 
     def window_bytes(self) -> int:
         """Bytes of one full window on disk, header aside (docs/producer.md's arithmetic)."""
