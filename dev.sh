@@ -34,7 +34,7 @@ fi
 cmd=${1:-help}; shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/fanout" demo "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest -m "not slow" "$@" ;;
+  test) exec "$VENV/bin/python" -m pytest -m "not slow" --durations=15 "$@" ;;
   lint) "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && "$VENV/bin/lint-imports" && exec "$VENV/bin/mypy" ;;
   fanout) exec "$VENV/bin/fanout" "$@" ;;
   *) sed -n '2,7p' "$0"; exit 2 ;;

@@ -18,36 +18,66 @@ in the same run, at every `--temperature` (T = 0 always). Keys of `--json`: `los
 
 `--compare-uncached` also times the eval itself (`EvalSession.run`, models loaded and
 warmed) with the draft's context k/v cached (`fanout.model.draft_cache`) against the
-uncached reference loop, in `--rounds` interleaved rounds (A B B A …, so that drifting
-load hits both), checks both give the same tokens and τ, and prints the wall-time ratio
-(`eval_wall_s.cached`, `.uncached`, `.ratio` in `--json`).
+uncached reference loop, at every `--max-new-tokens` given, in `--rounds` interleaved
+rounds (A B B A …, so that drifting load hits both), checks both give the same tokens
+and accepted counts, and prints per length three uncached / cached ratios with their
+per-round min–max: the whole eval, the speculative decodes alone, and the draft loop
+alone (context `extend` + block `logits`, clocked inside the decode), and the draft's
+share of speculative decode time (Amdahl: the most a faster draft can save). `--json`:
+`eval_wall_s["<N>"].{wall,spec_decode,draft}.{cached,uncached,ratio,ratio_min_max}`,
+`.draft_fraction`, `.verify_steps`, `.same_outputs`; `draft_block_ms` (one block at
+contexts 64…4,096; `--recipe-depth` adds a random 5-layer draft, DraftRecipe's depth).
+`--ci-prefixes N …` prints τ's 95% interval over the first N prompts (how many prompts τ
+needs; `tau_ci_by_prompts` in `--json`).
+
+    .venv/bin/python benchmarks/eval.py --num-prompts 1 --max-new-tokens 256 1024 \
+        --ignore-eos --compare-uncached --threads 1 --recipe-depth --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from fanout.bench.bench import resolve_assets
 from fanout.bench.demo import demo_config, heldout_prompts
-from fanout.train.eval import EvalConfig, EvalSession, evaluate, load_drafts, table
+from fanout.model.dflash import DFlashDraft, DraftRecipe
+from fanout.model.spec_decode import DecodeResult
+from fanout.train.eval import (
+    EvalConfig,
+    EvalSession,
+    evaluate,
+    load_drafts,
+    table,
+    tau_interval,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--demo-dir", default=str(REPO / "runs" / "demo"), help="fanout demo dir")
     ap.add_argument("--minutes", type=float, default=2.0, help="demo training time if trained")
     ap.add_argument("--retrain", action="store_true", help="train new drafts even if present")
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument(
+        "--max-new-tokens",
+        type=int,
+        nargs="+",
+        default=[96],
+        metavar="N",
+        help="new tokens per prompt (several: --compare-uncached times each)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0], metavar="T")
@@ -59,9 +89,26 @@ def main() -> None:
         "--ignore-eos", action="store_true", help="decode all --max-new-tokens (timing)"
     )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds per loop")
+    ap.add_argument(
+        "--recipe-depth",
+        action="store_true",
+        help="with --compare-uncached: also a random draft of the real recipe's depth (5 layers)",
+    )
+    ap.add_argument(
+        "--ci-prefixes",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also τ's 95%% interval over the first N prompts only (how many τ needs)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, help="write results as JSON to this path")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     if a.threads:  # on a loaded shared CPU, 1 thread avoids stalls between threads
         torch.set_num_threads(a.threads)
 
@@ -81,7 +128,7 @@ def main() -> None:
         data=str(held),
         draft=[str(d) for d in drafts],
         num_prompts=a.num_prompts,
-        max_new_tokens=a.max_new_tokens,
+        max_new_tokens=a.max_new_tokens[0],
         device=a.device,
         dtype=a.dtype,
         temperature=a.temperature,
@@ -90,7 +137,10 @@ def main() -> None:
         seed=a.seed,
         eos_token_id=[-1] if a.ignore_eos else None,  # no token is -1: never stops early
     )
-    rep = compare_loops(ecfg, a.rounds) if a.compare_uncached else evaluate(ecfg)
+    if a.compare_uncached:
+        rep = compare_loops(ecfg, a.rounds, a.max_new_tokens, a.recipe_depth)
+    else:
+        rep = evaluate(ecfg)
     rep["drafts_reused"] = reused
     rep["threads"] = torch.get_num_threads()
     rep["cpus"] = os.cpu_count()
@@ -99,57 +149,206 @@ def main() -> None:
     print(
         f"hardware: {rep['hardware']}, {os.cpu_count()} CPUs, load {load}, torch "
         f"{torch.__version__}; verifier {assets.verifier_dir.name} (demo's tiny Qwen3), "
-        f"{rep['prompts']} held-out prompts, {a.max_new_tokens} new tokens, {a.dtype}; "
+        f"{rep['prompts']} held-out prompts, {'/'.join(map(str, a.max_new_tokens))} new tokens, {a.dtype}; "
         f"drafts {'reused' if reused else 'trained'} from {out}"
     )
     print("\n".join(table(rep)))
     if "eval_wall_s" in rep:
-        w = rep["eval_wall_s"]
-        print(
-            f"eval wall time ({a.rounds} interleaved rounds each, models loaded and warm): "
-            f"cached {w['cached']:.1f} s, uncached {w['uncached']:.1f} s, ratio "
-            f"{w['ratio']:.2f}×; same tokens and τ: {w['same_outputs']}"
-        )
-        for p, ms in w["draft_block_ms"].items():
+        print("\n".join(loop_lines(rep)))
+    if a.ci_prefixes:
+        rep["tau_ci_by_prompts"] = ci_by_prompts(rep, a.ci_prefixes)
+        for n, by in rep["tau_ci_by_prompts"].items():
             print(
-                f"  one draft block at context {p:>5}: cached {ms['cached']:.2f} ms, "
-                f"uncached {ms['uncached']:.2f} ms ({ms['ratio']:.2f}×)"
+                f"first {n:>4} prompts: "
+                + ", ".join(
+                    f"{d} τ {c['tau']:.2f} ±{c['half']:.3f} ({c['steps']} steps)"
+                    for d, c in by.items()
+                )
             )
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=2) + "\n")
 
 
-def compare_loops(ecfg: EvalConfig, rounds: int) -> dict:
-    """The eval's own wall time with and without the draft cache, interleaved."""
-    import time
+def ci_by_prompts(rep: dict, prefixes: list[int]) -> dict:
+    """τ (T = 0) and its printed 95% interval (`tau_interval`, the eval's own) over the
+    first n prompts' records, per draft: how the interval narrows with prompts."""
+    out: dict = {}
+    for n in (k for k in prefixes if k <= rep["prompts"]):
+        by: dict = {}
+        for name, d in rep["drafts"].items():
+            rs = [
+                DecodeResult(r["drafts"][name]["0.0"]["tokens"], 0, 0.0,
+                             r["drafts"][name]["0.0"]["accepted"], d["block_size"])
+                for r in rep["prompt_records"][:n]
+            ]  # fmt: skip
+            lo, hi = tau_interval(rs) or (float("nan"), float("nan"))
+            steps = sum(len(r.accepted) for r in rs)
+            tau = sum(a + 1 for r in rs for a in r.accepted) / max(steps, 1)
+            by[name] = {"tau": round(tau, 4), "half": round((hi - lo) / 2, 4), "steps": steps}
+        out[str(n)] = by
+    return out
 
+
+def loop_lines(rep: dict) -> list[str]:
+    """The --compare-uncached table: per length, three uncached/cached ratios with their
+    per-round spread, and the draft's share of a speculative decode."""
+    lines = [
+        "eval time, uncached / cached, models loaded and warm, rounds interleaved A B B A "
+        "(spread: min–max over rounds):",
+        f"{'new tok':>7} {'rounds':>6} {'steps':>6} {'whole eval':>22} {'spec decode':>22} "
+        f"{'draft loop':>22} {'draft share c/u':>15} same",
+    ]
+    for n, w in rep["eval_wall_s"].items():
+        cells = [
+            f"{w[k]['ratio']:.2f}× ({w[k]['ratio_min_max'][0]:.2f}–{w[k]['ratio_min_max'][1]:.2f}) "
+            f"{w[k]['uncached']:.0f}/{w[k]['cached']:.0f}s"
+            for k in ("wall", "spec_decode", "draft")
+        ]
+        f = w["draft_fraction"]
+        lines.append(
+            f"{n:>7} {w['rounds']:>6} {w['verify_steps']:>6} {cells[0]:>22} {cells[1]:>22} "
+            f"{cells[2]:>22} {f['cached']:>6.1%}/{f['uncached']:<6.1%}  {w['same_outputs']}"
+        )
+    for name, by_p in rep["draft_block_ms"].items():
+        for p, ms in by_p.items():
+            lines.append(
+                f"  one {name} draft block at context {p:>5}: cached {ms['cached']:.2f} ms, "
+                f"uncached {ms['uncached']:.2f} ms ({ms['ratio']:.2f}×)"
+            )
+    return lines
+
+
+def compare_loops(ecfg: EvalConfig, rounds: int, lengths: list[int], recipe: bool) -> dict:
+    """The eval's own wall time with and without the draft cache, interleaved, at every
+    length in `lengths`; the draft's own time (context `extend` + block `logits`) is
+    clocked inside the decode, so the whole-eval, speculative-decode and draft-loop
+    ratios and the draft's share of a decode come from the same runs."""
     _, drafts, eals = load_drafts(ecfg)
+    if recipe:  # the real recipe's depth, random weights (τ ≈ 1: cost, not quality)
+        drafts["r5-random"], eals["r5-random"] = (
+            recipe_depth_draft(next(iter(drafts.values()))),
+            None,
+        )
     layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
-    session = EvalSession(ecfg, layers)
+    session = EvalSession(ecfg.model_copy(update={"max_new_tokens": lengths[0]}), layers)
     session.warm(drafts)
-    secs = {True: 0.0, False: 0.0}
-    reps: dict[bool, dict] = {}
-    order = [c for r in range(rounds) for c in ((True, False) if r % 2 == 0 else (False, True))]
-    for i, cached in enumerate(order):
-        session.cfg = ecfg.model_copy(update={"cache_draft": cached})
-        if i == 1:
-            session.warm(drafts)  # the uncached loop's own first calls, untimed
-        t0 = time.perf_counter()
-        reps[cached] = session.run(drafts, eals)
-        secs[cached] += time.perf_counter() - t0
-    same = reps[True]["prompt_records"] == reps[False]["prompt_records"]
+    out: dict[str, dict] = {}
+    rep: dict = {}
+    for n in lengths:
+        cfg = ecfg.model_copy(update={"max_new_tokens": n})
+        arms: dict[bool, dict[str, list[float]]] = {
+            c: {"wall": [], "spec_decode": [], "draft": []} for c in (True, False)
+        }
+        reps: dict[bool, dict] = {}
+        order = [c for r in range(rounds) for c in ((True, False) if r % 2 == 0 else (False, True))]
+        for i, cached in enumerate(order):
+            session.cfg = cfg.model_copy(update={"cache_draft": cached})
+            if i < 2:
+                session.warm(drafts)  # each loop's first calls at this length, untimed
+            clock = [0.0]
+            with timed_draft(clock):
+                t0 = time.perf_counter()
+                reps[cached] = session.run(drafts, eals)
+                arms[cached]["wall"].append(time.perf_counter() - t0)
+            arms[cached]["spec_decode"].append(
+                sum(d["decode_seconds"] for d in reps[cached]["drafts"].values())
+            )
+            arms[cached]["draft"].append(clock[0])
+        out[str(n)] = loop_figures(arms, reps, rounds)
+        rep = reps[True]
+    rep["eval_wall_s"] = out
     draft = next(iter(drafts.values()))
-    step_ms = draft_step_ms(draft, session.verifier.model.config.hidden_size)
-    rep = reps[True]
-    rep["eval_wall_s"] = {
-        "cached": round(secs[True], 2),
-        "uncached": round(secs[False], 2),
-        "ratio": round(secs[False] / max(secs[True], 1e-9), 3),
-        "same_outputs": same,
-        "rounds": rounds,
-        "draft_block_ms": step_ms,
+    hidden = session.verifier.model.config.hidden_size
+    rep["draft_block_ms"] = {
+        name: draft_step_ms(d, hidden)
+        for name, d in (
+            [("demo", draft), ("r5", recipe_depth_draft(draft))] if recipe else [("demo", draft)]
+        )
     }
     return rep
+
+
+def loop_figures(
+    arms: dict[bool, dict[str, list[float]]], reps: dict[bool, dict], rounds: int
+) -> dict:
+    """Totals, per-round spread and the three ratios (uncached / cached) of one length."""
+    tot = {c: {k: sum(v) for k, v in a.items()} for c, a in arms.items()}
+
+    def ratio(k: str) -> float:
+        return round(tot[False][k] / max(tot[True][k], 1e-9), 3)
+
+    def spread(k: str) -> list[float]:  # per-round ratio, min and max (rounds pair A B)
+        rs = [u / max(c, 1e-9) for u, c in zip(arms[False][k], arms[True][k])]
+        return [round(min(rs), 3), round(max(rs), 3)]
+
+    return {
+        "rounds": rounds,
+        "same_outputs": reps[True]["prompt_records"] == reps[False]["prompt_records"],
+        "verify_steps": sum(
+            f["verify_steps"]
+            for d in reps[True]["drafts"].values()
+            for f in d["at_temperature"].values()
+        ),
+        **{
+            k: {
+                "cached": round(tot[True][k], 2),
+                "uncached": round(tot[False][k], 2),
+                "ratio": ratio(k),
+                "ratio_min_max": spread(k),
+            }
+            for k in ("wall", "spec_decode", "draft")
+        },
+        # the draft's share of speculative decode time (Amdahl: the most the cache can save)
+        "draft_fraction": {
+            c: round(tot[b]["draft"] / max(tot[b]["spec_decode"], 1e-9), 3)
+            for c, b in (("cached", True), ("uncached", False))
+        },
+        "spec_decode_fraction_of_wall": round(
+            tot[False]["spec_decode"] / max(tot[False]["wall"], 1e-9), 3
+        ),
+    }
+
+
+@contextlib.contextmanager
+def timed_draft(clock: list[float]) -> Iterator[None]:
+    """Within: the decoder's draft contexts add their `extend` + `logits` seconds to
+    clock[0] (the decoder builds them by these names; restored on exit)."""
+    import fanout.model.spec_decode as sd
+
+    def timed(cls: type) -> type:
+        class Timed(cls):
+            def extend(self, hidden: torch.Tensor) -> None:
+                t0 = time.perf_counter()
+                super().extend(hidden)
+                clock[0] += time.perf_counter() - t0
+
+            def logits(self, seq: list[int]) -> torch.Tensor:
+                t0 = time.perf_counter()
+                out = super().logits(seq)
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+                clock[0] += time.perf_counter() - t0
+                return out
+
+        return Timed
+
+    saved = sd.DraftCache, sd.UncachedDraft
+    sd.DraftCache, sd.UncachedDraft = timed(saved[0]), timed(saved[1])  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        sd.DraftCache, sd.UncachedDraft = saved  # type: ignore[misc]
+
+
+def recipe_depth_draft(like: DFlashDraft) -> DFlashDraft:
+    """A draft of DraftRecipe's default depth (5 layers) on `like`'s verifier shapes, full
+    vocabulary, random weights: what a block costs at the real recipe's depth."""
+    cfg = like.cfg.model_copy(
+        update={"num_layers": DraftRecipe().num_layers, "draft_vocab_size": None}
+    )
+    d = DFlashDraft(cfg, like.embed_weight, like.embed_weight if like.d2t is not None else like.lm_head_weight,
+                    like.verifier_norm_weight)  # fmt: skip
+    return d.to(like.fc.weight.dtype).eval()
 
 
 def draft_step_ms(draft, hidden: int, lengths=(64, 320, 1024, 4096), reps: int = 10) -> dict:

@@ -8,7 +8,7 @@ Three drafts that differ only in their verifier layers (`--sets`, default [1,4,7
 rows two ways, every role its own process (fanout.bench.bench's harness: `fanout produce`,
 `fanout train`, telemetry, validity rules):
 - `sweep`: one producer captures the union (`--capture-layer-ids`), three trainers
-  each read their own set (`--target-layer-ids`) from the one stream;
+  each read their own set (`--draft-layer-ids`) from the one stream;
 - `separate`: three producer + trainer pairs, each producer capturing one set.
 `sweep_speedup_vs_separate` = aggregate trainer rows/s (all three, over the window in
 which all three are in their steady state) of `sweep` ÷ that of `separate` (goal
@@ -134,7 +134,7 @@ def _bench_config(a: argparse.Namespace, sets: list[list[int]]) -> Any:
             lr=3e-4,
             seed=0,
             rows_per_step=a.rows_per_step,
-            extra_args=["--target-layer-ids", *map(str, s)],
+            extra_args=["--draft-layer-ids", *map(str, s)],
         )
         for s in sets
     ]
@@ -271,7 +271,7 @@ def bytes_read(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict
         ccfg = ConsumerConfig(
             run_dir=str(run),
             consumer_id=_cid(s),
-            target_layer_ids=s,
+            draft_layer_ids=s,
             max_windows=len(files),
             heartbeat_s=1.0,
         )

@@ -213,7 +213,7 @@ def main() -> None:
                 "H": a.hidden,
                 "L": a.layers,
                 "vocab": a.vocab,
-                "target_layer_ids": p.verifier.target_layer_ids,
+                "capture_layer_ids": p.verifier.capture_layer_ids,
                 "T": a.seq_len,
                 "R": a.window_rows,
                 "windows": a.windows,
@@ -302,7 +302,7 @@ def tp_main(a: argparse.Namespace) -> None:
     dist.barrier(group=control)
     ver = Path(tmp) / "verifier"
     cfg = _config(a, tmp, ver, f"run-tp{a.tp}", tp=a.tp)
-    verifier = load_verifier(ver, target_layer_ids=None, **cfg.verifier_options())
+    verifier = load_verifier(ver, capture_layer_ids=None, **cfg.verifier_options())
     if rank != 0:
         follow(verifier, control, 3600)
         dist.destroy_process_group()

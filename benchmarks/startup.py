@@ -64,7 +64,7 @@ def build_run(root: Path) -> Path:
         tokenizer=str(tok),
         seq_len=96,
         window_rows=4,
-        target_layer_ids=[1, 2],
+        capture_layer_ids=[1, 2],
         workers=1,
         progress=False,
         exit_when_idle_s=0,

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/storage_dtype.py                       # demo's tiny Qwen3, CPU
     .venv/bin/python benchmarks/storage_dtype.py --verifier /models/Qwen3-8B \
-        --tokenizer /models/Qwen3-8B --data chats.jsonl --target-layer-ids 1 9 17 25 33 \
+        --tokenizer /models/Qwen3-8B --data chats.jsonl --capture-layer-ids 1 9 17 25 33 \
         --seq-len 2048 --windows 200 --steps 2000 --device cuda --json /tmp/fp8.json
 
 For each storage dtype: one producer captures the same `--windows` windows, then one
@@ -36,7 +36,10 @@ def main() -> None:
     ap.add_argument("--verifier", default=None, help="verifier dir (default: demo assets)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer dir (default: demo assets)")
     ap.add_argument("--data", nargs="+", default=None, help="chat files (default: demo assets)")
-    ap.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 3, 4])
+    # --target-layer-ids: the older name, as `fanout produce` still accepts it
+    ap.add_argument(
+        "--capture-layer-ids", "--target-layer-ids", type=int, nargs="+", default=[1, 3, 4]
+    )
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per packed row T")
     ap.add_argument("--window-rows", type=int, default=8, help="rows per window R")
     ap.add_argument("--windows", type=int, default=100, help="windows captured per dtype")
@@ -66,7 +69,7 @@ def main() -> None:
                     window_rows=a.window_rows,
                     max_live_windows=a.windows + 1,
                     expected_consumers=1000,  # keep every window: the draft reads them after
-                    target_layer_ids=a.target_layer_ids,
+                    capture_layer_ids=a.capture_layer_ids,
                     storage_dtype=storage,
                     max_windows=a.windows,
                     device=a.device,
@@ -103,7 +106,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "hardware": f"{dev.type}: {hw}, {os.cpu_count()} CPUs",
         "sizes": {k: getattr(a, k) for k in ("seq_len", "window_rows", "windows", "steps")}
-        | {"target_layer_ids": a.target_layer_ids, "verifier": a.verifier},
+        | {"capture_layer_ids": a.capture_layer_ids, "verifier": a.verifier},
         "results": results,
         "eal_fp8_vs_bf16": results["float8_e4m3fn"]["eal"] / results["bfloat16"]["eal"],
         "bytes_fp8_vs_bf16": results["float8_e4m3fn"]["bytes_per_token"]

@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=4, help="packed rows per forward (B)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per row (T)")
     p.add_argument("--docs", type=int, default=4, help="documents per packed row")
-    p.add_argument("--draft-layers", type=int, default=2, help="target layers via the DFlash rule")
+    p.add_argument("--draft-layers", type=int, default=2, help="layers captured (DFlash rule)")
     p.add_argument("--chunk-tokens", type=int, default=1024, help="lm_head chunk (tokens)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (best of)")
     p.add_argument("--device", default="auto")
@@ -107,7 +107,7 @@ def main() -> None:
             "H": a.hidden,
             "L": a.layers,
             "vocab": a.vocab,
-            "target_layer_ids": v.target_layer_ids,
+            "capture_layer_ids": v.capture_layer_ids,
             "dtype": str(v.dtype),
         },
         "forward_tokens_per_s": tokens / t_fwd,

@@ -54,7 +54,7 @@ def produce_argv(run: Path, a: ChaosAssets, data: Path, cache: Path, *extra: str
     return [
         "produce", "--no-progress", "--run-dir", str(run), "--verifier-name-or-path",
         str(a.verifier), "--tokenizer", str(a.tokenizer), "--data", str(data), "--seq-len",
-        "64", "--window-rows", "2", "--max-live-windows", "4", "--target-layer-ids", "1", "2",
+        "64", "--window-rows", "2", "--max-live-windows", "4", "--capture-layer-ids", "1", "2",
         "--workers", "1", "--cache-dir", str(cache), "--device", "cpu", *extra,
     ]  # fmt: skip
 

@@ -251,6 +251,8 @@ def _check_valid_report(rep: dict[str, Any], out: Path) -> None:
     assert tel["samples"] >= 2 or any("telemetry" in f for f in rep["flags"])
 
 
+# slow (≈40 s): the default run keeps the early-stop, failure and PostgreSQL bench runs
+@pytest.mark.slow
 def test_smoke_three_scenarios_end_to_end(assets_cache: Path, tmp_path: Path) -> None:
     cfg = smoke_config(assets_cache)
     rep = run_bench(cfg, tmp_path / "out", echo=lambda s: None)

@@ -179,7 +179,7 @@ def test_aux_layer_ids_index_hf_hidden_states(verifier_dir: Path, tmp_path: Path
     opt, _ = make_optimizer(d.parameters(), lr=1e-3)
     path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
     aux = json.loads((path / "config.json").read_text())["aux_hidden_state_layer_ids"]
-    v = load_verifier(verifier_dir, device="cpu", target_layer_ids=[1, 2], storage_dtype="float32")
+    v = load_verifier(verifier_dir, device="cpu", capture_layer_ids=[1, 2], storage_dtype="float32")
     ids = torch.randint(0, 250, (1, 24), generator=torch.Generator().manual_seed(3))
     cap = v.capture(ids, torch.arange(24)[None], torch.zeros(1, 24, dtype=torch.long))
     hf = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32)

@@ -35,6 +35,7 @@ from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat
 from fanout.data.prepare import DataOptions, PrepareConfig
 from fanout.flags import configure_logging, declared_in, field_flag, flag_kind, to_flags
+from fanout.model.capture_layers import CaptureLayers
 from fanout.model.dflash import DFlashConfig, DraftRecipe
 from fanout.model.verifier import VerifierConfig, VerifierOptions
 from fanout.produce import producer as produce_mod
@@ -69,6 +70,7 @@ COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
         ChatFormat,
         DataOptions,
         VerifierOptions,
+        CaptureLayers,
         RunOptions,
         RegenOptions,
         HeartbeatOptions,
@@ -85,7 +87,7 @@ COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
 # each command declares itself on purpose (its comment there says why).
 PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
     (ProducerConfig, PrepareConfig): {"tokenizer", "seq_len", "seed"},
-    (ProducerConfig, VerifierConfig): {"target_layer_ids"},
+    (ProducerConfig, VerifierConfig): set(),
     (ProducerConfig, RunConfig): set(),
     (TrainConfig, ConsumerConfig): set(),
     # the producer writes the run (dir, database) the trainer reads and may override; its
@@ -407,28 +409,43 @@ def test_train_recipe_reaches_the_draft_config(paths: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "names", "value", "argv_value"),
+    ("command", "field", "names", "value", "argv_value"),
     [
-        ("loss_weighting", ("per_position_loss_weight", "loss_weighting"), "dpace", ["dpace"]),
-        ("draft_layer_ids", ("draft_layer_ids", "target_layer_ids"), [1, 3], ["3", "1"]),
+        ("train", "loss_weighting", ("per_position_loss_weight", "loss_weighting"), "dpace",
+         ["dpace"]),
+        ("train", "draft_layer_ids", ("draft_layer_ids", "target_layer_ids"), [1, 3], ["3", "1"]),
+        ("produce", "capture_layer_ids", ("capture_layer_ids", "target_layer_ids"), [3, 1],
+         ["3", "1"]),
+        ("produce", "capture_layer_ids", ("capture_layer_ids", "target_layer_ids"), ["all"],
+         ["all"]),
     ],
-)
+)  # fmt: skip
 def test_renamed_flag_keeps_its_old_name(
-    paths: dict[str, str], field: str, names: tuple[str, str], value: Any, argv_value: list[str]
+    paths: dict[str, str],
+    command: str,
+    field: str,
+    names: tuple[str, str],
+    value: Any,
+    argv_value: list[str],
 ) -> None:
     """A field's flag and its older name (--per-position-loss-weight, speculators' name,
-    and --loss-weighting; --draft-layer-ids and --target-layer-ids) set the same field,
-    from flags and from --config keys; to_flags writes the first; --help shows both."""
-    base = _base("train", paths)
-    argv = [a for k, v in base.items() for a in (field_flag(k, TrainConfig.model_fields[k]), v)]
+    and --loss-weighting; --draft-layer-ids and --target-layer-ids; --capture-layer-ids
+    and --target-layer-ids) set the same field, from flags and from --config keys;
+    to_flags writes the first; --help shows both."""
+    model = COMMANDS[command][1]
+    base = _base(command, paths)
+    argv = [a for k, v in base.items() for a in _argv(k, model.model_fields[k], v)]
     flags = ["--" + n.replace("_", "-") for n in names]
     for flag in flags:
-        cfg = _build("train", [*argv, flag, *argv_value])
-        assert isinstance(cfg, TrainConfig) and getattr(cfg, field) == value
+        cfg = _build(command, [*argv, flag, *argv_value])
+        assert isinstance(cfg, model) and getattr(cfg, field) == value
     for key in names:
-        assert getattr(TrainConfig.model_validate(base | {key: value}), field) == value
-    assert to_flags(TrainConfig, {field: value})[0] == flags[0]
-    help_text = _subparser("train").format_help()
+        assert getattr(model.model_validate(base | {key: value}), field) == value
+        conf = Path(paths["dir"]) / f"{key}.json"
+        conf.write_text(json.dumps(base | {key: value}))
+        assert getattr(_build(command, ["--config", str(conf)]), field) == value
+    assert to_flags(model, {field: value})[0] == flags[0]
+    help_text = _subparser(command).format_help()
     assert all(f in help_text for f in flags)
 
 

@@ -320,9 +320,9 @@ def test_named_reads_and_the_audit_on_either_database(db: str | None, tmp_path: 
     assert not co.run_was_used("me") and co.run_was_used("someone else")
     cl = co.claim(p)
     assert cl is not None
-    assert co.pending_windows() == 1 and co.live_windows() == (0, 0)
+    assert co.pending_windows() == 1 and co.ready_windows() == (0, 0)
     publish(co, store, c, cl)
-    n, nbytes = co.live_windows()
+    n, nbytes = co.ready_windows()
     assert n == 1 and nbytes > 0 and co.pending_windows() == 0 and co.run_was_used("me")
     reg = co.register_consumer("a")
     assert co.consumers_registered() == 1
@@ -377,7 +377,7 @@ def test_acquire_times_out_then_resumes_with_recapture(db: str | None, tmp_path:
         co.ack(lease)
     assert files(store) == []
     # The trainer's checkpoint says cursor 0: window 0 is gone, so it is captured again.
-    r = co.resume(r, cursor=0)
+    r = co.register_consumer("a", cursor=0)
     with pytest.raises(AcquireTimeout, match="recapture"):
         co.acquire(r, timeout_s=0.01)
     cl = produce(co, p, store, c)
@@ -440,7 +440,7 @@ def test_new_producer_fences_old_one(db: str | None, tmp_path: Path) -> None:
         co.publish_ready(cl, fake)
     cl2 = co.claim(p2)
     assert cl2 is not None and cl2.window == 0 and cl2.generation > cl.generation
-    assert co.is_live(0, cl2.generation) and not co.is_live(0, cl.generation)
+    assert co.wants_file(0, cl2.generation) and not co.wants_file(0, cl.generation)
 
 
 # ---- backpressure and lag policies ---------------------------------------------------
@@ -730,7 +730,7 @@ def test_heartbeat_thread_beats_and_reports_fencing(db: str | None, tmp_path: Pa
         for _ in range(500):
             if hb.beats >= 3:
                 break
-            co._wait_change(None, 0.01)
+            co.run.wait_change(None, 0.01)
         assert hb.beats >= 3
         co.register_consumer("a")  # supersede: the thread's next beat is fenced
         hb._thread.join(timeout=5)

@@ -334,12 +334,12 @@ def test_one_layer_rule_for_producer_and_trainer(tmp_path: Path) -> None:
     come from the same function (they once disagreed: [18] vs [1] for 36 layers, 1 draft
     layer)."""
     from fanout.bench.assets import tiny_qwen3_verifier
+    from fanout.model.capture_layers import resolve_capture_layer_ids
     from fanout.model.dflash import default_target_layer_ids
-    from fanout.model.verifier import resolve_target_layer_ids
 
     assert default_target_layer_ids(36, 1) == [18]
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     vdir = tiny_qwen3_verifier(tmp_path, 64, hidden_size=16, num_layers=8, head_dim=8)
     for n in (1, 2, 3):
         d = DFlashDraft.from_verifier(vdir, num_layers=n)
-        assert d.cfg.target_layer_ids == resolve_target_layer_ids(8, None, n)
+        assert d.cfg.target_layer_ids == resolve_capture_layer_ids(8, None, n)

@@ -153,7 +153,7 @@ def test_cursors_advance_on_ack_and_a_resume_moves_them_back(tmp_path: Path) -> 
     co.ack(leases[0])  # an older window acked later: the cursor stays
     cursor = lambda: co.conn.execute("SELECT cursor FROM consumers").fetchone()[0]  # noqa: E731
     assert cursor() == 3
-    r = co.resume(r, cursor=1)
+    r = co.register_consumer(r.consumer_id.partition(":dp")[0], cursor=1)  # --resume
     assert cursor() == 1
     text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     assert "never backwards;" not in text and "resume" in text

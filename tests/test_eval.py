@@ -40,7 +40,7 @@ def vdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def decoder(vdir: Path) -> Decoder:
-    v = load_verifier(vdir, device="cpu", target_layer_ids=[1, 2, 3], num_draft_layers=None)
+    v = load_verifier(vdir, device="cpu", capture_layer_ids=[1, 2, 3], num_draft_layers=None)
     return Decoder(v, {EOS})
 
 

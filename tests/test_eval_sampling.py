@@ -122,7 +122,7 @@ def decoder(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
     vdir = tiny_qwen3_verifier(
         tmp_path_factory.mktemp("v"), 256, hidden_size=32, num_layers=4, head_dim=8
     )
-    v = load_verifier(vdir, device="cpu", target_layer_ids=[1, 3], num_draft_layers=None)
+    v = load_verifier(vdir, device="cpu", capture_layer_ids=[1, 3], num_draft_layers=None)
     return Decoder(v, set())
 
 

@@ -64,13 +64,13 @@ def test_flags_parse_to_the_right_types() -> None:
     args = p.parse_args(
         [
             "--run-dir", "r", "--verifier-name-or-path", "v", "--data", "a.json", "b.jsonl",
-            "--window-rows", "8", "--target-layer-ids", "1", "3", "--no-progress",
+            "--window-rows", "8", "--capture-layer-ids", "1", "3", "--no-progress",
             "--lag-policy", "recapture", "--max-windows", "none", "--ttl-s", "2.5",
         ]
     )  # fmt: skip
     cfg = model_from_args(ProducerConfig, args)
     assert cfg.data == ["a.json", "b.jsonl"]
-    assert cfg.window_rows == 8 and cfg.target_layer_ids == [1, 3]
+    assert cfg.window_rows == 8 and cfg.capture_layer_ids == [1, 3]
     assert cfg.progress is False and cfg.lag_policy == "recapture"
     assert cfg.max_windows is None and cfg.ttl_s == 2.5
     # unset flags keep the model's defaults
@@ -78,9 +78,9 @@ def test_flags_parse_to_the_right_types() -> None:
     none = model_from_args(
         ProducerConfig,
         p.parse_args(["--run-dir", "r", "--verifier-name-or-path", "v", "--data", "x",
-                      "--target-layer-ids", "none"]),
+                      "--capture-layer-ids", "none"]),
     )  # fmt: skip
-    assert none.target_layer_ids is None
+    assert none.capture_layer_ids is None
 
 
 @pytest.mark.parametrize(

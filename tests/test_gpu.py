@@ -139,7 +139,7 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(
         window_rows=4,
         capture_batch_rows=1,  # four batches, four queued copies per window
         max_live_windows=64,
-        target_layer_ids=[1, 2],
+        capture_layer_ids=[1, 2],
         store_last_hidden_states=True,
         storage_dtype=storage,
         overlap_publish="on",

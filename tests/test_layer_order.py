@@ -55,7 +55,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data, tok, ver = build_tiny_assets(root, generate_corpus(60, seed=4))
     run = root / "run"
     cfg = tiny_producer_config(
-        root, run, target_layer_ids=None, capture_layer_ids=[2, 1, 0], max_windows=2,
+        root, run, capture_layer_ids=[2, 1, 0], max_windows=2,
         max_live_windows=1000, expected_consumers=1000,  # never evicts: all read all
     )  # fmt: skip
     Producer(cfg).run()

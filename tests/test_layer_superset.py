@@ -62,7 +62,7 @@ class Env:
 def _producer_cfg(env_root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
     """tiny_producer_config, capturing only what each test names (capture_layer_ids)."""
     base: dict[str, Any] = dict(
-        target_layer_ids=None,
+        capture_layer_ids=None,
         max_windows=3,
         max_live_windows=1000,  # never evicts: every test reads every window
         expected_consumers=1000,
@@ -141,17 +141,43 @@ def test_the_contract_records_the_captured_set_and_windows_one_tensor_per_layer(
             assert torch.equal(r.get("target_ids"), x.get("target_ids"))
 
 
-def test_capture_layer_ids_all_and_its_older_name() -> None:
-    base = dict(run_dir="r", verifier_name_or_path="v", data=["d"])
-    assert ProducerConfig(**base, capture_layer_ids="all").capture_layer_ids == ["all"]
-    assert ProducerConfig(**base, capture_layer_ids=["3", "1"]).capture_layer_ids == [3, 1]
-    with pytest.raises(ValueError, match="not both"):
-        ProducerConfig(**base, target_layer_ids=[1], capture_layer_ids=[1, 2])
-    with pytest.raises(ValueError, match="stands alone"):
-        ProducerConfig(**base, capture_layer_ids=["all", 1])
-    from fanout.model.verifier import resolve_target_layer_ids
+def test_capture_layer_ids_all_and_its_older_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`capture_layer_ids` (one field, in ProducerConfig and VerifierConfig) takes ids or
+    'all'; its older name `target_layer_ids` means the same; giving both is one line."""
+    from fanout import cli
+    from fanout.model.capture_layers import resolve_capture_layer_ids
+    from fanout.model.verifier import VerifierConfig
 
-    assert resolve_target_layer_ids(8, "all", None) == list(range(8))
+    base = dict(run_dir="r", verifier_name_or_path="v", data=["d"])
+    for key in ("capture_layer_ids", "target_layer_ids"):
+        assert ProducerConfig(**base, **{key: "all"}).capture_layer_ids == ["all"]
+        assert ProducerConfig(**base, **{key: ["3", "1"]}).capture_layer_ids == [3, 1]
+        assert VerifierConfig(path="v", **{key: (2, 0)}).capture_layer_ids == [2, 0]
+        assert VerifierConfig(path="v", **{key: "all"}).capture_layer_ids == ["all"]
+        with pytest.raises(ValueError, match="stands alone"):
+            ProducerConfig(**base, **{key: ["all", 1]})
+    assert ProducerConfig(**base).capture_layer_ids is None  # the DFlash rule
+    for both in ({"target_layer_ids": [1], "capture_layer_ids": [1, 2]},
+                 {"target_layer_ids": None, "capture_layer_ids": [1]}):  # fmt: skip
+        with pytest.raises(ValueError, match="older name --target-layer-ids, not both"):
+            ProducerConfig(**base, **both)
+        with pytest.raises(ValueError, match="not both"):
+            VerifierConfig(path="v", **both)
+    # the command line: one line naming the flag, exit 1, nothing created
+    conf = tmp_path / "both.json"
+    conf.write_text(json.dumps({"target_layer_ids": [1], "capture_layer_ids": [2]}))
+    run = tmp_path / "run"
+    argv = ["produce", "--run-dir", str(run), "--verifier-name-or-path", str(tmp_path),
+            "--data", str(conf), "--config", str(conf)]  # fmt: skip
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    want = "--capture-layer-ids: give --capture-layer-ids or its older name --target-layer-ids"
+    assert len(err.splitlines()) == 1 and want in err and "Traceback" not in err, err
+    assert not run.exists()
+    assert resolve_capture_layer_ids(8, "all", None) == list(range(8))
+    assert resolve_capture_layer_ids(8, ["all"], None) == list(range(8))
 
 
 # ---- trainers -------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
     # Reference: HF's own forward with output_hidden_states=True, one document at a time
     # (positions from 0, no packing), fp32. Layer i is hidden_states[i + 1].
     model = AutoModelForCausalLM.from_pretrained(tiny.verifier, dtype=torch.float32).eval()
-    layers = p.verifier.target_layer_ids
+    layers = p.verifier.capture_layer_ids
     checked = 0
     for name in names:
         _check_rows(store, name, p)
@@ -260,14 +260,14 @@ def test_changed_contract_is_refused_naming_the_fields(
     stream_json = (run / "stream.json").read_text()
     counts = (run / "token_counts.safetensors").read_bytes()
     with pytest.raises(ContractMismatch, match="target_layer_ids") as e:
-        Producer(_cfg(tiny, run, max_windows=1, target_layer_ids=[1, 3]))
+        Producer(_cfg(tiny, run, max_windows=1, capture_layer_ids=[1, 3]))
     assert set(e.value.fields) == {"target_layer_ids"}
     with pytest.raises(ContractMismatch, match="seq_len"):
         Producer(_cfg(tiny, run, max_windows=1, seq_len=64))
     assert (run / "stream.json").read_text() == stream_json  # a refused producer changes nothing
     assert (run / "token_counts.safetensors").read_bytes() == counts
     # the CLI says the same and exits 1
-    argv = _argv_of(_cfg(tiny, run, max_windows=1, target_layer_ids=[0, 2]))
+    argv = _argv_of(_cfg(tiny, run, max_windows=1, capture_layer_ids=[0, 2]))
     assert cli.main(argv[3:]) == 1
     err = capsys.readouterr().err
     assert "contract mismatch" in err and "target_layer_ids" in err

@@ -44,9 +44,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(assets: Path) -> tuple[Any, Any]:
-    return load_verifier(assets / "verifier", device="cpu", target_layer_ids="all"), load_tokenizer(
-        str(assets / "tok")
-    )
+    return load_verifier(
+        assets / "verifier", device="cpu", capture_layer_ids="all"
+    ), load_tokenizer(str(assets / "tok"))
 
 
 def config(assets: Path, out: Path, **kw: Any) -> RegenerateConfig:

@@ -16,13 +16,13 @@ from safetensors.torch import load_file, save_file
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.contract import CaptureContract
 from fanout.errors import ConfigError
+from fanout.model.capture_layers import resolve_capture_layer_ids
+from fanout.model.dflash import default_target_layer_ids
 from fanout.model.verifier import (
     Verifier,
     config_hash,
-    default_target_layer_ids,
     load_verifier,
     packed_attention_mask,
-    resolve_target_layer_ids,
     weights_fingerprint,
 )
 
@@ -39,7 +39,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def verifier(tiny_dir: Path) -> Verifier:
     return load_verifier(
-        tiny_dir, target_layer_ids=[0, 2, 5], storage_dtype="float32", chunk_tokens=7
+        tiny_dir, capture_layer_ids=[0, 2, 5], storage_dtype="float32", chunk_tokens=7
     )
 
 
@@ -71,16 +71,16 @@ def test_dflash_layer_rule_rejects_too_shallow_verifier() -> None:
 
 
 def test_explicit_ids_override_and_are_validated() -> None:
-    assert resolve_target_layer_ids(36, [3, 7], 5) == [3, 7]
-    assert resolve_target_layer_ids(36, None, 5) == [1, 9, 17, 25, 33]
+    assert resolve_capture_layer_ids(36, [3, 7], 5) == [3, 7]
+    assert resolve_capture_layer_ids(36, None, 5) == [1, 9, 17, 25, 33]
     with pytest.raises(ConfigError, match=r"\[36\] out of range"):
-        resolve_target_layer_ids(36, [1, 36], None)
+        resolve_capture_layer_ids(36, [1, 36], None)
     with pytest.raises(ConfigError, match="out of range"):
-        resolve_target_layer_ids(36, [-1], None)
+        resolve_capture_layer_ids(36, [-1], None)
     with pytest.raises(ConfigError, match="duplicates"):
-        resolve_target_layer_ids(36, [2, 2], None)
+        resolve_capture_layer_ids(36, [2, 2], None)
     with pytest.raises(ConfigError, match="num_draft_layers"):
-        resolve_target_layer_ids(36, None, None)
+        resolve_capture_layer_ids(36, None, None)
 
 
 # --------------------------------------------------------------------------- capture
@@ -92,7 +92,7 @@ def test_capture_equals_output_hidden_states(verifier: Verifier) -> None:
     assert cap.hidden_states.shape == (2, 24, 3 * H)
     with torch.inference_mode():
         ref = verifier.model(input_ids=ids, output_hidden_states=True)
-    for j, layer in enumerate(verifier.target_layer_ids):
+    for j, layer in enumerate(verifier.capture_layer_ids):
         got = cap.hidden_states[..., j * H : (j + 1) * H]  # [B, T, H]
         if layer < L - 1:
             # "layer i" = output of decoder layer i = HF hidden_states[i + 1]
@@ -120,7 +120,7 @@ def test_target_ids_equal_argmax_of_full_logits(verifier: Verifier) -> None:
 
 def test_last_hidden_states_and_storage_dtype(tiny_dir: Path) -> None:
     v = load_verifier(tiny_dir, num_draft_layers=2, store_last_hidden_states=True)
-    assert v.target_layer_ids == [1, 3]
+    assert v.capture_layer_ids == [1, 3]
     ids, pos, doc = _single_doc(1, 16, seed=4)
     cap = v.capture(ids, pos, doc)
     assert cap.hidden_states.dtype == torch.bfloat16
@@ -153,7 +153,7 @@ def _packed_row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_row_equals_each_document_alone(tiny_dir: Path, attn: str) -> None:
     v = load_verifier(
-        tiny_dir, target_layer_ids=[0, 3], storage_dtype="float32", attn_implementation=attn
+        tiny_dir, capture_layer_ids=[0, 3], storage_dtype="float32", attn_implementation=attn
     )
     ids, pos, doc, spans = _packed_row()
     packed = v.capture(ids, pos, doc)
@@ -203,7 +203,7 @@ def test_real_qwen3_vocab(tmp_path: Path, qwen3_tokenizer_dir: Path) -> None:
 
     tok = AutoTokenizer.from_pretrained(str(qwen3_tokenizer_dir), local_files_only=True)
     d = tiny_qwen3_verifier(tmp_path / "v", len(tok), num_layers=4, tie_word_embeddings=True)
-    v = load_verifier(d, target_layer_ids=[1, 2], chunk_tokens=16)
+    v = load_verifier(d, capture_layer_ids=[1, 2], chunk_tokens=16)
     assert v.vocab_size == len(tok) == 151669
     msgs = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello there."}]
     row = torch.tensor([tok.apply_chat_template(msgs, tokenize=True, return_dict=False)])
@@ -301,6 +301,6 @@ def test_load_errors_name_the_path_and_the_problem(tiny_dir: Path, tmp_path: Pat
     with pytest.raises(ConfigError, match="cannot load"):
         load_verifier(unknown)
     with pytest.raises(ConfigError, match="out of range"):
-        load_verifier(tiny_dir, target_layer_ids=[0, 6])
+        load_verifier(tiny_dir, capture_layer_ids=[0, 6])
     with pytest.raises(ConfigError, match="chunk_tokens"):
         load_verifier(tiny_dir, chunk_tokens=0)

@@ -42,7 +42,7 @@ def tiny_producer_config(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig
         tokenizer=str(root / "tok"),
         seq_len=96,
         window_rows=4,
-        target_layer_ids=[1, 2],
+        capture_layer_ids=[1, 2],
         workers=1,
         progress=False,
         exit_when_idle_s=0,

@@ -104,6 +104,7 @@ class CaptureContract(BaseModel):
     verifier_num_layers: int = Field(gt=0, description="Decoder layers in the verifier.")
     hidden_size: int = Field(gt=0, description="Verifier hidden size H.")
     vocab_size: int = Field(gt=0, description="Verifier vocabulary size (lm_head rows).")
+    # the capture set (--capture-layer-ids); contract.json's name for it, kept on purpose
     target_layer_ids: tuple[int, ...] = Field(
         description="Decoder layers whose outputs are captured, in capture order; each "
         "window holds hidden_states.<layer> [R, T, H] for each, and a consumer may read "

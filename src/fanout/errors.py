@@ -76,6 +76,11 @@ class RankLost(FanoutError):
     after failing its claim in flight, so a restart recaptures that window."""
 
 
+class IllegalTransition(FanoutError):
+    """A window state change that fanout.coord.states.TRANSITIONS does not allow: a bug
+    in fanout, refused before the database changes (fanout.coord.states.move)."""
+
+
 class CorruptWindow(FanoutError):
     """A window file failed validation (truncated, bad header, checksum mismatch)."""
 

@@ -274,7 +274,7 @@ def _coordinator_probe(run_dirs: list[Path]) -> Callable[[], dict[str, Any]]:
                 if co is None:
                     continue
                 opened[r] = co
-            ready, live = opened[r].live_windows()
+            ready, live = opened[r].ready_windows()
             out[str(r)] = {
                 "ready_windows": ready,
                 "live_bytes": live,

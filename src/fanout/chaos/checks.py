@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fanout.coord.states import LIVE
+
 # ---------------------------------------------------------------- checks
 
 
@@ -145,7 +147,7 @@ class Sampler:
         if co is not None:
             s = snapshot(co)
             w = s["windows"]
-            live = w["ready"] + w["capturing"] + w["evicting"]
+            live = sum(w[state] for state in LIVE)
             self.samples += 1
             self.max_live, self.max_ready = (
                 max(self.max_live, live),

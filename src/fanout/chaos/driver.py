@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.chaos.checks import ChaosReport, Sampler, check_cover, final_state, read_log
 from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_forkserver
+from fanout.coord.states import LIVE
 from fanout.flags import to_flags
 from fanout.produce.producer import ProducerConfig
 from fanout.train.trainer import TrainConfig
@@ -273,7 +274,7 @@ class ChaosRun:
             out, _ = p.communicate()
             if p.returncode == 0:
                 w = json.loads(out)["windows"]
-                live = w["ready"] + w["capturing"] + w["evicting"]
+                live = sum(w[state] for state in LIVE)
                 self.report.max_live = max(self.report.max_live, live)
                 self.report.cli_samples += 1
             self._status_proc = None

@@ -1,12 +1,14 @@
 """The coordinator: who may read, write or delete which window, on SQLite or PostgreSQL.
 
-Owns: the Coordinator (coordinator: opening a run, the consumers' calls) and
-everything behind it — what both sides share (base: connection, tokens, role
-taking, reclaiming the dead), the producer's claims (claims), the named reads
-(reads), the schema and its migrations (schema), the two database drivers
-(sqlitedb, postgresdb), retention/eviction policy (retention), leases (leases),
-who is lost and who holds a role (liveness), the heartbeat thread (heartbeat), and
-`fanout status` / `fanout sweep` (status).
+Owns: the Coordinator (coordinator: opening a run, the one class callers use) and the
+parts it is composed of, one per responsibility, sharing only the run (core: connection,
+settings, tokens) — registration, fencing and liveness (roles), the producer's claims
+(claims), the consumers' leases (leasing), removing window files (eviction) by the
+retention rules (retention), named reads (reads); the window state machine (states), the
+schema and its migrations (schema), the two database drivers (sqlitedb, postgresdb), the
+tokens' value types (leases), who is lost and who holds a role (liveness), the database
+seam (database), the heartbeat thread (heartbeat), what a wait waits for (waits), the
+path locks of starts (pathlock), and `fanout status` / `sweep` / `detach` (status).
 
 Sealed: only this package speaks SQL; everything else calls named Coordinator
 methods, so both databases behave the same to callers.

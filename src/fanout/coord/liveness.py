@@ -4,7 +4,7 @@
     lost = Reclaimer(ttl_s=30).observe(rows)     # [(id, token, hb_seq)] stood still for ttl
     RoleWatch(ttl_s=30).verdict(holder, this_process())   # "free" | "held" | "watch"
 
-Pure rules over what the coordinator stores; fanout.coord.base applies them, and
+Pure rules over what the coordinator stores; fanout.coord.roles applies them, and
 the heartbeat thread that keeps a process's counter moving is fanout.coord.heartbeat.
 
 A process is lost when its heartbeat *counter* has not moved for `ttl` seconds on
@@ -32,6 +32,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+
+def wall() -> float:
+    """Wall-clock seconds, the one source of every stamp the coordinator stores (heartbeat
+    ages, "blocked since", updated_at): for people to read. Liveness decisions use a
+    process's own monotonic clock, never these (see above)."""
+    return time.time()
 
 
 class Reclaimer:
@@ -213,7 +220,7 @@ class RoleWatch:
         if gone:
             self.reason = "it has exited"
             return "free"
-        if gone is False and 0 <= time.time() - holder.hb_wall < self.ttl_s:
+        if gone is False and 0 <= wall() - holder.hb_wall < self.ttl_s:
             self.reason = "it runs on this host"
             return "held"
         now = self.clock()

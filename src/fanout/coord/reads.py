@@ -1,7 +1,7 @@
 """Read-only questions about a run, asked of the coordinator's tables.
 
-    from fanout.coord.reads import live_windows
-    n, nbytes = live_windows(coord.conn)          # or coord.live_windows()
+    from fanout.coord.reads import ready_windows
+    n, nbytes = ready_windows(coord.conn)          # or coord.ready_windows()
 
 The SQL that producers, trainers, `fanout status`, bench reports and the chaos
 harness ask of a run lives here, behind names, so that only fanout.coord speaks
@@ -14,22 +14,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from fanout.coord import states
 from fanout.coord.schema import Database, Sql
+from fanout.coord.states import W, sql_in
 
-PUBLISHED_STATES = "('ready','evicting','evicted')"  # a window that was published once
 
-
-def live_windows(cur: Sql) -> tuple[int, int]:
-    """(count, bytes) of the ready windows: what is on disk for trainers now."""
+def ready_windows(cur: Sql) -> tuple[int, int]:
+    """(count, bytes) of the readable windows: what is on disk for trainers now."""
     n, nbytes = cur.execute(
-        "SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state='ready'"
+        f"SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM windows WHERE state IN "
+        f"{sql_in(states.READABLE)}"
     ).fetchone()
     return int(n), int(nbytes)
 
 
 def pending_windows(cur: Sql) -> int:
     """Windows still to be captured: queued (new, on demand, or retried) or capturing."""
-    q = "SELECT COUNT(*) FROM windows WHERE state IN ('queued','capturing')"
+    q = f"SELECT COUNT(*) FROM windows WHERE state IN {sql_in(states.PENDING)}"
     return int(cur.execute(q).fetchone()[0])
 
 
@@ -48,7 +49,7 @@ def run_was_used(cur: Sql, owner: str) -> bool:
     """Did anything use this run beyond producer `owner` creating it: a window published
     (or evicted since), a trainer joined, or another producer took the run over?"""
     published = cur.execute(
-        f"SELECT COUNT(*) FROM windows WHERE state IN {PUBLISHED_STATES}"
+        f"SELECT COUNT(*) FROM windows WHERE state IN {sql_in(states.PUBLISHED)}"
     ).fetchone()[0]
     evictions = cur.execute("SELECT value FROM counters WHERE key='evictions'").fetchone()[0]
     others = cur.execute("SELECT COUNT(*) FROM producer WHERE owner <> ?", (owner,)).fetchone()[0]
@@ -81,11 +82,13 @@ def audit(db: Database) -> dict[str, Any]:
     integrity = db.integrity_check()
     torn = db.execute(
         "SELECT COUNT(*) FROM leases l LEFT JOIN windows w ON w.window=l.window "
-        "AND w.generation=l.generation AND w.state='ready' WHERE w.window IS NULL"
+        f"AND w.generation=l.generation AND w.state IN {sql_in(states.READABLE)} "
+        "WHERE w.window IS NULL"
     ).fetchone()[0]
     if integrity == "ok" and torn:
         integrity = f"{torn} leases name no ready window"
-    failed = db.execute("SELECT COUNT(*) FROM windows WHERE state='failed'").fetchone()[0]
+    failed = db.execute("SELECT COUNT(*) FROM windows WHERE state=?", (W.FAILED.value,))
+    failed = failed.fetchone()[0]
     return {
         "integrity_check": integrity,
         "leases_left": int(db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]),

@@ -4,15 +4,16 @@
     with db.write() as cur:
         doomed = mark_evictable(cur, expected_consumers=2)   # [(window, file name)]
 
-Pure rules over the coordinator's tables, each run inside the caller's
-write transaction; fanout.coord.coordinator decides when to call them and
-does the file side (unlink first, then mark the row evicted).
+Pure rules over the coordinator's tables, each run inside the caller's write
+transaction; fanout.coord.eviction decides when to apply them and does the file
+side (unlink first, then mark the row evicted). Window states and their moves are
+fanout.coord.states'.
 
 Rules:
 - a ready window is evictable when at least `expected_consumers` consumers have
   registered, every *counted* consumer (active, lost or stopped; not finished or
   detached) has a cursor past it, and no lease holds it;
-- capacity: at most K windows are live (ready + capturing + evicting); one more
+- capacity: at most K windows are live (states.LIVE); one more
   only for the window the slowest counted consumer waits on, else K ready
   windows that it also needs would deadlock it;
 - `recapture`: when blocked, an unleased ready window that the leading consumer
@@ -26,12 +27,13 @@ Rules:
 from __future__ import annotations
 
 import bisect
-import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fanout.coord import states
 from fanout.coord.schema import Sql
+from fanout.coord.states import W
 
 # consumers whose cursors hold windows back: running, lost, or stopped cleanly mid-stream
 COUNTED_STATES = "('active','lost','stopped')"
@@ -46,7 +48,9 @@ class RunOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     max_live_windows: int = Field(
-        4, ge=2, description="K: most window files that exist at once (ready + capturing)."
+        4,
+        ge=2,
+        description="K: most window files that exist at once (ready, capturing or evicting).",
     )
     lag_policy: Literal["hold", "recapture", "detach"] = Field(
         "hold",
@@ -88,10 +92,9 @@ Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'
 
 def _mark(cur: Sql, sql: str, args: tuple[object, ...]) -> Doomed:
     rows = [(int(w), n) for w, n in cur.execute(sql, args).fetchall()]
-    cur.executemany(
-        "UPDATE windows SET state='evicting', updated_at=? WHERE window=?",
-        [(time.time(), w) for w, _ in rows],
-    )
+    if rows:
+        marks = ",".join("?" * len(rows))
+        states.move(cur, states.EVICTABLE, W.EVICTING, f"window IN ({marks})", [w for w, _ in rows])
     return rows
 
 
@@ -113,7 +116,9 @@ def mark_evictable(cur: Sql, expected_consumers: int, recover: bool = False) -> 
     crashed process left 'evicting' (their files may still exist)."""
     stale: Doomed = []
     if recover:
-        rows = cur.execute("SELECT window, name FROM windows WHERE state='evicting'").fetchall()
+        rows = cur.execute(
+            "SELECT window, name FROM windows WHERE state=?", (W.EVICTING.value,)
+        ).fetchall()
         stale = [(int(w), n) for w, n in rows]
     # One query for both conditions: this runs on every ack.
     n, low = cur.execute(
@@ -123,8 +128,9 @@ def mark_evictable(cur: Sql, expected_consumers: int, recover: bool = False) -> 
         return stale
     return stale + _mark(
         cur,
-        "SELECT window, name FROM windows w WHERE state='ready' AND window < ? AND NOT "
-        "EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) ORDER BY window",
+        f"SELECT window, name FROM windows w WHERE state IN {states.sql_in(states.EVICTABLE)} "
+        "AND window < ? AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) "
+        "ORDER BY window",
         (_FAR if low is None else low,),
     )
 
@@ -133,17 +139,9 @@ def finish_evicted(cur: Sql, windows: list[int]) -> int:
     """Mark 'evicting' rows evicted (their files are gone) and compact old evicted rows."""
     n = 0
     for w in windows:
-        n += cur.execute(
-            "UPDATE windows SET state='evicted', path=NULL, updated_at=? "
-            "WHERE window=? AND state='evicting'",
-            (time.time(), w),
-        ).rowcount
+        n += states.move(cur, W.EVICTING, W.EVICTED, "window=?", (w,), also="path=NULL")
     if windows:
-        # A missing row below next_window reads as "evicted", so old rows can go.
-        cur.execute(
-            "DELETE FROM windows WHERE state='evicted' AND window < ?",
-            (max(windows) - EVICTED_ROWS_KEPT,),
-        )
+        states.compact_evicted(cur, max(windows) - EVICTED_ROWS_KEPT)
     cur.execute("UPDATE counters SET value=value+? WHERE key='evictions'", (n,))
     return n
 
@@ -152,13 +150,13 @@ def has_capacity(cur: Sql, max_live_windows: int, extra: bool = True) -> bool:
     """May the producer claim one more window now? `extra`: count the K+1st slot that
     only the window the slowest consumer waits for may use."""
     live = cur.execute(
-        "SELECT COUNT(*) FROM windows WHERE state IN ('ready','capturing','evicting')"
+        f"SELECT COUNT(*) FROM windows WHERE state IN {states.sql_in(states.LIVE)}"
     ).fetchone()[0]
     if live != max_live_windows or not extra:
         return bool(live < max_live_windows)
     low, _ = cursor_bounds(cur)
     wanted = cur.execute(
-        "SELECT 1 FROM windows WHERE state='queued' AND demand=1 AND window=?", (low,)
+        "SELECT 1 FROM windows WHERE state=? AND demand=1 AND window=?", (W.QUEUED.value, low)
     ).fetchone()
     return wanted is not None
 
@@ -186,8 +184,8 @@ def recapture_victim(cur: Sql) -> Doomed:
     windows = [
         int(w)
         for (w,) in cur.execute(
-            "SELECT window FROM windows w WHERE state='ready' AND window < ? AND NOT "
-            "EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window)",
+            f"SELECT window FROM windows w WHERE state IN {states.sql_in(states.EVICTABLE)} "
+            "AND window < ? AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window)",
             (lead,),
         )
     ]
@@ -211,7 +209,8 @@ def recapture_victim(cur: Sql) -> Doomed:
 def _leader_has_work(cur: Sql, lead: int) -> bool:
     """Is the leading consumer's next window ready or being captured?"""
     row = cur.execute(
-        "SELECT 1 FROM windows WHERE window=? AND state IN ('ready','capturing')", (lead,)
+        f"SELECT 1 FROM windows WHERE window=? AND state IN {states.sql_in(states.WANTED_FILE)}",
+        (lead,),
     ).fetchone()
     return row is not None
 

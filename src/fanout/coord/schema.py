@@ -23,10 +23,10 @@ anything else unknown is refused with
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
 
+from fanout.coord import states
+from fanout.coord.database import Database as Database  # the seam, named here too
+from fanout.coord.database import Sql as Sql
 from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
 
 SCHEMA_VERSION = 3
@@ -50,8 +50,7 @@ CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT) {no_rowid};
 CREATE TABLE counters(key TEXT PRIMARY KEY, value {int} NOT NULL) {no_rowid};
 CREATE TABLE windows(
   window     {int} PRIMARY KEY,
-  state      TEXT NOT NULL CHECK (state IN
-               ('queued','capturing','ready','evicting','evicted','failed')),
+  state      TEXT NOT NULL CHECK (state IN {window_states}), -- fanout.coord.states.W
   generation {int} NOT NULL DEFAULT 0,     -- of the current/last capture (fencing)
   demand     {int} NOT NULL DEFAULT 0,     -- 1: a consumer waits for it (recapture)
   claim_token {int},                       -- producer's claim while capturing
@@ -99,42 +98,6 @@ CREATE TABLE producer(
 """
 
 
-class Sql(Protocol):
-    """What a transaction body (and a reader) may call: the DB-API subset both drivers share."""
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
-    def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> Any: ...
-
-
-class Database(Sql, Protocol):
-    """One connection to a coordinator database (fanout.coord.sqlitedb or fanout.coord.postgresdb).
-
-    Not thread-safe: one per thread. `where` names it in messages (a path, or a URL
-    without its password).
-    """
-
-    dialect: str
-    where: str
-
-    def write(self) -> AbstractContextManager[Sql]:
-        """One write transaction, serialised against every other writer; rolls back on error."""
-        ...
-
-    def wait_change(self, deadline: float | None, max_s: float) -> None:
-        """Sleep until another connection commits, `max_s` passes or monotonic `deadline`."""
-        ...
-
-    def table_names(self) -> set[str]:
-        """The tables this database (PostgreSQL: this schema) holds."""
-        ...
-
-    def integrity_check(self) -> str:
-        """`ok`, or what the database's own consistency check found wrong."""
-        ...
-
-    def close(self) -> None: ...
-
-
 # The run's tables, in creation order (dropped in reverse).
 TABLES = tuple(re.findall(r"CREATE TABLE (\w+)\(", DDL))
 
@@ -148,7 +111,7 @@ def drop_tables(db: Database) -> None:
 
 
 def statements(dialect: str) -> list[str]:
-    ddl = DDL.format(**DIALECTS[dialect])
+    ddl = DDL.format(**DIALECTS[dialect], window_states=states.sql_in(states.W))
     return [s for s in ddl.split(";") if s.strip()]
 
 

@@ -11,7 +11,7 @@ without saying so (it ran on this host and its pid is gone) or its heartbeat is
 older than ttl_s by the wall clock; the coordinator itself declares it lost by its
 heartbeat counter (fanout.coord.liveness), and `--json` keeps that as `recorded_state`.
 `detach` releases a stopped or lost consumer (Coordinator.detach_consumer). `sweep` finishes interrupted evictions, then removes tmp/ debris and window files
-no ready or capturing row names (Store.sweep with Coordinator.is_live); it is
+no ready or capturing row names (Store.sweep with Coordinator.wants_file); it is
 safe while a producer and consumers run.
 
 Their flags are generated from StatusConfig / SweepConfig (fanout.flags), so both
@@ -30,10 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.coord import waits
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.liveness import process_gone
+from fanout.coord.liveness import process_gone, wall
+from fanout.coord.states import W
 from fanout.flags import add_model_flags, flag_options, model_from_args
-
-STATES = ("queued", "capturing", "ready", "evicting", "evicted", "failed")
 
 
 class RunDirOptions(BaseModel):
@@ -120,12 +119,12 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
     """Everything `fanout status --json` prints. Heartbeat ages use the wall clock and
     are for people only; liveness decisions never use them."""
     q = co.conn.execute
-    now = time.time()
+    now = wall()
     ttl = co.config.ttl_s
     counts = dict(q("SELECT state, COUNT(*) FROM windows GROUP BY state").fetchall())
-    windows = {s: int(counts.get(s, 0)) for s in STATES}
+    windows = {s.value: int(counts.get(s.value, 0)) for s in W}
     windows["evicted"] = int(co.meta("evictions"))  # old evicted rows are compacted away
-    live_bytes = co.live_windows()[1]
+    live_bytes = co.ready_windows()[1]  # of the readable windows
     frontier = int(co.meta("next_window"))
     captured = list(co.contract.target_layer_ids)
     consumers = [
@@ -202,7 +201,7 @@ def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
     since = waits.blocked_since(co.conn)
     if producer_state != "active" or since is None or not waits.is_blocked(co.conn, co.config):
         return None
-    now = time.time()
+    now = wall()
     text, _ = waits.block_text(co.conn, co.config)
     held = waits.holders(co.conn)
     return {
@@ -266,7 +265,7 @@ def format_table(s: dict[str, Any]) -> str:
         f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
         f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
         f"windows  produced {s['produced_windows']}/{total}  "
-        + "  ".join(f"{k} {w[k]}" for k in STATES if w[k] or k in ("ready", "evicted")),
+        + "  ".join(f"{k} {w[k]}" for k in W if w[k] or k in (W.READY, W.EVICTED)),
         f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
         f"({s['high_water']['windows']} windows)",
         f"events   recaptures {s['recaptures']}  corrupt {s['corrupt']}  "

@@ -21,12 +21,13 @@ not, so one trainer never exits because of another (issue #27).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from fanout.coord import retention
+from fanout.coord import retention, states
+from fanout.coord.liveness import wall
 from fanout.coord.retention import RunConfig
 from fanout.coord.schema import Sql
+from fanout.coord.states import W
 
 STREAM_END = "stream_end"  # meta key: windows [0, N) are the stream (a producer ended it)
 BLOCKED_SINCE = "blocked_since"  # meta key: wall clock since the producer is blocked at K
@@ -79,9 +80,7 @@ def record_blocked(cur: Sql, blocked: bool) -> None:
     """The producer's blocked-at-K stamp (`fanout status` shows since when)."""
     cur.execute("DELETE FROM meta WHERE key=?", (BLOCKED_SINCE,))
     if blocked:
-        cur.execute(
-            "INSERT INTO meta(key, value) VALUES (?, ?)", (BLOCKED_SINCE, repr(time.time()))
-        )
+        cur.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (BLOCKED_SINCE, repr(wall())))
 
 
 def blocked_since(cur: Sql) -> float | None:
@@ -93,7 +92,7 @@ def holders(cur: Sql, exclude: str | None = None) -> list[Holding]:
     """Counted consumers (other than `exclude`) that still need the oldest window on
     disk: while they do, it cannot be evicted, and the producer stays at K."""
     oldest = cur.execute(
-        "SELECT MIN(window) FROM windows WHERE state IN ('ready','evicting')"
+        f"SELECT MIN(window) FROM windows WHERE state IN {states.sql_in(states.ON_DISK)}"
     ).fetchone()[0]
     if oldest is None:
         return []
@@ -118,7 +117,7 @@ def is_blocked(cur: Sql, cfg: RunConfig) -> bool:
 
 def block_text(cur: Sql, cfg: RunConfig, exclude: str | None = None) -> tuple[str, bool]:
     """("by X (stopped 40 s ago), …", whether someone other than `exclude` holds it)."""
-    now = time.time()
+    now = wall()
     held = holders(cur, exclude)
     missing = missing_consumers(cur, cfg.expected_consumers)
     parts = [h.describe(now) for h in held]
@@ -175,14 +174,14 @@ def consumer_wait(cur: Sql, cfg: RunConfig, consumer_id: str, window: int) -> Wa
                 "must be captured again: start `fanout produce` with the same flags",
                 True,
             )
-        ago = max(0.0, time.time() - hb_wall)
+        ago = max(0.0, wall() - hb_wall)
         return WaitState(
             f"the producer was stopped (a signal, {ago:.0f} s ago) after {frontier} windows; "
             "the stream is open: restart `fanout produce` with the same flags to continue",
             True,
         )
     w = cur.execute("SELECT state FROM windows WHERE window=?", (window,)).fetchone()
-    if w is not None and w[0] == "capturing":
+    if w is not None and w[0] == W.CAPTURING:
         return WaitState(f"the producer is capturing window {window}", True)
     if is_blocked(cur, cfg):
         text, others = block_text(cur, cfg, exclude=consumer_id)
@@ -192,5 +191,5 @@ def consumer_wait(cur: Sql, cfg: RunConfig, consumer_id: str, window: int) -> Wa
                 False,
             )
         return WaitState(f"the producer is blocked at K={cfg.max_live_windows} live windows", True)
-    ahead = "queued for capture" if w is None or w[0] == "queued" else str(w[0])
+    ahead = "queued for capture" if w is None or w[0] == W.QUEUED else str(w[0])
     return WaitState(f"the producer is capturing (window {window} {ahead})", True)

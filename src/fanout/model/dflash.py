@@ -130,6 +130,7 @@ class DFlashConfig(DraftRecipe):
     max_position_embeddings: int = Field(40960, gt=0, description="verifier's max positions")
     vocab_size: int = Field(gt=0, description="verifier vocabulary size")
     mask_token_id: int = Field(ge=0, description="token id of the noise/mask slots")
+    # a draft's layers (--draft-layer-ids); the name speculators / DFlash / vLLM read, kept
     target_layer_ids: DraftLayerIds = Field(
         min_length=1, description="verifier layers whose hidden states form the context (ascending)"
     )

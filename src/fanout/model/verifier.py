@@ -3,7 +3,7 @@
     from fanout.model.verifier import load_verifier
     v = load_verifier("/models/Qwen3-8B", num_draft_layers=5)        # CUDA + bf16 if present
     cap = v.capture(input_ids, position_ids, document_ids)            # each [B, T]
-    cap.layers         # n × [B, T, H] storage dtype — outputs of decoder layers v.target_layer_ids
+    cap.layers         # n × [B, T, H] storage dtype — outputs of decoder layers v.capture_layer_ids
     cap.layer_scales   # n × [B, T] float32 per-token scales with fp8 storage (fanout.ops.fp8), else None
     cap.target_ids     # [B, T] int32 — argmax of the verifier's logits at every position
     cap.hidden_states  # [B, T, n·H]: the layers side by side (a copy; what a draft's fc takes)
@@ -11,7 +11,7 @@
 CPU-sized example (a random tiny Qwen3, no downloads):
 
     python -c "from fanout.bench.assets import tiny_qwen3_verifier as t; t('/tmp/v', 1000)"
-    python -c "from fanout.model.verifier import load_verifier as l; print(l('/tmp/v', target_layer_ids=[1, 2]))"
+    python -c "from fanout.model.verifier import load_verifier as l; print(l('/tmp/v', capture_layer_ids=[1, 2]))"
 
 **What "layer i" means.** Layer `i` (0-based) is the *output of decoder layer i*: the
 residual stream after that layer's MLP, before any final norm. That is HF's
@@ -21,7 +21,7 @@ while we still capture the raw layer output (the DFlash rule never picks it). Th
 same convention is used by the DFlash reference code (`extract_context_feature`
 indexes `hidden_states[layer_id + 1]`).
 
-**How it captures.** Forward hooks on the target decoder layers copy each output into
+**How it captures.** Forward hooks on the captured decoder layers copy each output into
 its own preallocated `[B, T, H]` buffer — one per layer, because windows store one
 tensor per layer (no `output_hidden_states`, which would keep every layer alive). The base model (`model.model`) runs without the LM head; we apply
 the head ourselves in `chunk_tokens`-row chunks and keep only the argmax, so the full
@@ -54,9 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
 from fanout.hashing import hasher, labelled
-
-# the DFlash layer rule lives with the draft (one rule for producer and trainer)
-from fanout.model.dflash import default_target_layer_ids
+from fanout.model.capture_layers import CaptureLayers, resolve_capture_layer_ids
 from fanout.model.tp import ShardedHead, check_tp_model, model_device, tp_load_kwargs
 from fanout.ops.argmax import row_argmax
 from fanout.ops.fp8 import FP8, quantize_into
@@ -72,33 +70,6 @@ _DTYPES: dict[str, torch.dtype] = {
 # Files whose bytes are model weights (top level of the directory, like from_pretrained).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-def resolve_target_layer_ids(
-    num_verifier_layers: int,
-    target_layer_ids: list[int] | tuple[int, ...] | Literal["all"] | None,
-    num_draft_layers: int | None,
-) -> list[int]:
-    """Explicit ids win (validated: in [0, L), distinct; "all": every layer 0..L-1);
-    else the DFlash rule."""
-    if target_layer_ids == "all":
-        return list(range(num_verifier_layers))
-    if target_layer_ids is None:
-        if num_draft_layers is None:
-            raise ConfigError("give target_layer_ids or num_draft_layers (the DFlash rule)")
-        return default_target_layer_ids(num_verifier_layers, num_draft_layers)
-    ids = [int(i) for i in target_layer_ids]
-    if not ids:
-        raise ConfigError("target_layer_ids must not be empty")
-    bad = [i for i in ids if not 0 <= i < num_verifier_layers]
-    if bad:
-        raise ConfigError(
-            f"target_layer_ids {bad} out of range for a {num_verifier_layers}-layer verifier "
-            f"(valid: 0..{num_verifier_layers - 1})"
-        )
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"target_layer_ids has duplicates: {ids}")
-    return ids
 
 
 # --------------------------------------------------------------------------- identity
@@ -270,20 +241,18 @@ class VerifierOptions(BaseModel):
         return v
 
 
-class VerifierConfig(VerifierOptions):
-    """How to load and run the verifier: which one, which layers, and VerifierOptions."""
+class VerifierConfig(VerifierOptions, CaptureLayers):
+    """How to load and run the verifier: which one, which layers (CaptureLayers), and
+    VerifierOptions."""
 
     path: str = Field(description="Local HF model directory (config.json + weights).")
-    target_layer_ids: tuple[int, ...] | Literal["all"] | None = Field(
-        None, description="Decoder layers to capture (0-based), or 'all'; None = DFlash rule."
-    )
 
 
 @dataclass(frozen=True, slots=True)
 class Capture:
     """What one verifier forward yields for a batch of packed rows (on the model's device)."""
 
-    layers: tuple[torch.Tensor, ...]  # n × [B, T, H] storage dtype, in target_layer_ids order
+    layers: tuple[torch.Tensor, ...]  # n × [B, T, H] storage dtype, in capture_layer_ids order
     target_ids: torch.Tensor  # [B, T] int32 — argmax of logits at t (prediction of token t+1)
     last_hidden_states: torch.Tensor | None  # [B, T, H] storage dtype (bf16 for fp8), or None
     layer_scales: tuple[torch.Tensor, ...] | None = None  # n × [B, T] float32 with fp8 storage
@@ -366,8 +335,8 @@ class Verifier:
         self.num_layers: int = len(layers)
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.vocab_size: int = int(head.weight.shape[0])
-        self.target_layer_ids: list[int] = resolve_target_layer_ids(
-            self.num_layers, config.target_layer_ids, config.num_draft_layers
+        self.capture_layer_ids: list[int] = resolve_capture_layer_ids(
+            self.num_layers, config.capture_layer_ids, config.num_draft_layers
         )
         self._logits: torch.Tensor | None = None  # see _logits_buffer
         plain = isinstance(head, torch.nn.Linear) and head.bias is None
@@ -383,7 +352,7 @@ class Verifier:
     def __repr__(self) -> str:
         return (
             f"Verifier({self.config.path!r}, layers={self.num_layers}, H={self.hidden_size}, "
-            f"vocab={self.vocab_size}, target_layer_ids={self.target_layer_ids}, "
+            f"vocab={self.vocab_size}, capture_layer_ids={self.capture_layer_ids}, "
             f"device={self.device}, dtype={self.dtype}, storage={self.storage_dtype})"
         )
 
@@ -395,7 +364,8 @@ class Verifier:
             "verifier_num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
-            "target_layer_ids": tuple(self.target_layer_ids),
+            # contract.json's name for the capture set, kept: it is an on-disk format
+            "target_layer_ids": tuple(self.capture_layer_ids),
             "storage_dtype": self.config.storage_dtype,
             "store_last_hidden_states": self.config.store_last_hidden_states,
         }
@@ -410,12 +380,12 @@ class Verifier:
         hidden_out: Sequence[torch.Tensor] | None = None,
         scale_out: Sequence[torch.Tensor] | None = None,
     ) -> Capture:
-        """Run the verifier once over packed rows; return target-layer states and greedy ids.
+        """Run the verifier once over packed rows; return captured-layer states and greedy ids.
 
         input_ids, position_ids, document_ids: [B, T] integer tensors (any device);
         position_ids restart at 0 for each document, document_ids are −1 on padding.
         hidden_out: optional n [B, T, H] storage-dtype tensors on the model's device,
-        one per target layer, for the hooks to write into (the CPU producer passes its
+        one per captured layer, for the hooks to write into (the CPU producer passes its
         window buffers, which saves a copy of every batch); fresh device buffers otherwise.
         scale_out: the same for the n [B, T] float32 scales of fp8 storage.
 
@@ -431,7 +401,7 @@ class Verifier:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         b, t = input_ids.shape
-        n, h = len(self.target_layer_ids), self.hidden_size
+        n, h = len(self.capture_layer_ids), self.hidden_size
         dev = self.device
         ids = self._to_device(input_ids)  # [B, T] long
         pos = self._to_device(position_ids)  # [B, T] long
@@ -448,7 +418,7 @@ class Verifier:
             _out_buffers(scale_out, n, (b, t), torch.float32, dev, "scale_out") if fp8 else None
         )
         handles = []
-        for j, layer_id in enumerate(self.target_layer_ids):
+        for j, layer_id in enumerate(self.capture_layer_ids):
             sl = hidden[j]  # [B, T, H]: this layer's buffer
             sc = scales[j] if scales is not None else None  # [B, T]
 
@@ -548,7 +518,7 @@ def load_verifier(
         path: directory with config.json + weights (what `save_pretrained` writes).
         device: 'auto' (CUDA if available), 'cpu', 'cuda', 'cuda:N'.
         dtype: 'auto' (bf16 on CUDA, fp32 on CPU) or an explicit float dtype.
-        options: other `VerifierConfig` fields (target_layer_ids, num_draft_layers,
+        options: other `VerifierConfig` fields (capture_layer_ids, num_draft_layers,
             storage_dtype, chunk_tokens, store_last_hidden_states, attn_implementation).
     Returns:
         A Verifier in eval mode with gradients off.

@@ -128,7 +128,7 @@ class WindowCapturer:
         v = self.verifier
         rows = self.dataset.rows(idx)  # dict of [R, T] numpy arrays
         r, t = rows["input_ids"].shape
-        layers, h = v.target_layer_ids, v.hidden_size
+        layers, h = v.capture_layer_ids, v.hidden_size
         sdt = v.storage_dtype
         fp8 = sdt == FP8
         hidden = [self._buffer(hidden_name(i), (r, t, h), sdt) for i in layers]  # n × [R, T, H]

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError
 
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator, RunConfig
@@ -50,6 +50,7 @@ from fanout.data.prepare import DataOptions, PrepareConfig
 from fanout.errors import ConfigError, StorageError
 from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args, problems
+from fanout.model.capture_layers import CaptureLayers
 from fanout.model.verifier import Verifier, VerifierOptions
 from fanout.ops.fp8 import FP8
 from fanout.produce.backpressure import BlockedNotice
@@ -76,13 +77,20 @@ log = logging.getLogger(__name__)
 
 
 class ProducerConfig(
-    DataOptions, VerifierOptions, RunOptions, RegenOptions, OnPolicyOptions, HeartbeatOptions
+    DataOptions,
+    VerifierOptions,
+    CaptureLayers,
+    RunOptions,
+    RegenOptions,
+    OnPolicyOptions,
+    HeartbeatOptions,
 ):
     """Every `fanout produce` flag. Fields marked (contract) change what windows mean.
 
     Composed, not copied: the chat format and data-stage fields are DataOptions'
     (fanout.data.prepare), how the verifier runs is VerifierOptions'
-    (fanout.model.verifier), how the run shares windows is RunOptions'
+    (fanout.model.verifier), which layers it captures CaptureLayers'
+    (fanout.model.capture_layers), how the run shares windows is RunOptions'
     (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy);
     each is declared once there. These are the producer's own.
     """
@@ -102,30 +110,6 @@ class ProducerConfig(
     epochs: int = Field(1, ge=1, description="passes over the data (each reshuffled)")
     # Not PrepareConfig's shuffle seed: the seed of the per-epoch stream permutation.
     seed: int = Field(0, description="per-epoch shuffle seed (contract)")
-    # Not VerifierConfig's target_layer_ids (a tuple or 'all'): kept as the older flag name.
-    target_layer_ids: list[int] | None = Field(
-        None, description="older name of --capture-layer-ids (same meaning); give one of them"
-    )
-    capture_layer_ids: list[int | Literal["all"]] | None = Field(
-        None,
-        description="verifier layers to capture (contract), or 'all': a superset each trainer "
-        "picks its own --target-layer-ids from, in one verifier pass; default: the DFlash "
-        "rule for --num-draft-layers",
-    )
-
-    @field_validator("capture_layer_ids", mode="before")
-    @classmethod
-    def _all_or_ids(cls, v: Any, info: ValidationInfo) -> Any:
-        if info.data.get("target_layer_ids") is not None and v is not None:
-            raise ValueError(
-                "give --capture-layer-ids or its older name --target-layer-ids, not both"
-            )
-        if v == "all" or (isinstance(v, list) and v == ["all"]):
-            return ["all"]
-        if isinstance(v, list) and "all" in v:
-            raise ValueError(f"'all' stands alone, got {v}")
-        return v
-
     capture_batch_rows: int = Field(4, ge=1, description="rows per verifier forward")
     overlap_publish: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -172,14 +156,6 @@ class ProducerConfig(
         """The run's RunConfig: the RunOptions fields as given and the stream's length."""
         options = {k: getattr(self, k) for k in RunOptions.model_fields}
         return RunConfig(**options, total_windows=total_windows)
-
-
-def capture_layers(cfg: ProducerConfig) -> tuple[int, ...] | Literal["all"] | None:
-    """--capture-layer-ids (or its older name --target-layer-ids); None: DFlash rule."""
-    ids = cfg.capture_layer_ids or cfg.target_layer_ids
-    if ids == ["all"]:
-        return "all"
-    return tuple(int(i) for i in ids) if ids else None
 
 
 def check_inputs(cfg: ProducerConfig) -> None:
@@ -357,7 +333,7 @@ class Producer:
 
         return self.tp.verifier if self.tp else load_verifier(
             self.cfg.verifier_name_or_path,
-            target_layer_ids=capture_layers(self.cfg),
+            capture_layer_ids=self.cfg.capture_layer_ids,
             **self.cfg.verifier_options(),
         )  # fmt: skip
 
@@ -528,7 +504,7 @@ class Producer:
 
     def _progress_line(self) -> str:
         """live windows/bytes on disk, rates since start, backpressure wait so far."""
-        return self.stats.progress_line(*self.coord.live_windows())
+        return self.stats.progress_line(*self.coord.ready_windows())
 
     def _release(self, claim: Claim) -> None:
         try:
@@ -568,7 +544,7 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
             check=lambda: check_inputs(cfg),
             load=lambda: load_verifier(
                 cfg.verifier_name_or_path,
-                target_layer_ids=capture_layers(cfg),
+                capture_layer_ids=cfg.capture_layer_ids,
                 **cfg.verifier_options(),
             ),
             lead=lambda leader: _produce(cfg, leader),

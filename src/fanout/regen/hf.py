@@ -89,7 +89,7 @@ class HFEngine:
         dtype: Any = "auto",
     ) -> HFEngine:
         """Load the verifier (fanout.model.verifier) and its tokenizer, both offline."""
-        verifier = load_verifier(verifier_dir, device=device, dtype=dtype, target_layer_ids="all")
+        verifier = load_verifier(verifier_dir, device=device, dtype=dtype, capture_layer_ids="all")
         return cls(verifier, load_tokenizer(tokenizer_dir or verifier_dir), opts)
 
     def describe(self) -> dict[str, Any]:

@@ -277,7 +277,7 @@ class EvalSession:
         self.cfg = cfg
         vdir = Path(cfg.verifier_name_or_path)
         self.verifier = load_verifier(
-            vdir, device=cfg.device, dtype=cfg.dtype, target_layer_ids=layer_ids,
+            vdir, device=cfg.device, dtype=cfg.dtype, capture_layer_ids=layer_ids,
             num_draft_layers=None,
         )  # fmt: skip
         max_pos = int(getattr(self.verifier.model.config, "max_position_embeddings", 1 << 30))
@@ -319,7 +319,7 @@ class EvalSession:
     ) -> dict[str, Any]:
         cfg, dec, prompts = self.cfg, self.decoder, self.prompts
         missing = {i for d in drafts.values() for i in d.cfg.target_layer_ids} - set(
-            self.verifier.target_layer_ids
+            self.verifier.capture_layer_ids
         )
         if missing:
             raise ConfigError(f"eval: verifier hooks lack layers {sorted(missing)}")

@@ -1,0 +1,91 @@
+"""What every part of the coordinator shares: one connection to a run, its settings, tokens.
+
+    run = RunDb(conn, root, db_path)          # fanout.coord.coordinator.Coordinator builds it
+    with run.write() as cur:
+        token = run.bump(cur, "next_token")   # ids and tokens: one counter each, never reused
+
+The Coordinator is composed of parts, one per responsibility (fanout.coord.roles,
+.leasing, .claims, .retention, .reads); each holds this RunDb and nothing else in
+common. It owns the connection, the run's RunConfig and CaptureContract (stored in
+`meta` at create time), the window-file store, the id/token counters and the
+monotonic clock that decisions use; the wall-clock stamps stored for display are
+fanout.coord.liveness.wall's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+from fanout.contract import CaptureContract
+from fanout.coord import schema
+from fanout.coord.leases import WindowFiles
+from fanout.coord.retention import RunConfig
+
+Location = Path | str  # a SQLite file, or a postgresql:// URL (without its password)
+
+
+class RunDb:
+    """One connection to a run's coordinator database. Not thread-safe: one per thread."""
+
+    def __init__(
+        self,
+        conn: schema.Database,
+        root: Path,
+        db_path: Location,
+        *,
+        store: WindowFiles | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.conn, self.root, self.db_path, self.clock = conn, root, db_path, clock
+        try:
+            schema.check_schema(conn)
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        except BaseException:
+            conn.close()
+            raise
+        self.config = RunConfig.model_validate_json(meta["config"])
+        self.contract = CaptureContract.model_validate_json(meta["contract"])
+        self._store = store
+
+    @property
+    def store(self) -> WindowFiles:
+        if self._store is None:
+            # Imported lazily: `fanout status` must not pay for torch.
+            from fanout.filesystem import FileSystem
+            from fanout.store.store import RunDir, Store
+
+            self._store = Store(RunDir(self.root), FileSystem())
+        return self._store
+
+    def write(self) -> AbstractContextManager[schema.Sql]:
+        """One serialised write transaction (rolls back on error)."""
+        return self.conn.write()
+
+    def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
+        """Sleep until another connection commits, `max_s` passes or monotonic `deadline`."""
+        self.conn.wait_change(deadline, max_s)
+
+    @staticmethod
+    def bump(cur: schema.Sql, key: str, n: int = 1) -> int:
+        """Add `n` to counter `key` (schema.COUNTERS) and return its new value."""
+        row = cur.execute(
+            "UPDATE counters SET value = value + ? WHERE key=? RETURNING value", (n, key)
+        ).fetchone()
+        return int(row[0])
+
+    @staticmethod
+    def meta(cur: schema.Sql, key: str) -> Any:
+        """A counter (schema.COUNTERS, an int) or a stored run setting (text, or None)."""
+        if key in schema.COUNTERS:
+            return int(cur.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()[0])
+        row = cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def rows(self, window: int) -> tuple[int, int]:
+        """The stream rows [start, stop) window `window` holds."""
+        r = self.contract.window_rows
+        return (window * r, (window + 1) * r)

@@ -1,0 +1,133 @@
+"""A window's life: its states, the moves between them, and the named sets of states.
+
+    from fanout.coord import states
+    from fanout.coord.states import W
+    with db.write() as cur:
+        states.move(cur, W.CAPTURING, W.READY, "window=?", (7,))   # publish window 7
+        states.move(cur, W.READY, W.CAPTURING, "window=?", (7,))   # IllegalTransition
+
+Every change of `windows.state` in fanout goes through `move` (and a new row
+through `insert_queued`, a deleted one through `compact_evicted`); tests check that
+no other statement writes the column. `move` refuses a move that is not in
+TRANSITIONS before it touches the database, on either database. The SQL CHECK of
+fanout.coord.schema, `fanout status`, the chaos checks and bench read the states
+and the named sets from here.
+
+    new ─► queued ─► capturing ─► ready ─► evicting ─► evicted ─► (row deleted)
+             ▲          │    └─► failed   │         │          │
+             └──────────┴─────────────────┴─────────┴──────────┘
+               a retry; a corrupt file; wanted again after eviction (recapture)
+
+A window that failed `max_attempts` captures stays failed: the consumers that
+need it get WindowGone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from enum import StrEnum
+
+from fanout.coord.database import Sql
+from fanout.coord.liveness import wall
+from fanout.errors import IllegalTransition
+
+
+class W(StrEnum):
+    """The state of one window, as `windows.state` stores it."""
+
+    QUEUED = "queued"  # to be captured: new, wanted again, or a retry
+    CAPTURING = "capturing"  # claimed by the producer (claim_token); its file is being written
+    READY = "ready"  # published: its file is final, consumers may lease it
+    EVICTING = "evicting"  # every reader passed it; its file is being removed
+    EVICTED = "evicted"  # its file is gone; wanting it again queues a recapture
+    FAILED = "failed"  # max_attempts captures failed; never served
+
+
+# (from, to): why the coordinator makes that move. The one list of legal moves.
+TRANSITIONS: dict[tuple[W, W], str] = {
+    (W.QUEUED, W.CAPTURING): "the producer claims it (new generation, claim token)",
+    (W.CAPTURING, W.READY): "the producer publishes its final-named file",
+    (W.CAPTURING, W.QUEUED): "a capture failed with attempts left, or its producer is gone",
+    (W.CAPTURING, W.FAILED): "its max_attempts-th capture failed",
+    (W.READY, W.EVICTING): "every counted consumer passed it, or the recapture policy chose it",
+    (W.READY, W.QUEUED): "a consumer found its file corrupt (quarantined, recaptured)",
+    (W.EVICTING, W.EVICTED): "its file was removed",
+    (W.EVICTING, W.QUEUED): "a consumer wants it before its file is gone (recapture)",
+    (W.EVICTED, W.QUEUED): "a consumer wants it again (recapture on demand)",
+}
+
+# The named sets. Each says what it is for; nothing else spells a set of states.
+LIVE = (W.READY, W.CAPTURING, W.EVICTING)  # a file may exist: counts toward K (max_live_windows)
+READABLE = (W.READY,)  # a consumer may lease it
+EVICTABLE = (W.READY,)  # eviction may start here (retention decides whether it does)
+WANTED_FILE = (W.READY, W.CAPTURING)  # its file (of its generation) is kept: the sweeper's rule
+ON_DISK = (W.READY, W.EVICTING)  # published and its file not yet removed
+PENDING = (W.QUEUED, W.CAPTURING)  # still to be captured
+PUBLISHED = (W.READY, W.EVICTING, W.EVICTED)  # published once (the run was used)
+TERMINAL = (W.FAILED,)  # no move leaves it
+
+assert all(s in EVICTABLE for s, d in TRANSITIONS if d == W.EVICTING)
+assert not any(s in TERMINAL for s, _ in TRANSITIONS)
+
+
+def sql_in(states: Iterable[W]) -> str:
+    """`('ready','capturing')`: a set of states as an SQL list (enum values, never input)."""
+    return "(" + ",".join(f"'{s.value}'" for s in states) + ")"
+
+
+def check(src: W | Iterable[W], dst: W) -> tuple[W, ...]:
+    """The source states of a move to `dst`; IllegalTransition if any is not in TRANSITIONS."""
+    srcs = (src,) if isinstance(src, W) else tuple(src)
+    bad = [s for s in srcs if (s, dst) not in TRANSITIONS]
+    if bad or not srcs:
+        allowed = sorted(s.value for s, d in TRANSITIONS if d == dst)
+        raise IllegalTransition(
+            f"window move {'/'.join(s.value for s in bad) or '(nothing)'} → {dst.value} is not "
+            f"in fanout.coord.states.TRANSITIONS (moves to {dst.value} come from: "
+            f"{', '.join(allowed) or 'none'}); this is a bug in fanout"
+        )
+    return srcs
+
+
+def move(
+    cur: Sql,
+    src: W | Iterable[W],
+    dst: W,
+    where: str,
+    params: Sequence[object] = (),
+    *,
+    also: str = "",
+    also_params: Sequence[object] = (),
+) -> int:
+    """Move the windows in state `src` that match `where` to `dst`; returns how many moved.
+
+    `also`: more `col=?` assignments made in the same statement (with `also_params`).
+    Rows in another state are left alone, so a move that lost a race changes nothing.
+    """
+    srcs = check(src, dst)
+    sets = "state=?, updated_at=?" + (f", {also}" if also else "")
+    sql = f"UPDATE windows SET {sets} WHERE state IN {sql_in(srcs)} AND ({where})"
+    return int(cur.execute(sql, (dst.value, wall(), *also_params, *params)).rowcount)
+
+
+def release_claims(cur: Sql) -> None:
+    """Requeue every window being captured, with demand: it is captured again first,
+    under a new generation (the producer that claimed it is gone, finished or replaced)."""
+    move(cur, W.CAPTURING, W.QUEUED, "1=1", also="demand=1, claim_token=NULL")
+
+
+def insert_queued(cur: Sql, window: int, demand: bool) -> None:
+    """A window's row is born queued: a new window (`demand` False) or one whose evicted
+    row was compacted away and that a consumer wants again (`demand` True)."""
+    cur.execute(
+        "INSERT INTO windows(window, state, demand, updated_at) VALUES (?, ?, ?, ?)",
+        (window, W.QUEUED.value, int(demand), wall()),
+    )
+
+
+def compact_evicted(cur: Sql, below: int) -> None:
+    """Delete evicted rows below `below`: a missing row below next_window reads as
+    evicted (fanout.coord.leasing), so metadata stays flat however long the stream."""
+    cur.execute(
+        f"DELETE FROM windows WHERE state IN {sql_in([W.EVICTED])} AND window < ?", (below,)
+    )
