@@ -28,6 +28,7 @@ from fanout.errors import (
     CoordinatorFull,
     CorruptWindow,
     Detached,
+    NoCoordinator,
     SchemaVersionError,
     StaleLease,
     StorageFull,
@@ -310,6 +311,28 @@ def test_two_consumers_every_window_in_order_then_evicted(db: str | None, tmp_pa
     assert seen == {"a": list(range(6)), "b": list(range(6))}
     assert files(store) == []
     assert co.meta("evictions") == 6
+
+
+def test_discard_run_drops_only_a_run_nothing_used(db: str | None, tmp_path: Path) -> None:
+    """A failed start drops its run only while nothing used it, checked in the drop's
+    own transaction. Unused: the tables go (PostgreSQL: the schema too), and a retry at
+    the same place starts clean. Used (a trainer joined through another connection):
+    the run stays intact."""
+    co, _, c = new_run(tmp_path, db)
+    co.register_producer(c, owner="me")
+    assert co.discard_run("me") is True
+    with pytest.raises(NoCoordinator):
+        Coordinator.open(co.root, db_path=db).close()
+    if db is None:
+        (co.root / "coordinator.sqlite3").unlink()  # the file is the caller's (rundir)
+    co = Coordinator.create(co.root, c, RunConfig(), db_path=db)
+    co.register_producer(c, owner="me")
+    other = Coordinator.open(co.root, db_path=db)
+    other.register_consumer("a")
+    assert co.discard_run("me") is False
+    assert other.consumers_registered() == 1 and other.audit()["integrity_check"] == "ok"
+    other.close()
+    co.close()
 
 
 def test_named_reads_and_the_audit_on_either_database(db: str | None, tmp_path: Path) -> None:

@@ -181,15 +181,20 @@ class Coordinator:
         coord.created_namespace = made_namespace
         return coord
 
-    def discard_run(self) -> None:
-        """Drop this run's tables and close: for a producer start that failed before
-        anything used the run (fanout.produce.rundir). On PostgreSQL the schema goes
-        too when `create` made it, so a retry with the same URL starts clean; a SQLite
-        file is the caller's to remove with the run dir."""
-        schema.drop_tables(self.conn)
+    def discard_run(self, owner: str) -> bool:
+        """Drop this run's tables and close, unless something used it beyond producer
+        `owner` creating it (reads.run_was_used, asked in the same write transaction as
+        the drop: a trainer that joins meanwhile keeps the run). For a producer start
+        that failed (fanout.produce.rundir). On PostgreSQL the schema goes too when
+        `create` made it, so a retry with the same URL starts clean; a SQLite file is the
+        caller's to remove with the run dir. Returns whether the run was dropped (the
+        connection is closed only then)."""
+        if not schema.drop_tables(self.conn, keep_if=lambda cur: reads.run_was_used(cur, owner)):
+            return False
         if self.created_namespace and isinstance(self.conn, postgresdb.PostgresDatabase):
             self.conn.drop_namespace()
         self.close()
+        return True
 
     @classmethod
     def open(

@@ -23,6 +23,7 @@ anything else unknown is refused with
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from fanout.coord import states
 from fanout.coord.database import Database as Database  # the seam, named here too
@@ -102,12 +103,17 @@ CREATE TABLE producer(
 TABLES = tuple(re.findall(r"CREATE TABLE (\w+)\(", DDL))
 
 
-def drop_tables(db: Database) -> None:
+def drop_tables(db: Database, keep_if: Callable[[Sql], bool] | None = None) -> bool:
     """Drop the run's tables in one transaction: what `create_schema` made, nothing else
-    (for a run whose producer failed before anything used it)."""
+    (for a run whose producer failed before anything used it). `keep_if` is asked in
+    that same transaction, so nothing can use the run between the check and the drop;
+    True from it keeps the tables. Returns whether they were dropped."""
     with db.write() as cur:
+        if keep_if is not None and keep_if(cur):
+            return False
         for name in reversed(TABLES):
             cur.execute(f"DROP TABLE IF EXISTS {name}")
+    return True
 
 
 def statements(dialect: str) -> list[str]:

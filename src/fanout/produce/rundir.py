@@ -249,17 +249,14 @@ class CreatedPaths:
             if not created_db:
                 return False
             try:
-                # a window published, a trainer joined, or another producer took over
-                used = coord.run_was_used(owner)
-            except Exception:  # the database itself failed: keep it for a post-mortem
-                return False
-            if used:
-                return False
-            try:
-                coord.discard_run()  # its tables (PostgreSQL: the schema it made, too)
-            except Exception as e:  # keep the rest for a post-mortem, say why
+                # unless a window was published, a trainer joined, or another producer
+                # took over: checked and dropped in one transaction (Coordinator.discard_run)
+                dropped = coord.discard_run(owner)
+            except Exception as e:  # the database itself failed: keep it for a post-mortem
                 log.warning("%s: could not drop the unused run's tables: %s", self.root, e)
                 coord.close()
+                return False
+            if not dropped:
                 return False
         removed = self.remove()
         if removed:
