@@ -32,6 +32,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fanout.bench.assets import torch_threads
 from fanout.bench.bench import run_bench
 from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
 from fanout.flags import add_model_flags, model_from_args
@@ -177,16 +178,9 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
         max_new_tokens=128,
         json_out=str(out / "eval.json"),
     )
-    import torch
-
-    # the tiny models' forwards are per-op overhead: a second thread gains nothing idle
-    # (13.0–13.7 vs 12.5 s for 64 prompts) and can only contend on a loaded CPU
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    # a second thread gains nothing idle (13.0–13.7 vs 12.5 s for 64 prompts)
+    with torch_threads(1):
         rep = evaluate(ecfg, echo=lambda s: None)
-    finally:
-        torch.set_num_threads(threads)
     (out / "eval.json").write_text(json.dumps(rep, indent=2) + "\n")
     add_eval(out, rep)  # report.md: the τ table beside curves.png
     return ["", f"speculative decoding on {rep['prompts']} held-out prompts (fanout eval; τ = tokens per "

@@ -162,7 +162,7 @@ class Claims:
             self.roles.reclaim_lost()
             with self.run.write() as cur:
                 self.roles.check_producer(cur, preg.token)
-                doomed = retention.mark_evictable(cur, cfg.expected_consumers, recover=True)
+                doomed = self.eviction.mark(cur, recover=True)
                 if not doomed:
                     room = retention.has_capacity(cur, cfg.max_live_windows, extra=False)
                     if not room:
@@ -202,4 +202,4 @@ class Claims:
             return []
         log.warning("detached laggard %s at cursor %d (leader at %d)", *gone)
         self._blocked_since = now
-        return retention.mark_evictable(cur, cfg.expected_consumers)
+        return self.eviction.mark(cur)

@@ -36,16 +36,17 @@ class Eviction:
         with self.run.write() as cur:
             finish_evicted(cur, [w for w, _ in doomed])
 
-    def mark(self, cur: Sql) -> Doomed:
+    def mark(self, cur: Sql, recover: bool = False) -> Doomed:
         """Mark what is evictable now, inside the caller's transaction; pass the result
-        to `finish` after it commits."""
-        return mark_evictable(cur, self.run.config.expected_consumers)
+        to `finish` after it commits. `recover`: also the rows a crashed process left
+        'evicting'."""
+        return mark_evictable(cur, self.run.config.expected_consumers, recover)
 
     def evict(self) -> int:
         """Evict every evictable window now (also done by ack and the producer's wait),
         and finish evictions a crashed process left half done."""
         with self.run.write() as cur:
-            doomed = mark_evictable(cur, self.run.config.expected_consumers, recover=True)
+            doomed = self.mark(cur, recover=True)
         self.finish(doomed)
         return len(doomed)
 

@@ -87,8 +87,8 @@ def audit(db: Database) -> dict[str, Any]:
     ).fetchone()[0]
     if integrity == "ok" and torn:
         integrity = f"{torn} leases name no ready window"
-    failed = db.execute("SELECT COUNT(*) FROM windows WHERE state=?", (W.FAILED.value,))
-    failed = failed.fetchone()[0]
+    q = "SELECT COUNT(*) FROM windows WHERE state=?"
+    failed = db.execute(q, (W.FAILED.value,)).fetchone()[0]
     return {
         "integrity_check": integrity,
         "leases_left": int(db.execute("SELECT COUNT(*) FROM leases").fetchone()[0]),

@@ -92,9 +92,7 @@ Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'
 
 def _mark(cur: Sql, sql: str, args: tuple[object, ...]) -> Doomed:
     rows = [(int(w), n) for w, n in cur.execute(sql, args).fetchall()]
-    if rows:
-        marks = ",".join("?" * len(rows))
-        states.move(cur, states.EVICTABLE, W.EVICTING, f"window IN ({marks})", [w for w, _ in rows])
+    states.move_windows(cur, states.EVICTABLE, W.EVICTING, [w for w, _ in rows])
     return rows
 
 
@@ -137,9 +135,7 @@ def mark_evictable(cur: Sql, expected_consumers: int, recover: bool = False) -> 
 
 def finish_evicted(cur: Sql, windows: list[int]) -> int:
     """Mark 'evicting' rows evicted (their files are gone) and compact old evicted rows."""
-    n = 0
-    for w in windows:
-        n += states.move(cur, W.EVICTING, W.EVICTED, "window=?", (w,), also="path=NULL")
+    n = states.move_windows(cur, W.EVICTING, W.EVICTED, windows, also="path=NULL")
     if windows:
         states.compact_evicted(cur, max(windows) - EVICTED_ROWS_KEPT)
     cur.execute("UPDATE counters SET value=value+? WHERE key='evictions'", (n,))

@@ -110,6 +110,15 @@ def move(
     return int(cur.execute(sql, (dst.value, wall(), *also_params, *params)).rowcount)
 
 
+def move_windows(
+    cur: Sql, src: W | Iterable[W], dst: W, windows: Sequence[int], *, also: str = ""
+) -> int:
+    """`move` for the windows numbered in `windows` (none: nothing moves, no statement)."""
+    if not windows:
+        return 0
+    return move(cur, src, dst, f"window IN ({','.join('?' * len(windows))})", windows, also=also)
+
+
 def release_claims(cur: Sql) -> None:
     """Requeue every window being captured, with demand: it is captured again first,
     under a new generation (the producer that claimed it is gone, finished or replaced)."""
