@@ -49,41 +49,55 @@ REPLICAS = """
 import json, sys, torch, torch.distributed as dist
 from fanout.model.verifier import load_verifier
 from fanout.produce.tp import start_process_group
-torch.set_num_threads(1)
-ver, out = sys.argv[1], sys.argv[2]
-rank, _ = start_process_group("cpu", 120)
-g = torch.Generator().manual_seed(0)
-ids = torch.randint(0, 500, (2, 48), generator=g)
-docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 40 + [-1] * 8])
-pos = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, 48).clone()
-pos[1] = torch.cat([torch.arange(40), torch.zeros(8, dtype=torch.long)])
-opts = dict(capture_layer_ids="all", storage_dtype="float32", store_last_hidden_states=True)
-def flat(c):
-    return torch.stack([*c.layers, c.last_hidden_states]), c.target_ids  # [L+1, B, T, H]
-tpv = load_verifier(ver, tp=2, **opts)
-hid, tgt = flat(tpv.capture(ids, pos, docs))
-# the per-shard argmax against argmax of the gathered logits (transformers' own path),
-# and a tie across shards (all-zero rows: every logit 0) -> the first index, 0
-x = torch.randn(64, tpv.hidden_size, generator=g)
-x[:3] = 0
-with torch.inference_mode():
-    fast = tpv._sharded_head.argmax(x)
-    slow = tpv.lm_head(x).argmax(-1)
-head_ok = bool(torch.equal(fast, slow)) and fast[:3].tolist() == [0, 0, 0]
-hs = [torch.empty_like(hid) for _ in range(2)]
-ts = [torch.empty_like(tgt) for _ in range(2)]
-dist.all_gather(hs, hid)
-dist.all_gather(ts, tgt)
-if rank == 0:
-    ref_h, ref_t = flat(load_verifier(ver, **opts).capture(ids, pos, docs))
-    json.dump({
-        "replica_diff": [(hs[0][i] - hs[1][i]).abs().max().item() for i in range(len(hid))],
-        "vs_one_process": [(hs[0][i] - ref_h[i]).abs().max().item() for i in range(len(hid))],
-        "scale": ref_h.abs().max().item(),
-        "targets_equal_ranks": bool(torch.equal(ts[0], ts[1])),
-        "targets_equal_one_process": bool(torch.equal(ts[0], ref_t)),
-        "sharded_head_ok": head_ok,
-    }, open(out, "w"))
+
+
+def main():
+    torch.set_num_threads(1)
+    ver, out = sys.argv[1], sys.argv[2]
+    rank, _ = start_process_group("cpu", 120)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (2, 48), generator=g)
+    docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 40 + [-1] * 8])
+    pos = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, 48).clone()
+    pos[1] = torch.cat([torch.arange(40), torch.zeros(8, dtype=torch.long)])
+    opts = dict(capture_layer_ids="all", storage_dtype="float32", store_last_hidden_states=True)
+    def flat(c):
+        return torch.stack([*c.layers, c.last_hidden_states]), c.target_ids  # [L+1, B, T, H]
+    tpv = load_verifier(ver, tp=2, **opts)
+    hid, tgt = flat(tpv.capture(ids, pos, docs))
+    # the per-shard argmax against argmax of the gathered logits (transformers' own path),
+    # and a tie across shards (all-zero rows: every logit 0) -> the first index, 0
+    x = torch.randn(64, tpv.hidden_size, generator=g)
+    x[:3] = 0
+    with torch.inference_mode():
+        fast = tpv._sharded_head.argmax(x)
+        slow = tpv.lm_head(x).argmax(-1)
+    head_ok = bool(torch.equal(fast, slow)) and fast[:3].tolist() == [0, 0, 0]
+    hs = [torch.empty_like(hid) for _ in range(2)]
+    ts = [torch.empty_like(tgt) for _ in range(2)]
+    dist.all_gather(hs, hid)
+    dist.all_gather(ts, tgt)
+    if rank == 0:
+        ref_h, ref_t = flat(load_verifier(ver, **opts).capture(ids, pos, docs))
+        out_json = {
+            "replica_diff": [(hs[0][i] - hs[1][i]).abs().max().item() for i in range(len(hid))],
+            "vs_one_process": [(hs[0][i] - ref_h[i]).abs().max().item() for i in range(len(hid))],
+            "scale": ref_h.abs().max().item(),
+            "targets_equal_ranks": bool(torch.equal(ts[0], ts[1])),
+            "targets_equal_one_process": bool(torch.equal(ts[0], ref_t)),
+            "sharded_head_ok": head_ok,
+        }
+        with open(out, "w") as f:
+            json.dump(out_json, f)
+
+
+# Everything that holds a process group (the sharded model, DTensors) dies with main(),
+# before interpreter shutdown: a group freed during finalization can abort in gloo's
+# teardown ("terminate called without an active exception"; it did once in CI, where
+# the model was a module global). The ranks also end together, as the producer's STOP
+# does.
+main()
+dist.barrier()
 dist.destroy_process_group()
 """
 

@@ -218,6 +218,8 @@ def run_tensor_parallel(
             raise SystemExit(1) from None  # every rank finds the same; rank 0 says it
         raise
     rank, control = start_process_group(device, timeout_s)
+    verifier: Verifier | None = None
+    leader: Leader | None = None
     try:
         verifier = load()
         if rank != 0:
@@ -238,4 +240,8 @@ def run_tensor_parallel(
             leader.close(rc)
         return rc
     finally:
+        # Drop the sharded model (its device mesh refers to the group) before the group goes, so
+        # nothing that needs it is freed at interpreter shutdown, where gloo's teardown
+        # can abort ("terminate called without an active exception").
+        verifier = leader = None
         dist.destroy_process_group()
