@@ -34,6 +34,7 @@ from fanout.coord.status import DetachConfig, RunDirOptions, StatusConfig, Sweep
 from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat
 from fanout.data.prepare import DataOptions, PrepareConfig
+from fanout.errors import ConfigError
 from fanout.flags import configure_logging, declared_in, field_flag, flag_kind, to_flags
 from fanout.model.capture_layers import CaptureLayers
 from fanout.model.dflash import DFlashConfig, DraftRecipe
@@ -431,7 +432,9 @@ def test_renamed_flag_keeps_its_old_name(
     """A field's flag and its older name (--per-position-loss-weight, speculators' name,
     and --loss-weighting; --draft-layer-ids and --target-layer-ids; --capture-layer-ids
     and --target-layer-ids) set the same field, from flags and from --config keys;
-    to_flags writes the first; --help shows both."""
+    to_flags writes the first; --help shows both. Both flags on one command line, or
+    both keys in one file, are refused with one line; a flag overrides the file's key
+    by either name."""
     model = COMMANDS[command][1]
     base = _base(command, paths)
     argv = [a for k, v in base.items() for a in _argv(k, model.model_fields[k], v)]
@@ -447,6 +450,19 @@ def test_renamed_flag_keeps_its_old_name(
     assert to_flags(model, {field: value})[0] == flags[0]
     help_text = _subparser(command).format_help()
     assert all(f in help_text for f in flags)
+    with pytest.raises(ConfigError, match=f"{flags[0]} and {flags[1]} set the same field"):
+        _build(command, [*argv, flags[0], *argv_value, flags[1], *argv_value])
+    both = Path(paths["dir"]) / "both.json"
+    both.write_text(json.dumps(base | {names[0]: value, names[1]: value}))
+    with pytest.raises(ConfigError, match=rf"--config {both}: keys .* both set {flags[0]}"):
+        _build(command, ["--config", str(both)])
+    default = model.model_fields[field].default
+    for key in names:  # the file says the default under either name; the flag wins
+        conf = Path(paths["dir"]) / f"{key}-default.json"
+        conf.write_text(json.dumps(base | {key: default}))
+        for flag in flags:
+            got = _build(command, ["--config", str(conf), flag, *argv_value])
+            assert getattr(got, field) == value, (key, flag)
 
 
 def test_chaos_argv_is_written_by_to_flags_and_parses_back(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -87,6 +87,23 @@ def field_flag(name: str, field: FieldInfo) -> str:
 def field_aliases(field: FieldInfo) -> list[str]:
     """The other flags that also set a field (`flag_options(aliases=...)`): old names."""
     return [str(a) for a in _extra(field).get("aliases", ())]
+
+
+def field_keys(name: str, field: FieldInfo) -> list[str]:
+    """The config-file keys that set field `name`: its name and its older names
+    (`validation_alias=AliasChoices(...)`), the name first."""
+    keys = [name]
+    alias = field.validation_alias
+    for choice in alias.choices if isinstance(alias, AliasChoices) else [alias]:
+        if isinstance(choice, str) and choice not in keys:
+            keys.append(choice)
+    return keys
+
+
+def _alias_dest(name: str, alias: str) -> str:
+    # An older flag parses into its own destination, so that giving both names is seen
+    # (one destination would let the later silently win) and refused by model_from_args.
+    return f"{name}@{alias}"
 
 
 def declared_in(model: type[BaseModel], name: str) -> type:
@@ -222,8 +239,13 @@ def add_model_flags(
             kwargs["type"] = str
         if "metavar" in extra:
             kwargs["metavar"] = extra["metavar"]
-        flags = [field_flag(name, field), *field_aliases(field)]
-        parser.add_argument(*flags, help=help_text.replace("%", "%%"), **kwargs)
+        flag = field_flag(name, field)
+        parser.add_argument(flag, help=help_text.replace("%", "%%"), **kwargs)
+        for alias in field_aliases(field):
+            kwargs["dest"] = _alias_dest(name, alias)
+            if kind not in ("bool", "choice"):  # shown as the field's value, not its dest
+                kwargs.setdefault("metavar", name.upper())
+            parser.add_argument(alias, help=f"older name of {flag}", **kwargs)
 
 
 def _from_flag(flag: str, kind: str, v: Any) -> Any:
@@ -260,11 +282,28 @@ def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M
             raise ConfigError(f"--config {path}: expected a JSON object")
         values.update(loaded)
         source = f"--config {path} and flags"
+        for name, field in model.model_fields.items():
+            keys = [k for k in field_keys(name, field) if k in loaded]
+            if len(keys) > 1:
+                raise ConfigError(
+                    f"--config {path}: keys {' and '.join(map(repr, keys))} both set "
+                    f"{field_flag(name, field)}; keep one"
+                )
+    given = vars(args)
     for name, field in model.model_fields.items():
-        if name in vars(args):
-            values[name] = _from_flag(
-                field_flag(name, field), flag_kind(field), getattr(args, name)
+        flag = field_flag(name, field)
+        used = [(f, d) for f, d in [(flag, name)] + [
+            (a, _alias_dest(name, a)) for a in field_aliases(field)
+        ] if d in given]  # fmt: skip
+        if len(used) > 1:
+            raise ConfigError(
+                f"{' and '.join(f for f, _ in used)} set the same field ({used[0][0]}"
+                f" is the current name); give one"
             )
+        if used:
+            for key in field_keys(name, field):  # a flag overrides the file, by any name
+                values.pop(key, None)
+            values[name] = _from_flag(used[0][0], flag_kind(field), given[used[0][1]])
     values.update(fixed)
     try:
         return model.model_validate(values)
