@@ -173,7 +173,7 @@ def test_capture_layer_ids_all_and_its_older_name(
             "--data", str(conf), "--config", str(conf)]  # fmt: skip
     assert cli.main(argv) == 1
     err = capsys.readouterr().err.strip()
-    want = "--capture-layer-ids: give --capture-layer-ids or its older name --target-layer-ids"
+    want = f"--config {conf}: keys 'capture_layer_ids' and 'target_layer_ids' both set --capture-layer-ids"
     assert len(err.splitlines()) == 1 and want in err and "Traceback" not in err, err
     assert not run.exists()
     assert resolve_capture_layer_ids(8, "all", None) == list(range(8))
