@@ -292,9 +292,8 @@ def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M
     given = vars(args)
     for name, field in model.model_fields.items():
         flag = field_flag(name, field)
-        used = [(f, d) for f, d in [(flag, name)] + [
-            (a, _alias_dest(name, a)) for a in field_aliases(field)
-        ] if d in given]  # fmt: skip
+        names = [(flag, name), *((a, _alias_dest(name, a)) for a in field_aliases(field))]
+        used = [(f, dest) for f, dest in names if dest in given]
         if len(used) > 1:
             raise ConfigError(
                 f"{' and '.join(f for f, _ in used)} set the same field ({used[0][0]}"

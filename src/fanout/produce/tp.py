@@ -240,8 +240,8 @@ def run_tensor_parallel(
             leader.close(rc)
         return rc
     finally:
-        # Drop the sharded model (its device mesh refers to the group) before the group goes, so
-        # nothing that needs it is freed at interpreter shutdown, where gloo's teardown
-        # can abort ("terminate called without an active exception").
+        # Drop the sharded model (its device mesh refers to the group) before the group
+        # goes, so nothing that needs it is freed at interpreter shutdown, where gloo's
+        # teardown can abort ("terminate called without an active exception").
         verifier = leader = None
         dist.destroy_process_group()
