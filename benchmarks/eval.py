@@ -17,21 +17,26 @@ in the same run, at every `--temperature` (T = 0 always). Keys of `--json`: `los
 `.per_position_acceptance`, `.at_temperature["<T>"]` (as `fanout eval`).
 
 `--compare-uncached` also times the eval itself (`EvalSession.run`, models loaded and
-warmed) with the draft's context k/v cached (`fanout.model.draft_cache`) against the
-uncached reference loop, at every `--max-new-tokens` given, in `--rounds` interleaved
-rounds (A B B A …, so that drifting load hits both), checks both give the same tokens
-and accepted counts, and prints per length three uncached / cached ratios with their
-per-round min–max: the whole eval, the speculative decodes alone, and the draft loop
-alone (context `extend` + block `logits`, clocked inside the decode), and the draft's
-share of speculative decode time (Amdahl: the most a faster draft can save). `--json`:
-`eval_wall_s["<N>"].{wall,spec_decode,draft}.{cached,uncached,ratio,ratio_min_max}`,
-`.draft_fraction`, `.verify_steps`, `.same_outputs`; `draft_block_ms` (one block at
-contexts 64…4,096; `--recipe-depth` adds a random 5-layer draft, DraftRecipe's depth).
+warmed) in three arms at every `--max-new-tokens` given, in `--rounds` interleaved rounds
+(cached uncached free, then reversed, so that drifting load hits all): the draft's
+context k/v cached (`fanout.model.draft_cache`), the uncached reference loop, and a free
+draft (the first cached run's logits replayed: the draft costs nothing). It checks all
+give the same tokens and accepted counts and prints per length the uncached / cached
+ratios with their per-round min–max — the whole eval, the speculative decodes alone,
+the draft loop alone (context `extend` + block `logits`, clocked inside the decode) —,
+the ceiling uncached / free (the most any draft speed-up can give: Amdahl, measured) and
+the draft's share of speculative decode time. `--turns K` makes each prompt K held-out
+conversations in one multi-turn chat (a long context). `--json`:
+`eval_wall_s["<N>"].{wall,spec_decode}.{cached,uncached,free,ratio,ratio_min_max,ceiling,
+ceiling_min_max}`, `.draft.{cached,uncached,free,ratio,ratio_min_max}`,
+`.draft_fraction`, `.verify_steps`, `.same_outputs`; `prompt_tokens`; `draft_block_ms`
+(one block at contexts 64…4,096; `--recipe-depth` adds a random 5-layer draft,
+DraftRecipe's depth).
 `--ci-prefixes N …` prints τ's 95% interval over the first N prompts (how many prompts τ
 needs; `tau_ci_by_prompts` in `--json`).
 
-    .venv/bin/python benchmarks/eval.py --num-prompts 1 --max-new-tokens 256 1024 \
-        --ignore-eos --compare-uncached --threads 1 --recipe-depth --rounds 2
+    .venv/bin/python benchmarks/eval.py --num-prompts 1 --max-new-tokens 256 --ignore-eos \
+        --compare-uncached --threads 1 --recipe-depth --rounds 4 --turns 30
 """
 
 from __future__ import annotations
@@ -102,6 +107,14 @@ def parse_args() -> argparse.Namespace:
         metavar="N",
         help="also τ's 95%% interval over the first N prompts only (how many τ needs)",
     )
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each prompt joins K held-out conversations into one multi-turn chat "
+        "(a long context: ≈ 50 tokens per turn on the demo's data)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, help="write results as JSON to this path")
     return ap.parse_args()
@@ -121,7 +134,9 @@ def main() -> None:
         cmd = [sys.executable, "-m", "fanout.cli", "demo", "--minutes", str(a.minutes)]
         subprocess.run([*cmd, "--run-dir", str(root)], check=True)
     assets = resolve_assets(cfg.assets, out)
-    held = heldout_prompts(assets.data, out / "heldout-bench.jsonl", n=a.num_prompts)
+    held = heldout_prompts(assets.data, out / "heldout-bench.jsonl", n=a.num_prompts * a.turns)
+    if a.turns > 1:
+        held = joined_turns(held, a.turns)
     ecfg = EvalConfig(
         verifier_name_or_path=str(assets.verifier_dir),
         tokenizer=str(assets.tokenizer_dir),
@@ -149,7 +164,7 @@ def main() -> None:
     print(
         f"hardware: {rep['hardware']}, {os.cpu_count()} CPUs, load {load}, torch "
         f"{torch.__version__}; verifier {assets.verifier_dir.name} (demo's tiny Qwen3), "
-        f"{rep['prompts']} held-out prompts, {'/'.join(map(str, a.max_new_tokens))} new tokens, {a.dtype}; "
+        f"{rep['prompts']} held-out prompts ({a.turns} conversations each), {'/'.join(map(str, a.max_new_tokens))} new tokens, {a.dtype}; "
         f"drafts {'reused' if reused else 'trained'} from {out}"
     )
     print("\n".join(table(rep)))
@@ -167,6 +182,23 @@ def main() -> None:
             )
     if a.json:
         Path(a.json).write_text(json.dumps(rep, indent=2) + "\n")
+
+
+def joined_turns(held: Path, k: int) -> Path:
+    """Every k conversations of `held` joined into one multi-turn conversation (the first's
+    system message, then each one's user and assistant turns): prompts with a long
+    history, where the draft's context is long. Written beside `held`."""
+    convs = [json.loads(line) for line in held.read_text().splitlines() if line.strip()]
+    joined = []
+    for i in range(0, len(convs) - k + 1, k):
+        first = convs[i]["messages"]
+        msgs = [m for m in first[:1] if m["role"] == "system"]
+        for c in convs[i : i + k]:
+            msgs += [m for m in c["messages"] if m["role"] != "system"]
+        joined.append(json.dumps({"messages": msgs}))
+    out = held.with_name(f"{held.stem}-{k}turns.jsonl")
+    out.write_text("\n".join(joined) + "\n")
+    return out
 
 
 def ci_by_prompts(rep: dict, prefixes: list[int]) -> dict:
@@ -190,25 +222,32 @@ def ci_by_prompts(rep: dict, prefixes: list[int]) -> dict:
 
 
 def loop_lines(rep: dict) -> list[str]:
-    """The --compare-uncached table: per length, three uncached/cached ratios with their
-    per-round spread, and the draft's share of a speculative decode."""
+    """The --compare-uncached table: per length, the uncached / cached ratios with their
+    per-round spread, the ceiling (uncached / free draft) and the draft's share."""
+
+    def cell(w: dict, r: str = "ratio", over: str = "cached") -> str:
+        lo, hi = w[f"{r}_min_max"]
+        return f"{w[r]:.2f}× ({lo:.2f}–{hi:.2f}) {w['uncached']:.0f}/{w[over]:.0f}s"
+
     lines = [
-        "eval time, uncached / cached, models loaded and warm, rounds interleaved A B B A "
-        "(spread: min–max over rounds):",
-        f"{'new tok':>7} {'rounds':>6} {'steps':>6} {'whole eval':>22} {'spec decode':>22} "
-        f"{'draft loop':>22} {'draft share c/u':>15} same",
+        "eval time, uncached / cached, models loaded and warm, rounds interleaved "
+        "(cached uncached free, then reversed; spread: min–max over rounds); ceiling = "
+        "uncached / free (a draft that costs nothing: the most any draft speed-up gives):",
+        f"{'new tok':>7} {'rounds':>6} {'steps':>6} {'whole eval':>22} {'ceiling':>22} "
+        f"{'spec decode':>22} {'its ceiling':>22} {'draft loop':>22} {'draft share c/u':>15} same",
     ]
     for n, w in rep["eval_wall_s"].items():
-        cells = [
-            f"{w[k]['ratio']:.2f}× ({w[k]['ratio_min_max'][0]:.2f}–{w[k]['ratio_min_max'][1]:.2f}) "
-            f"{w[k]['uncached']:.0f}/{w[k]['cached']:.0f}s"
-            for k in ("wall", "spec_decode", "draft")
-        ]
         f = w["draft_fraction"]
+        cells = [cell(w["wall"]), cell(w["wall"], "ceiling", "free"), cell(w["spec_decode"]),
+                 cell(w["spec_decode"], "ceiling", "free"), cell(w["draft"])]  # fmt: skip
         lines.append(
-            f"{n:>7} {w['rounds']:>6} {w['verify_steps']:>6} {cells[0]:>22} {cells[1]:>22} "
-            f"{cells[2]:>22} {f['cached']:>6.1%}/{f['uncached']:<6.1%}  {w['same_outputs']}"
+            f"{n:>7} {w['rounds']:>6} {w['verify_steps']:>6} "
+            + " ".join(f"{c:>22}" for c in cells)
+            + f" {f['cached']:>6.1%}/{f['uncached']:<6.1%}  {w['same_outputs']}"
         )
+    toks = rep.get("prompt_tokens", [])
+    if toks:
+        lines.append(f"  prompts: {len(toks)}, {min(toks)}–{max(toks)} tokens")
     for name, by_p in rep["draft_block_ms"].items():
         for p, ms in by_p.items():
             lines.append(
@@ -218,11 +257,18 @@ def loop_lines(rep: dict) -> list[str]:
     return lines
 
 
+MODES = ("cached", "uncached", "free")
+
+
 def compare_loops(ecfg: EvalConfig, rounds: int, lengths: list[int], recipe: bool) -> dict:
     """The eval's own wall time with and without the draft cache, interleaved, at every
     length in `lengths`; the draft's own time (context `extend` + block `logits`) is
     clocked inside the decode, so the whole-eval, speculative-decode and draft-loop
-    ratios and the draft's share of a decode come from the same runs."""
+    ratios and the draft's share of a decode come from the same runs.
+
+    A third arm, "free", replays the logits the first cached run recorded (a draft that
+    costs nothing): uncached / free is the largest ratio any draft speed-up could give
+    this eval — the measured Amdahl ceiling for the cache's ratio."""
     _, drafts, eals = load_drafts(ecfg)
     if recipe:  # the real recipe's depth, random weights (τ ≈ 1: cost, not quality)
         drafts["r5-random"], eals["r5-random"] = (
@@ -236,29 +282,35 @@ def compare_loops(ecfg: EvalConfig, rounds: int, lengths: list[int], recipe: boo
     rep: dict = {}
     for n in lengths:
         cfg = ecfg.model_copy(update={"max_new_tokens": n})
-        arms: dict[bool, dict[str, list[float]]] = {
-            c: {"wall": [], "spec_decode": [], "draft": []} for c in (True, False)
+        arms: dict[str, dict[str, list[float]]] = {
+            m: {"wall": [], "spec_decode": [], "draft": []} for m in MODES
         }
-        reps: dict[bool, dict] = {}
-        order = [c for r in range(rounds) for c in ((True, False) if r % 2 == 0 else (False, True))]
-        for i, cached in enumerate(order):
-            session.cfg = cfg.model_copy(update={"cache_draft": cached})
-            if i < 2:
-                session.warm(drafts)  # each loop's first calls at this length, untimed
+        reps: dict[str, dict] = {}
+        recorded: dict[tuple, torch.Tensor] = {}
+        session.cfg = cfg.model_copy(update={"cache_draft": True})
+        with replayed_draft(recorded, record=True):
+            reps["recorded"] = session.run(drafts, eals)  # also this length's first calls
+        session.cfg = cfg.model_copy(update={"cache_draft": False})
+        session.warm(drafts)  # the uncached loop's first calls at this length, untimed
+        fwd, back = list(MODES), list(reversed(MODES))
+        for mode in [m for r in range(rounds) for m in (fwd if r % 2 == 0 else back)]:
+            session.cfg = cfg.model_copy(update={"cache_draft": mode != "uncached"})
             clock = [0.0]
-            with timed_draft(clock):
+            replay = replayed_draft(recorded, record=False) if mode == "free" else None
+            with replay or contextlib.nullcontext(), timed_draft(clock):
                 t0 = time.perf_counter()
-                reps[cached] = session.run(drafts, eals)
-                arms[cached]["wall"].append(time.perf_counter() - t0)
-            arms[cached]["spec_decode"].append(
-                sum(d["decode_seconds"] for d in reps[cached]["drafts"].values())
+                reps[mode] = session.run(drafts, eals)
+                arms[mode]["wall"].append(time.perf_counter() - t0)
+            arms[mode]["spec_decode"].append(
+                sum(d["decode_seconds"] for d in reps[mode]["drafts"].values())
             )
-            arms[cached]["draft"].append(clock[0])
+            arms[mode]["draft"].append(clock[0])
         out[str(n)] = loop_figures(arms, reps, rounds)
-        rep = reps[True]
+        rep = reps["cached"]
     rep["eval_wall_s"] = out
     draft = next(iter(drafts.values()))
     hidden = session.verifier.model.config.hidden_size
+    rep["prompt_tokens"] = [len(p.ids) for p in session.prompts]
     rep["draft_block_ms"] = {
         name: draft_step_ms(d, hidden)
         for name, d in (
@@ -269,44 +321,91 @@ def compare_loops(ecfg: EvalConfig, rounds: int, lengths: list[int], recipe: boo
 
 
 def loop_figures(
-    arms: dict[bool, dict[str, list[float]]], reps: dict[bool, dict], rounds: int
+    arms: dict[str, dict[str, list[float]]], reps: dict[str, dict], rounds: int
 ) -> dict:
-    """Totals, per-round spread and the three ratios (uncached / cached) of one length."""
-    tot = {c: {k: sum(v) for k, v in a.items()} for c, a in arms.items()}
+    """Totals, per-round spread and the ratios (uncached / cached, and the ceiling
+    uncached / free) of one length."""
+    tot = {m: {k: sum(v) for k, v in a.items()} for m, a in arms.items()}
 
-    def ratio(k: str) -> float:
-        return round(tot[False][k] / max(tot[True][k], 1e-9), 3)
+    def ratio(k: str, over: str = "cached") -> float:
+        return round(tot["uncached"][k] / max(tot[over][k], 1e-9), 3)
 
-    def spread(k: str) -> list[float]:  # per-round ratio, min and max (rounds pair A B)
-        rs = [u / max(c, 1e-9) for u, c in zip(arms[False][k], arms[True][k])]
+    def spread(k: str, over: str = "cached") -> list[float]:  # per-round ratio, min and max
+        rs = [u / max(c, 1e-9) for u, c in zip(arms["uncached"][k], arms[over][k])]
         return [round(min(rs), 3), round(max(rs), 3)]
 
+    records = reps["recorded"]["prompt_records"]
     return {
         "rounds": rounds,
-        "same_outputs": reps[True]["prompt_records"] == reps[False]["prompt_records"],
+        "same_outputs": all(reps[m]["prompt_records"] == records for m in MODES),
         "verify_steps": sum(
             f["verify_steps"]
-            for d in reps[True]["drafts"].values()
+            for d in reps["cached"]["drafts"].values()
             for f in d["at_temperature"].values()
         ),
         **{
             k: {
-                "cached": round(tot[True][k], 2),
-                "uncached": round(tot[False][k], 2),
+                **{m: round(tot[m][k], 2) for m in MODES},
                 "ratio": ratio(k),
                 "ratio_min_max": spread(k),
+                # the most any faster draft could give (a draft that costs nothing)
+                "ceiling": ratio(k, "free"),
+                "ceiling_min_max": spread(k, "free"),
             }
-            for k in ("wall", "spec_decode", "draft")
+            for k in ("wall", "spec_decode")
+        },
+        "draft": {
+            **{m: round(tot[m]["draft"], 2) for m in MODES},
+            "ratio": ratio("draft"),
+            "ratio_min_max": spread("draft"),
         },
         # the draft's share of speculative decode time (Amdahl: the most the cache can save)
         "draft_fraction": {
-            c: round(tot[b]["draft"] / max(tot[b]["spec_decode"], 1e-9), 3)
-            for c, b in (("cached", True), ("uncached", False))
+            m: round(tot[m]["draft"] / max(tot[m]["spec_decode"], 1e-9), 3)
+            for m in ("cached", "uncached")
         },
         "spec_decode_fraction_of_wall": round(
-            tot[False]["spec_decode"] / max(tot[False]["wall"], 1e-9), 3
+            tot["uncached"]["spec_decode"] / max(tot["uncached"]["wall"], 1e-9), 3
         ),
     }
+
+
+@contextlib.contextmanager
+def replayed_draft(store: dict[tuple, torch.Tensor], record: bool) -> Iterator[None]:
+    """Within: the decoder's cached draft context records its block logits into `store`
+    (`record`), or is replaced by one that returns them from `store` without running the
+    draft (a draft that costs nothing; same tokens, as the logits are the same)."""
+    import fanout.model.spec_decode as sd
+
+    saved = sd.DraftCache
+
+    def key(draft: DFlashDraft, seq: list[int]) -> tuple:
+        return id(draft), len(seq), hash(tuple(seq))
+
+    class Recording(saved):  # type: ignore[misc, valid-type]
+        def logits(self, seq: list[int]) -> torch.Tensor:
+            out = super().logits(seq)
+            store[key(self.draft, seq)] = out
+            return out
+
+    class Replay:
+        def __init__(self, draft: DFlashDraft) -> None:
+            self.draft = draft
+
+        def extend(self, hidden: torch.Tensor) -> None:
+            pass
+
+        def logits(self, seq: list[int]) -> torch.Tensor:
+            found = store.get(key(self.draft, seq))
+            if found is None:
+                raise RuntimeError("free arm: a block the recorded run never drafted")
+            return found
+
+    sd.DraftCache = Recording if record else Replay  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        sd.DraftCache = saved  # type: ignore[misc]
 
 
 @contextlib.contextmanager

@@ -211,6 +211,25 @@ def test_cached_draft_with_a_draft_vocabulary(decoder: Decoder, vdir: Path) -> N
     assert first_mismatch(g.tokens, s.tokens) is None
 
 
+def test_cached_draft_grows_its_buffers_and_its_scratch_never_leaks(vdir: Path) -> None:
+    """Capacity 4, a block of 8: every block's scratch rows and most extends cross the
+    buffer's end, and every step's logits must still equal the reference's — a scratch row
+    left in the context, or rows lost in a growth, would change them."""
+    torch.manual_seed(5)
+    draft = DFlashDraft.from_verifier(vdir, target_layer_ids=[1, 3], block_size=8,
+                                      mask_token_id=EOS)  # fmt: skip
+    ctx, ref = DraftCache(draft, capacity=4), UncachedDraft(draft)
+    hidden = torch.randn(40, draft.fc.in_features)  # [p, k·H]
+    at = 0
+    for n in (3, 1, 5, 2, 8, 1, 7, 4, 6, 3):  # accepted positions per step, as a decode
+        for c in (ctx, ref):
+            c.extend(hidden[at : at + n])
+        at += n
+        a, b = ctx.logits(list(range(at + 1))), ref.logits(list(range(at + 1)))
+        assert torch.allclose(a, b, atol=1e-5), at
+    assert ctx.length == at and ctx.k[0].shape[2] >= at
+
+
 # ---- the command ------------------------------------------------------------------------
 
 

@@ -8,9 +8,10 @@
 The draft's context at position t is `hidden_norm(fc(h_t))` injected as keys/values into
 every layer through that layer's k/v projections, k-norm and RoPE at position t. None of
 that depends on the block being drafted, so `DraftCache` computes each layer's k/v of a
-position once, when the verifier accepts it (`extend`: append, never roll back — only
-accepted positions are ever appended), and a block forward costs O(bs · p) attention
-instead of recomputing fc + k/v over all p positions (O(p) matmuls) every block.
+position once, when the verifier accepts it (`extend`: written into preallocated
+buffers, never rolled back — only accepted positions are ever written), and a block
+forward costs O(bs · p) attention instead of recomputing fc + k/v over all p positions
+(O(p) matmuls) every block, and copies no context (no O(p) `torch.cat` per step).
 
 `UncachedDraft` recomputes the whole context every block through `block_hidden`, the
 training forward with one anchor — the reference `DraftCache` is tested against (same
@@ -83,30 +84,50 @@ class UncachedDraft:
 
 
 class DraftCache:
-    """Per-layer context keys/values `[1, nkv, p, hd]`, appended as positions are accepted."""
+    """Per-layer context keys/values in preallocated buffers `[1, nkv, capacity, hd]`,
+    written as positions are accepted.
 
-    def __init__(self, draft: DFlashDraft) -> None:
+    Why buffers, not `torch.cat` per step: a cat copies the whole context every block (in
+    `extend` and again in `logits`), O(p) bytes per layer per step — quadratic over a
+    decode, the cost the cache exists to remove. Here `extend` writes only its n rows
+    (capacity doubles when full: amortised O(n)) and `logits` writes the block's own
+    k/v into the rows just past the context, as scratch, and attends over a view of the
+    first p + bs rows. The scratch rows lie beyond `length`, so nothing accepted is ever
+    overwritten; the next `extend` writes its accepted rows over them."""
+
+    def __init__(self, draft: DFlashDraft, capacity: int = 256) -> None:
         self.draft = draft
-        self.k: list[torch.Tensor] = []
+        self.k: list[torch.Tensor] = []  # per layer [1, nkv, capacity, hd]
         self.v: list[torch.Tensor] = []
         self.length = 0  # context positions cached: 0..length-1
+        self.capacity = 0
+        self._initial = capacity
+
+    def _reserve(self, rows: int) -> None:
+        """Room for `rows` positions in every layer (grown by doubling, rows kept)."""
+        if rows <= self.capacity:
+            return
+        cap = max(rows, 2 * self.capacity, self._initial)
+        attn = _layers(self.draft)[0].self_attn
+        w = self.draft.fc.weight
+        grown = [w.new_empty(1, attn.nkv, cap, attn.hd) for _ in range(2 * len(self.draft.layers))]
+        for old, new in zip([*self.k, *self.v], grown):
+            new[:, :, : self.length] = old[:, :, : self.length]
+        half = len(grown) // 2
+        self.k, self.v, self.capacity = grown[:half], grown[half:], cap
 
     @torch.no_grad()
     def extend(self, hidden: torch.Tensor) -> None:
         d = self.draft
         dt = d.fc.weight.dtype
-        n = hidden.shape[0]
+        n, at = hidden.shape[0], self.length
         ctx = d.hidden_norm(d.fc(hidden.to(dt)))[None]  # [1, n, H]
-        pos = torch.arange(self.length, self.length + n, device=hidden.device)[None]
-        rope = d.rope(pos, dt)  # [1, n, hd] x2
+        rope = d.rope(torch.arange(at, at + n, device=hidden.device)[None], dt)  # [1, n, hd] x2
+        self._reserve(at + n)
         for i, layer in enumerate(_layers(d)):
             k, v = layer.self_attn.kv(ctx, rope)  # [1, nkv, n, hd]
-            if i < len(self.k):
-                self.k[i] = torch.cat([self.k[i], k], dim=2)
-                self.v[i] = torch.cat([self.v[i], v], dim=2)
-            else:
-                self.k.append(k)
-                self.v.append(v)
+            self.k[i][:, :, at : at + n] = k
+            self.v[i][:, :, at : at + n] = v
         self.length += n
 
     @torch.no_grad()
@@ -122,12 +143,14 @@ class DraftCache:
         tok[0, 0] = seq[-1]
         x = F.embedding(tok, d.embed_weight).to(dt)  # [1, bs, H]
         rope = d.rope(torch.arange(p, p + bs, device=dev)[None], dt)  # [1, bs, hd] x2
+        self._reserve(p + bs)
         for i, layer in enumerate(_layers(d)):
             a = layer.self_attn
             h = layer.input_layernorm(x)
             kb, vb = a.kv(h, rope)  # [1, nkv, bs, hd]
-            k = torch.cat([self.k[i], kb], dim=2) if self.k else kb  # [1, nkv, p+bs, hd]
-            v = torch.cat([self.v[i], vb], dim=2) if self.v else vb
+            self.k[i][:, :, p : p + bs] = kb  # scratch rows past the context
+            self.v[i][:, :, p : p + bs] = vb
+            k, v = self.k[i][:, :, : p + bs], self.v[i][:, :, : p + bs]  # [1, nkv, p+bs, hd]
             x = x + a.attend(h, k, v, rope, None)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return head_logits(d, d.norm(x)[0, 1:])  # [bs-1, V]
