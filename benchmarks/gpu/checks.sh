@@ -12,7 +12,8 @@
 # T 2048, R 8) over 16 and 48 windows, one profiled producer run, the same at
 # --tp 2 under torchrun when the device has two GPUs or more, and `fanout eval`
 # in bf16 of the demo's three trained drafts (prepare trains them if runs/demo has none),
-# greedy and at T = 1.
+# greedy and at T = 1, and the draft cache against the uncached loop and a free draft
+# at a 1.5k-token context.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-run}
@@ -80,4 +81,9 @@ python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bflo
 python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bfloat16 \
   --num-prompts 16 --max-new-tokens 96 --temperature 0 1 --top-k 50 \
   --json "$OUT/eval-bf16-t1.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/eval-bf16-t1.log"
+# the draft cache's buffers on CUDA at a long context, against the uncached loop and the
+# free-draft ceiling (same tokens in all three arms; ratios: docs/eval.md)
+python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bfloat16 \
+  --num-prompts 1 --max-new-tokens 256 --ignore-eos --compare-uncached --rounds 2 --turns 30 \
+  --json "$OUT/eval-bf16-cache.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/eval-bf16-cache.log"
 ls -la "$OUT"
