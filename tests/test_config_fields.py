@@ -167,7 +167,7 @@ def _candidates(field: FieldInfo, p: dict[str, str]) -> list[Any]:
         return [[p["file"]], [p["file"], p["file2"]], [3, 1], [2], ["all"], ["x", "y"]]
     if int in types:
         n = d if isinstance(d, int) else 0
-        return [n + 1, n + 7, 1, 2, 3]
+        return [n + 1, n + 7, 1, 2, 3, 64]  # 64: above a default it must not be below
     if float in types:
         x = d if isinstance(d, float) else 0.0
         return [x + 1, x / 2, 0.25, 0.75, 7.0]

@@ -27,6 +27,10 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     rep = json.loads((tmp_path / "last" / "eval.json").read_text())
     assert rep["lossless"] and set(rep["drafts"]) == {"b4", "b8", "b16"}
     assert all(d["train_eal"] is not None for d in rep["drafts"].values())
+    # as many prompts as τ's interval needs: ±0.1 for every draft, or the cap spent
+    prec = rep["precision"]
+    assert prec["target_half_width"] == 0.1 and rep["prompts"] >= 640, prec
+    assert prec["met"] or rep["prompts"] == prec["prompts_available"], prec
     # report.md shows that eval beside curves.png: τ, train EAL, per-position acceptance
     md = (tmp_path / "last" / "report.md").read_text()
     assert "## Speculative decoding (fanout eval)" in md and "![curves.png](curves.png)" in md

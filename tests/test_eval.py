@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from fanout.model.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
 from fanout.train.checkpoint import save_checkpoint
+from fanout.train.eval import table, tau_interval
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
 
 EOS = 255
@@ -326,6 +328,67 @@ def test_cli_temperatures_records_and_model_card(chat_run: dict[str, Path], tmp_
     (chat_run["b4"] / "README.md").unlink()
 
 
+def test_tau_half_width_decodes_until_every_interval_is_that_narrow(
+    chat_run: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--tau-half-width W: past --num-prompts the eval goes on (--num-prompts 2: a check
+    after every prompt) and stops at the first count where every draft's τ interval at
+    every temperature is at most ±W, checked against widths recomputed from the records
+    of a run over every prompt. The stopping rule is what is tested, so the decodes are
+    replaced by seeded accepted counts (the tiny untrained drafts accept nothing: τ = 1
+    exactly, an interval of width 0)."""
+    import random
+
+    from fanout.train.eval import EvalConfig, EvalSession, Job, load_drafts
+
+    def fake(self: EvalSession, job: Job, p: Any, drafts: dict) -> DecodeResult:
+        name, t, rule = job
+        rng = random.Random(f"{p.index} {name} {t} {rule}")
+        accepted = [rng.choice([0, 0, 1, 3]) for _ in range(rng.randint(2, 6))]
+        tokens = list(range(1 + sum(n + 1 for n in accepted)))
+        if rule == "greedy":
+            return DecodeResult(tokens, len(tokens) - 1, 0.01)
+        return DecodeResult(tokens, len(accepted), 0.01, accepted, 4)
+
+    monkeypatch.setattr(EvalSession, "_decode", fake)
+    cfg = EvalConfig(
+        verifier_name_or_path=str(chat_run["ver"]), tokenizer=str(chat_run["tok"]),
+        data=str(chat_run["data"]), draft=[str(chat_run["b4"]), str(chat_run["b8"])],
+        num_prompts=2, max_prompts=6, tau_half_width=1e-9, temperature=[0, 1],
+    )  # fmt: skip
+    _, drafts, eals = load_drafts(cfg)
+    session = EvalSession(cfg, [1, 2])
+    rep = session.run(drafts, eals)
+    n = rep["prompts"]
+    assert n == rep["precision"]["prompts_available"] >= 4, rep["precision"]
+    assert rep["precision"]["met"] is False
+    assert any("NOT met" in line for line in table(rep))
+
+    def widest(k: int) -> float:  # every draft and temperature, the first k prompts
+        hw = []
+        for name in drafts:
+            for t in ("0.0", "1.0"):
+                rs = [DecodeResult(x["drafts"][name][t]["tokens"], 0, 0.0,
+                                   x["drafts"][name][t]["accepted"])
+                      for x in rep["prompt_records"][:k]]  # fmt: skip
+                lo, hi = tau_interval(rs) or (0.0, float("inf"))
+                hw.append((hi - lo) / 2)
+        return max(hw)
+
+    widths = {k: widest(k) for k in range(2, n + 1)}
+    assert widths[n] == pytest.approx(rep["precision"]["widest_half_width"])
+    assert len(set(widths.values())) > 1, widths  # the counts do vary: a real choice
+    for target in sorted(set(widths.values())):
+        session.cfg = cfg.model_copy(update={"tau_half_width": target})
+        got = session.run(drafts, eals)
+        expected = next(k for k in range(2, n + 1) if widths[k] <= target)
+        assert got["prompts"] == expected and got["precision"]["met"] is True, (widths, target)
+        assert got["prompt_records"] == rep["prompt_records"][:expected]  # same prompts, in order
+        assert any("met" in line for line in table(got))
+    session.cfg = cfg.model_copy(update={"tau_half_width": None})
+    assert session.run(drafts, eals)["prompts"] == 2  # without it: exactly --num-prompts
+
+
 def _one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr
@@ -358,6 +421,9 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
     _one_line_error(r, "--data")
     r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--temperature", "-1")
     _one_line_error(r, "--temperature", "must be >= 0")
+    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--tau-half-width", "0.1",
+              "--max-prompts", "2")  # fmt: skip
+    _one_line_error(r, "--max-prompts 2 is below --num-prompts 3")
 
 
 def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
@@ -404,7 +470,6 @@ def _result(accepted: list[int], decode_s: float, bs: int = 4) -> DecodeResult:
 
 
 def test_tau_interval_by_hand() -> None:
-    from fanout.train.eval import tau_interval
 
     assert tau_interval([_result([1, 2], 1.0)]) is None  # one prompt: no interval
     same = tau_interval([_result([1, 2], 1.0)] * 3)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from fanout.data.chat import ChatFormat, Conversation, load_conversations
 from fanout.errors import BadRow, CheckpointError, ConfigError
@@ -55,6 +55,17 @@ class EvalConfig(ChatFormat):
     tokenizer: str = Field(description="tokenizer dir with the chat template")
     max_new_tokens: int = Field(128, gt=0, description="tokens to generate per prompt")
     num_prompts: int = Field(8, gt=0, description="prompts to decode (the file's first ones)")
+    tau_half_width: float | None = Field(
+        None,
+        gt=0,
+        description="past --num-prompts, keep decoding the file's next prompts until every "
+        "draft's τ 95% interval is at most ± this at every temperature (or --max-prompts)",
+    )
+    max_prompts: int | None = Field(
+        None,
+        gt=0,
+        description="with --tau-half-width: the most prompts to decode (default 4 × --num-prompts)",
+    )
     device: str = Field("cpu", description="cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="verifier and draft dtype (lossless is exact in float32)"
@@ -95,6 +106,20 @@ class EvalConfig(ChatFormat):
             raise ValueError(f"{v}: temperatures must be >= 0")
         return sorted({0.0, *(float(t) for t in v)})
 
+    @model_validator(mode="after")
+    def _prompt_cap(self) -> EvalConfig:
+        if self.max_prompts is not None and self.max_prompts < self.num_prompts:
+            raise ValueError(
+                f"--max-prompts {self.max_prompts} is below --num-prompts {self.num_prompts}"
+            )
+        return self
+
+    def prompt_limit(self) -> int:
+        """How many prompts to load: --num-prompts, or the cap with --tau-half-width."""
+        if self.tau_half_width is None:
+            return self.num_prompts
+        return self.max_prompts or 4 * self.num_prompts
+
     @field_validator("data", "tokenizer", "verifier_name_or_path")
     @classmethod
     def _exists(cls, v: str) -> str:
@@ -130,7 +155,7 @@ def load_prompts(cfg: EvalConfig, max_positions: int) -> list[Prompt]:
         if len(ids) + cfg.max_new_tokens > max_positions:
             continue
         out.append(Prompt(i, ids.tolist()))
-        if len(out) == cfg.num_prompts:
+        if len(out) == cfg.prompt_limit():
             break
     if not out:
         raise ConfigError(
@@ -193,6 +218,19 @@ def tau_interval(results: list[DecodeResult]) -> list[float] | None:
     var = m / (m - 1) * sum((ai - tau * si) ** 2 for ai, si in zip(a, s))
     half = 1.96 * var**0.5 / total
     return [round(tau - half, 4), round(tau + half, 4)]
+
+
+def widest_half_width(out: dict[Job, list[DecodeResult]]) -> float | None:
+    """The widest half-width of τ's 95% interval over every draft and temperature (the
+    served rule's τ, the one reported first), None while any is undefined."""
+    widths = []
+    for (_, _, rule), rs in out.items():
+        if rule == "served":
+            ci = tau_interval(rs)
+            if ci is None:
+                return None
+            widths.append((ci[1] - ci[0]) / 2)
+    return max(widths, default=None)
 
 
 def _rates(results: list[DecodeResult]) -> tuple[int, float, float]:
@@ -317,7 +355,8 @@ class EvalSession:
     def run(
         self, drafts: dict[str, DFlashDraft], train_eals: dict[str, float | None]
     ) -> dict[str, Any]:
-        cfg, dec, prompts = self.cfg, self.decoder, self.prompts
+        cfg, dec = self.cfg, self.decoder
+        prompts = self.prompts[: cfg.prompt_limit()]  # loaded for this limit (or a larger one)
         missing = {i for d in drafts.values() for i in d.cfg.target_layer_ids} - set(
             self.verifier.capture_layer_ids
         )
@@ -331,7 +370,16 @@ class EvalSession:
         out: dict[Job, list[DecodeResult]] = {job: [] for job in jobs}
         mismatches: list[dict[str, Any]] = []
         records: list[dict[str, Any]] = []
+        # with --tau-half-width: checked every eighth of --num-prompts past it (each check
+        # walks every result, so not after every prompt)
+        every = max(1, cfg.num_prompts // 8)
+        widest: float | None = None
         for i, p in enumerate(prompts):
+            past = i - cfg.num_prompts  # prompts decoded beyond --num-prompts
+            if cfg.tau_half_width is not None and past >= 0 and past % every == 0:
+                widest = widest_half_width(out)
+                if widest is not None and widest <= cfg.tau_half_width:
+                    break
             dec.greedy(p.ids, 1)  # untimed: this prompt length's prefill shapes
             done = {job: self._decode(job, p, drafts) for job in (jobs if i % 2 else jobs[::-1])}
             g = done[jobs[0]]
@@ -349,6 +397,8 @@ class EvalSession:
                 if at is not None:
                     mismatches.append({"draft": name, "prompt": p.index, "position": at})
             records.append(rec)
+        else:
+            widest = widest_half_width(out)
         greedy = out[jobs[0]]
         _, g_tps, _ = _rates(greedy)
         summaries = {
@@ -356,12 +406,19 @@ class EvalSession:
                            greedy, train_eals[name])
             for name in drafts
         }  # fmt: skip
+        used = prompts[: len(records)]
+        precision = None
+        if cfg.tau_half_width is not None:
+            met = widest is not None and widest <= cfg.tau_half_width
+            precision = {"target_half_width": cfg.tau_half_width, "met": met,
+                         "widest_half_width": widest, "prompts_available": len(prompts)}  # fmt: skip
         return {
             "lossless": not mismatches,
             "mismatches": mismatches,
             "drafts": summaries,
-            "prompts": len(prompts),
-            "prompt_tokens": [len(p.ids) for p in prompts],
+            "prompts": len(used),
+            "precision": precision,
+            "prompt_tokens": [len(p.ids) for p in used],
             "generated_tokens": [len(g.tokens) for g in greedy],
             "greedy_tokens_per_s": round(g_tps, 2),
             "temperatures": [temperature_key(t) for t in cfg.temperature],
@@ -395,8 +452,11 @@ def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
     layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
     session = EvalSession(cfg, layers)
     ps = session.prompts
+    count = f"{len(ps)}"
+    if cfg.tau_half_width is not None:  # as many as τ's interval needs, from num_prompts
+        count = f"{min(cfg.num_prompts, len(ps))} to {len(ps)} (until τ is ±{cfg.tau_half_width})"
     echo(
-        f"fanout eval: {len(ps)} prompts ({min(len(p.ids) for p in ps)}–"
+        f"fanout eval: {count} prompts ({min(len(p.ids) for p in ps)}–"
         f"{max(len(p.ids) for p in ps)} tokens), {cfg.max_new_tokens} new tokens each, "
         f"{len(drafts)} draft(s), {cfg.device} {cfg.dtype}, temperatures "
         f"{', '.join(temperature_key(t) for t in cfg.temperature)}"
@@ -458,6 +518,19 @@ def table(report: dict[str, Any]) -> list[str]:
             f"{report['mismatches'][0]}"
         )
     )
+    prec = report.get("precision")
+    if prec:
+        w = prec["widest_half_width"]
+        got = f"±{w:.3f}" if w is not None else "undefined"
+        lines.append(
+            f"τ precision: widest 95% half-width {got} after {report['prompts']} prompts "
+            + (
+                f"(target ±{prec['target_half_width']}: met)"
+                if prec["met"]
+                else f"— target ±{prec['target_half_width']} NOT met with all "
+                f"{prec['prompts_available']} prompts available (raise --max-prompts)"
+            )
+        )
     return lines + notes
 
 
