@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from fanout.bench.assets import write_jsonl
 from fanout.bench.bench import resolve_assets
 from fanout.bench.demo import demo_config, heldout_prompts
 from fanout.model.dflash import DFlashDraft, DraftRecipe
@@ -195,10 +196,8 @@ def joined_turns(held: Path, k: int) -> Path:
         msgs = [m for m in first[:1] if m["role"] == "system"]
         for c in convs[i : i + k]:
             msgs += [m for m in c["messages"] if m["role"] != "system"]
-        joined.append(json.dumps({"messages": msgs}))
-    out = held.with_name(f"{held.stem}-{k}turns.jsonl")
-    out.write_text("\n".join(joined) + "\n")
-    return out
+        joined.append({"messages": msgs})
+    return write_jsonl(held.with_name(f"{held.stem}-{k}turns.jsonl"), joined)
 
 
 def ci_by_prompts(rep: dict, prefixes: list[int]) -> dict:

@@ -109,12 +109,15 @@ class DraftCache:
             return
         cap = max(rows, 2 * self.capacity, self._initial)
         attn = _layers(self.draft)[0].self_attn
-        w = self.draft.fc.weight
-        grown = [w.new_empty(1, attn.nkv, cap, attn.hd) for _ in range(2 * len(self.draft.layers))]
-        for old, new in zip([*self.k, *self.v], grown):
-            new[:, :, : self.length] = old[:, :, : self.length]
-        half = len(grown) // 2
-        self.k, self.v, self.capacity = grown[:half], grown[half:], cap
+        w, n = self.draft.fc.weight, self.length
+
+        def grown(bufs: list[torch.Tensor]) -> list[torch.Tensor]:
+            new = [w.new_empty(1, attn.nkv, cap, attn.hd) for _ in self.draft.layers]
+            for old, buf in zip(bufs, new):  # none on the first allocation
+                buf[:, :, :n] = old[:, :, :n]
+            return new
+
+        self.k, self.v, self.capacity = grown(self.k), grown(self.v), cap
 
     @torch.no_grad()
     def extend(self, hidden: torch.Tensor) -> None:

@@ -397,8 +397,8 @@ class EvalSession:
                 if at is not None:
                     mismatches.append({"draft": name, "prompt": p.index, "position": at})
             records.append(rec)
-        else:
-            widest = widest_half_width(out)
+        else:  # every prompt decoded: the width they reached (only when it is asked for)
+            widest = widest_half_width(out) if cfg.tau_half_width is not None else None
         greedy = out[jobs[0]]
         _, g_tps, _ = _rates(greedy)
         summaries = {
