@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv on first use, then runs
 #   ./dev.sh demo [ARGS]   the main job on embedded defaults (fanout demo)
-#   ./dev.sh test [ARGS]   the test suite (pytest, slow soaks excluded)
+#   ./dev.sh test [ARGS]   the test suite (pytest, slow soaks excluded); --loaded first: beside CPU hogs
 #   ./dev.sh lint          ruff check + ruff format --check + lint-imports (layers) + mypy (src, tests, benchmarks, scripts)
 #   ./dev.sh fanout ARGS   any fanout subcommand inside the venv
 # FANOUT_SPECULATORS=1 (default in CI) also installs speculators for its conformance test
@@ -34,7 +34,21 @@ fi
 cmd=${1:-help}; shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/fanout" demo "$@" ;;
-  test) exec "$VENV/bin/python" -m pytest -m "not slow" --durations=15 "$@" ;;
+  test)
+    # --loaded: the suite beside one busy-looping process per core, as a shared machine
+    # runs it (a test that passes only idle is a bug); the hogs end with the run.
+    if [ "${1:-}" = --loaded ]; then
+      shift
+      hogs=()
+      for _ in $(seq "$(nproc)"); do
+        "$VENV/bin/python" -c "while True: pass" &
+        hogs+=($!)
+      done
+      trap 'kill "${hogs[@]}" 2>/dev/null || true' EXIT
+      "$VENV/bin/python" -m pytest -m "not slow" --durations=15 "$@"
+      exit $?
+    fi
+    exec "$VENV/bin/python" -m pytest -m "not slow" --durations=15 "$@" ;;
   lint) "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && "$VENV/bin/lint-imports" && exec "$VENV/bin/mypy" ;;
   fanout) exec "$VENV/bin/fanout" "$@" ;;
   *) sed -n '2,7p' "$0"; exit 2 ;;

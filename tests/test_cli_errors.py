@@ -4,8 +4,9 @@
 
 Each CLI case runs the real `fanout` entry point in a subprocess (`python -m fanout.cli`).
 The producer cases need no model: the checks they hit run before anything is loaded
-(a verifier directory with only a config.json is enough). The start-that-fails cases
-(what a producer leaves behind) run in-process over the tiny assets.
+(a verifier directory with a config.json, a tokenizer file and a weights file that is
+not one: a case that loaded it would fail with that instead). The start-that-fails
+cases (what a producer leaves behind) run in-process over the tiny assets.
 """
 
 from __future__ import annotations
@@ -51,12 +52,15 @@ def error_line(r: subprocess.CompletedProcess[str], *needles: str) -> str:
 
 @pytest.fixture
 def inputs(tmp_path: Path) -> dict[str, Path]:
-    """A chat file and a verifier directory holding only config.json (limit 4096)."""
+    """A chat file and a verifier directory that passes every check made before loading
+    but cannot load: config.json (limit 4096), a tokenizer file, garbage weights."""
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     ver = tmp_path / "verifier"
     ver.mkdir()
     (ver / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (ver / "tokenizer_config.json").write_text("{}")
+    (ver / "model.safetensors").write_bytes(b"not safetensors")
     return {"data": data, "verifier": ver}
 
 
@@ -119,6 +123,51 @@ def test_produce_missing_verifier_names_the_flag(tmp_path: Path, inputs: dict[st
     argv = produce_argv(tmp_path / "run", inputs)
     argv[argv.index(inputs["verifier"])] = tmp_path / "nope"
     error_line(fanout(*argv), "--verifier-name-or-path", "nope")
+
+
+def test_produce_refuses_a_missing_tokenizer_before_creating_or_loading(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
+    """A verifier directory without tokenizer files and no --tokenizer (plain and
+    --regenerate), or a --tokenizer without them: one line naming the flag, before
+    anything is created or loaded. Observable without timing: a run dir under a file
+    cannot be created (a later check would give the --run-dir error), and the weights
+    are garbage (a check after loading would give the load error)."""
+    (inputs["verifier"] / "tokenizer_config.json").unlink()
+    ver = inputs["verifier"]
+    error_line(
+        fanout(*produce_argv(tmp_path / "run", inputs)),
+        f"--verifier-name-or-path {ver}", "no tokenizer files", "pass --tokenizer",
+    )  # fmt: skip
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "file").write_text("")
+    uncreatable = tmp_path / "file" / "run"
+    error_line(
+        fanout(*produce_argv(uncreatable, inputs, "--regenerate")),
+        f"--verifier-name-or-path {ver}", "no tokenizer files",
+    )  # fmt: skip
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    error_line(
+        fanout(*produce_argv(uncreatable, inputs, "--tokenizer", str(empty))),
+        f"--tokenizer {empty}", "no tokenizer files",
+    )  # fmt: skip
+
+
+def test_produce_regenerate_refuses_a_tokenizer_without_a_chat_template_first(
+    tmp_path: Path, inputs: dict[str, Path], tiny: Path
+) -> None:
+    """--regenerate (hf engine) answers through the tokenizer's chat template: one without
+    it is refused before the run dir is created (here it cannot be) or the (garbage)
+    verifier is loaded."""
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny / "tok", tok)
+    tc = json.loads((tok / "tokenizer_config.json").read_text())
+    assert tc.pop("chat_template")  # the tiny tokenizer has one: this removes it
+    (tok / "tokenizer_config.json").write_text(json.dumps(tc))
+    (tmp_path / "file").write_text("")
+    argv = produce_argv(tmp_path / "file" / "run", inputs, "--regenerate", "--tokenizer", str(tok))
+    error_line(fanout(*argv), f"--tokenizer {tok}", "no chat template")
 
 
 def test_produce_run_dir_that_cannot_be_created(tmp_path: Path, inputs: dict[str, Path]) -> None:

@@ -35,7 +35,14 @@ from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat
 from fanout.data.prepare import DataOptions, PrepareConfig
 from fanout.errors import ConfigError
-from fanout.flags import configure_logging, declared_in, field_flag, flag_kind, to_flags
+from fanout.flags import (
+    configure_logging,
+    declared_in,
+    field_flag,
+    flag_kind,
+    switch_off,
+    to_flags,
+)
 from fanout.model.capture_layers import CaptureLayers
 from fanout.model.dflash import DFlashConfig, DraftRecipe
 from fanout.model.verifier import VerifierConfig, VerifierOptions
@@ -198,7 +205,7 @@ def _argv(name: str, field: FieldInfo, value: Any) -> list[str]:
     if value is None:
         return [flag, "none"]
     if kind == "bool":
-        return [flag if value else "--no-" + flag[2:]]
+        return [flag if value else switch_off(flag)]  # --no-cache / --cache
     if kind == "dict":
         return [flag, ",".join(f"{k}={v}" for k, v in value.items())] if value else [flag]
     if kind == "tuple":

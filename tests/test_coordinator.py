@@ -561,7 +561,7 @@ def test_recapture_victim_is_the_window_needed_furthest_ahead(
 
 
 def test_a_catching_up_laggard_gets_each_window_recaptured_at_most_once(
-    db: str | None, tmp_path: Path
+    db: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A deterministic leader + laggard schedule under `recapture` (K = 3, 40 windows):
     per tick the producer takes up to two steps (it runs ahead of the readers), the
@@ -578,13 +578,15 @@ def test_a_catching_up_laggard_gets_each_window_recaptured_at_most_once(
     p = co.register_producer(c)
     regs = {n: co.register_consumer(n) for n in ("lead", "lag")}
     read: dict[str, list[int]] = {n: [] for n in regs}
-    ticks = 0
+    ticks = made = 0
+    caplog.set_level("INFO", logger="fanout.coord.coordinator")
     while any(len(r) < total for r in read.values()):
         ticks += 1
         assert ticks < 400, f"stuck: {read}"
         for _ in range(2):
             if co.wait_for_capacity(p, timeout_s=0.0) and (cl := co.claim(p)) is not None:
                 publish(co, store, c, cl)
+                made += 1
         for name, reg in regs.items():
             if (name == "lag" and ticks < 10) or len(read[name]) == total:
                 continue
@@ -600,6 +602,8 @@ def test_a_catching_up_laggard_gets_each_window_recaptured_at_most_once(
     assert max(captures.values()) <= 2, captures
     recaptured = sum(n - 1 for n in captures.values())
     assert co.meta("recaptures") == recaptured <= total, (co.meta("recaptures"), ticks)
+    # the policy's evictions too: one count and one line per file published again
+    assert recaptured == made - total == caplog.text.count(" recaptured as generation ")
 
 
 def test_recapture_churn_with_three_consumers_at_different_speeds(
@@ -640,6 +644,91 @@ def test_recapture_churn_with_three_consumers_at_different_speeds(
     assert all(r == list(range(total)) for r in read.values())
     assert co.meta("recaptures") <= 12, (co.meta("recaptures"), ticks)
     assert ticks <= 80
+
+
+def test_every_recapture_is_counted_and_logged_once(
+    db: str | None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 32 #4, the user's run: `b` stops at cursor 3 and is detached, `a` reads on
+    to the end (90 windows; every one evicted once `a` passed it, and the rows of the
+    oldest compacted away), then `b` resumes from its checkpoint at cursor 3. Every
+    window `b` reads again is recaptured, whether its row was kept or compacted, and so
+    is a window a consumer found corrupt; a claim that was never published (a capture
+    that failed and was retried, a claim a restarted producer released) is not a
+    recapture, nor counted twice when it is one. `recaptures` = files published −
+    windows in the stream, and each recapture has one log line, each demand one."""
+    import re
+    from collections import Counter
+
+    from fanout.coord.status import format_table, snapshot
+
+    total = 90
+    co, store, c = new_run(
+        tmp_path, db, max_live_windows=4, expected_consumers=2, total_windows=total
+    )
+    p = co.register_producer(c)
+    a, b = co.register_consumer("a"), co.register_consumer("b")
+    made = 0  # files published: what the producers' summaries' `windows` add up to
+    disturb: dict[int, str] = {}  # window: what happens to its next claim
+
+    def pump() -> None:
+        nonlocal made, p
+        while co.wait_for_capacity(p, timeout_s=0.0) and (cl := co.claim(p)) is not None:
+            what = disturb.pop(cl.window, None)
+            if what == "fail":
+                co.fail(cl, "a capture error")  # requeued with demand, retried
+            elif what == "lose":
+                p = co.register_producer(c)  # a producer restarted: the claim is released
+            else:
+                publish(co, store, c, cl)
+                made += 1
+
+    def read(reg: Any, until: int, corrupt: int | None = None) -> None:
+        """`reg` reads its windows in order up to `until`; `corrupt`: found corrupt once."""
+        q = "SELECT cursor FROM consumers WHERE id=?"
+        w = int(co.conn.execute(q, (reg.consumer_id,)).fetchone()[0])
+        for _ in range(10 * total):
+            if w == until:
+                return
+            pump()
+            try:
+                lease = co.acquire(reg, timeout_s=0.0)
+            except AcquireTimeout:
+                continue  # queued for recapture: the next pump captures it
+            assert lease is not None and lease.window == w
+            if w == corrupt:
+                co.report_corrupt(lease, "checksum")
+                corrupt = None
+                continue
+            co.ack(lease)
+            w += 1
+        raise AssertionError(f"{reg.consumer_id} stuck at window {w}")
+
+    with caplog.at_level("INFO", logger="fanout.coord.coordinator"):
+        for w in range(3):
+            read(a, w + 1)
+            read(b, w + 1)
+        co.stop(b)
+        assert co.detach_consumer("b")[0].startswith("b:dp0: detached")
+        disturb.update({10: "lose", 20: "fail"})  # fresh windows: never published yet
+        read(a, total, corrupt=30)
+        assert co.conn.execute("SELECT COUNT(*) FROM windows WHERE window < 20").fetchone()[0] == 0
+        b = co.register_consumer("b", cursor=3)  # `fanout train ... --resume`
+        disturb.update({5: "fail", 50: "lose"})  # recaptures: each still counted once
+        read(b, total)
+    assert not disturb
+    logs = caplog.text
+    recaptured = Counter(int(w) for w in re.findall(r"window (\d+) recaptured as gen", logs))
+    wanted = Counter(int(w) for w in re.findall(r"window (\d+) wanted by b:dp0 after ev", logs))
+    assert recaptured == Counter([30, *range(3, total)])  # 30: corrupt, then `b` wanted it
+    assert wanted == Counter(range(3, total))  # compacted rows (3..24) as well as kept ones
+    s = snapshot(co)
+    assert s["recaptures"] == made - total == sum(recaptured.values()) == 88
+    table = format_table(s)
+    assert f"produced {total}/{total}" in table
+    # every file published was evicted but the quarantined one: more than `produced`
+    assert f"evicted {made - 1} (incl. recaptured copies)" in table, table
+    assert "recaptures 88 (windows published again)" in table
 
 
 def test_detach_policy_drops_the_laggard_after_detach_after(db: str | None, tmp_path: Path) -> None:

@@ -19,6 +19,9 @@ database or in a process's output, never by a sleep.
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -35,7 +38,7 @@ from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, Detache
 from fanout.produce.backpressure import BlockedNotice
 from fanout.train.checkpoint import latest_checkpoint
 from test_coordinator import new_run, produce
-from test_roles import Cli, _row, _status, wait_for
+from test_roles import ENV, Cli, _row, _status, wait_for
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config
 
 
@@ -68,6 +71,7 @@ def test_a_stream_ended_by_design_ends_a_signal_leaves_it_open(
     reg = co.register_consumer("a")
     for _ in range(2):
         produce(co, p, store, c)
+    assert "windows  produced 2/∞  " in format_table(snapshot(co))  # open-ended, still open
     co.finish_producer(p, stream_end=2)  # --max-windows 2
     for w in range(2):
         lease = co.acquire(reg, timeout_s=1)
@@ -75,7 +79,9 @@ def test_a_stream_ended_by_design_ends_a_signal_leaves_it_open(
         co.ack(lease)
     assert co.acquire(reg, timeout_s=1) is None  # the end, at once: no timeout
     assert snapshot(co)["stream_end"] == 2
-    assert "stream ended at window 2" in format_table(snapshot(co))
+    table = format_table(snapshot(co))
+    assert "stream ended at window 2" in table
+    assert "windows  produced 2/2  " in table  # its end recorded: the total is known
 
     p2 = co.register_producer(c)  # a restarted producer reopens the stream
     assert snapshot(co)["stream_end"] is None
@@ -84,7 +90,9 @@ def test_a_stream_ended_by_design_ends_a_signal_leaves_it_open(
     assert isinstance(err, AcquireTimeout), err
     assert "stopped (a signal" in str(err) and "restart `fanout produce`" in str(err)
     assert heard and all(w.counts for w in heard)
-    assert "stopped by a signal: the stream is open" in format_table(snapshot(co))
+    table = format_table(snapshot(co))
+    assert "stopped by a signal: the stream is open" in table
+    assert "windows  produced 2/∞  " in table  # open again
 
 
 def test_a_wait_for_another_consumer_never_counts_toward_the_timeout(
@@ -228,6 +236,17 @@ def test_fanout_detach_command(
     states = {c["id"]: c["recorded_state"] for c in snapshot(co)["consumers"]}
     assert states == {"idle:dp0": "detached", "live:dp0": "active"}
     co.heartbeat(live)  # untouched
+    # the real command, --force on the live one: its result once, on stdout; no stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "detach", "--run-dir", run, "--consumer-id",
+         "live", "--force"], capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("live:dp0: detached (by `fanout detach`"), r.stdout
+    assert len(r.stdout.splitlines()) == 1 and "was active at cursor 0" in r.stdout
+    assert r.stderr == ""
+    with pytest.raises(Detached):
+        co.heartbeat(live)
 
 
 # ---- the real commands ----------------------------------------------------------------
@@ -389,6 +408,43 @@ def test_three_trainers_reach_their_own_ends_postgres(
     assets: Path, tmp_path: Path, pg_url: str, policy: str
 ) -> None:
     _three_trainers(assets, tmp_path, pg_url, policy)
+
+
+def test_a_trainer_detached_with_force_says_so_once(assets: Path, tmp_path: Path) -> None:
+    """Issue 32: `fanout detach --force` on a training trainer. The command prints its
+    result once, on stdout; the trainer saves a checkpoint and exits 3 with one line
+    that names it and says once how to rejoin (--resume)."""
+    run, saves = tmp_path / "run", tmp_path / "drafts"
+    procs = Procs(tmp_path / "logs")
+    # 2 expected consumers, one joins: nothing is evicted, so `t` reads windows 0-3
+    # (K = 4) and waits at window 4 until it is detached.
+    produce = _producer(assets, run, None, expected_consumers=2)
+    try:
+        producer = procs.start("producer", *produce)
+        t = procs.start("t", *_trainer(assets, run, "t", saves))
+        cq = "SELECT cursor FROM consumers WHERE id='t:dp0'"
+        wait_for(lambda: _alive(t) and (_row(run, cq) or [0])[0] == 4, 300, "cursor 4")
+        r = subprocess.run(
+            [sys.executable, "-m", "fanout.cli", "detach", "--run-dir", str(run),
+             "--consumer-id", "t", "--force"], capture_output=True, text=True, env=ENV,
+            timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+        assert (
+            r.stdout.startswith("t:dp0: detached (by `fanout detach`")
+            and len(r.stdout.splitlines()) == 1
+        ), r.stdout
+        code, out = t.finish(300)
+        assert code == 3, out[-3000:]
+        last = out.strip().splitlines()[-1]
+        assert last.startswith("t: consumer t:dp0 was detached (by `fanout detach`"), last
+        assert "saved a checkpoint at step 16 (cursor 4)" in last, last
+        assert last.count("--resume") == 1, last
+        assert _checkpoint_step(saves / "t") == 16
+        producer.proc.send_signal(signal.SIGINT)
+        assert producer.finish(300)[0] == 0
+    finally:
+        procs.kill_all()
 
 
 def _max_windows_then_kill9(assets: Path, tmp_path: Path, db: str | None) -> None:

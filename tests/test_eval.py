@@ -286,6 +286,22 @@ def test_cli_reports_tau_and_lossless(chat_run: dict[str, Path], tmp_path: Path)
         assert d["speedup_vs_greedy"] > 0
     assert "lossless" in r.stdout and "b8" in r.stdout
     assert rep["temperatures"] == ["0.0"]  # the default: greedy only
+    # the header gives the cap; the table what was generated, and a verdict on τ
+    lines = r.stdout.splitlines()
+    assert "3 prompts" in lines[0] and "up to 24 new tokens each" in lines[0], lines[0]
+    g = rep["generated_tokens"]
+    assert len(g) == 3 and all(1 <= n <= 24 for n in g)
+    early = sum(n < 24 for n in g)
+    assert (
+        f"generated: mean {sum(g) / 3:.1f} ({min(g)}–{max(g)}) new tokens per prompt "
+        f"(greedy; {early} of 3 stopped" in r.stdout
+    ), r.stdout
+    [verdict] = [x for x in lines if x.startswith("verdict at T=0.0: ")]
+    (lo4, hi4), (lo8, hi8) = (rep["drafts"][n]["acceptance_length_ci95"] for n in ("b4", "b8"))
+    if lo4 <= hi8 and lo8 <= hi4:
+        assert verdict.endswith("intervals overlap, no difference shown"), verdict
+    else:
+        assert ("b4 wins" if lo4 > hi8 else "b8 wins") in verdict, verdict
     assert (
         rep["drafts"]["b4"]["at_temperature"]["0.0"]["acceptance_length"]
         == (rep["drafts"]["b4"]["acceptance_length"])
@@ -490,7 +506,38 @@ def test_speedup_beyond_tau_is_flagged() -> None:
     assert d["acceptance_length"] == 2.0 and d["speedup_vs_greedy"] == pytest.approx(10.0)
     assert d["speedup_exceeds_tau"] is True
     rep = {"drafts": {"b4": d}, "greedy_tokens_per_s": 0.8, "hardware": "cpu",
-           "lossless": True, "mismatches": []}  # fmt: skip
-    assert any("exceeds τ" in line for line in table(rep))
+           "lossless": True, "mismatches": [], "generated_tokens": [9],
+           "config": {"max_new_tokens": 32}}  # fmt: skip
+    lines = table(rep)
+    assert any("exceeds τ" in line for line in lines)
+    assert "generated: mean 9.0 (9–9) new tokens per prompt (greedy; 1 of 1 stopped" in lines[-2]
+    assert not any(line.startswith("verdict") for line in lines)  # one draft: nothing to compare
     honest = _summary({(0.0, "served"): [_result([1, 1, 1, 1], 6.0)]}, greedy, None)
     assert honest["speedup_exceeds_tau"] is False
+
+
+def test_tau_verdict_by_hand() -> None:
+    """The verdict rule on hand-built intervals: apart (either order), overlapping,
+    touching (counts as overlap), undefined; and one line per pair and temperature."""
+    from fanout.train.eval import tau_verdict, verdicts
+
+    def fig(tau: float, ci: list[float] | None) -> dict[str, Any]:
+        return {"acceptance_length": tau, "acceptance_length_ci95": ci}
+
+    low, high = fig(2.0, [1.8, 2.2]), fig(3.0, [2.7, 3.3])
+    assert tau_verdict("a", low, "b", high) == (
+        "b", "b wins: b τ 3.00 (2.70–3.30) vs a τ 2.00 (1.80–2.20), intervals apart"
+    )  # fmt: skip
+    assert tau_verdict("a", high, "b", low)[0] == "a"
+    winner, why = tau_verdict("a", low, "b", fig(2.3, [2.1, 2.5]))
+    assert winner is None and why.endswith("intervals overlap, no difference shown")
+    assert tau_verdict("a", low, "b", fig(2.4, [2.2, 2.6]))[0] is None  # touching at 2.2
+    assert tau_verdict("a", low, "b", fig(2.4, [2.2001, 2.6]))[0] == "b"  # just apart
+    winner, why = tau_verdict("a", fig(2.0, None), "b", high)
+    assert winner is None and "no verdict" in why
+    at = {"0.0": low, "1.0": low}
+    rep = {"drafts": {n: {"at_temperature": at | {"1.0": f}}
+                      for n, f in (("a", low), ("b", high), ("c", low))}}  # fmt: skip
+    got = verdicts(rep)
+    assert [x.split(":")[0] for x in got] == ["verdict at T=0.0"] * 3 + ["verdict at T=1.0"] * 3
+    assert sum("wins" in x for x in got) == 2  # at T=1.0: b beats a and c; a and c tie

@@ -215,3 +215,29 @@ def test_round_trip_model_to_flags_to_model(values: dict[str, object]) -> None:
     p = argparse.ArgumentParser()
     add_model_flags(p, _Toy)
     assert model_from_args(_Toy, p.parse_args(argv)) == want
+
+
+def test_a_field_named_for_the_negative_gets_no_double_negative() -> None:
+    """`no_cache` → `--no-cache` (True) / `--cache` (False), never `--no-no-cache` (#32)."""
+    from fanout.data.prepare import PrepareConfig
+    from fanout.data.prepare import add_arguments as prepare_arguments
+    from fanout.flags import to_flags
+
+    p = _parser(prepare_arguments)
+    assert "--no-no-cache" not in p.format_help()
+    assert {"--no-cache", "--cache", "--progress", "--no-progress"} <= _option_strings(p)
+    base = ["--data", __file__, "--tokenizer", "tok"]
+
+    def parsed(*argv: str) -> PrepareConfig:
+        return model_from_args(PrepareConfig, p.parse_args([*base, *argv]))
+
+    assert parsed("--no-cache").no_cache is True
+    assert parsed("--no-cache", "--cache").no_cache is False  # the last one wins
+    assert parsed().no_cache is False and parsed("--no-progress").progress is False
+    # to_flags writes what the parser reads back
+    for v in (True, False):
+        assert parsed(*to_flags(PrepareConfig, {"no_cache": v})).no_cache is v
+    assert to_flags(PrepareConfig, {"no_cache": False, "progress": False}) == [
+        "--cache",
+        "--no-progress",
+    ]

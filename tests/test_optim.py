@@ -11,6 +11,8 @@ must resume into the fast path and continue exactly as the reference would.
 from __future__ import annotations
 
 import copy
+import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +25,13 @@ from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import ClippedAdamW
 from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fanout.train.optim import LRSchedule, build_optimizer, lr_lambda
+from fanout.train.optim import (
+    WARMUP_STEPS_WITHOUT_TOTAL,
+    LRCurve,
+    LRSchedule,
+    build_optimizer,
+    lr_lambda,
+)
 
 Backend = Literal["fused", "foreach"]
 STEPS = 8
@@ -211,3 +219,86 @@ print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "sympy")))
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---- the schedule's total learned during the run (fanout.train.optim.LRCurve) ----------
+
+
+def _factors(curve: LRCurve, steps: range) -> list[float]:
+    return [curve(k) for k in steps]
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine"])
+@pytest.mark.parametrize(
+    ("total", "at", "new_total"),
+    [
+        (None, 30, 80),  # no total: warm-up, the peak held, then the end is recorded
+        (None, 3, 80),  # ... recorded during warm-up: warm-up first, then the decay
+        (None, 3, 6),  # ... the stream ends before warm-up would: it stops at once
+        (40, 25, 90),  # an estimate, too short: decaying already, now over longer
+        (90, 25, 40),  # an estimate, too long
+    ],
+)
+def test_retarget_is_continuous_and_decays_to_zero_at_the_new_total(
+    kind: Any, total: int | None, at: int, new_total: int
+) -> None:
+    curve = lr_lambda(0.1, kind, total, settled=False)
+    if total is None:
+        assert curve.warmup == WARMUP_STEPS_WITHOUT_TOTAL
+        curve.warmup = 10  # a warm-up the tests' steps can pass
+        curve.decay_start = 10
+    before = _factors(curve, range(at + 1))
+    curve.retarget(new_total, at, settled=True)
+    after = _factors(curve, range(new_total + 1))
+    assert after[at] == before[at]  # the step in use now: unchanged (no jump)
+    ahead = after[at:]  # only steps from here on are ever asked for again
+    peak = ahead.index(max(ahead))
+    assert ahead[:peak] == sorted(ahead[:peak]) and peak <= max(0, curve.warmup - at)
+    assert ahead[peak:] == sorted(ahead[peak:], reverse=True)  # from there only down
+    assert ahead[-1] == 0.0 and ahead[-2] > 0.0  # 0 at the new total, not before
+    # no jump: neighbouring steps differ by no more than a warm-up step or the steepest
+    # slope of the decay over what is left
+    steep = max(1 / curve.warmup if curve.warmup else 0, 2 / (new_total - at))
+    assert max(abs(a - b) for a, b in itertools.pairwise(ahead)) <= steep + 1e-12
+    assert curve.settled and curve.total == new_total
+
+
+def test_retargeted_schedule_resumes_from_its_state_dict() -> None:
+    """A checkpoint's schedule state (JSON, as training_state.json holds it) carries the
+    retargeted curve: a schedule built without a total continues the same curve, and
+    so does torch's LambdaLR given the same state."""
+    params = _params(0)
+    opt, sched = _fast(params, "foreach", "cosine", 0)  # total 0: none known
+    for _ in range(12):
+        _step(opt, sched)
+    curve = sched.factor
+    assert isinstance(curve, LRCurve)
+    curve.retarget(30, sched.last_epoch, settled=True)
+    state = json.loads(json.dumps(sched.state_dict()))
+    rest = [_step(opt, sched) for _ in range(18)]
+    assert rest[-1] == 0.0
+    fresh_opt, fresh = _fast(_params(0), "foreach", "cosine", 0)
+    ref_opt = torch.optim.AdamW(_params(0), lr=0.05)
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, lr_lambda(0.25, "cosine", None))
+    resumed: list[tuple[Any, Any]] = [(fresh_opt, fresh), (ref_opt, ref)]
+    for o, s in resumed:
+        s.load_state_dict(copy.deepcopy(state))
+        assert [_step(o, s) for _ in range(18)] == rest
+
+
+def test_a_checkpoint_from_before_lrcurve_keeps_the_curve_as_built() -> None:
+    """Older checkpoints saved `lr_lambdas: [None]` (a plain function): loading one keeps
+    the schedule the trainer built, as it did before."""
+    _, sched = _fast(_params(0), "foreach", "cosine", STEPS)
+    built = dict(vars(sched.factor))
+    old = sched.state_dict() | {"lr_lambdas": [None], "last_epoch": 3, "_step_count": 4}
+    sched.load_state_dict(old)
+    assert vars(sched.factor) == built and sched.last_epoch == 3
+
+
+def test_without_a_total_warm_up_is_a_fixed_number_of_steps_then_the_peak_holds() -> None:
+    curve = lr_lambda(0.05, "cosine", None)
+    w = WARMUP_STEPS_WITHOUT_TOTAL
+    assert (curve.total, curve.settled, curve.warmup) == (None, False, w)
+    assert curve(0) == 1 / w and curve(w - 1) == 1.0 and curve(10 * w) == 1.0
+    assert lr_lambda(0.0, "cosine", None).warmup == 0  # --warmup-ratio 0: none at all

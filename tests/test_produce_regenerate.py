@@ -188,3 +188,47 @@ def test_kill9_mid_regeneration_then_restart_gives_the_same_windows(
     assert _done_chunks(run) < 6  # killed mid-regeneration
     assert Producer(cfg.model_copy(update={"takeover": True})).run()["windows"] >= 1
     _same_run(run, reference)
+
+
+def test_a_signal_while_the_stream_is_open_prints_its_length_as_null(
+    stream_assets: Path, tmp_path: Path
+) -> None:
+    """Issue 32 #5: a real `fanout produce --regenerate` stopped by SIGINT while its
+    stream is still open (held at K = 2, nobody reading, regeneration not done). Its
+    summary says `"total_windows": null`, never the OPEN sentinel, nor does its log;
+    `fanout status` says `produced 2/∞` and that a signal stopped it."""
+    from fanout.coord.status import format_table, snapshot
+
+    run = tmp_path / "run"
+    cfg = tiny_producer_config(stream_assets, run, **(STREAM | {"max_live_windows": 2}))
+    argv = [sys.executable, "-m", "fanout.cli", "produce", *config_flags(cfg)]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(argv, env=env, stdout=o, stderr=e)
+    try:
+
+        def held_at_k() -> bool:
+            if proc.poll() is not None:
+                return True  # exited early: the asserts below say how
+            if not (run / "coordinator.sqlite3").exists():
+                return False
+            with Coordinator.open(run) as co:
+                return bool(snapshot(co)["windows"]["ready"] == 2)
+
+        wait_for(held_at_k, 300, "two windows published", poll_s=0.2)
+        assert proc.poll() is None, err.read_text()[-3000:]
+        assert _done_chunks(run) < 6  # still regenerating: the stream's length is unknown
+        assert json.loads((run / "stream.json").read_text())["total_windows"] is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(300) == 0, err.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = json.loads(out.read_text())
+    assert summary["windows"] == 2 and summary["total_windows"] is None, summary
+    assert str(OPEN) not in out.read_text() + err.read_text()
+    with Coordinator.open(run) as co:
+        table = format_table(snapshot(co))
+    assert "windows  produced 2/∞  " in table and "stopped by a signal" in table, table

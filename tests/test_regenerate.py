@@ -328,3 +328,111 @@ def test_out_dir_states_a_kill_can_leave(tmp_path: Path) -> None:
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"not empty and has no manifest\.json"):
         OutDir(tmp_path / "other").open(ident)
+
+
+def _garbage_verifier(assets: Path, root: Path, tokenizer: bool = False) -> Path:
+    """The tiny verifier's config beside weights that do not load: a command that loads
+    it fails with "cannot load", so an error other than that came before the load."""
+    ver = root / "garbage-verifier"
+    ver.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json"):
+        (ver / name).write_bytes((assets / "verifier" / name).read_bytes())
+    (ver / "model.safetensors").write_bytes(b"not safetensors")
+    if tokenizer:
+        for f in (assets / "tok").iterdir():
+            (ver / f.name).write_bytes(f.read_bytes())
+    return ver
+
+
+def _cli(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "fanout.cli", "regenerate", *map(str, argv), "--no-progress"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _one_line(r: subprocess.CompletedProcess[str], *needles: str) -> str:
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
+    assert lines[0].startswith("fanout regenerate: error:") and "cannot load" not in lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_checks_come_before_the_verifier_loads(assets: Path, tmp_path: Path) -> None:
+    """Real `fanout regenerate` runs against a verifier whose weights do not load: an
+    --out made with other settings, a verifier directory without a tokenizer and a
+    tokenizer without a chat template are each refused in one line naming the flag — so
+    before the load — and the same flags with a new --out do reach the load."""
+    made = config(assets, tmp_path / "out", max_records=2, records_per_shard=2)
+    regenerate(made)
+    ver = _garbage_verifier(assets, tmp_path, tokenizer=True)
+    flags: list[str | Path] = [*config_flags(made), "--verifier-name-or-path", ver]
+    flags += ["--tokenizer", assets / "tok"]
+    line = _one_line(_cli(*flags, "--temperature", "0.5"), f"--out {made.out}", "other settings")
+    assert "sampling" in line and "0.5" in line  # the first setting that differs, both values
+    reached = _cli(*flags, "--out", tmp_path / "new")  # the control: this one loads, and fails
+    assert reached.returncode == 1 and "cannot load" in reached.stderr, reached.stderr
+    bare = _garbage_verifier(assets, tmp_path / "bare")
+    no_tok: list[str | Path] = [*config_flags(made.model_copy(update={"tokenizer": None}))]
+    no_tok += ["--out", tmp_path / "o2"]
+    _one_line(
+        _cli(*no_tok, "--verifier-name-or-path", bare),
+        f"--verifier-name-or-path {bare}", "no tokenizer files", "pass --tokenizer",
+    )  # fmt: skip
+    tok = tmp_path / "no-template"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes((assets / "tok" / "tokenizer.json").read_bytes())
+    tc = json.loads((assets / "tok" / "tokenizer_config.json").read_text())
+    assert tc.pop("chat_template")
+    (tok / "tokenizer_config.json").write_text(json.dumps(tc))
+    _one_line(
+        _cli(*flags, "--out", tmp_path / "o3", "--tokenizer", tok),
+        f"--tokenizer {tok}", "no chat template",
+    )  # fmt: skip
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_records_carry_the_software_that_wrote_them(assets: Path, tmp_path: Path) -> None:
+    """Each record's provenance names fanout's version and commit, torch's and
+    transformers' versions: the commit is this checkout's HEAD when git tracks the
+    package, else null."""
+    import importlib.metadata as md
+    import shutil
+
+    import transformers
+
+    import fanout
+
+    cfg = config(assets, tmp_path / "o", max_records=2, records_per_shard=2)
+    regenerate(cfg)
+    recs = [json.loads(x) for x in (tmp_path / "o" / "regenerated.jsonl").read_text().splitlines()]
+    assert recs
+    pkg = Path(fanout.__file__).parent
+    git = shutil.which("git")
+    head = None
+    if git is not None:  # this checkout's HEAD, if git tracks the package
+        ask = partial(subprocess.run, capture_output=True, text=True)
+        if ask([git, "-C", pkg, "ls-files", "--error-unmatch", "__init__.py"]).returncode == 0:
+            head = ask([git, "-C", pkg, "rev-parse", "HEAD"]).stdout.strip()
+    for r in recs:
+        sw = r["fanout_regen"]["software"]
+        assert sw["fanout"] == md.version("fanout") == fanout.__version__
+        assert sw["torch"] == torch.__version__ and sw["transformers"] == transformers.__version__
+        assert sw["fanout_commit"] == head and (head is None or len(head) == 40)
+        assert isinstance(sw["fanout_modified"], bool) == (head is not None)
+
+
+def test_source_commit_without_a_checkout_or_git(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside a git checkout, or with no git program, the commit is null: no failure."""
+    import fanout
+    from fanout.regen.regenerate import software, source_commit
+
+    (tmp_path / "mod.py").write_text("")
+    assert source_commit(tmp_path / "mod.py") == (None, None)  # not in any checkout
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git to run
+    assert source_commit(Path(fanout.__file__)) == (None, None)
+    sw = software()
+    assert sw["fanout_commit"] is None and sw["fanout"] == fanout.__version__

@@ -424,7 +424,7 @@ def test_two_torchrun_launches_with_one_consumer_id_and_save_path(
     assert "this same process registered" not in logs[1 - win]
     # every rank of the refused launch stops with its line, none in a broken collective
     assert "Connection closed by peer" not in logs[1 - win], logs[1 - win][-3000:]
-    lines = [x for x in logs[1 - win].splitlines() if x.startswith("train: error: ")]
+    lines = [x for x in logs[1 - win].splitlines() if x.startswith("fanout train: error: ")]
     assert len(lines) == 2, lines
     assert "AtomicWriteError" not in logs[1 - win] + logs[win]
     assert producer.finish() == 0, producer.text()[-3000:]

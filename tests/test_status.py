@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import time
@@ -24,7 +25,7 @@ import pytest
 
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.status import snapshot
+from fanout.coord.status import format_table, snapshot
 from fanout.store.store import RunDir
 from test_coordinator import make_contract
 
@@ -113,3 +114,44 @@ def test_clean_exits_are_recorded_and_vanished_processes_show_lost(
     assert cli_main([*run, "--json"]) == 0
     c = json.loads(capsys.readouterr().out)["consumers"][2]
     assert (c["id"], c["host"], c["pid"], c["state"]) == ("c:dp0", "elsewhere", 7, "lost")
+
+
+def _docs_example() -> list[str]:
+    """The first table under "Reading `fanout status`" in docs/operations.md."""
+    text = (Path(__file__).parents[1] / "docs" / "operations.md").read_text()
+    section = text[text.index("## Reading `fanout status`") :]
+    return section.split("```\n", 2)[1].splitlines()
+
+
+def test_the_docs_status_example_has_the_real_tables_layout(tmp_path: Path) -> None:
+    """docs/operations.md's `fanout status` example cannot drift from format_table: the
+    same lines in the same order, the consumer header (every column, `layers` too)
+    verbatim, and each consumer row in its columns."""
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=600))
+    co.register_producer(make_contract())
+    co.register_consumer("draft-b8", expect={"target_layer_ids": [2]})
+    real = format_table(snapshot(co)).splitlines()
+    docs = _docs_example()
+    header = next(x for x in real if x.startswith("consumer "))
+    assert header in docs, (header, docs)
+
+    def labels(lines: list[str]) -> list[str]:
+        top = lines[: lines.index("")]
+        return list(dict.fromkeys(x.split()[0] for x in top))  # "producer" twice: blocked
+
+    assert labels(docs) == labels(real)
+
+    def shape(line: str) -> str:  # what the code prints, its values aside
+        line = re.sub(r"/\S+|\[[^]]*\]", "X", line)  # paths, layer lists
+        return re.sub(r"\b[0-9a-f]{16}\b|\d+(\.\d+)?", "N", line)  # stream ids, numbers
+
+    for label in ("run ", "database ", "capture ", "bytes ", "events "):
+        (want,) = [shape(x) for x in real if x.startswith(label)]
+        (got,) = [shape(x) for x in docs if x.startswith(label)]
+        assert got == want, (got, want)
+    rows = docs[docs.index(header) + 1 :]
+    columns = [header.index(c) for c in ("state", "holder", "layers", "leases")]
+    for row in (x for x in rows if not x.startswith("  ")):
+        for at in columns:  # each column starts where the header's does
+            assert row[at - 1] == " " and row[at] != " ", (row, at)

@@ -83,7 +83,7 @@ class LayersNotCaptured(ContractMismatch):
         loc = f" ({where})" if where else ""
         self.args = (
             f"capture contract mismatch{loc}: target layers {missing} were not captured by "
-            f"this run: it captured {captured}. --target-layer-ids (target_layer_ids) may be "
+            f"this run: it captured {captured}. --draft-layer-ids (draft_layer_ids) may be "
             "any subset of those (read in ascending order); for other layers produce a run with "
             "--capture-layer-ids",
         )

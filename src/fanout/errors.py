@@ -173,3 +173,9 @@ class TrainerStopped(FanoutError):
     did not come within --acquire-timeout-s, one that failed for good, the coordinator
     gone) after saving a checkpoint at its last completed step and recording itself
     'stopped'; the message names the cause, the checkpoint and how to continue."""
+
+
+class NoSupervisedTokens(ConfigError):
+    """A trainer's steps had no supervised token for too long in a row (the draft's
+    anchors fit nowhere in the rows: a block near the rows' length, or data whose
+    loss mask leaves no room); the message names the steps and what to change."""

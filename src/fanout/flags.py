@@ -10,7 +10,8 @@ explicit flags override. Validation errors name the field and where its value
 came from.
 
 Field types and their flags:
-- `bool`: `--x` / `--no-x`;  `Literal[...]`: a choice;  `int | None`: 'none' for None;
+- `bool`: `--x` / `--no-x` (a field whose flag is already `--no-x`: `--no-x` / `--x`);
+  `Literal[...]`: a choice;  `int | None`: 'none' for None;
 - `list[T]`: `--x A B` (a repeatable field, `flag_options(repeatable=True)`, also
   takes `--x A --x B`);
 - `tuple[str, ...]`: `--x a,b` or `--x a b`;
@@ -131,13 +132,21 @@ def _parse_none(conv: Any) -> Any:
     return parse
 
 
+def switch_off(flag: str) -> str:
+    """The flag that sets a bool field False: `--x` → `--no-x`; `--no-x` → `--x` (a
+    field named for the negative, `no_cache`, never gets a double negative)."""
+    return "--" + flag[5:] if flag.startswith("--no-") else "--no-" + flag[2:]
+
+
 class _Switch(argparse.BooleanOptionalAction):
-    """`--x` / `--no-x`. Unlike argparse's own, a field whose flag starts with --no-
-    (`no_cache` → `--no-cache`) is set True by that flag (False by `--no-no-cache`)."""
+    """`--x` / `--no-x`, or for a field whose flag is `--no-x` (`no_cache` → `--no-cache`),
+    `--no-x` (True) / `--x` (False): switch_off's pairs, not argparse's `--no-no-x`."""
 
     def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        self._negative = {"--no-" + s[2:] for s in option_strings if s.startswith("--")}
         super().__init__(option_strings, dest, **kwargs)
+        # argparse added `--no-` + each flag; the parser registers these strings after
+        self._negative = {switch_off(s) for s in option_strings if s.startswith("--")}
+        self.option_strings = [*option_strings, *sorted(self._negative)]
 
     def __call__(
         self,
@@ -319,7 +328,7 @@ def to_flags(config: type[BaseModel], values: Mapping[str, Any]) -> list[str]:
         field = config.model_fields[name]
         flag, kind = field_flag(name, field), flag_kind(field)
         if kind == "bool":
-            out.append(flag if v else "--no-" + flag[2:])
+            out.append(flag if v else switch_off(flag))
         elif v is None:
             out += [flag, "none"]
         elif kind == "dict":

@@ -73,16 +73,13 @@ class Claims:
             if not retention.has_capacity(cur, run.config.max_live_windows):
                 return None
             row = cur.execute(
-                "SELECT window, captures FROM windows WHERE state=? "
-                "ORDER BY demand DESC, window LIMIT 1",
+                "SELECT window FROM windows WHERE state=? ORDER BY demand DESC, window LIMIT 1",
                 (W.QUEUED.value,),
             ).fetchone()
             if row is not None:
-                w, captures = int(row[0]), int(row[1])
-                if captures:
-                    run.bump(cur, "recaptures")
+                w = int(row[0])  # a recapture is counted when it is published, not here
             else:
-                w, captures = int(run.meta(cur, "next_window")), 0
+                w = int(run.meta(cur, "next_window"))
                 total = run.config.total_windows if end is None else end
                 if total is not None and w >= total:
                     return None
@@ -112,9 +109,21 @@ class Claims:
             cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (wall(),))
 
     def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
-        """Record a durable, final-named window file (Store.publish's result) as ready."""
+        """Record a durable, final-named window file (Store.publish's result) as ready.
+
+        A window published before (evicted, compacted or quarantined, then wanted
+        again) is a recapture: counted and logged here, once per publish, so that
+        `recaptures` = files published − windows published. A claim that was retried
+        or reclaimed before it was ever published is not one (nothing was published).
+        """
         with self.run.write() as cur:
             self._check_claim(cur, claim)
+            before = int(
+                cur.execute(
+                    "SELECT captures FROM windows WHERE window=?", (claim.window,)
+                ).fetchone()[0]
+            )
+            nth = self.run.bump(cur, "recaptures") if before else 0
             states.move(
                 cur, W.CAPTURING, W.READY, "window=?", (claim.window,),
                 also="name=?, path=?, nbytes=?, checksum=?, captures=captures+1, demand=0, "
@@ -130,6 +139,11 @@ class Claims:
             )
             cur.execute(high, (n, n, "hw_windows"))
             cur.execute(high, (int(nbytes), int(nbytes), "hw_bytes"))
+        if nth:  # after the commit: a line for each recapture that counts, and only those
+            log.info(
+                "window %d recaptured as generation %d (recapture %d of the run)",
+                claim.window, claim.generation, nth,
+            )  # fmt: skip
 
     def fail(self, claim: Claim, reason: str) -> None:
         """A capture failed: requeue the window (retried first) or, after max_attempts, fail it."""

@@ -99,7 +99,7 @@ class Leasing:
             if w >= int(self.run.meta(cur, "next_window")):
                 return None, "not yet produced"
             states.insert_queued(cur, w, demand=True)  # an evicted row compaction deleted
-            return None, "evicted; queued for recapture"
+            return self._wanted_again(w, cid)
         state, gen, name, path, err = row
         if state in states.READABLE:
             held = cur.execute(
@@ -120,14 +120,20 @@ class Leasing:
                 cur, (W.EVICTED, W.EVICTING), W.QUEUED, "window=?", (w,),
                 also="demand=1, attempts=0, name=NULL, path=NULL",
             )  # fmt: skip
-            log.info("window %d wanted by %s after eviction: queued for recapture", w, cid)
-            return None, "evicted; queued for recapture"
+            return self._wanted_again(w, cid)
         if state == W.QUEUED:
             cur.execute("UPDATE windows SET demand=1 WHERE window=? AND demand=0", (w,))
             return None, "queued for recapture"
         if state == W.FAILED:
             raise WindowGone(f"window {w} failed {self.run.config.max_attempts} captures: {err}")
         return None, state
+
+    @staticmethod
+    def _wanted_again(w: int, cid: str) -> tuple[None, str]:
+        """An evicted window (its row kept or compacted away) was queued for recapture:
+        one line per demand, the producer's log one per recapture (fanout.coord.claims)."""
+        log.info("window %d wanted by %s after eviction: queued for recapture", w, cid)
+        return None, "evicted; queued for recapture"
 
     def _held_lease(self, cur: schema.Sql, lease: Lease) -> None:
         self.roles.check_consumer(cur, lease.consumer_id, lease.epoch)

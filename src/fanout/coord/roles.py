@@ -344,6 +344,4 @@ class Roles:
                 done.append(f"{cid}: detached ({note})")
             doomed = self.eviction.mark(cur)
         self.eviction.finish(doomed)
-        for line in done:
-            log.warning("%s", line)
-        return done
+        return done  # not logged too: `fanout detach` prints them, once, on stdout

@@ -127,10 +127,12 @@ def release_claims(cur: Sql) -> None:
 
 def insert_queued(cur: Sql, window: int, demand: bool) -> None:
     """A window's row is born queued: a new window (`demand` False) or one whose evicted
-    row was compacted away and that a consumer wants again (`demand` True)."""
+    row was compacted away and that a consumer wants again (`demand` True). That one was
+    published before, so its row starts at `captures` 1 (how many more is forgotten with
+    the row): its next publish is counted as the recapture it is (fanout.coord.claims)."""
     cur.execute(
-        "INSERT INTO windows(window, state, demand, updated_at) VALUES (?, ?, ?, ?)",
-        (window, W.QUEUED.value, int(demand), wall()),
+        "INSERT INTO windows(window, state, demand, captures, updated_at) VALUES (?, ?, ?, ?, ?)",
+        (window, W.QUEUED.value, int(demand), int(demand), wall()),
     )
 
 

@@ -254,22 +254,36 @@ def _layers(ids: list[int]) -> str:
     return ",".join(map(str, ids))
 
 
+def _windows_line(s: dict[str, Any]) -> str:
+    """`windows  produced N/total  <state> <count> ...`: the total is where the stream
+    ended once that is recorded, else the run's length, else ∞ (an open-ended stream).
+    `evicted` counts files, so a window recaptured and evicted again counts again: said
+    when so."""
+    total = s["stream_end"] if s["stream_end"] is not None else s["config"]["total_windows"]
+    w = s["windows"]
+    again = " (incl. recaptured copies)" if s["recaptures"] and w[W.EVICTED] else ""
+    counts = [
+        f"{k} {w[k]}" + (again if k == W.EVICTED else "")
+        for k in W
+        if w[k] or k in (W.READY, W.EVICTED)
+    ]
+    shown = "∞" if total is None else total
+    return f"windows  produced {s['produced_windows']}/{shown}  " + "  ".join(counts)
+
+
 def format_table(s: dict[str, Any]) -> str:
     cfg = s["config"]
-    total = cfg["total_windows"] if cfg["total_windows"] is not None else "∞"
-    w = s["windows"]
     lines = [
         f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
         f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
         f"database {s['db_path']}",
         f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
         f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
-        f"windows  produced {s['produced_windows']}/{total}  "
-        + "  ".join(f"{k} {w[k]}" for k in W if w[k] or k in (W.READY, W.EVICTED)),
+        _windows_line(s),
         f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
         f"({s['high_water']['windows']} windows)",
-        f"events   recaptures {s['recaptures']}  corrupt {s['corrupt']}  "
-        f"detaches {s['detaches']}  reclaims {s['reclaims']}",
+        f"events   recaptures {s['recaptures']} (windows published again)  "
+        f"corrupt {s['corrupt']}  detaches {s['detaches']}  reclaims {s['reclaims']}",
         *_producer_line(s),
         "",
         f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "

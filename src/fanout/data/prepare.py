@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import chain, repeat
 from pathlib import Path
 from typing import Any, Literal
@@ -36,21 +37,30 @@ from fanout.data.cache import MANIFEST, PackedDataset, ShardWriter, fingerprint
 from fanout.data.chat import ChatFormat, detect_format, iter_raw_chunks
 from fanout.data.masks import RULES_VERSION, VERIFY_ROWS, MaskPathName, plan_path
 from fanout.data.packing import Doc, OverLength, Packer, shuffled
-from fanout.data.template import ChatSpec, default_cache_root, load_chat_spec
+from fanout.data.template import (
+    ChatSpec,
+    default_cache_root,
+    load_chat_spec,
+    tokenizer_fingerprint,
+)
 from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
 from fanout.errors import BadRow, ConfigError
 from fanout.filesystem import FileSystem
-from fanout.flags import add_model_flags, flag_options, model_from_args
+from fanout.flags import add_model_flags, field_flag, flag_options, model_from_args
 
 __all__ = [
     "DataOptions",
     "PackedDataset",
     "PrepareConfig",
+    "check_prepared",
+    "is_prepared_dir",
     "iter_packed_rows",
     "open_packed",
     "prepare",
     "prewarm",
 ]
+
+log = logging.getLogger(__name__)
 
 
 def existing_files(paths: list[str]) -> list[str]:
@@ -66,7 +76,11 @@ class DataOptions(ChatFormat):
     `fanout produce`), on top of the chat format. Declared once here; the commands'
     configs inherit them, so each is one flag and one config-file key everywhere."""
 
-    data: list[str] = Field(description="input files: JSON array, JSONL or Parquet", min_length=1)
+    data: list[str] = Field(
+        description="input files: JSON array, JSONL or Parquet (fanout produce: or one "
+        "directory that fanout prepare --out wrote, used as it is)",
+        min_length=1,
+    )
     chat_template: str | None = Field(
         None,
         description="chat template file (.jinja, or .json holding chat_template) to use "
@@ -83,8 +97,9 @@ class DataOptions(ChatFormat):
     )
     cache_dir: str | None = Field(
         None,
-        description="cache root: prepared rows and tokenizer builds (default: $FANOUT_CACHE; "
-        "fanout produce: RUN_DIR/cache)",
+        description="cache root: prepared rows and tokenizer builds (default: $FANOUT_CACHE, "
+        "else ~/.cache/fanout; fanout produce looks there first, then prepares into "
+        "RUN_DIR/cache)",
     )
     on_bad_row: Literal["error", "skip"] = Field(
         "error", description="bad rows: stop naming file:line:field, or skip and count"
@@ -103,6 +118,12 @@ class DataOptions(ChatFormat):
     def data_options(self) -> dict[str, Any]:
         """This config's DataOptions fields, by name (to build a PrepareConfig from)."""
         return {k: getattr(self, k) for k in DataOptions.model_fields}
+
+
+# The DataOptions fields that change the packed rows (cache fingerprint inputs, with the
+# template and mask path, which enter through the tokenizer spec). A prepared directory
+# given to `fanout produce --data` is refused if one of these was given other than so.
+ROW_OPTIONS = (*ChatFormat.model_fields, "on_bad_row", "over_length", "lookahead")
 
 
 class PrepareConfig(DataOptions):
@@ -147,22 +168,78 @@ class PrepareConfig(DataOptions):
 
     def output_options(self) -> dict[str, Any]:
         """Every option that changes the packed rows (the cache fingerprint's inputs)."""
-        keep = [
-            *ChatFormat.model_fields,
-            "seq_len",
-            "on_bad_row",
-            "over_length",
-            "lookahead",
-            "shuffle_buffer",
-            "seed",
-            "epoch",
-        ]
+        keep = [*ROW_OPTIONS, "seq_len", "shuffle_buffer", "seed", "epoch"]
         return {k: getattr(self, k) for k in keep}
 
 
 def open_packed(out_dir: str | Path) -> PackedDataset:
     """Reopen a prepared dataset directory (an `--out` dir or a cache entry)."""
     return PackedDataset(out_dir)
+
+
+def is_prepared_dir(path: str | Path) -> bool:
+    """A directory `fanout prepare --out` wrote (or a cache entry): it has a manifest.json."""
+    return Path(path).is_dir() and (Path(path) / MANIFEST).is_file()
+
+
+def _shown(v: Any) -> str:
+    return json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+
+
+def _same_template(recorded: str | None, given: str | None) -> bool:
+    if recorded is None or given is None:
+        return recorded == given
+    a, b = Path(recorded), Path(given)
+    if a.is_file() and b.is_file():  # the same text: the same template, wherever it lies
+        return a.read_bytes() == b.read_bytes()
+    return a.resolve() == b.resolve()
+
+
+def check_prepared(
+    ds: PackedDataset,
+    label: str,
+    *,
+    seq_len: int,
+    tokenizer: str | None,
+    tokenizer_flag: str = "--tokenizer",
+    given: dict[str, Any],
+) -> None:
+    """Refuse rows prepared with other settings than a consumer of them asks for: ConfigError
+    naming `label` (e.g. `--data DIR`) and the first field that differs.
+
+    `seq_len`: the T the caller needs (its `--seq-len`). `tokenizer`: the caller's tokenizer
+    directory, None when it has none to compare (its rows' tokenizer is then the one they
+    were prepared with); `tokenizer_flag` names where it came from. `given`: the row options (ROW_OPTIONS, `chat_template`,
+    `mask_path`) the caller was given explicitly, by field name, as JSON values; each must
+    equal what the rows were prepared with, since the rows are used as they are."""
+    if ds.seq_len != seq_len:
+        raise ConfigError(
+            f"{label}: its rows were prepared with --seq-len {ds.seq_len}, this command's "
+            f"--seq-len is {seq_len}: pass --seq-len {ds.seq_len}, or prepare again with "
+            f"--seq-len {seq_len}"
+        )
+    recorded: dict[str, Any] = ds.manifest.get("config", {})
+    if tokenizer is not None:
+        ours = tokenizer_fingerprint(tokenizer)
+        if ours != ds.tokenizer_fingerprint:
+            raise ConfigError(
+                f"{label}: its rows were prepared with another tokenizer "
+                f"({recorded.get('tokenizer', '?')}, fingerprint {ds.tokenizer_fingerprint}) "
+                f"than this command's ({tokenizer_flag} {tokenizer}, fingerprint {ours}): "
+                f"prepare again with --tokenizer {tokenizer}"
+            )
+    for name, value in given.items():
+        if name not in recorded:
+            continue  # a manifest from before the field existed: nothing to compare
+        theirs = recorded[name]
+        same = _same_template(theirs, value) if name == "chat_template" else theirs == value
+        if not same:
+            flag = field_flag(name, DataOptions.model_fields[name])
+            raise ConfigError(
+                f"{label}: its rows were prepared with {flag} {_shown(theirs)}, this command "
+                f"was given {flag} {_shown(value)}: drop {flag} (the rows are used as they "
+                f"are), or prepare again with it"
+            )
 
 
 def prewarm(cfg: PrepareConfig) -> tuple[ChatSpec, WorkerPool]:
@@ -312,11 +389,9 @@ def _materialize(entry: Path, out: Path) -> None:
         raise
 
 
-def prepare(cfg: PrepareConfig) -> PackedDataset:
-    """Run the data stage (or load it from the cache) and return the packed dataset."""
-    # no workers on a cache hit
-    spec = load_chat_spec(cfg.tokenizer, cfg.cache_root(), cfg.chat_template, cfg.mask_path)
-    fp = fingerprint(
+def _rows_fingerprint(cfg: PrepareConfig, spec: ChatSpec) -> str:
+    """The cache key of `cfg`'s rows: inputs, tokenizer, template, mask rules, row options."""
+    return fingerprint(
         list(cfg.data),
         {
             "tokenizer": spec.fingerprint,
@@ -326,17 +401,50 @@ def prepare(cfg: PrepareConfig) -> PackedDataset:
             **cfg.output_options(),
         },
     )
-    entry = cfg.cache_root() / "prepared" / fp
-    if not cfg.no_cache and (entry / MANIFEST).is_file():
+
+
+def _has_tokenizer_build(root: Path, tokenizer_fp: str) -> bool:
+    # prepare builds the tokenizer spec in the root it writes rows to: a root without it
+    # holds no rows of this tokenizer either, and looking there must build nothing
+    return (root / "tokenizers" / tokenizer_fp / "chat.json").is_file()
+
+
+def prepare(
+    cfg: PrepareConfig, look_in: Sequence[Path] = (), *, announce: bool = False
+) -> PackedDataset:
+    """Run the data stage (or load it from the cache) and return the packed dataset.
+
+    `look_in`: other cache roots to find the rows in (fanout produce: the one `fanout
+    prepare` writes to); rows are only ever written under `cfg.cache_root()`.
+    `announce`: log which cache entry is used, or where the rows are being prepared."""
+    root = cfg.cache_root()
+    roots = [root, *(r for r in look_in if r != root)]
+    # no workers on a cache hit, and no tokenizer build where one is already cached
+    spec_root = root
+    if len(roots) > 1:
+        tok_fp = tokenizer_fingerprint(cfg.tokenizer)
+        spec_root = next((r for r in roots if _has_tokenizer_build(r, tok_fp)), root)
+    spec = load_chat_spec(cfg.tokenizer, spec_root, cfg.chat_template, cfg.mask_path)
+    fp = _rows_fingerprint(cfg, spec)
+    entry = root / "prepared" / fp
+    found = [r / "prepared" / fp for r in roots if (r / "prepared" / fp / MANIFEST).is_file()]
+    hit = found[0] if found else None
+    if not cfg.no_cache and hit is not None:
+        if announce:
+            log.info("using prepared rows from %s (fingerprint %s)", hit, fp)
         if cfg.out:
-            _materialize(entry, Path(cfg.out))
+            _materialize(hit, Path(cfg.out))
             return PackedDataset(cfg.out)
-        return PackedDataset(entry)
+        return PackedDataset(hit)
     if cfg.no_cache and not cfg.out:
         raise ConfigError("--no-cache needs --out (where else would the rows go?)")
     target = Path(cfg.out) if cfg.no_cache and cfg.out else entry
     if target.exists() and not (target / MANIFEST).is_file() and any(target.iterdir()):
         raise ConfigError(f"--out {target}: exists and is not a prepared dataset")
+    if spec_root != root:  # the workers read this root's tokenizer build, not another's
+        spec = load_chat_spec(cfg.tokenizer, root, cfg.chat_template, cfg.mask_path)
+    if announce:
+        log.info("preparing %s into %s (fingerprint %s)", ", ".join(cfg.data), target, fp)
     pool = shared_pool(cfg.workers)
     pool.prewarm(spec)
     run = _Run(cfg, spec, pool)

@@ -84,6 +84,21 @@ def tokenizer_fingerprint(tok_dir: str | Path) -> str:
     return h.hexdigest()
 
 
+def tokenizer_dir(tokenizer: str | None, verifier_dir: str) -> str:
+    """The tokenizer directory of a command whose `--tokenizer` defaults to the verifier
+    directory, checked to hold tokenizer files: a check that reads no model, so a
+    command can refuse it before it loads or creates anything. ConfigError naming the
+    flag the directory came from."""
+    d = tokenizer or verifier_dir
+    if any((Path(d) / name).is_file() for name in TOKENIZER_FILES):
+        return d
+    where = f"--tokenizer {d}" if tokenizer else f"--verifier-name-or-path {d} (no --tokenizer)"
+    raise ConfigError(
+        f"{where}: no tokenizer files (tokenizer.json, tokenizer_config.json, ...); "
+        "pass --tokenizer DIR"
+    )
+
+
 def default_cache_root() -> Path:
     return Path(os.environ.get("FANOUT_CACHE", Path.home() / ".cache" / "fanout"))
 

@@ -532,22 +532,39 @@ def load_verifier(
     return Verifier.from_config(cfg)
 
 
+def check_verifier_dir(path: str | os.PathLike[str]) -> None:
+    """What a verifier directory must hold, checked without loading it: a readable
+    config.json (a JSON object) and weight files. ConfigError naming what is missing, so
+    a command refuses the directory before it creates or loads anything."""
+    root = Path(path)
+    _read_config(root)
+    _weight_files(root)
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device `--device` names: auto = CUDA if present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: DTypeName, device: torch.device) -> torch.dtype:
+    """The compute dtype `--dtype` names on `device`: auto = bf16 on CUDA, fp32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
 def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
     from safetensors import SafetensorError  # a damaged weight file
     from transformers import AutoModelForCausalLM
 
     root = Path(cfg.path)
-    _read_config(root)  # clear errors for missing dir / config before HF's
-    _weight_files(root)
+    check_verifier_dir(root)  # clear errors for missing dir / config / weights before HF's
     if cfg.tp > 1:
         check_tp_model(root, cfg.tp)  # before any weight is read
-    dev = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-    )
-    if cfg.dtype == "auto":
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dtype = _DTYPES[cfg.dtype]
+    dev = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, dev)
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(
             root,

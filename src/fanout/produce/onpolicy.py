@@ -137,7 +137,8 @@ class OnPolicyStream:
         self, prep: PrepareConfig, cfg: RegenerateConfig, regen: Regenerator, out: OutDir
     ) -> None:
         self.prep, self.cfg, self.regen, self.out = prep, cfg, regen, out
-        self.num_chunks = -(-count_items(cfg) // cfg.records_per_shard)
+        self.planned_records = count_items(cfg)  # in stream.json: trainers estimate from it
+        self.num_chunks = -(-self.planned_records // cfg.records_per_shard)
         self.rows = ChunkRows()
         self._items: Iterator[Item] = iter_items(cfg)
         self._totals: dict[str, int] = {}
@@ -171,7 +172,7 @@ class OnPolicyStream:
         )
         ver, tok = fingerprints(cfg)
         engine = make_engine(cfg, verifier if cfg.engine == "hf" else None)
-        ident = identity(cfg, engine, ver, tok)
+        ident = identity(cfg, engine.describe(), ver, tok)
         out = OutDir(cfg.out).open(ident)
         s = cls(prep, cfg, Regenerator(engine, cfg, cfg.seed, ver), out)
         s.epochs, s.window_rows, s.seed = int(opts.epochs), int(opts.window_rows), int(opts.seed)
@@ -277,6 +278,7 @@ class OnPolicyStream:
             "onpolicy": LAYOUT,
             "chunks_done": len(self.rows.parts),
             "chunks": self.num_chunks,
+            "planned_records": self.planned_records,
             "rows_so_far": self.rows.num_rows,
             **self._totals,
         }

@@ -47,7 +47,7 @@ from fanout.coord.retention import RunOptions
 from fanout.data.cache import PackedDataset
 from fanout.data.draft_vocab import count_tokens, write_token_counts
 from fanout.data.prepare import DataOptions, PrepareConfig
-from fanout.errors import ConfigError, StorageError
+from fanout.errors import ConfigError, CorruptWindow, StorageError
 from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args, problems
 from fanout.model.capture_layers import CaptureLayers
@@ -125,8 +125,11 @@ class ProducerConfig(
     exit_when_idle_s: float = Field(
         30.0,
         ge=0,
-        description="after the stream is fully produced, exit once no demand "
-        "arrived for this long (recapture policy keeps serving demand until then)",
+        description="after the stream is fully produced, while an active consumer is "
+        "still behind its end (it may want an evicted window again, under any policy): exit "
+        "once no demand arrived for this long. With none behind the end (all finished, "
+        "stopped, detached or lost) the producer exits at once; restart it with the same "
+        "flags to serve a later --resume",
     )
     db_path: str | None = Field(
         None,
@@ -158,10 +161,55 @@ class ProducerConfig(
         return RunConfig(**options, total_windows=total_windows)
 
 
+def prepared_data(cfg: ProducerConfig) -> PackedDataset | None:
+    """`--data DIR` that `fanout prepare --out` wrote: its rows, used as they are, once
+    checked against this producer (fanout.data.prepare.check_prepared: --seq-len, the
+    tokenizer, any row option given); None when --data names conversation files.
+    ConfigError naming --data for a directory that is not a prepared dataset, one given
+    beside other --data, or one under --regenerate (which rewrites conversations)."""
+    from fanout.data.prepare import ROW_OPTIONS, check_prepared, is_prepared_dir
+    from fanout.data.template import TOKENIZER_FILES
+
+    dirs = [d for d in cfg.data if Path(d).is_dir()]
+    if not dirs:
+        return None
+    label = f"--data {dirs[0]}"
+    if not is_prepared_dir(dirs[0]):
+        raise ConfigError(
+            f"{label}: a directory, but not one `fanout prepare --out` wrote (no manifest.json)"
+        )
+    if len(cfg.data) > 1:
+        raise ConfigError(
+            f"{label}: a prepared directory is the whole dataset: give it as the only --data "
+            "(or prepare every file into one with `fanout prepare --data A B ...`)"
+        )
+    if cfg.regenerate:
+        raise ConfigError(
+            f"{label}: --regenerate rewrites conversations: give it the files `fanout "
+            "prepare` read, not the prepared directory"
+        )
+    try:
+        ds = PackedDataset(dirs[0])
+    except (CorruptWindow, KeyError, ValueError) as e:
+        raise ConfigError(f"{label}: not a readable prepared dataset: {e}") from None
+    tok, flag = cfg.tokenizer, "--tokenizer"
+    verifier = Path(cfg.verifier_name_or_path)
+    if tok is None and any((verifier / n).is_file() for n in TOKENIZER_FILES):
+        tok, flag = str(verifier), "the verifier's, --verifier-name-or-path"
+    options = (*ROW_OPTIONS, "chat_template", "mask_path")
+    given = cfg.model_dump(mode="json", include=set(options) & cfg.model_fields_set)
+    check_prepared(ds, label, seq_len=cfg.seq_len, tokenizer=tok, tokenizer_flag=flag, given=given)
+    return ds
+
+
 def check_inputs(cfg: ProducerConfig) -> None:
-    """Refuse what would fail later, before anything is created; each message names
-    the flag: --data files that do not exist, a verifier directory without a readable
-    config.json, a --seq-len above the verifier's max_position_embeddings.
+    """Refuse what would fail later, before anything is created or loaded; each message
+    names the flag: --data files that do not exist (or a prepared directory that does
+    not fit this producer: prepared_data), a verifier directory without a
+    readable config.json or without weight files, a tokenizer directory (default: the
+    verifier's) without tokenizer files — under --regenerate with the hf engine, one
+    that does not load or has no chat template —, a --seq-len above the verifier's
+    max_position_embeddings.
 
     Why seq_len is the bound: position ids restart at 0 for every document of a packed
     row and over-length conversations are split into pieces of at most seq_len tokens
@@ -169,15 +217,25 @@ def check_inputs(cfg: ProducerConfig) -> None:
     packed can be shorter, but it is known only after data preparation (minutes, and
     it changes with the data); seq_len is known now and is always safe.
     """
-    from fanout.model.verifier import max_position_embeddings
+    from fanout.data.template import tokenizer_dir
+    from fanout.model.verifier import check_verifier_dir, max_position_embeddings
 
+    prepared = prepared_data(cfg)  # --data DIR that fanout prepare wrote, checked
     missing = [f for f in cfg.data if not Path(f).is_file()]
-    if missing:
+    if missing and prepared is None:
         raise ConfigError(f"--data: no such file: {', '.join(missing)}")
     try:
         limit = max_position_embeddings(cfg.verifier_name_or_path)
+        check_verifier_dir(cfg.verifier_name_or_path)
     except ConfigError as e:
         raise ConfigError(f"--verifier-name-or-path: {e}") from None
+    # prepared rows need no tokenizer here: they carry their own (checked against one given)
+    if prepared is None or cfg.tokenizer:
+        tok = tokenizer_dir(cfg.tokenizer, cfg.verifier_name_or_path)
+    if cfg.regenerate and cfg.engine == "hf":  # the engine's tokenizer: a second or so
+        from fanout.regen.hf import load_tokenizer
+
+        load_tokenizer(tok)
     if limit is None or cfg.seq_len <= limit:
         return
     if cfg.allow_seq_len_over_max_positions:
@@ -243,6 +301,7 @@ class Producer:
 
     def _start(self, fs: FileSystem) -> None:
         from fanout.data.prepare import prepare
+        from fanout.data.template import default_cache_root
 
         cfg = self.cfg
         try:
@@ -253,14 +312,29 @@ class Producer:
                 f"({e.filename})"
             ) from None
         self.store = Store(self.run_dir, fs)
-        prep = cfg.prepare_config(str(self.run_dir.root / "cache"))
         verifier, self.onpolicy = None, None
-        if cfg.regenerate:  # the verifier writes the data chunk by chunk as windows stream
+        prepared = prepared_data(cfg)  # --data DIR: fanout prepare's rows, as they are
+        if prepared is not None:
+            log.info(
+                "using prepared rows from %s (fingerprint %s)", prepared.dir, prepared.fingerprint
+            )
+            self.dataset = prepared
+        elif cfg.regenerate:  # the verifier writes the data chunk by chunk as windows stream
+            prep = cfg.prepare_config(str(self.run_dir.root / "cache"))
+            log.info(
+                "regenerating --data chunk by chunk into %s; each chunk's rows prepared into %s",
+                self.run_dir.root / "regen", prep.cache_root() / "prepared",
+            )  # fmt: skip
             verifier = self._load_verifier()
             self.onpolicy = OnPolicyStream.open(prep, cfg, verifier, self.run_dir, self.tp)
             self.dataset = cast(PackedDataset, self.onpolicy.rows)
         else:
-            self.dataset = prepare(prep)
+            # The rows `fanout prepare` cached with these settings are found where it
+            # writes them (--cache-dir, else $FANOUT_CACHE); missing, they are prepared
+            # into the run's cache (RUN_DIR/cache unless --cache-dir).
+            prep = cfg.prepare_config(str(self.run_dir.root / "cache"))
+            look_in = () if cfg.cache_dir else (default_cache_root(),)
+            self.dataset = prepare(prep, look_in, announce=True)
         if self.dataset.num_rows == 0:
             raise ConfigError(f"{cfg.data}: no usable rows after preparation")
         self.verifier: Verifier = verifier or self._load_verifier()
@@ -355,10 +429,10 @@ class Producer:
         return {
             "stream_id": self.contract.stream_id,
             # under --regenerate: null until the last chunk is done, then rewritten
-            "num_rows": self.dataset.num_rows if self.total_windows != OPEN else None,
+            "num_rows": self.dataset.num_rows if self.stream_length is not None else None,
             "window_rows": self.cfg.window_rows,
             "epochs": self.cfg.epochs,
-            "total_windows": self.total_windows if self.total_windows != OPEN else None,
+            "total_windows": self.stream_length,
             "dataset_summary": self.dataset.summary,
         }
 
@@ -403,6 +477,12 @@ class Producer:
         # or late trainer; under every policy): serve it until --exit-when-idle-s.
         return self.coord.active_consumers_before(self.total_windows) == 0
 
+    @property
+    def stream_length(self) -> int | None:
+        """The stream's windows where anything shows it; None while an on-policy stream
+        is still open (total_windows is then the OPEN sentinel, never to be printed)."""
+        return None if self.total_windows == OPEN else self.total_windows
+
     def run(self) -> dict[str, Any]:
         """Produce until the stream is done, max_windows, or a signal (fanout.produce.stopping:
         the window in flight is finished first). Returns the summary."""
@@ -414,7 +494,7 @@ class Producer:
         swept = self.coord.sweep()
         log.info("producer %s: %s; swept %s", owner, self.verifier, swept)
         bar = tqdm(
-            total=self.total_windows if self.total_windows != OPEN else None,
+            total=self.stream_length,
             desc="produce",
             unit="win",
             disable=not self.cfg.progress,
@@ -439,7 +519,7 @@ class Producer:
         self.coord.finish_producer(preg, stream_end=end)
         summary = self.stats.summary()
         summary["stream_id"] = self.contract.stream_id
-        summary["total_windows"] = self.total_windows
+        summary["total_windows"] = self.stream_length  # null while on-policy is open
         log.info("producer done: %s", summary)
         return summary
 

@@ -28,7 +28,7 @@ import torch
 
 from fanout.errors import ConfigError
 from fanout.model.sampling import Sampling, probabilities
-from fanout.model.verifier import Verifier, load_verifier
+from fanout.model.verifier import DTypeName, Verifier, load_verifier, resolve_device, resolve_dtype
 from fanout.regen.engine import Answer, RegenOptions, Request
 
 log = logging.getLogger(__name__)
@@ -88,16 +88,14 @@ class HFEngine:
         device: str = "auto",
         dtype: Any = "auto",
     ) -> HFEngine:
-        """Load the verifier (fanout.model.verifier) and its tokenizer, both offline."""
+        """Load the tokenizer, then the verifier (fanout.model.verifier), both offline: a
+        tokenizer that cannot serve is refused before the weights are read."""
+        tok = load_tokenizer(tokenizer_dir or verifier_dir)
         verifier = load_verifier(verifier_dir, device=device, dtype=dtype, capture_layer_ids="all")
-        return cls(verifier, load_tokenizer(tokenizer_dir or verifier_dir), opts)
+        return cls(verifier, tok, opts)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "name": "hf",
-            "device": str(self.verifier.device),
-            "dtype": str(self.verifier.dtype),
-        }
+        return description(self.verifier.device, self.verifier.dtype)
 
     def render(self, req: Request) -> list[int]:
         text = self.tok.apply_chat_template(
@@ -173,6 +171,18 @@ class HFEngine:
         n = len(new) if stop is None else stop
         text = self.tok.decode(new[:n], skip_special_tokens=True)
         return Answer(text, "length" if stop is None else "stop", prompt_tokens, n)
+
+
+def description(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The hf engine's `describe()` (what the manifest's identity records)."""
+    return {"name": "hf", "device": str(device), "dtype": str(dtype)}
+
+
+def planned_description(device: str, dtype: DTypeName) -> dict[str, Any]:
+    """`describe()` of the engine `HFEngine.load(..., device=device, dtype=dtype)` gives,
+    known before it loads: fanout regenerate checks --out against it first."""
+    dev = resolve_device(device)
+    return description(dev, resolve_dtype(dtype, dev))
 
 
 def load_tokenizer(path: str) -> Any:

@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
+def description(model: str | None) -> dict[str, Any]:
+    """The openai engine's `describe()` for `--model` (known before it connects)."""
+    return {"name": "openai", "model": model}
+
+
 class Transient(Exception):
     """A failure worth another try (429, 5xx, timeout, connection)."""
 
@@ -66,7 +71,7 @@ class OpenAIEngine:
         return engine
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "openai", "model": self.model}
+        return description(self.model)
 
     def generate(self, requests: list[Request]) -> list[Answer]:
         with ThreadPoolExecutor(max_workers=self.opts.concurrency) as pool:

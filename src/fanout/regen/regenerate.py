@@ -12,8 +12,9 @@ Input: any chat data `fanout prepare` reads (the ChatFormat flags). Output
 record, in input order, in the `openai` shape `{"messages", "tools"?, "fanout_regen"}`:
 system, user and tool turns as they were, the assistant turns chosen by `--turns`
 replaced by the verifier's answers, and `fanout_regen` the provenance (source
-file:line, record index, verifier fingerprint, engine, sampling settings, seed, and
-per answer its message index, seed, finish reason, prompt and answer tokens).
+file:line, record index, verifier fingerprint, engine, sampling settings, seed, the
+software that wrote it (fanout version and commit, torch and transformers versions),
+and per answer its message index, seed, finish reason, prompt and answer tokens).
 
 Which turns: `last` regenerates the last assistant turn given the original history;
 `all` regenerates every assistant turn in order, each given the regenerated history
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -158,6 +160,54 @@ def inputs_fingerprint(paths: list[str]) -> list[dict[str, Any]]:
     return out
 
 
+def software() -> dict[str, Any]:
+    """What wrote a record (each record's `fanout_regen.software`): fanout's version
+    (package metadata) and git commit (`source_commit`), torch's and transformers'
+    versions; None for what is not installed or not known."""
+    from importlib import metadata
+
+    import fanout
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    commit, modified = source_commit(Path(fanout.__file__))  # the whole package's folder
+    return {
+        "fanout": version("fanout"),
+        "fanout_commit": commit,
+        "fanout_modified": modified,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+    }
+
+
+def source_commit(path: Path) -> tuple[str | None, bool | None]:
+    """(HEAD commit, whether tracked files of `path`'s folder differ from it) of the git
+    checkout that tracks `path`; (None, None) when none does (an installed wheel, a copy)
+    or git is not there. Never raises: provenance must not stop a run."""
+    here = str(path.parent)
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", "-C", here, *args], capture_output=True, text=True, timeout=30
+        )
+
+    try:
+        # tracked, not just inside a checkout: a venv's site-packages under a repo is not
+        if git("ls-files", "--error-unmatch", path.name).returncode != 0:
+            return None, None
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return None, None
+        diff = git("diff", "--quiet", "HEAD", "--", ".").returncode
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return head.stdout.strip(), None if diff not in (0, 1) else diff == 1
+
+
 # --------------------------------------------------------------------------- one shard
 
 
@@ -190,6 +240,7 @@ class Regenerator:
             "sampling": opts.sampling(),
             "seed": seed,
             "turns": opts.turns,
+            "software": software(),
         }
 
     def shard(self, items: list[Item]) -> ShardResult:
@@ -280,7 +331,7 @@ class Regenerator:
 
 def fingerprints(cfg: RegenerateConfig) -> tuple[dict[str, Any] | None, str | None]:
     """(verifier fingerprint, tokenizer fingerprint), None where not given (openai)."""
-    from fanout.data.template import tokenizer_fingerprint
+    from fanout.data.template import tokenizer_dir, tokenizer_fingerprint
     from fanout.model.verifier import config_hash, weights_fingerprint
 
     if cfg.verifier_name_or_path is None:
@@ -298,7 +349,19 @@ def fingerprints(cfg: RegenerateConfig) -> tuple[dict[str, Any] | None, str | No
         raise ConfigError(f"--verifier-name-or-path: {e}") from None
     if cfg.engine == "openai":
         return verifier, None
-    return verifier, tokenizer_fingerprint(cfg.tokenizer or cfg.verifier_name_or_path)
+    return verifier, tokenizer_fingerprint(tokenizer_dir(cfg.tokenizer, cfg.verifier_name_or_path))
+
+
+def planned_engine(cfg: RegenerateConfig) -> dict[str, Any]:
+    """`describe()` of the engine `make_engine(cfg)` builds, known before it loads the
+    verifier or asks a server: what --out is checked against first."""
+    if cfg.engine == "openai":
+        from fanout.regen.openai import description
+
+        return description(cfg.model)
+    from fanout.regen.hf import planned_description
+
+    return planned_description(cfg.device, cfg.dtype)
 
 
 def make_engine(cfg: RegenerateConfig, verifier: Any = None) -> Engine:
@@ -317,15 +380,16 @@ def make_engine(cfg: RegenerateConfig, verifier: Any = None) -> Engine:
 
 
 def identity(
-    cfg: RegenerateConfig, engine: Engine, verifier: Any, tokenizer: str | None
+    cfg: RegenerateConfig, engine: dict[str, Any], verifier: Any, tokenizer: str | None
 ) -> dict[str, Any]:
-    """What decides the output's text: a resumed run must match it (fanout.regen.shards)."""
+    """What decides the output's text: a resumed run must match it (fanout.regen.shards).
+    `engine`: the engine's `describe()` (or `planned_engine(cfg)` before it exists)."""
     ident = {
         "inputs": inputs_fingerprint(cfg.data),
         "chat_format": cfg.chat_format().model_dump(mode="json"),
         "verifier": verifier,
         "tokenizer": tokenizer,
-        "engine": engine.describe(),
+        "engine": engine,
         "sampling": cfg.sampling(),
         "seed": cfg.seed,
         "turns": cfg.turns,
@@ -344,8 +408,15 @@ def regenerate(cfg: RegenerateConfig, engine: Engine | None = None) -> dict[str,
 
     total = count_items(cfg)
     verifier, tok = fingerprints(cfg)
-    engine = engine or make_engine(cfg)
-    out = OutDir(cfg.out).open(identity(cfg, engine, verifier, tok))
+    out = OutDir(cfg.out)
+    if engine is None:  # an --out made with other settings is refused before any loading
+        ident = identity(cfg, planned_engine(cfg), verifier, tok)
+        out.check(ident)
+        engine = make_engine(cfg)
+        ident["engine"] = engine.describe()  # the same, unless a load decided otherwise
+    else:
+        ident = identity(cfg, engine.describe(), verifier, tok)
+    out.open(ident)
     regen = Regenerator(engine, cfg, cfg.seed, verifier)
     totals: dict[str, int] = {}
     bar = tqdm(total=total, desc="regenerate", unit="rec", disable=not cfg.progress)

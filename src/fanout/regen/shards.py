@@ -1,7 +1,8 @@
 """The output directory of `fanout regenerate`: manifest, shards, the joined file.
 
     from fanout.regen.shards import OutDir
-    out = OutDir("regen/").open(identity)   # refuses a directory made with other settings
+    OutDir("regen/").check(identity)        # refuses a directory made with other settings
+    out = OutDir("regen/").open(identity)   # the same check, then creates or resumes it
     out.done(3)                             # shard 3's summary, or None
     out.write_shard(3, records, summary)    # records: regenerated chats (dicts)
     out.finish(summary)                     # regenerated.jsonl + the manifest's totals
@@ -44,32 +45,35 @@ class OutDir:
         self.shards = self.root / "shards"
         self.fs = fs or FileSystem()
 
+    def check(self, identity: dict[str, Any]) -> bool:
+        """Whether `open(identity)` would resume (True) or create (False), writing
+        nothing; a directory made with another identity, or not empty without a
+        manifest, is refused (ConfigError naming --out and the first setting that
+        differs). Cheap: `fanout regenerate` calls it before it loads the verifier."""
+        old = self.manifest()
+        if old is None:
+            if self._has_other_files():
+                raise ConfigError(
+                    f"--out {self.root}: not empty and has no {MANIFEST}; use a new directory"
+                )
+            return False
+        prev = old.get("identity", {})
+        if prev != identity:
+            keys = sorted(prev.keys() | identity.keys())
+            key = next((k for k in keys if prev.get(k) != identity.get(k)), "?")
+            raise ConfigError(
+                f"--out {self.root}: holds a regeneration made with other settings ({key}: "
+                f"{prev.get(key)!r}, now {identity.get(key)!r}); resume with the same "
+                "settings or use a new --out"
+            )
+        return True
+
     def open(self, identity: dict[str, Any]) -> OutDir:
         """Create the directory and its manifest, or reopen one made with the same
-        `identity`; another identity is refused, naming the first setting that differs."""
-        old = self.manifest()
-        if old is not None:
-            prev = old.get("identity", {})
-            if prev != identity:
-                key = next(
-                    (
-                        k
-                        for k in sorted(prev.keys() | identity.keys())
-                        if prev.get(k) != identity.get(k)
-                    ),
-                    "?",
-                )
-                raise ConfigError(
-                    f"--out {self.root}: holds a regeneration made with other settings ({key}: "
-                    f"{prev.get(key)!r}, now {identity.get(key)!r}); resume with the same "
-                    "settings or use a new --out"
-                )
+        `identity`; another identity is refused (`check`)."""
+        if self.check(identity):
             self._remove_dead_temps()
             return self
-        if self._has_other_files():
-            raise ConfigError(
-                f"--out {self.root}: not empty and has no {MANIFEST}; use a new directory"
-            )
         try:
             self.fs.makedirs(self.shards)
         except OSError as e:

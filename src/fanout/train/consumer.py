@@ -277,6 +277,12 @@ class ConsumerStream:
             self._held[lease.window] = ow
             return ow
 
+    def stop_at(self, max_windows: int) -> None:
+        """End the stream before window `max_windows` (windows() checks before every
+        window): --epochs of an on-policy stream, decided once its rows are counted. A
+        window prefetched past it is released at close()."""
+        self.cfg = self.cfg.model_copy(update={"max_windows": max_windows})
+
     def _waiting(self, why: WaitState) -> None:
         self.wait_state = why  # read by the trainer's wait notice (another thread)
 

@@ -113,6 +113,15 @@ class DataParallel:
         dist.all_reduce(t)
         return (t / self.world).tolist()
 
+    def from_main(self, values: list[int]) -> list[int]:
+        """Rank 0's `values` on every rank: what one rank decides for all (the stream's
+        length as rank 0 read it, so every rank follows one LR schedule)."""
+        if not self.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=self._collective_device())
+        dist.broadcast(t, src=0)
+        return [int(x) for x in t.tolist()]
+
     def _collective_device(self) -> torch.device:
         return (
             torch.device("cuda", self.local_rank)

@@ -42,6 +42,7 @@ class Ending:
         self.reached = False  # stopped at its own stopping condition (--max-steps)
         self.failure: FanoutError | None = None
         self.saved: Path | None = None
+        self.unsaved: str | None = None  # why no checkpoint was saved where one could be
 
     @property
     def fenced(self) -> bool:
@@ -66,12 +67,15 @@ class Ending:
             # the coordinator may be what failed: the failure is the news, not this
             log.warning("%s: could not record how it ended: %s", self.consumer_id, e)
 
-    def checkpoint_line(self, state: dict[str, Any]) -> str:
+    def checkpoint_line(self, state: dict[str, Any], resume: bool = True) -> str:
+        """The checkpoint kept, and (`resume`) how to continue from it."""
         if self.saved is not None:
             return (
                 f"saved a checkpoint at step {state['step']} (cursor {state['cursor']}): "
-                f"{self.saved}; continue with --resume"
+                f"{self.saved}" + ("; continue with --resume" if resume else "")
             )
+        if self.unsaved is not None:
+            return self.unsaved
         if not state["step"]:
             return "no step was trained, so there is no checkpoint"
         return "rank 0 saved the checkpoint"
@@ -83,8 +87,8 @@ class Ending:
             return
         if self.fenced:
             raise e
-        if isinstance(e, Detached):
-            raise Detached(f"{e}; {self.checkpoint_line(state)}") from None
+        if isinstance(e, Detached):  # `fanout train` adds how to rejoin (--resume), once
+            raise Detached(f"{e}; {self.checkpoint_line(state, resume=False)}") from None
         raise TrainerStopped(
             f"{self.consumer_id} stopped: {e}; recorded 'stopped' (it holds windows back "
             f"until resumed or `fanout detach`ed); {self.checkpoint_line(state)}"

@@ -457,7 +457,7 @@ def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
         count = f"{min(cfg.num_prompts, len(ps))} to {len(ps)} (until τ is ±{cfg.tau_half_width})"
     echo(
         f"fanout eval: {count} prompts ({min(len(p.ids) for p in ps)}–"
-        f"{max(len(p.ids) for p in ps)} tokens), {cfg.max_new_tokens} new tokens each, "
+        f"{max(len(p.ids) for p in ps)} tokens), up to {cfg.max_new_tokens} new tokens each, "
         f"{len(drafts)} draft(s), {cfg.device} {cfg.dtype}, temperatures "
         f"{', '.join(temperature_key(t) for t in cfg.temperature)}"
     )
@@ -476,9 +476,58 @@ def _hardware(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
+def tau_verdict(
+    a: str, a_fig: dict[str, Any], b: str, b_fig: dict[str, Any]
+) -> tuple[str | None, str]:
+    """Which of two drafts has the higher τ, from their figures at one temperature
+    (`acceptance_length`, `acceptance_length_ci95`): (winner, why) when their 95%
+    intervals are apart, (None, why) when they overlap (touching counts: no difference
+    shown) or either is undefined (fewer than two prompts). The one rule the table's
+    verdict lines print."""
+
+    def shown(name: str, f: dict[str, Any]) -> str:
+        lo, hi = f["acceptance_length_ci95"]
+        return f"{name} τ {f['acceptance_length']:.2f} ({lo:.2f}–{hi:.2f})"
+
+    ca, cb = a_fig["acceptance_length_ci95"], b_fig["acceptance_length_ci95"]
+    if ca is None or cb is None:
+        return None, f"{a} vs {b}: no τ interval (fewer than 2 prompts), no verdict"
+    if ca[0] <= cb[1] and cb[0] <= ca[1]:
+        return None, (
+            f"{shown(a, a_fig)} vs {shown(b, b_fig)}: intervals overlap, no difference shown"
+        )
+    win, lose = ((a, a_fig), (b, b_fig)) if ca[0] > cb[1] else ((b, b_fig), (a, a_fig))
+    return win[0], f"{win[0]} wins: {shown(*win)} vs {shown(*lose)}, intervals apart"
+
+
+def verdicts(report: dict[str, Any]) -> list[str]:
+    """One line per pair of drafts and temperature (`tau_verdict`); none for one draft."""
+    names = list(report["drafts"])
+    lines = []
+    for t in report["drafts"][names[0]]["at_temperature"] if names else []:
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                fa, fb = (report["drafts"][n]["at_temperature"][t] for n in (a, b))
+                lines.append(f"verdict at T={t}: {tau_verdict(a, fa, b, fb)[1]}")
+    return lines
+
+
+def generated_line(report: dict[str, Any]) -> str:
+    """What greedy decoding generated per prompt: mean (min–max), and how many stopped
+    at a stop token before --max-new-tokens (the header gives only the cap)."""
+    g = report["generated_tokens"]
+    cap = report["config"]["max_new_tokens"]
+    early = sum(n < cap for n in g)
+    return (
+        f"generated: mean {sum(g) / len(g):.1f} ({min(g)}–{max(g)}) new tokens per prompt "
+        f"(greedy; {early} of {len(g)} stopped at a stop token before --max-new-tokens {cap})"
+    )
+
+
 def table(report: dict[str, Any]) -> list[str]:
     """The stdout table: per draft and temperature τ (95% interval, verify steps) beside
-    train EAL, per-position acceptance and the decode speed-up; then the notes."""
+    train EAL, per-position acceptance and the decode speed-up; then what was
+    generated, the verdict per pair of drafts (`tau_verdict`) and the notes."""
     lines = [
         f"{'draft':<14} {'bs':>3} {'T':>4} {'τ':>6} {'95% CI':>13} {'steps':>6} "
         f"{'train EAL':>9} {'speedup':>8}  acceptance at block position 1, 2, …"
@@ -531,7 +580,7 @@ def table(report: dict[str, Any]) -> list[str]:
                 f"{prec['prompts_available']} prompts available (raise --max-prompts)"
             )
         )
-    return lines + notes
+    return [*lines, generated_line(report), *verdicts(report), *notes]
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "eval") -> None:

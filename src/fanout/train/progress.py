@@ -52,9 +52,12 @@ class WaitNotice:
         waiting for window 12 from the producer (15 s of 600 s; --acquire-timeout-s)
 
     `begin(what, after_s, counts)` and `end()` bracket a wait; the first line comes once
-    the wait is `after_s` old, then one every `every_s`. While `counts()` says the wait
-    does not count toward the timeout (another consumer holds the producer), the line
-    says so instead, every NOT_COUNTED_EVERY_S. `tick()` prints a line when one is due:
+    the wait is `after_s` old, then one every `every_s`. The seconds shown against the
+    timeout are those that count toward it, as the coordinator counts them: while
+    `counts()` says the wait does not count (another consumer holds the producer), the
+    line says so, every NOT_COUNTED_EVERY_S, and once some of the wait did not count the
+    line gives both figures. Each `tick()` adds the time since the last one to the
+    counted or the uncounted seconds, by what `counts()` says now; it prints a line when one is due:
     the waiting loop calls it, or for a wait that blocks inside a call (acquiring a
     window) the thread that `start()` runs does. `clock` and `write` are seams for tests.
     """
@@ -74,7 +77,8 @@ class WaitNotice:
         self._lock = threading.Lock()
         self._what: Callable[[], str] | None = None
         self._counts: Callable[[], bool] | None = None
-        self._since = self._due = 0.0
+        self._since = self._due = self._last = 0.0
+        self._counted = self._uncounted = 0.0  # seconds of this wait, by counts()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -88,6 +92,7 @@ class WaitNotice:
         with self._lock:
             self._what, self._counts, self._since = what, counts, self.clock()
             self._due = self._since + after_s
+            self._last, self._counted, self._uncounted = self._since, 0.0, 0.0
 
     def end(self) -> None:
         with self._lock:
@@ -97,21 +102,35 @@ class WaitNotice:
         """Print (and return) the line if one is due."""
         with self._lock:
             now = self.clock()
-            if self._what is None or now < self._due:
+            if self._what is None:
                 return None
-            waited = _secs(now - self._since)
-            if self._counts is not None and not self._counts():
+            counting = self._counts is None or self._counts()
+            if counting:
+                self._counted += now - self._last
+            else:
+                self._uncounted += now - self._last
+            self._last = now
+            if now < self._due:
+                return None
+            waited, counted = _secs(now - self._since), _secs(self._counted)
+            limit = _secs(self.limit_s)
+            if not counting:
                 self._due = now + max(self.every_s, NOT_COUNTED_EVERY_S)
                 line = (
-                    f"waiting for {self._what()} ({waited} s; a wait for another consumer "
-                    "does not count toward --acquire-timeout-s)"
+                    f"waiting for {self._what()} ({waited} s, {counted} s of {limit} s "
+                    "counted; a wait for another consumer does not count toward "
+                    "--acquire-timeout-s)"
+                )
+            elif self._uncounted:
+                self._due = now + self.every_s
+                line = (
+                    f"waiting for {self._what()} ({counted} s of {limit} s counted toward "
+                    f"--acquire-timeout-s; {waited} s in all: a wait for another consumer "
+                    "does not count)"
                 )
             else:
                 self._due = now + self.every_s
-                line = (
-                    f"waiting for {self._what()} ({waited} s of "
-                    f"{_secs(self.limit_s)} s; --acquire-timeout-s)"
-                )
+                line = f"waiting for {self._what()} ({counted} s of {limit} s; --acquire-timeout-s)"
         self.write(line)
         return line
 
@@ -247,6 +266,11 @@ class ProgressBar:
             refresh=False,
         )
         self.bar.update(1)
+
+    def set_total(self, total: int) -> None:
+        """The steps the bar counts to, learned during the run (the stream's length)."""
+        self.bar.total = total
+        self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()

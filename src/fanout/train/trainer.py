@@ -7,19 +7,19 @@
 
 Reads rows from fanout.train.consumer (lease → train → ack after the optimizer step),
 trains fanout.model.dflash with the fused linear CE and fused AdamW + LR schedule
-(fanout.train.optim), logs JSONL (loss, per-slot accuracy, EAL, step ms split
-fetch/fwd/bwd/opt, tokens/s, window wait; fanout.train.progress) and saves
-speculators-format checkpoints that carry the consumer cursor, so `--resume`
-continues at the exact next row.
+(fanout.train.optim; its total from the stream, fanout.train.plan), logs JSONL (loss,
+per-slot accuracy, EAL, step ms split fetch/fwd/bwd/opt, tokens/s, window wait;
+fanout.train.progress) and saves speculators-format checkpoints that carry the
+consumer cursor, so `--resume` continues at the exact next row.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import logging
-import math
 import signal
 import sys
 import time
@@ -37,7 +37,7 @@ from fanout.data.draft_vocab import (
     read_token_counts,
     select_draft_vocab,
 )
-from fanout.errors import ConfigError, Detached, FanoutError
+from fanout.errors import ConfigError, Detached, FanoutError, NoSupervisedTokens
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
 from fanout.model.dflash import DFlashDraft, DraftRecipe
 from fanout.ops.fp8 import dequantize
@@ -45,7 +45,8 @@ from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_che
 from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
 from fanout.train.distributed import DataParallel
 from fanout.train.ending import Ending, summary
-from fanout.train.optim import build_optimizer
+from fanout.train.optim import LRCurve, build_optimizer
+from fanout.train.plan import Plan, StreamPlanner
 from fanout.train.progress import (
     MetricsLog,
     ProgressBar,
@@ -60,6 +61,9 @@ log = logging.getLogger(__name__)
 EXIT_DETACHED = 3
 # steps averaged into a checkpoint's train_eal
 RECENT_EAL_STEPS = 50
+# Consecutive steps without a supervised token that end the trainer (the first one is a
+# warning): a few happen on odd rows, this many say the draft cannot train on this run.
+NO_TOKEN_STEPS = 20
 
 
 class TrainConfig(ConsumerOptions, DraftRecipe):
@@ -81,18 +85,38 @@ class TrainConfig(ConsumerOptions, DraftRecipe):
     mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of steps warming up")
+    warmup_ratio: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="fraction of the schedule's total steps spent warming up (linearly to "
+        "--lr); where the total is not known at start, the first 100 steps (0: none)",
+    )
     scheduler_type: Literal["constant", "linear", "cosine"] = Field(
-        "cosine", description="lr schedule after warm-up"
+        "cosine",
+        description="lr after warm-up: cosine or linear decay to 0 at the total steps, or "
+        "constant. The total: --max-steps, or the steps the stream (--epochs of it) makes, "
+        "from the producer's stream.json, whichever is less; an on-policy stream still "
+        "regenerating is estimated from its plan and corrected, without a jump in lr, once "
+        "its length is recorded (the start log line says which)",
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="clip global grad norm; none = off")
     adamw_backend: Literal["auto", "fused", "foreach"] = Field(
         "auto", description="AdamW implementation (auto: fused where supported)"
     )
     epochs: float | None = Field(
-        None, gt=0, description="passes over the data to read; default: the whole stream"
+        None,
+        gt=0,
+        description="passes over the data to read (its rows from stream.json; on an "
+        "on-policy stream still regenerating, decided once its rows are recorded); "
+        "default: the whole stream",
     )
-    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="stop after this many optimizer steps (the schedule's total, unless the "
+        "stream ends sooner)",
+    )
     eval_every: int | None = Field(
         None,
         ge=1,
@@ -153,22 +177,6 @@ class TrainConfig(ConsumerOptions, DraftRecipe):
         )
 
 
-def _stream_windows(run_dir: Path, epochs: float | None) -> int | None:
-    """Windows to read: `epochs` × windows per epoch (from the producer's stream.json)."""
-    if epochs is None:
-        return None
-    info = run_dir / "stream.json"
-    if not info.is_file():
-        raise ConfigError(f"--epochs needs {info} (written by the producer); use --max-steps")
-    s = json.loads(info.read_text())
-    if s.get("num_rows") is None:  # `produce --regenerate`: known once regeneration is done
-        raise ConfigError(
-            f"--epochs: {info} has no row count yet (the producer is still regenerating "
-            "its data); use --max-steps, or leave --epochs out to read to the stream's end"
-        )
-    return max(1, math.ceil(epochs * s["num_rows"] / s["window_rows"]))
-
-
 class Trainer:
     """One consumer of a run training one draft: `Trainer(cfg).run()` → summary dict.
 
@@ -206,8 +214,15 @@ class Trainer:
         cfg = self.cfg
         self.draft = self._build_draft(contract, layers)
         self.gen = torch.Generator().manual_seed(self._anchor_seed())
-        self.max_windows = _stream_windows(Path(cfg.run_dir), cfg.epochs)
-        self.total_steps = self._total_steps(contract)
+        self.planner = StreamPlanner(
+            Path(cfg.run_dir),
+            rows_per_step=cfg.rows_per_step,
+            world=self.dp.world,
+            epochs=cfg.epochs,
+            max_steps=cfg.max_steps,
+        )
+        self.plan = self._read_plan()
+        self.max_windows = self.plan.max_windows
         self.opt, self.backend, self.sched = build_optimizer(
             self.draft.parameters(),
             lr=cfg.lr,
@@ -216,9 +231,11 @@ class Trainer:
             max_grad_norm=cfg.max_grad_norm,
             warmup_ratio=cfg.warmup_ratio,
             scheduler_type=cfg.scheduler_type,
-            total_steps=self.total_steps,
+            total_steps=self.plan.total_steps,
+            settled=self.plan.settled,
         )
         self.state = self._resume()
+        self._log_schedule()
         self.dp.broadcast_parameters(self.draft)  # identical start on every rank
         name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
         self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
@@ -230,6 +247,11 @@ class Trainer:
         # EAL of the last logged steps: the train-time estimate a checkpoint records
         self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
         self._eval_session: Any = None  # fanout.train.eval.EvalSession, built at the first eval
+        self.seq_len = contract.seq_len
+        # steps of this process with a supervised token (on any rank), and the run of
+        # steps without one that is going on (NO_TOKEN_STEPS of them end the trainer)
+        self.supervised_steps = self.no_token_streak = 0
+        self._warned_no_tokens = False
         self._in_step = False
         self._stop_requested = False
         self.interrupted = False
@@ -250,6 +272,14 @@ class Trainer:
             raise ConfigError(
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
                 "captured without them: produce the run with --store-last-hidden-states"
+            )
+        t = contract.seq_len
+        if cfg.block_size >= t:  # no anchor fits (fanout.model.anchors): every step is empty
+            raise ConfigError(
+                f"--block-size {cfg.block_size} does not fit {run_dir}'s rows of T = {t} "
+                f"tokens (its seq_len): an anchor must lie before position T - block size, "
+                f"so the largest block that can train is {t - 1} (anchored at position 0 "
+                "only; a block well below T leaves room for anchors)"
             )
         # Any subset of the captured layers (naming the captured ones), in ascending order.
         layers = ascending_layer_ids(cfg.draft_layer_ids or contract.target_layer_ids)
@@ -286,14 +316,52 @@ class Trainer:
             cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
         )
 
-    def _total_steps(self, contract: CaptureContract) -> int | None:
-        """The schedule's length: --max-steps, else the steps --epochs of rows make
-        (ranks share the stream's rows), else None (no decay)."""
-        rows_total = None
-        if self.max_windows is not None:
-            rows_total = self.max_windows * contract.window_rows
-        rows_per_step = self.cfg.rows_per_step * self.dp.world
-        return self.cfg.max_steps or (rows_total // rows_per_step if rows_total else None)
+    def _read_plan(self) -> Plan:
+        """The stream's length (fanout.train.plan): every rank reads it (a bad
+        stream.json fails on each), every rank follows rank 0's numbers."""
+        mine = self.planner.read()
+        got = Plan.from_ints(self.dp.from_main(mine.ints()))
+        return mine if self.dp.is_main else got
+
+    @property
+    def curve(self) -> LRCurve:
+        """The LR schedule's curve (its total, warm-up, decay; fanout.train.optim)."""
+        f = self.sched.factor
+        assert isinstance(f, LRCurve)
+        return f
+
+    def _log_schedule(self) -> None:
+        """One line at start: the schedule's kind, warm-up and total (and a warning
+        when nothing says the total yet)."""
+        cid, curve = self.cfg.consumer_id, self.curve
+        if not self.dp.is_main:
+            return
+        if curve.total is None and curve.kind != "constant":
+            log.warning(
+                "%s: the %s lr schedule has no total steps yet (%s): it warms up over %d "
+                "steps, holds --lr and decays once the stream's end is recorded; pass "
+                "--max-steps (or --epochs) to plan the decay from the start",
+                cid, curve.kind, self.plan.why, curve.warmup,
+            )  # fmt: skip
+        log.info("%s: lr schedule: %s (%s)", cid, curve.describe(), self.plan.why)
+
+    def _reconcile_schedule(self, planned: LRCurve) -> None:
+        """After a resume: the checkpoint's curve continues, retargeted where it had no
+        final total and one is known now; the flags' curve where they plan another (a
+        new --max-steps, --epochs or --scheduler-type)."""
+        cur, step = self.curve, self.sched.last_epoch
+        if vars(cur) == vars(planned):  # the same, or a checkpoint from before LRCurve
+            return
+        if cur.kind != planned.kind or (
+            cur.settled and planned.settled and cur.total != planned.total
+        ):
+            log.info(
+                "%s: lr schedule planned anew at step %d (the checkpoint's: %s)",
+                self.cfg.consumer_id, step, cur.describe(),
+            )  # fmt: skip
+            self.sched.set_factor(planned)
+        elif not cur.settled and planned.total is not None and planned.total != cur.total:
+            cur.retarget(planned.total, step, settled=planned.settled)
 
     def _resume(self) -> dict[str, Any]:
         """The training state: from the newest checkpoint with --resume (weights,
@@ -305,7 +373,9 @@ class Trainer:
         if not cfg.resume or (ckpt := latest_checkpoint(cfg.save_path)) is None:
             return state
         state = load_checkpoint(ckpt, self.draft, self.opt, generators={"anchors": self.gen})
+        planned = copy.copy(self.curve)
         self.sched.load_state_dict(state.pop("scheduler"))
+        self._reconcile_schedule(planned)
         if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
             self.gen.manual_seed(self._anchor_seed(state["step"]))
         log.info("resumed from %s at step %d, cursor %s", ckpt, state["step"], state["cursor"])
@@ -350,6 +420,8 @@ class Trainer:
                     bar.update(rec, batch, self.state["cursor"])
                     self._after_step(rec)
                     self._in_step = False
+                    self._check_supervised(rec["step"])
+                    self._follow_plan(stream, bar)
                     if self.dp.agree(self._stop_requested):  # every rank stops after this step
                         self.interrupted = True
                         break
@@ -361,7 +433,11 @@ class Trainer:
                 self.interrupted = True  # while waiting for a window: nothing half-done
             except FanoutError as e:
                 end.failed(e)  # fenced: nothing more is written; else saved, then raised
-            if self.state["step"] and not end.fenced:
+            if isinstance(end.failure, NoSupervisedTokens) and not self.supervised_steps:
+                end.unsaved = (
+                    "no step of this run had a supervised token, so it saved no checkpoint"
+                )
+            elif self.state["step"] and not end.fenced:
                 end.saved = self.save()
         finally:
             waits.stop()
@@ -436,6 +512,7 @@ class Trainer:
         out.loss.backward()
         self.dp.average_gradients(self.draft)
         t2 = time.perf_counter()
+        lr = self.sched.get_last_lr()[0]  # this step's (step() sets the next one's)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -443,14 +520,19 @@ class Trainer:
         stream.ack(batch)
         self.state["step"] += 1
         self.state["cursor"], self.state["rows_done"] = batch.next_position
-        loss, eal = self.dp.mean([float(out.loss.detach()), float(out.eal)])
+        loss, eal, tokens = self.dp.mean([float(out.loss.detach()), float(out.eal), out.n_tokens])
+        if tokens > 0:  # on any rank: every rank counts the same
+            self.supervised_steps += 1
+            self.no_token_streak = 0
+        else:
+            self.no_token_streak += 1
         self.recent_eal.append(eal)
         return {
             "step": self.state["step"],
             "loss": round(loss, 6),
             "eal": round(eal, 4),
             "acc": [round(float(a), 4) for a in out.per_slot_acc],
-            "lr": self.sched.get_last_lr()[0],
+            "lr": lr,
             "tokens": out.n_tokens,
             "fetch_ms": round((t0 - t_fetch) * 1e3, 2),
             "fwd_ms": round((t1 - t0) * 1e3, 2),
@@ -471,14 +553,58 @@ class Trainer:
             rec |= self._eval()
         if step % cfg.log_every == 0:
             self.metrics.write(rec)
-        if step % cfg.checkpoint_every == 0:
-            self.save()
+        if step % cfg.checkpoint_every == 0 and self.supervised_steps:
+            self.save()  # not while this process has learned nothing (no supervised token)
+
+    def _check_supervised(self, step: int) -> None:
+        """A step without a supervised token (no anchor fit its rows) is a warning the
+        first time; NO_TOKEN_STEPS in a row end the trainer (NoSupervisedTokens)."""
+        if not self.no_token_streak:
+            return
+        why = (
+            f"no anchor fit its rows: an anchor needs a supervised token followed by "
+            f"another before position T - block size (T = {self.seq_len}, --block-size "
+            f"{self.cfg.block_size})"
+        )
+        if not self._warned_no_tokens:
+            self._warned_no_tokens = True
+            log.warning("%s: step %d had no supervised token: %s", self.cfg.consumer_id, step, why)
+        if self.no_token_streak >= NO_TOKEN_STEPS:
+            raise NoSupervisedTokens(
+                f"{NO_TOKEN_STEPS} steps in a row ({step - NO_TOKEN_STEPS + 1}-{step}) had no "
+                f"supervised token: {why}; use a smaller --block-size, or data with longer "
+                "supervised (assistant) spans"
+            )
+
+    def _follow_plan(self, stream: ConsumerStream, bar: ProgressBar) -> None:
+        """Until the stream's length is settled: rank 0 re-reads stream.json when it
+        changes (one stat() a step), and every rank follows what it says now: the LR
+        schedule's new total, continuous (LRCurve.retarget), and --epochs' windows."""
+        if self.plan.settled:
+            return
+        new = self.planner.reread_if_changed() if self.dp.is_main else None
+        got = self.dp.from_main([1, *new.ints()] if new is not None else [0, 0, 0, 0])
+        if not got[0]:
+            return
+        plan = new if new is not None else Plan.from_ints(got[1:])
+        cid, step, curve = self.cfg.consumer_id, self.sched.last_epoch, self.curve
+        if plan.max_windows is not None and self.max_windows is None:
+            stream.stop_at(plan.max_windows)
+            self.max_windows = plan.max_windows
+            log.info("%s: --epochs: reading windows [0, %d) (%s)", cid, plan.max_windows, plan.why)
+        if plan.total_steps is not None and (
+            plan.total_steps != curve.total or plan.settled != curve.settled
+        ):
+            curve.retarget(plan.total_steps, step, settled=plan.settled)
+            bar.set_total(plan.total_steps)
+            log.info("%s: lr schedule from step %d: %s (%s)", cid, step, curve.describe(), plan.why)
+        self.plan = plan
 
     def _progress_bar(self) -> ProgressBar:
         """On stderr, rank 0 only (--progress; default: when stderr is a terminal)."""
         show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
         return ProgressBar(
-            total=self.total_steps,
+            total=self.curve.total,
             initial=self.state["step"],
             desc=self.cfg.consumer_id,
             show=show and self.dp.is_main,
@@ -584,7 +710,8 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """scripts/train.py: `fanout train` with its own parser (torchrun starts this one)."""
-    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n")[0])
+    # `fanout train`'s name, so its errors read as the docs (and `fanout train`) print them
+    p = argparse.ArgumentParser(prog="fanout train", description=__doc__.split("\n")[0])
     add_log_level_flag(p, "info")
     add_arguments(p)
     args = p.parse_args(argv)
@@ -592,5 +719,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except FanoutError as e:
-        print(f"train: error: {e}", file=sys.stderr)
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 1

@@ -1,0 +1,157 @@
+"""How long a trainer's stream is: the steps its LR schedule decays over and the windows
+its `--epochs` come to, from the producer's `stream.json`, re-read while not known.
+
+    planner = StreamPlanner(Path("runs/r1"), rows_per_step=2, world=1, epochs=None,
+                            max_steps=None)
+    plan = planner.read()           # Plan(total_steps=460, settled=True, max_windows=None, ...)
+    if not plan.settled and (new := planner.reread_if_changed()) is not None: ...
+
+A finite stream's `stream.json` has its rows (`num_rows`) and windows from the start.
+An on-policy stream (`fanout produce --regenerate`) records them only once its last
+chunk is regenerated (the producer rewrites the file then, before any window of the
+next epoch); until then the total is estimated from the plan in its
+`dataset_summary` (planned records × rows per record regenerated so far) and
+`settled` is False. Re-reading costs one stat() per step until the plan is settled:
+the file is replaced whole (a rename), so a changed one has a new inode or mtime.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fanout.errors import ConfigError
+
+STREAM_INFO = "stream.json"  # written by fanout.produce.rundir.write_stream_info
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the trainer knows of its stream's length now."""
+
+    total_steps: int | None  # the schedule's total; None: not known
+    settled: bool  # final (the stream's rows are recorded, or there is nothing to learn)
+    max_windows: int | None  # --epochs' windows; None: to the stream's end, or not known yet
+    why: str = ""  # where total_steps came from, for the log
+
+    def ints(self) -> list[int]:
+        """The numbers rank 0 sends every data-parallel rank (-1: None)."""
+        none = -1
+        return [
+            none if self.total_steps is None else self.total_steps,
+            int(self.settled),
+            none if self.max_windows is None else self.max_windows,
+        ]
+
+    @classmethod
+    def from_ints(cls, v: list[int]) -> Plan:
+        return cls(v[0] if v[0] >= 0 else None, bool(v[1]), v[2] if v[2] >= 0 else None)
+
+
+def rank_steps(
+    stream_rows: int, window_rows: int, windows: int, world: int, rows_per_step: int
+) -> int:
+    """Optimizer steps one rank takes over the first `windows` windows of a stream of
+    `stream_rows` rows: each rank trains rows // world of every window
+    (fanout.train.consumer.row_order), a batch may span windows, and the last batch
+    may be partial."""
+    full = min(windows, stream_rows // window_rows)  # full windows read
+    rows = full * (window_rows // world)
+    if windows > full:  # the stream's last, shorter window
+        rows += (stream_rows - full * window_rows) // world
+    return -(-rows // rows_per_step)
+
+
+class StreamPlanner:
+    """Reads the stream's plan (`read`), and again when stream.json has changed."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        rows_per_step: int,
+        world: int,
+        epochs: float | None,
+        max_steps: int | None,
+    ) -> None:
+        self.path = run_dir / STREAM_INFO
+        self.rows_per_step, self.world = rows_per_step, world
+        self.epochs, self.max_steps = epochs, max_steps
+        self._seen: tuple[int, int, int] | None = None
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def reread_if_changed(self) -> Plan | None:
+        """The plan again if stream.json changed since the last read, else None."""
+        return self.read() if self._stat() != self._seen else None
+
+    def read(self) -> Plan:
+        self._seen = self._stat()
+        if self._seen is None:
+            if self.epochs is not None:
+                raise ConfigError(
+                    f"--epochs needs {self.path} (written by the producer); use --max-steps"
+                )
+            return self._capped(None, True, None, f"no {self.path}")
+        try:
+            info = json.loads(self.path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{self.path}: cannot read the stream's length: {e}") from None
+        return self.plan(info)
+
+    def plan(self, info: dict[str, Any]) -> Plan:
+        """The plan `info` (stream.json's contents) gives."""
+        r, n = int(info["window_rows"]), info.get("num_rows")
+        stream_epochs = int(info.get("epochs") or 1)
+        if n is not None:
+            return self._from_rows(int(n), r, stream_epochs, True, f"{n} rows in {self.path}")
+        est = estimated_rows(info.get("dataset_summary") or {})
+        if est is None:
+            why = f"{self.path} records no row count and no regeneration plan"
+            return self._capped(None, False, None, why)
+        rows, why = est
+        return self._from_rows(rows, r, stream_epochs, False, why)
+
+    def _from_rows(self, n: int, r: int, stream_epochs: int, settled: bool, why: str) -> Plan:
+        stream_rows = n * stream_epochs
+        windows = math.ceil(stream_rows / r)
+        max_windows = None
+        if self.epochs is not None:
+            want = max(1, math.ceil(self.epochs * n / r))
+            # an estimate of n cannot end the stream: the windows wait for the real count
+            max_windows = want if settled else None
+            windows = min(windows, want)
+            why += f", --epochs {self.epochs:g}"
+        steps = rank_steps(stream_rows, r, windows, self.world, self.rows_per_step)
+        return self._capped(steps or None, settled, max_windows, why)
+
+    def _capped(self, steps: int | None, settled: bool, max_windows: int | None, why: str) -> Plan:
+        """--max-steps caps the total (the trainer stops there); alone, it is the total."""
+        if self.max_steps is not None and (steps is None or self.max_steps < steps):
+            steps, why = self.max_steps, f"--max-steps {self.max_steps}"
+        return Plan(steps, settled, max_windows, why)
+
+
+def estimated_rows(summary: dict[str, Any]) -> tuple[int, str] | None:
+    """An on-policy stream's rows, estimated from its regeneration so far: planned
+    records × rows per record regenerated (or, from a producer that does not record the
+    planned records, × chunks planned / chunks done); None where nothing says."""
+    so_far = int(summary.get("rows_so_far") or 0)
+    planned, done = summary.get("planned_records"), int(summary.get("records") or 0)
+    if so_far and planned and done:
+        est = round(so_far * int(planned) / done)
+        return est, f"~{est} rows estimated from {so_far} rows of {done}/{planned} records"
+    chunks, chunks_done = summary.get("chunks"), int(summary.get("chunks_done") or 0)
+    if so_far and chunks and chunks_done:
+        est = round(so_far * int(chunks) / chunks_done)
+        return est, f"~{est} rows estimated from {so_far} rows of {chunks_done}/{chunks} chunks"
+    return None
