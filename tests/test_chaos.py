@@ -527,7 +527,7 @@ def test_changed_contract_is_refused(chaos_root: Path, assets_root: Path) -> Non
         "weights": ([*produce_argv(old, a, a.data, cache), "--verifier-name-or-path", str(other)], "verifier_weights_fingerprint"),
         "trainer": (["train", "--run-dir", str(old), "--consumer-id", "t", "--verifier-name-or-path", str(a.verifier),
                      "--target-layer-ids", "1", "3", "--save-path", str(work / "t"), "--acquire-timeout-s", "30"],
-                    "target_layer_ids"),
+                    "--draft-layer-ids"),  # the trainer's own flag (the old name is an alias)
     }  # fmt: skip
     for what, (argv, field) in refusals.items():
         log = work / f"refused-{what}.log"

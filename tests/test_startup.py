@@ -62,22 +62,22 @@ def test_wait_notice_shows_the_counted_time_and_says_when_a_wait_does_not_count(
     counts = [True]
     n = WaitNotice(600.0, every_s=5.0, clock=clock, write=said.append)
     n.begin(lambda: "window 3 from the producer", after_s=5.0, counts=lambda: counts[0])
-    for _ in range(10):  # 10 s on the producer: all counted
-        clock.t += 1.0
-        n.tick()
+
+    def wait(seconds: int) -> None:
+        for _ in range(seconds):
+            clock.t += 1.0
+            n.tick()
+
+    wait(10)  # 10 s on the producer: all counted
     assert said[-1] == "waiting for window 3 from the producer (10 s of 600 s; --acquire-timeout-s)"
     counts[0] = False  # now another consumer holds the producer at K: a line every 30 s
-    for _ in range(815):
-        clock.t += 1.0
-        n.tick()
+    wait(815)
     assert said[-1] == (
         "waiting for window 3 from the producer (825 s, 10 s of 600 s counted; a wait for "
         "another consumer does not count toward --acquire-timeout-s)"
     )
     counts[0] = True  # the producer again: 30 more counted seconds, then the next line
-    for _ in range(30):
-        clock.t += 1.0
-        n.tick()
+    wait(30)
     assert said[-1] == (
         "waiting for window 3 from the producer (40 s of 600 s counted toward "
         "--acquire-timeout-s; 855 s in all: a wait for another consumer does not count)"

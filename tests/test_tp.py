@@ -181,6 +181,8 @@ def test_refuses_what_cannot_work_before_loading(
     Qwen3Config(num_attention_heads=4, num_key_value_heads=1, head_dim=8).save_pretrained(kv1)
     gpt2 = tmp_path / "gpt2"
     GPT2Config(n_positions=512).save_pretrained(gpt2)
+    for d in (kv1, gpt2):  # weights present (never read): the shape checks come first
+        (d / "model.safetensors").write_bytes(b"")
     for ver, want in ((kv1, "num_key_value_heads = 1, not divisible by 2"), (gpt2, "no tensor")):
         cfg = _cfg(tiny, run, tp=2, verifier_name_or_path=str(ver))
         assert want in _refused(config_flags(cfg), capsys)
