@@ -19,3 +19,14 @@ Importing `fanout` is cheap (no torch).
 """
 
 __version__ = "0.1.0"
+
+
+def package_version(name: str) -> str | None:
+    """An installed distribution's version (package metadata), None when it is not
+    installed: the one lookup provenance (fanout.regen) and reports (fanout.bench) use."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None

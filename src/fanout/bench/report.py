@@ -18,10 +18,10 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 
+from fanout import package_version
 from fanout.bench.metrics import VALIDITY_RULES, BenchLike, RunLike, scenario_metrics
 from fanout.bench.plots import write_plots
 from fanout.errors import FanoutError
@@ -73,10 +73,7 @@ def hardware() -> dict[str, Any]:
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for pkg in ("fanout", "torch", "transformers", "safetensors", "numpy"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
+        out[pkg] = package_version(pkg) or "not installed"
     return out
 
 

@@ -164,23 +164,15 @@ def software() -> dict[str, Any]:
     """What wrote a record (each record's `fanout_regen.software`): fanout's version
     (package metadata) and git commit (`source_commit`), torch's and transformers'
     versions; None for what is not installed or not known."""
-    from importlib import metadata
-
     import fanout
-
-    def version(name: str) -> str | None:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
 
     commit, modified = source_commit(Path(fanout.__file__))  # the whole package's folder
     return {
-        "fanout": version("fanout"),
+        "fanout": fanout.package_version("fanout"),
         "fanout_commit": commit,
         "fanout_modified": modified,
-        "torch": version("torch"),
-        "transformers": version("transformers"),
+        "torch": fanout.package_version("torch"),
+        "transformers": fanout.package_version("transformers"),
     }
 
 
