@@ -56,9 +56,7 @@ import torch
 from fanout.bench.assets import write_jsonl
 from fanout.bench.bench import resolve_assets
 from fanout.bench.demo import demo_config, heldout_prompts
-from fanout.model.dflash import DFlashDraft, DraftRecipe
-from fanout.model.spec_decode import DecodeResult
-from fanout.train.eval import (
+from fanout.decode.eval import (
     EvalConfig,
     EvalSession,
     evaluate,
@@ -66,6 +64,9 @@ from fanout.train.eval import (
     table,
     tau_interval,
 )
+from fanout.decode.spec_decode import DecodeResult
+from fanout.model.dflash import DFlashDraft, DraftRecipe
+from fanout.model.draft_cache import IndependentSlots
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -374,7 +375,7 @@ def replayed_draft(store: dict[tuple, torch.Tensor], record: bool) -> Iterator[N
     """Within: the decoder's cached draft context records its block logits into `store`
     (`record`), or is replaced by one that returns them from `store` without running the
     draft (a draft that costs nothing; same tokens, as the logits are the same)."""
-    import fanout.model.spec_decode as sd
+    import fanout.families.base as sd
 
     saved = sd.DraftCache
 
@@ -387,7 +388,7 @@ def replayed_draft(store: dict[tuple, torch.Tensor], record: bool) -> Iterator[N
             store[key(self.draft, seq)] = out
             return out
 
-    class Replay:
+    class Replay(IndependentSlots):
         def __init__(self, draft: DFlashDraft) -> None:
             self.draft = draft
 
@@ -411,7 +412,7 @@ def replayed_draft(store: dict[tuple, torch.Tensor], record: bool) -> Iterator[N
 def timed_draft(clock: list[float]) -> Iterator[None]:
     """Within: the decoder's draft contexts add their `extend` + `logits` seconds to
     clock[0] (the decoder builds them by these names; restored on exit)."""
-    import fanout.model.spec_decode as sd
+    import fanout.families.base as sd
 
     def timed(cls: type) -> type:
         class Timed(cls):
@@ -455,14 +456,14 @@ def draft_step_ms(draft, hidden: int, lengths=(64, 320, 1024, 4096), reps: int =
     import statistics
     import time
 
-    from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+    from fanout.model.draft_cache import DraftCache, UncachedDraft
 
     out = {}
     width = len(draft.cfg.target_layer_ids) * hidden
     for p in lengths:
         ctx = torch.randn(p, width, dtype=draft.fc.weight.dtype, device=draft.fc.weight.device)
         seq = [1] * (p + 1)
-        modes: dict[str, DraftContext] = {
+        modes: dict[str, DraftCache | UncachedDraft] = {
             "cached": DraftCache(draft),
             "uncached": UncachedDraft(draft),
         }

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Train one DFlash draft as a consumer of a fanout run (same as `fanout train`).
+"""Train one draft of any family (--draft-family) as a consumer of a fanout run
+(same as `fanout train`).
 
     python scripts/train.py --run-dir runs/r1 --consumer-id draft-b8 \
         --verifier-name-or-path VERIFIER_DIR --block-size 8 --save-path runs/r1/drafts/b8

@@ -13,10 +13,16 @@ from safetensors import safe_open
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.errors import CheckpointError, ConfigError
+from fanout.families.serving import (
+    FORMAT_VERSION,
+    MARKER,
+    latest_checkpoint,
+    load_draft,
+    upgrade_checkpoint,
+)
 from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import ClippedAdamW, make_optimizer
-from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from fanout.train.serving import FORMAT_VERSION, MARKER, load_draft, upgrade_checkpoint
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from faults import Recording, after_rename, fail_each_call
 
 

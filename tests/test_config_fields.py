@@ -18,7 +18,7 @@ import json
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import Any, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -34,7 +34,10 @@ from fanout.coord.status import DetachConfig, RunDirOptions, StatusConfig, Sweep
 from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat
 from fanout.data.prepare import DataOptions, PrepareConfig
+from fanout.decode import eval as eval_mod
+from fanout.decode.eval import EvalConfig
 from fanout.errors import ConfigError
+from fanout.families.registry import FAMILIES
 from fanout.flags import (
     configure_logging,
     declared_in,
@@ -51,10 +54,8 @@ from fanout.produce.producer import ProducerConfig
 from fanout.regen import regenerate as regen_mod
 from fanout.regen.engine import RegenOptions
 from fanout.regen.regenerate import RegenerateConfig
-from fanout.train import eval as eval_mod
 from fanout.train import trainer as train_mod
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
-from fanout.train.eval import EvalConfig
 from fanout.train.trainer import TrainConfig
 
 COMMANDS: dict[str, tuple[ModuleType, type[BaseModel]]] = {
@@ -153,7 +154,12 @@ def _base(command: str, p: dict[str, str]) -> dict[str, Any]:
 
 
 # Fields that are valid only together with another one.
-COMPANIONS: dict[tuple[str, str], dict[str, str]] = {("train", "eval_every"): {"eval_data": "file"}}
+# Values: a key of the `paths` fixture, or a literal value.
+COMPANIONS: dict[tuple[str, str], dict[str, Any]] = {
+    ("train", "eval_every"): {"eval_data": "file"},
+    # a family's own options are valid only with that family chosen
+    **{("train", k): {"draft_family": f.name} for f in FAMILIES.values() for k in f.options()},
+}
 
 
 def _candidates(field: FieldInfo, p: dict[str, str]) -> list[Any]:
@@ -171,6 +177,10 @@ def _candidates(field: FieldInfo, p: dict[str, str]) -> list[Any]:
     if kind == "tuple":
         return [("q", "a"), ("user", "bot")]
     if kind == "list":
+        # a list of choices (--capture-for): its first choice, then all of them
+        items = [get_args(a) for t in types for a in get_args(t) if get_origin(a) is Literal]
+        if items:
+            return [[items[0][0]], list(items[0])]
         return [[p["file"]], [p["file"], p["file2"]], [3, 1], [2], ["all"], ["x", "y"]]
     if int in types:
         n = d if isinstance(d, int) else 0
@@ -238,7 +248,7 @@ def test_field_reachable_by_flag_and_config_file(
     model = COMMANDS[command][1]
     field = model.model_fields[name]
     base = _base(command, paths) | {
-        k: paths[v] for k, v in COMPANIONS.get((command, name), {}).items()
+        k: paths.get(v, v) for k, v in COMPANIONS.get((command, name), {}).items()
     }
     default = None if field.is_required() else field.get_default(call_default_factory=True)
     avoid = [base[name]] if name in base else [default]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fanout.bench.demo import DEMO_FAMILIES
 from fanout.cli import main as cli_main
 
 
@@ -16,16 +17,26 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "captured by one verifier pass each (captures/window 1.0)" in out
-    for draft in ("b4", "b8", "b16"):
+    for draft in DEMO_FAMILIES:
         assert f"\n{draft} " in out
     assert "disk: high-water" in out
     assert (tmp_path / "last" / "report.md").is_file()
     assert (tmp_path / "last" / "steps.png").is_file()
     assert (tmp_path / "last" / "curves.png").is_file()
-    # the closing eval: real speculative decoding of the three drafts, lossless
+    # the closing eval: real speculative decoding of one draft per family, lossless
     assert "lossless: every speculative output equals greedy" in out
     rep = json.loads((tmp_path / "last" / "eval.json").read_text())
-    assert rep["lossless"] and set(rep["drafts"]) == {"b4", "b8", "b16"}
+    assert rep["lossless"] and set(rep["drafts"]) == set(DEMO_FAMILIES)
+    assert {d["family"] for d in rep["drafts"].values()} == set(DEMO_FAMILIES)
+    assert set(rep["temperatures"]) == {"0.0", "1.0"}
+    # ranked side by side: every draft once, best τ at T = 0 first; tau.png beside it
+    rows = json.loads((tmp_path / "last" / "ranking.json").read_text())
+    taus = [r["tau"]["0.0"]["tau"] for r in rows]
+    assert sorted(r["draft"] for r in rows) == sorted(DEMO_FAMILIES) and taus == sorted(taus)[::-1]
+    assert all(r["parameters"] > 0 and r["checkpoint_bytes"] > 0 for r in rows)
+    assert (tmp_path / "last" / "tau.png").is_file()
+    assert "![tau.png](tau.png)" in (tmp_path / "last" / "report.md").read_text()
+    assert "the drafts ranked" in out
     assert all(d["train_eal"] is not None for d in rep["drafts"].values())
     # as many prompts as τ's interval needs: ±0.1 for every draft, or the cap spent
     prec = rep["precision"]

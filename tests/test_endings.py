@@ -35,8 +35,8 @@ from fanout.coord.coordinator import Coordinator
 from fanout.coord.status import format_table, snapshot
 from fanout.coord.waits import WaitState
 from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, Detached
+from fanout.families.serving import latest_checkpoint
 from fanout.produce.backpressure import BlockedNotice
-from fanout.train.checkpoint import latest_checkpoint
 from test_coordinator import new_run, produce
 from test_roles import ENV, Cli, _row, _status, wait_for
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config

@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.decode.eval import table, tau_interval
+from fanout.decode.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.errors import CheckpointError
 from fanout.model.dflash import DFlashConfig, DFlashDraft
-from fanout.model.draft_cache import DraftCache, UncachedDraft
+from fanout.model.draft_cache import DraftCache, IndependentSlots, UncachedDraft
 from fanout.model.sampling import Sampling
-from fanout.model.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
 from fanout.train.checkpoint import save_checkpoint
-from fanout.train.eval import table, tau_interval
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
 
 EOS = 255
@@ -50,7 +50,7 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class ScriptedDraft:
+class ScriptedDraft(IndependentSlots):
     """Proposes the verifier's own greedy continuation with slot `right + 1` wrong, so
     every verify step must accept exactly `right` drafts (fewer only near the end). It is
     its own draft context (`context=`): it records the context length at every block."""
@@ -355,7 +355,7 @@ def test_tau_half_width_decodes_until_every_interval_is_that_narrow(
     exactly, an interval of width 0)."""
     import random
 
-    from fanout.train.eval import EvalConfig, EvalSession, Job, load_drafts
+    from fanout.decode.eval import EvalConfig, EvalSession, Job, load_drafts
 
     def fake(self: EvalSession, job: Job, p: Any, drafts: dict) -> DecodeResult:
         name, t, rule = job
@@ -443,7 +443,7 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
-    from fanout.train.serving import load_draft
+    from fanout.families.serving import load_draft
 
     shallow = tiny_qwen3_verifier(tmp_path / "v2", 512, hidden_size=32, num_layers=2, head_dim=8)
     with pytest.raises(CheckpointError, match=r"decoder layers \[1, 2\]\) do not exist"):
@@ -453,8 +453,8 @@ def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> N
 def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
     import argparse
 
+    from fanout.decode.eval import EvalConfig, add_arguments
     from fanout.flags import flag_name, model_from_args
-    from fanout.train.eval import EvalConfig, add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -497,12 +497,12 @@ def test_tau_interval_by_hand() -> None:
 
 
 def test_speedup_beyond_tau_is_flagged() -> None:
-    from fanout.train.eval import _summary, table
+    from fanout.decode.eval import _summary, table
 
     greedy = [_result([], 10.0, bs=0)]
     greedy[0].tokens = list(range(9))  # 8 decoded tokens in 10 s
     fast = [_result([1, 1, 1, 1], 1.0)]  # τ 2, 8 tokens in 1 s: 10x "faster"
-    d = _summary({(0.0, "served"): fast}, greedy, None)
+    d = _summary({(0.0, "served"): fast}, greedy, None, "dflash")
     assert d["acceptance_length"] == 2.0 and d["speedup_vs_greedy"] == pytest.approx(10.0)
     assert d["speedup_exceeds_tau"] is True
     rep = {"drafts": {"b4": d}, "greedy_tokens_per_s": 0.8, "hardware": "cpu",
@@ -512,14 +512,14 @@ def test_speedup_beyond_tau_is_flagged() -> None:
     assert any("exceeds τ" in line for line in lines)
     assert "generated: mean 9.0 (9–9) new tokens per prompt (greedy; 1 of 1 stopped" in lines[-2]
     assert not any(line.startswith("verdict") for line in lines)  # one draft: nothing to compare
-    honest = _summary({(0.0, "served"): [_result([1, 1, 1, 1], 6.0)]}, greedy, None)
+    honest = _summary({(0.0, "served"): [_result([1, 1, 1, 1], 6.0)]}, greedy, None, "dflash")
     assert honest["speedup_exceeds_tau"] is False
 
 
 def test_tau_verdict_by_hand() -> None:
     """The verdict rule on hand-built intervals: apart (either order), overlapping,
     touching (counts as overlap), undefined; and one line per pair and temperature."""
-    from fanout.train.eval import tau_verdict, verdicts
+    from fanout.decode.eval import tau_verdict, verdicts
 
     def fig(tau: float, ci: list[float] | None) -> dict[str, Any]:
         return {"acceptance_length": tau, "acceptance_length_ci95": ci}

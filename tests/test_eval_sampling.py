@@ -24,9 +24,10 @@ import torch
 
 import fanout.model.sampling as sampling
 from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.decode.spec_decode import Decoder
 from fanout.model.dflash import DFlashConfig
+from fanout.model.draft_cache import IndependentSlots
 from fanout.model.sampling import Sampling, accept_or_resample, one_hot, probabilities
-from fanout.model.spec_decode import Decoder
 from fanout.model.verifier import load_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse)
 
@@ -126,7 +127,7 @@ def decoder(tmp_path_factory: pytest.TempPathFactory) -> Decoder:
     return Decoder(v, set())
 
 
-class EchoDraft:
+class EchoDraft(IndependentSlots):
     """A draft context whose q is the verifier's own next-token logits along its greedy
     chain, plus fixed noise: q overlaps p without equalling it, so rejection and
     multi-token acceptance both happen often. Only slots 1 and 2 can matter for three

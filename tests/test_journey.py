@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fanout.bench.assets import generate_corpus, write_jsonl
-from fanout.train.checkpoint import latest_checkpoint
+from fanout.families.serving import latest_checkpoint
 from test_endings import Procs, _alive, _summary
 from test_roles import ENV, _row, _status, wait_for
 from tiny_run import build_tiny_assets

@@ -32,14 +32,14 @@ from fanout.bench.report import eval_markdown
 from fanout.contract import ascending_layer_ids
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.status import snapshot
+from fanout.decode.eval import EvalConfig, EvalSession, evaluate
 from fanout.errors import CheckpointError
+from fanout.families.serving import latest_checkpoint, load_draft, read_config, upgrade_checkpoint
 from fanout.model.dflash import DFlashConfig, DFlashDraft
-from fanout.model.draft_cache import UncachedDraft
+from fanout.model.draft_cache import IndependentSlots, UncachedDraft
 from fanout.produce.producer import Producer
-from fanout.train.checkpoint import latest_checkpoint, load_checkpoint
+from fanout.train.checkpoint import load_checkpoint
 from fanout.train.consumer import ConsumerConfig
-from fanout.train.eval import EvalConfig, EvalSession, evaluate
-from fanout.train.serving import load_draft, read_config, upgrade_checkpoint
 from fanout.train.trainer import TrainConfig, Trainer
 from faults import after_rename, fail_each_call
 from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (autouse)
@@ -164,7 +164,7 @@ def _reference_decode(
     return tokens, accepted, proposals
 
 
-class RecordingContext:
+class RecordingContext(IndependentSlots):
     """The draft context `Decoder.speculative` feeds (its `context=` seam): records the
     verifier states it is given and the draft's proposals."""
 

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.families.serving import latest_checkpoint
 from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import ClippedAdamW
-from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.optim import (
     WARMUP_STEPS_WITHOUT_TOTAL,
     LRCurve,
@@ -204,7 +205,8 @@ import sys, torch
 import fanout.train.trainer
 from fanout.model.dflash import DFlashDraft
 from fanout.train.optim import build_optimizer
-from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.families.serving import latest_checkpoint
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 d = DFlashDraft.from_verifier({str(vdir)!r}, block_size=4, max_anchors=8, target_layer_ids=[0, 1])
 opt, _, sched = build_optimizer(d.parameters(), lr=1e-3, weight_decay=0.0, backend="auto",
     max_grad_norm=1.0, warmup_ratio=0.1, scheduler_type="cosine", total_steps=10)

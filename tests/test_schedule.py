@@ -27,8 +27,8 @@ from fanout.contract import LayersNotCaptured
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.reads import consumer_states
 from fanout.errors import TrainerStopped
+from fanout.families.serving import latest_checkpoint
 from fanout.produce.producer import Producer
-from fanout.train.checkpoint import latest_checkpoint
 from fanout.train.consumer import ConsumerConfig, ConsumerStream
 from fanout.train.plan import StreamPlanner
 from fanout.train.trainer import NO_TOKEN_STEPS, TrainConfig, Trainer

@@ -29,10 +29,10 @@ import torch
 
 from fanout.bench.assets import generate_corpus
 from fanout.errors import ConfigError
+from fanout.families.serving import latest_checkpoint
 from fanout.flags import flag_name
 from fanout.produce.producer import Producer, ProducerConfig
 from fanout.store.store import RunDir
-from fanout.train.checkpoint import latest_checkpoint
 from fanout.train.trainer import TrainConfig, Trainer
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
@@ -136,7 +136,7 @@ def test_loss_decreases_and_eal_rises(run: Run) -> None:
     assert spec["fanout"]["train_eal"] == pytest.approx(_mean(log[-50:], "eal"), abs=1e-3)
     # serve it: real speculative decoding on held-out prompts from the checkpoint alone
     from fanout.bench.assets import write_jsonl
-    from fanout.train.eval import EvalConfig, evaluate
+    from fanout.decode.eval import EvalConfig, evaluate
 
     held = write_jsonl(run.root / "held.jsonl", repetitive_corpus(6, seed=77))
     rep = evaluate(

@@ -11,7 +11,7 @@
 # producer benchmark at the README's size (H 1024 × 24 layers, vocab 151,669,
 # T 2048, R 8) over 16 and 48 windows, one profiled producer run, the same at
 # --tp 2 under torchrun when the device has two GPUs or more, and `fanout eval`
-# in bf16 of the demo's three trained drafts (prepare trains them if runs/demo has none),
+# in bf16 of the demo's trained drafts (one per family) (prepare trains them if runs/demo has none),
 # greedy and at T = 1, and the draft cache against the uncached loop and a free draft
 # at a 1.5k-token context.
 set -uo pipefail
@@ -36,7 +36,7 @@ if [ "$mode" = prepare ]; then
   cp -r ../shared/data/tokenizers/qwen3 .benchdata/tokenizer
   cp ../shared/data/chat/fastchat/dummy_conversation.json .benchdata/chat.json
   # trained demo drafts + their tiny assets for the bf16 `fanout eval` check (a few MB)
-  if ! ls runs/demo/last/1p3c/drafts/b16/checkpoint-*/COMMITTED >/dev/null 2>&1; then
+  if ! ls runs/demo/last/1p3c/drafts/dspark/checkpoint-*/COMMITTED >/dev/null 2>&1; then
     "$py" -m fanout.cli demo --minutes 1 --run-dir runs/demo >/dev/null
   fi
   rm -rf .benchdata/demo && mkdir -p .benchdata/demo/last/1p3c

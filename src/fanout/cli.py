@@ -51,7 +51,7 @@ _register(
 _register(
     "produce", "fanout.produce.producer", "run the verifier over packed rows and publish windows"
 )
-_register("train", "fanout.train.trainer", "train one DFlash draft as a consumer of a run")
+_register("train", "fanout.train.trainer", "train one draft (any family) as a consumer of a run")
 _register("prepare", "fanout.data.prepare", "chat data → packed, loss-masked token rows (cached)")
 _register(
     "regenerate",
@@ -60,12 +60,12 @@ _register(
 )
 _register(
     "eval",
-    "fanout.train.eval",
+    "fanout.decode.eval",
     "speculative decoding with trained drafts: lossless check, τ, speedup",
 )
 _register(
     "upgrade-checkpoint",
-    "fanout.train.serving",
+    "fanout.families.serving",
     "rewrite draft checkpoints this fanout refuses: format 1 -> 2, unsorted layers -> "
     "ascending (fc columns permuted)",
 )

@@ -25,6 +25,7 @@ from pydantic.fields import FieldInfo
 
 from fanout.coord.postgresdb import is_url
 from fanout.errors import ConfigError
+from fanout.families.registry import FamilyName
 from fanout.model.verifier import DTypeName
 from fanout.produce.producer import ProducerConfig
 from fanout.train.trainer import TrainConfig
@@ -83,6 +84,7 @@ class ProducerSpec(BaseModel):
     )
     epochs: int = _field(ProducerConfig, "epochs", 1)
     num_draft_layers: int | None = _field(ProducerConfig, "num_draft_layers", 1)
+    capture_for: list[FamilyName] | None = _field(ProducerConfig, "capture_for", None)
     capture_batch_rows: int = _field(ProducerConfig, "capture_batch_rows", 4)
     # The verifier's device in 1p1c and 1p3c (unshared: BenchConfig.unshared_producer_devices).
     device: str = _field(ProducerConfig, "device", "cpu")
@@ -101,6 +103,7 @@ class ConsumerSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str = Field(pattern=r"^[A-Za-z0-9_.-]+$", description="consumer id (also a file name)")
+    draft_family: FamilyName = _field(TrainConfig, "draft_family", "dflash")
     block_size: int = _field(TrainConfig, "block_size", 8)
     max_anchors: int = _field(TrainConfig, "max_anchors", 16)
     lr: float = _field(TrainConfig, "lr", 3e-4)

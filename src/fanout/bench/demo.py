@@ -1,4 +1,4 @@
-"""`fanout demo`: one producer, three DFlash drafts, a few minutes on CPU, a short report.
+"""`fanout demo`: one producer, one draft of each family, a few minutes on CPU, ranked.
 
     ./dev.sh demo                                   # = fanout demo (defaults: 2 min, runs/demo)
     fanout demo --minutes 1 --run-dir /tmp/demo
@@ -6,17 +6,19 @@
 Needs nothing but Python and this repo: it builds its own tiny assets (a BPE
 tokenizer, a briefly trained tiny Qwen3 verifier, a generated chat corpus; cached
 under `<run-dir>/assets`, so the second run starts at once), then runs the `1p3c`
-scenario of the benchmark harness (fanout.bench.bench) with block sizes 4 / 8 / 16 for
-`--minutes` on-policy (the producer runs with `--regenerate`: the verifier rewrites
+scenario of the benchmark harness (fanout.bench.bench) with one block-8 draft of each
+family (DFlash, DFlash2, DSpark: `DEMO_FAMILIES`) on the one stream for `--minutes`
+on-policy (the producer runs with `--regenerate`: the verifier rewrites
 the corpus's answers chunk by chunk and the drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
 acceptance length (first → last), windows captured once and read three times, the
 disk high-water mark against what storing every window would take, and where the
-full report and plots are. It ends with `fanout eval` of the three drafts on 640 or
-more held-out prompts (conversations the stream never trained on; more, up to 2,560,
-until every draft's τ interval is ±0.1): real speculative
-decoding, checked lossless against plain greedy, with the acceptance length τ printed
-beside each draft's train-time EAL; report.md gets the same table (τ, train EAL,
-per-position acceptance) next to curves.png.
+full report and plots are. It ends with `fanout eval` of the drafts at T = 0 and
+T = 1 on 640 or more held-out prompts (conversations the stream never trained on;
+more, up to 2,560, until every draft's τ interval is ±0.1): real speculative decoding,
+checked lossless against plain greedy, and the drafts ranked (fanout.bench.ranking: τ
+with its interval at each temperature, train-time EAL, step time, parameters,
+checkpoint size; tau.png); report.md gets the T = 0 table (τ, train EAL, per-position
+acceptance) next to curves.png.
 
 Its flags are generated from DemoConfig (fanout.flags); `--config FILE` takes the
 same fields as JSON, flags win.
@@ -50,6 +52,9 @@ HELDOUT_SEED = 10_007
 DEMO_EVAL_PROMPTS = 640
 DEMO_EVAL_MAX_PROMPTS = 2560
 DEMO_TAU_HALF_WIDTH = 0.1
+# one draft of each family on the one stream (captured for all of them: --capture-for)
+DEMO_FAMILIES = ("dflash", "dflash2", "dspark")
+DEMO_TEMPERATURES = [0.0, 1.0]
 
 
 class DemoConfig(BaseModel):
@@ -69,8 +74,9 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
     return BenchConfig(
         name="demo",
         description=(
-            "fanout demo: one producer (tiny trained Qwen3 verifier) feeding three DFlash "
-            "drafts (block sizes 4, 8, 16) through one shared, bounded window stream on CPU."
+            "fanout demo: one producer (tiny trained Qwen3 verifier) feeding one block-8 draft "
+            f"of each family ({', '.join(DEMO_FAMILIES)}) through one shared, bounded window "
+            "stream on CPU."
         ),
         assets=AssetsSpec(cache_dir=str(run_dir / "assets"), use_demo_verifier=True),
         # On-policy (issue #21): the producer regenerates the corpus's assistant turns with
@@ -82,11 +88,12 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
             max_live_windows=4,
             epochs=50,
             num_draft_layers=1,
+            capture_for=list(DEMO_FAMILIES),
             extra_args=["--regenerate", "--turns", "all", "--max-new-tokens", "64"],
         ),
         consumers=[
-            ConsumerSpec(id=f"b{b}", block_size=b, max_anchors=16, lr=2e-3, seed=i)
-            for i, b in enumerate((4, 8, 16))
+            ConsumerSpec(id=f, draft_family=f, block_size=8, max_anchors=16, lr=2e-3, seed=i)
+            for i, f in enumerate(DEMO_FAMILIES)
         ],
         scenarios=["1p3c"],
         warmup_steps=2,
@@ -108,17 +115,18 @@ def _ends(path: Path, key: str) -> tuple[float | None, float | None, int]:
 def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
     sc = rep["scenarios"]["1p3c"]
     lines = [f"fanout demo: {'valid' if rep['valid'] else 'INVALID'} run, {sc['wall_s']:.0f} s"]
-    lines.append(f"{'draft':<6} {'steps':>6} {'loss first → last':>20} {'EAL first → last':>20}")
+    w = max([6, *map(len, sc["consumers"])])
+    lines.append(f"{'draft':<{w}} {'steps':>6} {'loss first → last':>20} {'EAL first → last':>20}")
     rose = []
     for cid in sc["consumers"]:
         log = out / "1p3c" / "drafts" / cid / "train_log.jsonl"
         l0, l1, n = _ends(log, "loss")
         e0, e1, _ = _ends(log, "eal")
         if e0 is None or e1 is None or l0 is None or l1 is None:
-            lines.append(f"{cid:<6} {n:>6}  (no steps logged)")
+            lines.append(f"{cid:<{w}} {n:>6}  (no steps logged)")
             continue
         rose.append(e1 > e0)
-        lines.append(f"{cid:<6} {n:>6} {l0:>9.3f} → {l1:<8.3f} {e0:>9.2f} → {e1:<8.2f}")
+        lines.append(f"{cid:<{w}} {n:>6} {l0:>9.3f} → {l1:<8.3f} {e0:>9.2f} → {e1:<8.2f}")
     if rose and not all(rose):
         lines.append("warning: EAL did not rise for every draft (run longer: --minutes)")
     p: dict[str, Any] = next(iter(sc["producers"].values()), {})
@@ -166,10 +174,11 @@ def heldout_prompts(train_data: list[str], out: Path, n: int = 8) -> Path:
 
 
 def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
-    """`fanout eval` of the three drafts on held-out prompts: τ beside train-time EAL."""
+    """`fanout eval` of the drafts on held-out prompts at T = 0 and T = 1, ranked."""
     from fanout.bench.bench import resolve_assets
+    from fanout.bench.ranking import plot_tau, rank_drafts, ranking_lines
     from fanout.bench.report import add_eval
-    from fanout.train.eval import EvalConfig, evaluate, table
+    from fanout.decode.eval import EvalConfig, evaluate, resolve_draft_dir, table
 
     assets = resolve_assets(cfg.assets, out)  # cached: returns at once
     drafts = [out / "1p3c" / "drafts" / c.id for c in cfg.consumers]
@@ -183,6 +192,10 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
         tau_half_width=DEMO_TAU_HALF_WIDTH,
         max_prompts=DEMO_EVAL_MAX_PROMPTS,
         max_new_tokens=128,
+        temperature=DEMO_TEMPERATURES,
+        # the served rule only: what the ranking compares (the sampled-draft rule would
+        # add a third decode per draft and prompt)
+        sampled_draft=False,
         json_out=str(out / "eval.json"),
     )
     # a second thread gains nothing idle (13.0–13.7 vs 12.5 s for 64 prompts)
@@ -190,9 +203,25 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
         rep = evaluate(ecfg, echo=lambda s: None)
     (out / "eval.json").write_text(json.dumps(rep, indent=2) + "\n")
     add_eval(out, rep)  # report.md: the τ table beside curves.png
+    drafts_dir = out / "1p3c" / "drafts"
+    rows = rank_drafts(
+        rep,
+        {n: resolve_draft_dir(str(drafts_dir / n)) for n in rep["drafts"]},
+        {n: drafts_dir / n / "train_log.jsonl" for n in rep["drafts"]},
+    )
+    (out / "ranking.json").write_text(json.dumps(rows, indent=2) + "\n")
+    plot = plot_tau(rows, out / "tau.png")
+    with (out / "report.md").open("a") as md:  # the ranking beside the eval's table
+        md.write(
+            "\n## The families ranked (one stream, one verifier pass)\n\n```\n"
+            + "\n".join(ranking_lines(rows))
+            + f"\n```\n\n![{plot.name}]({plot.name})\n"
+        )
     return ["", f"speculative decoding on {rep['prompts']} held-out prompts (fanout eval; τ = tokens per "
             "verifier forward, train EAL = the checkpoint's train-time estimate):",
-            *table(rep), f"eval report: {out / 'eval.json'}"]  # fmt: skip
+            *table(rep), "", "the drafts ranked (one stream, one verifier pass; best τ at T = 0 first):",
+            *ranking_lines(rows), f"eval report: {out / 'eval.json'}  ranking: "
+            f"{out / 'ranking.json'}  plot: {plot}"]  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "demo") -> None:
@@ -216,7 +245,8 @@ def run_demo(dcfg: DemoConfig) -> int:
     cfg = demo_config(root, dcfg.minutes)
     t0 = time.monotonic()
     print(f"fanout demo: building/caching assets under {root / 'assets'}, then "
-          f"{dcfg.minutes:g} min of 1 producer → 3 drafts …", flush=True)  # fmt: skip
+          f"{dcfg.minutes:g} min of 1 producer → {len(cfg.consumers)} drafts "
+          f"({', '.join(c.draft_family for c in cfg.consumers)}) …", flush=True)  # fmt: skip
     rep = run_bench(cfg, out, stop_after_s=dcfg.minutes * 60, echo=lambda s: print(s, flush=True))
     print("\n".join(summary_lines(rep, out)))
     if rep["valid"]:

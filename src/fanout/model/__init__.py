@@ -4,9 +4,11 @@
 
 Owns: loading and running the verifier with hidden-state capture (verifier), the
 DFlash draft and its loss (dflash), the verifier directory's config and tensors read
-without loading the model (verifier_dir), anchor sampling (anchors), greedy / sampled /
-speculative decoding with a KV cache (spec_decode), the draft's cached context at
-inference (draft_cache), and the rejection-sampling rules at T > 0 (sampling).
+without loading the model (verifier_dir), anchor sampling (anchors), the DFlash backbone's cached context at inference
+(draft_cache; every DFlash-family drafting step builds on it), and the
+rejection-sampling rules at T > 0 (sampling; regeneration samples with them too).
+The serving loop is fanout.decode's; the families built on this backbone are
+fanout.families'.
 
 May import: ops and the core.
 """

@@ -36,9 +36,10 @@ is supervised — the empirical form of `1 + sum_k prod_{j<=k} acc_j`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +167,8 @@ class LossOutput:
     eal: torch.Tensor  # [] expected acceptance length (see module docstring)
     n_tokens: int  # supervised slots in the loss
     n_blocks: int  # valid anchors (blocks) drawn
+    # a family's own metrics beside these (e.g. DFlash2's selector loss), logged as given
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -259,7 +262,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope_q: Any, rope_k: Any, mask: Any):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        return self.residual(x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask))
+
+    def residual(
+        self, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The layer on block states `x` `[B, Q, H]` with `attention` (normed block states
+        -> attention output) supplied by the caller: the training forward attends over
+        the whole row, the inference cache over its cached context. A family whose layer
+        wraps attention or MLP (DFlash2's convolutions) overrides this one method."""
+        x = x + attention(self.input_layernorm(x))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -268,6 +280,8 @@ class DFlashDraft(nn.Module):
     `state_dict`): `embed_weight` [V, H], `lm_head_weight` [V or draft V, H],
     `verifier_norm_weight` [H], and for a draft vocabulary `d2t`/`t2d`/`t2d_index`."""
 
+    # the config a family's draft is built from (a family subclass names its own)
+    config_class: ClassVar[type[DFlashConfig]] = DFlashConfig
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
     verifier_norm_weight: torch.Tensor
@@ -292,7 +306,7 @@ class DFlashDraft(nn.Module):
             )
         self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.rope = Rope(cfg.head_dim, cfg.rope_theta)
         self.reset_parameters()
@@ -325,6 +339,10 @@ class DFlashDraft(nn.Module):
             head = head[ids]
         self.register_buffer("lm_head_weight", head, persistent=False)
 
+    def make_layer(self, cfg: DFlashConfig, index: int) -> nn.Module:
+        """One draft decoder layer (a family whose layers differ overrides this)."""
+        return DecoderLayer(cfg)
+
     def reset_parameters(self, std: float = 0.02) -> None:
         """HF-style init: normal(0, std) linears, unit norms."""
         for m in self.modules():
@@ -344,7 +362,7 @@ class DFlashDraft(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         **overrides: Any,
-    ) -> DFlashDraft:
+    ) -> Self:
         """Build a draft from a local HF verifier: shapes from its `config.json`, and only
         `embed_tokens`, `lm_head` (or the tied embedding) and the final norm read from its
         safetensors (`safe_open`, one tensor at a time). `overrides` are DFlashConfig fields
@@ -360,9 +378,11 @@ class DFlashDraft(nn.Module):
         fields.setdefault("mask_token_id", vcfg["vocab_size"] - 1)
         fields.pop("_num_hidden_layers")
         try:
-            cfg = DFlashConfig(**fields)
+            cfg = cls.config_class(**fields)
         except ValueError as e:
-            raise ConfigError(f"DFlash config from {vdir / 'config.json'} + overrides: {e}") from e
+            raise ConfigError(
+                f"{cls.config_class.__name__} from {vdir / 'config.json'} + overrides: {e}"
+            ) from e
         return cls.with_verifier_tensors(cfg, vdir, draft_vocab_ids, dtype, device=device)
 
     @classmethod
@@ -374,7 +394,7 @@ class DFlashDraft(nn.Module):
         dtype: torch.dtype = torch.float32,
         *,
         device: str | torch.device = "cpu",
-    ) -> DFlashDraft:
+    ) -> Self:
         """A draft of shape `cfg` (freshly initialised weights, drawn on the CPU) with the
         verifier's frozen embedding, `lm_head` (or the tied embedding) and final norm, on
         `device` in `dtype`. The verifier's tensors move to `device` as stored (bf16 for

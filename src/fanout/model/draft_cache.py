@@ -4,6 +4,7 @@
     ctx = DraftCache(draft)            # or UncachedDraft(draft): the slow reference
     ctx.extend(hidden)                 # [n, k·H] verifier states of the next n positions
     logits = ctx.logits(seq)           # [bs-1, V] verifier-vocab logits after seq[-1]
+    tokens, rows = ctx.propose(seq, choose)  # the drafting step the decoder calls
 
 The draft's context at position t is `hidden_norm(fc(h_t))` injected as keys/values into
 every layer through that layer's k/v projections, k-norm and RoPE at position t. None of
@@ -21,7 +22,9 @@ vocabulary is scattered back to verifier ids, -inf elsewhere: probability 0 ther
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +37,34 @@ def _layers(draft: DFlashDraft) -> list[DecoderLayer]:
 
 
 class DraftContext(Protocol):
-    """What the decoder needs of a draft: grow the context, propose a block's logits."""
+    """What the decoder needs of a draft: grow the context, propose a block.
+
+    `propose(seq, choose)` drafts the tokens after `seq[-1]` (the anchor, at position
+    len(seq) - 1): `choose` turns one row of verifier-vocab logits `[V]` into a token
+    (the argmax, or a draw at T > 0), and the rows are asked for in order, so a family
+    whose later slots depend on the earlier choices (DFlash2's selector, DSpark's
+    Markov head) conditions on the tokens `choose` returned. Returns the tokens and the
+    logits rows `[k, V]` they were chosen from."""
 
     def extend(self, hidden: torch.Tensor) -> None: ...
 
-    def logits(self, seq: list[int]) -> torch.Tensor: ...
+    def propose(
+        self, seq: list[int], choose: Callable[[torch.Tensor], int]
+    ) -> tuple[list[int], torch.Tensor]: ...
+
+
+class IndependentSlots:
+    """DFlash's drafting step: one forward fixes every slot's logits (`logits(seq)`,
+    `[k, V]`); each slot's token is chosen from its own row."""
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def propose(
+        self, seq: list[int], choose: Callable[[torch.Tensor], int]
+    ) -> tuple[list[int], torch.Tensor]:
+        rows = self.logits(seq)
+        return [choose(row) for row in rows], rows
 
 
 def head_logits(draft: DFlashDraft, hid: torch.Tensor) -> torch.Tensor:
@@ -52,7 +78,7 @@ def head_logits(draft: DFlashDraft, hid: torch.Tensor) -> torch.Tensor:
     return full
 
 
-class UncachedDraft:
+class UncachedDraft(IndependentSlots):
     """The reference: the whole context re-projected for every block (`block_hidden`)."""
 
     def __init__(self, draft: DFlashDraft) -> None:
@@ -63,7 +89,8 @@ class UncachedDraft:
         self.ctx.append(hidden.to(self.draft.fc.weight.dtype))
 
     @torch.no_grad()
-    def logits(self, seq: list[int]) -> torch.Tensor:
+    def block_states(self, seq: list[int]) -> torch.Tensor:
+        """Final-norm states of every slot of the block anchored at `seq[-1]` `[bs, H]`."""
         context = torch.cat(self.ctx)  # [p, k·H]
         p = context.shape[0]
         assert p == len(seq) - 1, (p, len(seq))  # the anchor seq[-1] sits at position p
@@ -79,11 +106,14 @@ class UncachedDraft:
         }
         anchors = torch.tensor([[p]], device=dev)  # [1, 1]
         valid = torch.ones(1, 1, dtype=torch.bool, device=dev)
-        hid = self.draft.block_hidden(batch, anchors, valid)[0, 0, 1:]  # [bs-1, H]
-        return head_logits(self.draft, hid)
+        return self.draft.block_hidden(batch, anchors, valid)[0, 0]  # [bs, H]
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        """Verifier-vocab logits of slots 1..bs-1 `[bs-1, V]` (DFlash's proposal)."""
+        return head_logits(self.draft, self.block_states(seq)[1:])
 
 
-class DraftCache:
+class DraftCache(IndependentSlots):
     """Per-layer context keys/values in preallocated buffers `[1, nkv, capacity, hd]`,
     written as positions are accepted.
 
@@ -134,9 +164,10 @@ class DraftCache:
         self.length += n
 
     @torch.no_grad()
-    def logits(self, seq: list[int]) -> torch.Tensor:
-        """The block `[seq[-1], MASK × (bs-1)]` at positions p.., p = len(seq) - 1: it sees
-        every cached context position (all < p) and its own block (no mask needed)."""
+    def block_states(self, seq: list[int]) -> torch.Tensor:
+        """Final-norm states `[bs, H]` of the block `[seq[-1], MASK × (bs-1)]` at
+        positions p.., p = len(seq) - 1: it sees every cached context position (all < p)
+        and its own block (no mask needed)."""
         d, bs = self.draft, self.draft.cfg.block_size
         p = len(seq) - 1
         assert p == self.length, (p, self.length)
@@ -148,15 +179,21 @@ class DraftCache:
         rope = d.rope(torch.arange(p, p + bs, device=dev)[None], dt)  # [1, bs, hd] x2
         self._reserve(p + bs)
         for i, layer in enumerate(_layers(d)):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            kb, vb = a.kv(h, rope)  # [1, nkv, bs, hd]
-            self.k[i][:, :, p : p + bs] = kb  # scratch rows past the context
-            self.v[i][:, :, p : p + bs] = vb
-            k, v = self.k[i][:, :, : p + bs], self.v[i][:, :, : p + bs]  # [1, nkv, p+bs, hd]
-            x = x + a.attend(h, k, v, rope, None)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return head_logits(d, d.norm(x)[0, 1:])  # [bs-1, V]
+            x = layer.residual(x, functools.partial(self._attend, i, layer.self_attn, p, rope))
+        return d.norm(x)[0]  # [bs, H]
+
+    def _attend(self, i: int, a: Any, p: int, rope: Any, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention of the normed block `h` `[1, bs, H]` over the cache."""
+        bs = h.shape[1]
+        kb, vb = a.kv(h, rope)  # [1, nkv, bs, hd]
+        self.k[i][:, :, p : p + bs] = kb  # scratch rows past the context
+        self.v[i][:, :, p : p + bs] = vb
+        k, v = self.k[i][:, :, : p + bs], self.v[i][:, :, : p + bs]  # [1, nkv, p+bs, hd]
+        return cast("torch.Tensor", a.attend(h, k, v, rope, None))
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        """Verifier-vocab logits of slots 1..bs-1 `[bs-1, V]` (DFlash's proposal)."""
+        return head_logits(self.draft, self.block_states(seq)[1:])
 
 
-__all__ = ["DraftCache", "DraftContext", "UncachedDraft", "head_logits"]
+__all__ = ["DraftCache", "DraftContext", "IndependentSlots", "UncachedDraft", "head_logits"]

@@ -5,7 +5,7 @@ its HF `config.json` and named tensors from its (possibly sharded) safetensors f
 
 The draft takes its shapes and its frozen embedding / head / norm from here
 (fanout.model.dflash.DFlashDraft.from_verifier); `fanout eval` and `load_draft` read
-the config the same way (fanout.train.serving).
+the config the same way (fanout.families.serving).
 """
 
 from __future__ import annotations

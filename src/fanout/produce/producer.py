@@ -55,6 +55,7 @@ from fanout.model.verifier import Verifier, VerifierOptions
 from fanout.ops.fp8 import FP8
 from fanout.produce.backpressure import BlockedNotice
 from fanout.produce.capture import WindowCapturer
+from fanout.produce.capture_for import CaptureForOptions, capture_fields
 from fanout.produce.onpolicy import OPEN, OnPolicyOptions, OnPolicyStream
 from fanout.produce.publisher import Publisher
 from fanout.produce.rundir import (
@@ -80,6 +81,7 @@ class ProducerConfig(
     DataOptions,
     VerifierOptions,
     CaptureLayers,
+    CaptureForOptions,
     RunOptions,
     RegenOptions,
     OnPolicyOptions,
@@ -90,7 +92,8 @@ class ProducerConfig(
     Composed, not copied: the chat format and data-stage fields are DataOptions'
     (fanout.data.prepare), how the verifier runs is VerifierOptions'
     (fanout.model.verifier), which layers it captures CaptureLayers'
-    (fanout.model.capture_layers), how the run shares windows is RunOptions'
+    (fanout.model.capture_layers) and CaptureForOptions' (the families it is for,
+    fanout.produce.capture_for), how the run shares windows is RunOptions'
     (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy);
     each is declared once there. These are the producer's own.
     """
@@ -266,9 +269,9 @@ class Producer:
     def __init__(
         self, cfg: ProducerConfig, *, fs: FileSystem | None = None, tp: Leader | None = None
     ) -> None:
-        self.cfg = cfg
-        self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp)
         check_inputs(cfg)
+        self.cfg = cfg = for_families(cfg)
+        self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp)
         # One start at a time per run dir, up to its registration (fanout.produce.rundir):
         # RoleHeld naming the producer starting there now (--takeover: wait for it).
         self._start_lock = take_start_lock(Path(cfg.run_dir), cfg.db_path, cfg.takeover)
@@ -602,6 +605,15 @@ def config_from_args(args: argparse.Namespace) -> ProducerConfig:
     return model_from_args(ProducerConfig, args)
 
 
+def for_families(cfg: ProducerConfig) -> ProducerConfig:
+    """`cfg` with the capture its `--capture-for` asks for (fanout.produce.capture_for),
+    once its inputs are checked (it reads the verifier's config.json)."""
+    if not cfg.capture_for:
+        return cfg
+    check_inputs(cfg)
+    return cfg.model_copy(update=capture_fields(cfg))
+
+
 def run(args: argparse.Namespace, name: str = "produce") -> int:
     cfg = config_from_args(args)
 
@@ -612,6 +624,7 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
 
     signal.signal(signal.SIGINT, early_exit)
     signal.signal(signal.SIGTERM, early_exit)
+    cfg = for_families(cfg)  # every TP rank loads the layers it names
     if cfg.tp > 1:  # every rank loads its shard; rank 0 produces, the others follow it
         from fanout.model.verifier import load_verifier
         from fanout.produce.tp import run_tensor_parallel

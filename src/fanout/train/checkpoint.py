@@ -1,9 +1,10 @@
 """Draft checkpoints: speculators DFlash format for serving + exact-resume state beside it.
 
 The serving half (config layout, layer numbering, format check, `load_draft`) is
-fanout.train.serving; this module writes, prunes and resumes checkpoints.
+fanout.families.serving; this module writes, prunes and resumes checkpoints.
 
-    from fanout.train.checkpoint import save_checkpoint, latest_checkpoint, load_checkpoint
+    from fanout.train.checkpoint import save_checkpoint, load_checkpoint
+    from fanout.families.serving import latest_checkpoint
     save_checkpoint("out/draft", draft, opt, {"step": 100, "epoch": 0, "cursor": 7},
                     generators={"anchors": gen})
     path = latest_checkpoint("out/draft")            # newest committed one, or None
@@ -46,12 +47,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fanout.coord.liveness import pid_gone
-from fanout.errors import ConfigError
+from fanout.errors import CheckpointError, ConfigError
+from fanout.families.registry import family_of
+from fanout.families.serving import (
+    MARKER,
+    PREFIX,
+    checkpoint_family,
+    committed_checkpoints,
+    json_bytes,
+    read_config,
+    speculators_config,
+)
 from fanout.filesystem import FileSystem
 from fanout.model.dflash import DFlashDraft
-from fanout.train.serving import MARKER, json_bytes, read_config, speculators_config
-
-PREFIX = "checkpoint-"
 
 
 class Optimizer(Protocol):
@@ -185,13 +193,8 @@ def _write_files(
     fs.write_new(tmp / "training_state.json", json_bytes(training_state))
 
 
-def _committed(root: Path) -> list[Path]:
-    found = [p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
 def _prune(root: Path, keep: int) -> None:
-    done = _committed(root)
+    done = committed_checkpoints(root)
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     newest = done[-1].name if done else ""
@@ -214,15 +217,6 @@ def _writer_gone(name: str) -> bool:
     return int(pid) != os.getpid() and pid_gone(int(pid))
 
 
-def latest_checkpoint(save_dir: str | Path) -> Path | None:
-    """The newest committed checkpoint directory under `save_dir`, or None."""
-    root = Path(save_dir)
-    if not root.is_dir():
-        return None
-    done = _committed(root)
-    return done[-1] if done else None
-
-
 def load_checkpoint(
     path: str | Path,
     draft: DFlashDraft,
@@ -236,6 +230,13 @@ def load_checkpoint(
     the fields)."""
     p = Path(path)
     cfg = read_config(p)
+    theirs, ours = checkpoint_family(p, cfg), family_of(draft)
+    if theirs is not ours:
+        raise CheckpointError(
+            f"{p}: a {theirs.name} draft's checkpoint; this trainer trains a {ours.name} "
+            f"draft (--draft-family {ours.name}): resume with --draft-family {theirs.name}, "
+            "or give this draft another --save-path"
+        )
     saved = cfg["fanout"].get("dflash_config", {})
     mine = draft.cfg.model_dump()
     diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}

@@ -1,4 +1,4 @@
-"""The DFlash trainer: one consumer of a run, training one draft.
+"""The trainer: one consumer of a run, training one draft of any family (--draft-family).
 
     python scripts/train.py --run-dir runs/r1 --consumer-id draft-b8 \
         --verifier-name-or-path VERIFIER_DIR --block-size 8 --max-anchors 64 \
@@ -6,9 +6,11 @@
     torchrun --nproc-per-node 4 scripts/train.py ...   # data parallel (fanout.train.distributed)
 
 Reads rows from fanout.train.consumer (lease → train → ack after the optimizer step),
-trains fanout.model.dflash with the fused linear CE and fused AdamW + LR schedule
+trains the draft of its family (fanout.families: the registry builds it) with the fused
+linear CE and fused AdamW + LR schedule
 (fanout.train.optim; its total from the stream, fanout.train.plan), logs JSONL (loss,
-per-slot accuracy, EAL, step ms split fetch/fwd/bwd/opt, tokens/s, window wait;
+per-slot accuracy, EAL, the family's own metrics, step ms split fetch/fwd/bwd/opt,
+tokens/s, window wait;
 fanout.train.progress) and saves speculators-format checkpoints that carry the
 consumer cursor, so `--resume` continues at the exact next row.
 """
@@ -38,10 +40,12 @@ from fanout.data.draft_vocab import (
     select_draft_vocab,
 )
 from fanout.errors import ConfigError, Detached, FanoutError, NoSupervisedTokens
+from fanout.families.registry import FamilyOptions, family
+from fanout.families.serving import latest_checkpoint
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
 from fanout.model.dflash import DFlashDraft, DraftRecipe
 from fanout.ops.fp8 import dequantize
-from fanout.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
 from fanout.train.distributed import DataParallel
 from fanout.train.ending import Ending, summary
@@ -66,15 +70,16 @@ RECENT_EAL_STEPS = 50
 NO_TOKEN_STEPS = 20
 
 
-class TrainConfig(ConsumerOptions, DraftRecipe):
+class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
     """Every `fanout train` (scripts/train.py) flag; speculators trainer names where the
     meaning is the same. How the trainer reads the run (run_dir, consumer_id, dp_rank,
     db_path, draft_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
     ConsumerOptions', declared once in fanout.train.consumer; the draft's recipe
     (num_layers, block_size, max_anchors, draft_vocab_size, gamma, loss weighting,
     dpace_alpha, label_source, loss_type) is DraftRecipe's, declared once in
-    fanout.model.dflash with the defaults that work on a real verifier; these are the
-    trainer's."""
+    fanout.model.dflash with the defaults that work on a real verifier; the family
+    (--draft-family) and each family's own options are FamilyOptions'
+    (fanout.families.registry); these are the trainer's."""
 
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
     checkpoint_verifier_name: str | None = Field(
@@ -159,9 +164,10 @@ class TrainConfig(ConsumerOptions, DraftRecipe):
     )
 
     def draft_recipe(self) -> dict[str, Any]:
-        """This config's DraftRecipe fields: what the trainer passes on to the draft's
-        DFlashConfig (with the run's layers and the verifier's shapes)."""
-        return {k: getattr(self, k) for k in DraftRecipe.model_fields}
+        """This config's draft fields: the DraftRecipe fields (the family's reference
+        values where not given) and the family's own options — what the trainer passes
+        on to the family's config (with the run's layers and the verifier's shapes)."""
+        return self.family_recipe({k: getattr(self, k) for k in DraftRecipe.model_fields})
 
     def consumer_config(
         self, *, dp_rank: int, dp_world_size: int, max_windows: int | None
@@ -246,7 +252,7 @@ class Trainer:
         )
         # EAL of the last logged steps: the train-time estimate a checkpoint records
         self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
-        self._eval_session: Any = None  # fanout.train.eval.EvalSession, built at the first eval
+        self._eval_session: Any = None  # fanout.decode.eval.EvalSession, built at the first eval
         self.seq_len = contract.seq_len
         # steps of this process with a supervised token (on any rank), and the run of
         # steps without one that is going on (NO_TOKEN_STEPS of them end the trainer)
@@ -273,10 +279,10 @@ class Trainer:
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
                 "captured without them: produce the run with --store-last-hidden-states"
             )
-        t = contract.seq_len
-        if cfg.block_size >= t:  # no anchor fits (fanout.model.anchors): every step is empty
+        t, bs = contract.seq_len, cfg.draft_recipe()["block_size"]
+        if bs >= t:  # no anchor fits (fanout.model.anchors): every step is empty
             raise ConfigError(
-                f"--block-size {cfg.block_size} does not fit {run_dir}'s rows of T = {t} "
+                f"--block-size {bs} does not fit {run_dir}'s rows of T = {t} "
                 f"tokens (its seq_len): an anchor must lie before position T - block size, "
                 f"so the largest block that can train is {t - 1} (anchored at position 0 "
                 "only; a block well below T leaves room for anchors)"
@@ -312,9 +318,17 @@ class Trainer:
                 counts.shape[0],
                 100 * coverage(counts, vocab_ids),
             )
-        return DFlashDraft.from_verifier(
+        fam = family(cfg.draft_family)
+        draft = fam.build(
             cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
         )
+        if fam.needs_last_hidden_states(draft.cfg) and not contract.store_last_hidden_states:
+            raise ConfigError(
+                f"--draft-family {fam.name} (as configured) trains on the verifier's final "
+                f"hidden states, but {cfg.run_dir} was captured without them: produce the "
+                f"run with --store-last-hidden-states (or --capture-for {fam.name})"
+            )
+        return draft
 
     def _read_plan(self) -> Plan:
         """The stream's length (fanout.train.plan): every rank reads it (a bad
@@ -543,6 +557,8 @@ class Trainer:
             "windows": sorted({w for w, _ in batch.rows}),
             "acked": [ow.window for ow in batch.completes],
             "time": time.time(),
+            # the family's own metrics (rank 0's; e.g. DFlash2's selector loss)
+            **{k: round(float(v), 6) for k, v in out.extra.items()},
         }
 
     def _after_step(self, rec: dict[str, Any]) -> None:
@@ -564,7 +580,7 @@ class Trainer:
         why = (
             f"no anchor fit its rows: an anchor needs a supervised token followed by "
             f"another before position T - block size (T = {self.seq_len}, --block-size "
-            f"{self.cfg.block_size})"
+            f"{self.draft.cfg.block_size})"
         )
         if not self._warned_no_tokens:
             self._warned_no_tokens = True
@@ -644,10 +660,10 @@ class Trainer:
         return extra
 
     def _eval(self) -> dict[str, Any]:
-        """Real speculative decoding of the draft as it is now (`fanout.train.eval`): the
+        """Real speculative decoding of the draft as it is now (`fanout.decode.eval`): the
         acceptance length τ and whether the output stayed lossless. The verifier and
         prompts are loaded at the first call and kept."""
-        from fanout.train.eval import EvalConfig, EvalSession
+        from fanout.decode.eval import EvalConfig, EvalSession
 
         cfg = self.cfg
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fanout.train.serving import read_config, to_serving_layer_ids
+from fanout.families.serving import checkpoint_family, read_config, to_serving_layer_ids
 
 
 def _row(t: str, f: dict[str, Any], suffix: str = "") -> str:
@@ -39,6 +39,7 @@ def _training_state(ckpt: Path) -> dict[str, Any]:
 def model_card(ckpt: Path, name: str, report: dict[str, Any]) -> str:
     """The card's markdown for draft `name` of `report` (checkpoint dir `ckpt`)."""
     cfg = read_config(ckpt)
+    fam = checkpoint_family(ckpt, cfg)
     fan = cfg.get("fanout", {})
     dcfg = fan.get("dflash_config", {})
     verifier = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "?")
@@ -51,10 +52,10 @@ def model_card(ckpt: Path, name: str, report: dict[str, Any]) -> str:
     lines = [
         "---",
         f"base_model: {verifier}",
-        "tags: [speculative-decoding, dflash, speculators, fanout]",
+        f"tags: [speculative-decoding, {fam.name}, speculators, fanout]",
         "---",
         "",
-        f"# DFlash draft `{name}` for {verifier}",
+        f"# {fam.name} draft `{name}` for {verifier}",
         "",
         "| | |",
         "|---|---|",
@@ -87,8 +88,9 @@ def model_card(ckpt: Path, name: str, report: dict[str, Any]) -> str:
         "",
         "The served rule is what vLLM's DFlash/EAGLE proposers run: the draft proposes its "
         "argmax tokens; at T > 0 the verifier accepts token d with probability p(d) and "
-        "otherwise samples from p without d. Load with speculators or vLLM "
-        "(`speculators_model_type: dflash` in config.json).",
+        "otherwise samples from p without d. Load with speculators "
+        f"(`speculators_model_type: {fam.speculators_model_type}` in config.json) or serve "
+        f"with vLLM's speculative method `{fam.serving_method}`.",
         "",
     ]
     return "\n".join(lines)

@@ -3,7 +3,7 @@ numbering, format versions, and drafts loaded from `config.json` + `model.safete
 
     fanout upgrade-checkpoint out/draft/checkpoint-00000100     # format 1 -> 2, in place
                                                 # (and unsorted layers -> ascending)
-    from fanout.train.serving import load_draft, read_config
+    from fanout.families.serving import load_draft, read_config
     draft = load_draft("out/draft/checkpoint-00000100", "models/qwen3-8b")
 
 fanout.train.checkpoint writes checkpoints (and their exact-resume state) with
@@ -24,6 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from fanout.errors import CheckpointError
+from fanout.families.base import Family
+from fanout.families.registry import family_of_config, family_of_model_type
 from fanout.filesystem import FileSystem
 from fanout.model.dflash import DFlashConfig, DFlashDraft
 from fanout.model.verifier_dir import read_verifier_config
@@ -31,6 +33,8 @@ from fanout.model.verifier_dir import read_verifier_config
 # Written last into a checkpoint directory (fanout.train.checkpoint); one without it is
 # debris, never read.
 MARKER = "COMMITTED"
+# `<save_dir>/checkpoint-<step:08d>/` (fanout.train.checkpoint writes them)
+PREFIX = "checkpoint-"
 # 2: aux_hidden_state_layer_ids in HF hidden_states numbering (layer id + 1), the
 #    speculators 0.9.0 config layout. 1 (before 2026-12) named the layer below the
 #    one the draft trained on; such checkpoints are refused (see check_format).
@@ -38,6 +42,21 @@ FORMAT_VERSION = 2
 # The speculators release whose DFlash config this layout matches (tests/test_speculators.py
 # loads our checkpoints with it when it is installed).
 SPECULATORS_VERSION = "0.9.0"
+
+
+def committed_checkpoints(root: Path) -> list[Path]:
+    """The committed checkpoint directories under `root`, oldest first."""
+    found = [p for p in root.glob(f"{PREFIX}*") if (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(save_dir: str | Path) -> Path | None:
+    """The newest committed checkpoint directory under `save_dir`, or None."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        return None
+    done = committed_checkpoints(root)
+    return done[-1] if done else None
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -99,10 +118,13 @@ def speculators_config(
     verifier_serving_name: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The `config.json` speculators 0.9.0 writes for a DFlash draft of this shape (and
-    vLLM reads), plus a `fanout` section (format version, the full DFlashConfig in
-    fanout's own layer numbering, and `extra`, e.g. the train-time EAL)."""
+    """The `config.json` speculators 0.9.0 writes for a draft of this family and shape
+    (and vLLM reads): the DFlash fields every family shares, the family's names and own
+    fields (`Family.config_fields`), plus a `fanout` section (format version, the family,
+    its full config in fanout's own layer numbering, and `extra`, e.g. the train-time
+    EAL)."""
     c = draft.cfg
+    fam = family_of_config(c)
     layer_cfg = {
         "model_type": "qwen3",
         "architectures": ["Qwen3ForCausalLM"],
@@ -123,9 +145,9 @@ def speculators_config(
         "tie_word_embeddings": c.tie_word_embeddings,
     }
     return {
-        "speculators_model_type": "dflash",
-        # what speculators' save_pretrained of a DFlash draft writes (the model class)
-        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": fam.speculators_model_type,
+        # what speculators' save_pretrained of the family's draft writes (the model class)
+        "architectures": list(fam.architectures),
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": layer_cfg,
         "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
@@ -133,14 +155,15 @@ def speculators_config(
         "target_hidden_size": c.hidden_size,
         "aux_hidden_state_layer_ids": to_serving_layer_ids(c.target_layer_ids),
         "mask_token_id": c.mask_token_id,
-        "sample_from_anchor": False,
-        "sliding_window_non_causal": False,
+        "sample_from_anchor": fam.sample_from_anchor,
+        "sliding_window_non_causal": fam.sliding_window_non_causal,
+        **fam.config_fields(c),
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": fam.speculators_model_type,
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": c.block_size - 1,
+                    "speculative_tokens": fam.speculative_tokens(c),
                     "accept_tolerance": 0.0,
                     "verifier_accept_k": 1,
                 }
@@ -153,6 +176,7 @@ def speculators_config(
         "tie_word_embeddings": False,
         "fanout": {
             "format_version": FORMAT_VERSION,
+            "family": fam.name,
             # fanout numbering (decoder-layer outputs); aux_hidden_state_layer_ids above
             # is the same list + 1
             "dflash_config": c.model_dump(),
@@ -311,7 +335,9 @@ def load_draft(
     size, vocabulary, layer ids beyond its depth)."""
     p = Path(path)
     vdir = Path(verifier_dir)
-    dcfg = draft_config(p, read_config(p), read_verifier_config(vdir), vdir)
+    cfg = read_config(p)
+    fam = checkpoint_family(p, cfg)
+    dcfg = draft_config(p, cfg, read_verifier_config(vdir), vdir)
     weights_file = p / "model.safetensors"
     if not weights_file.is_file():
         raise CheckpointError(f"{weights_file}: missing (the draft's weights)")
@@ -326,14 +352,30 @@ def load_draft(
         d2t = w.pop("d2t").long()
         vocab_ids = d2t + torch.arange(d2t.numel())  # speculators: draft d -> d + d2t[d]
         w.pop("t2d", None)
-    draft = DFlashDraft.with_verifier_tensors(dcfg, vdir, vocab_ids, dtype)
+    draft = fam.draft_class.with_verifier_tensors(dcfg, vdir, vocab_ids, dtype)
     _load_weights(draft, w, weights_file, dtype)
     return draft.to(device=device, dtype=dtype).eval()
 
 
+def checkpoint_family(path: Path, cfg: dict[str, Any]) -> Family:
+    """The family a checkpoint's `config.json` names (`speculators_model_type`), checked
+    against the family fanout recorded beside it."""
+    where = str(path / "config.json")
+    fam = family_of_model_type(cfg.get("speculators_model_type"), where=where)
+    recorded = cfg.get("fanout", {}).get("family", "dflash")  # before families: DFlash
+    if recorded != fam.name:
+        raise CheckpointError(
+            f"{where}: speculators_model_type {fam.speculators_model_type!r} but "
+            f"fanout.family {recorded!r}: the file was edited inconsistently"
+        )
+    return fam
+
+
 def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Path) -> DFlashConfig:
-    """The DFlashConfig a checkpoint's speculators `config.json` describes, checked against
-    the verifier it will run beside (hidden size, vocabulary, layer ids within its depth)."""
+    """The config (the family's `config_class`) a checkpoint's speculators `config.json`
+    describes, checked against the verifier it will run beside (hidden size, vocabulary,
+    layer ids within its depth)."""
+    fam = checkpoint_family(path, cfg)
     tl = cfg.get("transformer_layer_config") or {}
     nvl = vcfg["_num_hidden_layers"]
     layers = from_serving_layer_ids(cfg["aux_hidden_state_layer_ids"])
@@ -353,10 +395,15 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
     # Training-only semantics (anchors, loss weights, label source) do not change what the
     # draft proposes; take them from the fanout section so `loss` matches training too.
     saved = cfg["fanout"].get("dflash_config", {})
-    training = {k: saved[k] for k in _TRAINING_ONLY if k in saved}
+    # the family's training-only options (e.g. a loss weight) likewise; its serving
+    # fields come from the speculators config, as an engine reads them
+    serving = fam.serving_fields()
+    own = [k for k in fam.options() if k not in serving]
+    training = {k: saved[k] for k in (*_TRAINING_ONLY, *own) if k in saved}
     try:
-        return DFlashConfig(
+        return fam.draft_class.config_class(
             **training,
+            **{k: cfg[k] for k in serving},
             hidden_size=tl["hidden_size"],
             intermediate_size=tl["intermediate_size"],
             num_layers=tl["num_hidden_layers"],

@@ -1,6 +1,6 @@
 """Greedy decoding with the verifier alone, and DFlash speculative decoding, for one prompt.
 
-    from fanout.model.spec_decode import Decoder
+    from fanout.decode.spec_decode import Decoder
     dec = Decoder(verifier, eos_token_ids={2})        # a fanout.model.verifier.Verifier
     plain = dec.greedy(prompt_ids, max_new_tokens=64)  # one verifier forward per token
     spec = dec.speculative(prompt_ids, draft, max_new_tokens=64)
@@ -49,8 +49,9 @@ from typing import Any, Literal
 
 import torch
 
+from fanout.families.registry import family_of
 from fanout.model.dflash import DFlashDraft
-from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+from fanout.model.draft_cache import DraftContext
 from fanout.model.sampling import Sampling, one_hot, probabilities, sample, verify_block
 
 GREEDY = Sampling(0.0)
@@ -65,8 +66,12 @@ class DecodeResult:
     forwards: int  # verifier forwards after the prefill
     seconds: float  # wall time of the whole decode, prefill included
     accepted: list[int] = field(default_factory=list)  # drafted tokens accepted per verify
-    block_size: int = 0  # draft block size (0 for plain greedy)
+    block_size: int = 0  # the draft's block size (0 for plain greedy)
     prefill_seconds: float = 0.0  # the prefill forward (and the draft's first context)
+    drafted: int = 0  # tokens drafted per verify step (0: bs - 1; DSpark drafts bs)
+    # per verify step, the draft length the family itself proposes where it has a rule
+    # for it (DSpark's confidence head); every drafted token is verified regardless
+    proposed: list[int] = field(default_factory=list)
 
     @property
     def decode_seconds(self) -> float:
@@ -81,8 +86,9 @@ class DecodeResult:
         return sum(n + 1 for n in self.accepted) / len(self.accepted)
 
     def position_accepted(self) -> list[int]:
-        """How many verify steps accepted the draft token at block position k (1..bs-1)."""
-        return [sum(1 for n in self.accepted if n >= k) for k in range(1, self.block_size)]
+        """How many verify steps accepted the k-th drafted token (k = 1..drafted)."""
+        k_max = self.drafted or max(self.block_size - 1, 0)
+        return [sum(1 for n in self.accepted if n >= k) for k in range(1, k_max + 1)]
 
 
 class Decoder:
@@ -212,8 +218,8 @@ class Decoder:
         bs = draft.cfg.block_size
         layer_ids = list(draft.cfg.target_layer_ids)
         cache = self._new_cache()
-        if context is None:
-            context = DraftCache(draft) if cache_draft else UncachedDraft(draft)
+        if context is None:  # the family's drafting step
+            context = family_of(draft).context(draft, cached=cache_draft)
         logits, hid = self._forward(prompt, 0, cache, layer_ids, last_only=True)
         assert hid is not None
         context.extend(hid)  # positions 0..len(prompt)-1
@@ -221,17 +227,24 @@ class Decoder:
         self._sync()
         prefill = time.perf_counter() - t0
         accepted: list[int] = []
+        proposed: list[int] = []
+        drafted = 0
         while not self._done(tokens, max_new_tokens):
             p = len(prompt) + len(tokens) - 1  # position of the anchor (last accepted token)
-            proposal = self._propose(context.logits([*prompt, *tokens]), sampling, gen, rule)
+            proposal = self._propose(context, [*prompt, *tokens], sampling, gen, rule)
+            k = int(proposal[0].numel())  # drafted tokens (the family's step decides)
+            drafted = max(drafted, k)
+            # a family with its own draft-length rule says what it would propose
+            if (n_proposed := getattr(context, "proposed_length", None)) is not None:
+                proposed.append(int(n_proposed))
             block = [tokens[-1], *proposal[0].tolist()]
-            logits, hid = self._forward(block, p, cache, layer_ids)  # [bs, V], [bs, k·H]
+            logits, hid = self._forward(block, p, cache, layer_ids)  # [k+1, V], [k+1, n·H]
             assert hid is not None
             n, last = self._verify(block, logits, proposal, sampling, gen)
             accepted.append(n)
             # keep the anchor and the n accepted drafts; a negative count ("remove this
             # many") means the same in every transformers version that has crop
-            cache.crop(-(bs - 1 - n)) if n < bs - 1 else None
+            cache.crop(-(k - n)) if n < k else None
             context.extend(hid[: n + 1])
             new = [*block[1 : n + 1], last]
             tokens.extend(new)
@@ -240,20 +253,32 @@ class Decoder:
         self._sync()
         tokens = self._clip(tokens, max_new_tokens)
         return DecodeResult(
-            tokens, len(accepted), time.perf_counter() - t0, accepted, bs, prefill
+            tokens, len(accepted), time.perf_counter() - t0, accepted, bs, prefill,
+            drafted or bs - 1, proposed,
         )  # fmt: skip
 
     @staticmethod
     def _propose(
-        q_logits: torch.Tensor, s: Sampling, gen: torch.Generator | None, rule: Rule
+        context: DraftContext,
+        seq: list[int],
+        s: Sampling,
+        gen: torch.Generator | None,
+        rule: Rule,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens `[bs-1]` and the q they were drawn from (None for argmax tokens:
-        q is then the point mass the served rule verifies against)."""
+        """Draft tokens `[k]` from the family's drafting step (`context.propose`) and the
+        q they were drawn from (None for argmax tokens: q is then the point mass the
+        served rule verifies against)."""
         if s.greedy or rule == "served":
-            return q_logits.argmax(-1), None
+            tokens, rows = context.propose(seq, lambda row: int(row.argmax()))
+            return torch.tensor(tokens, dtype=torch.long, device=rows.device), None
         assert gen is not None
-        q = probabilities(q_logits, s)  # [bs-1, V]
-        return sample(q, gen), q
+
+        def draw(row: torch.Tensor) -> int:  # [V] -> one token drawn from q
+            return int(sample(probabilities(row[None], s), gen)[0])
+
+        tokens, rows = context.propose(seq, draw)
+        d = torch.tensor(tokens, dtype=torch.long, device=rows.device)
+        return d, probabilities(rows, s)  # q [k, V]
 
     @staticmethod
     def _verify(

@@ -7,7 +7,7 @@
 For each prompt (the conversation up to its last assistant turn, rendered with the
 generation prompt by the tokenizer's chat template) it decodes greedily with the
 verifier alone, then with DFlash speculative decoding for every draft
-(`fanout.model.spec_decode`), and checks the outputs are identical token for token. It
+(`fanout.decode.spec_decode`), and checks the outputs are identical token for token. It
 reports per draft: acceptance length τ (tokens per verifier forward, bonus included),
 acceptance at each block position, verifier forwards saved, tokens/s and speedup over
 plain greedy, and the train-time EAL the checkpoint recorded (the train/serve gap).
@@ -32,13 +32,13 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from fanout.data.chat import ChatFormat, Conversation, load_conversations
+from fanout.decode.spec_decode import Decoder, DecodeResult, Rule, first_mismatch
 from fanout.errors import BadRow, CheckpointError, ConfigError
+from fanout.families.registry import family_of
+from fanout.families.serving import latest_checkpoint, load_draft, read_config
 from fanout.flags import add_model_flags, flag_options, model_from_args
 from fanout.model.dflash import DFlashDraft
 from fanout.model.sampling import Sampling
-from fanout.model.spec_decode import Decoder, DecodeResult, Rule, first_mismatch
-from fanout.train.checkpoint import latest_checkpoint
-from fanout.train.serving import load_draft, read_config
 
 
 class EvalConfig(ChatFormat):
@@ -265,6 +265,7 @@ def _summary(
     runs: dict[tuple[float, str], list[DecodeResult]],
     greedy: list[DecodeResult],
     train_eal: float | None,
+    family: str,
 ) -> dict[str, Any]:
     """One draft: T = 0 figures at the top level (as before), every T under
     `at_temperature`; the sampled-draft rule beside the served one, under its own name."""
@@ -285,8 +286,12 @@ def _summary(
                       ("acceptance_length", "per_position_acceptance", "speedup_vs_greedy")}  # fmt: skip
         at[temperature_key(t)] = entry
     tau = fig0["acceptance_length"]
+    proposed = [n for r in at0 for n in r.proposed]  # the family's own length rule, if any
     return {
+        "family": family,
         "block_size": at0[0].block_size,
+        "drafted_per_step": at0[0].drafted,
+        "proposed_length": round(sum(proposed) / len(proposed), 4) if proposed else None,
         **fig0,
         "train_eal": train_eal,
         "train_serve_gap": None if train_eal is None else round(train_eal - tau, 4),
@@ -403,7 +408,7 @@ class EvalSession:
         _, g_tps, _ = _rates(greedy)
         summaries = {
             name: _summary({(t, rule): rs for (n, t, rule), rs in out.items() if n == name},
-                           greedy, train_eals[name])
+                           greedy, train_eals[name], family_of(drafts[name]).name)
             for name in drafts
         }  # fmt: skip
         used = prompts[: len(records)]
@@ -463,7 +468,7 @@ def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
     )
     report = session.run(drafts, train_eals)
     if cfg.model_card:
-        from fanout.train.model_card import write_model_card
+        from fanout.decode.model_card import write_model_card
 
         for name, d in zip(report["drafts"], dirs):
             echo(f"model card: {write_model_card(d, name, report)}")
@@ -529,24 +534,31 @@ def table(report: dict[str, Any]) -> list[str]:
     train EAL, per-position acceptance and the decode speed-up; then what was
     generated, the verdict per pair of drafts (`tau_verdict`) and the notes."""
     lines = [
-        f"{'draft':<14} {'bs':>3} {'T':>4} {'τ':>6} {'95% CI':>13} {'steps':>6} "
-        f"{'train EAL':>9} {'speedup':>8}  acceptance at block position 1, 2, …"
+        f"{'draft':<14} {'family':<8} {'bs':>3} {'T':>4} {'τ':>6} {'95% CI':>13} {'steps':>6} "
+        f"{'train EAL':>9} {'speedup':>8}  acceptance at drafted token 1, 2, …"
     ]
     notes = []
     for name, d in report["drafts"].items():
         eal = f"{d['train_eal']:.2f}" if d["train_eal"] is not None else "—"
+        if d.get("proposed_length") is not None:
+            notes.append(
+                f"{name} ({d['family']}): its confidence head proposes "
+                f"{d['proposed_length']:.2f} tokens per step on average at T=0 (of "
+                f"{d['drafted_per_step']} drafted and verified; τ above verifies them all)"
+            )
         for t, f in d["at_temperature"].items():
             ci = f["acceptance_length_ci95"]
             ci_s = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else "—"
             pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"])
             lines.append(
-                f"{name:<14} {d['block_size']:>3} {t:>4} {f['acceptance_length']:>6.2f} "
+                f"{name:<14} {d.get('family', 'dflash'):<8} {d['block_size']:>3} {t:>4} "
+                f"{f['acceptance_length']:>6.2f} "
                 f"{ci_s:>13} {f['verify_steps']:>6} {eal:>9} "
                 f"{f['speedup_vs_greedy']:>7.2f}×  {pos}"
             )
             if "acceptance_length_sampled_draft" in f:
                 lines.append(
-                    f"{'  sampled draft':<14} {'':>3} {t:>4} "
+                    f"{'  sampled draft':<14} {'':<8} {'':>3} {t:>4} "
                     f"{f['acceptance_length_sampled_draft']:>6.2f} {'':>13} {'':>6} {'':>9} "
                     f"{f['speedup_vs_greedy_sampled_draft']:>7.2f}×  (min(1, p/q) rule)"
                 )

@@ -1,0 +1,662 @@
+"""Three draft families from one capture: τ ranked, fan-out rows/s, train step vs speculators.
+
+    .venv/bin/python benchmarks/families.py --json benchmarks/results/families.json  # all
+    .venv/bin/python benchmarks/families.py --only step --json /tmp/step.json        # part 3
+    .venv/bin/python benchmarks/families.py --only ranking --steps 20 --temperatures 0 1
+    .venv/bin/python benchmarks/families.py --config my-bench.json --out runs/fam2  # other assets
+
+Run from the repository root. Time measured on a shared 2-vCPU AMD EPYC (load average
+3-7): `--only step` ≈ 40 s; everything ≈ 7.5 min = the two scenarios ≈ 3 min (including
+the first build of the assets, cached in `runs/assets` after it), the eval ≈ 4 min, the
+step ≈ 35 s.
+
+1. τ per family, same stream, same steps. The bench harness (fanout.bench.bench
+   `run_bench`) with one block-8 consumer per family (`--draft-family` dflash, dflash2,
+   dspark; `--anchors` anchors a row, `--steps` steps each) and the producer capturing
+   for all three (`--capture-for`), scenarios `1p3c` (one producer, one stream, the
+   three drafts) and `unshared` (one producer per draft). Assets, producer and role
+   threads come from `--config` (default benchmarks/fanout/cpu-tiny.json: a random h512
+   × 8-layer Qwen3 verifier, so that capture costs what it does next to a real
+   verifier; its greedy text is hard to imitate, so τ stays near 1 in a short run —
+   give a config with `"use_demo_verifier": true` for drafts that learn). Then
+   `fanout eval` (fanout.decode.eval) of the 1p3c drafts on `--prompts` generated
+   conversations that are not in the training data (`fanout.bench.demo.heldout_prompts`)
+   at T = 0 (and `--temperatures`), lossless checked against greedy, and the drafts
+   ranked (fanout.bench.ranking: τ with its 95% interval, train EAL, median train step,
+   parameters, checkpoint size; `<out>/tau.png`).
+2. Rows/s of the one multi-family run against single-family runs: the harness report's
+   aggregate rows/s per scenario (all trainers together, over the window where every
+   one is past its warm-up) and `aggregate_speedup_vs_unshared` = 1p3c / unshared
+   (goal ≥ 2.0: one verifier pass feeds three drafts).
+3. Each family's train step against speculators 0.9.0's model of it, same config and
+   rows. A tiny random Qwen3 verifier (`--step-hidden` × `--step-layers`, vocab
+   `--step-vocab`), one fanout draft per family (`Family.build`: 1 layer, block 8,
+   `--step-anchors` anchors, 3 target layers), saved with `save_checkpoint` and loaded
+   by speculators' `DFlashDraftModel` / `DFlash2DraftModel` / `DSparkDraftModel`
+   (`from_pretrained`, eager attention: its flex attention compiles a block mask for
+   CUDA). One packed row of `--step-rows` tokens, every token supervised, one document;
+   random context states, the verifier's greedy tokens of random final states as labels
+   (fanout's `target_ids`; speculators recomputes them from the pre-norm states it is
+   given). Loss: `--step-loss` (ce: fanout's default, speculators `--loss-fn ce`; kl:
+   `kl_div`), exp decay with fanout's gamma on both, speculators' "eager" losses (its
+   fused ones are Triton kernels) as `get_trainer_kwargs` resolves them. One step =
+   forward + loss, backward, `torch.optim.AdamW(fused=True)` step on both sides (the
+   kernel fanout's trainer picks on CPU; no clipping on either). `--warmup` untimed
+   steps each, then `--repeats` rounds, fanout and speculators alternating (order
+   swapped every round, so drifting load hits both); median, min and max per side, the
+   ratio of medians fanout / speculators (goal ≤ 1.0) and its per-round min-max. The
+   anchors are drawn at random on both sides (same count; positions do not change the
+   work). Without speculators installed this part is skipped and says so.
+
+`--json OUT` holds every figure: commit (and whether the tree differs from it), date,
+hardware, versions, torch threads, load average (`os.getloadavg`) before and after each
+part, the sizes, sample sizes and spreads. Keys: `ranking.rows` (fanout.bench.ranking
+rows), `ranking.lossless`, `throughput.aggregate_rows_per_s.<scenario>`,
+`throughput.aggregate_speedup_vs_unshared`, `throughput.goal_met`,
+`step.families.<name>.{fanout,speculators}.{median_ms,min_ms,max_ms,fwd_ms,bwd_ms,
+opt_ms,runs}`, `.ratio`, `.ratio_min_max`, `.goal_met`; `step.skipped` (why) without
+speculators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fanout import package_version
+from fanout.bench.config import BenchConfig
+from fanout.bench.report import hardware, versions
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILY_NAMES = ("dflash", "dflash2", "dspark")
+SCENARIOS = ["1p3c", "unshared"]
+BLOCK = 8
+SPEEDUP_GOAL = 2.0  # aggregate rows/s, 1p3c over unshared
+STEP_GOAL = 1.0  # fanout step time / speculators'
+# speculators 0.9.0's model and config class of each family
+SPEC_CLASSES = {
+    "dflash": ("speculators.models.dflash", "DFlashDraftModel", "DFlashSpeculatorConfig"),
+    "dflash2": ("speculators.models.dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig"),
+    "dspark": ("speculators.models.dspark", "DSparkDraftModel", "DSparkSpeculatorConfig"),
+}
+SPEC_LOSS = {"ce": "ce", "kl": "kl_div"}  # fanout loss_type -> speculators --loss-fn
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--only", choices=["ranking", "step"], help="run one part (default both)")
+    ap.add_argument("--json", type=Path, help="write every figure to this JSON file")
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "families", help="work dir")
+    ap.add_argument(
+        "--config",
+        type=Path,
+        default=REPO / "benchmarks" / "fanout" / "cpu-tiny.json",
+        help="bench config whose assets, producer and thread settings the ranking uses",
+    )
+    ap.add_argument("--steps", type=int, default=40, help="train steps per draft (ranking)")
+    ap.add_argument("--anchors", type=int, default=8, help="anchors per row (ranking drafts)")
+    ap.add_argument("--prompts", type=int, default=32, help="held-out eval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=48, help="eval tokens per prompt")
+    ap.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        metavar="T",
+        help="eval temperatures (T = 0 is always evaluated)",
+    )
+    ap.add_argument("--step-rows", type=int, default=512, help="T: tokens of the step's row")
+    ap.add_argument("--step-anchors", type=int, default=64, help="anchors of the step")
+    ap.add_argument("--step-hidden", type=int, default=256, help="step verifier hidden size")
+    ap.add_argument("--step-layers", type=int, default=8, help="step verifier layers")
+    ap.add_argument("--step-vocab", type=int, default=8192, help="step verifier vocabulary")
+    ap.add_argument("--step-loss", choices=["ce", "kl"], default="ce", help="loss of the step")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    ap.add_argument("--repeats", type=int, default=9, help="timed steps per side")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the step and the eval")
+    a = ap.parse_args(argv)
+    if a.steps < 4 or a.anchors < 1 or a.prompts < 1 or a.repeats < 1:
+        ap.error("--steps >= 4 (warm-up + steady steps), --anchors, --prompts, --repeats >= 1")
+    if a.step_rows <= a.step_anchors + BLOCK:
+        ap.error("--step-rows must exceed --step-anchors + 8 (anchors < T - block size)")
+    return a
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                           timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip()
+
+
+def provenance() -> dict[str, Any]:
+    """Commit, date, hardware and versions of this run."""
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "tree_differs_from_commit": None if status is None else bool(status),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "hardware": hardware(),
+        "versions": versions() | {"speculators": package_version("speculators") or "not installed"},
+    }
+
+
+def load_avg() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+# --------------------------------------------------------------------------- parts 1 + 2
+
+
+def families_config(a: argparse.Namespace) -> BenchConfig:
+    """`--config` with one block-8 consumer per family (settings of its first consumer
+    otherwise), the producer capturing for all of them, scenarios 1p3c and unshared."""
+    base = BenchConfig.load(a.config)
+    cache = Path(base.assets.cache_dir)
+    assets = base.assets.model_copy(
+        update={"cache_dir": str(cache if cache.is_absolute() else REPO / cache)}
+    )
+    proto = base.consumers[0]
+    consumers = [
+        proto.model_copy(update={"id": f, "draft_family": f, "block_size": BLOCK,
+                                 "max_anchors": a.anchors, "max_steps": a.steps, "seed": i})
+        for i, f in enumerate(FAMILY_NAMES)
+    ]  # fmt: skip
+    return base.model_copy(
+        update={
+            "name": "families",
+            "description": f"one producer capturing for {', '.join(FAMILY_NAMES)} (1p3c) "
+            f"vs one producer per family (unshared), {a.steps} steps per draft",
+            "assets": assets,
+            "producer": base.producer.model_copy(update={"capture_for": list(FAMILY_NAMES)}),
+            "consumers": consumers,
+            "scenarios": SCENARIOS,
+            "unshared_producer_devices": None,
+        }
+    )
+
+
+def throughput(rep: dict[str, Any]) -> dict[str, Any]:
+    """Part 2 from the harness report: rows/s per scenario and consumer, the speedup."""
+    sc = rep["scenarios"]
+    speedup = rep["aggregate_speedup_vs_unshared"]
+    return {
+        "valid": rep["valid"],
+        "reasons": rep["reasons"],
+        "flags": rep["flags"],
+        "aggregate_rows_per_s": rep["aggregate_rows_per_s"],
+        "aggregate_window_s": {k: v["aggregate"].get("window_s") for k, v in sc.items()},
+        "consumer_rows_per_s": {
+            k: {c: m.get("rows_per_s") for c, m in v["consumers"].items()} for k, v in sc.items()
+        },
+        "consumer_steps": {
+            k: {c: m["steps"] for c, m in v["consumers"].items()} for k, v in sc.items()
+        },
+        "step_ms_p50": {
+            k: {c: m.get("step_ms_p50") for c, m in v["consumers"].items()} for k, v in sc.items()
+        },
+        "captures_per_window": {k: v["captures_per_window"] for k, v in sc.items()},
+        "unique_windows": {k: v["unique_windows"] for k, v in sc.items()},
+        "wall_s": {k: v["wall_s"] for k, v in sc.items()},
+        "aggregate_speedup_vs_unshared": speedup,
+        "goal": f">= {SPEEDUP_GOAL}",
+        "goal_met": None if speedup is None else speedup >= SPEEDUP_GOAL,
+        "sizes": rep["sizes"],
+        "warmup_steps": rep["config"]["warmup_steps"],
+        "threads_per_role": rep["config"]["threads_per_role"],
+        "producer_threads": rep["config"]["producer"]["threads"],
+    }
+
+
+def throughput_lines(t: dict[str, Any]) -> list[str]:
+    ver = t["sizes"]["verifier"]
+    lines = [
+        f"fan-out: verifier h{ver['hidden_size']} × {ver['num_hidden_layers']} layers, vocab "
+        f"{ver['vocab_size']}; T={t['sizes']['seq_len']}, R={t['sizes']['window_rows']}, "
+        f"K={t['sizes']['max_live_windows']}; {t['threads_per_role']} thread(s) per trainer, "
+        f"{t['producer_threads']} per producer; rows/s over the window every trainer is past "
+        f"its {t['warmup_steps']} warm-up steps",
+        f"{'scenario':<9} {'aggregate rows/s':>16} {'window s':>8} {'captures/window':>15} "
+        + " ".join(f"{f + ' rows/s (steps)':>21}" for f in FAMILY_NAMES),
+    ]
+    for sc, rate in t["aggregate_rows_per_s"].items():
+        per = t["consumer_rows_per_s"][sc]
+        steps = t["consumer_steps"][sc]
+        cells = [f"{_num(per.get(f))} ({steps.get(f, '-')})" for f in FAMILY_NAMES]
+        lines.append(
+            f"{sc:<9} {_num(rate):>16} {_num(t['aggregate_window_s'][sc]):>8} "
+            f"{_num(t['captures_per_window'][sc]):>15} " + " ".join(f"{c:>21}" for c in cells)
+        )
+    s = t["aggregate_speedup_vs_unshared"]
+    verdict = "—" if s is None else ("met" if t["goal_met"] else "NOT met")
+    lines.append(
+        f"aggregate_speedup_vs_unshared = {_num(s, 3)} (goal ≥ {SPEEDUP_GOAL}: {verdict}); "
+        f"run {'valid' if t['valid'] else 'INVALID'}"
+    )
+    lines += [f"  invalid: {r}" for r in t["reasons"]] + [f"  flag: {f}" for f in t["flags"]]
+    return lines
+
+
+def eval_and_rank(cfg: BenchConfig, out: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """`fanout eval` of the 1p3c drafts on held-out prompts, ranked (part 1)."""
+    from fanout.bench.assets import torch_threads
+    from fanout.bench.bench import resolve_assets
+    from fanout.bench.demo import heldout_prompts
+    from fanout.bench.ranking import plot_tau, rank_drafts, ranking_lines
+    from fanout.decode.eval import EvalConfig, evaluate, resolve_draft_dir
+
+    assets = resolve_assets(cfg.assets, out)  # cached by the harness: returns at once
+    drafts_dir = out / "1p3c" / "drafts"
+    ecfg = EvalConfig(
+        verifier_name_or_path=str(assets.verifier_dir),
+        tokenizer=str(assets.tokenizer_dir),
+        data=str(heldout_prompts(assets.data, out / "heldout.jsonl", n=a.prompts)),
+        draft=[str(drafts_dir / f) for f in FAMILY_NAMES],
+        num_prompts=a.prompts,
+        max_new_tokens=a.max_new_tokens,
+        temperature=sorted({0.0, *a.temperatures}),
+        json_out=str(out / "eval.json"),
+    )
+    t0 = time.monotonic()
+    with torch_threads(a.threads):
+        rep = evaluate(ecfg, echo=lambda s: print(s, flush=True))
+    wall = time.monotonic() - t0
+    (out / "eval.json").write_text(json.dumps(rep, indent=2) + "\n")
+    rows = rank_drafts(
+        rep,
+        {n: resolve_draft_dir(str(drafts_dir / n)) for n in rep["drafts"]},
+        {n: drafts_dir / n / "train_log.jsonl" for n in rep["drafts"]},
+    )
+    plot = plot_tau(rows, out / "tau.png")
+    gen = rep["generated_tokens"]
+    summary = {
+        "rows": rows,
+        "lossless": rep["lossless"],
+        "mismatches": rep["mismatches"],
+        "prompts": rep["prompts"],
+        "max_new_tokens": a.max_new_tokens,
+        "generated_tokens": {"total": sum(gen), "min": min(gen), "max": max(gen)},
+        "prompt_tokens": {"min": min(rep["prompt_tokens"]), "max": max(rep["prompt_tokens"])},
+        "temperatures": rep["temperatures"],
+        "verify_steps": {
+            n: {t: f.get("verify_steps") for t, f in d["at_temperature"].items()}
+            for n, d in rep["drafts"].items()
+        },
+        "per_position_acceptance": {
+            n: d["per_position_acceptance"] for n, d in rep["drafts"].items()
+        },
+        "speedup_vs_greedy": {n: d.get("speedup_vs_greedy") for n, d in rep["drafts"].items()},
+        "eval_wall_s": round(wall, 1),
+        "eval_threads": a.threads,
+        "plot": str(plot),
+        "eval_report": str(out / "eval.json"),
+    }
+    summary["lines"] = [
+        f"τ on {rep['prompts']} held-out prompts ({summary['prompt_tokens']['min']}–"
+        f"{summary['prompt_tokens']['max']} tokens), ≤ {a.max_new_tokens} new tokens, "
+        f"T = {', '.join(rep['temperatures'])}; "
+        f"lossless at T = 0: {rep['lossless']}; every draft {a.steps} steps on the one "
+        "stream (1p3c); step ms = median train step of that run (fwd + bwd + opt):",
+        *ranking_lines(rows),
+        f"plot: {plot}  eval report: {out / 'eval.json'}",
+    ]
+    return summary
+
+
+def run_ranking(a: argparse.Namespace) -> dict[str, Any]:
+    from fanout.bench.bench import run_bench
+
+    cfg = families_config(a)
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    before = load_avg()
+    t0 = time.monotonic()
+    rep = run_bench(cfg, out, echo=lambda s: print(s, flush=True))
+    harness_s = time.monotonic() - t0
+    mid = load_avg()
+    result: dict[str, Any] = {
+        "config": str(a.config),
+        "work_dir": str(out),
+        "steps_per_draft": a.steps,
+        "anchors": a.anchors,
+        "harness_wall_s": round(harness_s, 1),
+        "harness_report": str(out / "report.json"),
+        "load_avg_before": before,
+        "load_avg_after_harness": mid,
+    }
+    result["throughput"] = throughput(rep)
+    drafts = out / "1p3c" / "drafts"
+    missing = [f for f in FAMILY_NAMES if not any(drafts.glob(f"{f}/checkpoint-*/COMMITTED"))]
+    if missing:
+        result["ranking"] = {"skipped": f"no committed checkpoint of {missing} under {drafts}"}
+    else:
+        result["ranking"] = eval_and_rank(cfg, out, a)
+    result["load_avg_after"] = load_avg()
+    return result
+
+
+# --------------------------------------------------------------------------- part 3
+
+
+def _speculators() -> dict[str, Any] | None:
+    """speculators' model and config class per family, None when it is not installed."""
+    if package_version("speculators") is None:
+        return None
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time deprecations (torch.compile's import)
+        for name, (mod, model, config) in SPEC_CLASSES.items():
+            m = importlib.import_module(mod)
+            out[name] = (getattr(m, model), getattr(m, config))
+    from loguru import logger  # speculators' logger: its INFO lines per verifier file read
+
+    logger.remove()
+    logger.add(sys.stderr, level="ERROR")
+    return out
+
+
+def step_verifier(a: argparse.Namespace) -> Path:
+    from fanout.bench.assets import tiny_qwen3_verifier
+
+    d = a.out / f"step-verifier-v{a.step_vocab}-h{a.step_hidden}-l{a.step_layers}"
+    if not (d / "config.json").is_file():
+        tiny_qwen3_verifier(d, a.step_vocab, hidden_size=a.step_hidden, num_layers=a.step_layers,
+                            num_heads=4, num_kv_heads=2, head_dim=a.step_hidden // 4,
+                            intermediate_size=3 * a.step_hidden)  # fmt: skip
+    return d
+
+
+def step_rows(vdir: Path, layers: list[int], a: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """One packed row [1, T]: random context states and tokens, every token supervised,
+    one document; labels = the verifier's greedy token of random final states (fanout's
+    `target_ids`); `pre` = those states before the final norm (speculators')."""
+    from fanout.model.verifier_dir import read_verifier_tensors
+
+    vt = read_verifier_tensors(vdir, ["lm_head.weight", "model.norm.weight"])
+    cfg = json.loads((vdir / "config.json").read_text())
+    t, h = a.step_rows, a.step_hidden
+    g = torch.Generator().manual_seed(0)
+    pre = 2.0 * torch.randn(1, t, h, generator=g)  # [1, T, H] before the final norm
+    post = F.rms_norm(pre, (h,), vt["model.norm.weight"], eps=cfg["rms_norm_eps"])
+    return {
+        "hidden_states": torch.randn(1, t, len(layers) * h, generator=g),  # [1, T, n·H]
+        "input_ids": torch.randint(0, a.step_vocab - 1, (1, t), generator=g),  # no mask id
+        "target_ids": (post @ vt["lm_head.weight"].t()).argmax(-1),  # [1, T]
+        "loss_mask": torch.ones(1, t, dtype=torch.long),
+        "document_ids": torch.zeros(1, t, dtype=torch.long),
+        "position_ids": torch.arange(t)[None],
+        "last_hidden_states": post,  # [1, T, H] after it (HF last_hidden_state)
+        "pre": pre,
+    }
+
+
+Step = Callable[[], tuple[float, float, float, float]]
+
+
+def _timed(forward: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Step:
+    """One train step split in (forward + loss, backward, optimizer) ms, and the loss."""
+
+    def step() -> tuple[float, float, float, float]:
+        t0 = time.perf_counter()
+        loss = forward()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * (t3 - t2), float(loss.detach())
+
+    return step
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
+
+
+def family_step(
+    name: str, spec: tuple[Any, Any], vdir: Path, rows: dict[str, torch.Tensor],
+    layers: list[int], a: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """Time one family's fanout draft against speculators' model of the same checkpoint."""
+    from fanout.families.registry import family
+    from fanout.train.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    draft = family(name).build(vdir, target_layer_ids=layers, block_size=BLOCK,
+                               max_anchors=a.step_anchors, num_layers=1,
+                               loss_type=a.step_loss)  # fmt: skip
+    # Weights rounded to bf16 first: model.safetensors is bf16, so both hold the same numbers.
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.copy_(p.bfloat16().float())
+    fopt = _adamw(draft)
+    ckpt = save_checkpoint(a.out / "step" / name, draft, fopt, {"step": 0},
+                           verifier_name_or_path=str(vdir))  # fmt: skip
+    model_cls, config_cls = spec
+    scfg = config_cls.from_pretrained(str(ckpt))
+    scfg.transformer_layer_config._attn_implementation = "eager"  # plain PyTorch on CPU
+    model = model_cls.from_pretrained(str(ckpt), config=scfg, dtype=torch.float32)
+    model.train()
+    sopt = _adamw(model)
+    kw, _ = model.get_trainer_kwargs(
+        loss_fn=SPEC_LOSS[a.step_loss],
+        loss_implementation="eager",  # the fused losses are Triton kernels
+        max_anchors=a.step_anchors,
+        dflash_decay_gamma=draft.cfg.resolved_gamma,
+        per_position_loss_weight="fixed-exp-decay",
+    )
+    batch = {k: v for k, v in rows.items() if k != "pre"}
+    if not family(name).needs_last_hidden_states(draft.cfg):
+        batch.pop("last_hidden_states")
+    gen = torch.Generator().manual_seed(0)
+
+    def spec_forward() -> torch.Tensor:
+        _, loss, _ = model(
+            hidden_states=rows["hidden_states"],
+            input_ids=rows["input_ids"],
+            loss_mask=rows["loss_mask"],
+            verifier_last_hidden_states=rows["pre"],
+            document_ids=rows["document_ids"],
+            position_ids=rows["position_ids"],
+            **kw,
+        )
+        return loss
+
+    sides: dict[str, Step] = {
+        "fanout": _timed(lambda: draft.loss(batch, gen).loss, fopt),
+        "speculators": _timed(spec_forward, sopt),
+    }
+    runs: dict[str, list[tuple[float, float, float, float]]] = {s: [] for s in sides}
+    first_loss = {}
+    for s, step in sides.items():
+        for i in range(a.warmup):
+            loss = step()[3]
+            if i == 0:
+                first_loss[s] = round(loss, 4)
+    order = list(sides)
+    for r in range(a.repeats):
+        for s in order if r % 2 == 0 else order[::-1]:
+            runs[s].append(sides[s]())
+    trainable = {
+        "fanout": sum(p.numel() for p in draft.parameters() if p.requires_grad),
+        "speculators": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+    res: dict[str, Any] = {}
+    for s, rs in runs.items():
+        tot = [f + b + o for f, b, o, _ in rs]
+        res[s] = {
+            "median_ms": round(statistics.median(tot), 2),
+            "min_ms": round(min(tot), 2),
+            "max_ms": round(max(tot), 2),
+            "fwd_ms": round(statistics.median(r[0] for r in rs), 2),
+            "bwd_ms": round(statistics.median(r[1] for r in rs), 2),
+            "opt_ms": round(statistics.median(r[2] for r in rs), 2),
+            "runs_ms": [round(x, 2) for x in tot],
+            "runs": len(rs),
+            "first_loss": first_loss[s],
+            "trainable_parameters": trainable[s],
+        }
+    per_round = [
+        (f[0] + f[1] + f[2]) / (s[0] + s[1] + s[2])
+        for f, s in zip(runs["fanout"], runs["speculators"])
+    ]
+    ratio = res["fanout"]["median_ms"] / res["speculators"]["median_ms"]
+    res |= {
+        "ratio": round(ratio, 3),
+        "ratio_min_max": [round(min(per_round), 3), round(max(per_round), 3)],
+        "goal_met": ratio <= STEP_GOAL,
+        "speculators_class": model_cls.__name__,
+        "gamma": draft.cfg.resolved_gamma,
+    }
+    return res
+
+
+def run_step(a: argparse.Namespace) -> dict[str, Any]:
+    """Part 3 (module docstring); `skipped` says why when speculators is missing."""
+    from transformers.utils import logging as hf_logging
+
+    from fanout.bench.assets import torch_threads
+    from fanout.model.dflash import default_target_layer_ids
+
+    hf_logging.disable_progress_bar()  # its weight loading/writing bars, per checkpoint
+    base: dict[str, Any] = {"load_avg_before": load_avg()}
+    spec = _speculators()
+    if spec is None:
+        return base | {"skipped": "speculators is not installed (scripts/install_speculators.sh)"}
+    a.out.mkdir(parents=True, exist_ok=True)
+    vdir = step_verifier(a)
+    layers = default_target_layer_ids(a.step_layers, 3)
+    rows = step_rows(vdir, layers, a)
+    sizes = {
+        "verifier": {"hidden_size": a.step_hidden, "num_layers": a.step_layers,
+                     "vocab_size": a.step_vocab, "heads": 4, "kv_heads": 2,
+                     "head_dim": a.step_hidden // 4},
+        "draft": {"num_layers": 1, "block_size": BLOCK, "max_anchors": a.step_anchors,
+                  "target_layer_ids": layers, "loss": a.step_loss, "weighting": "exp"},
+        "rows": {"T": a.step_rows, "batch": 1, "documents": 1, "supervised": "all"},
+        "dtype": "float32",
+        "optimizer": "torch.optim.AdamW(fused=True, lr=1e-4, weight_decay=0.01) on both sides",
+        "speculators_loss": "eager (get_trainer_kwargs loss_implementation='eager')",
+        "speculators_attention": "eager",
+    }  # fmt: skip
+    fams: dict[str, Any] = {}
+    with torch_threads(a.threads):
+        for name in FAMILY_NAMES:
+            print(f"step: {name} …", flush=True)
+            fams[name] = family_step(name, spec[name], vdir, rows, layers, a)
+    return base | {
+        "sizes": sizes,
+        "threads": a.threads,
+        "warmup": a.warmup,
+        "repeats": a.repeats,
+        "order": "interleaved per round, fanout first on even rounds, speculators on odd",
+        "families": fams,
+        "goal": f"fanout / speculators <= {STEP_GOAL}",
+        "load_avg_after": load_avg(),
+    }
+
+
+def step_lines(st: dict[str, Any]) -> list[str]:
+    if "skipped" in st:
+        return [f"train step vs speculators: SKIPPED — {st['skipped']}"]
+    s = st["sizes"]
+    v, d = s["verifier"], s["draft"]
+    lines = [
+        f"train step vs speculators {_spec_version()}: verifier h{v['hidden_size']} × "
+        f"{v['num_layers']} layers, vocab {v['vocab_size']}; draft {d['num_layers']} layer, "
+        f"block {d['block_size']}, {d['max_anchors']} anchors, target layers "
+        f"{d['target_layer_ids']}, {d['loss']} + exp decay; one row T={s['rows']['T']}, all "
+        f"supervised; fp32, {st['threads']} thread(s); AdamW(fused) both sides; "
+        f"{st['warmup']} warm-up + {st['repeats']} interleaved runs each; load "
+        f"{st['load_avg_before']} → {st['load_avg_after']}",
+        f"{'family':<8} {'params':>9} {'fanout ms med (min–max)':>25} {'fwd/bwd/opt':>17} "
+        f"{'speculators ms med (min–max)':>30} {'fwd/bwd/opt':>17} {'ratio (per-run)':>20} goal",
+    ]
+    for name, r in st["families"].items():
+        f, p = r["fanout"], r["speculators"]
+        lo, hi = r["ratio_min_max"]
+        lines.append(
+            f"{name:<8} {f['trainable_parameters']:>9,} {_ms(f):>25} {_split(f):>17} "
+            f"{_ms(p):>30} {_split(p):>17} {r['ratio']:>7.2f} ({lo:.2f}–{hi:.2f}) "
+            f"{'met' if r['goal_met'] else 'NOT met'}"
+        )
+    return lines
+
+
+def _ms(r: dict[str, Any]) -> str:
+    return f"{r['median_ms']:.0f} ({r['min_ms']:.0f}–{r['max_ms']:.0f})"
+
+
+def _split(r: dict[str, Any]) -> str:
+    return f"{r['fwd_ms']:.0f}/{r['bwd_ms']:.0f}/{r['opt_ms']:.0f}"
+
+
+def _spec_version() -> str:
+    return package_version("speculators") or "(not installed)"
+
+
+def _num(x: Any, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    a.out = a.out.resolve()
+    result: dict[str, Any] = {"benchmark": "benchmarks/families.py", **provenance()}
+    result["torch_threads_default"] = torch.get_num_threads()
+    result["load_avg_start"] = load_avg()
+    t0 = time.monotonic()
+    if a.only in (None, "ranking"):
+        result["ranking"] = run_ranking(a)
+    if a.only in (None, "step"):
+        result["step"] = run_step(a)
+    result["load_avg_end"] = load_avg()
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    hw = result["hardware"]
+    print(
+        f"\nhardware: {hw['cpu']}, {hw['usable_cpus']}/{hw['logical_cpus']} CPUs, load "
+        f"{result['load_avg_start']} → {result['load_avg_end']}; torch "
+        f"{result['versions']['torch']}, speculators {result['versions']['speculators']}; "
+        f"commit {(result['commit'] or '?')[:12]}"
+        f"{' (tree differs)' if result['tree_differs_from_commit'] else ''}; {result['wall_s']} s"
+    )
+    if "ranking" in result:
+        r = result["ranking"]
+        print("\n" + "\n".join(throughput_lines(r["throughput"])))
+        rk = r["ranking"]
+        print("\n" + "\n".join(rk.get("lines", [f"ranking SKIPPED — {rk.get('skipped')}"])))
+    if "step" in result:
+        print("\n" + "\n".join(step_lines(result["step"])))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"\njson: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""DFlash2: DFlash plus block-local dynamic convolutions around every layer's attention
+and MLP, and a candidate selector that reranks each slot's unary top-k given the token
+before it (fanout.families.dflash2.model; its drafting step: .propose).
+
+    from fanout.families.registry import family
+    fam = family("dflash2")
+    draft = fam.build("models/qwen3-8b", block_size=8, mask_token_id=151669)  # selector top-16
+    ctx = fam.context(draft, cached=True)
+
+Reference recipe (speculators 0.9.0's DFlash2 defaults): 5 layers, block 8, 512 anchors,
+exp decay, conv kernel 2 / group 16, selector rank 256 / top-16, selector loss weight 1;
+the full verifier vocabulary only. `fanout train` applies block 8 (`recipe_defaults`);
+`build` takes the fields it is given. Its checkpoint is speculators' `dflash2`
+(`DFlash2DraftModel`); vLLM serves it under method `dflash` (it detects the
+architecture).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from fanout.errors import ConfigError
+from fanout.families.base import Family
+from fanout.families.dflash2.config import DFlash2Config, DFlash2Recipe
+from fanout.families.dflash2.model import DFlash2Draft
+from fanout.families.dflash2.propose import SelectorContext
+from fanout.model.dflash import DFlashDraft
+from fanout.model.draft_cache import DraftContext
+
+
+class DFlash2(Family):
+    name: ClassVar[str] = "dflash2"
+    draft_class: ClassVar[type[DFlashDraft]] = DFlash2Draft
+    recipe: ClassVar[type[BaseModel]] = DFlash2Recipe
+    recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
+    speculators_model_type: ClassVar[str] = "dflash2"
+    architectures: ClassVar[tuple[str, ...]] = ("DFlash2DraftModel",)
+    serving_method: ClassVar[str] = "dflash"
+    sliding_window_non_causal: ClassVar[bool] = True
+
+    def serving_fields(self) -> list[str]:
+        """The DFlash2SpeculatorConfig fields beyond DFlash's (selector_loss_alpha is a
+        training flag: speculators' config has no such field)."""
+        return ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"]
+
+    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+        """The selector's drafting step (fanout.families.dflash2.propose)."""
+        if not isinstance(draft, DFlash2Draft):
+            raise ConfigError(
+                f"the dflash2 family drafts with a DFlash2Draft, got {type(draft).__name__}"
+            )
+        return SelectorContext(draft, cached=cached)
+
+
+FAMILY = DFlash2()
+
+__all__ = ["FAMILY", "DFlash2", "DFlash2Config", "DFlash2Draft", "DFlash2Recipe", "SelectorContext"]

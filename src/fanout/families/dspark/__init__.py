@@ -1,0 +1,62 @@
+"""DSpark: the DFlash backbone drafting from the anchor (bs tokens a block) with a
+low-rank Markov logit bias on the previous token and a confidence head
+(fanout.families.dspark.model is its model and loss, .propose its drafting step,
+.config its flags).
+
+    fanout train --draft-family dspark --markov-rank 256 ...   # capture with
+                                                               # --store-last-hidden-states
+Reference recipe (speculators 0.9.0's DSpark): 5 layers, block 8, markov_rank 256,
+vanilla head, the confidence head on (with the Markov embedding, BCE weight 1), 512
+anchors (speculators' trainer CLI default). Served by vLLM under method `dspark`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from fanout.families.base import Family
+from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
+from fanout.families.dspark.model import DSparkDraft
+from fanout.families.dspark.propose import DSparkContext
+from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+
+
+class DSpark(Family):
+    name: ClassVar[str] = "dspark"
+    draft_class: ClassVar[type[DFlashDraft]] = DSparkDraft
+    recipe: ClassVar[type[BaseModel]] = DSparkRecipe
+    # speculators' DSpark recipe: block 8 (its config default), 512 anchors (its CLI
+    # default, as DFlash's; 3072 is only DSparkDraftModel's fallback without the CLI)
+    recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
+    speculators_model_type: ClassVar[str] = "dspark"
+    # what speculators' save_pretrained of a DSparkDraftModel writes (the model class;
+    # its config's own default, "DSparkSpeculator", is replaced on save)
+    architectures: ClassVar[tuple[str, ...]] = ("DSparkDraftModel",)
+    serving_method: ClassVar[str] = "dspark"
+    sample_from_anchor: ClassVar[bool] = True
+    captures_last_hidden_states: ClassVar[bool] = True  # the confidence head's target
+
+    def serving_fields(self) -> list[str]:
+        return [
+            "markov_rank",
+            "markov_head_type",
+            "enable_confidence_head",
+            "confidence_head_with_markov",
+        ]
+
+    def needs_last_hidden_states(self, cfg: DFlashConfig) -> bool:
+        conf = isinstance(cfg, DSparkConfig) and cfg.enable_confidence_head
+        return conf or super().needs_last_hidden_states(cfg)
+
+    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+        if not isinstance(draft, DSparkDraft):
+            raise TypeError(f"DSpark drafts with a DSparkDraft, got {type(draft).__name__}")
+        return DSparkContext(draft, DraftCache(draft) if cached else UncachedDraft(draft))
+
+
+FAMILY = DSpark()
+
+__all__ = ["FAMILY", "DSpark"]

@@ -1,0 +1,260 @@
+"""The draft-family seam: one capture, drafts of every family from it.
+
+- `--draft-family` options: a family's own flags are refused for another family, its
+  reference values apply where the shared flags are not given;
+- `fanout produce --capture-for`: the union of the families' layers (capped on a
+  shallow verifier) and the tensors they need;
+- a family that needs a tensor the run lacks is refused at start, naming the flag;
+- a checkpoint of one family is refused where another is expected (resume);
+- one run, three trainers of three families (as real processes): different lengths,
+  one stopped and resumed, each ends on its own terms; `fanout eval` then decodes the
+  three in one run, lossless, each as its own family.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.cli import build_parser
+from fanout.errors import CheckpointError, ConfigError
+from fanout.families.registry import FAMILIES, family, family_of
+from fanout.families.serving import latest_checkpoint, load_draft, read_config
+from fanout.produce.capture_for import capture_fields, family_layers
+from fanout.produce.producer import ProducerConfig
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
+from fanout.train.trainer import TrainConfig, config_from_args
+from test_endings import Procs, _alive, _summary
+from test_roles import ENV, _status, wait_for
+from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (autouse)
+
+BASE = [
+    "--run-dir", "r", "--consumer-id", "c", "--verifier-name-or-path", "v", "--save-path", "s",
+]  # fmt: skip
+
+
+def _train_cfg(*flags: str) -> TrainConfig:
+    args = build_parser(["train"]).parse_args(["train", *BASE, *flags])
+    return config_from_args(args)
+
+
+def test_an_option_of_another_family_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as e:
+        _train_cfg("--draft-family", "dspark", "--selector-rank", "8")
+    msg = str(e.value)
+    assert "--selector-rank" in msg and "dflash2" in msg and "--draft-family is dspark" in msg
+    assert "--markov-rank" in msg  # the chosen family's own options are named
+    with pytest.raises(ConfigError, match=r"--markov-rank: dspark option.*its options: none"):
+        _train_cfg("--markov-rank", "8")  # dflash, the default family, has none
+    assert _train_cfg("--draft-family", "dflash2", "--selector-rank", "8").selector_rank == 8
+
+
+def test_unknown_family_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"'eagle9'.*known: dflash, dflash2, dspark"):
+        family("eagle9")
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "train", *BASE, "--draft-family", "eagle9"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "--draft-family" in r.stderr.splitlines()[-1]
+    assert "dflash2" in r.stderr.splitlines()[-1]
+
+
+def test_reference_values_apply_where_not_given() -> None:
+    """DFlash2 and DSpark train block 8 unless told (512 anchors, as DFlash)."""
+    assert _train_cfg().draft_recipe()["block_size"] == 16
+    r2 = _train_cfg("--draft-family", "dflash2").draft_recipe()
+    assert r2["block_size"] == 8 and r2["selector_top_k"] == 16
+    rs = _train_cfg("--draft-family", "dspark").draft_recipe()
+    assert (rs["block_size"], rs["max_anchors"]) == (8, 512)
+    assert (
+        _train_cfg("--draft-family", "dspark", "--block-size", "4").draft_recipe()["block_size"]
+        == 4
+    )
+    # every family's options reach its draft config (no other family's)
+    assert "markov_rank" in rs and "selector_rank" not in rs
+
+
+def test_capture_for_takes_the_union_and_the_tensors(tmp_path: Path) -> None:
+    assert family_layers(36, 5) == [1, 9, 17, 25, 33]  # DFlash's rule at full depth
+    assert family_layers(6, 5) == [1, 2, 3]  # the demo's 6 layers: what fits in [1, L-3]
+    ver = tiny_qwen3_verifier(tmp_path / "v", 64, hidden_size=32, num_layers=6)
+    base: dict[str, Any] = {
+        "run_dir": str(tmp_path / "r"), "verifier_name_or_path": str(ver), "data": ["d.jsonl"],
+    }  # fmt: skip
+    got = capture_fields(ProducerConfig(**base, capture_for=["dflash", "dspark"]))
+    assert got == {"capture_layer_ids": [1, 2, 3], "store_last_hidden_states": True}
+    got = capture_fields(ProducerConfig(**base, capture_for=["dflash2"]))
+    assert got == {"capture_layer_ids": [1, 2, 3], "store_last_hidden_states": False}
+    got = capture_fields(
+        ProducerConfig(**base, capture_for="dflash,dflash2", capture_layer_ids=[0, 5])
+    )
+    assert got["capture_layer_ids"] == [0, 1, 2, 3, 5]
+    assert capture_fields(ProducerConfig(**base)) == {}
+    with pytest.raises(ValueError, match="capture_for"):
+        ProducerConfig(**base, capture_for=["dflash", "medusa"])
+
+
+@pytest.fixture(scope="module")
+def ver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("fam") / "v", 128, hidden_size=32, num_layers=4
+    )
+
+
+def _draft(name: str, ver: Path) -> Any:
+    torch.manual_seed(0)
+    return family(name).build(
+        ver, target_layer_ids=[1, 2], block_size=4, max_anchors=8, num_layers=1
+    )
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_every_family_round_trips_its_checkpoint(name: str, ver: Path, tmp_path: Path) -> None:
+    d = _draft(name, ver)
+    assert family_of(d) is FAMILIES[name]
+    opt = torch.optim.SGD(d.parameters(), lr=0.1)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path=str(ver))
+    cfg = read_config(path)
+    fam = FAMILIES[name]
+    assert cfg["speculators_model_type"] == fam.speculators_model_type
+    assert cfg["fanout"]["family"] == name
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (
+        fam.speculative_tokens(d.cfg)
+    )
+    back = load_draft(path, ver)
+    assert type(back) is type(d) and back.cfg.model_dump() == d.cfg.model_dump()
+    for k, v in d.trainable_state().items():
+        torch.testing.assert_close(back.trainable_state()[k], v.bfloat16().float(), msg=k)
+
+
+def test_a_checkpoint_of_another_family_is_refused(ver: Path, tmp_path: Path) -> None:
+    d2 = _draft("dflash2", ver)
+    path = save_checkpoint(
+        tmp_path, d2, torch.optim.SGD(d2.parameters(), lr=0.1), {"step": 3},
+        verifier_name_or_path=str(ver),
+    )  # fmt: skip
+    ds = _draft("dspark", ver)
+    with pytest.raises(CheckpointError, match=r"a dflash2 draft's checkpoint.*dspark") as e:
+        load_checkpoint(path, ds, None)
+    assert "--draft-family dflash2" in str(e.value)
+    # an edited config whose two family names disagree is refused too
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["fanout"]["family"] = "dspark"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="edited inconsistently"):
+        load_draft(path, ver)
+
+
+# ---- one run, three families, as processes --------------------------------------------
+
+
+def _fanout(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fanout.cli", *args],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )  # fmt: skip
+
+
+def _steps(save: Path) -> list[int]:
+    log = save / "train_log.jsonl"
+    if not log.is_file():
+        return []
+    return [json.loads(x)["step"] for x in log.read_text().splitlines() if x.strip()]
+
+
+def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> None:
+    assets = tmp_path / "assets"
+    _, _, verifier = build_tiny_assets(assets, generate_corpus(40, seed=0))
+    run, drafts = tmp_path / "run", tmp_path / "drafts"
+    procs = Procs(tmp_path / "logs")
+
+    def trainer(name: str, *more: str) -> list[str]:
+        return [
+            "train", "--run-dir", str(run), "--consumer-id", name, "--draft-family", name,
+            "--verifier-name-or-path", str(verifier), "--block-size", "4", "--num-layers",
+            "1", "--max-anchors", "8", "--rows-per-step", "1", "--save-path",
+            str(drafts / name), "--heartbeat-s", "0.5", "--checkpoint-every", "1000000000",
+            *more,
+        ]  # fmt: skip
+
+    try:
+        producer = procs.start(
+            "producer", "produce", "--run-dir", str(run), "--verifier-name-or-path",
+            str(verifier), "--tokenizer", str(assets / "tok"), "--data",
+            str(assets / "chat.jsonl"), "--seq-len", "96", "--window-rows", "4",
+            "--max-live-windows", "4", "--capture-for", "dflash,dflash2,dspark",
+            "--expected-consumers", "3", "--epochs", "2", "--workers", "1",
+            "--heartbeat-s", "0.5", "--exit-when-idle-s", "0",
+            "--cache-dir", str(tmp_path / "cache"),
+        )  # fmt: skip
+        dflash = procs.start("dflash", *trainer("dflash", "--max-steps", "6"))
+        dflash2 = procs.start("dflash2", *trainer("dflash2", "--max-steps", "14"))
+        dspark = procs.start("dspark", *trainer("dspark"))
+
+        # dflash2: stopped after a few steps, resumed, then on to its own --max-steps
+        wait_for(lambda: _alive(dflash2) and len(_steps(drafts / "dflash2")) >= 3, 300, "steps")
+        dflash2.proc.send_signal(signal.SIGINT)
+        code, out = dflash2.finish(300)
+        assert code == 0, out[-3000:]
+        s = _summary(out)
+        assert s["state"] == "stopped", s
+        dflash2 = procs.start(
+            "dflash2-resumed", *trainer("dflash2", "--max-steps", "14", "--resume")
+        )
+
+        results = {n: p.finish(600) for n, p in (("dflash", dflash), ("dflash2", dflash2),
+                                                  ("dspark", dspark))}  # fmt: skip
+        code, pout = producer.finish(600)
+        assert code == 0, pout[-3000:]
+    finally:
+        procs.kill_all()
+
+    info = json.loads((run / "stream.json").read_text())
+    rows = info["num_rows"] * info["epochs"]
+    assert rows > 14
+    ends = {"dflash": 6, "dflash2": 14, "dspark": rows}
+    for name, (code, out) in results.items():
+        assert code == 0, f"{name}: {out[-3000:]}"
+        s = _summary(out)
+        assert (s["steps"], s["state"]) == (ends[name], "finished"), (name, s)
+        assert _steps(drafts / name) == list(range(1, ends[name] + 1)), name
+    st = _status(run)
+    assert {c["id"]: c["recorded_state"] for c in st["consumers"]} == {
+        f"{n}:dp0": "finished" for n in ends
+    }
+    contract = json.loads((run / "contract.json").read_text())
+    assert contract["store_last_hidden_states"] is True  # for DSpark's confidence head
+
+    # each checkpoint is its family's; the three decode in one eval run, lossless
+    for name in ends:
+        ckpt = latest_checkpoint(drafts / name)
+        assert ckpt is not None
+        assert read_config(ckpt)["speculators_model_type"] == FAMILIES[name].speculators_model_type
+    held = write_jsonl(tmp_path / "heldout.jsonl", generate_corpus(3, seed=99))
+    r = _fanout(
+        "eval", "--verifier-name-or-path", str(verifier), "--tokenizer", str(assets / "tok"),
+        "--data", str(held), "--num-prompts", "3", "--max-new-tokens", "24",
+        *[a for n in ends for a in ("--draft", str(drafts / n))],
+        "--json", str(tmp_path / "eval.json"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "eval.json").read_text())
+    assert rep["lossless"], rep["mismatches"]
+    assert {n: d["family"] for n, d in rep["drafts"].items()} == {n: n for n in ends}
+    assert rep["drafts"]["dspark"]["drafted_per_step"] == 4  # DSpark drafts the whole block
+    assert rep["drafts"]["dflash"]["drafted_per_step"] == 3
+
+    # resuming the DFlash save path as another family: one line, exit 1
+    r = _fanout(*trainer("dflash"), "--resume", "--draft-family", "dspark")
+    assert r.returncode == 1, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert "a dflash draft's checkpoint" in last and "dspark" in last, last

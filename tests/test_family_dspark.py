@@ -1,0 +1,948 @@
+"""The DSpark family (fanout.families.dspark) against speculators 0.9.0's DSpark, and its
+drafting step against plain greedy decoding.
+
+speculators' `DSparkDraftModel` is the oracle where it is installed (those tests skip
+without it; the rest never need it):
+
+(a) a fanout checkpoint (`save_checkpoint`) loads with `DSparkDraftModel.from_pretrained`
+    with no missing/unexpected keys, no warning from any channel, every tensor the file's
+    and the draft's, every config field speculators' DSpark declares beyond DFlash's
+    (and those whose default it changes) present in `config.json` with fanout's meaning,
+    and the config equal to the one speculators writes itself (`save_pretrained`);
+(b) with the same weights (Markov and confidence heads perturbed far from their init so
+    they matter), rows and anchors (both `select_anchors` patched), fanout's loss, per-slot
+    accuracy counts, EAL, accept_len, confidence loss / abs error and every parameter
+    gradient equal speculators' `forward` (CE with exp decay, CE with D-PACE, KL). fp32
+    on CPU, eager attention; tolerances: loss rtol 2e-6 (after undoing speculators' 1e-5
+    and 1e-8 denominators), accept_len / abs error rtol 1e-5 (TV sums of fp32 softmaxes
+    in another order), EAL exact up to rtol 1e-6, gradients rtol 1e-4 with atol 1e-5 of
+    the largest entry (fused linear CE/KL backward vs plain autograd);
+(c) the drafting step at T = 0 is lossless against `Decoder.greedy`, drafts block_size
+    tokens a step, gives the same tokens cached and uncached, and its Markov head changes
+    picks (recomputed here from the block states, so ignoring the head or the chosen
+    previous token fails);
+(d) bad configurations are refused in one line each.
+
+Semantic differences from speculators (fanout's choice; the model's docstring says why),
+pinned in `test_supervision_differences`:
+- Supervised slots. Slot k of the block at anchor a predicts token a+k+1. fanout
+  supervises it on the predicted token: `loss_mask[a+k+1]` and the same document as the
+  anchor; speculators on `loss_mask[a+k]`. The equality rows keep every block and the
+  token after it inside one supervised span, where the two agree; the pinned rows show
+  the extra and the missing slots exactly, and that with fanout's mask speculators' loss
+  is fanout's.
+- Anchor candidates: fanout's rule (DFlash's `select_anchors`) is a subset of
+  speculators' (`loss_mask[a]`, a < T - bs): it also needs slot 0 to predict a supervised
+  token of the anchor's document. A block speculators draws at a response's last token
+  trains slot 0 on the following unsupervised token (its slot 0 is in the pinned rows).
+  Speculators counts a block in EAL / accept_len when any slot is supervised, fanout when
+  slot 0 is; with fanout's anchors these agree.
+- Reduced draft vocabulary (as DFlash): a slot whose verifier token is outside the draft
+  vocabulary carries no CE/BCE in fanout; speculators trains it toward the draft-vocab
+  argmax. The confidence target p is the verifier's distribution over the draft
+  vocabulary on both sides.
+- Last hidden states: fanout's are after the verifier's final norm, speculators' before
+  it (it applies `verifier_norm`); the tests feed speculators the pre-norm states and
+  fanout their normed version (`tests/test_speculators.py`).
+- Loss normalisation: fanout divides both terms by the supervised-slot count n;
+  speculators by n + 1e-5 (CE) and n + 1e-8 (BCE), undone in the comparison.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.errors import ConfigError
+from fanout.families.dspark import model as dspark_model
+from fanout.families.dspark.config import DSparkConfig
+from fanout.families.dspark.model import (
+    DSparkDraft,
+    acceptance_rate,
+    markov_kl_div_and_argmax,
+)
+from fanout.families.dspark.propose import DSparkContext, confident_length
+from fanout.families.registry import family, family_of
+from fanout.model.dflash import DFlashDraft
+from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
+from fanout.model.verifier import load_verifier
+from fanout.model.verifier_dir import read_verifier_tensors
+from fanout.ops.adamw import make_optimizer
+from fanout.train.checkpoint import save_checkpoint
+from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
+
+VOCAB, H, V_LAYERS, BS, MASK, RANK = 256, 32, 4, 4, 255, 16
+TARGET_LAYERS = [1, 2]
+ROPE_THETA, RMS_EPS = 1e6, 1e-5
+T = 40
+
+
+# ---- fixtures ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Qwen3 as in test_speculators.py: non-unit final norm, RoPE theta 1e6, eps
+    1e-5, bf16-representable weights, a sharded-style safetensors index."""
+    vdir = tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("dspark") / "verifier",
+        VOCAB,
+        hidden_size=H,
+        num_layers=V_LAYERS,
+        head_dim=8,
+        intermediate_size=64,
+    )
+    cfg = json.loads((vdir / "config.json").read_text())
+    cfg.pop("rope_theta", None)
+    cfg["rope_parameters"] = {"rope_theta": ROPE_THETA, "rope_type": "default"}
+    cfg["rms_norm_eps"] = RMS_EPS
+    (vdir / "config.json").write_text(json.dumps(cfg, indent=2))
+    t = load_file(str(vdir / "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    t["model.norm.weight"] = 1.0 + 0.5 * torch.rand(H, generator=g)
+    t = {k: v.bfloat16().float() for k, v in t.items()}
+    save_file(t, str(vdir / "model.safetensors"), metadata={"format": "pt"})
+    size = sum(v.numel() * v.element_size() for v in t.values())
+    index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(t, "model.safetensors")}
+    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
+    return vdir
+
+
+def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -> DSparkDraft:
+    """A DSpark draft with every weight moved off its init (the Markov and confidence
+    heads far enough that their bias and logits matter), rounded to bf16."""
+    torch.manual_seed(1)
+    fields: dict[str, Any] = {
+        "target_layer_ids": TARGET_LAYERS,
+        "block_size": BS,
+        "max_anchors": 8,
+        "mask_token_id": MASK,
+        "num_layers": 2,
+        "markov_rank": RANK,
+        **kw,
+    }
+    if draft_vocab_ids is not None:
+        fields["draft_vocab_size"] = int(draft_vocab_ids.numel())
+    d = DSparkDraft.from_verifier(vdir, draft_vocab_ids=draft_vocab_ids, **fields)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.ndim == 1 and "confidence" not in name:  # norms: away from their 1s
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "markov" in name:
+                p.add_(0.6 * torch.randn(p.shape, generator=g))
+            elif "confidence" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.copy_(p.bfloat16().float())  # exact in the bf16 model.safetensors
+    return d
+
+
+@pytest.fixture(scope="module")
+def drafts(
+    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[DSparkDraft, Path]]:
+    """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
+    g = torch.Generator().manual_seed(5)
+    reduced_ids = torch.randperm(VOCAB, generator=g)[:200].sort().values
+    out: dict[str, tuple[DSparkDraft, Path]] = {}
+    for name, ids in (("full", None), ("reduced", reduced_ids)):
+        d = _draft(verifier_dir, ids)
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        root = tmp_path_factory.mktemp(f"dspark-ckpt-{name}")
+        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+        out[name] = (d, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec() -> SimpleNamespace:
+    """speculators' DSpark (skipped without speculators) and test_speculators' helpers."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time deprecations of torch.compile & co.
+        dspark: Any = pytest.importorskip("speculators.models.dspark")
+        dflash: Any = pytest.importorskip("speculators.models.dflash")
+        core: Any = pytest.importorskip("speculators.models.dflash.core")
+        eager: Any = pytest.importorskip("speculators.losses.eager")
+        metrics: Any = pytest.importorskip("speculators.models.dspark.metrics")
+        import test_speculators as helpers  # needs speculators and loguru itself
+    return SimpleNamespace(
+        dspark=dspark, dflash=dflash, core=core, eager=eager, metrics=metrics, h=helpers
+    )
+
+
+def _spec_config(spec: SimpleNamespace, path: Path) -> Any:
+    cfg = spec.dspark.DSparkSpeculatorConfig.from_pretrained(str(path))
+    cfg.transformer_layer_config._attn_implementation = "eager"  # CPU, no compiled mask
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def loaded(
+    spec: SimpleNamespace, drafts: dict[str, tuple[DSparkDraft, Path]]
+) -> dict[str, tuple[Any, dict[str, Any], list[str]]]:
+    """name -> (speculators DSparkDraftModel from fanout's checkpoint, loading info, notes)."""
+    out = {}
+    for name, (_, path) in drafts.items():
+        with spec.h._notes() as notes:
+            model, info = spec.dspark.DSparkDraftModel.from_pretrained(
+                str(path),
+                config=_spec_config(spec, path),
+                dtype=torch.float32,
+                output_loading_info=True,
+            )
+        out[name] = (model, info, notes)
+    return out
+
+
+# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_checkpoint_loads_in_speculators(
+    name: str,
+    drafts: dict[str, tuple[DSparkDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+) -> None:
+    draft, path = drafts[name]
+    model, info, notes = loaded[name]
+    assert type(model).__name__ == "DSparkDraftModel"
+    assert notes == []
+    assert info["missing_keys"] == set()
+    assert info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set()
+    assert info["error_msgs"] == []
+    saved = load_file(str(path / "model.safetensors"))
+    sd = model.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
+    mine = draft.trainable_state()
+    for k, v in mine.items():
+        assert torch.equal(sd[k], v), k
+    heads = {
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+    }
+    assert heads <= set(mine)
+    # every trainable parameter of speculators' model comes from the file (the frozen,
+    # verifier-owned ones it reloads itself; load_verifier_weights re-freezes them)
+    model.load_verifier_weights()
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(mine) == set(saved) - {"lm_head.weight", "d2t", "t2d"}
+    assert model.markov_head.markov_w1.weight.shape == (VOCAB, RANK)
+    vd = draft.cfg.draft_vocab_size or VOCAB
+    assert model.markov_head.markov_w2.weight.shape == (vd, RANK)
+
+
+def test_config_fields_as_fanout_means_them(
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[DSparkDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+) -> None:
+    """Every field speculators' DSpark config declares beyond DFlash's, or whose default
+    it changes, is written top-level with fanout's value (a new one fails here)."""
+    draft, path = drafts["full"]
+    model, _, _ = loaded["full"]
+    ds, df = spec.dspark.DSparkSpeculatorConfig, spec.dflash.DFlashSpeculatorConfig
+    own = set(ds.model_fields) - set(df.model_fields)
+
+    def default(cls: Any, k: str) -> Any:
+        f = cls.model_fields[k]
+        return f.default_factory() if f.default_factory is not None else f.default
+
+    changed = {
+        k for k in df.model_fields if k in ds.model_fields and default(ds, k) != default(df, k)
+    }
+    fam = family("dspark")
+    c = draft.cfg
+    meant = {
+        "markov_rank": c.markov_rank,
+        "markov_head_type": c.markov_head_type,
+        "enable_confidence_head": c.enable_confidence_head,
+        "confidence_head_with_markov": c.confidence_head_with_markov,
+        "sample_from_anchor": True,
+        "speculators_model_type": "dspark",
+        # save_pretrained writes the model class (the config's default says DSparkSpeculator)
+        "architectures": ["DSparkDraftModel"],
+    }
+    assert own | changed == set(meant)
+    assert set(fam.serving_fields()) == own
+    raw = json.loads((path / "config.json").read_text())
+    for k, v in meant.items():
+        assert raw[k] == v, k
+        if k != "architectures":
+            assert getattr(model.config, k) == v, k
+    assert raw["fanout"]["family"] == "dspark"
+    assert raw["fanout"]["dflash_config"]["confidence_head_alpha"] == c.confidence_head_alpha
+    proposal = model.config.speculators_config.proposal_methods[0]
+    assert proposal.speculative_tokens == BS == fam.speculative_tokens(c)
+    assert model.config.speculators_config.algorithm == "dspark"
+    assert model.markov_head.head_type == "vanilla"
+    assert model.confidence_head.proj.in_features == H + RANK
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_config_matches_what_speculators_writes(
+    name: str,
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[DSparkDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    tmp_path: Path,
+) -> None:
+    _, path = drafts[name]
+    model, _, _ = loaded[name]
+    resaved = tmp_path / "resaved"
+    model.save_pretrained(resaved)
+    read = spec.dspark.DSparkSpeculatorConfig.from_pretrained
+    ours, theirs = (
+        spec.h._flat(read(str(path)).to_dict()),
+        spec.h._flat(read(str(resaved)).to_dict()),
+    )
+    writer_only = spec.h._WRITER_ONLY
+    keys = {
+        k
+        for k in ours.keys() | theirs.keys()
+        if k.split(".")[0] not in writer_only and not k.endswith(".transformers_version")
+    }
+    diff = {k: (ours.get(k), theirs.get(k)) for k in sorted(keys) if ours.get(k) != theirs.get(k)}
+    assert diff == {}, f"fanout vs speculators-written config.json (ours, theirs): {diff}"
+    raw_ours = json.loads((path / "config.json").read_text())
+    raw_theirs = json.loads((resaved / "config.json").read_text())
+    assert sorted(set(raw_theirs) - set(raw_ours) - writer_only) == []
+    assert raw_theirs["architectures"] == raw_ours["architectures"]
+    mine, re = (
+        load_file(str(path / "model.safetensors")),
+        load_file(str(resaved / "model.safetensors")),
+    )
+    assert set(mine) == set(re)
+    for k in mine:
+        assert torch.equal(mine[k].to(re[k].dtype), re[k]), k
+
+
+# ---- (b) the same loss on the same rows ------------------------------------------------
+
+
+def _layout(first_doc: int = 22, prompt: int = 3, hole: int | None = 10) -> dict[str, torch.Tensor]:
+    """One packed row [1, T]: document 0 = [0, first_doc), document 1 = the rest; each
+    document's first `prompt` tokens unsupervised, plus an unsupervised `hole`."""
+    doc = torch.tensor([0] * first_doc + [1] * (T - first_doc))[None]
+    pos = torch.cat([torch.arange(first_doc), torch.arange(T - first_doc)])[None]
+    lm = torch.ones(1, T, dtype=torch.long)
+    lm[0, :prompt] = 0
+    lm[0, first_doc : first_doc + prompt] = 0
+    if hole is not None:
+        lm[0, hole] = 0
+    return {"document_ids": doc, "position_ids": pos, "loss_mask": lm}
+
+
+def _anchors(*valid_anchors: int, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.tensor([[*valid_anchors] + [0] * pad])  # [1, A]: padding is anchor 0
+    v = torch.tensor([[True] * len(valid_anchors) + [False] * pad])
+    return a, v
+
+
+def _corrected_argmax(
+    draft: DSparkDraft, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """The draft's Markov-corrected greedy token of every slot `[1, A, bs]` (verifier ids)."""
+    assert draft.markov_head is not None
+    hid = draft.block_hidden(batch, anchors, valid)  # [1, A, bs, H]
+    prev = draft.prev_tokens(batch, anchors)  # [1, A, bs]
+    z = hid @ draft.lm_head_weight.t() + draft.markov_head.markov_w2(
+        draft.markov_head.markov_w1(prev)
+    )
+    pred = z.argmax(-1)
+    return pred if draft.d2t is None else pred + draft.d2t[pred]
+
+
+def _rows(
+    draft: DSparkDraft,
+    verifier_dir: Path,
+    layout: dict[str, torch.Tensor],
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    seed: int,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A fanout batch row and the matching pre-norm verifier states for speculators.
+
+    Random context, tokens and verifier states, except that about half the slots get a
+    verifier state along the head row of the draft's corrected greedy token (so the
+    verifier's greedy token is the draft's and the accuracies and EAL prefixes see hits
+    and misses). `target_ids[p] = argmax(lm_head(norm(pre[p])))`, fanout's capture rule;
+    fanout's `last_hidden_states` are the normed states."""
+    vt = read_verifier_tensors(verifier_dir, ["lm_head.weight", "model.norm.weight"])
+    head, w = vt["lm_head.weight"], vt["model.norm.weight"]
+    g = torch.Generator().manual_seed(seed)
+    batch = {
+        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
+        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
+        **layout,
+    }
+    pre = 2.0 * torch.randn(1, T, H, generator=g)
+    with torch.no_grad():
+        pred = _corrected_argmax(draft, batch, anchors, valid)  # [1, A, bs]
+        for j in range(anchors.shape[1]):
+            for k in range(BS):
+                if valid[0, j] and torch.rand((), generator=g) < 0.5:
+                    # norm(head[t] / w) ∝ head[t]: its greedy token is t for these heads
+                    pre[0, int(anchors[0, j]) + k] = 3.0 * head[pred[0, j, k]] / w
+    post = F.rms_norm(pre, (H,), w, eps=RMS_EPS)
+    batch["target_ids"] = (post @ head.t()).argmax(-1)
+    batch["last_hidden_states"] = post
+    return batch, pre
+
+
+def _with(draft: DSparkDraft, **update: Any) -> DSparkDraft:
+    d = copy.deepcopy(draft)
+    d.cfg = draft.cfg.model_copy(update=update)
+    return d
+
+
+def _patch_anchors(
+    spec: SimpleNamespace,
+    monkeypatch: pytest.MonkeyPatch,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:
+    """Both sides use exactly these anchors (speculators' DSpark inherits DFlash's
+    `_backbone_forward`, which calls the dflash core module's select_anchors)."""
+    monkeypatch.setattr(dspark_model, "select_anchors", lambda *a, **k: (anchors, valid))
+    monkeypatch.setattr(
+        spec.core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
+    )
+
+
+def _compare(
+    fan: Any, spec_loss: torch.Tensor, m: dict[str, torch.Tensor], alpha: float, blocks: bool = True
+) -> None:
+    """fanout's LossOutput against speculators' loss and metrics dict."""
+    n = fan.n_tokens
+    assert n > 0
+    assert int(m["full_acc_total"]) == n
+    eps_ce, eps_bce = 1e-5, 1e-8  # speculators' denominators: n + eps
+    conf_spec = m["confidence_loss_sum"].detach()
+    conf_fan = fan.extra["confidence_loss"]
+    torch.testing.assert_close(float(conf_spec) * (n + eps_bce) / n, conf_fan, rtol=2e-6, atol=1e-7)
+    ce_spec = (spec_loss.detach() - alpha * conf_spec) * (n + eps_ce) / n
+    ce_fan = fan.loss.detach() - alpha * conf_fan
+    torch.testing.assert_close(ce_spec, ce_fan, rtol=2e-6, atol=1e-7)
+    for k in range(BS):
+        count = int(fan.per_slot_count[k])
+        assert int(m[f"position_{k}_acc_total"]) == count, k
+        hits = float(fan.per_slot_acc[k]) * count
+        assert abs(float(m[f"position_{k}_acc_sum"]) - hits) < 1e-3, k
+    err = float(m["confidence_abs_error_sum"] / m["confidence_abs_error_total"])
+    torch.testing.assert_close(err, fan.extra["confidence_abs_error"], rtol=1e-5, atol=1e-7)
+    if blocks:
+        eal = float(m["eal_sum"] / m["eal_total"])
+        torch.testing.assert_close(eal, float(fan.eal), rtol=1e-6, atol=0)
+        accept = float(m["accept_len_sum"] / m["accept_len_total"])
+        torch.testing.assert_close(accept, fan.extra["accept_len"], rtol=1e-5, atol=0)
+
+
+def _spec_forward(
+    model: Any,
+    batch: dict[str, torch.Tensor],
+    pre: torch.Tensor,
+    n_anchors: int,
+    eager: Any,
+    **kw: Any,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    _, loss, metrics = model(
+        hidden_states=batch["hidden_states"],
+        input_ids=batch["input_ids"],
+        loss_mask=batch["loss_mask"],
+        verifier_last_hidden_states=pre,
+        document_ids=batch["document_ids"],
+        position_ids=batch["position_ids"],
+        max_anchors=n_anchors,
+        tv_loss_fn=eager.tv_loss,  # the fused default is a Triton kernel
+        **kw,
+    )
+    return loss, metrics
+
+
+CASES = {
+    "ce-exp": ({"loss_type": "ce", "loss_weighting": "exp"}, "ce", "fixed-exp-decay"),
+    "ce-dpace": ({"loss_type": "ce", "loss_weighting": "dpace"}, "ce", "dpace"),
+    "kl-exp": ({"loss_type": "kl", "loss_weighting": "exp"}, "kl_div", "fixed-exp-decay"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_metrics_and_grads_equal_speculators(
+    case: str,
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[DSparkDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    update, loss_name, weighting = CASES[case]
+    alpha = 0.7
+    draft = _with(
+        drafts["full"][0], gamma=2.5, dpace_alpha=0.3, confidence_head_alpha=alpha, **update
+    )
+    model, _, _ = loaded["full"]
+    model.zero_grad(set_to_none=True)
+    layout = _layout()
+    # every block and the token after it inside one supervised span of one document
+    # (3..9, 11..21, 25..39), where fanout's and speculators' slot masks agree; the
+    # block at 35 is the last the row allows (a < T - bs); one padding block
+    anchors, valid = _anchors(3, 5, 11, 14, 17, 25, 29, 35)
+    batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
+    _patch_anchors(spec, monkeypatch, anchors, valid)
+
+    fan = draft.loss(batch, None)
+    fan.loss.backward()
+    fn = getattr(spec.eager, f"{loss_name}_loss")
+    spec_loss, metrics = _spec_forward(
+        model, batch, pre, anchors.shape[1], spec.eager,
+        loss_config={loss_name: (fn, 1.0)}, gamma=2.5, per_position_loss_weight=weighting,
+        dpace_alpha=0.3, confidence_head_alpha=alpha,
+    )  # fmt: skip
+    spec_loss.backward()
+
+    assert fan.n_tokens == int(valid.sum()) * BS  # every slot of every real block
+    assert float(fan.per_slot_acc.min()) > 0 and float(fan.per_slot_acc.max()) < 1
+    assert 1 < float(fan.eal) < 1 + BS
+    _compare(fan, spec_loss, metrics, alpha)
+    spec.h._compare_grads(draft, model, (fan.n_tokens + 1e-5) / fan.n_tokens)
+    for k in (
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+    ):
+        grad = dict(draft.named_parameters())[k].grad
+        assert grad is not None and float(grad.abs().max()) > 0, k
+    model.zero_grad(set_to_none=True)
+
+
+# ---- (b) the differences, pinned ------------------------------------------------------
+
+
+def _spec_pieces(
+    model: Any, batch: dict[str, torch.Tensor], pre: torch.Tensor, n_anchors: int
+) -> dict[str, Any]:
+    """speculators' DSpark forward up to its loss: the backbone, then its own Markov and
+    confidence heads on the slots, as `DSparkDraftModel.forward` applies them."""
+    hidden, logits, targets, mask, idx = model._backbone_forward(
+        batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
+        batch["document_ids"], batch["position_ids"], max_anchors=n_anchors,
+    )  # fmt: skip
+    prev = batch["input_ids"][0, idx].view(n_anchors, BS)  # sample_from_anchor: token at a+k
+    blocks = hidden.view(n_anchors, BS, -1)
+    emb = model.markov_head.prev_embeddings(prev)
+    bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=blocks, prev_emb=emb)
+    logits = (logits.view(n_anchors, BS, -1) + bias).view(1, n_anchors * BS, -1)
+    conf = model.confidence_head(torch.cat([blocks, emb], dim=-1)).reshape(1, n_anchors * BS)
+    return {"logits": logits, "targets": targets, "conf": conf, "mask": mask, "idx": idx}
+
+
+def test_supervision_differences(
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[DSparkDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """speculators gates slot k on loss_mask[a+k], fanout on the predicted token
+    (loss_mask[a+k+1], same document): the extra and missing slots, exactly; given
+    fanout's slot mask, speculators' loss and per-slot accuracies are fanout's."""
+    draft = copy.deepcopy(drafts["full"][0])
+    model, _, _ = loaded["full"]
+    layout = _layout()  # doc 0 = [0, 22) supervised from 3 but 10; doc 1 from 25
+    lm, doc = layout["loss_mask"], layout["document_ids"]
+    # 6: slot 3 predicts the hole; 8, 9: around it (9 is no fanout anchor: its slot 0
+    # predicts the hole); 19, 20: cross into doc 1's prompt; 21: doc 0's last token (no
+    # fanout anchor: speculators trains its slot 0 on doc 1's first token); 30: agrees
+    anchors, valid = _anchors(6, 8, 9, 19, 20, 21, 30)
+    batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=31)
+    _patch_anchors(spec, monkeypatch, anchors, valid)
+    fan = draft.loss(batch, None)
+    with torch.no_grad():
+        r = _spec_pieces(model, batch, pre, anchors.shape[1])
+    pos = r["idx"].view(1, -1, BS)  # [1, A, bs] = a + k
+    spec_sup = r["mask"].bool().view(1, -1, BS)
+    fan_sup = draft.supervision(batch, anchors, valid)
+    # the two rules, as stated
+    v = valid[:, :, None]
+    assert torch.equal(spec_sup, lm[0, pos].bool() & v)
+    same = doc[0, pos + 1] == doc[0, anchors][:, :, None]
+    assert torch.equal(fan_sup, lm[0, pos + 1].bool() & same & v)
+
+    def slots(m: torch.Tensor) -> set[tuple[int, int]]:
+        return {(int(anchors[0, j]), k) for j, k in torch.nonzero(m[0]).tolist()}
+
+    assert slots(spec_sup & ~fan_sup) == {(6, 3), (8, 1), (9, 0), (19, 2), (20, 1), (21, 0)}
+    assert slots(fan_sup & ~spec_sup) == {(8, 2), (9, 1)}
+    assert fan.n_tokens == int(fan_sup.sum())
+
+    flat = fan_sup.flatten()[None].to(r["mask"].dtype)  # fanout's mask into speculators
+    alpha = draft.cfg.confidence_head_alpha
+    spec_loss, metrics = spec.metrics.compute_metrics(
+        r["logits"], r["targets"], r["conf"], flat, BS,
+        loss_config={"ce": (spec.eager.ce_loss, 1.0)}, tv_loss_fn=spec.eager.tv_loss,
+        gamma=draft.cfg.resolved_gamma, confidence_head_alpha=alpha,
+    )  # fmt: skip
+    # EAL / accept_len: speculators counts block 9 (slots 1-3 supervised), fanout only
+    # blocks whose slot 0 is (the blocks its anchor rule draws)
+    _compare(fan, spec_loss, metrics, alpha, blocks=False)
+
+
+def test_anchor_candidates_predict_a_supervised_token(verifier_dir: Path) -> None:
+    """Every anchor DSpark draws has its slot 0 supervised (fanout's DFlash rule), and
+    every supervised token a candidate's slot 0 could predict is drawn."""
+    draft = _draft(verifier_dir, max_anchors=T)
+    layout = _layout()
+    anchors, valid = dspark_model.select_anchors(
+        layout["loss_mask"], layout["document_ids"], T, BS, None
+    )
+    sup = draft.supervision(layout, anchors, valid)
+    assert bool(sup[:, :, 0][valid].all())
+    drawn = set(anchors[valid].tolist())
+    lm, doc = layout["loss_mask"][0], layout["document_ids"][0]
+    want = {a for a in range(T - BS) if lm[a] and lm[a + 1] and doc[a + 1] == doc[a]}
+    assert drawn == want and {9, 21}.isdisjoint(drawn)
+
+
+# ---- fused pieces vs plain autograd (no speculators needed) ----------------------------
+
+
+def test_fused_kl_and_acceptance_rate_equal_plain_autograd(verifier_dir: Path) -> None:
+    draft = _draft(verifier_dir)
+    assert draft.markov_head is not None
+    g = torch.Generator().manual_seed(3)
+    n = 37
+    rows = torch.randn(n, H, generator=g, requires_grad=True)
+    prev = torch.randint(0, VOCAB, (n,), generator=g)
+    teacher = 2 * torch.randn(n, H, generator=g)
+    out_g = torch.randn(n, generator=g)
+    w1, w2, head = draft.markov_head.markov_w1, draft.markov_head.markov_w2, draft.lm_head_weight
+
+    emb = w1(prev)
+    kl, pred = markov_kl_div_and_argmax(rows, emb, head, w2.weight, teacher, chunk_rows=8)
+    (kl * out_g).sum().backward()
+    mine = [t.grad.clone() for t in (rows, w1.weight, w2.weight)]  # type: ignore[union-attr]
+    for t in (rows, w1.weight, w2.weight):
+        t.grad = None
+    logits = rows @ head.t() + w2(w1(prev))  # [n, V] the plain way
+    log_p = F.log_softmax(teacher @ head.t(), -1)
+    ref = (log_p.exp() * (log_p - F.log_softmax(logits, -1))).sum(-1)
+    (ref * out_g).sum().backward()
+    torch.testing.assert_close(kl, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(pred, logits.argmax(-1))
+    for got, t in zip(mine, (rows, w1.weight, w2.weight)):
+        torch.testing.assert_close(got, t.grad, rtol=1e-4, atol=1e-6)
+
+    with torch.no_grad():
+        rate = acceptance_rate(rows, w1(prev), draft, teacher, chunk_rows=5)
+        want = torch.minimum(logits.softmax(-1), log_p.exp()).sum(-1)
+    torch.testing.assert_close(rate, want, rtol=1e-5, atol=1e-6)
+    assert float(rate.min()) > 0 and float(rate.max()) < 1
+
+
+def test_loss_without_markov_head_and_supervised_slot_counts(
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """markov_rank 0 (no confidence head fed by it): the loss runs, its CE is DFlash's
+    fused CE on the slot states alone, and slot k is counted on the predicted token."""
+    draft = _draft(verifier_dir, markov_rank=0, confidence_head_with_markov=False)
+    assert draft.markov_head is None and draft.confidence_head is not None
+    layout = _layout()
+    anchors, valid = _anchors(6, 19, 30)
+    batch = _rows_plain(layout, seed=4)
+    monkeypatch.setattr(dspark_model, "select_anchors", lambda *a, **k: (anchors, valid))
+    out = draft.loss(batch, None)
+    # 6: slot 3 predicts the hole; 19: slots 2, 3 predict doc 1's prompt; 30: all four
+    assert out.per_slot_count.tolist() == [3, 3, 2, 1]
+    assert out.n_tokens == 9
+    assert {"accept_len", "confidence_loss", "confidence_abs_error"} <= set(out.extra)
+    out.loss.backward()
+    assert draft.confidence_head.proj.weight.grad is not None
+
+
+def _rows_plain(layout: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Random rows with `layout` (no speculators counterpart needed)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = {
+        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
+        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
+        "target_ids": torch.randint(0, MASK, (1, T), generator=g),
+        "last_hidden_states": torch.randn(1, T, H, generator=g),
+        **layout,
+    }
+    return batch
+
+
+# ---- (c) the drafting step -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder(verifier_dir: Path) -> Decoder:
+    v = load_verifier(
+        verifier_dir, device="cpu", capture_layer_ids=TARGET_LAYERS, num_draft_layers=None,
+        store_last_hidden_states=True,
+    )  # fmt: skip
+    return Decoder(v, {MASK})
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def trained(verifier_dir: Path, decoder: Decoder) -> DSparkDraft:
+    """A DSpark draft trained briefly on the verifier's own greedy continuations, so
+    decoding accepts drafts (and rolls back rejected ones)."""
+    torch.manual_seed(0)
+    draft = DSparkDraft.from_verifier(
+        verifier_dir, target_layer_ids=TARGET_LAYERS, block_size=BS, mask_token_id=MASK,
+        max_anchors=32, num_layers=1, markov_rank=RANK,
+    )  # fmt: skip
+    v = decoder.verifier
+    rows = []
+    for seed in range(8):
+        prompt = _prompt(6, 100 + seed)
+        rows.append(prompt + Decoder(v, set()).greedy(prompt, 42).tokens)
+    ids = torch.tensor(rows)  # [8, 48]
+    b, t = ids.shape
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    cap = v.capture(ids, pos, doc)
+    assert cap.last_hidden_states is not None
+    batch = {
+        "hidden_states": cap.hidden_states.float(),
+        "input_ids": ids,
+        "target_ids": cap.target_ids.long(),
+        "last_hidden_states": cap.last_hidden_states.float(),
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8),
+        "document_ids": doc,
+        "position_ids": pos,
+    }
+    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        out = draft.loss(batch, gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return draft.eval()
+
+
+class _Recording:
+    """A DraftContext that records how many tokens each drafting step proposed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.sizes: list[int] = []
+
+    def extend(self, hidden: torch.Tensor) -> None:
+        self.inner.extend(hidden)
+
+    @property
+    def proposed_length(self) -> int:  # what the decoder reports beside τ
+        return int(self.inner.proposed_length)
+
+    def propose(self, seq: list[int], choose: Any) -> tuple[list[int], torch.Tensor]:
+        tokens, rows = self.inner.propose(seq, choose)
+        self.sizes.append(len(tokens))
+        assert rows.shape == (len(tokens), VOCAB)
+        return tokens, rows
+
+
+@pytest.mark.parametrize("which", ["trained", "perturbed"])
+def test_greedy_lossless_and_bs_tokens_a_step(
+    which: str, trained: DSparkDraft, decoder: Decoder, verifier_dir: Path
+) -> None:
+    draft = trained if which == "trained" else _draft(verifier_dir).eval()
+    fam = family_of(draft)
+    assert fam.name == "dspark"
+    taus = []
+    # the trained draft on prompts it trained on (acceptance must show), the other on any
+    prompts = ((6, 100), (6, 101), (6, 102)) if which == "trained" else ((3, 0), (17, 1), (30, 2))
+    for n, seed in prompts:
+        prompt = _prompt(n, seed)
+        g = decoder.greedy(prompt, 30)
+        rec = _Recording(fam.context(draft, cached=True))
+        s = decoder.speculative(prompt, draft, 30, context=rec)
+        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
+        assert rec.sizes and set(rec.sizes) == {BS}  # slot 0 drafts too: bs tokens
+        assert s.drafted == BS and max(s.accepted) <= BS and len(rec.sizes) == len(s.accepted)
+        ctx = rec.inner
+        assert isinstance(ctx, DSparkContext)
+        assert s.proposed == ctx.proposed_lengths and len(s.proposed) == len(rec.sizes)
+        assert len(ctx.confidence) == BS and all(0 < c < 1 for c in ctx.confidence)
+        assert ctx.proposed_length == confident_length(ctx.confidence)
+        taus.append(s.acceptance_length)
+    if which == "trained":
+        assert sum(taus) / len(taus) > 2  # drafts are accepted, rejected ones rolled back
+
+
+def test_cached_equals_uncached(trained: DSparkDraft, decoder: Decoder) -> None:
+    for n, seed in ((5, 3), (21, 4)):
+        prompt = _prompt(n, seed)
+        a = decoder.speculative(prompt, trained, 30, cache_draft=True)
+        b = decoder.speculative(prompt, trained, 30, cache_draft=False)
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+    # one step, side by side: same tokens, rows and confidences
+    prompt = _prompt(12, 5)
+    v = decoder.verifier
+    seq = prompt + Decoder(v, set()).greedy(prompt, 1).tokens
+    _, hid = decoder._forward(prompt, 0, decoder._new_cache(), TARGET_LAYERS)
+    assert hid is not None
+    cached = DSparkContext(trained, DraftCache(trained))
+    plain = DSparkContext(trained, UncachedDraft(trained))
+    for ctx in (cached, plain):
+        ctx.extend(hid)
+    ta, ra = cached.propose(seq, lambda row: int(row.argmax()))
+    tb, rb = plain.propose(seq, lambda row: int(row.argmax()))
+    assert ta == tb
+    torch.testing.assert_close(ra, rb, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cached.confidence, plain.confidence, rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def _manual_chain(
+    draft: DSparkDraft, states: torch.Tensor, anchor: int, follow_choice: bool = True
+) -> tuple[list[int], list[float]]:
+    """The DSpark step recomputed from the block states: slot k's row = head logits +
+    W2(W1[prev]) over the verifier vocabulary, prev = the token chosen for slot k-1
+    (or the anchor for every slot when not `follow_choice`)."""
+    assert draft.markov_head is not None and draft.confidence_head is not None
+    base = head_logits(draft, states)  # [bs, V], -inf outside a reduced vocabulary
+    ids = torch.arange(draft.lm_head_weight.shape[0])
+    if draft.d2t is not None:
+        ids = ids + draft.d2t
+    tokens, conf, prev = [], [], anchor
+    for k in range(BS):
+        e = draft.markov_head.markov_w1.weight[prev]  # [r]
+        bias = torch.zeros(VOCAB)
+        bias[ids] = draft.markov_head.markov_w2.weight @ e
+        tok = int((base[k] + bias).argmax())
+        z = draft.confidence_head.proj.weight[0] @ torch.cat([states[k], e])
+        conf.append(float(torch.sigmoid(z + draft.confidence_head.proj.bias[0])))
+        tokens.append(tok)
+        prev = tok if follow_choice else anchor
+    return tokens, conf
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_markov_head_changes_picks(vocab: str, verifier_dir: Path, decoder: Decoder) -> None:
+    ids = None
+    if vocab == "reduced":
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:200].sort().values
+    draft = _draft(verifier_dir, ids).eval()
+    changed = followed = 0
+    for seed in range(6):
+        prompt = _prompt(9 + seed, 10 + seed)
+        _, hid = decoder._forward(prompt, 0, decoder._new_cache(), TARGET_LAYERS)
+        assert hid is not None
+        ctx = DSparkContext(draft, DraftCache(draft))
+        ctx.extend(hid)
+        seq = [*prompt, int(_prompt(1, 50 + seed)[0])]  # any anchor token
+        tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))
+        states = UncachedDraft(draft)
+        states.extend(hid)
+        st = states.block_states(seq)  # [bs, H]
+        want, conf = _manual_chain(draft, st, seq[-1])
+        assert tokens == want
+        torch.testing.assert_close(ctx.confidence, conf, rtol=1e-4, atol=1e-5)
+        assert ctx.proposed_length == confident_length(conf)
+        plain = head_logits(draft, st).argmax(-1).tolist()  # the head alone (DFlash-style)
+        changed += sum(a != b for a, b in zip(tokens, plain))
+        followed += sum(a != b for a, b in zip(tokens, _manual_chain(draft, st, seq[-1], False)[0]))
+        if ids is not None:
+            assert set(tokens) <= set(ids.tolist())
+            assert bool(
+                torch.isinf(rows[:, [i for i in range(VOCAB) if i not in set(ids.tolist())]]).all()
+            )
+    assert changed > 0  # ignoring the Markov head gives other tokens
+    assert followed > 0  # conditioning every slot on the anchor gives other tokens
+
+
+def test_confident_length() -> None:
+    assert confident_length([0.9, 0.8, 0.6, 0.99]) == 2  # 0.9, 0.72, then 0.43 < 0.5
+    assert confident_length([0.4, 0.99]) == 0
+    assert confident_length([1.0] * 4) == 4
+    assert confident_length([0.9, 0.9], threshold=0.85) == 1
+
+
+# ---- (d) bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"markov_head_type": "gated"}, "markov_head_type 'gated' is not implemented"),
+        ({"markov_head_type": "rnn"}, "markov_head_type 'rnn' is not implemented"),
+        ({"markov_rank": 0}, "confidence_head_with_markov needs markov_rank > 0"),
+        ({"markov_rank": -1}, "markov_rank"),
+        ({"confidence_head_alpha": -0.5}, "confidence_head_alpha"),
+        ({"markov_heads": 2}, "markov_heads"),
+        ({"loss_type": "kl", "loss_weighting": "dpace"}, "dpace' needs loss_type 'ce'"),
+    ],
+)
+def test_bad_config_refused(overrides: dict[str, Any], match: str, verifier_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DSparkDraft.from_verifier(
+            verifier_dir, target_layer_ids=TARGET_LAYERS, block_size=BS, mask_token_id=MASK,
+            num_layers=1, **overrides,
+        )  # fmt: skip
+
+
+def test_good_variants_build(verifier_dir: Path) -> None:
+    """The boundaries of the rules above: rank 0 without the Markov-fed confidence head,
+    rank 0 with no confidence head at all, and the head's presence follows the flags."""
+    kw: dict[str, Any] = {
+        "target_layer_ids": TARGET_LAYERS, "block_size": BS, "mask_token_id": MASK,
+        "num_layers": 1,
+    }  # fmt: skip
+    a = DSparkDraft.from_verifier(
+        verifier_dir, markov_rank=0, confidence_head_with_markov=False, **kw
+    )
+    assert a.markov_head is None and a.confidence_head is not None
+    assert a.confidence_head.proj.in_features == H
+    b = DSparkDraft.from_verifier(verifier_dir, markov_rank=0, enable_confidence_head=False, **kw)
+    assert b.markov_head is None and b.confidence_head is None
+    fam = family("dspark")
+    assert fam.needs_last_hidden_states(a.cfg)
+    assert not fam.needs_last_hidden_states(b.cfg)
+    assert fam.needs_last_hidden_states(b.cfg.model_copy(update={"loss_type": "kl"}))
+    assert fam.recipe_defaults == {"block_size": 8}  # 512 anchors, speculators' CLI default
+    assert DSparkConfig.model_fields["markov_rank"].default == 256
+
+
+def test_missing_last_hidden_states_and_wrong_config(verifier_dir: Path) -> None:
+    draft = _draft(verifier_dir)
+    batch = _rows_plain(_layout(), seed=1)
+    del batch["last_hidden_states"]
+    with pytest.raises(ConfigError, match="--store-last-hidden-states"):
+        draft.loss(batch, torch.Generator().manual_seed(0))
+    dflash = DFlashDraft.from_verifier(
+        verifier_dir,
+        target_layer_ids=TARGET_LAYERS,
+        block_size=BS,
+        mask_token_id=MASK,
+        num_layers=1,
+    )
+    with pytest.raises(ConfigError, match="DSparkDraft needs a DSparkConfig"):
+        DSparkDraft(
+            dflash.cfg, dflash.embed_weight, dflash.embed_weight, dflash.verifier_norm_weight
+        )
+    with pytest.raises(TypeError, match="DSpark drafts with a DSparkDraft"):
+        family("dspark").context(dflash)
