@@ -1,4 +1,4 @@
-"""Three draft families from one capture: τ ranked, fan-out rows/s, train step vs speculators.
+"""Four draft families from one capture: τ ranked, fan-out rows/s, train step vs speculators.
 
     .venv/bin/python benchmarks/families.py --json benchmarks/results/families.json  # all
     .venv/bin/python benchmarks/families.py --only step --json /tmp/step.json        # part 3
@@ -31,8 +31,9 @@ step ≈ 35 s.
 3. Each family's train step against speculators 0.9.0's model of it, same config and
    rows. A tiny random Qwen3 verifier (`--step-hidden` × `--step-layers`, vocab
    `--step-vocab`), one fanout draft per family (`Family.build`: 1 layer, block 8,
-   `--step-anchors` anchors, 3 target layers), saved with `save_checkpoint` and loaded
-   by speculators' `DFlashDraftModel` / `DFlash2DraftModel` / `DSparkDraftModel`
+   `--step-anchors` anchors, 3 target layers; EAGLE-3: 1 layer, 3 TTT steps, every
+   position), saved with `save_checkpoint` and loaded by speculators'
+   `DFlashDraftModel` / `DFlash2DraftModel` / `DSparkDraftModel` / `Eagle3DraftModel`
    (`from_pretrained`, eager attention: its flex attention compiles a block mask for
    CUDA). One packed row of `--step-rows` tokens, every token supervised, one document;
    random context states, the verifier's greedy tokens of random final states as labels
@@ -46,7 +47,9 @@ step ≈ 35 s.
    swapped every round, so drifting load hits both); median, min and max per side, the
    ratio of medians fanout / speculators (goal ≤ 1.0) and its per-round min-max. The
    anchors are drawn at random on both sides (same count; positions do not change the
-   work). Without speculators installed this part is skipped and says so.
+   work). EAGLE-3's speculators side gets the row as its `shift_batch` makes it (state t,
+   token t+1, target t+1) with fanout's step-0 mask. Without speculators installed this
+   part is skipped and says so.
 
 `--json OUT` holds every figure: commit (and whether the tree differs from it), date,
 hardware, versions, torch threads, load average (`os.getloadavg`) before and after each
@@ -81,7 +84,7 @@ from fanout.bench.config import BenchConfig
 from fanout.bench.report import hardware, versions
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILY_NAMES = ("dflash", "dflash2", "dspark")
+FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3")
 SCENARIOS = ["1p3c", "unshared"]
 BLOCK = 8
 SPEEDUP_GOAL = 2.0  # aggregate rows/s, 1p3c over unshared
@@ -91,7 +94,10 @@ SPEC_CLASSES = {
     "dflash": ("speculators.models.dflash", "DFlashDraftModel", "DFlashSpeculatorConfig"),
     "dflash2": ("speculators.models.dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig"),
     "dspark": ("speculators.models.dspark", "DSparkDraftModel", "DSparkSpeculatorConfig"),
+    "eagle3": ("speculators.models.eagle3", "Eagle3DraftModel", "Eagle3SpeculatorConfig"),
 }
+# --block-size per family: EAGLE-3 has no block; its verify width is --ttt-steps + 1
+FAMILY_BLOCK = {"eagle3": 4}
 SPEC_LOSS = {"ce": "ce", "kl": "kl_div"}  # fanout loss_type -> speculators --loss-fn
 
 
@@ -177,7 +183,7 @@ def families_config(a: argparse.Namespace) -> BenchConfig:
     )
     proto = base.consumers[0]
     consumers = [
-        proto.model_copy(update={"id": f, "draft_family": f, "block_size": BLOCK,
+        proto.model_copy(update={"id": f, "draft_family": f, "block_size": FAMILY_BLOCK.get(f, BLOCK),
                                  "max_anchors": a.anchors, "max_steps": a.steps, "seed": i})
         for i, f in enumerate(FAMILY_NAMES)
     ]  # fmt: skip
@@ -443,7 +449,9 @@ def family_step(
     from fanout.train.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
-    draft = family(name).build(vdir, target_layer_ids=layers, block_size=BLOCK,
+    eagle = name == "eagle3"
+    draft = family(name).build(vdir, target_layer_ids=layers,
+                               block_size=FAMILY_BLOCK.get(name, BLOCK),
                                max_anchors=a.step_anchors, num_layers=1,
                                loss_type=a.step_loss)  # fmt: skip
     # Weights rounded to bf16 first: model.safetensors is bf16, so both hold the same numbers.
@@ -463,24 +471,39 @@ def family_step(
         loss_fn=SPEC_LOSS[a.step_loss],
         loss_implementation="eager",  # the fused losses are Triton kernels
         max_anchors=a.step_anchors,
-        dflash_decay_gamma=draft.cfg.resolved_gamma,
+        dflash_decay_gamma=None if eagle else draft.cfg.resolved_gamma,
         per_position_loss_weight="fixed-exp-decay",
+        ttt_steps=getattr(draft.cfg, "ttt_steps", 3),
+        ttt_step_loss_decay=getattr(draft.cfg, "ttt_step_loss_decay", 1.0),
     )
+    # EAGLE-3 (speculators' shift_batch): row t = state t, token t+1, target t+1;
+    # the mask fanout's step 0 reads (the predicted token t+2, all supervised here)
+    spec_rows = {
+        "hidden_states": rows["hidden_states"],
+        "input_ids": rows["input_ids"],
+        "loss_mask": rows["loss_mask"],
+        "verifier_last_hidden_states": rows["pre"],
+        "document_ids": rows["document_ids"],
+        "position_ids": rows["position_ids"],
+    }
+    if eagle:
+        spec_rows = {
+            "hidden_states": rows["hidden_states"][:, :-1],
+            "input_ids": rows["input_ids"][:, 1:],
+            "loss_mask": torch.cat([rows["loss_mask"][:, 2:], rows["loss_mask"][:, :1] * 0], 1),
+            "verifier_last_hidden_states": rows["pre"][:, 1:],
+            "document_ids": rows["document_ids"][:, 1:],
+            "position_ids": rows["position_ids"][:, 1:],
+        }
     batch = {k: v for k, v in rows.items() if k != "pre"}
     if not family(name).needs_last_hidden_states(draft.cfg):
         batch.pop("last_hidden_states")
     gen = torch.Generator().manual_seed(0)
 
     def spec_forward() -> torch.Tensor:
-        _, loss, _ = model(
-            hidden_states=rows["hidden_states"],
-            input_ids=rows["input_ids"],
-            loss_mask=rows["loss_mask"],
-            verifier_last_hidden_states=rows["pre"],
-            document_ids=rows["document_ids"],
-            position_ids=rows["position_ids"],
-            **kw,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers on speculators' kwargs
+            _, loss, _ = model(**spec_rows, **kw)
         return loss
 
     sides: dict[str, Step] = {
@@ -527,7 +550,7 @@ def family_step(
         "ratio_min_max": [round(min(per_round), 3), round(max(per_round), 3)],
         "goal_met": ratio <= STEP_GOAL,
         "speculators_class": model_cls.__name__,
-        "gamma": draft.cfg.resolved_gamma,
+        "gamma": None if eagle else draft.cfg.resolved_gamma,
     }
     return res
 

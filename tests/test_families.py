@@ -22,13 +22,14 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
 from fanout.cli import build_parser
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.registry import FAMILIES, family, family_of
 from fanout.families.serving import latest_checkpoint, load_draft, read_config
-from fanout.produce.capture_for import capture_fields, family_layers
+from fanout.produce.capture_for import capture_fields
 from fanout.produce.producer import ProducerConfig
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.trainer import TrainConfig, config_from_args
@@ -64,8 +65,8 @@ def test_unknown_family_is_refused_naming_the_known_ones() -> None:
         [sys.executable, "-m", "fanout.cli", "train", *BASE, "--draft-family", "eagle9"],
         capture_output=True, text=True, env=ENV, timeout=120,
     )  # fmt: skip
-    assert r.returncode != 0 and "--draft-family" in r.stderr.splitlines()[-1]
-    assert "dflash2" in r.stderr.splitlines()[-1]
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr  # one line, exit 1
+    assert "--draft-family" in r.stderr and "'dflash2'" in r.stderr
 
 
 def test_reference_values_apply_where_not_given() -> None:
@@ -84,8 +85,9 @@ def test_reference_values_apply_where_not_given() -> None:
 
 
 def test_capture_for_takes_the_union_and_the_tensors(tmp_path: Path) -> None:
-    assert family_layers(36, 5) == [1, 9, 17, 25, 33]  # DFlash's rule at full depth
-    assert family_layers(6, 5) == [1, 2, 3]  # the demo's 6 layers: what fits in [1, L-3]
+    dflash = family("dflash")
+    assert dflash.default_layers(36) == [1, 9, 17, 25, 33]  # DFlash's rule at full depth
+    assert dflash.default_layers(6) == [1, 2, 3]  # the demo's 6 layers: what fits in [1, L-3]
     ver = tiny_qwen3_verifier(tmp_path / "v", 64, hidden_size=32, num_layers=6)
     base: dict[str, Any] = {
         "run_dir": str(tmp_path / "r"), "verifier_name_or_path": str(ver), "data": ["d.jsonl"],
@@ -134,6 +136,18 @@ def test_every_family_round_trips_its_checkpoint(name: str, ver: Path, tmp_path:
     assert type(back) is type(d) and back.cfg.model_dump() == d.cfg.model_dump()
     for k, v in d.trainable_state().items():
         torch.testing.assert_close(back.trainable_state()[k], v.bfloat16().float(), msg=k)
+    # resume: the exact (fp32) weights come back; the verifier's frozen tensors a family
+    # also serves (EAGLE-3's embedding) are not in the resume file, they come from the
+    # verifier
+    resume = load_file(str(path / "resume.safetensors"))
+    assert "w.embed_tokens.weight" not in resume
+    fresh = _draft(name, ver)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.add_(1.0)
+    load_checkpoint(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+    for k, v in d.state_dict().items():
+        torch.testing.assert_close(fresh.state_dict()[k], v, msg=k, rtol=0, atol=0)
 
 
 def test_a_checkpoint_of_another_family_is_refused(ver: Path, tmp_path: Path) -> None:

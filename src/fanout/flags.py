@@ -58,11 +58,15 @@ def flag_options(
     aliases: tuple[str, ...] = (),
     metavar: str | None = None,
     repeatable: bool = False,
+    choices_checked_by_config: bool = False,
 ) -> dict[str, Any]:
     """`json_schema_extra` for a field whose flag is not the default one:
     `flag` replaces `--field-name`, `aliases` are older flag names still accepted
     (--help lists them; `to_flags` writes only `flag`), `metavar` names the value in
-    --help, `repeatable` lets a list flag be given several times (values add up)."""
+    --help, `repeatable` lets a list flag be given several times (values add up),
+    `choices_checked_by_config` leaves a choice flag's check to the config (a bad name is
+    one line and exit 1, as any bad value, not argparse's usage and exit 2; --help still
+    lists the choices)."""
     out: dict[str, Any] = {}
     if flag is not None:
         out["flag"] = flag
@@ -72,6 +76,8 @@ def flag_options(
         out["metavar"] = metavar
     if repeatable:
         out["repeatable"] = True
+    if choices_checked_by_config:
+        out["choices_checked_by_config"] = True
     return out
 
 
@@ -224,7 +230,10 @@ def add_model_flags(
         if kind == "bool":
             kwargs["action"] = _Switch
         elif kind == "choice":
-            kwargs["choices"] = list(get_args(tp))
+            if extra.get("choices_checked_by_config"):
+                kwargs["metavar"] = "{" + ",".join(map(str, get_args(tp))) + "}"
+            else:
+                kwargs["choices"] = list(get_args(tp))
         elif kind == "dict":
             kwargs["nargs"] = "*"
             kwargs["metavar"] = "KEY=VALUE"

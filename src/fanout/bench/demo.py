@@ -7,10 +7,10 @@ Needs nothing but Python and this repo: it builds its own tiny assets (a BPE
 tokenizer, a briefly trained tiny Qwen3 verifier, a generated chat corpus; cached
 under `<run-dir>/assets`, so the second run starts at once), then runs the `1p3c`
 scenario of the benchmark harness (fanout.bench.bench) with one block-8 draft of each
-family (DFlash, DFlash2, DSpark: `DEMO_FAMILIES`) on the one stream for `--minutes`
+family (DFlash, DFlash2, DSpark, EAGLE-3: `DEMO_FAMILIES`) on the one stream for `--minutes`
 on-policy (the producer runs with `--regenerate`: the verifier rewrites
 the corpus's answers chunk by chunk and the drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
-acceptance length (first → last), windows captured once and read three times, the
+acceptance length (first → last), windows captured once and read by every draft, the
 disk high-water mark against what storing every window would take, and where the
 full report and plots are. It ends with `fanout eval` of the drafts at T = 0 and
 T = 1 on 640 or more held-out prompts (conversations the stream never trained on;
@@ -53,7 +53,10 @@ DEMO_EVAL_PROMPTS = 640
 DEMO_EVAL_MAX_PROMPTS = 2560
 DEMO_TAU_HALF_WIDTH = 0.1
 # one draft of each family on the one stream (captured for all of them: --capture-for)
-DEMO_FAMILIES = ("dflash", "dflash2", "dspark")
+DEMO_FAMILIES = ("dflash", "dflash2", "dspark", "eagle3")
+# --block-size per family: block 8 for the block drafts; EAGLE-3's verify width is its
+# --ttt-steps + 1 (3 drafted tokens + the anchor), the only value it takes
+DEMO_BLOCK = {"eagle3": 4}
 DEMO_TEMPERATURES = [0.0, 1.0]
 
 
@@ -92,7 +95,14 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
             extra_args=["--regenerate", "--turns", "all", "--max-new-tokens", "64"],
         ),
         consumers=[
-            ConsumerSpec(id=f, draft_family=f, block_size=8, max_anchors=16, lr=2e-3, seed=i)
+            ConsumerSpec(
+                id=f,
+                draft_family=f,
+                block_size=DEMO_BLOCK.get(f, 8),
+                max_anchors=16,
+                lr=2e-3,
+                seed=i,
+            )
             for i, f in enumerate(DEMO_FAMILIES)
         ],
         scenarios=["1p3c"],

@@ -90,6 +90,13 @@ class EvalConfig(ChatFormat):
     cache_draft: bool = Field(
         True, description="cache the draft's context k/v as engines do (off: the slow reference)"
     )
+    num_speculative_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens a chain-drafting draft (EAGLE-3) proposes per verify step, as "
+        "vLLM's num_speculative_tokens; default: its checkpoint's (its --ttt-steps). Block "
+        "drafts (DFlash families) draft their block whatever this says",
+    )
     model_card: bool = Field(
         False, description="write README.md (τ per temperature) into each draft's checkpoint"
     )
@@ -244,7 +251,8 @@ def _figures(results: list[DecodeResult], greedy: list[DecodeResult]) -> dict[st
     """τ, per-position acceptance, steps, CI and the decode speed-up of one (draft, T)."""
     bs = results[0].block_size
     steps = sum(len(r.accepted) for r in results)
-    per_pos = [sum(r.position_accepted()[k] for r in results) for k in range(bs - 1)]
+    drafted = results[0].drafted or bs - 1  # tokens a step drafts (the family decides)
+    per_pos = [sum(r.position_accepted()[k] for r in results) for k in range(drafted)]
     tau = sum(n + 1 for r in results for n in r.accepted) / max(steps, 1)
     _, tps, _ = _rates(results)
     _, g_tps, _ = _rates(greedy)
@@ -346,9 +354,11 @@ class EvalSession:
         # the same draws for every draft and rule on a prompt (common random numbers)
         gen = torch.Generator(device=dec.device).manual_seed(cfg.seed * 1_000_003 + p.index)
         r: Rule = "sampled_draft" if rule == "sampled_draft" else "served"
-        return dec.speculative(
-            p.ids, drafts[name], cfg.max_new_tokens, s, gen, r, cache_draft=cfg.cache_draft
+        draft = drafts[name]
+        context = family_of(draft).drafting_context(
+            draft, cached=cfg.cache_draft, num_speculative_tokens=cfg.num_speculative_tokens
         )
+        return dec.speculative(p.ids, draft, cfg.max_new_tokens, s, gen, r, context=context)
 
     def warm(self, drafts: dict[str, DFlashDraft]) -> None:
         """Untimed: every mode once on the first prompt (first-call allocations, kernel

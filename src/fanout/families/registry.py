@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from fanout.errors import ConfigError
-from fanout.families import dflash, dflash2, dspark
+from fanout.families import dflash, dflash2, dspark, eagle3
 from fanout.families.base import Family
-from fanout.flags import field_flag
+from fanout.flags import field_flag, flag_options
 from fanout.model.dflash import DFlashConfig, DFlashDraft
 
 FAMILIES: dict[str, Family] = {
@@ -19,6 +19,7 @@ FAMILIES: dict[str, Family] = {
         dflash.FAMILY,
         dflash2.FAMILY,
         dspark.FAMILY,
+        eagle3.FAMILY,
     ]
 }
 
@@ -43,6 +44,7 @@ class FamilyOptions(*_RECIPES):  # type: ignore[misc]
         "dflash",
         description=f"draft family to train: {', '.join(FAMILIES)} (docs/training.md says "
         "which to choose); its own options are the flags it names",
+        json_schema_extra=flag_options(choices_checked_by_config=True),
     )
 
     @model_validator(mode="after")

@@ -23,8 +23,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from fanout.errors import CheckpointError
+from fanout.errors import CheckpointError, ConfigError
 from fanout.families.base import Family
+from fanout.families.numbering import (
+    from_serving_layer_ids,
+    to_serving_layer_ids,
+)
 from fanout.families.registry import family_of_config, family_of_model_type
 from fanout.filesystem import FileSystem
 from fanout.model.dflash import DFlashConfig, DFlashDraft
@@ -39,9 +43,6 @@ PREFIX = "checkpoint-"
 #    speculators 0.9.0 config layout. 1 (before 2026-12) named the layer below the
 #    one the draft trained on; such checkpoints are refused (see check_format).
 FORMAT_VERSION = 2
-# The speculators release whose DFlash config this layout matches (tests/test_speculators.py
-# loads our checkpoints with it when it is installed).
-SPECULATORS_VERSION = "0.9.0"
 
 
 def committed_checkpoints(root: Path) -> list[Path]:
@@ -61,38 +62,6 @@ def latest_checkpoint(save_dir: str | Path) -> Path | None:
 
 def json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-
-# ---- layer numbering: where fanout's and the serving side's conventions meet ----------
-#
-# fanout (z-lab / SpecForge numbering): target layer i is the *output of decoder layer i*
-#   (0-based), i.e. HF `output_hidden_states` entry `hidden_states[i + 1]`.
-# speculators / vLLM: `aux_hidden_state_layer_ids` are indices into HF `hidden_states`
-#   (entry 0 = embeddings); vLLM subtracts 1 when it wires the decoder layers.
-# These two functions are the only place the +1 happens; every writer and reader of a
-# checkpoint's `aux_hidden_state_layer_ids` goes through them. The list is ascending
-# (fanout.contract.ascending_layer_ids): engines feed the layers in that order whatever
-# order it lists, so check_format refuses any other and upgrade_checkpoint permutes fc.
-
-
-def to_serving_layer_ids(target_layer_ids: list[int] | tuple[int, ...]) -> list[int]:
-    """fanout decoder-layer ids -> speculators/vLLM `aux_hidden_state_layer_ids`.
-
-    >>> to_serving_layer_ids([1, 9, 17])
-    [2, 10, 18]
-    """
-    return [int(i) + 1 for i in target_layer_ids]
-
-
-def from_serving_layer_ids(aux_hidden_state_layer_ids: list[int]) -> list[int]:
-    """speculators/vLLM `aux_hidden_state_layer_ids` -> fanout decoder-layer ids.
-    Entry 0 (the embeddings) is no decoder layer's output: refused."""
-    if any(int(j) < 1 for j in aux_hidden_state_layer_ids):
-        raise CheckpointError(
-            f"aux_hidden_state_layer_ids {aux_hidden_state_layer_ids}: 0 is the embedding "
-            "output, which no fanout capture provides"
-        )
-    return [int(j) - 1 for j in aux_hidden_state_layer_ids]
 
 
 def _verifier_identity(verifier_name_or_path: str, serving_name: str | None) -> dict[str, Any]:
@@ -125,60 +94,15 @@ def speculators_config(
     EAL)."""
     c = draft.cfg
     fam = family_of_config(c)
-    layer_cfg = {
-        "model_type": "qwen3",
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        # transformers >= 5 (and speculators 0.9.0) keep RoPE under rope_parameters
-        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "layer_types": ["full_attention"] * c.num_layers,
-        "tie_word_embeddings": c.tie_word_embeddings,
-    }
     return {
-        "speculators_model_type": fam.speculators_model_type,
-        # what speculators' save_pretrained of the family's draft writes (the model class)
-        "architectures": list(fam.architectures),
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer_cfg,
-        "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
-        "block_size": c.block_size,
-        "target_hidden_size": c.hidden_size,
-        "aux_hidden_state_layer_ids": to_serving_layer_ids(c.target_layer_ids),
-        "mask_token_id": c.mask_token_id,
-        "sample_from_anchor": fam.sample_from_anchor,
-        "sliding_window_non_causal": fam.sliding_window_non_causal,
-        **fam.config_fields(c),
-        "speculators_config": {
-            "algorithm": fam.speculators_model_type,
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": fam.speculative_tokens(c),
-                    "accept_tolerance": 0.0,
-                    "verifier_accept_k": 1,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": _verifier_identity(verifier_name_or_path, verifier_serving_name),
-        },
-        "dtype": "bfloat16",
-        # the draft's own head is never tied (speculators forces False and writes it)
-        "tie_word_embeddings": False,
+        **fam.speculators_fields(
+            c, _verifier_identity(verifier_name_or_path, verifier_serving_name)
+        ),
         "fanout": {
             "format_version": FORMAT_VERSION,
             "family": fam.name,
-            # fanout numbering (decoder-layer outputs); aux_hidden_state_layer_ids above
-            # is the same list + 1
+            # fanout numbering (decoder-layer outputs); the family's layer field above
+            # (aux_hidden_state_layer_ids, EAGLE-3's eagle_aux_...) is the same list + 1
             "dflash_config": c.model_dump(),
             **(extra or {}),
         },
@@ -207,20 +131,31 @@ def check_format(path: Path, cfg: dict[str, Any]) -> None:
             f"format {FORMAT_VERSION}"
         )
     fan_ids = fan.get("dflash_config", {}).get("target_layer_ids")
-    aux = cfg.get("aux_hidden_state_layer_ids")
+    field = _layer_ids_field(cfg)
+    aux = cfg.get(field)
     if not isinstance(aux, list) or from_serving_layer_ids(aux) != fan_ids:
         raise CheckpointError(
-            f"{path / 'config.json'}: aux_hidden_state_layer_ids {aux} is not "
+            f"{path / 'config.json'}: {field} {aux} is not "
             f"fanout.dflash_config.target_layer_ids {fan_ids} + 1; the file was edited "
             "inconsistently"
         )
     if aux != sorted(set(aux)):
         raise CheckpointError(
-            f"{path / 'config.json'}: aux_hidden_state_layer_ids {aux} are not in ascending "
+            f"{path / 'config.json'}: {field} {aux} are not in ascending "
             "order: its fc columns follow that order, but serving engines (and fanout eval) "
             "feed a draft its layers in ascending order, so it would read the wrong layers. "
             f"Rewrite it with `fanout upgrade-checkpoint {path}` (permutes the fc columns)"
         )
+
+
+def _layer_ids_field(cfg: dict[str, Any]) -> str:
+    """The field a checkpoint's config keeps its layers in: its family's (EAGLE-3:
+    `eagle_aux_hidden_state_layer_ids`), DFlash's for a family fanout does not know
+    (refused by name where the family is read)."""
+    try:
+        return family_of_model_type(cfg.get("speculators_model_type"), where="").layer_ids_field
+    except ConfigError:
+        return "aux_hidden_state_layer_ids"
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -378,7 +313,7 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
     fam = checkpoint_family(path, cfg)
     tl = cfg.get("transformer_layer_config") or {}
     nvl = vcfg["_num_hidden_layers"]
-    layers = from_serving_layer_ids(cfg["aux_hidden_state_layer_ids"])
+    layers = from_serving_layer_ids(cfg[fam.layer_ids_field])
     where = path / "config.json"
     for key, mine in (("hidden_size", tl.get("hidden_size")), ("vocab_size", tl.get("vocab_size"))):
         if mine != vcfg[key]:
@@ -388,7 +323,7 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
             )
     if max(layers) >= nvl:
         raise CheckpointError(
-            f"{where}: aux_hidden_state_layer_ids {cfg['aux_hidden_state_layer_ids']} "
+            f"{where}: {fam.layer_ids_field} {cfg[fam.layer_ids_field]} "
             f"(decoder layers {layers}) do not exist in the {nvl}-layer verifier {vdir}"
         )
     rope = tl.get("rope_parameters") or {}
@@ -417,8 +352,7 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
             draft_vocab_size=(
                 cfg["draft_vocab_size"] if cfg["draft_vocab_size"] != tl["vocab_size"] else None
             ),
-            block_size=cfg["block_size"],
-            mask_token_id=cfg["mask_token_id"],
+            **fam.layout_fields(cfg, saved),
             target_layer_ids=layers,
             tie_word_embeddings=bool(tl.get("tie_word_embeddings", False)),
         )
@@ -441,7 +375,18 @@ def _load_weights(
                 f"{tuple(draft.lm_head_weight.shape)}"
             )
         draft.lm_head_weight = saved_head.to(dtype)
-    shapes = {k: v.shape for k, v in draft.trainable_state().items()}
+    # a family that writes the frozen embedding and head whole (EAGLE-3, as speculators'
+    # reads them) lists them in trainable_state: the file's copies are used, as above
+    saved_embed = w.pop("embed_tokens.weight", None)
+    if saved_embed is not None:
+        if saved_embed.shape != draft.embed_weight.shape:
+            raise CheckpointError(
+                f"{weights_file}: embed_tokens.weight {tuple(saved_embed.shape)} != "
+                f"{tuple(draft.embed_weight.shape)}"
+            )
+        draft.embed_weight = saved_embed.to(dtype)
+    frozen = ("lm_head.weight", "embed_tokens.weight")
+    shapes = {k: v.shape for k, v in draft.trainable_state().items() if k not in frozen}
     missing, unexpected = sorted(set(shapes) - set(w)), sorted(set(w) - set(shapes))
     if missing or unexpected:
         raise CheckpointError(

@@ -158,6 +158,18 @@ class DFlashConfig(DraftRecipe):
 
 
 @dataclass
+class Blocks:
+    """One step's drawn blocks (`DFlashDraft.blocks`)."""
+
+    anchors: torch.Tensor  # [B, A] anchor positions (padding: anchor 0, valid False)
+    valid: torch.Tensor  # [B, A] real anchors
+    sup: torch.Tensor  # [B, A, bs] slots with a loss (after the draft-vocabulary cut)
+    label: torch.Tensor  # [B, A, bs] each slot's label, draft-vocab ids (-100: not kept)
+    has: torch.Tensor  # [B, A] blocks that count in EAL
+    hid: torch.Tensor  # [B, A, bs, H] final-norm slot states
+
+
+@dataclass
 class LossOutput:
     """What one `DFlashDraft.loss` call returns (tensors detached except `loss`)."""
 
@@ -282,6 +294,9 @@ class DFlashDraft(nn.Module):
 
     # the config a family's draft is built from (a family subclass names its own)
     config_class: ClassVar[type[DFlashConfig]] = DFlashConfig
+    # the block's first drafted slot: 1 (the anchor is the verifier's bonus token); a
+    # family that drafts from the anchor too (DSpark) sets 0
+    first_drafted_slot: ClassVar[int] = 1
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
     verifier_norm_weight: torch.Tensor
@@ -459,8 +474,18 @@ class DFlashDraft(nn.Module):
         idx = pos.flatten(1)[:, :, None].expand(-1, -1, h)  # [B, A·bs, H]
         return last.gather(1, idx).view(*pos.shape, h).to(self.lm_head_weight.dtype)
 
-    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
-        """Draw anchors from `generator`, run the blocks, return loss and metrics.
+    def supervision(
+        self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Slots with a loss `[B, A, bs]`: `anchors.slot_supervision` (a family whose slot
+        k predicts another token than a+k, DSpark's, overrides this)."""
+        bs = self.cfg.block_size
+        return slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs)
+
+    def blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> Blocks:
+        """One step's blocks, what every DFlash-family loss starts from: anchors drawn
+        from `generator`, the supervised slots and their labels (cut to the draft
+        vocabulary), the blocks that count in EAL, the final-norm slot states.
         `batch`: hidden_states [B,T,n·H], target_ids, input_ids, loss_mask, document_ids,
         position_ids [B,T] (as in a window row)."""
         cfg, bs = self.cfg, self.cfg.block_size
@@ -468,16 +493,27 @@ class DFlashDraft(nn.Module):
         anchors, valid = select_anchors(
             batch["loss_mask"], batch["document_ids"], cfg.max_anchors, bs, generator
         )
-        sup = slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs)
+        sup = self.supervision(batch, anchors, valid)  # [B, A, bs]
         label = self.labels(batch, anchors)  # [B, A, bs]
-        # Blocks that count in EAL: slot 1 supervised, *before* the draft-vocabulary cut — a
-        # block whose next verifier token the draft cannot emit still counts, as length 1
-        # (serving accepts only the bonus token there).
-        has = sup[:, :, 1].clone()  # [B, A]
+        # Blocks that count in EAL: the first drafted slot supervised, *before* the
+        # draft-vocabulary cut — a block whose next verifier token the draft cannot emit
+        # still counts, as length 1 (serving accepts only the bonus token there).
+        has = sup[:, :, self.first_drafted_slot].clone()  # [B, A]
         if cfg.draft_vocab_size is not None:
             label = self.t2d_index[label]  # verifier id -> draft id (-100 if not kept)
             sup = sup & (label >= 0)
         hid = self.block_hidden(batch, anchors, valid)  # [B, A, bs, H]
+        return Blocks(anchors, valid, sup, label, has, hid)
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
+        """Draw the blocks (`blocks`), return DFlash's loss and metrics on them."""
+        return self.block_loss(batch, self.blocks(batch, generator))
+
+    def block_loss(self, batch: dict[str, torch.Tensor], b: Blocks) -> LossOutput:
+        """DFlash's loss and metrics on drawn blocks `b` (see the module docstring); a
+        family that adds a term (DFlash2's selector) calls this for the unary part."""
+        cfg, bs = self.cfg, self.cfg.block_size
+        anchors, valid, sup, label, has, hid = b.anchors, b.valid, b.sup, b.label, b.has, b.hid
         rows = hid[sup]  # [M, H] only supervised slots reach the head
         if cfg.loss_type == "kl":
             teacher = self.verifier_rows(batch, anchors)[sup]  # [M, H]
@@ -574,6 +610,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 __all__ = [
+    "Blocks",
     "DFlashConfig",
     "DFlashDraft",
     "LossOutput",

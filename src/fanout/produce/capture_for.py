@@ -3,9 +3,10 @@ train on.
 
     fanout produce --capture-for dflash,dflash2,dspark ...   # then any mix of trainers
 
-Each family's default layers are the DFlash rule (`default_target_layer_ids`) for its
-reference depth, capped at the distinct layers a shallow verifier has (the demo's has
-6: layers 1, 2, 3); the capture is their union with any `--capture-layer-ids` given.
+Each family's default layers are its own (`Family.default_layers`: for the DFlash
+families the DFlash rule at the reference depth, capped at the distinct layers a shallow
+verifier has: the demo's 6 give 1, 2, 3); the capture is their union with any
+`--capture-layer-ids` given.
 A family whose reference recipe trains on the verifier's final hidden states (DSpark's
 confidence head) turns on `--store-last-hidden-states`. What each trainer reads out of
 it is its own `--draft-layer-ids` (default: every captured layer).
@@ -19,7 +20,6 @@ from typing import Any, Protocol
 from pydantic import BaseModel, Field, field_validator
 
 from fanout.families.registry import FamilyName, family
-from fanout.model.dflash import DraftRecipe, default_target_layer_ids
 from fanout.model.verifier_dir import read_verifier_config
 
 
@@ -54,13 +54,6 @@ class _Capture(Protocol):
     def verifier_name_or_path(self) -> str: ...
 
 
-def family_layers(num_verifier_layers: int, num_draft_layers: int) -> list[int]:
-    """A family's default capture layers on a verifier of this depth: the DFlash rule
-    for its depth, with as many layers as the verifier's [1, L - 3] span holds."""
-    fits = max(1, min(num_draft_layers, num_verifier_layers - 3))
-    return default_target_layer_ids(num_verifier_layers, fits)
-
-
 def capture_fields(cfg: _Capture) -> dict[str, Any]:
     """The capture fields `--capture-for` sets (empty without it): the layer union and
     `store_last_hidden_states`."""
@@ -75,10 +68,9 @@ def capture_fields(cfg: _Capture) -> dict[str, Any]:
     last = cfg.store_last_hidden_states
     for name in cfg.capture_for:
         fam = family(name, where="--capture-for")
-        depth = {**DraftRecipe().model_dump(), **fam.recipe_defaults}["num_layers"]
-        layers |= set(family_layers(n, depth))
+        layers |= set(fam.default_layers(n))
         last = last or fam.captures_last_hidden_states
     return {"capture_layer_ids": sorted(layers), "store_last_hidden_states": last}
 
 
-__all__ = ["CaptureForOptions", "capture_fields", "family_layers"]
+__all__ = ["CaptureForOptions", "capture_fields"]

@@ -178,7 +178,15 @@ def _write_files(
         serve["d2t"] = draft.d2t.cpu()  # type: ignore[union-attr]
         serve["t2d"] = draft.t2d.cpu()  # type: ignore[union-attr]
     opt_tensors, opt_meta = _optimizer_payload(optimizer)
-    resume = {f"w.{k}": v for k, v in weights.items()} | opt_tensors | _rng_tensors(generators)
+    # The resume file holds what the draft's state_dict restores: not the verifier's
+    # frozen tensors a family writes into its serving file too (EAGLE-3's embedding,
+    # 2.5 GB in fp32 for Qwen3-8B), which a resumed draft reloads from the verifier.
+    own = _resumed_keys(draft)
+    resume = (
+        {f"w.{k}": v for k, v in weights.items() if k in own}
+        | opt_tensors
+        | _rng_tensors(generators)
+    )
     # "pt": what transformers' from_pretrained (so speculators) requires of the format key
     fs.write_new(
         tmp / "model.safetensors",
@@ -207,6 +215,11 @@ def _prune(root: Path, keep: int) -> None:
     for p in [*root.glob(f".tmp-{PREFIX}*"), *root.glob(f".{PREFIX}*.old-*")]:
         if _writer_gone(p.name):
             shutil.rmtree(p, ignore_errors=True)
+
+
+def _resumed_keys(draft: DFlashDraft) -> set[str]:
+    """The serving tensors a resume file carries: those the draft's state_dict holds."""
+    return set(draft.trainable_state()) & set(draft.state_dict())
 
 
 def _writer_gone(name: str) -> bool:
@@ -257,7 +270,7 @@ def load_checkpoint(
     t = load_file(str(p / "resume.safetensors"))
     weights = {k[2:]: v for k, v in t.items() if k.startswith("w.")}
     draft.load_state_dict(weights, strict=False)  # rope buffers are recomputed, not saved
-    missing = set(draft.trainable_state()) - set(weights)
+    missing = _resumed_keys(draft) - set(weights)
     if missing:
         raise ConfigError(f"{p / 'resume.safetensors'}: missing weights {sorted(missing)}")
     if optimizer is not None:

@@ -44,6 +44,7 @@ from fanout.families.registry import FamilyOptions, family
 from fanout.families.serving import latest_checkpoint
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
 from fanout.model.dflash import DFlashDraft, DraftRecipe
+from fanout.model.verifier_dir import read_verifier_config
 from fanout.ops.fp8 import dequantize
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
@@ -279,16 +280,17 @@ class Trainer:
                 f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
                 "captured without them: produce the run with --store-last-hidden-states"
             )
-        t, bs = contract.seq_len, cfg.draft_recipe()["block_size"]
-        if bs >= t:  # no anchor fits (fanout.model.anchors): every step is empty
-            raise ConfigError(
-                f"--block-size {bs} does not fit {run_dir}'s rows of T = {t} "
-                f"tokens (its seq_len): an anchor must lie before position T - block size, "
-                f"so the largest block that can train is {t - 1} (anchored at position 0 "
-                "only; a block well below T leaves room for anchors)"
-            )
-        # Any subset of the captured layers (naming the captured ones), in ascending order.
-        layers = ascending_layer_ids(cfg.draft_layer_ids or contract.target_layer_ids)
+        fam = family(cfg.draft_family)
+        # rows too short for the recipe (DFlash families: the block; EAGLE-3: its TTT steps)
+        why = fam.row_length_error(cfg.draft_recipe(), contract.seq_len, str(run_dir))
+        if why is not None:
+            raise ConfigError(why)
+        # Any subset of the captured layers (naming the captured ones), in ascending order;
+        # by default what the family reads of the capture (every layer; EAGLE-3: its own)
+        layers = ascending_layer_ids(
+            cfg.draft_layer_ids
+            or fam.draft_layers(list(contract.target_layer_ids), Path(cfg.verifier_name_or_path))
+        )
         contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
         return layers
 
@@ -300,7 +302,13 @@ class Trainer:
         if cfg.mask_token_id is not None:
             overrides["mask_token_id"] = cfg.mask_token_id
         vocab_ids = None
-        if cfg.draft_vocab_size is not None:
+        fam = family(cfg.draft_family)
+        # the family's reference vocabulary where none is given (EAGLE-3: 32,000 tokens)
+        n_vocab = cfg.draft_vocab_size or fam.default_draft_vocab_size(
+            read_verifier_config(Path(cfg.verifier_name_or_path))["vocab_size"]
+        )
+        overrides["draft_vocab_size"] = n_vocab
+        if n_vocab is not None:
             # the producer writes the counts at its start: say so while they are missing
             waits = WaitNotice(cfg.acquire_timeout_s).start()
             waits.begin(lambda: f"the producer's token counts ({TOKEN_COUNTS} in the run dir)")
@@ -310,15 +318,14 @@ class Trainer:
                 )
             finally:
                 waits.stop()
-            vocab_ids = select_draft_vocab(counts, cfg.draft_vocab_size)
+            vocab_ids = select_draft_vocab(counts, n_vocab)
             log.info(
                 "draft vocabulary: %d of %d tokens, covering %.2f%% of the data's "
                 "loss-masked tokens",
-                cfg.draft_vocab_size,
+                n_vocab,
                 counts.shape[0],
                 100 * coverage(counts, vocab_ids),
             )
-        fam = family(cfg.draft_family)
         draft = fam.build(
             cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
         )

@@ -20,7 +20,8 @@ Architecture (speculators 0.9.0 `DFlash2DraftModel`, after Z Lab's DFlash2):
   slot's final-norm state). Serving walks the block greedily: slot 1's predecessor is
   the anchor, slot k's the token chosen at slot k-1 (fanout.families.dflash2.propose).
 
-Loss (`DFlash2Draft.loss`): `DFlashDraft.loss` unchanged (the unary loss: fanout's CE
+Loss (`DFlash2Draft.loss`): on one `DFlashDraft.blocks` pass, `DFlashDraft.block_loss`
+unchanged (the unary loss: fanout's CE
 or KL, its supervision rule, its per-slot weights and normalisation) plus
 `selector_loss_alpha` x the selector's K-way cross-entropy over the training candidates
 (the unary top-k with the label written over rank K when the top-k misses it,
@@ -51,7 +52,7 @@ from torch import nn
 
 from fanout.errors import ConfigError
 from fanout.families.dflash2.config import DFlash2Config
-from fanout.model.anchors import block_positions, slot_supervision
+from fanout.model.anchors import block_positions
 from fanout.model.dflash import DecoderLayer, DFlashConfig, DFlashDraft, LossOutput
 
 # Rows per chunk are sized so one chunk's temporary ([chunk, V] logits for the top-k,
@@ -250,8 +251,6 @@ class DFlash2Draft(DFlashDraft):
         if not isinstance(cfg, DFlash2Config):
             raise ConfigError(f"DFlash2Draft needs a DFlash2Config, got {type(cfg).__name__}")
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
-        # (anchors, valid, block states) of each block pass while loss() runs, else None
-        self._blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
         self.candidate_selector = CandidateSelector(
             cfg.vocab_size, cfg.hidden_size, cfg.selector_rank
         )
@@ -299,14 +298,6 @@ class DFlash2Draft(DFlashDraft):
             where = Path(verifier_dir) / "config.json"
             raise ConfigError(f"DFlash2Config from {where} + overrides: {why}") from None
 
-    def block_hidden(
-        self, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor
-    ) -> torch.Tensor:
-        hid = super().block_hidden(batch, anchors, valid)  # [B, A, bs, H]
-        if self._blocks is not None:  # inside loss(): the selector reuses the unary pass
-            self._blocks.append((anchors, valid, hid))
-        return hid
-
     def predecessors(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """The token before each slot `[B, A, bs]`: the row's token at a+k-1 (slot 1's is
         the anchor; slot 0's, never supervised, is clamped to a-1)."""
@@ -315,19 +306,15 @@ class DFlash2Draft(DFlashDraft):
         return ids.gather(1, pos.flatten(1)).view_as(pos)
 
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
-        """DFlashDraft.loss (the unary loss, its anchors drawn from `generator`) plus
+        """DFlash's loss on one block pass (`blocks`, anchors drawn from `generator`) plus
         `selector_loss_alpha` x the selector loss; metrics as the module docstring says."""
         cfg, bs = self.cfg, self.cfg.block_size
-        self._blocks = []
-        try:
-            unary = super().loss(batch, generator)
-        finally:
-            seen, self._blocks = self._blocks, None
-        anchors, valid, hid = seen[-1]  # the one block pass of that loss
-        sup = slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs)
-        rows = hid[sup]  # [M, H] supervised slots, as the unary loss
-        target = self.labels(batch, anchors)[sup]  # [M] verifier ids (= draft ids: full vocab)
-        prev = self.predecessors(batch, anchors)[sup]  # [M]
+        b = self.blocks(batch, generator)  # one block pass for both losses
+        unary = self.block_loss(batch, b)
+        sup = b.sup  # [B, A, bs] (full vocabulary: no slot cut)
+        rows = b.hid[sup]  # [M, H] supervised slots, as the unary loss
+        target = b.label[sup]  # [M] verifier ids (= draft ids: full vocab)
+        prev = self.predecessors(batch, b.anchors)[sup]  # [M]
         slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M]
         top = unary_top_k(rows.detach(), self.lm_head_weight, cfg.selector_top_k)  # [M, K]
         cand, rank, present = training_candidates(top, target)  # [M, K], [M], [M]
@@ -343,7 +330,7 @@ class DFlash2Draft(DFlashDraft):
             cnt = unary.per_slot_count  # [bs-1]
             acc = correct[:, :, 1:].sum(dim=(0, 1)) / cnt.clamp(min=1)
             run = torch.cumprod(correct[:, :, 1:].long(), dim=2).sum(dim=2)  # [B, A]
-            has = sup[:, :, 1]  # [B, A] blocks that count (DFlashDraft.loss's rule)
+            has = b.has  # [B, A] blocks that count (DFlashDraft.blocks' rule)
             eal = (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
             n = max(n_tok, 1)
             extra = {

@@ -12,9 +12,11 @@ What it adds to DFlash (speculators 0.9.0 `DSparkDraftModel`, same parameter nam
 - `markov_head.markov_w1` (Embedding [verifier V, rank]) and `markov_head.markov_w2`
   (Linear rank -> draft V, no bias): slot k's logits get the bias `W2(W1[prev_k])`,
   prev_k the token at a+k (slot 0: the anchor). The corrected logits are
-  `[h ; W1[prev]] @ [head ; W2]^T`, so the CE is the fused linear CE
-  (`fanout.ops.linear_ce`) on the concatenated features and weights: no
-  `[slots, vocab]` logits, gradients to h, W1 and W2;
+  `h @ head^T + W1[prev] @ W2^T`, so the CE (or KL) is the two-head linear CE
+  (`fanout.ops.two_head_ce`): no `[slots, vocab]` logits, no weight copy, gradients to
+  h, W1 and W2 only (the frozen head gets none), and with the exp decay every gradient
+  is computed in forward (the slot weights are known there), the acceptance rate from
+  the same logits;
 - `confidence_head.proj` (Linear H + rank -> 1, with bias) on `[h ; W1[prev]]` (or `h`
   alone without `confidence_head_with_markov`): a logit for the probability that the
   slot's token is accepted, trained with BCE against the analytical acceptance rate
@@ -55,7 +57,7 @@ Loss: `sum_k w_k CE_k / n + alpha * sum_k exp(-k/gamma) BCE_k / n` over the n su
 slots; `w_k = exp(-k/gamma)` (speculators' `dflash_loss_decay` with
 `sample_from_anchor`: slot 0 weight 1) or D-PACE; the BCE always uses the exp decay
 (speculators: D-PACE expects a token CE). `loss_type="kl"` replaces the CE with
-KL(p || q). TV is computed in row chunks under no_grad (no `[slots, V]` fp32 at once).
+KL(p || q). TV comes from the CE's / KL's own row chunks (no `[slots, V]` fp32 at once).
 
 Metrics (`LossOutput`): `per_slot_acc[k]` greedy accuracy of slot k = 0..bs-1; `eal` =
 1 + the exact-match prefix of slots 0, 1, ... averaged over blocks whose slot 0 is
@@ -67,7 +69,7 @@ unweighted by alpha) and `confidence_abs_error` (mean |sigmoid(c) - acceptance r
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +77,10 @@ from torch import nn
 
 from fanout.errors import ConfigError
 from fanout.families.dspark.config import DSparkConfig
-from fanout.model.anchors import block_positions, select_anchors, slot_supervision
+from fanout.model.anchors import block_positions, slot_supervision
 from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput, _check_batch
-from fanout.ops.linear_ce import _chunk_rows, _mm_fp32, linear_cross_entropy_and_argmax
-from fanout.ops.linear_kl import linear_kl_div_and_argmax
+from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
+from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax, two_head_kl_div_and_argmax
 
 
 class MarkovHead(nn.Module):
@@ -112,6 +114,7 @@ class DSparkDraft(DFlashDraft):
     `confidence_head` (when `enable_confidence_head`); see the module docstring."""
 
     config_class: ClassVar[type[DFlashConfig]] = DSparkConfig
+    first_drafted_slot: ClassVar[int] = 0  # slot 0 (the anchor) predicts the next token
     cfg: DSparkConfig
 
     def __init__(
@@ -186,23 +189,17 @@ class DSparkDraft(DFlashDraft):
         idx = pos.flatten(1)[:, :, None].expand(-1, -1, h)  # [B, A·bs, H]
         return last.gather(1, idx).view(*pos.shape, h).to(self.lm_head_weight.dtype)
 
-    def markov_features(
-        self, hid: torch.Tensor, prev: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows `hid` `[M, H]` with their previous tokens `prev` `[M]` -> the features the
-        corrected logits are linear in, `[h ; W1[prev]]` `[M, H + rank]` (`hid` itself
-        without a Markov head), and `W1[prev]` `[M, rank]` (or None)."""
+    def markov_inputs(
+        self, prev: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Previous tokens `prev` `[M]` -> the Markov head's second-head features
+        `W1[prev]` `[M, rank]` (in `dtype`) and weights `W2` `[draft V, rank]` (in the
+        head's dtype): the bias is `W1[prev] @ W2^T`. (None, None) without a Markov head."""
         if self.markov_head is None:
-            return hid, None
-        emb = self.markov_head.markov_w1(prev).to(hid.dtype)  # [M, rank]
-        return torch.cat([hid, emb], dim=-1), emb
-
-    def markov_weight(self) -> torch.Tensor:
-        """The weights of the corrected logits, `[head ; W2]` `[draft V, H + rank]`."""
-        if self.markov_head is None:
-            return self.lm_head_weight
+            return None, None
+        emb = self.markov_head.markov_w1(prev).to(dtype)  # [M, rank]
         w2 = self.markov_head.markov_w2.weight.to(self.lm_head_weight.dtype)  # [Vd, rank]
-        return torch.cat([self.lm_head_weight, w2], dim=1)
+        return emb, w2
 
     def confidence_logits(self, hid: torch.Tensor, emb: torch.Tensor | None) -> torch.Tensor:
         """Confidence-head logits `[M]` of rows `hid` `[M, H]` with their W1 embeddings."""
@@ -227,43 +224,37 @@ class DSparkDraft(DFlashDraft):
                 "is the verifier's distribution): capture the run with "
                 "--store-last-hidden-states, or train with --no-enable-confidence-head"
             )
-        anchors, valid = select_anchors(
-            batch["loss_mask"], batch["document_ids"], cfg.max_anchors, bs, generator
-        )
-        sup = self.supervision(batch, anchors, valid)  # [B, A, bs]
-        label = self.labels(batch, anchors)  # [B, A, bs]
-        # Blocks that count in EAL / accept_len: slot 0 supervised, before the vocabulary
-        # cut (a block whose next verifier token the draft cannot emit counts as length 1).
-        has = sup[:, :, 0].clone()  # [B, A]
-        if cfg.draft_vocab_size is not None:
-            label = self.t2d_index[label]  # verifier id -> draft id (-100 if not kept)
-            sup = sup & (label >= 0)
-        hid = self.block_hidden(batch, anchors, valid)  # [B, A, bs, H]
+        # DFlash's draw with DSpark's supervision; blocks that count in EAL / accept_len:
+        # slot 0 supervised (first_drafted_slot), before the vocabulary cut
+        b = self.blocks(batch, generator)
+        anchors, valid, sup, label, has, hid = b.anchors, b.valid, b.sup, b.label, b.has, b.hid
         rows = hid[sup]  # [M, H] only supervised slots reach the heads
-        x, emb = self.markov_features(rows, self.prev_tokens(batch, anchors)[sup])  # [M, H+r]
+        emb, w2 = self.markov_inputs(self.prev_tokens(batch, anchors)[sup], rows.dtype)
         teacher = (
             self.verifier_rows(batch, anchors)[sup] if "last_hidden_states" in batch else None
         )  # [M, H]
-        if cfg.loss_type == "kl":
-            assert teacher is not None
-            if emb is None:
-                ce, pred = linear_kl_div_and_argmax(rows, teacher, self.lm_head_weight)
-            else:
-                assert self.markov_head is not None
-                ce, pred = markov_kl_div_and_argmax(
-                    rows, emb, self.lm_head_weight, self.markov_head.markov_w2.weight, teacher
-                )
-        else:
-            ce, pred = linear_cross_entropy_and_argmax(
-                x, self.markov_weight(), label[sup], reduction="none"
-            )  # [M], [M]
         slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M] slot index k
         n_tok = int(sup.sum())
-        loss = (ce * self._slot_weights(ce.detach(), sup, slot)).sum() / max(n_tok, 1)
+        # The exp decay is known before the loss: the op folds every gradient into its
+        # forward pass (sum_i w_i CE_i). D-PACE weighs by the CE itself: per-row CE, and
+        # backward recomputes the logits.
+        row_w = self._exp_weights(slot) if cfg.loss_weighting == "exp" else None  # [M]
+        head = self.lm_head_weight
+        if cfg.loss_type == "kl":
+            assert teacher is not None
+            out = two_head_kl_div_and_argmax(rows, emb, head, w2, teacher, row_weight=row_w)
+        else:
+            out = two_head_cross_entropy_and_argmax(
+                rows, emb, head, w2, label[sup], teacher=teacher, row_weight=row_w
+            )
+        pred = out.pred  # [M]
+        if row_w is None:
+            ce_sum = (out.loss * self._slot_weights(out.rows, sup, slot)).sum()
+        else:
+            ce_sum = out.loss  # sum_i w_i CE_i
+        loss = ce_sum / max(n_tok, 1)
         extra: dict[str, float] = {}
-        accept = None
-        if teacher is not None:
-            accept = acceptance_rate(rows, emb, self, teacher)  # [M] fp32, no grad
+        accept = out.accept  # [M] fp32 1 - TV(q, p), no grad (None without a teacher)
         if conf_on:
             assert accept is not None
             logit = self.confidence_logits(rows, emb).float()  # [M]
@@ -322,7 +313,8 @@ def acceptance_rate(
 ) -> torch.Tensor:
     """Per-row analytical acceptance rate `sum_v min(q_v, p_v) = 1 - TV(q, p)` `[M]`
     fp32: q the draft's corrected distribution, p the verifier's, both over the draft
-    vocabulary; row chunks of about 256 MiB of fp32 logits per side."""
+    vocabulary; row chunks of about 256 MiB of fp32 logits per side. (Standalone: the
+    loss takes it from its CE / KL pass, which has the logits already.)"""
     head = draft.lm_head_weight
     w2 = None if draft.markov_head is None else draft.markov_head.markov_w2.weight.to(head.dtype)
     n = rows.shape[0]
@@ -338,57 +330,6 @@ def acceptance_rate(
     return out
 
 
-class _MarkovLinearKL(torch.autograd.Function):
-    """KL(p || q) per row with q = softmax(h @ head^T + emb @ w2^T), chunked; backward
-    recomputes each chunk (the per-row output gradients are unknown in forward)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        h: torch.Tensor,  # [N, H]
-        emb: torch.Tensor,  # [N, r]
-        head: torch.Tensor,  # [V, H] frozen
-        w2: torch.Tensor,  # [V, r]
-        teacher: torch.Tensor,  # [N, H]
-        chunk_rows: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = h.shape[0]
-        c = _chunk_rows(n, 2 * head.shape[0], chunk_rows)
-        kl = torch.empty(n, dtype=torch.float32, device=h.device)
-        pred = torch.empty(n, dtype=torch.long, device=h.device)
-        with torch.no_grad():
-            for s in range(0, n, c):
-                e = min(s + c, n)
-                log_q = _corrected_logits(h[s:e], emb[s:e], head, w2).log_softmax(dim=-1)
-                log_p = _mm_fp32(teacher[s:e], head.t()).log_softmax(dim=-1)  # [c, V]
-                kl[s:e] = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
-                pred[s:e] = log_q.argmax(dim=-1)
-                del log_q, log_p
-        ctx.save_for_backward(h, emb, head, w2, teacher)
-        ctx.chunk = c
-        ctx.mark_non_differentiable(pred)
-        return kl, pred
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, _g_pred: Any) -> tuple[Any, ...]:
-        h, emb, head, w2, teacher = ctx.saved_tensors
-        g = g.float()  # [N]
-        gh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        ge = torch.empty(emb.shape, dtype=torch.float32, device=h.device)
-        gw2 = torch.zeros(w2.shape, dtype=torch.float32, device=h.device)
-        with torch.no_grad():
-            for s in range(0, h.shape[0], ctx.chunk):
-                e = min(s + ctx.chunk, h.shape[0])
-                q = _corrected_logits(h[s:e], emb[s:e], head, w2).softmax(dim=-1)  # [c, V]
-                q -= _mm_fp32(teacher[s:e], head.t()).softmax(dim=-1)  # dKL/dlogits = q - p
-                q *= g[s:e, None]
-                gh[s:e] = _mm_fp32(q, head)
-                ge[s:e] = _mm_fp32(q, w2)
-                gw2 += _mm_fp32(q.t(), emb[s:e])
-                del q
-        return gh.to(h.dtype), ge.to(emb.dtype), None, gw2.to(w2.dtype), None, None
-
-
 def markov_kl_div_and_argmax(
     h: torch.Tensor,
     emb: torch.Tensor,
@@ -400,11 +341,12 @@ def markov_kl_div_and_argmax(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row KL(softmax(teacher @ head^T) || softmax(h @ head^T + emb @ w2^T)) `[N]`
     fp32 and the argmax of the corrected logits `[N]`, without `[N, V]` logits;
-    differentiable in `h`, `emb` and `w2` (the head and teacher are frozen)."""
-    w2 = w2.to(head.dtype)
-    emb = emb.to(head.dtype)
-    kl, pred = _MarkovLinearKL.apply(h, emb, head.detach(), w2, teacher.detach(), chunk_rows)
-    return kl, pred
+    differentiable in `h`, `emb` and `w2` (the head and teacher are frozen). The loss
+    calls `fanout.ops.two_head_ce` itself (with its row weights: no recompute)."""
+    out = two_head_kl_div_and_argmax(
+        h, emb.to(head.dtype), head.detach(), w2.to(head.dtype), teacher, chunk_rows=chunk_rows
+    )
+    return out.loss, out.pred
 
 
 __all__ = [

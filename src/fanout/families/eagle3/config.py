@@ -1,0 +1,132 @@
+"""EAGLE-3's own flags and its validated config.
+
+    from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe
+    Eagle3Recipe(ttt_steps=4)                      # the family's flags (fanout train)
+    cfg = Eagle3Config(**dflash_fields, ttt_steps=3, block_size=4)  # a draft's config
+
+`Eagle3Recipe` holds what speculators 0.9.0's EAGLE-3 trainer lets a user choose beyond
+the shared recipe, with the values its trainer resolves for `--speculator-type eagle3`
+(`speculators/train/config/schema.py`): 3 training-time-test steps, no per-step decay,
+`norm_before_fc` and `norm_output` on, `norm_before_residual` on, `fc_norm` off
+(`norm_before_fc` unset means on unless `fc_norm`, which excludes it). (The
+config class's own defaults, `Eagle3SpeculatorConfig`, are all False: they describe
+drafts converted from elsewhere, not the recipe its trainer runs.)
+
+`Eagle3Config` is `DFlashConfig` plus those fields. Of the shared DFlash-family fields
+an EAGLE-3 draft:
+- maps `block_size` to its verify width, `ttt_steps + 1` (the chain it drafts at the
+  reference k plus the anchor); `Eagle3.build` sets it, any other value is refused;
+- refuses `gamma`, `loss_weighting dpace` and `label_source input_ids` (its per-step
+  weight is `ttt_step_loss_decay`, its targets the verifier's distribution);
+- accepts and ignores `max_anchors`, `dpace_alpha` and `mask_token_id` (it trains every
+  position, has no mask slots);
+- reads `loss_type`: `kl` (the reference, speculators' `kl_div`) or `ce` (speculators'
+  `ce`: against the argmax of the verifier's distribution over the draft vocabulary).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fanout.model.dflash import DFlashConfig
+
+
+class Eagle3Recipe(BaseModel):
+    """EAGLE-3's flags (speculators' EAGLE-3 trainer defaults)."""
+
+    ttt_steps: int = Field(
+        3,
+        ge=1,
+        description="EAGLE-3: training-time-test steps (the draft unrolled on its own "
+        "hidden states; also the default --num-speculative-tokens at eval)",
+    )
+    ttt_step_loss_decay: float = Field(
+        1.0, gt=0, description="EAGLE-3: loss weight of TTT step s is decay**s"
+    )
+    norm_before_fc: bool | None = Field(
+        None,
+        description="EAGLE-3: one RMSNorm over the concatenated auxiliary states before fc "
+        "(default: on, unless --fc-norm)",
+    )
+    fc_norm: bool = Field(
+        False,
+        description="EAGLE-3: one RMSNorm per auxiliary state before fc (instead of "
+        "--norm-before-fc; Eagle 3.1)",
+    )
+    norm_output: bool = Field(
+        True,
+        description="EAGLE-3: feed the final-normed hidden state back across TTT steps",
+    )
+    norm_before_residual: bool = Field(
+        True, description="EAGLE-3: the first layer's residual is the normed hidden state"
+    )
+
+    @model_validator(mode="after")
+    def _check_eagle3(self) -> Eagle3Recipe:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError(
+                "fc_norm and norm_before_fc are exclusive (one norm over the concatenated "
+                "states, or one per state): drop --norm-before-fc"
+            )
+        return self
+
+
+class Eagle3Config(Eagle3Recipe, DFlashConfig):
+    """One EAGLE-3 draft: its shape (one Llama-style layer by default, the first over
+    `[embedding ; hidden]`), the verifier's layers it fuses, and its TTT recipe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # the reference recipe where a draft is built directly (`fanout train` passes them)
+    num_layers: int = Field(1, ge=1, description="draft decoder layers (EAGLE-3: one)")
+    loss_type: Literal["ce", "kl"] = Field(
+        "kl", description="kl: KL from the verifier's distribution; ce: CE against its argmax"
+    )
+
+    norm_before_fc: bool = Field(
+        True, description="one RMSNorm over the concatenated auxiliary states before fc"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_norm_before_fc(cls, data: Any) -> Any:
+        # the recipe's None: on unless fc_norm (speculators' trainer resolves it on)
+        if isinstance(data, dict) and data.get("norm_before_fc") is None:
+            return {**data, "norm_before_fc": not data.get("fc_norm", False)}
+        return data
+
+    # Written into config.json as speculators declares it; fanout never trains the
+    # embedding (it is the verifier's, frozen, as in speculators' recipe).
+    embed_requires_grad: bool = Field(
+        False, description="train the embedding (fanout keeps it frozen)"
+    )
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> Eagle3Config:
+        if self.embed_requires_grad:
+            raise ValueError("embed_requires_grad: fanout keeps EAGLE-3's embedding frozen")
+        if self.block_size != self.ttt_steps + 1:
+            raise ValueError(
+                f"block_size {self.block_size}: EAGLE-3 drafts a chain, not a block; its "
+                f"verify width is ttt_steps + 1 = {self.ttt_steps + 1} (drop --block-size)"
+            )
+        if self.gamma is not None:
+            raise ValueError(
+                "gamma: EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay, not gamma"
+            )
+        if self.loss_weighting != "exp":
+            raise ValueError(
+                "loss_weighting (--per-position-loss-weight) 'dpace' is a block weighting; "
+                "EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay"
+            )
+        if self.label_source != "target_ids":
+            raise ValueError(
+                "label_source 'input_ids': EAGLE-3 trains on the verifier's distribution "
+                "(its last hidden states), not on the data tokens"
+            )
+        return self
+
+
+__all__ = ["Eagle3Config", "Eagle3Recipe"]

@@ -1,0 +1,193 @@
+"""The two-head linear CE / KL (fanout.ops.two_head_ce) against materialised logits + autograd.
+
+Reference: `logits = x @ a^T + e @ b^T` in fp32, `F.cross_entropy` (ignore_index -100) or
+KL(softmax(teacher @ a^T) || softmax(logits)), autograd for x, e and b (a frozen), the
+acceptance `sum_v min(q_v, p_v)` from the two softmaxes. Both modes: `row_weight` given
+(forward folds every gradient, loss = sum_i w_i l_i) and per-row (backward recomputes,
+output gradient any `[N]` vector). Shapes cross chunk boundaries (chunks of 1, a ragged
+last chunk, one chunk bigger than N, N = 1, no rows) and drop the second head.
+fp32 tolerances: values rtol 1e-5 / atol 1e-6, gradients rtol 1e-4 / atol 1e-6 (chunked
+fp32 sums in another order than autograd's), argmax exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fanout.ops.two_head_ce import (
+    TwoHeadOut,
+    two_head_cross_entropy_and_argmax,
+    two_head_kl_div_and_argmax,
+)
+from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
+
+VALUE_TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
+GRAD_TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-6}
+
+
+def _inputs(seed: int, n: int, h: int = 12, r: int = 5, v: int = 97) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.2] = -100  # some ignored rows
+    return {
+        "x": torch.randn(n, h, generator=g),
+        "e": torch.randn(n, r, generator=g),
+        "a": 0.7 * torch.randn(v, h, generator=g),  # frozen
+        "b": 0.7 * torch.randn(v, r, generator=g),
+        "target": t,
+        "teacher": 1.5 * torch.randn(n, h, generator=g),
+        "w": torch.rand(n, generator=g) + 0.1,  # row weights / output gradient
+    }
+
+
+def _leaves(d: dict[str, torch.Tensor], two: bool) -> list[torch.Tensor]:
+    names = ["x", "e", "b"] if two else ["x"]
+    return [d[k].clone().requires_grad_(True) for k in names]
+
+
+def _reference(
+    d: dict[str, torch.Tensor], kind: str, two: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Per-row values, argmax, accept and grads of sum_i w_i l_i, the plain way."""
+    leaves = _leaves(d, two)
+    logits = leaves[0] @ d["a"].t()  # [N, V]
+    if two:
+        logits = logits + leaves[1] @ leaves[2].t()
+    log_p = F.log_softmax(d["teacher"] @ d["a"].t(), -1)
+    if kind == "ce":
+        rows = F.cross_entropy(logits, d["target"], reduction="none", ignore_index=-100)
+    else:
+        rows = (log_p.exp() * (log_p - F.log_softmax(logits, -1))).sum(-1)
+    (rows * d["w"]).sum().backward()
+    with torch.no_grad():
+        accept = torch.minimum(logits.softmax(-1), log_p.exp()).sum(-1)
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+    return rows.detach(), logits.detach().argmax(-1), accept, grads
+
+
+def _fused(
+    d: dict[str, torch.Tensor], kind: str, two: bool, fold: bool, chunk: int | None
+) -> tuple[TwoHeadOut, list[torch.Tensor]]:
+    leaves = _leaves(d, two)
+    x = leaves[0]
+    e, b = (leaves[1], leaves[2]) if two else (None, None)
+    w = d["w"] if fold else None
+    if kind == "ce":
+        out = two_head_cross_entropy_and_argmax(
+            x, e, d["a"], b, d["target"], teacher=d["teacher"], row_weight=w, chunk_rows=chunk
+        )
+    else:
+        out = two_head_kl_div_and_argmax(
+            x, e, d["a"], b, d["teacher"], row_weight=w, chunk_rows=chunk
+        )
+    total = out.loss if fold else (out.loss * d["w"]).sum()
+    if total.requires_grad:
+        total.backward()
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+    return out, grads
+
+
+SHAPES = [(37, 8), (37, 1), (16, 16), (5, 64), (1, None), (64, None), (0, 4)]
+
+
+@pytest.mark.parametrize("kind", ["ce", "kl"])
+@pytest.mark.parametrize("fold", [True, False], ids=["row_weight", "per_row"])
+@pytest.mark.parametrize("two", [True, False], ids=["two_heads", "one_head"])
+@pytest.mark.parametrize(("n", "chunk"), SHAPES)
+def test_matches_materialised_logits(
+    kind: str, fold: bool, two: bool, n: int, chunk: int | None
+) -> None:
+    d = _inputs(n + (chunk or 0), n)
+    rows, pred, accept, want = _reference(d, kind, two)
+    out, got = _fused(d, kind, two, fold, chunk)
+    torch.testing.assert_close(out.rows, rows, **VALUE_TOL)
+    if fold:
+        assert out.loss.dim() == 0
+        torch.testing.assert_close(out.loss, (rows * d["w"]).sum(), **VALUE_TOL)
+    else:
+        torch.testing.assert_close(out.loss.detach(), rows, **VALUE_TOL)
+    assert out.accept is not None
+    torch.testing.assert_close(out.accept, accept, **VALUE_TOL)
+    assert torch.equal(out.pred, pred)
+    if kind == "ce":  # ignored rows: CE 0
+        assert bool((out.rows[d["target"] == -100] == 0).all())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **GRAD_TOL)
+    if n:  # the test sees the gradients it compares
+        assert float(got[0].abs().max()) > 0
+
+
+def test_folded_backward_scales_with_the_output_gradient() -> None:
+    """row_weight mode: backward only rescales what forward computed."""
+    d = _inputs(3, 29)
+    x, e, b = _leaves(d, True)
+    out = two_head_cross_entropy_and_argmax(
+        x, e, d["a"], b, d["target"], row_weight=d["w"], chunk_rows=7
+    )
+    (2.5 * out.loss).backward()
+    _, _, _, want = _reference(d, "ce", True)
+    for g, w in zip((x.grad, e.grad, b.grad), want):
+        assert g is not None
+        torch.testing.assert_close(g, 2.5 * w, **GRAD_TOL)
+    assert out.accept is None  # no teacher given
+
+
+def test_frozen_second_head_and_no_grad() -> None:
+    d = _inputs(4, 20)
+    x = d["x"].clone().requires_grad_(True)
+    b = d["b"].clone()  # frozen too
+    out = two_head_cross_entropy_and_argmax(x, d["e"], d["a"], b, d["target"], row_weight=d["w"])
+    out.loss.backward()
+    assert x.grad is not None and b.grad is None
+    with torch.no_grad():
+        again = two_head_cross_entropy_and_argmax(
+            x, d["e"], d["a"], b, d["target"], row_weight=d["w"]
+        )
+    torch.testing.assert_close(again.rows, out.rows, rtol=0, atol=0)
+    assert not again.loss.requires_grad
+
+
+def test_bf16_within_stated_tolerance() -> None:
+    """bf16 inputs against the fp32 reference of the same (bf16) numbers: fp32 softmax
+    and accumulation, but on CPU the bf16 matmul output is rounded to bf16 -> ~2e-2."""
+    d = _inputs(5, 33, h=16, r=8, v=211)
+    for k in ("x", "e", "a", "b", "teacher"):
+        d[k] = d[k].bfloat16().float()
+    rows, _, accept, want = _reference(d, "ce", True)
+    bf = {k: (v.bfloat16() if v.is_floating_point() and k != "w" else v) for k, v in d.items()}
+    out, got = _fused(bf, "ce", True, True, 8)
+    torch.testing.assert_close(out.rows, rows, rtol=2e-2, atol=2e-2)
+    assert out.accept is not None
+    torch.testing.assert_close(out.accept, accept, rtol=2e-2, atol=2e-2)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), w, rtol=5e-2, atol=2e-2 * float(w.abs().max()))
+
+
+@pytest.mark.parametrize(
+    ("change", "msg"),
+    [
+        ({"a": "grad"}, "frozen"),
+        ({"e": None}, "together"),
+        ({"b": "short"}, "expected e"),
+        ({"w": "short"}, "row_weight"),
+        ({"teacher": "short"}, "teacher"),
+    ],
+)
+def test_bad_inputs_are_refused(change: dict[str, Any], msg: str) -> None:
+    d: dict[str, Any] = dict(_inputs(6, 10))
+    for k, how in change.items():
+        if how == "grad":
+            d[k] = d[k].clone().requires_grad_(True)
+        elif how == "short":
+            d[k] = d[k][:-1]
+        else:
+            d[k] = how
+    with pytest.raises(ValueError, match=msg):
+        two_head_cross_entropy_and_argmax(
+            d["x"], d["e"], d["a"], d["b"], d["target"], teacher=d["teacher"], row_weight=d["w"]
+        )
