@@ -516,6 +516,26 @@ def test_speedup_beyond_tau_is_flagged() -> None:
     assert honest["speedup_exceeds_tau"] is False
 
 
+def test_table_bs_is_the_verify_width() -> None:
+    """An EAGLE-3 chain trained with 3 TTT steps (block_size 4) and served with
+    --num-speculative-tokens 5 verifies 6 tokens a step: the table says 6, not 4."""
+    from fanout.decode.eval import _summary, table
+
+    greedy = [_result([], 10.0, bs=0)]
+    chain = _result([1, 5, 0], 1.0)
+    chain.drafted = 5
+    d = _summary({(0.0, "served"): [chain]}, greedy, None, "eagle3")
+    rep = {"drafts": {"e3": d}, "greedy_tokens_per_s": 0.8, "hardware": "cpu",
+           "lossless": True, "mismatches": [], "generated_tokens": [9],
+           "config": {"max_new_tokens": 32}}  # fmt: skip
+    row = next(line for line in table(rep) if line.startswith("e3"))
+    assert row.split()[1:3] == ["eagle3", "6"]
+    assert len(d["per_position_acceptance"]) == 5  # one figure per drafted token
+    block = _summary({(0.0, "served"): [_result([1, 3], 1.0)]}, greedy, None, "dflash")
+    rep["drafts"] = {"b4": block}
+    assert next(x for x in table(rep) if x.startswith("b4")).split()[1:3] == ["dflash", "4"]
+
+
 def test_tau_verdict_by_hand() -> None:
     """The verdict rule on hand-built intervals: apart (either order), overlapping,
     touching (counts as overlap), undefined; and one line per pair and temperature."""

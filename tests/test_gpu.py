@@ -1,4 +1,5 @@
-"""CUDA-only paths: fused AdamW on CUDA, bf16 capture of packed rows, a bf16 DFlash step,
+"""CUDA-only paths: fused AdamW on CUDA, bf16 capture of packed rows, a bf16 DFlash step and
+every draft family's bf16 step (against its fp32 CPU loss),
 NVML telemetry on a real GPU. Every test skips without CUDA; run them on a GPU box with
 `pytest -m gpu tests/test_gpu.py`."""
 
@@ -206,3 +207,53 @@ def test_bf16_linear_kl_on_cuda_matches_fp32() -> None:
     assert x32.grad is not None
     torch.testing.assert_close(kl, ref.detach(), rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(xb.grad.float(), x32.grad, rtol=5e-2, atol=5e-3)
+
+
+def _family_step_on(device: str, name: str, vdir: Path) -> tuple[float, float, list[float]]:
+    """(fp32 CPU loss, `device` bf16-autocast loss) of the same draft on the same batch,
+    then the `device` losses of 10 fused-AdamW steps."""
+    import copy
+
+    from fanout.families.registry import family
+    from fanout.ops.adamw import make_optimizer
+
+    torch.manual_seed(0)
+    fam = family(name)
+    draft = fam.build(vdir, target_layer_ids=[1, 3], block_size=4 if name == "eagle3" else 8,
+                      max_anchors=8, num_layers=1)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    b, t = 2, 64
+    batch = {
+        "hidden_states": torch.randn(b, t, 128, generator=g),  # [B, T, 2·H]
+        "target_ids": torch.randint(0, 511, (b, t), generator=g),
+        "input_ids": torch.randint(0, 511, (b, t), generator=g),
+        "loss_mask": torch.ones(b, t, dtype=torch.long),
+        "document_ids": torch.zeros(b, t, dtype=torch.long),
+        "position_ids": torch.arange(t).expand(b, t).contiguous(),
+        "last_hidden_states": torch.randn(b, t, 64, generator=g),  # [B, T, H]
+    }
+    ref = float(draft.loss(batch, torch.Generator().manual_seed(2)).loss.detach())
+    dev = copy.deepcopy(draft).to(device)
+    dbatch = {k: v.to(device) for k, v in batch.items()}
+    opt, _ = make_optimizer(dev.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(11):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = dev.loss(dbatch, torch.Generator().manual_seed(2))
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss.detach()))
+    return ref, losses[0], losses[1:]
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark", "eagle3"])
+def test_bf16_family_step_on_cuda(tmp_path: Path, name: str) -> None:
+    """Every draft family trains on CUDA in bf16: its first loss is the fp32 CPU loss of the
+    same weights and batch (within bf16's error), and ten fused-AdamW steps lower it."""
+    from fanout.bench.assets import tiny_qwen3_verifier
+
+    vdir = tiny_qwen3_verifier(tmp_path / "v", 512, hidden_size=64, num_layers=6)
+    ref, first, after = _family_step_on("cuda", name, vdir)
+    assert abs(first - ref) <= 0.03 * abs(ref) + 0.02, (name, ref, first)
+    assert all(torch.isfinite(torch.tensor(after))) and after[-1] < first, (name, first, after)

@@ -191,3 +191,35 @@ def test_bad_inputs_are_refused(change: dict[str, Any], msg: str) -> None:
         two_head_cross_entropy_and_argmax(
             d["x"], d["e"], d["a"], d["b"], d["target"], teacher=d["teacher"], row_weight=d["w"]
         )
+
+
+def test_fused_ops_keep_their_precision_under_a_bf16_autocast() -> None:
+    """A trainer runs the draft under `torch.autocast(bf16)`; the fused CE / KL ops pick
+    their own precision (fp32 logits), so inside an autocast they give what they give
+    outside it — before, an fp32 matmul came back bf16 there (bf16 logits, and a dtype
+    error in the two-head op's B gradient)."""
+    from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
+    from fanout.ops.linear_kl import linear_kl_div_and_argmax
+    from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax
+
+    g = torch.Generator().manual_seed(0)
+    n, h, r, v = 24, 16, 4, 200
+    x0, e0 = torch.randn(n, h, generator=g), torch.randn(n, r, generator=g)
+    a, b0 = torch.randn(v, h, generator=g), torch.randn(v, r, generator=g)
+    teacher, target = torch.randn(n, h, generator=g), torch.randint(0, v, (n,), generator=g)
+
+    def run(autocast: bool) -> list[torch.Tensor]:
+        x, e, b = (t.clone().requires_grad_(True) for t in (x0, e0, b0))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            two = two_head_cross_entropy_and_argmax(
+                x, e, a, b, target, teacher=teacher, row_weight=torch.ones(n)
+            )
+            ce, _ = linear_cross_entropy_and_argmax(x, a, target, reduction="sum")
+            kl, _ = linear_kl_div_and_argmax(x, teacher, a)
+        (two.loss + ce + kl.sum()).backward()
+        assert x.grad is not None and e.grad is not None and b.grad is not None
+        return [two.loss, ce, kl, x.grad, e.grad, b.grad]
+
+    for got, want in zip(run(True), run(False)):
+        assert got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -7,7 +7,8 @@
 # `prepare` downloads the wheels the GPU image lacks (pydantic and its three
 # dependencies, for its Python 3.12) into .whl/ and copies the Qwen3 tokenizer and
 # a chat file from ../shared/data into .benchdata/ (both git-ignored; carry both).
-# `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py, the
+# `run` installs the wheels into /tmp/site, then runs tests/test_gpu.py (fused ops, bf16
+# capture, every draft family's bf16 step against its fp32 CPU loss, NVML), the
 # producer benchmark at the README's size (H 1024 × 24 layers, vocab 151,669,
 # T 2048, R 8) over 16 and 48 windows, one profiled producer run, the same at
 # --tp 2 under torchrun when the device has two GPUs or more, and `fanout eval`

@@ -550,6 +550,10 @@ def table(report: dict[str, Any]) -> list[str]:
     notes = []
     for name, d in report["drafts"].items():
         eal = f"{d['train_eal']:.2f}" if d["train_eal"] is not None else "—"
+        # bs: the verify width, tokens drafted per step + 1 — an EAGLE-3 chain of
+        # --num-speculative-tokens k reads k + 1 whatever its training-time test length
+        drafted = d.get("drafted_per_step")
+        width = drafted + 1 if drafted else d["block_size"]
         if d.get("proposed_length") is not None:
             notes.append(
                 f"{name} ({d['family']}): its confidence head proposes "
@@ -561,7 +565,7 @@ def table(report: dict[str, Any]) -> list[str]:
             ci_s = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else "—"
             pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"])
             lines.append(
-                f"{name:<14} {d.get('family', 'dflash'):<8} {d['block_size']:>3} {t:>4} "
+                f"{name:<14} {d.get('family', 'dflash'):<8} {width:>3} {t:>4} "
                 f"{f['acceptance_length']:>6.2f} "
                 f"{ci_s:>13} {f['verify_steps']:>6} {eal:>9} "
                 f"{f['speedup_vs_greedy']:>7.2f}×  {pos}"

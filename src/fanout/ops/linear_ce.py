@@ -57,6 +57,14 @@ def _chunk_rows(n_rows: int, vocab: int, chunk_rows: int | None) -> int:
     return max(1, min(max(n_rows, 1), DEFAULT_CHUNK_BYTES // (4 * vocab)))
 
 
+def _own_precision(dev: torch.device) -> torch.autocast:
+    """Autocast off inside the fused ops: they pick every matmul's precision themselves
+    (fp32 logits and accumulators, `_mm_fp32`). Under a caller's bf16 autocast an fp32
+    matmul would come back bf16 — bf16 logits, and a dtype error where it meets an fp32
+    accumulator (`addmm_`)."""
+    return torch.autocast(dev.type, enabled=False)
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a @ b` with an fp32 result (fp32 accumulation on every backend)."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
@@ -119,7 +127,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_gw and not defer
             else None
         )
-        with torch.no_grad():
+        with torch.no_grad(), _own_precision(x.device):
             for s in range(0, n, c):
                 e = min(s + c, n)
                 loss, pred, p = _softmax_grad_chunk(x[s:e], weight, target[s:e], keep[s:e])
@@ -170,7 +178,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
         n, h = x.shape
         grad_x = torch.empty(n, h, dtype=torch.float32, device=x.device)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
-        with torch.no_grad():
+        with torch.no_grad(), _own_precision(x.device):
             for s in range(0, n, ctx.chunk):
                 e = min(s + ctx.chunk, n)
                 _, _, p = _softmax_grad_chunk(x[s:e], weight, target[s:e], keep[s:e])

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
+from fanout.ops.linear_ce import _chunk_rows, _mm_fp32, _own_precision
 
 
 class _ChunkedLinearKL(torch.autograd.Function):
@@ -37,7 +37,7 @@ class _ChunkedLinearKL(torch.autograd.Function):
         kl = torch.empty(n, dtype=torch.float32, device=x.device)
         preds = torch.empty(n, dtype=torch.long, device=x.device)
         gx = torch.empty(n, h, dtype=torch.float32, device=x.device)
-        with torch.no_grad():
+        with torch.no_grad(), _own_precision(x.device):
             for s in range(0, n, c):
                 e = min(s + c, n)
                 log_pd = torch.log_softmax(_mm_fp32(x[s:e], weight.t()), dim=-1)  # [c, V]

@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from fanout.ops.argmax import row_argmax
-from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
+from fanout.ops.linear_ce import _chunk_rows, _mm_fp32, _own_precision
 
 Kind = Literal["ce", "kl"]
 
@@ -162,7 +162,7 @@ class _TwoHeadLinear(torch.autograd.Function):
             else None
         )
         w = row_weight.float() if row_weight is not None else None
-        with torch.no_grad():
+        with torch.no_grad(), _own_precision(dev):
             for s in range(0, n, c):
                 t = min(s + c, n)
                 ec = None if e is None else e[s:t]
@@ -217,7 +217,7 @@ class _TwoHeadLinear(torch.autograd.Function):
         ge = torch.empty(e.shape, dtype=f32, device=dev) if e is not None and need[1] else None
         gb = torch.zeros(b.shape, dtype=f32, device=dev) if b is not None and need[3] else None
         g = g.float()  # [N]
-        with torch.no_grad():
+        with torch.no_grad(), _own_precision(dev):
             for s in range(0, n, ctx.chunk):
                 t = min(s + ctx.chunk, n)
                 ec = None if e is None else e[s:t]
