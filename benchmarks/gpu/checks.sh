@@ -37,7 +37,7 @@ if [ "$mode" = prepare ]; then
   cp -r ../shared/data/tokenizers/qwen3 .benchdata/tokenizer
   cp ../shared/data/chat/fastchat/dummy_conversation.json .benchdata/chat.json
   # trained demo drafts + their tiny assets for the bf16 `fanout eval` check (a few MB)
-  if ! ls runs/demo/last/1p3c/drafts/dspark/checkpoint-*/COMMITTED >/dev/null 2>&1; then
+  if ! ls runs/demo/last/1p3c/drafts/eagle3/checkpoint-*/COMMITTED >/dev/null 2>&1; then
     "$py" -m fanout.cli demo --minutes 1 --run-dir runs/demo >/dev/null
   fi
   rm -rf .benchdata/demo && mkdir -p .benchdata/demo/last/1p3c
