@@ -561,3 +561,34 @@ def test_tau_verdict_by_hand() -> None:
     got = verdicts(rep)
     assert [x.split(":")[0] for x in got] == ["verdict at T=0.0"] * 3 + ["verdict at T=1.0"] * 3
     assert sum("wins" in x for x in got) == 2  # at T=1.0: b beats a and c; a and c tie
+
+
+def test_a_verifier_tie_is_told_from_a_mismatch(vdir: Path) -> None:
+    """`Decoder.tie` measures the verifier's own margin between two next tokens: two
+    tokens with the same output row tie exactly (margin 0, a tie whichever forward shape
+    breaks it), while greedy's choice against any other token is a real mismatch (a
+    margin far beyond the rounding of the verifier's dtype)."""
+    from fanout.decode.eval import lossless_line
+
+    v = load_verifier(vdir, device="cpu", capture_layer_ids=[1], num_draft_layers=None)
+    head = v.model.get_output_embeddings().weight  # [V, H]
+    with torch.no_grad():
+        head[9] = head[7]  # tokens 7 and 9: identical logits after any prefix
+    dec = Decoder(v, set())
+    prefix = _prompt(12, seed=3)
+    same = dec.tie(prefix, 7, 9)
+    assert same.margin == 0.0 and same.is_tie
+    assert 0 < same.tolerance < 1e-3  # fp32: a few epsilons of the logit, no more
+    chosen = dec.greedy(prefix, 1).tokens[0]
+    logits = v.model(torch.tensor([prefix])).logits[0, -1]
+    other = int(logits.argsort()[-5])  # the fifth choice: clearly not a tie
+    apart = dec.tie(prefix, chosen, other)
+    assert not apart.is_tie
+    assert apart.margin == pytest.approx(float(logits[chosen] - logits[other]), abs=1e-4)
+
+    rep: dict[str, Any] = {"lossless": True, "mismatches": [], "ties": []}
+    assert lossless_line(rep).startswith("lossless: every")
+    rep["ties"] = [{"draft": "d", "prompt": 4, "position": 9, "margin": 1e-6, "tolerance": 2e-5}]
+    assert "1 verifier tie(s)" in lossless_line(rep) and "prompt 4" in lossless_line(rep)
+    rep.update(lossless=False, mismatches=[{"draft": "d", "prompt": 1, "position": 2}])
+    assert lossless_line(rep).startswith("NOT LOSSLESS: 1 mismatch(es)")

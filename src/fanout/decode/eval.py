@@ -32,7 +32,7 @@ import torch
 from pydantic import Field, field_validator, model_validator
 
 from fanout.data.chat import ChatFormat, Conversation, load_conversations
-from fanout.decode.spec_decode import Decoder, DecodeResult, Rule, first_mismatch
+from fanout.decode.spec_decode import Decoder, DecodeResult, Rule, Tie, first_mismatch
 from fanout.errors import BadRow, CheckpointError, ConfigError
 from fanout.families.registry import family_of
 from fanout.families.serving import latest_checkpoint, load_draft, read_config
@@ -360,6 +360,14 @@ class EvalSession:
         )
         return dec.speculative(p.ids, draft, cfg.max_new_tokens, s, gen, r, context=context)
 
+    def _tie(self, p: Prompt, greedy: list[int], spec: list[int], at: int) -> Tie | None:
+        """Where a speculative output first differs from greedy at `at`: the verifier's
+        margin between the two tokens there; None when one output merely ends early
+        (never a tie: both stop at the same EOS or length)."""
+        if at >= len(greedy) or at >= len(spec):
+            return None
+        return self.decoder.tie([*p.ids, *greedy[:at]], greedy[at], spec[at])
+
     def warm(self, drafts: dict[str, DFlashDraft]) -> None:
         """Untimed: every mode once on the first prompt (first-call allocations, kernel
         choices); `run` does it at its first call."""
@@ -384,6 +392,7 @@ class EvalSession:
         # machine and any first-call cost of a new prompt length hit every mode alike.
         out: dict[Job, list[DecodeResult]] = {job: [] for job in jobs}
         mismatches: list[dict[str, Any]] = []
+        ties: list[dict[str, Any]] = []  # differences at a verifier tie (Decoder.tie)
         records: list[dict[str, Any]] = []
         # with --tau-half-width: checked every eighth of --num-prompts past it (each check
         # walks every result, so not after every prompt)
@@ -410,7 +419,12 @@ class EvalSession:
                 slot.update(entry if rule == "served" else {"sampled_draft": entry})
                 at = first_mismatch(g.tokens, r.tokens) if t == 0 else None
                 if at is not None:
-                    mismatches.append({"draft": name, "prompt": p.index, "position": at})
+                    where = {"draft": name, "prompt": p.index, "position": at}
+                    tie = self._tie(p, g.tokens, r.tokens, at)
+                    if tie is None or not tie.is_tie:
+                        mismatches.append(where)
+                    else:
+                        ties.append(where | {"margin": tie.margin, "tolerance": tie.tolerance})
             records.append(rec)
         else:  # every prompt decoded: the width they reached (only when it is asked for)
             widest = widest_half_width(out) if cfg.tau_half_width is not None else None
@@ -430,6 +444,7 @@ class EvalSession:
         return {
             "lossless": not mismatches,
             "mismatches": mismatches,
+            "ties": ties,
             "drafts": summaries,
             "prompts": len(used),
             "precision": precision,
@@ -586,12 +601,7 @@ def table(report: dict[str, Any]) -> list[str]:
         f"greedy alone: {report['greedy_tokens_per_s']:.1f} tok/s decode on "
         f"{report['hardware']}; speed-ups are decode time (prefill excluded); τ interval: "
         "normal approx., per-prompt cluster SE; "
-        + (
-            "lossless: every speculative output equals greedy token for token (T = 0)"
-            if report["lossless"]
-            else f"NOT LOSSLESS: {len(report['mismatches'])} mismatch(es), first "
-            f"{report['mismatches'][0]}"
-        )
+        + lossless_line(report)
     )
     prec = report.get("precision")
     if prec:
@@ -607,6 +617,26 @@ def table(report: dict[str, Any]) -> list[str]:
             )
         )
     return [*lines, generated_line(report), *verdicts(report), *notes]
+
+
+def lossless_line(report: dict[str, Any]) -> str:
+    """The T = 0 verdict in words: lossless, lossless apart from verifier ties (each
+    difference where the verifier's top two logits are within rounding of each other,
+    `Decoder.tie`), or not lossless with the first real mismatch."""
+    if not report["lossless"]:
+        m = report["mismatches"]
+        return f"NOT LOSSLESS: {len(m)} mismatch(es), first {m[0]}"
+    ties = report.get("ties") or []
+    if not ties:
+        return "lossless: every speculative output equals greedy token for token (T = 0)"
+    worst = max(ties, key=lambda x: x["margin"])
+    return (
+        f"lossless: every speculative output equals greedy token for token (T = 0) but at "
+        f"{len(ties)} verifier tie(s), where the two tokens' logits differ by at most "
+        f"{worst['margin']:.1e} (rounding allows {worst['tolerance']:.1e}): a one-token and a "
+        f"multi-token forward may break such a tie either way (first: {ties[0]['draft']}, "
+        f"prompt {ties[0]['prompt']}, token {ties[0]['position']})"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "eval") -> None:
