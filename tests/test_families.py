@@ -58,6 +58,30 @@ def test_an_option_of_another_family_is_refused_in_one_line() -> None:
     assert _train_cfg("--draft-family", "dflash2", "--selector-rank", "8").selector_rank == 8
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (("--block-size", "8"), "--block-size 8: EAGLE-3 drafts a chain"),
+        (("--ttt-steps", "4", "--block-size", "4"), "--ttt-steps + 1 = 5"),
+        (("--gamma", "4"), "--gamma: EAGLE-3 weighs"),
+        (("--per-position-loss-weight", "dpace"), "--per-position-loss-weight dpace"),
+        (("--label-source", "input_ids"), "--label-source input_ids"),
+    ],
+)
+def test_a_shared_flag_eagle3_cannot_use_is_refused_when_parsed(
+    flags: tuple[str, ...], named: str
+) -> None:
+    """Block-family flags mean nothing to a chain draft: refused at parse time (before
+    the trainer waits for a run), in one line naming the flag; a block size equal to
+    --ttt-steps + 1 (or the shared default, as a whole config written back carries it)
+    is accepted."""
+    with pytest.raises(ConfigError, match=named.replace("+", r"\+")):
+        _train_cfg("--draft-family", "eagle3", *flags)
+    assert _train_cfg("--draft-family", "eagle3", "--ttt-steps", "4", "--block-size", "5")
+    assert _train_cfg("--draft-family", "eagle3", "--block-size", "16")
+    assert _train_cfg("--draft-family", "dspark", "--gamma", "4").gamma == 4  # a block family
+
+
 def test_unknown_family_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(ConfigError, match=r"'eagle9'.*known: dflash, dflash2, dspark"):
         family("eagle9")
@@ -67,6 +91,13 @@ def test_unknown_family_is_refused_naming_the_known_ones() -> None:
     )  # fmt: skip
     assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr  # one line, exit 1
     assert "--draft-family" in r.stderr and "'dflash2'" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "train", *BASE, "--draft-family", "eagle3",
+         "--gamma", "4"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "--gamma" in r.stderr
 
 
 def test_reference_values_apply_where_not_given() -> None:

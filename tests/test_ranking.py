@@ -11,16 +11,15 @@ import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.bench.ranking import checkpoint_params, plot_tau, rank_drafts, ranking_lines, step_ms
-from fanout.families.registry import family
+from fanout.families.registry import FAMILIES, family
 from fanout.train.checkpoint import save_checkpoint
 from tiny_run import one_thread  # noqa: F401 (autouse)
 
 
 def _save(name: str, ver: Path, root: Path, **kw: Any) -> tuple[Path, int]:
     torch.manual_seed(0)
-    d = family(name).build(
-        ver, target_layer_ids=[1, 2], block_size=4, max_anchors=8, num_layers=1, **kw
-    )
+    fields = {"target_layer_ids": [1, 2], "block_size": 4, "max_anchors": 8, "num_layers": 1}
+    d = family(name).build(ver, **(fields | kw))
     path = save_checkpoint(
         root, d, torch.optim.SGD(d.parameters(), lr=0.1), {"step": 1},
         verifier_name_or_path=str(ver),
@@ -40,6 +39,11 @@ def test_ranked_best_first_with_the_checkpoint_and_step_figures(tmp_path: Path) 
     # trainable parameters only: not the reduced head, d2t or t2d the file also holds
     assert checkpoint_params(a) == (n_a, (a / "model.safetensors").stat().st_size)
     assert checkpoint_params(b)[0] == n_b
+    # every family: the count is the model's own trainable parameters (EAGLE-3's file also
+    # holds the verifier's frozen embedding)
+    for name in FAMILIES:
+        path, n = _save(name, ver, tmp_path / f"all-{name}")  # eagle3: ttt 3 = block 4
+        assert checkpoint_params(path)[0] == n, name
     logs = {}
     for n, ms in (("a", [50.0, 40.0, 3.0, 4.0, 5.0]), ("b", [9.0, 9.0, 7.0, 8.0, 30.0])):
         logs[n] = tmp_path / n / "train_log.jsonl"

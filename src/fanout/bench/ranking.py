@@ -22,17 +22,23 @@ from safetensors import safe_open
 
 from fanout.bench.metrics import read_train_log
 
-# tensors of model.safetensors that are the verifier's or vocabulary maps, not trained
-_NOT_TRAINED = {"lm_head.weight", "d2t", "t2d"}
-
-
 def checkpoint_params(ckpt: Path) -> tuple[int, int]:
-    """(trainable parameters, bytes) of a checkpoint's `model.safetensors`."""
+    """(trainable parameters, bytes) of a checkpoint's `model.safetensors`: every tensor
+    but those its family declares frozen (`Family.frozen_tensors`: the verifier's head,
+    vocabulary maps, EAGLE-3's embedding), the family read from its `config.json`."""
+    import json
+
+    from fanout.families.registry import family_of_model_type
+
     f = ckpt / "model.safetensors"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    frozen = family_of_model_type(
+        cfg.get("speculators_model_type"), where=str(ckpt / "config.json")
+    ).frozen_tensors
     n = 0
     with safe_open(str(f), "pt") as st:
         for k in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            if k not in _NOT_TRAINED:
+            if k not in frozen:
                 n += _numel(st.get_slice(k).get_shape())
     return n, f.stat().st_size
 

@@ -54,6 +54,9 @@ class Family:
     # the config.json field holding its layers in serving numbering (fanout ids + 1;
     # fanout.families.serving converts both ways)
     layer_ids_field: ClassVar[str] = "aux_hidden_state_layer_ids"
+    # tensors its model.safetensors holds that training never changes: the verifier's
+    # head rows and the draft-vocabulary maps (what a parameter count leaves out)
+    frozen_tensors: ClassVar[frozenset[str]] = frozenset({"lm_head.weight", "d2t", "t2d"})
 
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         """The verifier layers its reference recipe reads (fanout's decoder-layer ids),
@@ -89,6 +92,12 @@ class Family:
             f"so the largest block that can train is {seq_len - 1} (anchored at position 0 "
             "only; a block well below T leaves room for anchors)"
         )
+
+    def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
+        """Why shared recipe values (`values`: field -> value of `fanout train`'s config;
+        `given`: the fields set on its command line or --config) do not apply to this
+        family, as one line naming the flag; None when they do (every DFlash family)."""
+        return None
 
     def build(self, verifier_dir: Any, **fields: Any) -> DFlashDraft:
         """A fresh draft of this family for the verifier at `verifier_dir`."""

@@ -66,6 +66,8 @@ class FamilyOptions(*_RECIPES):  # type: ignore[misc]
                     f"{flags}: {f.name} option(s), but --draft-family is {chosen.name} "
                     f"(its options: {_flags_of(chosen, type(self)) or 'none'})"
                 )
+        if problem := chosen.shared_conflict(self.model_dump(), set(self.model_fields_set)):
+            raise ConfigError(problem)
         return self
 
     def family_recipe(self, shared: dict[str, Any]) -> dict[str, Any]:

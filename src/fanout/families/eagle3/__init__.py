@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from fanout.errors import ConfigError
 from fanout.families.base import Family
-from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe
+from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe, shared_field_problem
 from fanout.families.eagle3.model import Eagle3Draft
 from fanout.families.eagle3.propose import Eagle3Context
 from fanout.model.dflash import DFlashConfig, DFlashDraft, DraftRecipe
@@ -62,6 +62,8 @@ class Eagle3(Family):
     serving_method: ClassVar[str] = "eagle3"
     captures_last_hidden_states: ClassVar[bool] = True  # its targets
     layer_ids_field: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
+    # speculators' EAGLE-3 checkpoint carries the verifier's embedding too (frozen)
+    frozen_tensors: ClassVar[frozenset[str]] = Family.frozen_tensors | {"embed_tokens.weight"}
 
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         return vllm_default_layers(num_verifier_layers)
@@ -92,17 +94,26 @@ class Eagle3(Family):
         a value other than that or DraftRecipe's default is refused)."""
         ttt = int(fields.get("ttt_steps", Eagle3Recipe().ttt_steps))
         bs = fields.get("block_size")
-        if bs not in (None, DraftRecipe().block_size, ttt + 1):
-            raise ConfigError(
-                f"--block-size {bs}: EAGLE-3 drafts a chain, not a block (its verify width "
-                f"is --ttt-steps + 1 = {ttt + 1}); drop --block-size"
-            )
+        given = None if bs == DraftRecipe().block_size else bs  # the shared default: unset
+        if problem := shared_field_problem(ttt, given, None, "exp", "target_ids"):
+            raise ConfigError(problem)
         if fields.get("target_layer_ids") is None:
             from fanout.model.verifier_dir import read_verifier_config
 
             n = read_verifier_config(Path(verifier_dir))["_num_hidden_layers"]
             fields["target_layer_ids"] = self.default_layers(n)
         return super().build(verifier_dir, **(fields | {"block_size": ttt + 1}))
+
+    def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
+        """The shared recipe flags that mean nothing to a chain draft (one rule:
+        `shared_field_problem`), refused when `fanout train` parses its flags."""
+        bs = values["block_size"] if "block_size" in given else None
+        if bs == DraftRecipe().block_size:
+            bs = None  # a whole config written back carries the shared default
+        return shared_field_problem(
+            int(values.get("ttt_steps", Eagle3Recipe().ttt_steps)), bs, values.get("gamma"),
+            values.get("loss_weighting", "exp"), values.get("label_source", "target_ids"),
+        )  # fmt: skip
 
     def speculative_tokens(self, cfg: DFlashConfig) -> int:
         """speculators writes its TTT steps as the greedy proposal's tokens."""

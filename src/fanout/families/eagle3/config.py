@@ -107,26 +107,43 @@ class Eagle3Config(Eagle3Recipe, DFlashConfig):
     def _check_shared(self) -> Eagle3Config:
         if self.embed_requires_grad:
             raise ValueError("embed_requires_grad: fanout keeps EAGLE-3's embedding frozen")
-        if self.block_size != self.ttt_steps + 1:
-            raise ValueError(
-                f"block_size {self.block_size}: EAGLE-3 drafts a chain, not a block; its "
-                f"verify width is ttt_steps + 1 = {self.ttt_steps + 1} (drop --block-size)"
-            )
-        if self.gamma is not None:
-            raise ValueError(
-                "gamma: EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay, not gamma"
-            )
-        if self.loss_weighting != "exp":
-            raise ValueError(
-                "loss_weighting (--per-position-loss-weight) 'dpace' is a block weighting; "
-                "EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay"
-            )
-        if self.label_source != "target_ids":
-            raise ValueError(
-                "label_source 'input_ids': EAGLE-3 trains on the verifier's distribution "
-                "(its last hidden states), not on the data tokens"
-            )
+        problem = shared_field_problem(
+            self.ttt_steps, self.block_size, self.gamma, self.loss_weighting, self.label_source
+        )
+        if problem:
+            raise ValueError(problem)
         return self
 
 
-__all__ = ["Eagle3Config", "Eagle3Recipe"]
+def shared_field_problem(
+    ttt_steps: int,
+    block_size: int | None,
+    gamma: float | None,
+    loss_weighting: str,
+    label_source: str,
+) -> str | None:
+    """Why shared DFlash-family recipe values do not apply to an EAGLE-3 draft (None:
+    they do): the one rule `Eagle3Config` and `fanout train --draft-family eagle3`'s
+    flag check (fanout.families.eagle3.Eagle3.shared_conflict) both apply. `block_size`
+    None: not given (it follows ttt_steps)."""
+    if block_size is not None and block_size != ttt_steps + 1:
+        return (
+            f"--block-size {block_size}: EAGLE-3 drafts a chain, not a block; its verify "
+            f"width is --ttt-steps + 1 = {ttt_steps + 1} (drop --block-size)"
+        )
+    if gamma is not None:
+        return "--gamma: EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay, not gamma"
+    if loss_weighting != "exp":
+        return (
+            f"--per-position-loss-weight {loss_weighting}: a block weighting; EAGLE-3 weighs its TTT "
+            "steps by --ttt-step-loss-decay"
+        )
+    if label_source != "target_ids":
+        return (
+            f"--label-source {label_source}: EAGLE-3 trains on the verifier's distribution "
+            "(its last hidden states), not on the data tokens"
+        )
+    return None
+
+
+__all__ = ["Eagle3Config", "Eagle3Recipe", "shared_field_problem"]
