@@ -132,6 +132,13 @@ def test_capture_for_takes_the_union_and_the_tensors(tmp_path: Path) -> None:
     )
     assert got["capture_layer_ids"] == [0, 1, 2, 3, 5]
     assert capture_fields(ProducerConfig(**base)) == {}
+    # EAGLE-3: vLLM's (2, n//2, n-3) in HF numbering = fanout 1, 2 on 6 layers, with the
+    # last hidden states (its targets); with DFlash's, the union
+    got = capture_fields(ProducerConfig(**base, capture_for=["eagle3"]))
+    assert got == {"capture_layer_ids": [1, 2], "store_last_hidden_states": True}
+    assert family("eagle3").default_layers(36) == [1, 17, 32]  # Qwen3-8B: HF 2, 18, 33
+    got = capture_fields(ProducerConfig(**base, capture_for="eagle3,dflash2"))
+    assert got == {"capture_layer_ids": [1, 2, 3], "store_last_hidden_states": True}
     with pytest.raises(ValueError, match="capture_for"):
         ProducerConfig(**base, capture_for=["dflash", "medusa"])
 

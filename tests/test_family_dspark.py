@@ -920,9 +920,10 @@ def test_good_variants_build(verifier_dir: Path) -> None:
     b = DSparkDraft.from_verifier(verifier_dir, markov_rank=0, enable_confidence_head=False, **kw)
     assert b.markov_head is None and b.confidence_head is None
     fam = family("dspark")
-    assert fam.needs_last_hidden_states(a.cfg)
-    assert not fam.needs_last_hidden_states(b.cfg)
-    assert fam.needs_last_hidden_states(b.cfg.model_copy(update={"loss_type": "kl"}))
+    assert fam.needs_last_hidden_states(a.cfg.model_dump())
+    assert not fam.needs_last_hidden_states(b.cfg.model_dump())
+    assert fam.needs_last_hidden_states(b.cfg.model_dump() | {"loss_type": "kl"})
+    assert fam.needs_last_hidden_states({})  # the recipe's default: the confidence head on
     assert fam.recipe_defaults == {"block_size": 8}  # 512 anchors, speculators' CLI default
     assert DSparkConfig.model_fields["markov_rank"].default == 256
 

@@ -390,10 +390,26 @@ def test_missing_token_counts_are_waited_for_visibly_then_named(
 
 
 def test_kl_loss_trains_from_last_hidden_states_and_needs_them(run: Run) -> None:
-    with pytest.raises(ConfigError, match="--store-last-hidden-states"):
+    with pytest.raises(ConfigError, match="--loss-type kl trains on.*--store-last-hidden-states"):
         Trainer(_cfg(run, "kl-refused", max_steps=1, loss_type="kl"))
+    # families whose recipe needs them are refused at start too, naming the producer flag
+    for fam in ("dspark", "eagle3"):
+        with pytest.raises(
+            ConfigError, match=f"--draft-family {fam} trains on the verifier's final hidden "
+            f"states, but .* --capture-for {fam} "
+        ):  # fmt: skip
+            Trainer(_cfg(run, f"{fam}-refused", max_steps=1, draft_family=fam))
     kl_run = run.root / "run-kl"
     Producer(_producer_cfg(run.root, kl_run, store_last_hidden_states=True)).run()
+    # EAGLE-3 reads its own layers (vLLM's default: 0 and 1 of a 4-layer verifier, fanout
+    # numbering); this run captured 1 and 2: refused, naming the missing one and the flag
+    eagle = _cfg(run, "eagle3-layers", max_steps=1, draft_family="eagle3")
+    with pytest.raises(
+        ConfigError,
+        match=r"eagle3 reads verifier layers \[0, 1\].*captured \[1, 2\] \(\[0\] missing\).*"
+        "--capture-for eagle3",
+    ):
+        Trainer(eagle.model_copy(update={"run_dir": str(kl_run)}))
     cfg = _cfg(run, "kl", max_steps=30, loss_type="kl").model_copy(update={"run_dir": str(kl_run)})
     assert Trainer(cfg).run()["steps"] == 30
     log = _log(cfg)

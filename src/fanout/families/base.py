@@ -17,6 +17,7 @@ its drafting step (`context`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -187,10 +188,11 @@ class Family:
         the shared shapes, read back (`saved`: fanout's record of the config)."""
         return {"block_size": cfg["block_size"], "mask_token_id": cfg["mask_token_id"]}
 
-    def needs_last_hidden_states(self, cfg: DFlashConfig) -> bool:
-        """Whether training reads the verifier's final hidden states (beyond
-        `loss_type kl`, which every family may choose)."""
-        return cfg.loss_type == "kl"
+    def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
+        """Whether training the recipe `recipe` (field -> value: `fanout train`'s draft
+        fields, or a built draft's `cfg.model_dump()`) reads the verifier's final hidden
+        states: `loss_type kl`, which every family may choose, or the family's own need."""
+        return recipe.get("loss_type") == "kl"
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
         """The drafting step `fanout eval` runs (fanout.decode.spec_decode)."""

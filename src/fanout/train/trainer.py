@@ -275,22 +275,34 @@ class Trainer:
                 f"{run_dir}: {contract.window_rows} rows per window do not split over "
                 f"{self.dp.world} data-parallel ranks; use a world size that divides it"
             )
-        if cfg.loss_type == "kl" and not contract.store_last_hidden_states:
-            raise ConfigError(
-                f"--loss-type kl needs the verifier's final hidden states, but {run_dir} was "
-                "captured without them: produce the run with --store-last-hidden-states"
-            )
         fam = family(cfg.draft_family)
+        # what the capture must hold for this family's recipe: named with the producer
+        # flags that capture it, before anything is built or read
+        if fam.needs_last_hidden_states(cfg.draft_recipe()) and not contract.store_last_hidden_states:
+            why = "--loss-type kl" if cfg.loss_type == "kl" else f"--draft-family {fam.name}"
+            raise ConfigError(
+                f"{why} trains on the verifier's final hidden states, but {run_dir} was "
+                f"captured without them: produce the run with --capture-for {fam.name} (or "
+                "--store-last-hidden-states)"
+            )
         # rows too short for the recipe (DFlash families: the block; EAGLE-3: its TTT steps)
         why = fam.row_length_error(cfg.draft_recipe(), contract.seq_len, str(run_dir))
         if why is not None:
             raise ConfigError(why)
         # Any subset of the captured layers (naming the captured ones), in ascending order;
         # by default what the family reads of the capture (every layer; EAGLE-3: its own)
+        captured = list(contract.target_layer_ids)
         layers = ascending_layer_ids(
-            cfg.draft_layer_ids
-            or fam.draft_layers(list(contract.target_layer_ids), Path(cfg.verifier_name_or_path))
+            cfg.draft_layer_ids or fam.draft_layers(captured, Path(cfg.verifier_name_or_path))
         )
+        missing = [i for i in layers if i not in captured]
+        if missing and not cfg.draft_layer_ids:  # the family's own layers (EAGLE-3's three)
+            raise ConfigError(
+                f"--draft-family {fam.name} reads verifier layers {layers} (its reference "
+                f"recipe), but {run_dir} captured {captured} ({missing} missing): produce the "
+                f"run with --capture-for {fam.name}, or choose captured layers with "
+                "--draft-layer-ids"
+            )
         contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
         return layers
 
@@ -329,12 +341,10 @@ class Trainer:
         draft = fam.build(
             cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
         )
-        if fam.needs_last_hidden_states(draft.cfg) and not contract.store_last_hidden_states:
-            raise ConfigError(
-                f"--draft-family {fam.name} (as configured) trains on the verifier's final "
-                f"hidden states, but {cfg.run_dir} was captured without them: produce the "
-                f"run with --store-last-hidden-states (or --capture-for {fam.name})"
-            )
+        # the recipe _check_run checked is the one the draft was built from
+        assert not fam.needs_last_hidden_states(draft.cfg.model_dump()) or (
+            contract.store_last_hidden_states
+        )
         return draft
 
     def _read_plan(self) -> Plan:

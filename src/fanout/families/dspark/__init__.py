@@ -12,6 +12,7 @@ anchors (speculators' trainer CLI default). Served by vLLM under method `dspark`
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
@@ -47,9 +48,9 @@ class DSpark(Family):
             "confidence_head_with_markov",
         ]
 
-    def needs_last_hidden_states(self, cfg: DFlashConfig) -> bool:
-        conf = isinstance(cfg, DSparkConfig) and cfg.enable_confidence_head
-        return conf or super().needs_last_hidden_states(cfg)
+    def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
+        conf = recipe.get("enable_confidence_head", DSparkRecipe().enable_confidence_head)
+        return bool(conf) or super().needs_last_hidden_states(recipe)
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
         if not isinstance(draft, DSparkDraft):

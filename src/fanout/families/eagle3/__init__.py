@@ -16,6 +16,7 @@ layers vLLM's default (2, n//2, n-3) in HF numbering. Its checkpoint is speculat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -123,7 +124,7 @@ class Eagle3(Family):
     def serving_fields(self) -> list[str]:
         return ["norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"]
 
-    def needs_last_hidden_states(self, cfg: DFlashConfig) -> bool:
+    def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
         return True  # the targets are the verifier's distribution
 
     def speculators_fields(self, cfg: DFlashConfig, verifier: dict[str, Any]) -> dict[str, Any]:
