@@ -157,6 +157,31 @@ def _draft(name: str, ver: Path) -> Any:
     )
 
 
+def test_every_family_decodes_what_hf_generate_decodes(ver: Path) -> None:
+    """T = 0 is lossless against the peer's own greedy loop: HF `generate` (do_sample
+    False, no stop token) gives the tokens `Decoder.greedy` gives, and each family's
+    speculative decoding gives them too (the per-family tests compare trained drafts
+    with `Decoder.greedy`; this ties both to transformers)."""
+    from fanout.decode.spec_decode import Decoder
+    from fanout.model.verifier import load_verifier
+
+    v = load_verifier(ver, device="cpu", capture_layer_ids=[1, 2], num_draft_layers=None)
+    v.model.generation_config.eos_token_id = None  # decode the full length
+    dec = Decoder(v, set())
+    drafts = {n: _draft(n, ver) for n in sorted(FAMILIES)}
+    g = torch.Generator().manual_seed(7)
+    for n in (3, 17, 40):
+        prompt = torch.randint(0, 120, (n,), generator=g).tolist()
+        ids = torch.tensor([prompt])  # [1, n]; the mask given: token 0 is no padding here
+        hf = v.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False,
+            pad_token_id=0,
+        )[0, n:].tolist()  # fmt: skip
+        assert dec.greedy(prompt, 30).tokens == hf
+        for name, d in drafts.items():
+            assert dec.speculative(prompt, d, 30).tokens == hf, (name, n)
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_round_trips_its_checkpoint(name: str, ver: Path, tmp_path: Path) -> None:
     d = _draft(name, ver)
@@ -223,7 +248,10 @@ def _steps(save: Path) -> list[int]:
     return [json.loads(x)["step"] for x in log.read_text().splitlines() if x.strip()]
 
 
-def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> None:
+def test_four_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> None:
+    """One producer captures for every family (--capture-for); four trainers read the one
+    stream and end on their own terms (steps, a stop and --resume, the stream's end); the
+    four drafts decode in one eval run, lossless, EAGLE-3 at --num-speculative-tokens 2."""
     assets = tmp_path / "assets"
     _, _, verifier = build_tiny_assets(assets, generate_corpus(40, seed=0))
     run, drafts = tmp_path / "run", tmp_path / "drafts"
@@ -243,14 +271,15 @@ def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> 
             "producer", "produce", "--run-dir", str(run), "--verifier-name-or-path",
             str(verifier), "--tokenizer", str(assets / "tok"), "--data",
             str(assets / "chat.jsonl"), "--seq-len", "96", "--window-rows", "4",
-            "--max-live-windows", "4", "--capture-for", "dflash,dflash2,dspark",
-            "--expected-consumers", "3", "--epochs", "2", "--workers", "1",
+            "--max-live-windows", "4", "--capture-for", "dflash,dflash2,dspark,eagle3",
+            "--expected-consumers", "4", "--epochs", "2", "--workers", "1",
             "--heartbeat-s", "0.5", "--exit-when-idle-s", "0",
             "--cache-dir", str(tmp_path / "cache"),
         )  # fmt: skip
         dflash = procs.start("dflash", *trainer("dflash", "--max-steps", "6"))
         dflash2 = procs.start("dflash2", *trainer("dflash2", "--max-steps", "14"))
         dspark = procs.start("dspark", *trainer("dspark"))
+        eagle3 = procs.start("eagle3", *trainer("eagle3", "--max-steps", "10"))
 
         # dflash2: stopped after a few steps, resumed, then on to its own --max-steps
         wait_for(lambda: _alive(dflash2) and len(_steps(drafts / "dflash2")) >= 3, 300, "steps")
@@ -264,7 +293,7 @@ def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> 
         )
 
         results = {n: p.finish(600) for n, p in (("dflash", dflash), ("dflash2", dflash2),
-                                                  ("dspark", dspark))}  # fmt: skip
+                                                  ("dspark", dspark), ("eagle3", eagle3))}  # fmt: skip
         code, pout = producer.finish(600)
         assert code == 0, pout[-3000:]
     finally:
@@ -273,7 +302,7 @@ def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> 
     info = json.loads((run / "stream.json").read_text())
     rows = info["num_rows"] * info["epochs"]
     assert rows > 14
-    ends = {"dflash": 6, "dflash2": 14, "dspark": rows}
+    ends = {"dflash": 6, "dflash2": 14, "dspark": rows, "eagle3": 10}
     for name, (code, out) in results.items():
         assert code == 0, f"{name}: {out[-3000:]}"
         s = _summary(out)
@@ -286,7 +315,7 @@ def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> 
     contract = json.loads((run / "contract.json").read_text())
     assert contract["store_last_hidden_states"] is True  # for DSpark's confidence head
 
-    # each checkpoint is its family's; the three decode in one eval run, lossless
+    # each checkpoint is its family's; the four decode in one eval run, lossless
     for name in ends:
         ckpt = latest_checkpoint(drafts / name)
         assert ckpt is not None
@@ -296,7 +325,7 @@ def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> 
         "eval", "--verifier-name-or-path", str(verifier), "--tokenizer", str(assets / "tok"),
         "--data", str(held), "--num-prompts", "3", "--max-new-tokens", "24",
         *[a for n in ends for a in ("--draft", str(drafts / n))],
-        "--json", str(tmp_path / "eval.json"),
+        "--num-speculative-tokens", "2", "--json", str(tmp_path / "eval.json"),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads((tmp_path / "eval.json").read_text())
@@ -304,6 +333,13 @@ def test_three_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> 
     assert {n: d["family"] for n, d in rep["drafts"].items()} == {n: n for n in ends}
     assert rep["drafts"]["dspark"]["drafted_per_step"] == 4  # DSpark drafts the whole block
     assert rep["drafts"]["dflash"]["drafted_per_step"] == 3
+    assert rep["drafts"]["eagle3"]["drafted_per_step"] == 2  # its chain: the flag's k
+    assert len(rep["drafts"]["eagle3"]["per_position_acceptance"]) == 2
+    # DSpark's confidence head: the length it would propose, reported beside τ
+    assert 0 <= rep["drafts"]["dspark"]["proposed_length"] <= 4
+    assert "its confidence head proposes" in r.stdout
+    row = next(x for x in r.stdout.splitlines() if x.startswith("eagle3"))
+    assert row.split()[1:3] == ["eagle3", "3"]  # verify width k + 1
 
     # resuming the DFlash save path as another family: one line, exit 1
     r = _fanout(*trainer("dflash"), "--resume", "--draft-family", "dspark")
