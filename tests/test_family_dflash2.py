@@ -402,6 +402,38 @@ def test_loss_metrics_and_grads_equal_speculators(
     model.zero_grad(set_to_none=True)
 
 
+def test_unary_logits_equal_speculators(
+    ts: Any,
+    draft: DFlash2Draft,
+    spec_model: Any,
+    spec_vdir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The distribution itself, not only the loss: on the same rows and anchors, fanout's
+    block states (local dynamic convolutions in every layer) through the frozen head equal
+    speculators' `_backbone_forward` unary logits, every slot of every real block (fp32:
+    atol 2e-5, observed ~1e-6). The selector's scores are compared through its
+    teacher-forced picks in test_loss_metrics_and_grads_equal_speculators."""
+    from fanout.model.draft_cache import head_logits
+
+    layout = ts._layout()
+    anchors, valid = ts._anchors(3, 8, 13, 17, 25, 30, 35)
+    batch, pre = ts._rows(draft, spec_vdir, layout, anchors, valid, seed=11)
+    ts._patch_anchors(monkeypatch, anchors, valid)
+    with torch.no_grad():
+        _, unary, _, _, _ = spec_model._backbone_forward(
+            batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
+            batch["document_ids"], batch["position_ids"], max_anchors=anchors.shape[1],
+        )  # fmt: skip
+        b = draft.blocks(batch, None)
+        hid = b.hid[b.valid].reshape(-1, b.hid.shape[-1])  # [A·bs, H] real blocks only
+        ours = head_logits(draft, hid)  # [A·bs, V]
+    v = ours.shape[-1]
+    theirs = unary[0].view(-1, ts.BS, v)[valid[0]].reshape(-1, v).float()
+    assert ours.shape == theirs.shape and float(ours.std()) > 0.1
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-5)
+
+
 # ---- 3. the drafting step ----------------------------------------------------------------
 
 EOS = 255

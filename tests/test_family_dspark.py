@@ -203,6 +203,10 @@ def loaded(
                 dtype=torch.float32,
                 output_loading_info=True,
             )
+        # the verifier-owned tensors (embedding, head, final norm) are not in the file:
+        # speculators reloads them from the verifier, as it does before training (every
+        # test reads the model whole, whichever runs first)
+        model.load_verifier_weights()
         out[name] = (model, info, notes)
     return out
 
@@ -530,6 +534,42 @@ def test_loss_metrics_and_grads_equal_speculators(
         grad = dict(draft.named_parameters())[k].grad
         assert grad is not None and float(grad.abs().max()) > 0, k
     model.zero_grad(set_to_none=True)
+
+
+def test_logits_and_confidence_equal_speculators(
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[DSparkDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    verifier_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The distribution itself, not only the loss: on the same rows and anchors, fanout's
+    Markov-corrected logits (head + W1[prev] W2^T, the chunked op's fp32 product) and its
+    confidence logits equal speculators' `_backbone_forward` + Markov bias + confidence
+    head, every slot of every real block (fp32: atol 2e-5, observed ~1e-6)."""
+    from fanout.families.dspark.model import _corrected_logits
+
+    draft = drafts["full"][0]
+    model, _, _ = loaded["full"]
+    anchors, valid = _anchors(3, 5, 11, 14, 17, 25, 29, 35)
+    batch, pre = _rows(draft, verifier_dir, _layout(), anchors, valid, seed=11)
+    _patch_anchors(spec, monkeypatch, anchors, valid)
+    with torch.no_grad():
+        theirs = _spec_pieces(model, batch, pre, anchors.shape[1])
+        b = draft.blocks(batch, None)
+        hid = b.hid[b.valid].reshape(-1, b.hid.shape[-1])  # [A·bs, H] real blocks only
+        prev = draft.prev_tokens(batch, b.anchors)[b.valid].reshape(-1)  # [A·bs]
+        emb, w2 = draft.markov_inputs(prev, hid.dtype)
+        ours = _corrected_logits(hid, emb, draft.lm_head_weight, w2)  # [A·bs, V]
+        conf = draft.confidence_logits(hid, emb)  # [A·bs]
+    v = ours.shape[-1]
+    keep = valid[0]
+    their_logits = theirs["logits"][0].view(-1, BS, v)[keep].reshape(-1, v)
+    their_conf = theirs["conf"][0].view(-1, BS)[keep].reshape(-1)
+    assert ours.shape == their_logits.shape and float(ours.std()) > 0.1
+    torch.testing.assert_close(ours, their_logits.float(), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(conf.float(), their_conf.float(), rtol=1e-5, atol=2e-5)
+    assert (ours.argmax(-1) == their_logits.argmax(-1)).all()
 
 
 # ---- (b) the differences, pinned ------------------------------------------------------
