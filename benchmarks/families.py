@@ -496,7 +496,7 @@ def family_step(
             "position_ids": rows["position_ids"][:, 1:],
         }
     batch = {k: v for k, v in rows.items() if k != "pre"}
-    if not family(name).needs_last_hidden_states(draft.cfg):
+    if not family(name).needs_last_hidden_states(draft.cfg.model_dump()):
         batch.pop("last_hidden_states")
     gen = torch.Generator().manual_seed(0)
 

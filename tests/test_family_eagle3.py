@@ -579,7 +579,10 @@ def test_cached_equals_uncached(trained: Eagle3Draft, decoder: Decoder) -> None:
         ({"fc_norm": True, "norm_before_fc": True}, "fc_norm and norm_before_fc are exclusive"),
         ({"block_size": 8}, "EAGLE-3 drafts a chain"),
         ({"gamma": 4.0}, "ttt-step-loss-decay, not gamma"),
-        ({"loss_weighting": "dpace", "loss_type": "ce"}, "--per-position-loss-weight dpace: a block weighting"),
+        (
+            {"loss_weighting": "dpace", "loss_type": "ce"},
+            "--per-position-loss-weight dpace: a block weighting",
+        ),
         ({"label_source": "input_ids"}, "verifier's distribution"),
         ({"embed_requires_grad": True}, "frozen"),
         ({"ttt_steps": 0}, "ttt_steps"),

@@ -42,8 +42,8 @@ def test_ranked_best_first_with_the_checkpoint_and_step_figures(tmp_path: Path) 
     # every family: the count is the model's own trainable parameters (EAGLE-3's file also
     # holds the verifier's frozen embedding)
     for name in FAMILIES:
-        path, n = _save(name, ver, tmp_path / f"all-{name}")  # eagle3: ttt 3 = block 4
-        assert checkpoint_params(path)[0] == n, name
+        path, count = _save(name, ver, tmp_path / f"all-{name}")  # eagle3: ttt 3 = block 4
+        assert checkpoint_params(path)[0] == count, name
     logs = {}
     for n, ms in (("a", [50.0, 40.0, 3.0, 4.0, 5.0]), ("b", [9.0, 9.0, 7.0, 8.0, 30.0])):
         logs[n] = tmp_path / n / "train_log.jsonl"

@@ -390,7 +390,7 @@ def test_missing_token_counts_are_waited_for_visibly_then_named(
 
 
 def test_kl_loss_trains_from_last_hidden_states_and_needs_them(run: Run) -> None:
-    with pytest.raises(ConfigError, match="--loss-type kl trains on.*--store-last-hidden-states"):
+    with pytest.raises(ConfigError, match=r"--loss-type kl trains on.*--store-last-hidden-states"):
         Trainer(_cfg(run, "kl-refused", max_steps=1, loss_type="kl"))
     # families whose recipe needs them are refused at start too, naming the producer flag
     for fam in ("dspark", "eagle3"):

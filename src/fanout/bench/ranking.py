@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from fanout.bench.metrics import read_train_log
 
+
 def checkpoint_params(ckpt: Path) -> tuple[int, int]:
     """(trainable parameters, bytes) of a checkpoint's `model.safetensors`: every tensor
     but those its family declares frozen (`Family.frozen_tensors`: the verifier's head,

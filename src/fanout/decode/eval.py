@@ -600,8 +600,7 @@ def table(report: dict[str, Any]) -> list[str]:
     lines.append(
         f"greedy alone: {report['greedy_tokens_per_s']:.1f} tok/s decode on "
         f"{report['hardware']}; speed-ups are decode time (prefill excluded); τ interval: "
-        "normal approx., per-prompt cluster SE; "
-        + lossless_line(report)
+        "normal approx., per-prompt cluster SE; " + lossless_line(report)
     )
     prec = report.get("precision")
     if prec:

@@ -278,10 +278,13 @@ class Trainer:
         fam = family(cfg.draft_family)
         # what the capture must hold for this family's recipe: named with the producer
         # flags that capture it, before anything is built or read
-        if fam.needs_last_hidden_states(cfg.draft_recipe()) and not contract.store_last_hidden_states:
-            why = "--loss-type kl" if cfg.loss_type == "kl" else f"--draft-family {fam.name}"
+        if (
+            fam.needs_last_hidden_states(cfg.draft_recipe())
+            and not contract.store_last_hidden_states
+        ):
+            who = "--loss-type kl" if cfg.loss_type == "kl" else f"--draft-family {fam.name}"
             raise ConfigError(
-                f"{why} trains on the verifier's final hidden states, but {run_dir} was "
+                f"{who} trains on the verifier's final hidden states, but {run_dir} was "
                 f"captured without them: produce the run with --capture-for {fam.name} (or "
                 "--store-last-hidden-states)"
             )

@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from fanout.families.base import Family
-from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
+from fanout.families.dspark.config import DSparkRecipe
 from fanout.families.dspark.model import DSparkDraft
 from fanout.families.dspark.propose import DSparkContext
-from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
 
 
