@@ -82,9 +82,10 @@ import torch.nn.functional as F
 from fanout import package_version
 from fanout.bench.config import BenchConfig
 from fanout.bench.report import hardware, versions
+from fanout.families.registry import FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILY_NAMES = ("dflash", "dflash2", "dspark", "eagle3")
+FAMILY_NAMES = tuple(FAMILIES)  # every registered family
 SCENARIOS = ["1p3c", "unshared"]
 BLOCK = 8
 SPEEDUP_GOAL = 2.0  # aggregate rows/s, 1p3c over unshared
@@ -96,8 +97,6 @@ SPEC_CLASSES = {
     "dspark": ("speculators.models.dspark", "DSparkDraftModel", "DSparkSpeculatorConfig"),
     "eagle3": ("speculators.models.eagle3", "Eagle3DraftModel", "Eagle3SpeculatorConfig"),
 }
-# --block-size per family: EAGLE-3 has no block; its verify width is --ttt-steps + 1
-FAMILY_BLOCK = {"eagle3": 4}
 SPEC_LOSS = {"ce": "ce", "kl": "kl_div"}  # fanout loss_type -> speculators --loss-fn
 
 
@@ -183,7 +182,7 @@ def families_config(a: argparse.Namespace) -> BenchConfig:
     )
     proto = base.consumers[0]
     consumers = [
-        proto.model_copy(update={"id": f, "draft_family": f, "block_size": FAMILY_BLOCK.get(f, BLOCK),
+        proto.model_copy(update={"id": f, "draft_family": f, "block_size": FAMILIES[f].block_size_for(BLOCK),
                                  "max_anchors": a.anchors, "max_steps": a.steps, "seed": i})
         for i, f in enumerate(FAMILY_NAMES)
     ]  # fmt: skip
@@ -451,7 +450,7 @@ def family_step(
     torch.manual_seed(0)
     eagle = name == "eagle3"
     draft = family(name).build(vdir, target_layer_ids=layers,
-                               block_size=FAMILY_BLOCK.get(name, BLOCK),
+                               block_size=FAMILIES[name].block_size_for(BLOCK),
                                max_anchors=a.step_anchors, num_layers=1,
                                loss_type=a.step_loss)  # fmt: skip
     # Weights rounded to bf16 first: model.safetensors is bf16, so both hold the same numbers.

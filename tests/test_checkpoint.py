@@ -262,6 +262,17 @@ def test_upgrade_checkpoint_command(
     assert cli_main(["upgrade-checkpoint", str(path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a format-1 fanout checkpoint" in err[0], err
+    # a checkpoint of another family was never written in either old form: named, exit 1
+    from fanout.families.registry import family
+
+    other = family("dspark").build(verifier_dir, target_layer_ids=[1, 2], block_size=4,
+                                   num_layers=1)  # fmt: skip
+    opt, _ = make_optimizer(other.parameters(), lr=1e-3)
+    spark = save_checkpoint(tmp_path / "dspark", other, opt, {"step": 1},
+                            verifier_name_or_path=str(verifier_dir))  # fmt: skip
+    assert cli_main(["upgrade-checkpoint", str(spark)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a dspark checkpoint" in err[0], err
 
 
 def test_inconsistent_layer_ids_refused(verifier_dir: Path, tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ Needs nothing but Python and this repo: it builds its own tiny assets (a BPE
 tokenizer, a briefly trained tiny Qwen3 verifier, a generated chat corpus; cached
 under `<run-dir>/assets`, so the second run starts at once), then runs the `1p3c`
 scenario of the benchmark harness (fanout.bench.bench) with one block-8 draft of each
-family (DFlash, DFlash2, DSpark, EAGLE-3: `DEMO_FAMILIES`) on the one stream for `--minutes`
+family (every registered one: DFlash, DFlash2, DSpark, EAGLE-3; `DEMO_FAMILIES`) on the one stream for `--minutes`
 on-policy (the producer runs with `--regenerate`: the verifier rewrites
 the corpus's answers chunk by chunk and the drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
 acceptance length (first → last), windows captured once and read by every draft, the
@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fanout.bench.assets import torch_threads
 from fanout.bench.bench import run_bench
 from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
+from fanout.families.registry import FAMILIES
 from fanout.flags import add_model_flags, model_from_args
 
 # seed of the generated held-out conversations (the assets' corpus uses seed 0)
@@ -52,11 +53,10 @@ HELDOUT_SEED = 10_007
 DEMO_EVAL_PROMPTS = 640
 DEMO_EVAL_MAX_PROMPTS = 2560
 DEMO_TAU_HALF_WIDTH = 0.1
-# one draft of each family on the one stream (captured for all of them: --capture-for)
-DEMO_FAMILIES = ("dflash", "dflash2", "dspark", "eagle3")
-# --block-size per family: block 8 for the block drafts; EAGLE-3's verify width is its
-# --ttt-steps + 1 (3 drafted tokens + the anchor), the only value it takes
-DEMO_BLOCK = {"eagle3": 4}
+# one draft of each registered family on the one stream (captured for all of them:
+# --capture-for), block 8 (a chain family at its own width: Family.block_size_for)
+DEMO_FAMILIES = tuple(FAMILIES)
+DEMO_BLOCK = 8
 DEMO_TEMPERATURES = [0.0, 1.0]
 
 
@@ -98,7 +98,7 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
             ConsumerSpec(
                 id=f,
                 draft_family=f,
-                block_size=DEMO_BLOCK.get(f, 8),
+                block_size=FAMILIES[f].block_size_for(DEMO_BLOCK),
                 max_anchors=16,
                 lr=2e-3,
                 seed=i,

@@ -78,6 +78,12 @@ class Family:
         not given (None: the verifier's whole vocabulary)."""
         return None
 
+    def block_size_for(self, width: int) -> int:
+        """The `--block-size` this family trains in a side-by-side comparison at block
+        `width` (the demo, benchmarks/families.py): a block family takes it; a chain
+        family's verify width is its own (EAGLE-3: --ttt-steps + 1)."""
+        return width
+
     def verify_width(self, recipe: dict[str, Any]) -> int:
         """Tokens one verify step of its recipe `recipe` (field -> value) checks: the block."""
         return int(recipe["block_size"])

@@ -189,6 +189,12 @@ def upgrade_checkpoint(path: str | Path, fs: FileSystem | None = None) -> Path:
     saved = dict(fan.get("dflash_config") or {})
     ids = [int(i) for i in saved.get("target_layer_ids") or []]
     version = fan.get("format_version")
+    kind = cfg.get("speculators_model_type", "dflash")
+    if kind != "dflash":  # both upgrades predate every other family
+        raise CheckpointError(
+            f"{p / 'config.json'}: a {kind} checkpoint: every fanout that trains {kind} writes "
+            "format 2 in ascending layer order, so there is nothing to upgrade"
+        )
     if version not in (1, FORMAT_VERSION) or (version == FORMAT_VERSION and ids == sorted(ids)):
         raise CheckpointError(
             f"{p / 'config.json'}: not a format-1 fanout checkpoint, nor one with unsorted "

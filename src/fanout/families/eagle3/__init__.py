@@ -78,6 +78,9 @@ class Eagle3(Family):
     def default_draft_vocab_size(self, vocab_size: int) -> int | None:
         return DRAFT_VOCAB_SIZE if vocab_size > DRAFT_VOCAB_SIZE else None
 
+    def block_size_for(self, width: int) -> int:
+        return self.verify_width({})  # its reference chain: --ttt-steps 3 + the anchor
+
     def verify_width(self, recipe: dict[str, Any]) -> int:
         return int(recipe.get("ttt_steps", Eagle3Recipe().ttt_steps)) + 1
 
