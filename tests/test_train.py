@@ -257,6 +257,13 @@ def test_bad_config_is_a_clear_error(run: Run, capsys: pytest.CaptureFixture[str
     assert "--verifier-name-or-path" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"draft vocabulary size 100000 must be in \[1, "):
         Trainer(_cfg(run, "dv", draft_vocab_size=100_000))
+    # a wrong verifier directory: named at once, before waiting for a run that may not exist
+    missing = run.root / "no-verifier"
+    cfg = _cfg(run, "nv", acquire_timeout_s=600).model_copy(
+        update={"verifier_name_or_path": str(missing), "run_dir": str(run.root / "no-run")}
+    )
+    with pytest.raises(ConfigError, match=f"--verifier-name-or-path: verifier directory {missing}"):
+        Trainer(cfg)
 
 
 def _script_argv(cfg: TrainConfig) -> list[str]:

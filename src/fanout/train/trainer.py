@@ -201,6 +201,14 @@ class Trainer:
         self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
         torch.manual_seed(cfg.seed)
         self.device = self.dp.device(cfg.device)
+        # the verifier directory is read only after the run appears: refuse a wrong one now,
+        # not after --acquire-timeout-s of waiting for a producer
+        from fanout.model.verifier import check_verifier_dir
+
+        try:
+            check_verifier_dir(cfg.verifier_name_or_path)
+        except ConfigError as e:
+            raise ConfigError(f"--verifier-name-or-path: {e}") from None
         contract = wait_for_run(Path(cfg.run_dir), cfg.db_path, cfg.acquire_timeout_s)
         self.startup.mark("run")
         layers = self._check_run(contract)
