@@ -223,3 +223,28 @@ def test_speculative_wrong_rule_is_detected(
         return decoder.speculative(PROMPT, echo, 3, S, g, "served", context=echo).tokens  # type: ignore[arg-type]
 
     assert _fit(decoder, run) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark", "eagle3"])
+def test_every_familys_drafting_step_is_lossless_in_distribution(
+    decoder: Decoder, name: str
+) -> None:
+    """The served rule with each family's own drafting step (its real context: DFlash2's
+    selector walk, DSpark's Markov head, EAGLE-3's chain; a fresh draft, so its tokens
+    are seldom accepted — the family's proposal is what is under test): the first three
+    tokens follow the law of plain sampling."""
+    from fanout.families.registry import family
+
+    torch.manual_seed(0)
+    fam = family(name)
+    draft = fam.build(decoder.verifier.model.config._name_or_path, target_layer_ids=[1, 3],
+                      block_size=BS, num_layers=1, max_anchors=8)  # fmt: skip
+    steps: list[int] = []
+
+    def run(g: torch.Generator) -> list[int]:
+        r = decoder.speculative(PROMPT, draft, 3, S, g, "served")
+        steps.extend(r.accepted)
+        return r.tokens
+
+    assert _fit(decoder, run, seeds=300) > ALPHA
+    assert steps, "the family's drafting step ran"
