@@ -48,11 +48,11 @@ from fanout.chaos import (
     ChaosRun,
     build_assets,
     check_cover,
-    read_log,
     run_cli,
     window_digest,
 )
 from fanout.chaos.soak import MAX_KILL_GAP_S, SoakReport, run_rounds
+from fanout.train.trainlog import read_train_log
 from tiny_run import wait_for
 
 
@@ -72,6 +72,7 @@ def _assets(root: Path, conversations: int) -> ChaosAssets:
 
 def _cfg(work: Path, chaos_root: Path, **kw: Any) -> ChaosConfig:
     kw.setdefault("timeout_s", 240.0)
+    kw.setdefault("kills", 0)  # a test that kills says how often
     return ChaosConfig(work_dir=str(work), cache_dir=str(chaos_root / "cache"), **kw)
 
 
@@ -188,7 +189,7 @@ def test_kill_before_first_checkpoint_restarts_from_zero(
     done: dict[str, int] = {}
 
     def crash(r: ChaosRun) -> None:
-        if done or len(read_log(r.work / "drafts" / "c0" / "train_log.jsonl")) < 6:
+        if done or len(read_train_log(r.work / "drafts" / "c0")) < 6:
             return
         assert t.proc is not None
         t.proc.signal(signal.SIGKILL)
@@ -415,11 +416,11 @@ def test_sigstop_past_ttl(chaos_root: Path, assets_root: Path, policy: str, exit
     )
     run = ChaosRun(cfg, _assets(assets_root, cfg.conversations))
     victim = run.trainers[1]
-    vlog = run.work / "drafts" / victim.name / "train_log.jsonl"
+    vlog = run.work / "drafts" / victim.name
     when: dict[str, float] = {}
 
     def pause(r: ChaosRun) -> None:
-        if "stop" not in when and len(read_log(vlog)) >= 6:
+        if "stop" not in when and len(read_train_log(vlog)) >= 6:
             assert victim.proc is not None
             victim.proc.signal(signal.SIGSTOP)
             when["stop"], when["stop_wall"] = time.monotonic(), time.time()
@@ -439,7 +440,7 @@ def test_sigstop_past_ttl(chaos_root: Path, assets_root: Path, policy: str, exit
     assert counters["recaptures"] >= 1  # the rejoined consumer's windows came back
     for t in run.trainers:
         if t is not victim:
-            recs = read_log(run.work / "drafts" / t.name / "train_log.jsonl")
+            recs = read_train_log(run.work / "drafts" / t.name)
             gap = max_gap_during(recs, when["stop_wall"], when["cont_wall"])
             print(f"{policy}: {t.name} longest stall while c1 was stopped: {gap:.2f} s")
             assert gap < ttl + 2.5, f"{t.name} stalled {gap:.2f} s (ttl {ttl} s)"

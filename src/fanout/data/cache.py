@@ -33,6 +33,7 @@ from fanout.data.packing import ROW_KEYS
 from fanout.errors import CorruptWindow, StorageError
 from fanout.filesystem import FileSystem
 from fanout.hashing import hasher
+from fanout.rows import INPUT_IDS, LOSS_MASK
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -77,7 +78,7 @@ class ShardWriter:
 
     def write(self, batch: dict[str, np.ndarray]) -> None:
         self._pending.append(batch)
-        self._pending_rows += batch["input_ids"].shape[0]
+        self._pending_rows += batch[INPUT_IDS].shape[0]
         while self._pending_rows >= self.rows_per_shard:
             self._flush(self.rows_per_shard)
 
@@ -85,7 +86,7 @@ class ShardWriter:
         cat = {k: np.concatenate([b[k] for b in self._pending]) for k in ROW_KEYS}
         head = {k: np.ascontiguousarray(v[:n]) for k, v in cat.items()}  # [n, T] each
         rest = {k: v[n:] for k, v in cat.items()}
-        self._pending = [rest] if rest["input_ids"].shape[0] else []
+        self._pending = [rest] if rest[INPUT_IDS].shape[0] else []
         self._pending_rows -= n
         name = f"shard-{len(self.shards):05d}.safetensors"
         path = self.tmp / name
@@ -187,4 +188,4 @@ class PackedDataset:
 
     @staticmethod
     def _dtype(key: str) -> type:
-        return np.uint8 if key == "loss_mask" else np.int32
+        return np.uint8 if key == LOSS_MASK else np.int32
