@@ -76,7 +76,7 @@ def _consumer(root: str, rank: int, cycles: int, start: Any, out: Any) -> None:
 def bench_cycles(tmpdir: Path, procs: int, cycles: int, db: str | None = None) -> dict[str, Any]:
     """Aggregate acquire+ack cycles/s of `procs` consumer processes, `cycles` each
     (coordinator in the run dir, or in a new schema of PostgreSQL URL `db`)."""
-    rd = RunDir(tmpdir / f"run_{procs}p").create()
+    rd = RunDir(tmpdir / f"run_{procs}p_{uuid.uuid4().hex[:8]}").create()  # one per round
     c = _contract()
     cfg = RunConfig(max_live_windows=cycles + 2, expected_consumers=procs)
     if db is not None:
