@@ -37,7 +37,18 @@ FORMAT = 1  # of the JSON below; report.py reads this version
 
 # The stages of the data path, in the order docs/numbers.md lists them (a row of another
 # stage comes after these, in the order of its name).
-STAGES = ("data", "store", "coordinator", "producer", "training", "fan-out", "eval", "start-up")
+STAGES = (
+    "data",
+    "store",
+    "coordinator",
+    "producer",
+    "training",
+    "fan-out",
+    "eval",
+    "reliability",
+    "start-up",
+    "tests",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
