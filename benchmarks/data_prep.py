@@ -399,7 +399,15 @@ def main() -> int:
     ]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
-    rec.write(args.json, record_rows(res, walls, hw), raw={"hardware": hw, **res})
+    plots = []
+    if args.template == "qwen3":  # the scaling curve: tokens/s by workers, ideal beside it
+        plots.append({"name": "scaling", "stage": "data", "kind": "line",
+                      "title": f"prepare tokens/s by workers ({res['conversations']:,} "
+                      f"conversations, T = {args.seq_len})", "xlabel": "workers",
+                      "ylabel": "tokens/s", "series": {"fanout prepare": [
+                          [1, res["b_tok_s"]], [cores, res["a_tok_s"]]]},
+                      "ideal": [[1, res["b_tok_s"]], [cores, cores * res["b_tok_s"]]]})  # fmt: skip
+    rec.write(args.json, record_rows(res, walls, hw), raw={"hardware": hw, **res}, plots=plots)
     return 0
 
 

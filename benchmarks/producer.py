@@ -278,7 +278,7 @@ def _row(res: dict[str, Any], device: str) -> Row:
                result=res["producer_vs_forward"], unit="×", spread=spread(ratios),
                n=res["repeats"], goal=">= 0.9", met=res["producer_vs_forward"] >= 0.9,
                conditions=f"{_sizes(res, device)}; {res['tokens_per_s']:,.0f} tok/s, "
-               f"{res['bytes_per_s'] / 1e9:.2f} GB/s written")  # fmt: skip
+               f"{res['bytes_per_s'] / 1e6:,.1f} MB/s written")  # fmt: skip
 
 
 def _timed_run(p: Producer) -> tuple[float, dict[str, Any]]:

@@ -17,6 +17,7 @@ tests/test_numbers.py fails on it until its benchmark writes through `record.Rec
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import re
 import sys
@@ -35,23 +36,24 @@ BEGIN, END = (
     "<!-- /numbers:headline -->",
 )
 
-# (benchmark, row name): the README's headline rows, in this order; a row no JSON has yet
-# is left out (and so is its line, until a run adds it).
+# The README's headline rows, in this order: (result files to take it from, the first
+# that has it, as name patterns without .json; the row's name). An entry no JSON has yet
+# is left out until a run adds it.
 HEADLINE = (
-    ("fanout_1p3c", "aggregate_speedup_vs_unshared"),
-    ("families", "aggregate_speedup_vs_unshared"),
-    ("producer", "producer_vs_forward"),
-    ("store_coordinator", "publish_vs_raw"),
-    ("store_coordinator", "cycles_per_s_8p_sqlite"),
-    ("data_prep", "scaling"),
-    ("trainer", "ce_memory_vs_naive"),
+    (("fanout_1p3c",), "aggregate_speedup_vs_unshared"),
+    (("families",), "aggregate_speedup_vs_unshared"),
+    (("producer-h200-16", "producer-h200*", "producer-cpu-h512"), "producer_vs_forward"),
+    (("store_coordinator",), "cycles_per_s_8p_sqlite"),
+    (("data_prep",), "scaling"),
+    (("test_suite",), "default_run_s"),
 )
 
 
 def load(results: Path = RESULTS) -> list[tuple[str, dict[str, Any]]]:
-    """(file name, record) of every JSON there, by name; non-record JSONs get fallback rows."""
+    """(path under `results`, record) of every JSON there (subfolders too), by path;
+    non-record JSONs get fallback rows."""
     out = []
-    for p in sorted(results.glob("*.json")):
+    for p in sorted(results.rglob("*.json")):
         rec = json.loads(p.read_text())
         if not isinstance(rec, dict):
             rec = {"raw": rec}
@@ -60,7 +62,7 @@ def load(results: Path = RESULTS) -> list[tuple[str, dict[str, Any]]]:
         if not isinstance(rec.get("rows"), list):
             rec["rows"] = _fallback_rows(rec)
             rec["not_a_record"] = True
-        out.append((p.name, rec))
+        out.append((str(p.relative_to(results)), rec))
     return out
 
 
@@ -92,13 +94,14 @@ def num(x: Any) -> str:
 def result_cell(row: dict[str, Any]) -> str:
     unit = row.get("unit") or ""
     sep = "" if unit in ("×", "%", "") else " "
-    out = f"**{num(row['result'])}**{sep}{unit}"
+    out = f"**{num(row['result'])}{sep}{unit}**"
     extra = []
     if row.get("spread"):
         lo, hi = row["spread"]
         extra.append(f"{row.get('spread_kind') or 'min–max'} {num(lo)}–{num(hi)}")
     if row.get("n"):
-        extra.append(f"n = {row['n']} {row.get('n_of') or ''}".rstrip())
+        n_of = row.get("n_of") or ""
+        extra.append(f"n = {row['n']} {n_of if row['n'] > 1 else ''}".rstrip())
     if extra:
         out += f" ({', '.join(extra)})"
     return out
@@ -132,6 +135,12 @@ def _load(rec: dict[str, Any]) -> str:
     return f"load {num(b)} → {num(a)}" if b is not None and a is not None else "load not recorded"
 
 
+def shown_command(fname: str, rec: dict[str, Any]) -> str:
+    """The run's command, its --json naming the file it is kept as here."""
+    cmd = str(rec.get("command", "?"))
+    return re.sub(r"--json \S+", f"--json benchmarks/results/{fname}", cmd)
+
+
 def source_line(i: int, fname: str, rec: dict[str, Any]) -> str:
     commit = (rec.get("commit") or "no commit")[:10]
     if rec.get("tree_differs_from_commit"):
@@ -140,7 +149,7 @@ def source_line(i: int, fname: str, rec: dict[str, Any]) -> str:
     ver = ", ".join(f"{k} {v[k]}" for k in ("python", "torch") if k in v)
     flag = " — **not in the record format**" if rec.get("not_a_record") else ""
     return (
-        f"{i}. `benchmarks/results/{fname}`{flag}: `{rec.get('command', '?')}` — "
+        f"{i}. `benchmarks/results/{fname}`{flag}: `{shown_command(fname, rec)}` — "
         f"{rec.get('date', 'no date')}, commit {commit}, {_hardware(rec)}, {_load(rec)}"
         + (f", {ver}" if ver else "")
     )
@@ -201,12 +210,19 @@ def plot_name(rec: dict[str, Any], p: dict[str, Any]) -> str:
 
 def headline(records: list[tuple[str, dict[str, Any]]]) -> str:
     lines = [BEGIN, "", "| what | result | goal | conditions |", "|---|---|---|---|"]
-    for bench, name in HEADLINE:
-        for _, rec in records:
-            for r in rec["rows"]:
-                if rec["benchmark"] == bench and r["name"] == name:
-                    lines.append(f"| {_cell(r['what'])} | {_cell(result_cell(r))} "
-                                 f"| {_cell(goal_cell(r))} | {_cell(_conditions(r, rec))} |")  # fmt: skip
+    for patterns, name in HEADLINE:
+        found = [
+            (r, rec)
+            for pattern in patterns
+            for fname, rec in records
+            if fnmatch.fnmatch(Path(fname).stem, pattern)
+            for r in rec["rows"]
+            if r["name"] == name
+        ]
+        if found:
+            r, rec = found[0]
+            lines.append(f"| {_cell(r['what'])} | {_cell(result_cell(r))} "
+                         f"| {_cell(goal_cell(r))} | {_cell(_conditions(r, rec))} |")  # fmt: skip
     lines += ["", END]
     return "\n".join(lines)
 

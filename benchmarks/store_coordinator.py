@@ -231,7 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             what=f"lock errors seen by a caller ({db})", result=result["lock_errors"], **n,
             goal="0", met=result["lock_errors"] == 0, conditions="all rounds, 1p and 8p"),
     ]  # fmt: skip
-    rec.write(args.json, table, raw=result)
+    plot = {"name": f"cycles-{db}", "stage": "coordinator", "kind": "line",
+            "title": f"acquire+ack cycles/s by consumer processes ({hw['coordinator']}), "
+            f"median of {args.rounds}", "xlabel": "consumer processes",
+            "ylabel": "cycles/s (all processes)",
+            "series": {db: [[1, one["cycles_per_s"]], [8, eight["cycles_per_s"]]]}}  # fmt: skip
+    rec.write(args.json, table, raw=result, plots=[plot])
     return 0
 
 

@@ -128,18 +128,19 @@ def _assert_soak_ok(rep: SoakReport) -> None:
 
 
 def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> None:
-    """≥ 30 SIGKILLs (0.5-1.5 s apart) of a 1P3C run, each role restarted at once.
+    """≥ 12 SIGKILLs (kill_every_s apart) of a 1P3C run, each role restarted at once:
+    three of every role (the kill order is a shuffled bag of the four).
 
-    The stream is looped (fanout.chaos.soak): if it ends before the 30th kill (on an
-    idle machine one epoch of 700 conversations takes ~30 s), another round on a fresh
-    run takes the rest, so the count is met on any machine; every round is checked."""
+    The stream is looped (fanout.chaos.soak): if it ends before the 12th kill, another
+    round on a fresh run takes the rest, so the count is met on any machine; every round
+    is checked. 30 kills, recorded: benchmarks/chaos.py; the 10-minute soak: below."""
     cfg = _cfg(
-        chaos_root / "kill9", chaos_root, conversations=700, epochs=2, kills=30, timeout_s=540.0
+        chaos_root / "kill9", chaos_root, conversations=700, epochs=1, kills=12, timeout_s=540.0
     )
     rep = run_rounds(cfg, _assets(assets_root, cfg.conversations))
     print(rep.summary())
     _assert_soak_ok(rep)
-    assert rep.total_kills >= 30
+    assert rep.total_kills >= 12
     assert rep.kills["producer"] >= 3 and all(rep.kills[f"c{i}"] >= 3 for i in range(3))
     assert rep.unexpected_exits == {}
     # The sampler checks the files live at each 0.2 s sample: how many windows that covers

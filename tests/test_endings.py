@@ -497,6 +497,11 @@ def _max_windows_then_kill9(assets: Path, tmp_path: Path, db: str | None) -> Non
         procs.kill_all()
 
 
+# slow (real processes, ≈ 25 s): the rule — an end by design closes the stream, a
+# producer that dies or is stopped leaves it open and a waiting trainer is told so — is
+# checked in the default run by test_a_stream_ended_by_design_ends_a_signal_leaves_it_open
+# (both databases), and trainers reaching their own ends by test_three_trainers_*.
+@pytest.mark.slow
 def test_max_windows_ends_the_stream_and_a_killed_producer_leaves_it_open_sqlite(
     assets: Path, tmp_path: Path
 ) -> None:
