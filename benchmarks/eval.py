@@ -198,14 +198,30 @@ def record_rows(rep: dict, a: argparse.Namespace) -> tuple[list[Row], list[dict]
             f"tokens, {a.device} {a.dtype}, {rep['threads']} thread(s)")  # fmt: skip
     rows, bars = [], []
     if "eval_wall_s" in rep:
+        ctx = max(rep["prompt_tokens"]) if rep.get("prompt_tokens") else None
         for n, w in rep["eval_wall_s"].items():
-            wall = w["wall"]
-            rows.append(Row(stage="eval", name=f"draft_cache_whole_eval.{n}",
-                            what=f"draft context cache: uncached ÷ cached whole eval, {n} new tokens",
-                            result=wall["ratio"], unit="×", spread=tuple(wall["ratio_min_max"]),
+            wall, draft = w["wall"], w["draft"]
+            at = f"{n} new tokens, a {ctx}-token prompt ({a.turns} turn(s))"
+            rows.append(
+                Row(
+                    stage="eval",
+                    name=f"draft_cache_whole_eval.{n}.turns{a.turns}",
+                    what=f"draft context cache: uncached ÷ cached whole eval, {at}",
+                    result=wall["ratio"],
+                    unit="×",
+                    spread=tuple(wall["ratio_min_max"]),
+                    n=w["rounds"],
+                    n_of="rounds",
+                    conditions=f"{cond}; ceiling (uncached ÷ free draft) "
+                    f"{wall['ceiling']}×; same outputs in all arms: {w['same_outputs']}",
+                )
+            )
+            rows.append(Row(stage="eval", name=f"draft_cache_draft_loop.{n}.turns{a.turns}",
+                            what=f"draft context cache: uncached ÷ cached draft loop, {at}",
+                            result=draft["ratio"], unit="×", spread=tuple(draft["ratio_min_max"]),
                             n=w["rounds"], n_of="rounds",
-                            conditions=f"{cond}; ceiling (uncached ÷ free draft) {wall['ceiling']}; "
-                            f"same outputs in all arms: {w['same_outputs']}"))  # fmt: skip
+                            conditions=f"{cond}; the draft's share of speculative decoding "
+                            f"{w['draft_fraction']}"))  # fmt: skip
         return rows, []
     rows.append(Row(stage="eval", name="lossless", what="speculative output = greedy output",
                     result="lossless" if rep["lossless"] else "MISMATCH", goal="lossless",
