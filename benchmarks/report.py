@@ -265,9 +265,9 @@ def write_plots(records: list[tuple[str, dict[str, Any]]], out: Path) -> list[Pa
         else:
             for label, pts in p["series"].items():
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+            if p.get("ideal"):
+                ax.plot(*zip(*p["ideal"], strict=True), "k:", label="ideal (linear)")
             ax.legend(fontsize=8)
-        if p.get("ideal"):
-            ax.plot(*zip(*p["ideal"], strict=True), "k:", label="ideal")
         ax.set_title(p["title"], fontsize=9)
         ax.set_xlabel(p.get("xlabel", ""))
         ax.set_ylabel(p.get("ylabel", ""))
