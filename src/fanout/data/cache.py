@@ -29,11 +29,10 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from fanout.data.packing import ROW_KEYS
 from fanout.errors import CorruptWindow, StorageError
 from fanout.filesystem import FileSystem
 from fanout.hashing import hasher
-from fanout.rows import INPUT_IDS, LOSS_MASK
+from fanout.rows import INPUT_IDS, LOSS_MASK, PACKED_ROW
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -83,7 +82,7 @@ class ShardWriter:
             self._flush(self.rows_per_shard)
 
     def _flush(self, n: int) -> None:
-        cat = {k: np.concatenate([b[k] for b in self._pending]) for k in ROW_KEYS}
+        cat = {k: np.concatenate([b[k] for b in self._pending]) for k in PACKED_ROW}
         head = {k: np.ascontiguousarray(v[:n]) for k, v in cat.items()}  # [n, T] each
         rest = {k: v[n:] for k, v in cat.items()}
         self._pending = [rest] if rest[INPUT_IDS].shape[0] else []
@@ -172,12 +171,12 @@ class PackedDataset:
             raise IndexError(f"row index out of range [0, {self.num_rows}) in {self.dir}")
         shard = np.searchsorted(self._starts, idx, side="right") - 1  # [n]
         out: dict[str, np.ndarray] = {
-            k: np.empty((idx.size, self.seq_len), self._dtype(k)) for k in ROW_KEYS
+            k: np.empty((idx.size, self.seq_len), self._dtype(k)) for k in PACKED_ROW
         }  # [n, T] each
         for s in np.unique(shard):
             sel = np.flatnonzero(shard == s)
             local = idx[sel] - self._starts[s]
-            for k in ROW_KEYS:
+            for k in PACKED_ROW:
                 out[k][sel] = self._shards[s][k][local]
         return out
 

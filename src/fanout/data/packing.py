@@ -35,7 +35,6 @@ from fanout.errors import BadRow, ConfigError
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LOSS_MASK, PACKED_ROW, POSITION_IDS
 
 OverLength = Literal["split", "drop", "error"]
-ROW_KEYS = PACKED_ROW  # the window format's names (fanout.rows), in this order
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,4 +189,4 @@ def shuffled(docs: Iterable[Doc], buffer: int, seed: int, epoch: int = 0) -> Ite
 
 
 def concat_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([b[k] for b in batches]) for k in ROW_KEYS}
+    return {k: np.concatenate([b[k] for b in batches]) for k in PACKED_ROW}
