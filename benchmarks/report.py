@@ -88,6 +88,8 @@ def num(x: Any) -> str:
         return str(x)
     if isinstance(x, int) or (abs(x) >= 100 and float(x).is_integer()):
         return f"{int(x):,}"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
     if abs(x) < 1:
         return f"{x:.2g}"
     r = float(f"{x:.3g}")  # 3 significant digits, trailing zeros kept (1.00, 23.2)
