@@ -82,16 +82,18 @@ def _fallback_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def num(x: Any) -> str:
-    """A figure as the tables print it: 3 significant digits (2 below one), thousands
-    separated."""
+    """A figure as the tables print it: 3 significant digits (2 decimals below one, 2
+    significant digits below a tenth), thousands separated."""
     if isinstance(x, bool) or not isinstance(x, int | float):
         return str(x)
     if isinstance(x, int) or (abs(x) >= 100 and float(x).is_integer()):
         return f"{int(x):,}"
     if abs(x) >= 100:
         return f"{x:,.0f}"
-    if abs(x) < 1:
+    if abs(x) < 0.1:
         return f"{x:.2g}"
+    if abs(x) < 1:
+        return f"{x:.2f}"
     r = float(f"{x:.3g}")  # 3 significant digits, trailing zeros kept (1.00, 23.2)
     return f"{r:,.0f}" if abs(r) >= 100 else f"{r:.{2 - math.floor(math.log10(abs(r)))}f}"
 
