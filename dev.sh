@@ -13,10 +13,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  # torch first and pinned: an unpinned resolve would pull a multi-GB CUDA build.
-  # Keep a torch the user already installed (any >=2.9) instead of replacing it.
+  # torch first, pinned, and its CPU build: PyPI's Linux wheel of torch is the CUDA
+  # build (GBs of CUDA libraries). A wheel of the pinned version pip can already find
+  # without an index (find-links, e.g. PIP_FIND_LINKS on an offline machine) is used as
+  # it is; otherwise PyTorch's CPU index is added, whose 2.13.0+cpu outranks PyPI's
+  # 2.13.0 (a local version label sorts after the plain one). A torch the user already
+  # installed (any >=2.9, e.g. a CUDA build) is kept instead of replaced.
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    "$VENV/bin/pip" install -q "torch==2.13.0"
+    if "$VENV/bin/pip" install -q --dry-run --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
+      "$VENV/bin/pip" install -q "torch==2.13.0"
+    else
+      "$VENV/bin/pip" install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+    fi
   fi
   "$VENV/bin/pip" install -q -e ".[dev]"
   touch "$stamp"

@@ -30,8 +30,9 @@ Keys: `vs_ceiling.<family>` = a/d (goal >= 0.75 on the fast paths) and
 `general_rule_vs_fast.<family>` = g/a (the cost of the general rule).
 (a) and (b) alternate `--trials` times (default 2) on the same files; each
 throughput, the ceiling and the first-row time is the best of its trials (other
-jobs on a shared machine only slow runs down). `CPU-s` is the whole process
-tree's CPU time, which background load inflates far less than wall time.
+jobs on a shared machine only slow runs down; the spread is the min–max of the
+per-trial ratios). `CPU-s` is the whole process tree's CPU time, which background load
+inflates far less than wall time. `--json` writes benchmarks/record.py's format.
 """
 
 from __future__ import annotations
@@ -238,6 +239,10 @@ def main() -> int:
     )
     args = ap.parse_args()
     global TOK
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from record import Recorder
+
+    rec = Recorder("data_prep")
 
     from fanout.data.workers import resolve_workers
 
@@ -394,9 +399,115 @@ def main() -> int:
     ]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"hardware": hw, **res}, indent=1))
+    plots = []
+    if args.template == "qwen3":  # the scaling curve: tokens/s by workers, ideal beside it
+        plots.append({"name": "scaling", "stage": "data", "kind": "line",
+                      "title": f"prepare tokens/s by workers ({res['conversations']:,} "
+                      f"conversations, T = {args.seq_len})", "xlabel": "workers",
+                      "ylabel": "tokens/s", "series": {"fanout prepare": [
+                          [1, res["b_tok_s"]], [cores, res["a_tok_s"]]]},
+                      "ideal": [[1, res["b_tok_s"]], [cores, cores * res["b_tok_s"]]]})  # fmt: skip
+    rec.write(args.json, record_rows(res, walls, hw), raw={"hardware": hw, **res}, plots=plots)
     return 0
+
+
+def record_rows(
+    res: dict[str, Any], walls: dict[str, list[float]], hw: dict[str, Any]
+) -> list[Any]:
+    """The record's rows (benchmarks/record.py): each ratio with its goal."""
+    from record import Row, spread
+
+    fam = hw["template"]
+    sfx = "" if fam == "qwen3" else f".{fam}"
+    size = (
+        f"{res['conversations']:,} conversations, {res['tokens']:,} tokens, T = "
+        f"{hw['seq_len']}, {hw['usable_cores']} workers, {fam} template ({hw['mask_path']})"
+    )
+    trials = {"n": hw["trials"], "n_of": "trials (best)"}
+    per_trial = spread([b / a for a, b in zip(walls["a"], walls["b"])])
+    out = []
+    if fam == "qwen3":
+        out += [
+            Row(
+                stage="data",
+                name="scaling",
+                what=f"prepare: {hw['usable_cores']} workers vs 1 (tokens/s)",
+                result=res["scaling"],
+                unit="×",
+                spread=per_trial,
+                **trials,
+                goal=">= 1.8",
+                met=res["scaling"] >= 1.8,
+                conditions=f"{size}; {res['a_tok_s']:,.0f} vs {res['b_tok_s']:,.0f} tok/s",
+            ),
+            Row(
+                stage="data",
+                name="cpu_scaling_bound",
+                what="prepare: the same in CPU time (cores × 1-worker CPU ÷ all-workers CPU)",
+                result=res["cpu_scaling_bound"],
+                unit="×",
+                **trials,
+                goal=">= 1.8",
+                met=res["cpu_scaling_bound"] >= 1.8,
+                conditions=size,
+            ),
+            Row(
+                stage="data",
+                name="fill",
+                what="packing fill (tokens ÷ row slots)",
+                result=res["fill"],
+                goal=">= 0.97",
+                met=res["fill"] >= 0.97,
+                conditions=size,
+            ),
+            Row(
+                stage="data",
+                name="cache_speedup",
+                what="prepare: cached second run vs first (wall)",
+                result=res["cache_speedup"],
+                unit="×",
+                goal=">= 20",
+                met=res["cache_speedup"] >= 20,
+                conditions=size,
+            ),
+            Row(
+                stage="data",
+                name="first_row_s",
+                what="first packed row, online, cold fresh process",
+                result=res["first_row_s"],
+                unit="s",
+                spread=spread(res["first_row_all_s"]),
+                **trials,
+                goal="<= 2",
+                met=res["first_row_s"] is not None and res["first_row_s"] <= 2,
+                conditions=size,
+            ),
+        ]
+        if res.get("vs_hf_datasets"):
+            out.append(
+                Row(
+                    stage="data",
+                    name="vs_hf_datasets",
+                    what="prepare vs HF `datasets.map` + prefix mask + greedy packer",
+                    result=res["vs_hf_datasets"],
+                    unit="×",
+                    goal=">= 2",
+                    met=res["vs_hf_datasets"] >= 2,
+                    conditions=size,
+                )
+            )
+    out += [
+        Row(stage="data", name=f"vs_ceiling{sfx}",
+            what=f"prepare vs the `encode_batch` ceiling (tokens/s), {fam}",
+            result=res["vs_ceiling"], unit="×", **trials, goal=">= 0.75",
+            met=res["vs_ceiling"] >= 0.75,
+            conditions=f"{size}; CPU-time view {res['cpu_vs_ceiling']:.2f}"),
+        Row(stage="data", name=f"general_rule_vs_fast{sfx}",
+            what=f"prefix (general) mask rule vs the fast path (tokens/s), {fam}",
+            result=res[f"general_rule_vs_fast.{fam}"], unit="×", **trials,
+            conditions=f"{size}; CPU-time view {res[f'general_rule_cpu_vs_fast.{fam}']:.2f}"),
+    ]  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ from fanout.model.dflash import DFlashDraft, DraftRecipe
 from fanout.model.draft_cache import IndependentSlots
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from record import Recorder, Row  # noqa: E402  (a sibling script)
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,6 +126,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
+    rec = Recorder("eval")
     if a.threads:  # on a loaded shared CPU, 1 thread avoids stalls between threads
         torch.set_num_threads(a.threads)
 
@@ -182,8 +185,64 @@ def main() -> None:
                     for d, c in by.items()
                 )
             )
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=2) + "\n")
+    rows, plots = record_rows(rep, a)
+    rec.write(a.json, rows, raw=rep, plots=plots)
+
+
+def record_rows(rep: dict, a: argparse.Namespace) -> tuple[list[Row], list[dict]]:
+    """The record's rows (benchmarks/record.py): τ of each draft at each temperature with
+    its 95% interval, lossless; with --compare-uncached, the whole-eval ratio per length.
+    Plot: τ per draft at T = 0."""
+    cond = (f"demo drafts ({'reused' if rep['drafts_reused'] else f'{a.minutes}-minute demo'}), "
+            f"{rep['prompts']} held-out prompts × {a.turns} turn(s), ≤ {a.max_new_tokens[0]} new "
+            f"tokens, {a.device} {a.dtype}, {rep['threads']} thread(s)")  # fmt: skip
+    rows, bars = [], []
+    if "eval_wall_s" in rep:
+        ctx = max(rep["prompt_tokens"]) if rep.get("prompt_tokens") else None
+        for n, w in rep["eval_wall_s"].items():
+            wall, draft = w["wall"], w["draft"]
+            at = f"{n} new tokens, a {ctx}-token prompt ({a.turns} turn(s))"
+            rows.append(
+                Row(
+                    stage="eval",
+                    name=f"draft_cache_whole_eval.{n}.turns{a.turns}",
+                    what=f"draft context cache: uncached ÷ cached whole eval, {at}",
+                    result=wall["ratio"],
+                    unit="×",
+                    spread=tuple(wall["ratio_min_max"]),
+                    n=w["rounds"],
+                    n_of="rounds",
+                    conditions=f"{cond}; ceiling (uncached ÷ free draft) "
+                    f"{wall['ceiling']}×; same outputs in all arms: {w['same_outputs']}",
+                )
+            )
+            rows.append(Row(stage="eval", name=f"draft_cache_draft_loop.{n}.turns{a.turns}",
+                            what=f"draft context cache: uncached ÷ cached draft loop, {at}",
+                            result=draft["ratio"], unit="×", spread=tuple(draft["ratio_min_max"]),
+                            n=w["rounds"], n_of="rounds",
+                            conditions=f"{cond}; the draft's share of speculative decoding "
+                            f"{w['draft_fraction']}"))  # fmt: skip
+        return rows, []
+    rows.append(Row(stage="eval", name="lossless", what="speculative output = greedy output",
+                    result="lossless" if rep["lossless"] else "MISMATCH", goal="lossless",
+                    met=bool(rep["lossless"]), n=rep["prompts"], n_of="prompts",
+                    conditions=cond))  # fmt: skip
+    for name, d in rep["drafts"].items():
+        for t, f in d["at_temperature"].items():
+            ci = f.get("acceptance_length_ci95")
+            rows.append(Row(stage="eval", name=f"tau.{name}.T{t}",
+                            what=f"τ (tokens per verifier forward), {name} ({d['family']}, "
+                            f"block {d['block_size']}), T = {t}",
+                            result=f["acceptance_length"], spread=tuple(ci) if ci else None,
+                            spread_kind="95% CI", n=rep["prompts"], n_of="prompts",
+                            conditions=f"train EAL {d['train_eal']}; speed-up vs greedy "
+                            f"{f['speedup_vs_greedy']}; {f['verify_steps']} verify steps; {cond}"))  # fmt: skip
+            if float(t) == 0.0:
+                bars.append({"label": name, "y": f["acceptance_length"], "interval": ci})
+    plot = {"name": "tau", "stage": "eval", "kind": "bar", "bars": bars,
+            "title": f"τ per draft at T = 0, 95% CI ({rep['prompts']} prompts)",
+            "ylabel": "τ (tokens per verifier forward)"}  # fmt: skip
+    return rows, [plot] if bars else []
 
 
 def joined_turns(held: Path, k: int) -> Path:

@@ -68,7 +68,6 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -81,8 +80,10 @@ import torch.nn.functional as F
 
 from fanout import package_version
 from fanout.bench.config import BenchConfig
-from fanout.bench.report import hardware, versions
 from fanout.families.registry import FAMILIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import Recorder, Row
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILY_NAMES = tuple(FAMILIES)  # every registered family
@@ -138,31 +139,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.step_rows <= a.step_anchors + BLOCK:
         ap.error("--step-rows must exceed --step-anchors + 8 (anchors < T - block size)")
     return a
-
-
-# --------------------------------------------------------------------------- provenance
-
-
-def _git(*args: str) -> str | None:
-    try:
-        r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                           timeout=30, check=True)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return r.stdout.strip()
-
-
-def provenance() -> dict[str, Any]:
-    """Commit, date, hardware and versions of this run."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "commit": _git("rev-parse", "HEAD"),
-        "tree_differs_from_commit": None if status is None else bool(status),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "hardware": hardware(),
-        "versions": versions() | {"speculators": package_version("speculators") or "not installed"},
-    }
 
 
 def load_avg() -> list[float] | None:
@@ -289,7 +265,7 @@ def eval_and_rank(cfg: BenchConfig, out: Path, a: argparse.Namespace) -> dict[st
     rows = rank_drafts(
         rep,
         {n: resolve_draft_dir(str(drafts_dir / n)) for n in rep["drafts"]},
-        {n: drafts_dir / n / "train_log.jsonl" for n in rep["drafts"]},
+        {n: drafts_dir / n for n in rep["drafts"]},
     )
     plot = plot_tau(rows, out / "tau.png")
     gen = rep["generated_tokens"]
@@ -648,7 +624,8 @@ def _num(x: Any, nd: int = 2) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     a.out = a.out.resolve()
-    result: dict[str, Any] = {"benchmark": "benchmarks/families.py", **provenance()}
+    rec = Recorder("families", argv)
+    result: dict[str, Any] = dict(rec.head)
     result["torch_threads_default"] = torch.get_num_threads()
     result["load_avg_start"] = load_avg()
     t0 = time.monotonic()
@@ -673,11 +650,56 @@ def main(argv: list[str] | None = None) -> int:
         print("\n" + "\n".join(rk.get("lines", [f"ranking SKIPPED — {rk.get('skipped')}"])))
     if "step" in result:
         print("\n" + "\n".join(step_lines(result["step"])))
+    raw = {k: v for k, v in result.items() if k not in rec.head}
+    rec.write(a.json, record_rows(result, a), raw=raw)
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"\njson: {a.json}")
     return 0
+
+
+def record_rows(result: dict[str, Any], a: argparse.Namespace) -> list[Row]:
+    """The record's rows (benchmarks/record.py): the fan-out ratio of the families run,
+    lossless, and each family's step time against speculators'."""
+    out = []
+    if "ranking" in result:
+        t = result["ranking"]["throughput"]
+        z, v = t["sizes"], t["sizes"]["verifier"]
+        size = (f"{Path(a.config).name}: verifier h {v['hidden_size']} × "
+                f"{v['num_hidden_layers']} layers, T {z['seq_len']}, R {z['window_rows']}; one "
+                f"block-{BLOCK} draft per family ({', '.join(t['consumer_rows_per_s']['1p3c'])}), "
+                f"{a.steps} steps each; {'valid' if t['valid'] else 'INVALID'}")  # fmt: skip
+        s = t["aggregate_speedup_vs_unshared"]
+        if s is not None:
+            rate = t["aggregate_rows_per_s"]
+            cap = t["captures_per_window"]
+            out.append(Row(stage="fan-out", name="aggregate_speedup_vs_unshared",
+                           what="every family from one capture vs one producer per family "
+                           "(aggregate rows/s)", result=s, unit="×", goal=f">= {SPEEDUP_GOAL}",
+                           met=s >= SPEEDUP_GOAL,
+                           conditions=f"{size}; {rate['1p3c']:.2f} vs {rate['unshared']:.2f} "
+                           f"rows/s; captures/window {cap['1p3c']} vs {cap['unshared']}"))  # fmt: skip
+        rk = result["ranking"]["ranking"]
+        if "lossless" in rk:
+            out.append(Row(stage="eval", name="families_lossless",
+                           what="families run: speculative output = greedy output",
+                           result="lossless" if rk["lossless"] else "MISMATCH", goal="lossless",
+                           met=bool(rk["lossless"]), n=rk["prompts"], n_of="prompts",
+                           conditions=f"{size}; τ ≈ 1 (cpu-tiny's random verifier)"))  # fmt: skip
+    st = result.get("step") or {}
+    for name, r in (st.get("families") or {}).items():
+        f, p = r["fanout"], r["speculators"]
+        z = st["sizes"]
+        out.append(Row(stage="training", name=f"step_vs_speculators.{name}",
+                       what=f"{name} train step vs speculators {_spec_version()}'s model "
+                       "(time ratio)", result=r["ratio"], unit="×",
+                       spread=tuple(r["ratio_min_max"]), n=st["repeats"], n_of="rounds",
+                       goal=f"<= {STEP_GOAL}", met=bool(r["goal_met"]),
+                       conditions=f"h {z['verifier']['hidden_size']}, vocab "
+                       f"{z['verifier']['vocab_size']:,}, 1 layer, block {BLOCK}, "
+                       f"{z['draft']['max_anchors']} anchors, T {z['rows']['T']}, "
+                       f"{z['draft']['loss']}, AdamW, {st['threads']} thread; "
+                       f"{f['median_ms']:.0f} vs {p['median_ms']:.0f} ms"))  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import mmap
 import os
 import platform
@@ -48,6 +47,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from record import Recorder, Row  # noqa: E402  (a sibling script)
 
 DEFAULT_SETS = "1,4,7 2,5 1,2,3,4,5,6,7"
 
@@ -394,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from fanout.bench.report import hardware
 
+    rec = Recorder("layer_sweep", argv)
     sets = [[int(x) for x in s.split(",")] for s in a.sets.split()]
     work = Path(a.out or REPO / "runs" / f"layer-sweep-{time.strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
@@ -418,9 +420,33 @@ def main(argv: list[str] | None = None) -> int:
     rep["k_over_n"] = {cid: c["k_over_n"] for cid, c in rep["bytes"]["consumers"].items()}
     rep["hardware"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     print(_table(rep))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=2) + "\n")
+    rec.write(a.json, record_rows(rep), raw=rep)
     return 0 if rep.get("valid", True) else 1
+
+
+def record_rows(rep: dict[str, Any]) -> list[Row]:
+    """The record's rows (benchmarks/record.py): the sweep's speed-up and the bytes each
+    consumer reads against its share of the layers."""
+    st = rep["settings"]
+    size = (f"verifier h {st['hidden']} × {st['layers']} layers, CPU; T {st['seq_len']}, R "
+            f"{st['window_rows']}; layer sets {st['sets']}")  # fmt: skip
+    out = []
+    if "sweep_speedup_vs_separate" in rep:
+        s = rep["sweep_speedup_vs_separate"]
+        out.append(Row(stage="fan-out", name="sweep_speedup_vs_separate",
+                       what="layer sweep: one capture of the union for 3 trainers vs 3 runs "
+                       "(aggregate rows/s)", result=s, unit="×", goal=">= 2.0",
+                       met=s is not None and s >= 2.0,
+                       conditions=f"{size}; captures/window {rep['captures_per_window']} vs "
+                       f"{rep['captures_per_window_separate']}; "
+                       f"{'valid' if rep['valid'] else 'INVALID'}"))  # fmt: skip
+    for cid, c in rep["bytes"]["consumers"].items():
+        out.append(Row(stage="fan-out", name=f"bytes_read_fraction.{cid}",
+                       what=f"layer sweep: hidden-state bytes read ÷ captured, {cid}",
+                       result=c["bytes_read_fraction"], goal=f"≈ k/n = {c['k_over_n']:.3f}",
+                       n=rep["bytes"]["windows"], n_of="windows",
+                       conditions=f"{size}; page-cache-cold reads"))  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -49,8 +49,11 @@ from fanout.decode.eval import EvalConfig, evaluate
 from fanout.regen.engine import RegenOptions, Request
 from fanout.regen.hf import HFEngine
 from fanout.regen.regenerate import RegenerateConfig, regenerate
+from fanout.train.trainlog import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from record import Recorder, Row  # noqa: E402  (a sibling script)
 
 
 def speed(assets: Any, corpus: Path, n: int, max_new: int, batch: int) -> dict[str, float]:
@@ -128,8 +131,7 @@ def train_and_eval(name: str, data: Path, assets: Any, a: argparse.Namespace, he
         scenario_timeout_s=a.minutes * 60 + 600,
     )
     rep = run_bench(cfg, work, stop_after_s=a.minutes * 60, echo=lambda s: None)
-    log = work / "1p1c" / "drafts" / "b8" / "train_log.jsonl"
-    steps = sum(1 for line in log.read_text().splitlines() if line.strip()) if log.is_file() else 0
+    steps = len(read_train_log(work / "1p1c" / "drafts" / "b8"))
     ev = evaluate(
         EvalConfig(
             verifier_name_or_path=str(assets.verifier_dir),
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--regen-chunk-records", type=int, default=64, help="step 4's chunk")
     ap.add_argument("--json", default=None, metavar="OUT")
     a = ap.parse_args()
+    rec = Recorder("onpolicy")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     work = Path(a.work)
     assets = ensure_demo_assets(work / "assets")
@@ -240,8 +243,7 @@ def main() -> None:
               f"{regen_s:.1f} s; first window: produce --regenerate "
               f"{res.get('streaming_first_window_s', 0):.1f} s vs regenerate then produce "
               f"{res.get('regenerate_then_produce_first_window_s', 0):.1f} s")  # fmt: skip
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+        rec.write(a.json, record_rows(res, a), raw=res)
         return
     off = train_and_eval("offpolicy", corpus, assets, a, held)
     on = train_and_eval("onpolicy", regen_file, assets, a, held)
@@ -263,8 +265,38 @@ def main() -> None:
         "sizes": vars(a) | {"torch": torch.__version__, "threads": torch.get_num_threads()},
     }
     print_table(res, a, off, on, sp, rsum, load0)
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    rec.write(a.json, record_rows(res, a), raw=res)
+
+
+def record_rows(res: dict, a: argparse.Namespace) -> list[Row]:
+    """The record's rows (benchmarks/record.py)."""
+    size = (f"demo verifier, {a.conversations} conversations, b8 draft, {a.steps} steps, "
+            f"{a.num_prompts} held-out prompts × {a.max_new_tokens} tokens")  # fmt: skip
+    out = []
+    if "tau_gain" in res:
+        r = res["tau_over_train_eal"]
+        out += [
+            Row(stage="eval", name="tau_gain", what="on-policy vs off-policy draft: τ",
+                result=res["tau_gain"], unit="×", goal=">= 1.15", met=res["tau_gain"] >= 1.15,
+                n=a.num_prompts, n_of="prompts",
+                conditions=f"{size}; τ {res['tau']['onpolicy']:.2f} vs {res['tau']['offpolicy']:.2f}"),
+            Row(stage="eval", name="tau_over_train_eal", what="on-policy draft: τ ÷ train EAL",
+                result=r["onpolicy"], goal=">= 0.95", met=(r["onpolicy"] or 0) >= 0.95,
+                n=a.num_prompts, n_of="prompts", conditions=f"{size}; off-policy {r['offpolicy']}"),
+            Row(stage="data", name="regen_speedup_vs_sequential",
+                what="regenerate (hf engine): batched vs one prompt at a time (tokens/s)",
+                result=res["regen_speedup_vs_sequential"], unit="×", goal=">= 3",
+                met=res["regen_speedup_vs_sequential"] >= 3,
+                conditions=f"demo verifier, batch {a.regen_batch_size}, {a.speed_prompts} prompts"),
+        ]  # fmt: skip
+    if "streaming_first_window_s" in res:
+        out.append(Row(stage="data", name="streaming_first_window_s",
+                       what="first window: `produce --regenerate` (streaming)",
+                       result=res["streaming_first_window_s"], unit="s",
+                       conditions=f"{a.conversations} conversations, chunk "
+                       f"{a.regen_chunk_records}; regenerate then produce: "
+                       f"{res['regenerate_then_produce_first_window_s']:.1f} s"))  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -25,16 +25,21 @@ rank 0 first produces the windows alone (TP 1), then all N ranks produce the sam
 windows again as one TP producer; it prints tokens/s at TP N vs 1 and per device,
 and checks that the windows match (ids exactly, hidden states within
 `torch.testing.assert_close`'s tolerance for the storage dtype).
+
+`--repeats N` runs forward + producer N times (median; the spread is the min–max of the
+per-run ratios). `--json` writes benchmarks/record.py's format: a result JSON kept in
+benchmarks/results/ (e.g. `producer-h200.json` from the GPU box) appears in docs/numbers.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import shutil
+import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,6 +56,8 @@ from fanout.produce.stream import stream_rows
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from record import Recorder, Row, spread  # noqa: E402  (a sibling script)
 
 
 def _sync(dev: torch.device) -> None:
@@ -179,27 +186,35 @@ def main() -> None:
         "each one's top operators and write Chrome traces there (numbers are then inflated)",
     )
     ap.add_argument("--tp", type=int, default=1, help="> 1: TP N vs 1 under torchrun")
+    ap.add_argument("--repeats", type=int, default=1, help="forward + producer runs (median)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if a.tp > 1:
         tp_main(a)
         return
 
+    rec = Recorder("producer")
+    fwds: list[float] = []
+    prods: list[float] = []
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
-        cfg = _config(a, tmp, _verifier(a, tmp), "run")
-        p = Producer(cfg)  # prepare + load: not timed
-        with _profiled(a.profile, "forward"):
-            t_fwd, tokens = forward_loop(p, a.windows)
-        p.verifier.capture(  # warm-up of the capture path, at the batch shape it will run
-            *(torch.zeros(a.capture_batch_rows, a.seq_len, dtype=torch.long) for _ in range(3))
-        )
-        _sync(p.verifier.device)
-        with _profiled(a.profile, "producer"):
-            t0 = time.perf_counter()
-            summary: dict[str, Any] = p.run()
+        ver = _verifier(a, tmp)
+        for i in range(a.repeats):  # forward, then producer, `--repeats` times
+            p = Producer(_config(a, tmp, ver, f"run{i}"))  # prepare + load: not timed
+            with _profiled(a.profile, "forward"):
+                t_fwd, tokens = forward_loop(p, a.windows)
+            p.verifier.capture(  # warm-up of the capture path, at the batch shape it will run
+                *(torch.zeros(a.capture_batch_rows, a.seq_len, dtype=torch.long) for _ in range(3))
+            )
             _sync(p.verifier.device)
-            t_prod = time.perf_counter() - t0
-        assert summary["windows"] == a.windows, summary
+            with _profiled(a.profile, "producer"):
+                t0 = time.perf_counter()
+                summary: dict[str, Any] = p.run()
+                _sync(p.verifier.device)
+                t_prod = time.perf_counter() - t0
+            assert summary["windows"] == a.windows, summary
+            fwds.append(t_fwd)
+            prods.append(t_prod)
+        t_fwd, t_prod = statistics.median(fwds), statistics.median(prods)
         dev = p.verifier.device
         hw = (
             torch.cuda.get_device_name(dev)
@@ -221,8 +236,11 @@ def main() -> None:
                 "dtype": str(p.verifier.dtype),
                 "storage": str(p.verifier.storage_dtype),
             },
+            "repeats": a.repeats,
             "forward_s": t_fwd,
             "producer_s": t_prod,
+            "forward_s_all": fwds,
+            "producer_s_all": prods,
             "forward_tokens_per_s": tokens / t_fwd,
             "tokens_per_s": tokens / t_prod,
             "bytes_per_s": summary["bytes"] / t_prod,
@@ -242,8 +260,25 @@ def main() -> None:
         f"producer split: capture {res['producer_capture_s']:.3f} s, publish {res['producer_publish_s']:.3f} s"
     )
     print(f"producer_vs_forward = {res['producer_vs_forward']:.3f}  (goal >= 0.9)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    if a.profile is None:  # profiled numbers are inflated: never a record
+        rec.write(a.json, [_row(res, dev.type)], raw=res)
+
+
+def _sizes(res: dict[str, Any], device: str) -> str:
+    z = res["sizes"]
+    return (f"{device} {z['dtype'].removeprefix('torch.')}, H {z['H']} × {z['L']} layers, vocab "
+            f"{z['vocab']:,}, T {z['T']}, R {z['R']}, {z['windows']} windows, "
+            f"{z['storage'].removeprefix('torch.')} storage")  # fmt: skip
+
+
+def _row(res: dict[str, Any], device: str) -> Row:
+    ratios = [f / p for f, p in zip(res["forward_s_all"], res["producer_s_all"])]
+    return Row(stage="producer", name="producer_vs_forward",
+               what="producer vs a bare verifier forward (tokens/s)",
+               result=res["producer_vs_forward"], unit="×", spread=spread(ratios),
+               n=res["repeats"], goal=">= 0.9", met=res["producer_vs_forward"] >= 0.9,
+               conditions=f"{_sizes(res, device)}; {res['tokens_per_s']:,.0f} tok/s, "
+               f"{res['bytes_per_s'] / 1e6:,.1f} MB/s written")  # fmt: skip
 
 
 def _timed_run(p: Producer) -> tuple[float, dict[str, Any]]:
@@ -290,6 +325,7 @@ def tp_main(a: argparse.Namespace) -> None:
     from fanout.produce.tp import Leader, follow, start_process_group
 
     rank, control = start_process_group(a.device, timeout_s=3600)  # rank 0 runs TP 1 alone
+    rec = Recorder("producer", launcher=f"torchrun --nproc-per-node {a.tp}")
     tmp = a.workdir or os.path.join(tempfile.gettempdir(), "fanout-bench-tp")
     if rank == 0:
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -336,8 +372,17 @@ def tp_main(a: argparse.Namespace) -> None:
           f"{res['tpn_tokens_per_s_per_device'] / tok1:.3f}")  # fmt: skip
     print(f"windows match: {res['windows_match']} ({res['windows_compared']} windows, "
           f"max |diff| {res['max_abs_diff']:.3g})")  # fmt: skip
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    sizes = {"dtype": str(verifier.dtype), "storage": a.storage_dtype, "H": a.hidden,
+             "L": a.layers, "vocab": a.vocab, "T": a.seq_len, "R": a.window_rows,
+             "windows": a.windows}  # fmt: skip
+    match = "match" if res["windows_match"] else "DIFFER"
+    rec.write(a.json, [
+        Row(stage="producer", name=f"tp{a.tp}_vs_tp1",
+            what=f"tensor-parallel capture: TP {a.tp} vs TP 1 (tokens/s)",
+            result=res["tpn_vs_tp1"], unit="×",
+            conditions=f"{_sizes({'sizes': sizes}, dev.type)}; windows {match} "
+            f"(max abs diff {res['max_abs_diff']:.3g}); {torch.get_num_threads()} threads/rank"),
+    ], raw=res)  # fmt: skip
     if not res["windows_match"]:
         raise SystemExit("TP windows differ from the 1-process windows")
 

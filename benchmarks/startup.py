@@ -18,7 +18,6 @@ command, with the load average (`os.getloadavg`) before and after. docs/operatio
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -113,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="assets + run dir; default: a temp dir")
     ap.add_argument("--json", type=Path, help="write the results to this JSON file")
     args = ap.parse_args(argv)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from record import Recorder, Row, spread
+
+    rec = Recorder("startup", argv)
     trees = dict(t.split("=", 1) for t in args.tree) or {"this": str(REPO / "src")}
     with tempfile.TemporaryDirectory(prefix="fanout-startup-") as tmp:
         root = args.workdir or Path(tmp)
@@ -141,9 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             summary[k][c] = [statistics.median(xs), min(xs)] if xs else []
             cells.append(f"{statistics.median(xs):.2f} ({min(xs):.2f})" if xs else "-")
         print(f"| {k} | " + " | ".join(cells) + " |")
-    if args.json:
-        out = {"trees": trees, "load": [load_before, load_after], "runs": runs}
-        args.json.write_text(json.dumps(out | {"summary": summary}, indent=2) + "\n")
+    rows = []
+    for k, rs in runs.items():
+        xs = [r["first_step_s"] for r in rs if r.get("first_step_s") is not None]
+        if not xs:
+            continue
+        parts = ", ".join(f"{p} {summary[k][p][0]:.2f}" for p in PARTS if summary[k].get(p))
+        rows.append(Row(stage="start-up", name=f"first_step_s.{k}",
+                        what=f"trainer launch → first step ({k} tree)", result=statistics.median(xs),
+                        unit="s", spread=spread(xs), n=len(xs), n_of="trainers",
+                        conditions=f"tiny run (hidden 32 × 4 layers, block 4); median s by part: {parts}"))  # fmt: skip
+    out = {"trees": trees, "load": [load_before, load_after], "runs": runs}
+    rec.write(args.json, rows, raw=out | {"summary": summary})
     return 0
 
 

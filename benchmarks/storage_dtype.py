@@ -15,9 +15,9 @@ the demo's self-made assets (a briefly trained tiny Qwen3), so no downloads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,11 @@ import torch
 from fanout.bench.assets import ensure_demo_assets
 from fanout.produce.producer import Producer, ProducerConfig
 from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.trainlog import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from record import Recorder, Row  # noqa: E402  (a sibling script)
 
 
 def main() -> None:
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="verifier and trainer device")
     ap.add_argument("--json", default=None, help="write results as JSON to this path")
     a = ap.parse_args()
+    rec = Recorder("storage_dtype")
     mask_token_id = None
     if a.verifier is None:
         demo = ensure_demo_assets(REPO / "runs" / "assets")
@@ -94,8 +98,8 @@ def main() -> None:
                 device=a.device,
             )
             Trainer(cfg).run()
-            log = (Path(cfg.save_path) / "train_log.jsonl").read_text().splitlines()
-            tail = [json.loads(x) for x in log[-max(1, len(log) // 4) :]]
+            log = read_train_log(cfg.save_path)
+            tail = log[-max(1, len(log) // 4) :]
             results[storage] = {
                 "bytes_per_token": summary["bytes"] / max(1, summary["rows"] * a.seq_len),
                 "loss": sum(r["loss"] for r in tail) / len(tail),
@@ -121,8 +125,18 @@ def main() -> None:
         f"eal_fp8_vs_bf16 = {out['eal_fp8_vs_bf16']:.3f}, "
         f"bytes_fp8_vs_bf16 = {out['bytes_fp8_vs_bf16']:.3f}"
     )
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    size = (f"{'demo verifier' if mask_token_id is not None else a.verifier}, "
+            f"{a.device}; layers {a.capture_layer_ids}, T {a.seq_len}, R {a.window_rows}, "
+            f"{a.windows} windows, {a.steps} steps, block {a.block_size}; last quarter of steps")  # fmt: skip
+    rec.write(a.json, [
+        Row(stage="store", name="eal_fp8_vs_bf16",
+            what="fp8 vs bf16 window storage: the draft's EAL", result=out["eal_fp8_vs_bf16"],
+            unit="×", goal="≈ 1.0", conditions=f"{size}; EAL "
+            f"{results['float8_e4m3fn']['eal']:.3f} vs {results['bfloat16']['eal']:.3f}"),
+        Row(stage="store", name="bytes_fp8_vs_bf16",
+            what="fp8 vs bf16 window storage: bytes per token", result=out["bytes_fp8_vs_bf16"],
+            unit="×", conditions=size),
+    ], raw=out)  # fmt: skip
 
 
 if __name__ == "__main__":

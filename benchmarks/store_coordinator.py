@@ -14,6 +14,8 @@
 
 Goal: >= 2,000 cycles/s aggregate with 8 processes on a 2-core machine, 0 lock errors.
 On a shared machine expect noise; the load average is printed with the table.
+`--rounds N` repeats the 1- and 8-process measurements (median, min–max); `--json` writes
+benchmarks/record.py's format.
 
 `--db-path postgresql://…` runs the cycles on a PostgreSQL coordinator instead (each
 run in a new schema of that database). There every statement is a round trip to the
@@ -24,7 +26,6 @@ one cycle moves one window (hundreds of MB), so a few cycles/s already saturate 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import sqlite3
@@ -75,7 +76,7 @@ def _consumer(root: str, rank: int, cycles: int, start: Any, out: Any) -> None:
 def bench_cycles(tmpdir: Path, procs: int, cycles: int, db: str | None = None) -> dict[str, Any]:
     """Aggregate acquire+ack cycles/s of `procs` consumer processes, `cycles` each
     (coordinator in the run dir, or in a new schema of PostgreSQL URL `db`)."""
-    rd = RunDir(tmpdir / f"run_{procs}p").create()
+    rd = RunDir(tmpdir / f"run_{procs}p_{uuid.uuid4().hex[:8]}").create()  # one per round
     c = _contract()
     cfg = RunConfig(max_live_windows=cycles + 2, expected_consumers=procs)
     if db is not None:
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=64, help="window size for publish/read (MiB)")
     ap.add_argument("--reps", type=int, default=3, help="publish/read repetitions (median)")
     ap.add_argument("--cycles", type=int, default=1000, help="acquire+ack cycles per process")
+    ap.add_argument("--rounds", type=int, default=1, help="1p + 8p measurements (median)")
     ap.add_argument("--skip-io", action="store_true", help="only the coordinator numbers")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: temp dir)")
     ap.add_argument(
@@ -143,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results as JSON")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from store_io import bench_publish, bench_read, hardware  # sibling script; imports torch
+    from record import Recorder, Row, spread  # sibling scripts; store_io imports torch
+    from store_io import bench_publish, bench_read, hardware
+    from store_io import rows as io_rows
+
+    rec = Recorder("store_coordinator", argv)
 
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="fanout-coord-") as d:
         hw = hardware(Path(d))
@@ -158,9 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_io:
             pub = bench_publish(d, args.size_mib * MiB, args.reps)
             rd = bench_read(d, args.size_mib * MiB, args.reps)
-        one = bench_cycles(Path(d), 1, args.cycles, args.db_path)
-        eight = bench_cycles(Path(d), 8, args.cycles, args.db_path)
+        ones, eights = [], []
+        for _ in range(args.rounds):
+            ones.append(bench_cycles(Path(d), 1, args.cycles, args.db_path))
+            eights.append(bench_cycles(Path(d), 8, args.cycles, args.db_path))
         hw["loadavg_after"] = os.getloadavg()
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    one = {
+        "cycles_per_s": med(ones, "cycles_per_s"),
+        "lock_errors": sum(r["lock_errors"] for r in ones),
+    }
+    eight = {k: med(eights, k) for k in ("cycles_per_s", "p99_ms", "p50_ms")}
+    eight["lock_errors"] = sum(r["lock_errors"] for r in eights)
     result = {
         "publish_vs_raw": None if pub is None else pub["publish_vs_raw"],
         "read_vs_raw": None if rd is None else rd["read_vs_raw"],
@@ -169,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         "p99_ms_8p": eight["p99_ms"],
         "lock_errors": one["lock_errors"] + eight["lock_errors"],
         "hardware": hw,
-        "sizes": {"window_mib": args.size_mib, "reps": args.reps, "cycles_per_proc": args.cycles},
-        "detail": {"publish": pub, "read": rd, "cycles_1p": one, "cycles_8p": eight},
-    }
+        "sizes": {"window_mib": args.size_mib, "reps": args.reps, "cycles_per_proc": args.cycles,
+                  "rounds": args.rounds},
+        "detail": {"publish": pub, "read": rd, "cycles_1p": ones, "cycles_8p": eights},
+    }  # fmt: skip
     print(f"store + coordinator — {hw['cpu']}, {hw['cpus_usable']} CPUs, {hw['ram_GiB']} GiB, "
           f"fs {hw['filesystem']}, coordinator {hw['coordinator']}, "
           f"load {hw['loadavg_before'][0]:.1f}")  # fmt: skip
@@ -191,8 +207,36 @@ def main(argv: list[str] | None = None) -> int:
     for name, v, note in rows:
         shown = "skipped" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
         print(f"{name:<18}{shown:>12}  {note}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    db = "sqlite" if args.db_path is None else "postgresql"
+    on = f"{hw['coordinator']} in {hw['filesystem']}"
+    n = {"n": args.rounds, "n_of": "rounds"}
+    goal8 = {"goal": ">= 2,000", "met": eight["cycles_per_s"] >= 2000} if db == "sqlite" else {}
+    table = [] if pub is None or rd is None else io_rows(pub, rd, args.reps)
+    table += [
+        Row(stage="coordinator", name=f"cycles_per_s_1p_{db}",
+            what=f"coordinator acquire+ack cycles/s, 1 process ({db})",
+            result=one["cycles_per_s"], unit="cycles/s",
+            spread=spread([r["cycles_per_s"] for r in ones]), **n,
+            conditions=f"{args.cycles} cycles; {on}"),
+        Row(stage="coordinator", name=f"cycles_per_s_8p_{db}",
+            what=f"coordinator acquire+ack cycles/s, 8 processes ({db})",
+            result=eight["cycles_per_s"], unit="cycles/s",
+            spread=spread([r["cycles_per_s"] for r in eights]), **n, **goal8,
+            conditions=f"8 × {args.cycles} cycles; {on}"),
+        Row(stage="coordinator", name=f"p99_ms_8p_{db}",
+            what=f"one acquire+ack cycle's p99 latency, 8 processes ({db})",
+            result=eight["p99_ms"], unit="ms", spread=spread([r["p99_ms"] for r in eights]), **n,
+            conditions=f"p50 {eight['p50_ms']:.2f} ms"),
+        Row(stage="coordinator", name=f"lock_errors_{db}",
+            what=f"lock errors seen by a caller ({db})", result=result["lock_errors"], **n,
+            goal="0", met=result["lock_errors"] == 0, conditions="all rounds, 1p and 8p"),
+    ]  # fmt: skip
+    plot = {"name": f"cycles-{db}", "stage": "coordinator", "kind": "line",
+            "title": f"acquire+ack cycles/s by consumer processes ({hw['coordinator']}), "
+            f"median of {args.rounds}", "xlabel": "consumer processes",
+            "ylabel": "cycles/s (all processes)",
+            "series": {db: [[1, one["cycles_per_s"]], [8, eight["cycles_per_s"]]]}}  # fmt: skip
+    rec.write(args.json, table, raw=result, plots=[plot])
     return 0
 
 

@@ -11,7 +11,8 @@ Variants: `naive` (F.linear + F.cross_entropy), `chunked` (fanout's autograd.Fun
 what `backend="auto"` picks here), `torch` (F.linear_cross_entropy with
 LinearCrossEntropyOptions). Keys: `ce_mem_vs_naive`, `ce_time_vs_naive` (chunked / naive
 at the largest vocab), `adamw_speedup` (foreach ms / fused ms, ~50M params),
-`dflash_step_ms` (fwd+bwd+AdamW at the tiny config printed in the table).
+`dflash_step_ms` (fwd+bwd+AdamW at the tiny config printed in the table). `--json`
+writes benchmarks/record.py's format (goals: memory <= 0.2 and time <= 1.1 of naive).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def ce_worker(variant: str, rows: int, hidden: int, vocab: int, repeats: int) ->
         t0 = time.perf_counter()
         run()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"peak_extra_bytes": peak, "ms": statistics.median(times)}
+    return {"peak_extra_bytes": peak, "ms": statistics.median(times), "ms_all": times}
 
 
 def bench_ce(
@@ -130,6 +131,7 @@ def bench_adamw(n_layers: int = 48, width: int = 1024, steps: int = 10) -> dict[
             opt.step()
             times.append((time.perf_counter() - t0) * 1e3)
         out[chosen] = statistics.median(times)
+        out[f"{chosen}_all"] = times
     out["params"] = n_layers * width * width
     return out
 
@@ -184,7 +186,7 @@ def bench_dflash(steps: int = 5) -> dict[str, Any]:
         "n_ctx_layers": 3,
         "dtype": "fp32 (bf16 inputs)",
     }
-    return {"ms": statistics.median(times), "config": config}
+    return {"ms": statistics.median(times), "ms_all": times, "config": config}
 
 
 def hardware() -> dict[str, Any]:
@@ -229,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         v, r, h, voc, rep = args._ce_worker
         print(json.dumps(ce_worker(v, int(r), int(h), int(voc), int(rep))))
         return 0
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from record import Recorder
+
+    rec = Recorder("trainer", argv)
     parts = args.only or ["ce", "adamw", "dflash"]
     result: dict[str, Any] = {"hardware": hardware()}
     rows_out: list[tuple[str, str]] = []
@@ -274,10 +280,80 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{a:<{width}}  {b}")
     if "dflash" in result:
         print(f"dflash config: {result['dflash']['config']}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    rec.write(args.json, record_rows(result, args), raw=result)
     return 0
+
+
+def record_rows(result: dict[str, Any], args: argparse.Namespace) -> list[Any]:
+    """The record's rows (benchmarks/record.py)."""
+    from record import Row, spread
+
+    out = []
+    threads = f"{result['hardware']['torch_threads']} torch threads"
+    if "ce" in result:
+        top = max(int(v) for v in args.vocabs.split(","))
+        ce = result["ce"]["results"]
+        size = f"rows {args.rows}, H {args.hidden}, vocab {top:,}, fp32, fwd + bwd; {threads}"
+        naive, chunked = ce[f"naive@{top}"], ce[f"chunked@{top}"]
+        out += [
+            Row(
+                stage="training",
+                name="ce_memory_vs_naive",
+                what="fused linear CE vs naive: peak extra memory",
+                result=result["ce_mem_vs_naive"],
+                unit="×",
+                goal="<= 0.2",
+                met=result["ce_mem_vs_naive"] <= 0.2,
+                conditions=f"{size}; {chunked['peak_extra_bytes'] / 2**20:,.0f} vs "
+                f"{naive['peak_extra_bytes'] / 2**20:,.0f} MiB",
+            ),
+            Row(
+                stage="training",
+                name="ce_time_vs_naive",
+                what="fused linear CE vs naive: time",
+                result=result["ce_time_vs_naive"],
+                unit="×",
+                n=len(chunked["ms_all"]),
+                spread=spread([c / n for c, n in zip(chunked["ms_all"], naive["ms_all"])]),
+                goal="<= 1.1",
+                met=result["ce_time_vs_naive"] <= 1.1,
+                conditions=f"{size}; median {chunked['ms']:,.0f} vs {naive['ms']:,.0f} ms",
+            ),
+        ]
+    if "adamw" in result:
+        ad = result["adamw"]
+        out.append(
+            Row(
+                stage="training",
+                name="adamw_speedup",
+                what="fused vs foreach AdamW step (speed-up)",
+                result=result["adamw_speedup"],
+                unit="×",
+                n=len(ad["fused_all"]),
+                n_of="steps",
+                spread=spread([f / g for f, g in zip(ad["foreach_all"], ad["fused_all"])]),
+                conditions=f"{ad['params'] / 1e6:.0f}M params, CPU, clipping folded in; {threads}",
+            )
+        )
+    if "dflash" in result:
+        df = result["dflash"]
+        c = df["config"]
+        out.append(
+            Row(
+                stage="training",
+                name="dflash_step_ms",
+                what="DFlash draft step (fwd + bwd + AdamW)",
+                result=df["ms"],
+                unit="ms",
+                spread=spread(df["ms_all"]),
+                n=len(df["ms_all"]),
+                n_of="steps",
+                conditions=f"rows {c['rows']} × T {c['T']}, {c['max_anchors']} anchors, "
+                f"block {c['block_size']}, H {c['hidden']}, {c['layers']} layer, vocab "
+                f"{c['vocab']:,}; {threads}",
+            )
+        )
+    return out  # fmt: skip
 
 
 if __name__ == "__main__":

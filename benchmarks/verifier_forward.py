@@ -17,16 +17,20 @@ nothing extra over the forward it replaces).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.model.verifier import Verifier, load_verifier, packed_attention_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import Recorder, Row
 
 
 def _rows(b: int, t: int, vocab: int, docs: int) -> tuple[torch.Tensor, ...]:
@@ -39,6 +43,7 @@ def _rows(b: int, t: int, vocab: int, docs: int) -> tuple[torch.Tensor, ...]:
 
 
 def _time(fn: object, repeats: int, device: torch.device) -> float:
+    """The best of `repeats` timed calls after a warm-up."""
     assert callable(fn)
     fn()  # warm-up
     best = float("inf")
@@ -67,6 +72,7 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--json", default=None, help="write results as JSON to this path")
     a = p.parse_args()
+    rec = Recorder("verifier_forward")
 
     with tempfile.TemporaryDirectory() as tmp:
         heads = max(1, a.hidden // 32)
@@ -120,9 +126,15 @@ def main() -> None:
     print(f"{'forward':<10}{t_fwd:>10.4f}{tokens / t_fwd:>14.0f}")
     print(f"{'capture':<10}{t_cap:>10.4f}{tokens / t_cap:>14.0f}")
     print(f"capture_vs_forward = {res['capture_vs_forward']:.3f}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    z = res["sizes"]
+    rec.write(a.json, [
+        Row(stage="producer", name="capture_vs_forward",
+            what="verifier capture (hooks + chunked argmax) vs a bare forward (tokens/s)",
+            result=res["capture_vs_forward"], unit="×", goal=">= 1", met=res["capture_vs_forward"] >= 1,
+            n=a.repeats, n_of="runs (best)",
+            conditions=f"{v.device.type} {z['dtype'].removeprefix('torch.')}, H {z['H']} × "
+            f"{z['L']} layers, vocab {z['vocab']:,}, B {z['B']} × T {z['T']}"),
+    ], raw=res)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from fanout.errors import ConfigError
 from fanout.produce import producer
 from fanout.store.store import Published, RunDir, window_name
 from fanout.train import trainer
+from fanout.train.trainlog import MetricsLog
 from test_coordinator import make_contract
 
 REPO = Path(__file__).resolve().parents[1]
@@ -193,7 +194,10 @@ def _shared_run(root: Path, db: str | None, windows: int) -> None:
         co.finish_producer(p)
     drafts = root.parent / "drafts" / "b4"
     drafts.mkdir(parents=True)
-    (drafts / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    metrics = MetricsLog(drafts)
+    for r in log:
+        metrics.write(r)
+    metrics.close()
 
 
 def test_metrics_and_probe_read_the_coordinator_on_either_database(

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from fanout.data.cache import PackedDataset, ShardWriter
-from fanout.data.packing import ROW_KEYS
 from fanout.errors import StorageError
 from fanout.filesystem import FileSystem
+from fanout.rows import PACKED_ROW
 from faults import after_rename, fail_each_call
 
 
@@ -27,7 +27,9 @@ def test_a_failed_shard_write_leaves_no_entry(tmp_path: Path) -> None:
         w = ShardWriter(tmp_path / "ds", 8, rows_per_shard=2, fs=fs)
         try:
             rows = np.arange(40, dtype=np.int32).reshape(5, 8)
-            w.write({k: rows.astype(np.uint8 if k == "loss_mask" else np.int32) for k in ROW_KEYS})
+            w.write(
+                {k: rows.astype(np.uint8 if k == "loss_mask" else np.int32) for k in PACKED_ROW}
+            )
             w.commit(
                 {"fingerprint": "f", "tokenizer_fingerprint": "t", "pad_token_id": 0, "summary": {}}
             )

@@ -48,11 +48,11 @@ from fanout.chaos import (
     ChaosRun,
     build_assets,
     check_cover,
-    read_log,
     run_cli,
     window_digest,
 )
 from fanout.chaos.soak import MAX_KILL_GAP_S, SoakReport, run_rounds
+from fanout.train.trainlog import read_train_log
 from tiny_run import wait_for
 
 
@@ -72,6 +72,7 @@ def _assets(root: Path, conversations: int) -> ChaosAssets:
 
 def _cfg(work: Path, chaos_root: Path, **kw: Any) -> ChaosConfig:
     kw.setdefault("timeout_s", 240.0)
+    kw.setdefault("kills", 0)  # a test that kills says how often
     return ChaosConfig(work_dir=str(work), cache_dir=str(chaos_root / "cache"), **kw)
 
 
@@ -127,18 +128,19 @@ def _assert_soak_ok(rep: SoakReport) -> None:
 
 
 def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> None:
-    """≥ 30 SIGKILLs (0.5-1.5 s apart) of a 1P3C run, each role restarted at once.
+    """≥ 12 SIGKILLs (kill_every_s apart) of a 1P3C run, each role restarted at once:
+    three of every role (the kill order is a shuffled bag of the four).
 
-    The stream is looped (fanout.chaos.soak): if it ends before the 30th kill (on an
-    idle machine one epoch of 700 conversations takes ~30 s), another round on a fresh
-    run takes the rest, so the count is met on any machine; every round is checked."""
+    The stream is looped (fanout.chaos.soak): if it ends before the 12th kill, another
+    round on a fresh run takes the rest, so the count is met on any machine; every round
+    is checked. 30 kills, recorded: benchmarks/chaos.py; the 10-minute soak: below."""
     cfg = _cfg(
-        chaos_root / "kill9", chaos_root, conversations=700, epochs=2, kills=30, timeout_s=540.0
+        chaos_root / "kill9", chaos_root, conversations=700, epochs=1, kills=12, timeout_s=540.0
     )
     rep = run_rounds(cfg, _assets(assets_root, cfg.conversations))
     print(rep.summary())
     _assert_soak_ok(rep)
-    assert rep.total_kills >= 30
+    assert rep.total_kills >= 12
     assert rep.kills["producer"] >= 3 and all(rep.kills[f"c{i}"] >= 3 for i in range(3))
     assert rep.unexpected_exits == {}
     # The sampler checks the files live at each 0.2 s sample: how many windows that covers
@@ -188,7 +190,7 @@ def test_kill_before_first_checkpoint_restarts_from_zero(
     done: dict[str, int] = {}
 
     def crash(r: ChaosRun) -> None:
-        if done or len(read_log(r.work / "drafts" / "c0" / "train_log.jsonl")) < 6:
+        if done or len(read_train_log(r.work / "drafts" / "c0")) < 6:
             return
         assert t.proc is not None
         t.proc.signal(signal.SIGKILL)
@@ -415,11 +417,11 @@ def test_sigstop_past_ttl(chaos_root: Path, assets_root: Path, policy: str, exit
     )
     run = ChaosRun(cfg, _assets(assets_root, cfg.conversations))
     victim = run.trainers[1]
-    vlog = run.work / "drafts" / victim.name / "train_log.jsonl"
+    vlog = run.work / "drafts" / victim.name
     when: dict[str, float] = {}
 
     def pause(r: ChaosRun) -> None:
-        if "stop" not in when and len(read_log(vlog)) >= 6:
+        if "stop" not in when and len(read_train_log(vlog)) >= 6:
             assert victim.proc is not None
             victim.proc.signal(signal.SIGSTOP)
             when["stop"], when["stop_wall"] = time.monotonic(), time.time()
@@ -439,7 +441,7 @@ def test_sigstop_past_ttl(chaos_root: Path, assets_root: Path, policy: str, exit
     assert counters["recaptures"] >= 1  # the rejoined consumer's windows came back
     for t in run.trainers:
         if t is not victim:
-            recs = read_log(run.work / "drafts" / t.name / "train_log.jsonl")
+            recs = read_train_log(run.work / "drafts" / t.name)
             gap = max_gap_during(recs, when["stop_wall"], when["cont_wall"])
             print(f"{policy}: {t.name} longest stall while c1 was stopped: {gap:.2f} s")
             assert gap < ttl + 2.5, f"{t.name} stalled {gap:.2f} s (ttl {ttl} s)"

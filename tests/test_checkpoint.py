@@ -77,18 +77,52 @@ def test_resume_gives_identical_next_step(verifier_dir: Path, tmp_path: Path) ->
     gen = torch.Generator().manual_seed(0)
     for i in range(3):
         _step(d, opt, gen, i)
+    stream = _Position({"cursor": 12, "rows_done": 3})
     path = save_checkpoint(
-        tmp_path, d, opt, {"step": 3, "epoch": 0, "cursor": 12}, generators={"anchors": gen}
+        tmp_path, d, opt, {"step": 3}, states={"stream": stream}, generators={"anchors": gen}
     )
     expect = [_step(d, opt, gen, i) for i in (3, 4)]
 
     d2 = _draft(verifier_dir, seed=99)  # different init: everything must come from disk
     opt2, _ = make_optimizer(d2.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
     gen2 = torch.Generator().manual_seed(12345)
-    state = load_checkpoint(path, d2, opt2, generators={"anchors": gen2})
-    assert state == {"step": 3, "epoch": 0, "cursor": 12}
+    stream2 = _Position({})
+    state = load_checkpoint(
+        path, d2, opt2, states={"stream": stream2}, generators={"anchors": gen2}
+    )
+    assert state == {"step": 3, "stream": {"cursor": 12, "rows_done": 3}}
+    assert stream2.state == {"cursor": 12, "rows_done": 3}  # restored in place
     got = [_step(d2, opt2, gen2, i) for i in (3, 4)]
     assert got == expect  # bit-identical, not approximately equal
+
+
+class _Position:
+    """A stateful object as a checkpoint sees one (the consumer stream's shape)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+
+def test_a_checkpoint_from_before_the_streams_state_resumes_its_position(
+    verifier_dir: Path, tmp_path: Path
+) -> None:
+    """Checkpoints that kept cursor and rows_done at the top of training_state.json (before
+    the consumer stream had a state_dict) resume the stream there; a state asked for that
+    the checkpoint does not hold is an error naming it."""
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-2)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 1, "cursor": 4, "rows_done": 2})
+    stream = _Position({})
+    load_checkpoint(path, _draft(verifier_dir), None, states={"stream": stream})
+    assert stream.state == {"cursor": 4, "rows_done": 2}
+    with pytest.raises(ConfigError, match="no saved state for 'scheduler'"):
+        load_checkpoint(path, _draft(verifier_dir), None, states={"scheduler": _Position({})})
 
 
 def test_layout_is_speculators_dflash(verifier_dir: Path, tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ JSON file, with (c) a flag overriding the file. Parsing uses the real `fanout` p
 from __future__ import annotations
 
 import argparse
+import inspect
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -32,7 +34,7 @@ from fanout.coord.heartbeat import HeartbeatOptions
 from fanout.coord.retention import RunConfig, RunOptions
 from fanout.coord.status import DetachConfig, RunDirOptions, StatusConfig, SweepConfig
 from fanout.data import prepare as prepare_mod
-from fanout.data.chat import ChatFormat
+from fanout.data.chat import ChatFormat, ReadOptions
 from fanout.data.prepare import DataOptions, PrepareConfig
 from fanout.decode import eval as eval_mod
 from fanout.decode.eval import EvalConfig
@@ -43,6 +45,7 @@ from fanout.flags import (
     declared_in,
     field_flag,
     flag_kind,
+    model_from_args,
     switch_off,
     to_flags,
 )
@@ -74,9 +77,10 @@ SHARED_MODULE = ("status", "sweep", "detach")
 
 # The component configs each command config is composed of (inherits).
 COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
-    PrepareConfig: (ChatFormat, DataOptions),
+    PrepareConfig: (ChatFormat, ReadOptions, DataOptions),
     ProducerConfig: (
         ChatFormat,
+        ReadOptions,
         DataOptions,
         VerifierOptions,
         CaptureLayers,
@@ -84,7 +88,7 @@ COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
         RegenOptions,
         HeartbeatOptions,
     ),
-    RegenerateConfig: (ChatFormat, RegenOptions),
+    RegenerateConfig: (ChatFormat, ReadOptions, RegenOptions),
     TrainConfig: (ConsumerOptions, DraftRecipe, HeartbeatOptions),
     EvalConfig: (ChatFormat,),
     StatusConfig: (RunDirOptions,),
@@ -93,7 +97,8 @@ COMPONENTS: dict[type[BaseModel], tuple[type[BaseModel], ...]] = {
 }
 
 # (command config, component config) pairs that share fields by name, and the fields
-# each command declares itself on purpose (its comment there says why).
+# each command declares itself on purpose: the comment above its declaration says why
+# ("# Not <Component>'s: ..."; test_shared_fields_are_declared_once checks it is there).
 PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
     (ProducerConfig, PrepareConfig): {"tokenizer", "seq_len", "seed"},
     (ProducerConfig, VerifierConfig): set(),
@@ -109,12 +114,10 @@ PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
     (EvalConfig, ChatFormat): set(),
     (PrepareConfig, ChatFormat): set(),
     # regenerate reads chat data but does not pack it; its device/dtype run only the hf engine
-    (RegenerateConfig, DataOptions): {"data", "on_bad_row", "progress"},
+    (RegenerateConfig, DataOptions): {"data"},
     (RegenerateConfig, VerifierOptions): {"device", "dtype"},
     (RegenerateConfig, ProducerConfig): {
         "data",
-        "on_bad_row",
-        "progress",
         "device",
         "dtype",
         "verifier_name_or_path",
@@ -339,6 +342,15 @@ def test_shared_fields_are_declared_once(
     for f in deliberate:
         assert f in shared and declared_in(command, f) is not declared_in(component, f), f
         assert declared_in(command, f) in command.__mro__, f
+        # the reason is written where the command declares it, as a comment above it
+        lines = inspect.getsource(declared_in(command, f)).splitlines()
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f}:"))
+        above = [x.strip() for x in lines[:at]][::-1]
+        comment = " ".join(reversed(list(itertools.takewhile(lambda x: x.startswith("#"), above))))
+        assert comment.startswith("# Not "), (
+            f"{declared_in(command, f).__name__}.{f} is declared apart from "
+            f"{component.__name__}'s: say why in a '# Not ...' comment above it"
+        )
 
 
 @pytest.mark.parametrize("command", list(COMPONENTS), ids=lambda c: c.__name__)
@@ -533,3 +545,23 @@ def test_log_level_sets_the_level() -> None:
         assert root.level == logging.ERROR
     finally:
         root.setLevel(before)
+
+
+def test_chaos_flags_are_chaos_config_fields_with_its_defaults(tmp_path: Path) -> None:
+    """`python -m fanout.chaos` generates its flags from ChaosConfig like every command:
+    one flag per field, the config's defaults when none is given, `--config FILE` too."""
+    from fanout.chaos.__main__ import build_parser
+    from fanout.chaos.driver import ChaosConfig
+
+    parser = build_parser()
+    flags = {s for a in parser._actions for s in a.option_strings}
+    assert {field_flag(n, f) for n, f in ChaosConfig.model_fields.items()} <= flags
+    cfg = model_from_args(ChaosConfig, parser.parse_args(["--work-dir", str(tmp_path)]))
+    assert cfg == ChaosConfig(work_dir=str(tmp_path))
+    argv = ["--work-dir", "w", "--kills", "5", "--timeout-s", "60", "--kill-every-s", "0.2,0.4"]
+    cfg = model_from_args(ChaosConfig, parser.parse_args(argv))
+    assert (cfg.kills, cfg.timeout_s, cfg.kill_every_s) == (5, 60.0, (0.2, 0.4))
+    conf = tmp_path / "chaos.json"
+    conf.write_text(json.dumps({"work_dir": "w", "consumers": 2, "kills": 7}))
+    cfg = model_from_args(ChaosConfig, parser.parse_args(["--config", str(conf), "--kills", "1"]))
+    assert (cfg.consumers, cfg.kills) == (2, 1)  # the flag wins over the file

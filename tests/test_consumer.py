@@ -30,6 +30,7 @@ from fanout.produce.producer import Producer, ProducerConfig
 from fanout.store.store import RunDir, Store
 from fanout.store.windowfile import hidden_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
+from fanout.train.trainlog import read_train_log
 from tiny_run import RECORDER, build_tiny_assets, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +167,9 @@ def test_resume_at_cursor_and_rows_done_continues_at_the_next_row(env: Env) -> N
                     pos = b.next_position
                     break
         assert got == want[: 3 * stop]
-        with ConsumerStream(_ccfg(env, name, seed=1), cursor=pos[0], skip_rows=pos[1]) as s:
+        s = ConsumerStream(_ccfg(env, name, seed=1))
+        s.load_state_dict({"cursor": pos[0], "rows_done": pos[1]})
+        with s:
             for b in s.batches(3):
                 got += b.rows
                 s.ack(b)
@@ -226,13 +229,12 @@ def test_detached_trainer_exits_3_with_a_clear_message(env: Env, tmp_path: Path)
            "--save-path", str(save), "--heartbeat-s", "0.3"]  # fmt: skip
     errf = open(tmp_path / "trainer.err", "w")  # noqa: SIM115 - closed below
     trainer = subprocess.Popen(cmd, env=ENV, stdout=errf, stderr=subprocess.STDOUT)
-    log = save / "train_log.jsonl"
 
     def pause_then_resume() -> None:
         # Once it trains, freeze it: it holds the producer at K until the lag policy
         # detaches it (after ttl_s blocked); then let it run into the news.
         try:
-            wait_for(lambda: log.exists() and log.stat().st_size > 0, 120, "a first step")
+            wait_for(lambda: read_train_log(save) != [], 120, "a first step")
             trainer.send_signal(signal.SIGSTOP)
             wait_for(lambda: _db_state(run, "slow:dp0") == "detached", 60, "the trainer's detach")
         finally:

@@ -5,15 +5,23 @@
 Each test takes one claim a reader would act on and checks it against the code that
 implements it, so the two cannot drift apart silently: the commands `fanout`'s
 docstring lists, where typed errors live, the one content hash, store.py's opening
-example, dotted references in module docstrings, and how cursors move.
+example, dotted references in module docstrings, and how cursors move; then (issue 35.2)
+which folders import torch, what each folder's docstring says it may import, the config
+make-up the docs list, the commands that take --config, the run-dir layouts of store.md
+and operations.md, durability, the sealed coordinator, how dev.sh installs torch, and
+that a window's tensor names and train_log.jsonl are each spelled in one module.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import importlib
 import inspect
 import pkgutil
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +34,9 @@ import fanout
 from fanout.errors import FanoutError
 
 SRC = Path(fanout.__file__).parent
+REPO = Path(__file__).resolve().parents[1]
+# the core: modules at the bottom of the layers (pyproject's import-linter contract)
+CORE = {"contract", "flags", "rows", "filesystem", "hashing", "errors", "cli"}
 
 
 def _modules() -> list[ModuleType]:
@@ -157,3 +168,202 @@ def test_cursors_advance_on_ack_and_a_resume_moves_them_back(tmp_path: Path) -> 
     assert cursor() == 1
     text = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     assert "never backwards;" not in text and "resume" in text
+
+
+# ---- issue 35.2: docs that match the code ----------------------------------------------
+
+
+def _packages() -> list[str]:
+    return sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file())
+
+
+def _section(text: str, heading: str) -> str:
+    """The body of a markdown section, up to the next heading of its level or higher."""
+    level = heading.split(" ", 1)[0]
+    body = text.split(heading + "\n", 1)[1]
+    stop = re.search(rf"^#{{1,{len(level)}}} ", body, re.M)
+    return body[: stop.start()] if stop else body
+
+
+def test_importing_a_folder_never_imports_torch_but_model_ops_and_the_family_folders() -> None:
+    """docs/architecture.md: importing a folder is free; `fanout status` and the data
+    workers never pay for torch. Each folder imported alone, in a fresh interpreter."""
+    allowed = {"fanout.model", "fanout.ops"} | {
+        f"fanout.families.{p.name}" for p in (SRC / "families").iterdir() if (p / "__init__.py").is_file()
+    }  # fmt: skip
+    names = ["fanout"] + [
+        m.name for m in pkgutil.walk_packages(fanout.__path__, "fanout.") if m.ispkg
+    ]
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n"
+    code += "    importlib.import_module(n)\n    print(n, 'torch' in sys.modules)\n"
+    pulled = []
+    for name in names:
+        if name in allowed:
+            continue
+        out = subprocess.run([sys.executable, "-c", code, name], capture_output=True,
+                             text=True, check=True).stdout.split()  # fmt: skip
+        if out[-1] == "True":
+            pulled.append(name)
+    assert pulled == [], f"importing {pulled} imports torch"
+    text = (REPO / "docs" / "architecture.md").read_text()
+    assert "no `__init__` imports torch except `model/`, `ops/` and each family's folder" in text
+
+
+def test_each_folder_docstring_says_what_it_may_import_and_it_imports_no_more() -> None:
+    """Each folder's `__init__` docstring has a `May import:` line naming the folders below
+    it that its modules import (or "every layer below it"); no module imports another."""
+    pkgs = _packages()
+    bad = []
+    for pkg in pkgs:
+        doc = ast.get_docstring(ast.parse((SRC / pkg / "__init__.py").read_text())) or ""
+        m = re.search(r"May import:(.*?)(?:\.\s|\.$|;)", doc, re.S)
+        if m is None:
+            bad.append(f"{pkg}: no 'May import:' in its __init__ docstring")
+            continue
+        said = " ".join(m.group(1).split())
+        allowed = set(re.findall(r"\b(" + "|".join(pkgs) + r")\b", said)) | {pkg, ""}
+        if "core" in said:
+            allowed |= CORE - {"cli"}
+        if "every layer below" in said:
+            allowed |= set(pkgs) | CORE
+        used = set()
+        for f in (SRC / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                mods = (
+                    [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.module
+                    else [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else []
+                )
+                used |= {[*mod.split("."), ""][1] for mod in mods if mod.split(".")[0] == "fanout"}
+        if used - allowed:
+            bad.append(f"{pkg}: imports {sorted(used - allowed)}, its docstring says {said!r}")
+    assert bad == []
+
+
+def test_the_docs_list_each_command_configs_make_up_as_the_classes_have_it() -> None:
+    """README and docs/architecture.md carry the block scripts/docs.py generates from the
+    config classes' bases (ProducerConfig's eight components, ...)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        docs = importlib.import_module("docs")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    block = docs.block()
+    assert "`ProducerConfig` = `DataOptions` (with `ChatFormat`, `ReadOptions`)" in block
+    for path in docs.DOCS:
+        assert block in path.read_text(), f"{path}: stale; run python scripts/docs.py"
+
+
+def test_the_readme_names_every_command_that_takes_config() -> None:
+    from fanout import cli
+
+    takes = set()
+    for name in cli.COMMANDS:
+        parser = cli.build_parser([name])
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        if "--config" in {s for a in sub.choices[name]._actions for s in a.option_strings}:
+            takes.add(name)
+    text = " ".join((REPO / "README.md").read_text().split())
+    listed = text.split("and `fanout ", 1)[1].split("`", 1)[0]
+    assert set(re.findall(r"[a-z][a-z-]*", listed)) == takes, (listed, takes)
+
+
+def test_store_md_says_what_rundir_create_makes(tmp_path: Path) -> None:
+    from fanout.store.store import RunDir
+
+    made = {p.name + "/" for p in RunDir(tmp_path / "run").create().root.iterdir()}
+    text = (REPO / "docs" / "store.md").read_text()
+    line = " ".join(text.split("`RunDir(root)`", 1)[1].split("\n\n", 1)[0].split())
+    assert set(re.findall(r"`([a-z_]+/)`", line)) == made, line
+    assert "coordinator.sqlite3" not in line and f"its {len(made)} folders" in line
+
+
+def test_operations_md_lists_everything_a_producer_makes_in_a_run_dir() -> None:
+    from fanout.produce.rundir import RUN_DIR_NAMES, START_LOCK
+
+    text = _section((REPO / "docs" / "operations.md").read_text(), "## Where things live")
+    names = {n for n in (*RUN_DIR_NAMES, START_LOCK) if not n.endswith(("-wal", "-shm"))}
+    folders = {"windows", "tmp", "quarantine", "telemetry", "logs", "cache"}
+    missing = [n for n in names if f"`{n}/`" not in text and f"`{n}`" not in text]
+    assert missing == [] and all(f"`{n}/`" in text for n in folders & names), missing
+
+
+def test_operations_md_says_which_durability_sqlite_has_and_why() -> None:
+    src = (SRC / "coord" / "sqlitedb.py").read_text()
+    (mode,) = re.findall(r"PRAGMA synchronous=(\w+)", src)
+    text = " ".join((REPO / "docs" / "operations.md").read_text().split())
+    assert f"synchronous={mode}" in text
+    assert "durable by default" not in text
+    if mode == "NORMAL":  # survives a process crash, not a power loss: the doc says which
+        assert "survive a process crash" in text and "power loss" in text
+
+
+def test_only_coord_speaks_sql() -> None:
+    """docs/architecture.md: the coordinator is sealed. Outside coord/ nothing uses a
+    database driver (a report may print SQLite's version)."""
+    bad = []
+    for f in SRC.rglob("*.py"):
+        if f.is_relative_to(SRC / "coord"):
+            continue
+        text = f.read_text()
+        used = set(re.findall(r"\bsqlite3\.(\w+)", text)) - {"sqlite_version"}
+        if used or re.search(r"^\s*(import|from) psycopg", text, re.M):
+            bad.append(f"{f.relative_to(SRC)}: {sorted(used) or 'psycopg'}")
+    assert bad == []
+
+
+def test_dev_sh_installs_the_cpu_build_of_torch_as_the_readme_says() -> None:
+    dev = (REPO / "dev.sh").read_text()
+    readme = " ".join((REPO / "README.md").read_text().split())
+    index = "https://download.pytorch.org/whl/cpu"
+    assert f"--extra-index-url {index}" in dev and index in readme
+    assert '--dry-run --no-index --no-deps "torch==2.13.0"' in dev  # a local wheel first
+    assert "`torch==2.13.0`" in readme and "torch==2.13.0" in dev
+
+
+WINDOW_NAMES = {"input_ids", "loss_mask", "document_ids", "position_ids", "target_ids",
+                "last_hidden_states", "hidden_states", "hidden_states_scale"}  # fmt: skip
+
+
+def test_a_windows_tensor_names_are_spelled_in_one_module() -> None:
+    """fanout.rows (the window format's vocabulary) spells them; every other module uses
+    its constants. Allowed elsewhere: docstrings, `label_source`'s values (a config
+    choice that names a tensor), and a tokenizer's own output keys."""
+    bad = []
+    for f in SRC.rglob("*.py"):
+        if f == SRC / "rows.py":
+            continue
+        tree = ast.parse(f.read_text())
+        docs = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr)
+        }  # fmt: skip
+        ok = set(docs)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Subscript) and (
+                isinstance(n.value, ast.Call)  # tokenizer(...)["input_ids"]
+                or (isinstance(n.value, ast.Name) and n.value.id == "Literal")
+            ):
+                ok |= {id(c) for c in ast.walk(n.slice)}
+            if (isinstance(n, ast.Compare) and isinstance(n.left, ast.Attribute)
+                    and n.left.attr == "label_source"):  # fmt: skip
+                ok |= {id(c) for c in n.comparators}
+            if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "label_source":
+                ok |= {id(c) for c in ast.walk(n.value)} if n.value else set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and n.value in WINDOW_NAMES and id(n) not in ok:
+                bad.append(f"{f.relative_to(SRC)}:{n.lineno}: {n.value!r}")
+    assert bad == [], "use fanout.rows' constants"
+
+
+def test_train_log_is_named_written_and_read_in_one_module() -> None:
+    own = [
+        str(p.relative_to(SRC))
+        for p in SRC.rglob("*.py")
+        if p.name != "trainlog.py" and '"train_log' in p.read_text()
+    ]
+    assert own == [], "fanout.train.trainlog names, writes and reads train_log.jsonl"

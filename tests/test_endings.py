@@ -37,6 +37,7 @@ from fanout.coord.waits import WaitState
 from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, Detached
 from fanout.families.serving import latest_checkpoint
 from fanout.produce.backpressure import BlockedNotice
+from fanout.train.trainlog import read_train_log
 from test_coordinator import new_run, produce
 from test_roles import ENV, Cli, _row, _status, wait_for
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config
@@ -294,8 +295,7 @@ def _checkpoint_step(save: Path) -> int:
 
 
 def _logged_steps(save: Path) -> list[int]:
-    lines = (save / "train_log.jsonl").read_text().splitlines()
-    return [int(json.loads(x)["step"]) for x in lines]
+    return [int(r["step"]) for r in read_train_log(save)]
 
 
 def _alive(p: Cli) -> bool:
@@ -497,6 +497,11 @@ def _max_windows_then_kill9(assets: Path, tmp_path: Path, db: str | None) -> Non
         procs.kill_all()
 
 
+# slow (real processes, ≈ 25 s): the rule — an end by design closes the stream, a
+# producer that dies or is stopped leaves it open and a waiting trainer is told so — is
+# checked in the default run by test_a_stream_ended_by_design_ends_a_signal_leaves_it_open
+# (both databases), and trainers reaching their own ends by test_three_trainers_*.
+@pytest.mark.slow
 def test_max_windows_ends_the_stream_and_a_killed_producer_leaves_it_open_sqlite(
     assets: Path, tmp_path: Path
 ) -> None:

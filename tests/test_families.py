@@ -33,6 +33,7 @@ from fanout.produce.capture_for import capture_fields
 from fanout.produce.producer import ProducerConfig
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.trainer import TrainConfig, config_from_args
+from fanout.train.trainlog import read_train_log
 from test_endings import Procs, _alive, _summary
 from test_roles import ENV, _status, wait_for
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (autouse)
@@ -242,10 +243,7 @@ def _fanout(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _steps(save: Path) -> list[int]:
-    log = save / "train_log.jsonl"
-    if not log.is_file():
-        return []
-    return [json.loads(x)["step"] for x in log.read_text().splitlines() if x.strip()]
+    return [r["step"] for r in read_train_log(save)]
 
 
 def test_four_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> None:

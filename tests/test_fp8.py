@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +19,7 @@ from fanout.produce.stream import stream_rows
 from fanout.store.store import Store, WindowReader
 from fanout.store.windowfile import hidden_name, scale_name
 from fanout.train.consumer import Batch
+from fanout.train.trainlog import read_train_log
 from tiny_run import build_tiny_assets, tiny_producer_config
 
 LAYERS = (1, 2)  # tiny_producer_config's captured layers
@@ -175,8 +174,6 @@ def test_a_trainer_learns_from_fp8_windows(assets: dict[str, Any]) -> None:
     assert not torch.equal(seen["hidden_states"], q.float())
     out = t.run()
     assert out["steps"] == 6
-    log = [
-        json.loads(x) for x in (Path(cfg.save_path) / "train_log.jsonl").read_text().splitlines()
-    ]
+    log = read_train_log(cfg.save_path)
     assert len(log) == 6 and all(math.isfinite(r["loss"]) for r in log)
     assert log[-1]["loss"] < log[0]["loss"]

@@ -23,6 +23,7 @@ from typing import Any
 
 from fanout.bench.assets import generate_corpus, write_jsonl
 from fanout.families.serving import latest_checkpoint
+from fanout.train.trainlog import read_train_log
 from test_endings import Procs, _alive, _summary
 from test_roles import ENV, _row, _status, wait_for
 from tiny_run import build_tiny_assets
@@ -36,10 +37,7 @@ def _fanout(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _log(save: Path) -> list[dict[str, Any]]:
-    path = save / "train_log.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return read_train_log(save)
 
 
 def _steps_logged(save: Path) -> int:

@@ -41,6 +41,7 @@ from fanout.produce.producer import Producer
 from fanout.train.checkpoint import load_checkpoint
 from fanout.train.consumer import ConsumerConfig
 from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.trainlog import read_train_log
 from faults import after_rename, fail_each_call
 from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (autouse)
 
@@ -73,8 +74,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _log(cfg: TrainConfig) -> list[dict[str, Any]]:
-    text = (Path(cfg.save_path) / "train_log.jsonl").read_text()
-    return [json.loads(x) for x in text.splitlines()]
+    return read_train_log(cfg.save_path)
 
 
 def _ckpt(env: dict[str, Any], name: str) -> Path:

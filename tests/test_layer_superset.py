@@ -43,6 +43,7 @@ from fanout.store.store import RunDir, Store, WindowReader, verify_file
 from fanout.store.windowfile import WindowFormatError, hidden_name, scale_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.trainlog import read_train_log
 from tiny_run import RECORDER, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,8 +111,7 @@ def _train_cfg(env: Env, run_dir: Path, name: str, **kw: Any) -> TrainConfig:
 
 
 def _log(cfg: TrainConfig) -> list[dict[str, Any]]:
-    lines = (Path(cfg.save_path) / "train_log.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
+    return read_train_log(cfg.save_path)
 
 
 def _layers_of(r: WindowReader, layers: list[int]) -> torch.Tensor:
@@ -227,10 +227,10 @@ def test_an_uncaptured_layer_is_refused_at_once_naming_the_captured_ones(
         Trainer(_train_cfg(env, env.superset, "bad", target_layer_ids=[0, 1]))
     with pytest.raises(LayersNotCaptured, match=r"\[3\] were not captured.*it captured \[5, 2\]"):
         ConsumerStream(ConsumerConfig(run_dir=str(env.exact["b"]), consumer_id="bad",
-                                      target_layer_ids=[2, 3]))  # fmt: skip
+                                      target_layer_ids=[2, 3])).open()  # fmt: skip
     with pytest.raises(ConfigError, match="distinct"):
         ConsumerStream(ConsumerConfig(run_dir=str(env.superset), consumer_id="bad",
-                                      target_layer_ids=[2, 2]))  # fmt: skip
+                                      target_layer_ids=[2, 2])).open()  # fmt: skip
     with Coordinator.open(env.superset) as co:  # nothing was registered
         ids = [c for (c,) in co.conn.execute("SELECT id FROM consumers WHERE id LIKE 'bad%'")]
     assert ids == []

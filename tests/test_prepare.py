@@ -18,11 +18,12 @@ from fanout.cli import main as cli_main
 from fanout.data import masks
 from fanout.data.chat import load_conversations
 from fanout.data.masks import MaskPathName
-from fanout.data.packing import ROW_KEYS, concat_batches
+from fanout.data.packing import concat_batches
 from fanout.data.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
 from fanout.data.template import ChatEncoder, load_chat_spec
 from fanout.data.workers import WorkerPool, resolve_workers, start_method, usable_cpus
 from fanout.errors import BadRow, ConfigError
+from fanout.rows import PACKED_ROW
 
 FASTCHAT = "chat/fastchat/dummy_conversation.json"
 GLAIVE = "chat/llama-factory/glaive_toolcall_en_demo.json"
@@ -85,7 +86,7 @@ def test_prepare_rows_match_encoder_and_cache_hit(base: dict[str, Any], tmp_path
     assert ds2.fingerprint == ds.fingerprint
     again = open_packed(tmp_path / "out")
     idx = np.array([3, 0, 3, ds.num_rows - 1])
-    for k in ROW_KEYS:
+    for k in PACKED_ROW:
         assert (again.rows(idx)[k] == rows[k][idx]).all()
     assert again.tokenizer_fingerprint == ds.tokenizer_fingerprint
     assert again.pad_token_id == 151643
@@ -109,7 +110,7 @@ def test_workers_do_not_change_output_and_online_matches(
     )
     two = all_rows(prepare(cfg2))
     online = concat_batches(list(iter_packed_rows(cfg2)))
-    for k in ROW_KEYS:
+    for k in PACKED_ROW:
         assert (one[k] == two[k]).all() and (one[k] == online[k]).all()
     # Concurrent callers share the warm pool and still each get the exact rows.
     results: list[dict[str, np.ndarray]] = []
@@ -124,7 +125,7 @@ def test_workers_do_not_change_output_and_online_matches(
         t.join()
     assert len(results) == 2
     for r in results:
-        assert all((r[k] == one[k]).all() for k in ROW_KEYS)
+        assert all((r[k] == one[k]).all() for k in PACKED_ROW)
 
 
 def bad_file(tmp_path: Path) -> Path:
@@ -236,7 +237,7 @@ def test_start_methods_give_identical_rows(
     finally:
         pool.close()
     assert pool.method == method
-    for k in ROW_KEYS:
+    for k in PACKED_ROW:
         assert (one[k] == two[k]).all() and (one[k] == again[k]).all()
 
 
@@ -315,7 +316,7 @@ def test_parquet_input_gives_the_rows_of_the_same_jsonl(
     from_pq = prepare(PrepareConfig(**{**common, "data": [parquet], "out": str(tmp_path / "p")}))
     assert from_pq.num_rows == from_jsonl.num_rows > 0
     a, b = all_rows(from_jsonl), all_rows(from_pq)
-    for k in ROW_KEYS:
+    for k in PACKED_ROW:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     # A bad record is named by its row (1-based), like a JSONL line.
     records[40]["history"][0]["bot"] = ""  # empty content

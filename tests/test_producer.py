@@ -78,7 +78,9 @@ def read(stream, phase, stop_after=None):
 with ConsumerStream(cfg) as s:
     read(s, 1, a.get("stop_after"))
 if "restart_cursor" in a:
-    with ConsumerStream(cfg, cursor=a["restart_cursor"]) as s:
+    s = ConsumerStream(cfg)
+    s.load_state_dict({"cursor": a["restart_cursor"], "rows_done": 0})
+    with s:
         read(s, 2)
 """
 

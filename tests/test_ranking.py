@@ -3,7 +3,6 @@ checkpoints and train logs (the demo's and benchmarks/families.py's table)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.bench.ranking import checkpoint_params, plot_tau, rank_drafts, ranking_lines, step_ms
 from fanout.families.registry import FAMILIES, family
 from fanout.train.checkpoint import save_checkpoint
+from fanout.train.trainlog import MetricsLog
 from tiny_run import one_thread  # noqa: F401 (autouse)
 
 
@@ -46,10 +46,11 @@ def test_ranked_best_first_with_the_checkpoint_and_step_figures(tmp_path: Path) 
         assert checkpoint_params(path)[0] == count, name
     logs = {}
     for n, ms in (("a", [50.0, 40.0, 3.0, 4.0, 5.0]), ("b", [9.0, 9.0, 7.0, 8.0, 30.0])):
-        logs[n] = tmp_path / n / "train_log.jsonl"
-        logs[n].write_text(
-            "".join(json.dumps({"fwd_ms": x, "bwd_ms": 1.0, "opt_ms": 0.5}) + "\n" for x in ms)
-        )
+        logs[n] = tmp_path / n
+        metrics = MetricsLog(logs[n])
+        for x in ms:
+            metrics.write({"step": 1, "fwd_ms": x, "bwd_ms": 1.0, "opt_ms": 0.5})
+        metrics.close()
     assert step_ms(logs["a"]) == 5.5  # median of 4.5, 5.5, 6.5: the first two left out
     report = {
         "drafts": {

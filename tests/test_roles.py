@@ -244,6 +244,11 @@ def _status(run: Path) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
+# slow (real `fanout` processes, ≈ 25 s): the rule — a live holder is refused naming it,
+# --takeover fences it — is checked in the default run by
+# test_a_live_holder_is_refused_then_taken_over (both roles, both databases) and, with
+# real processes started together, by tests/test_start_race.py.
+@pytest.mark.slow
 def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
     tmp_path: Path,
 ) -> None:

@@ -32,6 +32,7 @@ from fanout.produce.producer import Producer
 from fanout.train.consumer import ConsumerConfig, ConsumerStream
 from fanout.train.plan import StreamPlanner
 from fanout.train.trainer import NO_TOKEN_STEPS, TrainConfig, Trainer
+from fanout.train.trainlog import read_train_log
 from test_train import repetitive_corpus
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
@@ -80,8 +81,7 @@ def _cfg(assets: Path, run: Path, name: str, **kw: Any) -> TrainConfig:
 
 
 def _log(cfg: TrainConfig) -> list[dict[str, Any]]:
-    lines = (Path(cfg.save_path) / "train_log.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
+    return read_train_log(cfg.save_path)
 
 
 def _cosine(k: int, n: int) -> float:

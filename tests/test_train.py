@@ -34,6 +34,7 @@ from fanout.flags import flag_name
 from fanout.produce.producer import Producer, ProducerConfig
 from fanout.store.store import RunDir
 from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.trainlog import read_train_log
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
     config_flags,
@@ -104,8 +105,7 @@ def _cfg(run: Run, name: str, **kw: Any) -> TrainConfig:
 
 
 def _log(cfg: TrainConfig) -> list[dict[str, Any]]:
-    lines = (Path(cfg.save_path) / "train_log.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines]
+    return read_train_log(cfg.save_path)
 
 
 def _mean(recs: list[dict[str, Any]], key: str) -> float:
@@ -184,7 +184,10 @@ def test_resume_continues_with_identical_losses(run: Run) -> None:
     Trainer(part).run()  # saves at its last step (n)
     resumed = part.model_copy(update={"max_steps": n + m, "resume": True})
     t = Trainer(resumed)
-    assert t.state["step"] == n and t.state["cursor"] is not None
+    ckpt = latest_checkpoint(part.save_path)
+    assert ckpt is not None and t.state["step"] == n
+    saved = json.loads((ckpt / "training_state.json").read_text())["stream"]
+    assert t.stream.state_dict() == saved and saved["cursor"] is not None  # restored
     t.run()
     a, b = _log(full), _log(part)
     assert [r["step"] for r in b] == list(range(1, n + m + 1))
@@ -245,7 +248,7 @@ def test_config_file_with_flag_override_reaches_the_trainer(
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 2  # the flag overrode the file's 50
-    log = [json.loads(x) for x in (save / "train_log.jsonl").read_text().splitlines()]
+    log = read_train_log(save)
     assert log[0]["lr"] <= 0.001 and len(log[0]["acc"]) == 3  # lr from flag, block from file
 
 
@@ -298,7 +301,7 @@ def test_torchrun_ranks_split_the_rows_stay_in_sync_and_resume(run: Run) -> None
     assert cursors == {"ddp:dp0": 6, "ddp:dp1": 6}
     ckpt = latest_checkpoint(cfg.save_path)
     assert ckpt is not None and json.loads((ckpt / "training_state.json").read_text())["step"] == 6
-    assert (Path(cfg.save_path) / "train_log.rank1.jsonl").is_file()
+    assert read_train_log(cfg.save_path, rank=1) != []
     assert [r["windows"] for r in _log(cfg)] == [[w] for w in range(6)]
 
     again = torchrun(cfg.model_copy(update={"max_steps": 9, "resume": True}))
@@ -314,9 +317,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
     argv = [sys.executable, *_script_argv(cfg)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    log_path = Path(cfg.save_path) / "train_log.jsonl"
     deadline = time.monotonic() + 120
-    while not (log_path.exists() and len(log_path.read_text().splitlines()) >= 3):
+    while len(read_train_log(cfg.save_path)) < 3:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "trainer never logged 3 steps"
         time.sleep(0.05)
@@ -331,7 +333,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
     assert ckpt is not None
     state = json.loads((ckpt / "training_state.json").read_text())
     assert state["step"] == steps[-1] == summary["steps"]
-    assert (state["cursor"], state["rows_done"]) != (0, 0)
+    assert (state["stream"]["cursor"], state["stream"]["rows_done"]) != (0, 0)
 
 
 def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run) -> None:

@@ -91,7 +91,9 @@ state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "row
 cfg = ConsumerConfig(run_dir=a["run_dir"], heartbeat_s=0.3, acquire_timeout_s=60, **a["cfg"])
 out = open(a["out"], "a")
 seen = state["seen"]
-with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) as s:
+s = ConsumerStream(cfg)
+s.load_state_dict(state)
+with s:
     for step, b in enumerate(s.batches(1), 1):
         for k, (w, i) in enumerate(b.rows):
             raw = b.tensors["hidden_states"][k].contiguous().view(torch.uint8).numpy().tobytes()
@@ -102,8 +104,7 @@ with ConsumerStream(cfg, cursor=state["cursor"], skip_rows=state["rows_done"]) a
         s.ack(b)
         seen += len(b.rows)
         if step % a["every"] == 0:
-            c, r = b.next_position
             with open(ckpt + ".tmp", "w") as f:
-                json.dump({"cursor": c, "rows_done": r, "seen": seen}, f)
+                json.dump(s.state_dict() | {"seen": seen}, f)
             os.replace(ckpt + ".tmp", ckpt)
 """

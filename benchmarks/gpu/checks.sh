@@ -15,6 +15,9 @@
 # in bf16 of the demo's trained drafts (one per family) (prepare trains them if runs/demo has none),
 # greedy and at T = 1, and the draft cache against the uncached loop and a free draft
 # at a 1.5k-token context.
+# The copy there has no .git: give the commit it is of, FANOUT_COMMIT=$(git rev-parse HEAD)
+# (run here), so the JSONs (benchmarks/record.py) name it; copy the producer JSONs into
+# benchmarks/results/ (e.g. producer-h200-16.json) and run `python benchmarks/report.py`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 mode=${1:-run}

@@ -48,6 +48,26 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
 
 
+def makeup(model: type[BaseModel]) -> str:
+    """What a command config is composed of, from its bases (README and
+    docs/architecture.md print it: scripts/docs.py), e.g. "`PrepareConfig` = `DataOptions`
+    (with `ChatFormat`) + its own"."""
+
+    def name(c: type) -> str:
+        inner = parts_of(c)
+        shown = f"`{c.__name__}`"
+        return f"{shown} (with {', '.join(name(b) for b in inner)})" if inner else shown
+
+    def parts_of(c: type) -> list[type]:  # a base with no fields (a family without options)
+        return [b for b in c.__bases__ if issubclass(b, BaseModel) and b is not BaseModel
+                and b.model_fields]  # fmt: skip
+
+    bases = parts_of(model)
+    own = [f for f in model.model_fields if declared_in(model, f) is model]
+    parts = [name(b) for b in bases] + (["its own"] if own else [])
+    return f"`{model.__name__}` = {' + '.join(parts)}"
+
+
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 

@@ -40,6 +40,7 @@ from fanout.bench.bench import run_bench
 from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
 from fanout.families.registry import FAMILIES
 from fanout.flags import add_model_flags, model_from_args
+from fanout.train.trainlog import read_train_log
 
 # seed of the generated held-out conversations (the assets' corpus uses seed 0)
 HELDOUT_SEED = 10_007
@@ -111,11 +112,9 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
     )
 
 
-def _ends(path: Path, key: str) -> tuple[float | None, float | None, int]:
+def _ends(save_path: Path, key: str) -> tuple[float | None, float | None, int]:
     """Mean of `key` over the first and the last few steps (single steps are noisy)."""
-    if not path.is_file():
-        return None, None, 0
-    vals = [json.loads(line)[key] for line in path.read_text().splitlines() if line.strip()]
+    vals = [r[key] for r in read_train_log(save_path)]
     if not vals:
         return None, None, 0
     k = max(1, min(10, len(vals) // 4))
@@ -129,7 +128,7 @@ def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
     lines.append(f"{'draft':<{w}} {'steps':>6} {'loss first → last':>20} {'EAL first → last':>20}")
     rose = []
     for cid in sc["consumers"]:
-        log = out / "1p3c" / "drafts" / cid / "train_log.jsonl"
+        log = out / "1p3c" / "drafts" / cid
         l0, l1, n = _ends(log, "loss")
         e0, e1, _ = _ends(log, "eal")
         if e0 is None or e1 is None or l0 is None or l1 is None:
@@ -217,7 +216,7 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
     rows = rank_drafts(
         rep,
         {n: resolve_draft_dir(str(drafts_dir / n)) for n in rep["drafts"]},
-        {n: drafts_dir / n / "train_log.jsonl" for n in rep["drafts"]},
+        {n: drafts_dir / n for n in rep["drafts"]},
     )
     (out / "ranking.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot = plot_tau(rows, out / "tau.png")

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fanout.bench.telemetry import read_samples, summarize
+from fanout.train.trainlog import read_train_log
 
 VALIDITY_RULES = [
     "every consumer acked every window of the stream exactly once, in order "
@@ -123,13 +124,6 @@ def _pct(a: list[float], q: float) -> float | None:
     return round(float(np.percentile(np.asarray(a), q)), 2) if a else None
 
 
-def read_train_log(path: Path) -> list[dict[str, Any]]:
-    """A trainer's train_log.jsonl, one dict per step ([] before its first step)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _snapshot(run_dir: Path) -> dict[str, Any] | None:
     """`fanout status --json` of a run dir (SQLite or PostgreSQL, as the run dir
     records), None if no producer created it."""
@@ -192,7 +186,7 @@ def _consumer_metrics(
     """One trainer's numbers from its train_log.jsonl (appending to `reasons` the rules
     it broke), and the wall-clock bounds of its steady state (after `warm` steps)."""
     assert role.save_path is not None and role.spec is not None, role.name  # a consumer
-    recs = read_train_log(role.save_path / "train_log.jsonl")
+    recs = read_train_log(role.save_path)
     total = snap["config"]["total_windows"] if snap else None
     acked = [w for r in recs for w in r.get("acked", [])]
     # A draft with --max-steps that reached them ended on its own, before the stream did.
@@ -249,7 +243,7 @@ def _aggregate(
         rows = 0
         for role in run.roles:
             if role.kind == "consumer" and role.save_path is not None and role.spec is not None:
-                recs = read_train_log(role.save_path / "train_log.jsonl")
+                recs = read_train_log(role.save_path)
                 n = sum(1 for r in recs if t0 < r["time"] <= t1)
                 rows += n * role.spec.rows_per_step
         agg = {"rows_per_s": round(rows / (t1 - t0), 4), "window_s": round(t1 - t0, 3)}

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fanout.bench.metrics import RunLike, read_train_log
+from fanout.bench.metrics import RunLike
 from fanout.bench.telemetry import read_samples
+from fanout.train.trainlog import read_train_log
 
 
 def write_plots(rep: dict[str, Any], runs: Sequence[tuple[RunLike, Path]], out: Path) -> list[str]:
@@ -74,7 +75,7 @@ def _learning_curves(plt: Any, runs: Sequence[tuple[RunLike, Path]]) -> Any:
         for role in run.roles:
             if role.kind != "consumer" or role.save_path is None:
                 continue
-            recs = read_train_log(role.save_path / "train_log.jsonl")
+            recs = read_train_log(role.save_path)
             if not recs:
                 continue
             k = max(1, len(recs) // 50)  # moving mean over ~2% of the run: single steps are noisy

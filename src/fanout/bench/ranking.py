@@ -2,7 +2,7 @@
 benchmarks/families.py).
 
     from fanout.bench.ranking import rank_drafts, ranking_lines, plot_tau
-    rows = rank_drafts(eval_report, {"dflash": ckpt_dir, ...}, {"dflash": train_log})
+    rows = rank_drafts(eval_report, {"dflash": ckpt_dir, ...}, {"dflash": save_path})
     print("\\n".join(ranking_lines(rows))); plot_tau(rows, out / "tau.png")
 
 One row per draft, best τ at T = 0 first: its family, τ with its 95% interval at each
@@ -20,7 +20,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from fanout.bench.metrics import read_train_log
+from fanout.train.trainlog import read_train_log
 
 
 def checkpoint_params(ckpt: Path) -> tuple[int, int]:
@@ -51,17 +51,17 @@ def _numel(shape: list[int]) -> int:
     return out
 
 
-def step_ms(log: Path, skip: int = 2) -> float | None:
+def step_ms(save_path: Path, skip: int = 2) -> float | None:
     """Median forward + backward + optimizer milliseconds of a trainer's steps (the
     first `skip` left out: first-call allocations)."""
-    recs = read_train_log(log)[skip:]
+    recs = read_train_log(save_path)[skip:]
     if not recs:
         return None
     return statistics.median(r["fwd_ms"] + r["bwd_ms"] + r["opt_ms"] for r in recs)
 
 
 def rank_drafts(
-    report: dict[str, Any], ckpts: dict[str, Path], logs: dict[str, Path]
+    report: dict[str, Any], ckpts: dict[str, Path], save_paths: dict[str, Path]
 ) -> list[dict[str, Any]]:
     """The rows (module docstring), best τ at T = 0 first."""
     rows = []
@@ -78,7 +78,7 @@ def rank_drafts(
             "tau": taus,
             "train_eal": d["train_eal"],
             "proposed_length": d.get("proposed_length"),
-            "step_ms": step_ms(logs[name]),
+            "step_ms": step_ms(save_paths[name]),
             "parameters": params,
             "checkpoint_bytes": size,
         })  # fmt: skip

@@ -27,12 +27,43 @@ fanout.chaos.checks (cover check, sampler, end-of-run state, report),
 fanout.chaos.driver (ChaosConfig, ChaosRun), fanout.chaos.soak (rounds of runs until a
 kill count or a duration is met, so a soak lasts its duration on any machine),
 `python -m fanout.chaos` (__main__).
+
+May import: every layer below it (it drives the whole system as real processes).
 """
 
-from fanout.chaos.checks import ChaosReport, Cover, Sampler, check_cover, read_log, window_digest
-from fanout.chaos.driver import ChaosConfig, ChaosRun
-from fanout.chaos.procs import ChaosAssets, Proc, Role, build_assets, run_cli, warm_forkserver
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the real names for type checkers; at run time they load on first use
+    from fanout.chaos.checks import (
+        ChaosReport,
+        Cover,
+        Sampler,
+        check_cover,
+        window_digest,
+    )
+    from fanout.chaos.driver import ChaosConfig, ChaosRun
+    from fanout.chaos.procs import ChaosAssets, Proc, Role, build_assets, run_cli, warm_forkserver
+
+# Names re-exported from the modules above, imported on first use (PEP 562): importing
+# the folder stays free of torch, which the driver pulls in through the trainer's config.
+_EXPORTS = {
+    "ChaosAssets": "procs",
+    "ChaosConfig": "driver",
+    "ChaosReport": "checks",
+    "ChaosRun": "driver",
+    "Cover": "checks",
+    "Proc": "procs",
+    "Role": "procs",
+    "Sampler": "checks",
+    "build_assets": "procs",
+    "check_cover": "checks",
+    "run_cli": "procs",
+    "warm_forkserver": "procs",
+    "window_digest": "checks",
+}
 __all__ = [
     "ChaosAssets",
     "ChaosConfig",
@@ -44,8 +75,14 @@ __all__ = [
     "Sampler",
     "build_assets",
     "check_cover",
-    "read_log",
     "run_cli",
     "warm_forkserver",
     "window_digest",
 ]
+assert sorted(_EXPORTS) == __all__
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

@@ -5,47 +5,43 @@
 
 Runs rounds (fanout.chaos.soak) until `--kills` kills or `--minutes` of killing: a
 stream that ends first is followed by another. Prints one summary line and every
-broken promise (by round); exit status 1 if there was one.
+broken promise (by round); exit status 1 if there was one. Its flags are generated from
+ChaosConfig (fanout.flags), so their defaults are the config's; `--config FILE` takes the
+same fields as JSON, flags win.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 from fanout.chaos.driver import ChaosConfig
 from fanout.chaos.soak import run_rounds
+from fanout.errors import ConfigError
+from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per ChaosConfig field (fanout.flags, as every `fanout` command), `--config
+    FILE`, and `--json OUT` (where the report goes: not part of the run)."""
+    p = argparse.ArgumentParser(prog="python -m fanout.chaos", description=__doc__.split("\n")[0])
+    add_model_flags(p, ChaosConfig)
+    p.add_argument("--json", default=None, metavar="OUT", help="write the report here")
+    add_log_level_flag(p, default="info")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fanout.chaos", description=__doc__.split("\n")[0])
-    p.add_argument("--work-dir", required=True, help="directory for assets, run, drafts, logs")
-    p.add_argument("--consumers", type=int, default=3, help="trainers (default: 3)")
-    p.add_argument("--kills", type=int, default=30, help="kills before letting the run finish")
-    p.add_argument("--minutes", type=float, default=None, help="kill for this long instead (soak)")
-    p.add_argument("--conversations", type=int, default=60, help="chat rows (stream length)")
-    p.add_argument("--epochs", type=int, default=1, help="passes over the data")
-    p.add_argument("--launcher", choices=["fork", "exec"], default="fork", help="role start-up")
-    p.add_argument("--seed", type=int, default=0, help="kill schedule seed")
-    p.add_argument("--timeout-s", type=float, default=1200.0, help="fail after this long (s)")
-    p.add_argument("--json", default=None, help="write the report here")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = ChaosConfig(
-        work_dir=a.work_dir,
-        consumers=a.consumers,
-        kills=a.kills,
-        minutes=a.minutes,
-        conversations=a.conversations,
-        epochs=a.epochs,
-        launcher=a.launcher,
-        seed=a.seed,
-        timeout_s=a.timeout_s,
-    )
+    a = build_parser().parse_args(argv)
+    configure_logging(a)
+    try:
+        cfg = model_from_args(ChaosConfig, a)
+    except ConfigError as e:
+        print(f"python -m fanout.chaos: error: {e}", file=sys.stderr)
+        return 1
     rep = run_rounds(cfg)  # rounds until the kill count or the duration is met
     text = json.dumps({"rounds": [asdict(r) for r in rep.rounds]}, indent=2, default=str)
     if a.json:

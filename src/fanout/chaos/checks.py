@@ -1,7 +1,8 @@
 """What a chaos run must show: in-order covers, whole files, bounded live windows, clean end.
 
-    from fanout.chaos.checks import check_cover, read_log
-    cover = check_cover(read_log(Path("drafts/c0/train_log.jsonl")), total_windows=115)
+    from fanout.chaos.checks import check_cover
+    from fanout.train.trainlog import read_train_log
+    cover = check_cover(read_train_log(Path("drafts/c0")), total_windows=115)
     assert not cover.errors
 
 `Sampler` watches a run while it happens (coordinator snapshot as `fanout status
@@ -12,9 +13,7 @@ lists every broken promise.
 
 from __future__ import annotations
 
-import json
 import os
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,6 @@ from typing import Any
 from fanout.coord.states import LIVE
 
 # ---------------------------------------------------------------- checks
-
-
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """Records of a train_log.jsonl (appended to by every incarnation of a trainer)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass
@@ -120,23 +112,12 @@ class Sampler:
     def _open(self) -> Any:
         if self.co is None:
             from fanout.coord.coordinator import Coordinator
-            from fanout.errors import (
-                ConfigError,
-                CoordinatorBusy,
-                CoordinatorUnavailable,
-                SchemaVersionError,
-            )
+            from fanout.errors import ConfigError, CoordinatorUnavailable, SchemaVersionError
 
-            try:
-                self.co = Coordinator.open(self.run_dir, db_path=self.db_path)
-            except (
-                ConfigError,
-                SchemaVersionError,
-                CoordinatorBusy,
-                CoordinatorUnavailable,
-                sqlite3.Error,
-            ):
-                return None  # not created yet
+            try:  # None while the producer has not created it (the coordinator says so)
+                self.co = Coordinator.open_if_created(self.run_dir, db_path=self.db_path)
+            except (ConfigError, SchemaVersionError, CoordinatorUnavailable):
+                return None  # half-made: its pointer or contract not written yet
         return self.co
 
     def sample(self) -> None:

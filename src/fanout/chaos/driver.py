@@ -29,12 +29,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fanout.chaos.checks import ChaosReport, Sampler, check_cover, final_state, read_log
+from fanout.chaos.checks import ChaosReport, Sampler, check_cover, final_state
 from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_forkserver
 from fanout.coord.states import LIVE
 from fanout.flags import to_flags
 from fanout.produce.producer import ProducerConfig
 from fanout.train.trainer import TrainConfig
+from fanout.train.trainlog import read_train_log
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,12 @@ class ChaosConfig(BaseModel):
     lag_policy: Literal["hold", "recapture", "detach"] = Field("hold", description="lag policy")
     ttl_s: float = Field(5.0, gt=0, description="heartbeat ttl (s)")
     heartbeat_s: float = Field(0.3, gt=0, description="heartbeat interval (s)")
-    kills: int = Field(0, ge=0, description="stop killing after this many kills")
+    kills: int = Field(30, ge=0, description="stop killing after this many kills (0: none)")
     minutes: float | None = Field(None, gt=0, description="or keep killing this long (soak)")
     kill_every_s: tuple[float, float] = Field((0.5, 1.5), description="kill interval range (s)")
     min_age_s: float = Field(1.0, ge=0, description="only kill roles at least this old (s)")
     sample_every_s: float = Field(0.2, gt=0, description="status + windows/ sampling period (s)")
-    timeout_s: float = Field(600.0, gt=0, description="give up (and fail) after this long (s)")
+    timeout_s: float = Field(1200.0, gt=0, description="give up (and fail) after this long (s)")
     max_crashes: int = Field(5, ge=0, description="stop restarting a role after this many crashes")
     launcher: Literal["fork", "exec"] = Field("fork", description="how roles are started")
     seed: int = Field(0, description="seeds the kill schedule")
@@ -294,9 +295,7 @@ class ChaosRun:
         if stream.is_file():
             rep.total_windows = int(json.loads(stream.read_text())["total_windows"])
         for t in self.trainers:
-            cov = check_cover(
-                read_log(self.work / "drafts" / t.name / "train_log.jsonl"), rep.total_windows
-            )
+            cov = check_cover(read_train_log(self.work / "drafts" / t.name), rep.total_windows)
             rep.covers[t.name] = asdict(cov)
             rep.rows_checked += cov.windows * self.cfg.window_rows
         rep.kills = {r.name: r.kills for r in self.roles}

@@ -56,6 +56,7 @@ class RunDirOptions(BaseModel):
 class StatusConfig(RunDirOptions):
     """`fanout status`: show the state of a run directory."""
 
+    # Not SweepConfig's: --json prints a snapshot here, what was removed there.
     as_json: bool = Field(
         False,
         description="Print the whole snapshot as JSON instead of a table.",

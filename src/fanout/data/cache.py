@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from fanout.data.packing import ROW_KEYS
 from fanout.errors import CorruptWindow, StorageError
 from fanout.filesystem import FileSystem
 from fanout.hashing import hasher
+from fanout.rows import INPUT_IDS, LOSS_MASK, PACKED_ROW
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -77,15 +77,15 @@ class ShardWriter:
 
     def write(self, batch: dict[str, np.ndarray]) -> None:
         self._pending.append(batch)
-        self._pending_rows += batch["input_ids"].shape[0]
+        self._pending_rows += batch[INPUT_IDS].shape[0]
         while self._pending_rows >= self.rows_per_shard:
             self._flush(self.rows_per_shard)
 
     def _flush(self, n: int) -> None:
-        cat = {k: np.concatenate([b[k] for b in self._pending]) for k in ROW_KEYS}
+        cat = {k: np.concatenate([b[k] for b in self._pending]) for k in PACKED_ROW}
         head = {k: np.ascontiguousarray(v[:n]) for k, v in cat.items()}  # [n, T] each
         rest = {k: v[n:] for k, v in cat.items()}
-        self._pending = [rest] if rest["input_ids"].shape[0] else []
+        self._pending = [rest] if rest[INPUT_IDS].shape[0] else []
         self._pending_rows -= n
         name = f"shard-{len(self.shards):05d}.safetensors"
         path = self.tmp / name
@@ -171,12 +171,12 @@ class PackedDataset:
             raise IndexError(f"row index out of range [0, {self.num_rows}) in {self.dir}")
         shard = np.searchsorted(self._starts, idx, side="right") - 1  # [n]
         out: dict[str, np.ndarray] = {
-            k: np.empty((idx.size, self.seq_len), self._dtype(k)) for k in ROW_KEYS
+            k: np.empty((idx.size, self.seq_len), self._dtype(k)) for k in PACKED_ROW
         }  # [n, T] each
         for s in np.unique(shard):
             sel = np.flatnonzero(shard == s)
             local = idx[sel] - self._starts[s]
-            for k in ROW_KEYS:
+            for k in PACKED_ROW:
                 out[k][sel] = self._shards[s][k][local]
         return out
 
@@ -187,4 +187,4 @@ class PackedDataset:
 
     @staticmethod
     def _dtype(key: str) -> type:
-        return np.uint8 if key == "loss_mask" else np.int32
+        return np.uint8 if key == LOSS_MASK else np.int32

@@ -99,6 +99,19 @@ class Conversation:
 # --------------------------------------------------------------------------- reading
 
 
+class ReadOptions(BaseModel):
+    """How a command that reads chat data treats a bad row and shows its progress.
+    Declared once here: `fanout prepare` and `produce` (through DataOptions) and
+    `fanout regenerate` inherit these fields, one flag each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="bad rows: stop naming file:line:field, or skip and count"
+    )
+    progress: bool = Field(True, description="show a progress bar on stderr")
+
+
 def file_kind(path: Path) -> Literal["jsonl", "json", "parquet"]:
     """JSONL vs JSON array vs Parquet, by suffix, then by the first byte."""
     suffix = path.suffix.lower()

@@ -29,6 +29,7 @@ from safetensors.numpy import save
 from fanout.data.cache import PackedDataset
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
+from fanout.rows import INPUT_IDS, LOSS_MASK
 
 TOKEN_COUNTS = "token_counts.safetensors"
 log = logging.getLogger(__name__)
@@ -61,9 +62,9 @@ def _count(dataset: PackedDataset, vocab_size: int) -> np.ndarray:
     counts = np.zeros(vocab_size, dtype=np.int64)
     step = 1024  # rows per slice: bounded memory however large the shard
     for shard in dataset.shards():
-        for s in range(0, shard["input_ids"].shape[0], step):
-            mask = shard["loss_mask"][s : s + step] > 0  # [rows, T]
-            ids = shard["input_ids"][s : s + step][mask]  # [tokens]
+        for s in range(0, shard[INPUT_IDS].shape[0], step):
+            mask = shard[LOSS_MASK][s : s + step] > 0  # [rows, T]
+            ids = shard[INPUT_IDS][s : s + step][mask]  # [tokens]
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 raise ConfigError(
                     f"{dataset.dir}: token id {int(ids.max())} outside the verifier's "

@@ -32,9 +32,9 @@ from typing import Literal
 import numpy as np
 
 from fanout.errors import BadRow, ConfigError
+from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LOSS_MASK, PACKED_ROW, POSITION_IDS
 
 OverLength = Literal["split", "drop", "error"]
-ROW_KEYS = ("input_ids", "loss_mask", "document_ids", "position_ids")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,20 +140,20 @@ class Packer:
     def _emit(self, rows: list[_Row]) -> dict[str, np.ndarray]:
         n, T = len(rows), self.seq_len
         out: dict[str, np.ndarray] = {
-            "input_ids": np.full((n, T), self.pad_id, np.int32),  # [n, T]
-            "loss_mask": np.zeros((n, T), np.uint8),  # [n, T]
-            "document_ids": np.full((n, T), -1, np.int32),  # [n, T]
-            "position_ids": np.zeros((n, T), np.int32),  # [n, T]
+            INPUT_IDS: np.full((n, T), self.pad_id, np.int32),  # [n, T]
+            LOSS_MASK: np.zeros((n, T), np.uint8),  # [n, T]
+            DOCUMENT_IDS: np.full((n, T), -1, np.int32),  # [n, T]
+            POSITION_IDS: np.zeros((n, T), np.int32),  # [n, T]
         }
         ar = np.arange(T, dtype=np.int32)
         for r, row in enumerate(rows):
             at = 0
             for d, doc in enumerate(row.docs):
                 L = doc.ids.shape[0]
-                out["input_ids"][r, at : at + L] = doc.ids
-                out["loss_mask"][r, at : at + L] = doc.mask
-                out["document_ids"][r, at : at + L] = d
-                out["position_ids"][r, at : at + L] = ar[:L]
+                out[INPUT_IDS][r, at : at + L] = doc.ids
+                out[LOSS_MASK][r, at : at + L] = doc.mask
+                out[DOCUMENT_IDS][r, at : at + L] = d
+                out[POSITION_IDS][r, at : at + L] = ar[:L]
                 at += L
         self.rows += n
         return out
@@ -189,4 +189,4 @@ def shuffled(docs: Iterable[Doc], buffer: int, seed: int, epoch: int = 0) -> Ite
 
 
 def concat_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([b[k] for b in batches]) for k in ROW_KEYS}
+    return {k: np.concatenate([b[k] for b in batches]) for k in PACKED_ROW}

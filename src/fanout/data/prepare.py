@@ -28,13 +28,13 @@ import time
 from collections.abc import Iterator, Sequence
 from itertools import chain, repeat
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from pydantic import Field, field_validator
 
 from fanout.data.cache import MANIFEST, PackedDataset, ShardWriter, fingerprint
-from fanout.data.chat import ChatFormat, detect_format, iter_raw_chunks
+from fanout.data.chat import ChatFormat, ReadOptions, detect_format, iter_raw_chunks
 from fanout.data.masks import RULES_VERSION, VERIFY_ROWS, MaskPathName, plan_path
 from fanout.data.packing import Doc, OverLength, Packer, shuffled
 from fanout.data.template import (
@@ -71,9 +71,9 @@ def existing_files(paths: list[str]) -> list[str]:
     return paths
 
 
-class DataOptions(ChatFormat):
+class DataOptions(ChatFormat, ReadOptions):
     """Data-stage options every command that prepares rows shares (`fanout prepare`,
-    `fanout produce`), on top of the chat format. Declared once here; the commands'
+    `fanout produce`), on top of the chat format and how bad rows are read. Declared once here; the commands'
     configs inherit them, so each is one flag and one config-file key everywhere."""
 
     data: list[str] = Field(
@@ -101,16 +101,12 @@ class DataOptions(ChatFormat):
         "else ~/.cache/fanout; fanout produce looks there first, then prepares into "
         "RUN_DIR/cache)",
     )
-    on_bad_row: Literal["error", "skip"] = Field(
-        "error", description="bad rows: stop naming file:line:field, or skip and count"
-    )
     over_length: OverLength = Field(
         "split", description="conversations longer than seq_len: split | drop | error"
     )
     lookahead: int = Field(64, ge=1, description="open rows the best-fit packer keeps")
     chunk_rows: int = Field(512, ge=1, description="rows per worker task")
     rows_per_shard: int = Field(1024, ge=1, description="packed rows per cache shard")
-    progress: bool = Field(True, description="show a progress bar on stderr")
 
     def chat_format(self) -> ChatFormat:
         return ChatFormat(**{k: getattr(self, k) for k in ChatFormat.model_fields})

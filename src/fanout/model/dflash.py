@@ -58,6 +58,15 @@ from fanout.model.anchors import (
 from fanout.model.verifier_dir import read_verifier_config, read_verifier_tensors
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
 from fanout.ops.linear_kl import linear_kl_div_and_argmax
+from fanout.rows import (
+    DOCUMENT_IDS,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LAST_HIDDEN_STATES,
+    LOSS_MASK,
+    POSITION_IDS,
+    TARGET_IDS,
+)
 
 
 def default_gamma(block_size: int) -> float:
@@ -435,9 +444,9 @@ class DFlashDraft(nn.Module):
         """Final-norm hidden states of every block slot: `[B, A, bs, H]`."""
         cfg, bs = self.cfg, self.cfg.block_size
         dt = self.fc.weight.dtype
-        hs = batch["hidden_states"].to(dt)  # [B, T, n·H]
-        ids = batch["input_ids"].long()  # [B, T]
-        pos_ids = batch["position_ids"].long()  # [B, T]
+        hs = batch[HIDDEN_STATES].to(dt)  # [B, T, n·H]
+        ids = batch[INPUT_IDS].long()  # [B, T]
+        pos_ids = batch[POSITION_IDS].long()  # [B, T]
         b = ids.shape[0]
         a = anchors.shape[1]
         ctx = self.hidden_norm(self.fc(hs))  # [B, T, H]
@@ -448,7 +457,7 @@ class DFlashDraft(nn.Module):
         pos_q = pos_q.view(b, a * bs)  # [B, A·bs] block slot k at anchor_pos + k
         rope_q = self.rope(pos_q, dt)
         rope_k = self.rope(torch.cat([pos_ids, pos_q], dim=1), dt)  # [B, T+A·bs, hd]
-        mask = block_attention_mask(batch["document_ids"], anchors, valid, bs)
+        mask = block_attention_mask(batch[DOCUMENT_IDS], anchors, valid, bs)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(b, a, bs, -1)  # [B, A, bs, H]
@@ -456,19 +465,19 @@ class DFlashDraft(nn.Module):
     def labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """Verifier-vocab label of every slot `[B, A, bs]` (slot 0's is meaningless)."""
         bs = self.cfg.block_size
-        t = batch["input_ids"].shape[1]
+        t = batch[INPUT_IDS].shape[1]
         pos = block_positions(anchors, bs)  # [B, A, bs]
         if self.cfg.label_source == "target_ids":
-            src, pos = batch["target_ids"], pos - 1  # target_ids[p-1] predicts token p
+            src, pos = batch[TARGET_IDS], pos - 1  # target_ids[p-1] predicts token p
         else:
-            src = batch["input_ids"]
+            src = batch[INPUT_IDS]
         flat = pos.clamp(0, t - 1).flatten(1)
         return src.long().gather(1, flat).view_as(pos)
 
     def verifier_rows(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """The verifier's final hidden state that predicts each slot's token: `[B, A, bs, H]`
         (`last_hidden_states[p-1]` for slot position p, as `target_ids` for labels)."""
-        last = batch["last_hidden_states"]  # [B, T, H]
+        last = batch[LAST_HIDDEN_STATES]  # [B, T, H]
         _, t, h = last.shape
         pos = (block_positions(anchors, self.cfg.block_size) - 1).clamp(0, t - 1)  # [B, A, bs]
         idx = pos.flatten(1)[:, :, None].expand(-1, -1, h)  # [B, A·bs, H]
@@ -480,7 +489,7 @@ class DFlashDraft(nn.Module):
         """Slots with a loss `[B, A, bs]`: `anchors.slot_supervision` (a family whose slot
         k predicts another token than a+k, DSpark's, overrides this)."""
         bs = self.cfg.block_size
-        return slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs)
+        return slot_supervision(batch[LOSS_MASK], batch[DOCUMENT_IDS], anchors, valid, bs)
 
     def blocks(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> Blocks:
         """One step's blocks, what every DFlash-family loss starts from: anchors drawn
@@ -491,7 +500,7 @@ class DFlashDraft(nn.Module):
         cfg, bs = self.cfg, self.cfg.block_size
         _check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size, cfg.loss_type == "kl")
         anchors, valid = select_anchors(
-            batch["loss_mask"], batch["document_ids"], cfg.max_anchors, bs, generator
+            batch[LOSS_MASK], batch[DOCUMENT_IDS], cfg.max_anchors, bs, generator
         )
         sup = self.supervision(batch, anchors, valid)  # [B, A, bs]
         label = self.labels(batch, anchors)  # [B, A, bs]
@@ -556,19 +565,19 @@ class DFlashDraft(nn.Module):
 
 
 def _check_batch(batch: dict[str, torch.Tensor], width: int, kl: bool = False) -> None:
-    need = ["hidden_states", "input_ids", "loss_mask", "document_ids", "position_ids"]
+    need = [HIDDEN_STATES, INPUT_IDS, LOSS_MASK, DOCUMENT_IDS, POSITION_IDS]
     for k in need:
         if k not in batch:
             raise ConfigError(f"DFlash batch is missing {k!r} (has {sorted(batch)})")
-    if kl and "last_hidden_states" not in batch:
+    if kl and LAST_HIDDEN_STATES not in batch:
         raise ConfigError(
             "loss_type 'kl' needs last_hidden_states in the batch: capture the run with "
             "--store-last-hidden-states"
         )
-    b, t = batch["input_ids"].shape
-    if batch["hidden_states"].shape != (b, t, width):
+    b, t = batch[INPUT_IDS].shape
+    if batch[HIDDEN_STATES].shape != (b, t, width):
         raise ConfigError(
-            f"hidden_states {tuple(batch['hidden_states'].shape)} != [B, T, n·H] = "
+            f"hidden_states {tuple(batch[HIDDEN_STATES].shape)} != [B, T, n·H] = "
             f"{(b, t, width)}: target_layer_ids/hidden_size disagree with the capture"
         )
 

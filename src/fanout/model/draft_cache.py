@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fanout.model.dflash import DecoderLayer, DFlashDraft
+from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, INPUT_IDS, POSITION_IDS
 
 
 def _layers(draft: DFlashDraft) -> list[DecoderLayer]:
@@ -99,10 +100,10 @@ class UncachedDraft(IndependentSlots):
         ids = torch.zeros(1, p + 1, dtype=torch.long, device=dev)  # only ids[anchor] is read
         ids[0, p] = seq[-1]
         batch = {
-            "hidden_states": hs,  # row p is masked out: the block sees context t < p
-            "input_ids": ids,
-            "position_ids": torch.arange(p + 1, device=dev)[None],  # [1, p+1]
-            "document_ids": torch.zeros(1, p + 1, dtype=torch.long, device=dev),
+            HIDDEN_STATES: hs,  # row p is masked out: the block sees context t < p
+            INPUT_IDS: ids,
+            POSITION_IDS: torch.arange(p + 1, device=dev)[None],  # [1, p+1]
+            DOCUMENT_IDS: torch.zeros(1, p + 1, dtype=torch.long, device=dev),
         }
         anchors = torch.tensor([[p]], device=dev)  # [1, 1]
         valid = torch.ones(1, 1, dtype=torch.bool, device=dev)

@@ -58,6 +58,7 @@ from fanout.model.capture_layers import CaptureLayers, resolve_capture_layer_ids
 from fanout.model.tp import ShardedHead, check_tp_model, model_device, tp_load_kwargs
 from fanout.ops.argmax import row_argmax
 from fanout.ops.fp8 import FP8, quantize_into
+from fanout.rows import DOCUMENT_IDS, POSITION_IDS
 
 DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
 StorageDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
@@ -393,7 +394,7 @@ class Verifier:
         and copied asynchronously on CUDA, so a caller that also copies the results
         back asynchronously (the producer does) keeps the GPU queue full across batches.
         """
-        for name, x in (("position_ids", position_ids), ("document_ids", document_ids)):
+        for name, x in ((POSITION_IDS, position_ids), (DOCUMENT_IDS, document_ids)):
             if x.shape != input_ids.shape:
                 raise ValueError(
                     f"{name} shape {tuple(x.shape)} != input_ids {tuple(input_ids.shape)}"

@@ -7,6 +7,6 @@ windows, inline or overlapped (publisher); the run directory it sets up and, aft
 a failed start, removes (rundir); stopping on SIGINT/SIGTERM (stopping); its
 counters (stats).
 
-May import: coord, store, data, model, ops and the core. Never the trainer side
+May import: coord, store, regen, data, families, model, ops and the core. Never the trainer side
 (train/): the two roles meet only through the store and the coordinator.
 """

@@ -31,6 +31,14 @@ import torch
 from fanout.data.cache import PackedDataset
 from fanout.model.verifier import Capture, Verifier
 from fanout.ops.fp8 import FP8
+from fanout.rows import (
+    DOCUMENT_IDS,
+    INPUT_IDS,
+    LAST_HIDDEN_STATES,
+    LOSS_MASK,
+    POSITION_IDS,
+    TARGET_IDS,
+)
 from fanout.store.windowfile import hidden_name, scale_name
 
 
@@ -127,12 +135,12 @@ class WindowCapturer:
         """
         v = self.verifier
         rows = self.dataset.rows(idx)  # dict of [R, T] numpy arrays
-        r, t = rows["input_ids"].shape
+        r, t = rows[INPUT_IDS].shape
         layers, h = v.capture_layer_ids, v.hidden_size
         sdt = v.storage_dtype
         fp8 = sdt == FP8
         hidden = [self._buffer(hidden_name(i), (r, t, h), sdt) for i in layers]  # n × [R, T, H]
-        target = self._buffer("target_ids", (r, t), torch.int32)  # [R, T]
+        target = self._buffer(TARGET_IDS, (r, t), torch.int32)  # [R, T]
         scales = (
             [self._buffer(scale_name(i), (r, t), torch.float32) for i in layers] if fp8 else None
         )  # n × [R, T]
@@ -145,9 +153,9 @@ class WindowCapturer:
         for s in range(0, r, b):
             sl = slice(s, s + b)
             cap = self._forward(
-                as_t["input_ids"][sl],
-                as_t["position_ids"][sl],
-                as_t["document_ids"][sl],
+                as_t[INPUT_IDS][sl],
+                as_t[POSITION_IDS][sl],
+                as_t[DOCUMENT_IDS][sl],
                 # On CPU the hooks write straight into the window buffers: no copy at all.
                 hidden_out=[x[sl] for x in hidden] if on_cpu else None,
                 scale_out=[x[sl] for x in scales] if on_cpu and scales is not None else None,
@@ -162,14 +170,14 @@ class WindowCapturer:
             self._copier.copy(pairs)
         tensors: dict[str, Any] = {
             **{hidden_name(i): x for i, x in zip(layers, hidden, strict=True)},
-            "target_ids": target,
-            "input_ids": as_t["input_ids"].to(torch.int32),
-            "loss_mask": as_t["loss_mask"].to(torch.uint8),
-            "document_ids": as_t["document_ids"].to(torch.int32),
-            "position_ids": as_t["position_ids"].to(torch.int32),
+            TARGET_IDS: target,
+            INPUT_IDS: as_t[INPUT_IDS].to(torch.int32),
+            LOSS_MASK: as_t[LOSS_MASK].to(torch.uint8),
+            DOCUMENT_IDS: as_t[DOCUMENT_IDS].to(torch.int32),
+            POSITION_IDS: as_t[POSITION_IDS].to(torch.int32),
         }
         if scales is not None:
             tensors |= {scale_name(i): x for i, x in zip(layers, scales, strict=True)}
         if last is not None:
-            tensors["last_hidden_states"] = last
+            tensors[LAST_HIDDEN_STATES] = last
         return CapturedWindow(tensors, self._copier.done())

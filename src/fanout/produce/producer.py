@@ -72,6 +72,7 @@ from fanout.produce.stopping import StopFlag
 from fanout.produce.stream import stream_rows, window_count
 from fanout.produce.tp import Leader
 from fanout.regen.engine import RegenOptions
+from fanout.rows import DOCUMENT_IDS, INPUT_IDS
 from fanout.store.store import RunDir, Store, WindowMeta
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class ProducerConfig(
     each is declared once there. These are the producer's own.
     """
 
+    # Not ConsumerOptions': the producer creates the run that a trainer reads.
     run_dir: str = Field(description="run directory (windows/, coordinator.sqlite3, ...)")
     verifier_name_or_path: str = Field(description="local HF verifier directory")
     # Not PrepareConfig's: optional here (the verifier directory holds a tokenizer).
@@ -134,12 +136,15 @@ class ProducerConfig(
         "stopped, detached or lost) the producer exits at once; restart it with the same "
         "flags to serve a later --resume",
     )
+    # Not ConsumerOptions': where to create the database (recorded in the run dir); a
+    # trainer's only overrides where to find it.
     db_path: str | None = Field(
         None,
         description="coordinator database: a SQLite file on a local disk (default: "
         "RUN_DIR/coordinator.sqlite3) or postgresql://user@host/db?schema=NAME for trainers "
         "on other hosts; recorded in the run dir for the other processes",
     )
+    # Not ConsumerOptions': this one takes the producer role, a trainer's its consumer id.
     takeover: bool = Field(
         False,
         description="take the run's producer role over from a live producer (that one is "
@@ -457,7 +462,7 @@ class Producer:
         window = self.capturer.capture(idx)
         self.stats.capture_s += time.monotonic() - t0
         tensors = window.tensors
-        r = int(tensors["input_ids"].shape[0])
+        r = int(tensors[INPUT_IDS].shape[0])
         meta = WindowMeta(
             contract_hash=self.contract.stream_id,
             window=claim.window,
@@ -466,7 +471,7 @@ class Producer:
             row_start=claim.rows[0],
             row_end=claim.rows[0] + r,
         )
-        tokens = int((tensors["document_ids"] >= 0).sum())
+        tokens = int((tensors[DOCUMENT_IDS] >= 0).sum())
         if self.publisher.submit(claim, window, meta, rows=r, tokens=tokens):
             self.capturer.flip()  # the window being published keeps its slot
 

@@ -40,13 +40,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field, field_validator
 
 from fanout.data.chat import (
     ChatFormat,
     Conversation,
+    ReadOptions,
     detect_format,
     iter_raw_chunks,
     to_conversation,
@@ -69,28 +70,32 @@ from fanout.regen.shards import OutDir
 log = logging.getLogger(__name__)
 
 
-class RegenerateConfig(ChatFormat, RegenOptions):
-    """Every `fanout regenerate` flag: the chat format (ChatFormat, as `fanout prepare`
-    reads it), how answers are generated (RegenOptions), and these."""
+class RegenerateConfig(ChatFormat, ReadOptions, RegenOptions):
+    """Every `fanout regenerate` flag: the chat format and bad-row handling (ChatFormat,
+    ReadOptions, as `fanout prepare` reads them), how answers are generated
+    (RegenOptions), and these."""
 
+    # Not DataOptions': chat files only, never a prepared dir (regenerate does not pack).
     data: list[str] = Field(description="input files: JSON array, JSONL or Parquet", min_length=1)
     out: str = Field(description="output directory (resumable: rerun with the same flags)")
+    # Not ProducerConfig's: optional, as the openai engine needs no local verifier.
     verifier_name_or_path: str | None = Field(
         None,
         description="local HF verifier directory (hf engine: required; openai engine: "
         "recorded as the served model's fingerprint when given)",
     )
+    # Not ProducerConfig's: the same meaning, but no component both commands inherit holds
+    # it (PrepareConfig's is required; VerifierOptions carries capture-only fields).
     tokenizer: str | None = Field(None, description="tokenizer dir (default: the verifier dir)")
+    # Not ProducerConfig's (the stream's shuffle seed): the answers' sampling seed.
     seed: int = Field(0, description="sampling seed; each answer's is derived from it")
-    # Not VerifierOptions': those also carry capture-only fields (storage dtype, layers).
+    # Not VerifierOptions' (nor ProducerConfig's): those also carry capture-only fields
+    # (storage dtype, layers).
     device: str = Field("auto", description="hf engine: auto (CUDA if present) | cpu | cuda:N")
+    # Not VerifierOptions' (nor ProducerConfig's), as --device.
     dtype: DTypeName = Field("auto", description="hf engine: auto = bf16 on CUDA, fp32 on CPU")
     records_per_shard: int = Field(64, ge=1, description="input records per output shard")
     max_records: int | None = Field(None, ge=1, description="only the first N input records")
-    on_bad_row: Literal["error", "skip"] = Field(
-        "error", description="bad rows: stop naming file:line:field, or skip and count"
-    )
-    progress: bool = Field(True, description="show a progress bar on stderr")
 
     @field_validator("data")
     @classmethod

@@ -24,9 +24,12 @@ a layer it never reads costs it nothing — yet is caught by any reader of that
 layer. A flipped bit in the header, or any truncation, is caught by every reader.
 safetensors itself checks neither data bits nor metadata.
 
-Hidden states are stored one tensor per captured layer, `hidden_states.<layer>`
-`[R, T, H]` (plus `hidden_states_scale.<layer>` `[R, T]` float32 for fp8); see
-`hidden_name`. Format 1 (`fanout-window-1`: one `[R, T, n·H]` tensor, one checksum
+The tensors a window holds per row are named in fanout.rows (`input_ids`,
+`loss_mask`, `document_ids`, `position_ids`, `target_ids`, optionally
+`last_hidden_states`): this format's vocabulary, kept in the core layer so that packing
+and the draft models below the store spell it the same way. Hidden states are stored
+one tensor per captured layer, `hidden_states.<layer>` `[R, T, H]` (plus
+`hidden_states_scale.<layer>` `[R, T]` float32 for fp8); see `hidden_name`. Format 1 (`fanout-window-1`: one `[R, T, n·H]` tensor, one checksum
 over the whole file) is refused with `WindowFormatError`.
 
 Reads mmap the file copy-on-write (MAP_PRIVATE): tensors are zero-copy views,
@@ -52,6 +55,7 @@ import torch
 from fanout import __version__
 from fanout.errors import CorruptWindow, WindowFormatError
 from fanout.hashing import CHECKSUM_ALGO, HEX_DIGITS, hasher, labelled
+from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 
 FORMAT = "fanout-window-2"
 # Formats this reader refuses, and what they were (for the error message).
@@ -93,8 +97,8 @@ _TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 _NAME_RE = re.compile(r"^([0-9]{8,})\.g([0-9]+)\.safetensors$")
 
-HIDDEN = "hidden_states"
-HIDDEN_SCALE = "hidden_states_scale"
+HIDDEN = HIDDEN_STATES  # per layer: `hidden_states.<layer>`
+HIDDEN_SCALE = HIDDEN_STATES_SCALE
 
 
 def hidden_name(layer: int) -> str:

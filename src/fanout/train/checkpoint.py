@@ -5,10 +5,17 @@ fanout.families.serving; this module writes, prunes and resumes checkpoints.
 
     from fanout.train.checkpoint import save_checkpoint, load_checkpoint
     from fanout.families.serving import latest_checkpoint
-    save_checkpoint("out/draft", draft, opt, {"step": 100, "epoch": 0, "cursor": 7},
-                    generators={"anchors": gen})
+    save_checkpoint("out/draft", draft, opt, {"step": 100},
+                    states={"stream": stream, "scheduler": sched}, generators={"anchors": gen})
     path = latest_checkpoint("out/draft")            # newest committed one, or None
-    state = load_checkpoint(path, draft, opt, generators={"anchors": gen})
+    state = load_checkpoint(path, draft, opt, states={"stream": stream, "scheduler": sched},
+                            generators={"anchors": gen})   # -> {"step": 100, ...}
+
+How a trainer resumes is this module and fanout.train.consumer: like torchtitan's
+checkpoint manager, anything with `state_dict()` / `load_state_dict()` (`states`: the
+consumer stream's position in the run, the LR schedule) is saved with the draft, the
+optimizer and the RNGs, and restored in place by `load_checkpoint`, before the stream
+registers at its cursor.
 
 Layout of `<save_dir>/checkpoint-<step:08d>/`:
 - `config.json`         speculators DFlash config (`speculators_model_type: "dflash"`,
@@ -23,7 +30,8 @@ Layout of `<save_dir>/checkpoint-<step:08d>/`:
                         change the next step), optimizer tensors (`opt.<param>.<name>`)
                         and RNG states (`rng.<name>`);
 - `optimizer.json`      optimizer param groups and scalar state; `training_state.json`
-                        the caller's dict (step, epoch, consumer cursor, ...);
+                        the caller's dict (step, ...) and each of `states`' state_dict
+                        under its name (`stream`: cursor, rows_done; `scheduler`);
 - `COMMITTED`           written last. A directory without it is debris, never loaded.
 
 Atomicity: everything is written into `<save_dir>/.tmp-<name>-<pid>/`, each file fsynced
@@ -60,6 +68,15 @@ from fanout.families.serving import (
 )
 from fanout.filesystem import FileSystem
 from fanout.model.dflash import DFlashDraft
+
+
+class Stateful(Protocol):
+    """Anything a checkpoint saves and restores through a JSON state dict (the consumer
+    stream, the LR scheduler)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 class Optimizer(Protocol):
@@ -105,6 +122,7 @@ def save_checkpoint(
     optimizer: Optimizer,
     training_state: dict[str, Any],
     *,
+    states: Mapping[str, Stateful] | None = None,
     generators: dict[str, torch.Generator] | None = None,
     keep: int = 2,
     verifier_name_or_path: str = "",
@@ -118,7 +136,9 @@ def save_checkpoint(
         save_dir: parent directory (created).
         draft, optimizer: what to save.
         training_state: JSON-serialisable dict; must hold an int `step` (names the
-            checkpoint). Put the consumer cursor, epoch, scheduler state, ... here.
+            checkpoint).
+        states: objects whose `state_dict()` is saved under their name (the consumer
+            stream, the scheduler); `load_checkpoint(states=...)` restores them.
         generators: named torch.Generators (e.g. the anchor sampler) to restore on load.
         keep: committed checkpoints to keep (at least 2).
         verifier_name_or_path: the verifier the draft trained against (a local dir is
@@ -136,6 +156,9 @@ def save_checkpoint(
     step = training_state.get("step")
     if not isinstance(step, int) or step < 0:
         raise ConfigError(f"training_state['step'] must be a non-negative int, got {step!r}")
+    training_state = dict(training_state) | {
+        name: obj.state_dict() for name, obj in (states or {}).items()
+    }
     fs = fs or FileSystem()
     root = Path(save_dir)
     fs.makedirs(root)
@@ -235,12 +258,13 @@ def load_checkpoint(
     draft: DFlashDraft,
     optimizer: Optimizer | None,
     *,
+    states: Mapping[str, Stateful] | None = None,
     generators: dict[str, torch.Generator] | None = None,
 ) -> dict[str, Any]:
-    """Restore weights (training precision), optimizer state and RNG states in place;
-    return the saved training_state. Raises ConfigError when the checkpoint is not
-    committed, has an older format, or was written for a differently shaped draft (names
-    the fields)."""
+    """Restore weights (training precision), optimizer state, each of `states` and RNG
+    states in place; return the saved training_state. Raises ConfigError when the
+    checkpoint is not committed, has an older format, or was written for a differently
+    shaped draft (names the fields)."""
     p = Path(path)
     cfg = read_config(p)
     theirs, ours = checkpoint_family(p, cfg), family_of(draft)
@@ -297,4 +321,12 @@ def load_checkpoint(
         cuda = [t[k] for k in sorted(t) if k.startswith("rng.cuda.")]
         if len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(cuda)
-    return dict(json.loads((p / "training_state.json").read_text()))
+    saved_state = dict(json.loads((p / "training_state.json").read_text()))
+    if "stream" not in saved_state and "cursor" in saved_state:  # written before the stream
+        pos = {"cursor": saved_state["cursor"], "rows_done": saved_state.get("rows_done", 0)}
+        saved_state["stream"] = pos  # had its own state: the trainer's cursor, rows_done
+    for name, obj in (states or {}).items():
+        if name not in saved_state:
+            raise ConfigError(f"{p / 'training_state.json'}: no saved state for {name!r}")
+        obj.load_state_dict(saved_state[name])
+    return saved_state

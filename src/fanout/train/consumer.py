@@ -1,19 +1,29 @@
 """The consumer stream: one trainer's ordered, resumable view of a run's windows.
 
     from fanout.train.consumer import ConsumerConfig, ConsumerStream
-    with ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8",
-                                       draft_layer_ids=[1, 17])) as s:
+    s = ConsumerStream(ConsumerConfig(run_dir="runs/r1", consumer_id="draft-b8",
+                                      draft_layer_ids=[1, 17]))
+    s.load_state_dict(saved)                        # optional: a checkpoint's position
+    with s:                                         # registers at that cursor
         for batch in s.batches(rows_per_step=4):
             loss = step(batch.tensors)                  # forward/backward/optimizer step
             s.ack(batch)                                # only after the optimizer step
+            saved = s.state_dict()                      # where the next step starts
 
-Registers with the coordinator (`name:dp<rank>`), acquires the window at its
-cursor, prefetches (acquire + mmap + checksum) the next window in a background
+Registers with the coordinator (`name:dp<rank>`) when opened, acquires the window at
+its cursor, prefetches (acquire + mmap + checksum) the next window in a background
 thread while the current one trains, heartbeats in another, and acks a window
 only after the step that consumed its last row. Rows within a window are
 shuffled with the consumer's own seed (so different drafts see different
 orders) yet reproducibly, so a resume at (cursor, rows_done) continues exactly.
 A corrupt window is reported (quarantined + recaptured) and waited for again.
+
+Resume: the stream's position is its state, like a data loader's in torchtitan:
+`state_dict()` is `{"cursor", "rows_done"}` after the last acked batch, and
+`load_state_dict()` (before the stream opens) sets where it registers and skips to.
+fanout.train.checkpoint saves and restores it with the draft and the optimizer, so
+those two modules are the whole answer to "how does a trainer resume?". A stream that
+loads no state registers at the cursor the coordinator keeps for it (0 when new).
 
 Layers: a consumer reads any subset of the layers the run captured
 (`draft_layer_ids`, `--draft-layer-ids`; default: all), in ascending layer order, the order a draft is
@@ -48,14 +58,11 @@ from fanout.coord.waits import WaitState
 from fanout.errors import ConfigError, CorruptWindow
 from fanout.filesystem import FileSystem
 from fanout.flags import flag_options
+from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE, LAST_HIDDEN_STATES, ROW_TENSORS
 from fanout.store.store import RunDir, Store, WindowReader
 from fanout.store.windowfile import hidden_name, layer_tensor_names, scale_name
 
 log = logging.getLogger(__name__)
-
-# Per-row tensors a batch carries besides the hidden states (last_hidden_states only
-# when the run stores them); hidden states are read per layer (`read_layers`).
-ROW_TENSORS = ("target_ids", "input_ids", "loss_mask", "document_ids", "position_ids")
 
 
 class ConsumerOptions(HeartbeatOptions):
@@ -155,27 +162,61 @@ def row_order(window: int, rows: int, seed: int, rank: int = 0, world: int = 1) 
 class ConsumerStream:
     """Iterate a run's windows for one consumer. Not thread-safe; one per trainer process."""
 
-    def __init__(
-        self,
-        cfg: ConsumerConfig,
-        expect: dict[str, Any] | None = None,
-        *,
-        cursor: int | None = None,
-        skip_rows: int = 0,
-    ) -> None:
+    def __init__(self, cfg: ConsumerConfig, expect: dict[str, Any] | None = None) -> None:
+        """Nothing is opened or registered yet: `open()` (or `with`, or the first
+        `windows()`) does it, at the position `load_state_dict` set."""
         self.cfg = cfg
+        self._expect = expect
+        self._cursor: int | None = None  # None: the coordinator's stored cursor (0 if new)
+        self._rows_done = 0
+        self._opened = False
+
+    # ---- position (resume) --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this consumer's next step starts: window `cursor`, after `rows_done` of
+        its rows (in this consumer's row order). JSON-serialisable."""
+        return {"cursor": self._cursor, "rows_done": self._rows_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`'s output (a checkpoint's). Only before the stream
+        opens: the cursor is where it registers."""
+        if self._opened:
+            raise ConfigError("ConsumerStream.load_state_dict after the stream was opened")
+        cursor, rows = state.get("cursor"), state.get("rows_done", 0)
+        if (cursor is not None and (not isinstance(cursor, int) or cursor < 0)) or (
+            not isinstance(rows, int) or rows < 0
+        ):
+            raise ConfigError(
+                f"consumer stream state {state!r}: cursor and rows_done are ints >= 0"
+            )
+        self._cursor, self._rows_done = cursor, rows
+
+    def open(self) -> ConsumerStream:
+        """Register with the coordinator at the loaded cursor and start heartbeating
+        (once; later calls return at once). Raises RoleHeld, ContractMismatch,
+        LayersNotCaptured before anything is registered."""
+        if self._opened:
+            return self
+        cfg = self.cfg
         self.run_dir = RunDir(Path(cfg.run_dir))
         self.store = Store(self.run_dir, FileSystem())
         self.coord = Coordinator.open(self.run_dir.root, db_path=cfg.db_path, store=self.store)
         try:
-            expect = self._read_layers(expect)
+            expect = self._read_layers(self._expect)
             self.reg: ConsumerReg = self.coord.register_consumer(
-                cfg.consumer_id, cfg.dp_rank, expect=expect, cursor=cursor, takeover=cfg.takeover
+                cfg.consumer_id,
+                cfg.dp_rank,
+                expect=expect,
+                cursor=self._cursor,
+                takeover=cfg.takeover,
             )
         except BaseException:  # RoleHeld, ContractMismatch: nothing was registered
             self.coord.close()
             raise
-        self._skip = skip_rows
+        self._opened = True
+        self._cursor = self.reg.cursor
+        self._skip = self._rows_done
         self._hb = Heartbeat(
             self.run_dir.root, self.reg, cfg.heartbeat_s, open_kwargs={"db_path": cfg.db_path}
         ).start()
@@ -187,6 +228,7 @@ class ConsumerStream:
         self.wait_s = 0.0
         self.waiting_for: int | None = None  # the window windows() is waiting for, if any
         self.wait_state: WaitState | None = None  # why it is not ready (the coordinator's)
+        return self
 
     @property
     def contract_hash(self) -> str:
@@ -210,9 +252,9 @@ class ConsumerStream:
         self.layers = ascending_layer_ids(layers, f"consumer {self.cfg.consumer_id} layers")
         expect["target_layer_ids"] = self.layers
         self.fp8 = contract.storage_dtype == "float8_e4m3fn"
-        self.row_names = list(ROW_TENSORS)
+        self.row_names = list(ROW_TENSORS)  # + hidden states, read per layer (below)
         if contract.store_last_hidden_states:
-            self.row_names.append("last_hidden_states")
+            self.row_names.append(LAST_HIDDEN_STATES)
         self.read_names = self.row_names + layer_tensor_names(self.layers, self.fp8)
         return expect
 
@@ -221,11 +263,11 @@ class ConsumerStream:
         consumer's layers side by side, `hidden_states` [b, T, k·H] (fp8:
         `hidden_states_scale` [b, T, k]) in `self.layers` order."""
         out = {n: reader.get(n).index_select(0, idx) for n in self.row_names}
-        out["hidden_states"] = torch.cat(
+        out[HIDDEN_STATES] = torch.cat(
             [reader.get(hidden_name(i)).index_select(0, idx) for i in self.layers], dim=-1
         )  # [b, T, k·H]
         if self.fp8:
-            out["hidden_states_scale"] = torch.stack(
+            out[HIDDEN_STATES_SCALE] = torch.stack(
                 [reader.get(scale_name(i)).index_select(0, idx) for i in self.layers], dim=-1
             )  # [b, T, k]
         return out
@@ -288,6 +330,7 @@ class ConsumerStream:
 
     def windows(self) -> Iterator[OpenWindow]:
         """Windows from the cursor on, in order; the next one prefetched meanwhile."""
+        self.open()
         w = self.reg.cursor
         pending: Future[OpenWindow | None] | None = None
         while self.cfg.max_windows is None or w < self.cfg.max_windows:
@@ -313,6 +356,7 @@ class ConsumerStream:
         """Batches of `rows_per_step` rows; a batch may span windows (acks follow)."""
         if rows_per_step < 1:
             raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
+        self.open()
         parts: list[dict[str, torch.Tensor]] = []
         rows: list[tuple[int, int]] = []
         completes: list[OpenWindow] = []
@@ -356,11 +400,13 @@ class ConsumerStream:
     # ---- acks and shutdown --------------------------------------------------------
 
     def ack(self, batch: Batch) -> None:
-        """After the optimizer step that consumed `batch`: ack its completed windows."""
+        """After the optimizer step that consumed `batch`: ack its completed windows; the
+        stream's position (`state_dict`) moves past the batch."""
         for ow in batch.completes:
             self.coord.ack(ow.lease)
             self._held.pop(ow.window, None)
             ow.reader.close()
+        self._cursor, self._rows_done = batch.next_position
 
     def close(self, clean: bool | None = None, *, done: bool = False) -> None:
         """Release leases held (prefetched), stop threads, and record how it ended:
@@ -370,6 +416,8 @@ class ConsumerStream:
         propagating: close() called from a `finally`), the registration is left alone:
         the consumer reads as lost once its heartbeat expires, and a fenced-off one
         must not write at all."""
+        if not self._opened:
+            return
         if clean is None:
             clean = sys.exc_info()[0] is None
         # A prefetch may be waiting for a window the producer has not made yet (up to
@@ -390,7 +438,7 @@ class ConsumerStream:
             self.coord.close()
 
     def __enter__(self) -> ConsumerStream:
-        return self
+        return self.open()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(clean=exc_type is None)

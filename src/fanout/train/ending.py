@@ -6,7 +6,7 @@
         if steps and not end.fenced: end.saved = trainer.save()
     finally:
         end.close(stream)          # 'finished' / 'stopped' in the run, or nothing if fenced
-    end.raise_failure(state)       # TrainerStopped naming the cause and the checkpoint
+    end.raise_failure(step, stream)  # TrainerStopped naming the cause and the checkpoint
 
 Every exit that is not a crash keeps what was trained and says so:
 
@@ -67,20 +67,21 @@ class Ending:
             # the coordinator may be what failed: the failure is the news, not this
             log.warning("%s: could not record how it ended: %s", self.consumer_id, e)
 
-    def checkpoint_line(self, state: dict[str, Any], resume: bool = True) -> str:
-        """The checkpoint kept, and (`resume`) how to continue from it."""
+    def checkpoint_line(self, step: int, stream: Any, resume: bool = True) -> str:
+        """The checkpoint kept (at `step`, the stream's position), and (`resume`) how to
+        continue from it."""
         if self.saved is not None:
             return (
-                f"saved a checkpoint at step {state['step']} (cursor {state['cursor']}): "
+                f"saved a checkpoint at step {step} (cursor {stream.state_dict()['cursor']}): "
                 f"{self.saved}" + ("; continue with --resume" if resume else "")
             )
         if self.unsaved is not None:
             return self.unsaved
-        if not state["step"]:
+        if not step:
             return "no step was trained, so there is no checkpoint"
         return "rank 0 saved the checkpoint"
 
-    def raise_failure(self, state: dict[str, Any]) -> None:
+    def raise_failure(self, step: int, stream: Any) -> None:
         """Re-raise a controlled failure as one line with the checkpoint in it."""
         e = self.failure
         if e is None:
@@ -88,10 +89,10 @@ class Ending:
         if self.fenced:
             raise e
         if isinstance(e, Detached):  # `fanout train` adds how to rejoin (--resume), once
-            raise Detached(f"{e}; {self.checkpoint_line(state, resume=False)}") from None
+            raise Detached(f"{e}; {self.checkpoint_line(step, stream, resume=False)}") from None
         raise TrainerStopped(
             f"{self.consumer_id} stopped: {e}; recorded 'stopped' (it holds windows back "
-            f"until resumed or `fanout detach`ed); {self.checkpoint_line(state)}"
+            f"until resumed or `fanout detach`ed); {self.checkpoint_line(step, stream)}"
         ) from None
 
 
@@ -105,7 +106,7 @@ def summary(
     return {
         "consumer": stream.reg.consumer_id,
         "steps": trainer.state["step"],
-        "cursor": trainer.state["cursor"],
+        "cursor": stream.state_dict()["cursor"],
         "finished_stream": stream.finished,
         "interrupted": trainer.interrupted,
         "adamw_backend": trainer.backend,

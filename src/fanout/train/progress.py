@@ -1,11 +1,10 @@
 """What a trainer tells its operator: what it waits for, per-step progress, where its
-start-up went, and the metrics log.
+start-up went (its metrics log: fanout.train.trainlog).
 
     notice = WaitNotice(600.0).start()          # "waiting for window 12 from the producer ..."
     contract = wait_for_run(run_dir, None, 600.0)
     clock = StartupClock(); ...; clock.mark("ready"); log.info(clock.line("b8"))
     bar = ProgressBar(total=200, initial=0, desc="b8", show=True); bar.update(rec, batch, cursor)
-    metrics = MetricsLog(save_path / "train_log.jsonl", "jsonl"); metrics.write(rec)
 
 Lines for people go to stderr (above the progress bar when one is drawn); the trainer's
 summary stays alone on stdout. `clock` and `write` seams let tests run WaitNotice on a
@@ -14,7 +13,6 @@ fake clock (tests/test_startup.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -274,32 +272,3 @@ class ProgressBar:
 
     def close(self) -> None:
         self.bar.close()
-
-
-class MetricsLog:
-    """JSONL metrics (always) + TensorBoard scalars (optional)."""
-
-    def __init__(self, path: Path, kind: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.f = path.open("a")
-        self.tb: Any = None
-        if kind == "tensorboard":
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(path.parent / "tb"))
-            except ImportError:
-                log.warning("tensorboard not installed; logging JSONL only")
-
-    def write(self, rec: dict[str, Any]) -> None:
-        self.f.write(json.dumps(rec) + "\n")
-        self.f.flush()
-        if self.tb is not None:
-            for k, v in rec.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, rec["step"])
-
-    def close(self) -> None:
-        self.f.close()
-        if self.tb is not None:
-            self.tb.close()

@@ -11,8 +11,9 @@ linear CE and fused AdamW + LR schedule
 (fanout.train.optim; its total from the stream, fanout.train.plan), logs JSONL (loss,
 per-slot accuracy, EAL, the family's own metrics, step ms split fetch/fwd/bwd/opt,
 tokens/s, window wait;
-fanout.train.progress) and saves speculators-format checkpoints that carry the
-consumer cursor, so `--resume` continues at the exact next row.
+fanout.train.progress; train_log.jsonl: fanout.train.trainlog) and saves
+speculators-format checkpoints that carry the consumer stream's position, so `--resume`
+continues at the exact next row (how: fanout.train.checkpoint and fanout.train.consumer).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from fanout.flags import add_log_level_flag, add_model_flags, configure_logging,
 from fanout.model.dflash import DFlashDraft, DraftRecipe
 from fanout.model.verifier_dir import read_verifier_config
 from fanout.ops.fp8 import dequantize
+from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
 from fanout.train.distributed import DataParallel
@@ -53,13 +55,13 @@ from fanout.train.ending import Ending, summary
 from fanout.train.optim import LRCurve, build_optimizer
 from fanout.train.plan import Plan, StreamPlanner
 from fanout.train.progress import (
-    MetricsLog,
     ProgressBar,
     StartupClock,
     WaitNotice,
     wait_for_run,
 )
 from fanout.train.savepath import hold_save_path
+from fanout.train.trainlog import MetricsLog
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,8 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
         description="verifier name written into checkpoints for serving (e.g. Qwen/Qwen3-8B); "
         "default: the absolute path of --verifier-name-or-path",
     )
+    # Not DFlashConfig's: a choice here (None: the verifier's last id); the draft's is the
+    # id it resolved to.
     mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
@@ -238,6 +242,13 @@ class Trainer:
         )
         self.plan = self._read_plan()
         self.max_windows = self.plan.max_windows
+        # registered at its cursor by run(); _resume restores that position first
+        self.stream = ConsumerStream(
+            cfg.consumer_config(
+                dp_rank=self.rank, dp_world_size=self.dp.world, max_windows=self.max_windows
+            ),
+            self.expect,
+        )
         self.opt, self.backend, self.sched = build_optimizer(
             self.draft.parameters(),
             lr=cfg.lr,
@@ -252,8 +263,7 @@ class Trainer:
         self.state = self._resume()
         self._log_schedule()
         self.dp.broadcast_parameters(self.draft)  # identical start on every rank
-        name = "train_log.jsonl" if self.dp.is_main else f"train_log.rank{self.dp.rank}.jsonl"
-        self.metrics = MetricsLog(Path(cfg.save_path) / name, cfg.logger)
+        self.metrics = MetricsLog(cfg.save_path, self.dp.rank, cfg.logger)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.type == "cuda" and cfg.dtype == "bfloat16"
@@ -407,21 +417,28 @@ class Trainer:
 
     def _resume(self) -> dict[str, Any]:
         """The training state: from the newest checkpoint with --resume (weights,
-        optimizer, schedule and anchor generator restored in place), else fresh."""
+        optimizer, the stream's position, schedule and anchor generator restored in
+        place: fanout.train.checkpoint), else fresh."""
         cfg = self.cfg
-        # cursor 0, not "whatever the database says": a model without a checkpoint has
-        # seen nothing, even if an earlier incarnation of this consumer acked windows.
-        state: dict[str, Any] = {"step": 0, "cursor": 0, "rows_done": 0, "epoch": 0}
         if not cfg.resume or (ckpt := latest_checkpoint(cfg.save_path)) is None:
-            return state
-        state = load_checkpoint(ckpt, self.draft, self.opt, generators={"anchors": self.gen})
+            # from the start, not "wherever the coordinator has it": a draft without a
+            # checkpoint has seen nothing, even if an earlier incarnation acked windows
+            self.stream.load_state_dict({"cursor": 0, "rows_done": 0})
+            return {"step": 0}
         planned = copy.copy(self.curve)
-        self.sched.load_state_dict(state.pop("scheduler"))
+        state = load_checkpoint(
+            ckpt,
+            self.draft,
+            self.opt,
+            states={"stream": self.stream, "scheduler": self.sched},
+            generators={"anchors": self.gen},
+        )
         self._reconcile_schedule(planned)
         if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
             self.gen.manual_seed(self._anchor_seed(state["step"]))
-        log.info("resumed from %s at step %d, cursor %s", ckpt, state["step"], state["cursor"])
-        return state
+        log.info("resumed from %s at step %d, stream at %s", ckpt, state["step"],
+                 self.stream.state_dict())  # fmt: skip
+        return {"step": state["step"]}
 
     def _anchor_seed(self, step: int = 0) -> int:
         """Ranks draw anchors from their own streams (seed, rank) over their own rows."""
@@ -459,7 +476,7 @@ class Trainer:
                         first = rec
                         log.info("%s", self.startup.line(cfg.consumer_id))
                     last = rec
-                    bar.update(rec, batch, self.state["cursor"])
+                    bar.update(rec, batch, stream.state_dict()["cursor"])
                     self._after_step(rec)
                     self._in_step = False
                     self._check_supervised(rec["step"])
@@ -487,18 +504,13 @@ class Trainer:
             end.close(stream)
             self.metrics.close()
             self.save_lock.release()  # the next trainer may have --save-path now
-        end.raise_failure(self.state)
+        end.raise_failure(self.state["step"], stream)
         return self._summary(stream, first, last) | {"state": end.state(stream)}
 
     def _open_stream(self) -> ConsumerStream:
         """Register as the run's consumer, reading on from this trainer's cursor."""
-        ccfg = self.cfg.consumer_config(
-            dp_rank=self.rank, dp_world_size=self.dp.world, max_windows=self.max_windows
-        )
         try:
-            stream = ConsumerStream(
-                ccfg, self.expect, cursor=self.state["cursor"], skip_rows=self.state["rows_done"]
-            )
+            stream = self.stream.open()
         except BaseException:  # RoleHeld, ContractMismatch: this trainer never started
             self.save_lock.release()
             raise
@@ -537,9 +549,9 @@ class Trainer:
 
     def _to_device(self, batch: Batch) -> dict[str, torch.Tensor]:
         moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.tensors.items()}
-        scale = moved.pop("hidden_states_scale", None)
+        scale = moved.pop(HIDDEN_STATES_SCALE, None)
         if scale is not None:  # fp8 windows: dequantise on the device (half the copy)
-            moved["hidden_states"] = dequantize(moved["hidden_states"], scale)
+            moved[HIDDEN_STATES] = dequantize(moved[HIDDEN_STATES], scale)
         return {k: v.float() if v.is_floating_point() else v.long() for k, v in moved.items()}
 
     def _step(self, stream: ConsumerStream, batch: Batch, t_fetch: float) -> dict[str, Any]:
@@ -561,7 +573,6 @@ class Trainer:
         t3 = time.perf_counter()
         stream.ack(batch)
         self.state["step"] += 1
-        self.state["cursor"], self.state["rows_done"] = batch.next_position
         loss, eal, tokens = self.dp.mean([float(out.loss.detach()), float(out.eal), out.n_tokens])
         if tokens > 0:  # on any rank: every rank counts the same
             self.supervised_steps += 1
@@ -665,12 +676,12 @@ class Trainer:
         """Write a checkpoint (rank 0 only: every rank holds the same weights)."""
         if not self.dp.is_main:
             return None
-        state = dict(self.state, scheduler=self.sched.state_dict(), adamw_backend=self.backend)
         return save_checkpoint(
             self.cfg.save_path,
             self.draft,
             self.opt,
-            state,
+            dict(self.state, adamw_backend=self.backend),
+            states={"stream": self.stream, "scheduler": self.sched},
             generators={"anchors": self.gen},
             verifier_name_or_path=self.cfg.verifier_name_or_path,
             verifier_serving_name=self.cfg.checkpoint_verifier_name,

@@ -54,6 +54,7 @@ from fanout.errors import ConfigError
 from fanout.families.dflash2.config import DFlash2Config
 from fanout.model.anchors import block_positions
 from fanout.model.dflash import DecoderLayer, DFlashConfig, DFlashDraft, LossOutput
+from fanout.rows import INPUT_IDS
 
 # Rows per chunk are sized so one chunk's temporary ([chunk, V] logits for the top-k,
 # [chunk, K, H] gathered head rows for the candidate logits) stays near this many fp32s.
@@ -301,7 +302,7 @@ class DFlash2Draft(DFlashDraft):
     def predecessors(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """The token before each slot `[B, A, bs]`: the row's token at a+k-1 (slot 1's is
         the anchor; slot 0's, never supervised, is clamped to a-1)."""
-        ids = batch["input_ids"].long()  # [B, T]
+        ids = batch[INPUT_IDS].long()  # [B, T]
         pos = (block_positions(anchors, self.cfg.block_size) - 1).clamp(0, ids.shape[1] - 1)
         return ids.gather(1, pos.flatten(1)).view_as(pos)
 

@@ -81,6 +81,7 @@ from fanout.model.anchors import block_positions, slot_supervision
 from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput, _check_batch
 from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
 from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax, two_head_kl_div_and_argmax
+from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, TARGET_IDS
 
 
 class MarkovHead(nn.Module):
@@ -159,31 +160,31 @@ class DSparkDraft(DFlashDraft):
         loss-supervised and in the anchor's document (module docstring)."""
         bs = self.cfg.block_size
         # slot_supervision of a block one longer: its slot k+1 is position a+k+1
-        sup = slot_supervision(batch["loss_mask"], batch["document_ids"], anchors, valid, bs + 1)
+        sup = slot_supervision(batch[LOSS_MASK], batch[DOCUMENT_IDS], anchors, valid, bs + 1)
         return sup[:, :, 1:]  # [B, A, bs]
 
     def labels(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """Verifier-vocab label of every slot `[B, A, bs]`: the token a+k+1."""
-        t = batch["input_ids"].shape[1]
+        t = batch[INPUT_IDS].shape[1]
         pos = block_positions(anchors, self.cfg.block_size)  # [B, A, bs] = a+k
         if self.cfg.label_source == "target_ids":
-            src = batch["target_ids"]  # target_ids[p] predicts token p+1
+            src = batch[TARGET_IDS]  # target_ids[p] predicts token p+1
         else:
-            src, pos = batch["input_ids"], pos + 1
+            src, pos = batch[INPUT_IDS], pos + 1
         flat = pos.clamp(0, t - 1).flatten(1)
         return src.long().gather(1, flat).view_as(pos)
 
     def prev_tokens(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """The Markov head's previous token of every slot `[B, A, bs]`: the data token at
         a+k (slot 0: the anchor)."""
-        t = batch["input_ids"].shape[1]
+        t = batch[INPUT_IDS].shape[1]
         pos = block_positions(anchors, self.cfg.block_size).clamp(0, t - 1)  # [B, A, bs]
-        return batch["input_ids"].long().gather(1, pos.flatten(1)).view_as(pos)
+        return batch[INPUT_IDS].long().gather(1, pos.flatten(1)).view_as(pos)
 
     def verifier_rows(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """The verifier's final hidden state that predicts each slot's token:
         `last_hidden_states[a+k]` `[B, A, bs, H]`."""
-        last = batch["last_hidden_states"]  # [B, T, H]
+        last = batch[LAST_HIDDEN_STATES]  # [B, T, H]
         _, t, h = last.shape
         pos = block_positions(anchors, self.cfg.block_size).clamp(0, t - 1)  # [B, A, bs]
         idx = pos.flatten(1)[:, :, None].expand(-1, -1, h)  # [B, A·bs, H]
@@ -218,7 +219,7 @@ class DSparkDraft(DFlashDraft):
         cfg, bs = self.cfg, self.cfg.block_size
         conf_on = self.confidence_head is not None
         _check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size, cfg.loss_type == "kl")
-        if conf_on and "last_hidden_states" not in batch:
+        if conf_on and LAST_HIDDEN_STATES not in batch:
             raise ConfigError(
                 "DSpark's confidence head needs last_hidden_states in the batch (its target "
                 "is the verifier's distribution): capture the run with "
@@ -231,7 +232,7 @@ class DSparkDraft(DFlashDraft):
         rows = hid[sup]  # [M, H] only supervised slots reach the heads
         emb, w2 = self.markov_inputs(self.prev_tokens(batch, anchors)[sup], rows.dtype)
         teacher = (
-            self.verifier_rows(batch, anchors)[sup] if "last_hidden_states" in batch else None
+            self.verifier_rows(batch, anchors)[sup] if LAST_HIDDEN_STATES in batch else None
         )  # [M, H]
         slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M] slot index k
         n_tok = int(sup.sum())

@@ -63,6 +63,14 @@ from fanout.errors import ConfigError
 from fanout.families.eagle3.config import Eagle3Config
 from fanout.model.dflash import MLP, DFlashConfig, DFlashDraft, LossOutput, _apply_rope
 from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
+from fanout.rows import (
+    DOCUMENT_IDS,
+    HIDDEN_STATES,
+    INPUT_IDS,
+    LAST_HIDDEN_STATES,
+    LOSS_MASK,
+    POSITION_IDS,
+)
 
 Attend = Callable[[torch.Tensor], torch.Tensor]  # normed layer input -> attention output
 
@@ -254,14 +262,14 @@ class Eagle3Draft(DFlashDraft):
     def rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The draft rows of a window batch (module docstring): auxiliary states `[B, R,
         n·H]`, positions and documents `[B, R]`, R = T - 1."""
-        doc = batch["document_ids"].long()
+        doc = batch[DOCUMENT_IDS].long()
         row_doc = torch.where(
             doc[:, :-1] == doc[:, 1:], doc[:, 1:], torch.full_like(doc[:, 1:], -1)
         )
         return {
-            "hidden_states": batch["hidden_states"][:, :-1],
-            "position_ids": batch["position_ids"].long()[:, 1:],
-            "document_ids": row_doc,
+            HIDDEN_STATES: batch[HIDDEN_STATES][:, :-1],
+            POSITION_IDS: batch[POSITION_IDS].long()[:, 1:],
+            DOCUMENT_IDS: row_doc,
         }
 
     @staticmethod
@@ -271,15 +279,15 @@ class Eagle3Draft(DFlashDraft):
         """Step s's fed tokens `[B, R]` (the data token t+1+s, 0 past the row), its
         supervision `[B, R]` and the verifier states of its targets `[B, R, H]`
         (`last_hidden_states[t+s+1]`)."""
-        ids, lm = batch["input_ids"].long(), batch["loss_mask"].bool()
-        doc = batch["document_ids"].long()
+        ids, lm = batch[INPUT_IDS].long(), batch[LOSS_MASK].bool()
+        doc = batch[DOCUMENT_IDS].long()
         b = ids.shape[0]
         tok = torch.cat([ids[:, 1 + s :], ids.new_zeros(b, s)], dim=1)  # [B, R]
         pad = s + 1
         pred_mask = torch.cat([lm[:, s + 2 :], lm.new_zeros(b, pad)], dim=1)  # [B, R]
         pred_doc = torch.cat([doc[:, s + 2 :], doc.new_full((b, pad), -2)], dim=1)
         sup = pred_mask & (pred_doc == row_doc) & (row_doc >= 0)
-        last = batch["last_hidden_states"]  # [B, T, H]
+        last = batch[LAST_HIDDEN_STATES]  # [B, T, H]
         teacher = torch.cat([last[:, s + 1 :], last.new_zeros(b, s, last.shape[2])], dim=1)
         return tok, sup, teacher
 
@@ -289,14 +297,14 @@ class Eagle3Draft(DFlashDraft):
         cfg = self.cfg
         _check_eagle3_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size)
         rows = self.rows(batch)
-        u = self.start(rows["hidden_states"], rows["position_ids"], rows["document_ids"])
+        u = self.start(rows[HIDDEN_STATES], rows[POSITION_IDS], rows[DOCUMENT_IDS])
         head = self.lm_head_weight
         loss = head.new_zeros((), dtype=torch.float32)
         sups: list[torch.Tensor] = []
         rights: list[torch.Tensor] = []
         extra: dict[str, float] = {}
         for s in range(cfg.ttt_steps):
-            tok, sup, teacher = self.step_inputs(batch, rows["document_ids"], s)
+            tok, sup, teacher = self.step_inputs(batch, rows[DOCUMENT_IDS], s)
             out = self.step(u, tok)  # [B, R, H]
             n = int(sup.sum())
             right = torch.zeros_like(sup)
@@ -324,20 +332,20 @@ class Eagle3Draft(DFlashDraft):
 
 
 def _check_eagle3_batch(batch: dict[str, torch.Tensor], width: int) -> None:
-    need = ["hidden_states", "input_ids", "loss_mask", "document_ids", "position_ids"]
+    need = [HIDDEN_STATES, INPUT_IDS, LOSS_MASK, DOCUMENT_IDS, POSITION_IDS]
     for k in need:
         if k not in batch:
             raise ConfigError(f"EAGLE-3 batch is missing {k!r} (has {sorted(batch)})")
-    if "last_hidden_states" not in batch:
+    if LAST_HIDDEN_STATES not in batch:
         raise ConfigError(
             "EAGLE-3 trains on the verifier's distribution: the batch needs "
             "last_hidden_states (capture the run with --store-last-hidden-states, or "
             "--capture-for eagle3)"
         )
-    b, t = batch["input_ids"].shape
-    if batch["hidden_states"].shape != (b, t, width):
+    b, t = batch[INPUT_IDS].shape
+    if batch[HIDDEN_STATES].shape != (b, t, width):
         raise ConfigError(
-            f"hidden_states {tuple(batch['hidden_states'].shape)} != [B, T, n·H] = "
+            f"hidden_states {tuple(batch[HIDDEN_STATES].shape)} != [B, T, n·H] = "
             f"{(b, t, width)}: target_layer_ids/hidden_size disagree with the capture"
         )
     if t < 3:
