@@ -29,6 +29,7 @@ from fanout.families.eagle3.model import Eagle3Draft
 from fanout.families.eagle3.propose import Eagle3Context
 from fanout.model.dflash import DFlashConfig, DFlashDraft, DraftRecipe
 from fanout.model.draft_cache import DraftContext
+from fanout.rows import TARGET_IDS
 
 # speculators' and vLLM's default draft vocabulary
 DRAFT_VOCAB_SIZE = 32000
@@ -99,7 +100,7 @@ class Eagle3(Family):
         ttt = int(fields.get("ttt_steps", Eagle3Recipe().ttt_steps))
         bs = fields.get("block_size")
         given = None if bs == DraftRecipe().block_size else bs  # the shared default: unset
-        if problem := shared_field_problem(ttt, given, None, "exp", "target_ids"):
+        if problem := shared_field_problem(ttt, given, None, "exp", TARGET_IDS):
             raise ConfigError(problem)
         if fields.get("target_layer_ids") is None:
             from fanout.model.verifier_dir import read_verifier_config
@@ -116,7 +117,7 @@ class Eagle3(Family):
             bs = None  # a whole config written back carries the shared default
         return shared_field_problem(
             int(values.get("ttt_steps", Eagle3Recipe().ttt_steps)), bs, values.get("gamma"),
-            values.get("loss_weighting", "exp"), values.get("label_source", "target_ids"),
+            values.get("loss_weighting", "exp"), values.get("label_source", TARGET_IDS),
         )  # fmt: skip
 
     def speculative_tokens(self, cfg: DFlashConfig) -> int:

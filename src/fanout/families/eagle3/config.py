@@ -31,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fanout.model.dflash import DFlashConfig
+from fanout.rows import TARGET_IDS
 
 
 class Eagle3Recipe(BaseModel):
@@ -138,7 +139,7 @@ def shared_field_problem(
             f"--per-position-loss-weight {loss_weighting}: a block weighting; EAGLE-3 weighs its TTT "
             "steps by --ttt-step-loss-decay"
         )
-    if label_source != "target_ids":
+    if label_source != TARGET_IDS:
         return (
             f"--label-source {label_source}: EAGLE-3 trains on the verifier's distribution "
             "(its last hidden states), not on the data tokens"
