@@ -106,9 +106,11 @@ class Recorder:
         from fanout import package_version
         from fanout.bench.report import hardware, versions
 
-        # a copy without .git (a lent GPU box) names its commit in FANOUT_COMMIT
-        commit = _git("rev-parse", "HEAD") or os.environ.get("FANOUT_COMMIT")
-        status = _git("status", "--porcelain", "--untracked-files=no")
+        # A copy on a lent GPU box names its commit in FANOUT_COMMIT: given, it wins (that
+        # copy's .git, when one travels, can be a stale snapshot: seen on 2026-12-04)
+        given = os.environ.get("FANOUT_COMMIT")
+        commit = given or _git("rev-parse", "HEAD")
+        status = None if given else _git("status", "--porcelain", "--untracked-files=no")
         self.head: dict[str, Any] = {
             "format": FORMAT,
             "benchmark": benchmark,
