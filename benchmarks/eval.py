@@ -50,6 +50,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -66,7 +67,6 @@ from fanout.decode.eval import (
 )
 from fanout.decode.spec_decode import DecodeResult
 from fanout.model.dflash import DFlashDraft, DraftRecipe
-from fanout.model.draft_cache import IndependentSlots
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -345,7 +345,7 @@ def compare_loops(ecfg: EvalConfig, rounds: int, lengths: list[int], recipe: boo
             m: {"wall": [], "spec_decode": [], "draft": []} for m in MODES
         }
         reps: dict[str, dict] = {}
-        recorded: dict[tuple, torch.Tensor] = {}
+        recorded: dict[tuple, Any] = {}
         session.cfg = cfg.model_copy(update={"cache_draft": True})
         with replayed_draft(recorded, record=True):
             reps["recorded"] = session.run(drafts, eals)  # also this length's first calls
@@ -429,73 +429,113 @@ def loop_figures(
     }
 
 
+class _Wrapped:
+    """A family's drafting context (`extend`, `propose`, and any attribute the decoder
+    reads, such as DSpark's `proposed_length`) with `propose` replaced or observed."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def extend(self, hidden: torch.Tensor) -> None:
+        self.inner.extend(hidden)
+
+    def propose(self, seq: list[int], choose: Any) -> tuple[list[int], torch.Tensor]:
+        return cast("tuple[list[int], torch.Tensor]", self.inner.propose(seq, choose))
+
+
 @contextlib.contextmanager
-def replayed_draft(store: dict[tuple, torch.Tensor], record: bool) -> Iterator[None]:
-    """Within: the decoder's cached draft context records its block logits into `store`
-    (`record`), or is replaced by one that returns them from `store` without running the
-    draft (a draft that costs nothing; same tokens, as the logits are the same)."""
-    import fanout.families.base as sd
+def drafting_contexts(wrap: Any) -> Iterator[None]:
+    """Within: every drafting context `fanout eval` makes — whatever family made it,
+    through the one seam it is made by (`Family.drafting_context`, reached through
+    `family_of` in fanout.decode.eval) — is `wrap(context, draft)`."""
+    import fanout.decode.eval as ev
 
-    saved = sd.DraftCache
+    saved = ev.family_of
 
-    def key(draft: DFlashDraft, seq: list[int]) -> tuple:
-        return id(draft), len(seq), hash(tuple(seq))
+    class Seam:
+        def __init__(self, fam: Any) -> None:
+            self.fam = fam
 
-    class Recording(saved):  # type: ignore[misc, valid-type]
-        def logits(self, seq: list[int]) -> torch.Tensor:
-            out = super().logits(seq)
-            store[key(self.draft, seq)] = out
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.fam, name)
+
+        def drafting_context(self, draft: DFlashDraft, **kw: Any) -> Any:
+            return wrap(self.fam.drafting_context(draft, **kw), draft)
+
+    ev.family_of = lambda draft: Seam(saved(draft))  # type: ignore[assignment, return-value]
+    try:
+        yield
+    finally:
+        ev.family_of = saved
+
+
+def _key(draft: DFlashDraft, seq: list[int]) -> tuple:
+    return id(draft), len(seq), hash(tuple(seq))
+
+
+@contextlib.contextmanager
+def replayed_draft(store: dict[tuple, Any], record: bool) -> Iterator[None]:
+    """Within: every family's drafting context records what it proposes into `store`
+    (`record`), or is replaced by one that returns it from `store` without running the
+    draft (a draft that costs nothing; the same tokens, as T = 0 proposals are the
+    draft's argmax), with the attributes the decoder reads after a proposal."""
+
+    class Recording(_Wrapped):
+        def __init__(self, inner: Any, draft: DFlashDraft) -> None:
+            super().__init__(inner)
+            self.draft = draft
+
+        def propose(self, seq: list[int], choose: Any) -> tuple[list[int], torch.Tensor]:
+            out = super().propose(seq, choose)
+            store[_key(self.draft, seq)] = (out, getattr(self.inner, "proposed_length", None))
             return out
 
-    class Replay(IndependentSlots):
-        def __init__(self, draft: DFlashDraft) -> None:
+    class Replay:
+        def __init__(self, _inner: Any, draft: DFlashDraft) -> None:
             self.draft = draft
+            self.proposed_length: int | None = None
 
         def extend(self, hidden: torch.Tensor) -> None:
             pass
 
-        def logits(self, seq: list[int]) -> torch.Tensor:
-            found = store.get(key(self.draft, seq))
+        def propose(self, seq: list[int], choose: Any) -> tuple[list[int], torch.Tensor]:
+            found = store.get(_key(self.draft, seq))
             if found is None:
-                raise RuntimeError("free arm: a block the recorded run never drafted")
-            return found
+                raise RuntimeError("free arm: a proposal the recorded run never made")
+            out, self.proposed_length = found
+            return cast("tuple[list[int], torch.Tensor]", out)
 
-    sd.DraftCache = Recording if record else Replay  # type: ignore[misc, assignment]
-    try:
+    with drafting_contexts(Recording if record else Replay):
         yield
-    finally:
-        sd.DraftCache = saved  # type: ignore[misc]
 
 
 @contextlib.contextmanager
 def timed_draft(clock: list[float]) -> Iterator[None]:
-    """Within: the decoder's draft contexts add their `extend` + `logits` seconds to
-    clock[0] (the decoder builds them by these names; restored on exit)."""
-    import fanout.families.base as sd
+    """Within: every family's drafting context adds its `extend` + `propose` seconds to
+    clock[0]."""
 
-    def timed(cls: type) -> type:
-        class Timed(cls):
-            def extend(self, hidden: torch.Tensor) -> None:
-                t0 = time.perf_counter()
-                super().extend(hidden)
-                clock[0] += time.perf_counter() - t0
+    class Timed(_Wrapped):
+        def __init__(self, inner: Any, _draft: DFlashDraft) -> None:
+            super().__init__(inner)
 
-            def logits(self, seq: list[int]) -> torch.Tensor:
-                t0 = time.perf_counter()
-                out = super().logits(seq)
-                if out.is_cuda:
-                    torch.cuda.synchronize(out.device)
-                clock[0] += time.perf_counter() - t0
-                return out
+        def extend(self, hidden: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            super().extend(hidden)
+            clock[0] += time.perf_counter() - t0
 
-        return Timed
+        def propose(self, seq: list[int], choose: Any) -> tuple[list[int], torch.Tensor]:
+            t0 = time.perf_counter()
+            out = super().propose(seq, choose)
+            if out[1].is_cuda:
+                torch.cuda.synchronize(out[1].device)
+            clock[0] += time.perf_counter() - t0
+            return out
 
-    saved = sd.DraftCache, sd.UncachedDraft
-    sd.DraftCache, sd.UncachedDraft = timed(saved[0]), timed(saved[1])  # type: ignore[misc, assignment]
-    try:
+    with drafting_contexts(Timed):
         yield
-    finally:
-        sd.DraftCache, sd.UncachedDraft = saved  # type: ignore[misc]
 
 
 def recipe_depth_draft(like: DFlashDraft) -> DFlashDraft:
