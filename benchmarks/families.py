@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=REPO / "benchmarks" / "fanout" / "cpu-tiny.json",
         help="bench config whose assets, producer and thread settings the ranking uses",
     )
+    ap.add_argument(
+        "--scenarios",
+        nargs="+",
+        choices=SCENARIOS,
+        default=SCENARIOS,
+        help="harness scenarios: 1p3c alone ranks the drafts without the rows/s comparison",
+    )
     ap.add_argument("--steps", type=int, default=40, help="train steps per draft (ranking)")
     ap.add_argument("--anchors", type=int, default=8, help="anchors per row (ranking drafts)")
     ap.add_argument("--prompts", type=int, default=32, help="held-out eval prompts")
@@ -170,7 +177,7 @@ def families_config(a: argparse.Namespace) -> BenchConfig:
             "assets": assets,
             "producer": base.producer.model_copy(update={"capture_for": list(FAMILY_NAMES)}),
             "consumers": consumers,
-            "scenarios": SCENARIOS,
+            "scenarios": a.scenarios,
             "unshared_producer_devices": None,
         }
     )
@@ -657,6 +664,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _f(x: float | None, spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
 def record_rows(result: dict[str, Any], a: argparse.Namespace) -> list[Row]:
     """The record's rows (benchmarks/record.py): the fan-out ratio of the families run,
     lossless, and each family's step time against speculators'."""
@@ -684,7 +695,19 @@ def record_rows(result: dict[str, Any], a: argparse.Namespace) -> list[Row]:
                            what="families run: speculative output = greedy output",
                            result="lossless" if rk["lossless"] else "MISMATCH", goal="lossless",
                            met=bool(rk["lossless"]), n=rk["prompts"], n_of="prompts",
-                           conditions=f"{size}; τ ≈ 1 (cpu-tiny's random verifier)"))  # fmt: skip
+                           conditions=size))  # fmt: skip
+        for r in rk.get("rows", []):  # τ per family and temperature, with its interval
+            for temp, f in r["tau"].items():
+                ci = f["ci95"]
+                out.append(Row(stage="eval", name=f"tau.{r['family']}.T{temp}",
+                               what=f"{r['family']} τ at T = {temp} (tokens per verifier "
+                               "forward, same stream and steps as the other families)",
+                               result=f["tau"], spread=tuple(ci) if ci else None,
+                               spread_kind="95% CI", n=rk["prompts"], n_of="prompts",
+                               conditions=f"{size}; block {r['block_size']}, train EAL "
+                               f"{_f(r['train_eal'], '.2f')}, step {_f(r['step_ms'], '.0f')} "
+                               f"ms, {r['parameters']:,} parameters, ≤ {rk['max_new_tokens']} "
+                               "new tokens"))  # fmt: skip
     st = result.get("step") or {}
     for name, r in (st.get("families") or {}).items():
         f, p = r["fanout"], r["speculators"]
