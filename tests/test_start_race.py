@@ -171,7 +171,7 @@ def _query(run: Path, db: str | None, sql: str) -> list[tuple[Any, ...]] | None:
 
 
 def _producer(run: Path, db: str | None) -> tuple[Any, ...] | None:
-    rows = _query(run, db, "SELECT pid, state, token FROM producer")
+    rows = _query(run, db, "SELECT pid, state, token FROM producers")
     return rows[0] if rows else None
 
 

@@ -243,7 +243,7 @@ def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
             ranks = _ranks(p)
             assert sorted(ranks) == [0, 1], ranks
             with Coordinator.open(run) as co:  # rank 0 holds the producer role, rank 1 none
-                assert co.conn.execute("SELECT pid FROM producer").fetchall() == [(ranks[0],)]
+                assert co.conn.execute("SELECT pid FROM producers").fetchall() == [(ranks[0],)]
             assert not _open_under(ranks[1], run)  # the follower has nothing of the run open
             os.kill(ranks[rank], signal.SIGKILL)
             assert p.wait(120) != 0

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fanout.coord.states import LIVE
+from fanout.store.rundir import RunDir
 
 # ---------------------------------------------------------------- checks
 
@@ -154,7 +155,7 @@ class Sampler:
                 max(self.max_ready, w["ready"]),
             )
             self.over_k += live > self.k
-        wdir = self.run_dir / "windows"
+        wdir = RunDir(self.run_dir).windows
         names = [n for n in os.listdir(wdir) if n.endswith(".safetensors")] if wdir.is_dir() else []
         self.max_files = max(self.max_files, len(names))
         for n in names:
@@ -192,11 +193,12 @@ def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
         co = Coordinator.open(run_dir, db_path=db_path)
     except ConfigError as e:
         return {"integrity_check": f"no database: {e}"}
+    rd = RunDir(run_dir)
     try:
         return {
             **co.audit(),
-            "files_left": sorted(os.listdir(run_dir / "windows")),
-            "tmp_left": sorted(os.listdir(run_dir / "tmp")),
+            "files_left": sorted(os.listdir(rd.windows)),
+            "tmp_left": sorted(os.listdir(rd.tmp)),
         }
     finally:
         co.close()

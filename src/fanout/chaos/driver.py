@@ -34,6 +34,8 @@ from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_fo
 from fanout.coord.states import LIVE
 from fanout.flags import to_flags
 from fanout.produce.producer import ProducerConfig
+from fanout.store.rundir import RunDir
+from fanout.store.streaminfo import StreamInfo
 from fanout.train.trainer import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -231,7 +233,7 @@ class ChaosRun:
                     break
                 for r in self.roles:
                     self._supervise(r, killed)
-                if killing_start is None and (self.run_dir / "stream.json").is_file():
+                if killing_start is None and RunDir(self.run_dir).stream_info.is_file():
                     killing_start = now
                     next_kill = now + self.rng.uniform(*c.kill_every_s)
                 if killing_start is not None and killing_end is None:
@@ -278,7 +280,7 @@ class ChaosRun:
                 self.report.max_live = max(self.report.max_live, live)
                 self.report.cli_samples += 1
             self._status_proc = None
-        if not launch or not (self.run_dir / "contract.json").is_file():
+        if not launch or not RunDir(self.run_dir).contract.is_file():
             return
         args = [sys.executable, "-m", "fanout.cli", "status", "--run-dir", str(self.run_dir)]
         args += ["--json", *(["--db-path", self.cfg.db_path] if self.cfg.db_path else [])]
@@ -290,9 +292,9 @@ class ChaosRun:
         if self.cfg.db_path:
             args += ["--db-path", self.cfg.db_path]
         run_cli(args, self.work / "logs" / "sweep.log", self.cfg.launcher)
-        stream = self.run_dir / "stream.json"
-        if stream.is_file():
-            rep.total_windows = int(json.loads(stream.read_text())["total_windows"])
+        info = StreamInfo.read(RunDir(self.run_dir))
+        if info is not None and info.total_windows is not None:
+            rep.total_windows = info.total_windows
         for t in self.trainers:
             cov = check_cover(
                 read_log(self.work / "drafts" / t.name / "train_log.jsonl"), rep.total_windows
