@@ -67,33 +67,31 @@ def plan(cfg: Any) -> ProducerPlan:
 
 
 def rank_of(replicas: int, replica_rank: int | None, tp: int) -> int | None:
-    """This process's replica rank: `replica_rank` if given; under torchrun with one
-    process per replica (tp 1, WORLD_SIZE = replicas) its RANK; else None (the first
-    free rank, picked at registration). ConfigError for a torchrun world that does not
-    fit: --tp > 1 runs one torchrun launch per replica (WORLD_SIZE = --tp), and a
-    torchrun of N processes without --tp needs --replicas N."""
-    world = os.environ.get("WORLD_SIZE")
-    if replica_rank is not None or world is None:
-        return replica_rank
-    n = int(world)
-    if tp > 1:
-        if n != tp:
-            raise ConfigError(
-                f"--tp {tp} --replicas {replicas}: each replica is its own torchrun launch "
-                f"of {tp} processes (WORLD_SIZE {n} here): start `torchrun --nproc-per-node "
-                f"{tp} -m fanout.cli produce --tp {tp} --replicas {replicas} ...` once per "
-                "replica (a free --master-port each, or --standalone); each takes a free rank"
-            )
-        return None
-    if n == 1:
-        return None
-    if n != replicas:
+    """This process's replica rank: `replica_rank` if given; 0 for a run's only producer;
+    under torchrun with one process per replica (tp 1, WORLD_SIZE = replicas) its
+    RANK; else None (the first free rank, taken at start). ConfigError for a torchrun
+    world that does not fit: --tp > 1 runs one torchrun launch per replica
+    (WORLD_SIZE = --tp), and a torchrun of N processes without --tp needs --replicas N."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp > 1 and replicas > 1 and "WORLD_SIZE" in os.environ and world != tp:
         raise ConfigError(
-            f"torchrun started {n} processes (WORLD_SIZE) but --replicas is {replicas}: run "
-            f"`torchrun --nproc-per-node {n} -m fanout.cli produce --replicas {n} ...`, one "
-            "process per replica"
+            f"--tp {tp} --replicas {replicas}: each replica is its own torchrun launch of "
+            f"{tp} processes (WORLD_SIZE {world} here): start `torchrun --nproc-per-node {tp} "
+            f"-m fanout.cli produce --tp {tp} --replicas {replicas} ...` once per replica (a "
+            "free --master-port each, or --standalone); each takes a free rank"
         )
-    return int(os.environ.get("RANK", "0"))
+    # (a --tp world of the wrong size with one replica: fanout.produce.tp.check_world says)
+    if tp == 1 and world > 1 and replica_rank is None:
+        if world != replicas:
+            raise ConfigError(
+                f"torchrun started {world} processes (WORLD_SIZE) but --replicas is {replicas}: "
+                f"run `torchrun --nproc-per-node {world} -m fanout.cli produce --replicas "
+                f"{world} ...`, one process per replica"
+            )
+        return int(os.environ.get("RANK", "0"))
+    if replica_rank is not None:
+        return replica_rank
+    return 0 if replicas == 1 else None
 
 
 def bind_device(device: str) -> None:

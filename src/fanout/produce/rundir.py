@@ -84,7 +84,7 @@ def take_start_lock(
         try:
             lock.acquire()
         except RoleHeld as starting:
-            refusals.append(str(starting))
+            refusals.append(_holder_first(root, db_path, r, replicas, starting))
             continue
         try:
             check_producer_role(root, db_path, False, r, replicas)
@@ -115,6 +115,18 @@ def join_lock(root: Path) -> Iterator[PathLock]:
         yield lock
     finally:
         lock.release()
+
+
+def _holder_first(
+    root: Path, db_path: str | None, rank: int, replicas: int, starting: RoleHeld
+) -> str:
+    """The refusal to give for a rank whose start lock is held: the run's live holder of
+    that rank if it has one (it is the one to name), else the process starting it."""
+    try:
+        _refuse_if_held(root, db_path, rank, replicas)
+    except RoleHeld as held:
+        return str(held)
+    return str(starting)
 
 
 def _refuse_if_held(root: Path, db_path: str | None, rank: int, replicas: int) -> None:
