@@ -74,10 +74,15 @@ class Claims:
         """While blocked at K: who holds the producer back and the ways out, in words."""
         return waits.producer_block(self.run.conn, self.run.config, str(self.run.root))
 
-    def claim(self, preg: ProducerReg, end: int | None = None) -> Claim | None:
+    def claim(
+        self, preg: ProducerReg, end: int | None = None, upto: int | None = None
+    ) -> Claim | None:
         """Claim the next window to capture: demand first, then the next in order.
-        `end`: no new window at or past it (an open-ended run whose producer knows its
-        length, fanout.produce.onpolicy); the run's total_windows when that is set.
+        `end`: the stream's end, no new window at or past it (an open-ended run whose
+        producer knows its length, --max-windows; the claim carries it, to record the
+        end when its last window is published); the run's total_windows when None.
+        `upto`: no new window at or past it for now (an on-policy stream whose later
+        rows are not regenerated yet); not an end.
 
         None when there is nothing to claim now: at capacity (call wait_for_capacity
         first; the last of the K slots only takes the slowest consumer's window), every
@@ -103,7 +108,7 @@ class Claims:
                     w = int(row[0])  # a recapture is counted when it is published, not here
                 else:
                     w = int(run.meta(cur, "next_window"))
-                    if total is not None and w >= total:
+                    if (total is not None and w >= total) or (upto is not None and w >= upto):
                         return None
                     run.bump(cur, "next_window")
                     states.insert_queued(cur, w, demand=False)

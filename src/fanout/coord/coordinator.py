@@ -320,10 +320,13 @@ class Coordinator:
 
     # ---- the producer's work (fanout.coord.claims) ------------------------------
 
-    def claim(self, preg: ProducerReg, end: int | None = None) -> Claim | None:
-        """Claim the next window to capture (demand first); None when at capacity or
-        the stream (the run's total_windows, or `end`) is fully produced."""
-        return self.claims.claim(preg, end)
+    def claim(
+        self, preg: ProducerReg, end: int | None = None, upto: int | None = None
+    ) -> Claim | None:
+        """Claim the next window to capture (demand first); None when at capacity, every
+        window is claimed, or the stream (the run's total_windows, or `end`) is fully
+        produced. `upto`: no new window past it for now (not an end)."""
+        return self.claims.claim(preg, end, upto)
 
     def renew(self, claim: Claim) -> None:
         """Heartbeat while capturing one long window; StaleLease if the claim was lost."""

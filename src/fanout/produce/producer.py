@@ -474,6 +474,7 @@ class Producer:
         cfg = self.cfg
         t0 = time.monotonic()
         if self.onpolicy:
+            self._reach(claim.window)  # a claim another replica's frontier moved past
             idx, epoch = self.onpolicy.window_rows_of(claim.window)
         else:
             idx, epoch = stream_rows(
@@ -576,8 +577,8 @@ class Producer:
                 continue
             self.blocked.clear()
             self.stats.waits_s += time.monotonic() - w0
-            self._reach()
-            claim = self.coord.claim(preg, end=self.end)
+            upto = self._reach(int(self.coord.meta("next_window")))
+            claim = self.coord.claim(preg, end=None if self.end == OPEN else self.end, upto=upto)
             if claim is None:
                 self.publisher.finish_inflight()  # its window may be the one still pending
                 if self._stream_done():
@@ -608,14 +609,18 @@ class Producer:
             if self.cfg.progress:
                 bar.set_postfix_str(self._progress_line())
 
-    def _reach(self) -> None:
-        """--regenerate: regenerate until any claim's rows exist (fanout.produce.onpolicy);
-        with the last chunk done, the stream's length (into stream.json too)."""
+    def _reach(self, window: int) -> int | None:
+        """--regenerate: regenerate (or wait for other replicas' chunks) until window
+        `window`'s rows exist (fanout.produce.onpolicy); with the last chunk done, the
+        stream's length (into stream.json too). Returns the bound for new claims while
+        the stream is open (no new window past the rows that exist), else None."""
         if self.onpolicy is None or self.total_windows != OPEN:
-            return
-        self.total_windows = self.onpolicy.reach(int(self.coord.meta("next_window")))
+            return None
+        self.total_windows = self.onpolicy.reach(window)
         if self.total_windows != OPEN:
             self._stream_info().write(self.run_dir, self.store.fs)
+            return None
+        return window + 1
 
     def _progress_line(self) -> str:
         """live windows/bytes on disk, rates since start, backpressure wait so far."""
