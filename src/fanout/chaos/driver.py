@@ -1,11 +1,13 @@
-"""The chaos run: start a producer and N trainers, kill -9 / pause / break things, check.
+"""The chaos run: start a producer (or M replicas) and N trainers, kill -9 / pause / break
+things, check.
 
     from fanout.chaos import ChaosConfig, ChaosRun
     rep = ChaosRun(ChaosConfig(work_dir="runs/chaos", kills=30)).run()
     assert not rep.problems()
 
 A loop (~20 ms a turn) restarts every role that died (a trainer that exited 0 is
-done; the producer is restarted only while trainers still need windows captured),
+done; a producer replica is restarted only while trainers still need windows
+captured; `replicas` > 1 runs p0 … pM-1, each `--replica-rank i` of `--replicas M`),
 SIGKILLs a random role every `kill_every_s` while killing is on (from the moment the
 first producer has created the run until the kill goal is met), calls the
 scenario's `tick(run)` (fault injection) and samples the run. Then `check()`. One run
@@ -51,6 +53,9 @@ class ChaosConfig(BaseModel):
 
     work_dir: str = Field(description="assets/, run/, drafts/, logs/ go here")
     consumers: int = Field(3, ge=1, description="trainers (consumers c0 … cN-1)")
+    replicas: int = Field(
+        1, ge=1, description="producer replicas (p0 … pM-1; one: the run's producer)"
+    )
     conversations: int = Field(60, ge=1, description="chat rows in the data file (stream length)")
     epochs: int = Field(1, ge=1, description="passes over the data (longer stream)")
     seq_len: int = Field(64, ge=8, description="tokens per packed row")
@@ -89,7 +94,13 @@ class ChaosRun:
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.rng = random.Random(cfg.seed)
         self.sampler = Sampler(self.run_dir, cfg.max_live_windows, cfg.db_path)
-        self.producer = Role("producer", self.producer_argv(), self.work / "logs" / "producer.log")
+        names = ["producer"] if cfg.replicas == 1 else [f"p{i}" for i in range(cfg.replicas)]
+        self.producers = [
+            Role(n, self.producer_argv(replica_rank=i if cfg.replicas > 1 else None),
+                 self.work / "logs" / f"{n}.log")
+            for i, n in enumerate(names)
+        ]  # fmt: skip
+        self.producer = self.producers[0]
         self.trainers = [
             Role(f"c{i}", self.trainer_argv(i), self.work / "logs" / f"c{i}.log")
             for i in range(cfg.consumers)
@@ -100,7 +111,7 @@ class ChaosRun:
 
     @property
     def roles(self) -> list[Role]:
-        return [self.producer, *self.trainers]
+        return [*self.producers, *self.trainers]
 
     def producer_argv(self, **over: Any) -> list[str]:
         c, a = self.cfg, self.assets
@@ -124,6 +135,7 @@ class ChaosRun:
             "capture_batch_rows": c.window_rows,
             "db_path": c.db_path,
             "progress": False,
+            "replicas": c.replicas,
         }
         opts.update(over)
         return ["produce", *_flags(ProducerConfig, opts)]
@@ -158,22 +170,23 @@ class ChaosRun:
         return sum(r.kills for r in self.roles) < c.kills
 
     def _supervise(self, role: Role, killed: set[int]) -> None:
-        """Restart a role that died; a trainer that exited 0 is done; so is the
-        producer once every trainer is (before that it is restarted to serve demand)."""
+        """Restart a role that died; a trainer that exited 0 is done; so is a producer
+        replica once every trainer is (before that it is restarted to serve demand)."""
         if role.done or role.proc is None or (code := role.proc.poll()) is None:
             return
         pid = role.proc.pid
         if pid not in killed and code != 0:
             role.exits.append(code)
             log.warning("%s exited %d on its own:\n%s", role.name, code, role.tail(600))
-        if code == 0 and (role is not self.producer or all(t.done for t in self.trainers)):
+        producer = role in self.producers
+        if code == 0 and (not producer or all(t.done for t in self.trainers)):
             role.done = True
             return
         if len(role.exits) > self.cfg.max_crashes:
             log.error("%s crashed %d times on its own; giving up on it", role.name, len(role.exits))
             role.done = True
             return
-        if role is self.producer and code == 0 and not self._demand():
+        if producer and code == 0 and not self._demand():
             return  # finished its stream; restarted only to serve recapture demand
         role.start(self.cfg.launcher)
 
@@ -215,7 +228,8 @@ class ChaosRun:
             warm_forkserver()
         t0 = time.monotonic()
         killed: set[int] = set()
-        self.producer.start(c.launcher)
+        for p in self.producers:
+            p.start(c.launcher)
         if start_trainers:
             self.start_trainers()
         next_kill = t0 + self.rng.uniform(*c.kill_every_s)
@@ -308,6 +322,7 @@ class ChaosRun:
         rep.max_live = max(rep.max_live, s.max_live)
         rep.max_ready, rep.max_files, rep.over_k_samples = s.max_ready, s.max_files, s.over_k
         rep.files_verified, rep.bad_files = len(s.verified), s.bad_files
+        rep.windows_seen = len(s.digest_by_window)
         rep.digest_mismatch = s.digest_mismatch
         rep.final = final_state(self.run_dir, self.cfg.db_path)
         return rep
