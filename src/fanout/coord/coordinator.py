@@ -408,6 +408,10 @@ class Coordinator:
         """(count, bytes) of the ready windows: what is on disk for trainers now."""
         return reads.ready_windows(self.conn)
 
+    def ready_stamps(self) -> list[float]:
+        """When each readable window was published (wall clock, oldest first)."""
+        return reads.ready_stamps(self.conn)
+
     def pending_windows(self) -> int:
         """Windows still to be captured (queued or capturing)."""
         return reads.pending_windows(self.conn)

@@ -28,6 +28,13 @@ def ready_windows(cur: Sql) -> tuple[int, int]:
     return int(n), int(nbytes)
 
 
+def ready_stamps(cur: Sql) -> list[float]:
+    """Wall-clock stamps (for people and benchmarks) of when each readable window was
+    published, oldest first."""
+    q = f"SELECT updated_at FROM windows WHERE state IN {sql_in(states.READABLE)}"
+    return sorted(float(t) for (t,) in cur.execute(q).fetchall())
+
+
 def pending_windows(cur: Sql) -> int:
     """Windows still to be captured: queued (new, on demand, or retried) or capturing."""
     q = f"SELECT COUNT(*) FROM windows WHERE state IN {sql_in(states.PENDING)}"

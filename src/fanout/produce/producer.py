@@ -498,15 +498,22 @@ class Producer:
 
     # ---- the loop -----------------------------------------------------------------
 
-    def _stream_done(self) -> bool:
-        """Every window of the stream claimed and published (by any replica), nothing on
-        demand, and no active consumer behind the end."""
+    def _nothing_left(self) -> bool:
+        """Every window of the stream claimed and published (by any replica), and none
+        on demand."""
         frontier = int(self.coord.meta("next_window"))
-        if frontier < self.end or self.coord.pending_windows():
-            return False
-        # An active consumer behind the end may still demand an evicted window (a resumed
-        # or late trainer; under every policy): serve it until --exit-when-idle-s.
-        return self.coord.active_consumers_before(self.end) == 0
+        return frontier >= self.end and not self.coord.pending_windows()
+
+    def _done(self, idle_since: float) -> bool:
+        """Nothing left to make and no active consumer behind the end (one may still
+        demand an evicted window: a resumed or late trainer, under every policy), or,
+        with the whole stream claimed, no demand for --exit-when-idle-s."""
+        if self._nothing_left() and self.coord.active_consumers_before(self.end) == 0:
+            return True
+        return (
+            int(self.coord.meta("next_window")) >= self.end
+            and time.monotonic() - idle_since > self.cfg.exit_when_idle_s
+        )
 
     @property
     def stream_length(self) -> int | None:
@@ -573,6 +580,10 @@ class Producer:
             w0 = time.monotonic()
             if not self.coord.wait_for_capacity(preg, timeout_s=0.5):
                 self.stats.waits_s += time.monotonic() - w0
+                if self._nothing_left():  # held at K, but nothing is left to make
+                    idle_since = idle_since or time.monotonic()
+                    if self._done(idle_since):
+                        break
                 self.blocked.waiting(bar)
                 continue
             self.blocked.clear()
@@ -581,14 +592,8 @@ class Producer:
             claim = self.coord.claim(preg, end=None if self.end == OPEN else self.end, upto=upto)
             if claim is None:
                 self.publisher.finish_inflight()  # its window may be the one still pending
-                if self._stream_done():
-                    break
-                now = time.monotonic()
-                idle_since = idle_since or now
-                if (
-                    int(self.coord.meta("next_window")) >= self.end
-                    and now - idle_since > self.cfg.exit_when_idle_s
-                ):
+                idle_since = idle_since or time.monotonic()
+                if self._done(idle_since):
                     break
                 time.sleep(0.05)
                 continue
