@@ -46,6 +46,7 @@ from fanout.errors import (
     RoleHeld,
     StaleLease,
 )
+from fanout.produce.replicas import rank_of
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowReader
 from fanout.store.streaminfo import StreamInfo
@@ -277,6 +278,26 @@ def test_a_replica_that_exited_is_replaced_and_a_fresh_session_reopens_the_strea
     cl = co.claim(p)
     assert cl is not None and cl.window == 1
     co.close()
+
+
+def test_which_rank_a_process_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--replica-rank if given; 0 alone; under torchrun (one process per replica) RANK;
+    else any free rank (None). Bad ranks and torchrun worlds are one ConfigError line
+    naming the flags."""
+    for k in ("WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert (rank_of(1, None, 1), rank_of(3, None, 1), rank_of(3, 2, 1)) == (0, None, 2)
+    with pytest.raises(ConfigError, match=r"--replica-rank 3 must be below --replicas 3"):
+        rank_of(3, 3, 1)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    assert rank_of(3, None, 1) == 2
+    with pytest.raises(ConfigError, match=r"torchrun started 3 processes .* --replicas is 2"):
+        rank_of(2, None, 1)
+    with pytest.raises(ConfigError, match=r"each replica is its own torchrun launch of 2"):
+        rank_of(2, None, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert rank_of(2, None, 2) is None and rank_of(1, None, 2) == 0  # a TP group
 
 
 # ---- processes --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fanout.coord.states import LIVE
+from fanout.coord.states import LIVE, RoleState
 from fanout.store.rundir import RunDir
 
 # ---------------------------------------------------------------- checks
@@ -260,7 +260,7 @@ class ChaosReport:
             out.append(f"integrity_check: {f.get('integrity_check')}")
         if f.get("leases_left"):
             out.append(f"{f['leases_left']} leases left at the end")
-        if any(s != "finished" for s in f.get("consumers", {}).values()):
+        if any(s != RoleState.FINISHED for s in f.get("consumers", {}).values()):
             out.append(f"consumers not finished: {f.get('consumers')}")
         if f.get("failed_windows"):
             out.append(f"{f['failed_windows']} windows failed")

@@ -227,7 +227,7 @@ class OnPolicyStream:
     def reach(self, window: int) -> int:
         """Regenerate chunks until window `window`'s rows exist or every chunk is done;
         returns total_windows (OPEN while open)."""
-        need = (window + 1) * self.window_rows  # stream positions it needs, all of epoch 0
+        need = window_span(window, self.window_rows)[1]  # stream positions it needs, epoch 0
         while not self.done and self.rows.num_rows < need:
             self._next_chunk()
         return self.total_windows

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from fanout.coord.leases import ProducerPlan
 from fanout.errors import ConfigError
@@ -50,15 +50,6 @@ class ReplicaOptions(BaseModel):
         "(one process per replica), else the first rank no live replica holds",
     )
 
-    @model_validator(mode="after")
-    def _rank_below_replicas(self) -> ReplicaOptions:
-        if self.replica_rank is not None and self.replica_rank >= self.replicas:
-            raise ValueError(
-                f"--replica-rank {self.replica_rank} must be below --replicas {self.replicas} "
-                f"(ranks 0 .. {self.replicas - 1})"
-            )
-        return self
-
 
 def plan(cfg: Any) -> ProducerPlan:
     """The data plan every replica of a run must share (a ProducerConfig's fields)."""
@@ -69,9 +60,15 @@ def plan(cfg: Any) -> ProducerPlan:
 def rank_of(replicas: int, replica_rank: int | None, tp: int) -> int | None:
     """This process's replica rank: `replica_rank` if given; 0 for a run's only producer;
     under torchrun with one process per replica (tp 1, WORLD_SIZE = replicas) its
-    RANK; else None (the first free rank, taken at start). ConfigError for a torchrun
-    world that does not fit: --tp > 1 runs one torchrun launch per replica
-    (WORLD_SIZE = --tp), and a torchrun of N processes without --tp needs --replicas N."""
+    RANK; else None (the first free rank, taken at start). ConfigError for a rank not
+    below `replicas`, and for a torchrun world that does not fit: --tp > 1 runs one
+    torchrun launch per replica (WORLD_SIZE = --tp), and a torchrun of N processes
+    without --tp needs --replicas N."""
+    if replica_rank is not None and replica_rank >= replicas:
+        raise ConfigError(
+            f"--replica-rank {replica_rank} must be below --replicas {replicas} (ranks 0 .. "
+            f"{replicas - 1})"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and replicas > 1 and "WORLD_SIZE" in os.environ and world != tp:
         raise ConfigError(

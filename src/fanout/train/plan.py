@@ -25,7 +25,7 @@ from typing import Any
 
 from fanout.errors import ConfigError
 from fanout.store.rundir import RunDir
-from fanout.store.streaminfo import StreamInfo, window_count
+from fanout.store.streaminfo import StreamInfo, window_count, window_span
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +61,8 @@ def rank_steps(
     full = min(windows, stream_rows // window_rows)  # full windows read
     rows = full * (window_rows // world)
     if windows > full:  # the stream's last, shorter window
-        rows += (stream_rows - full * window_rows) // world
+        start, stop = window_span(full, window_rows, stream_rows)
+        rows += (stop - start) // world
     return -(-rows // rows_per_step)
 
 
