@@ -314,10 +314,11 @@ class CreatedPaths:
         except RoleHeld as e:
             log.info("%s: not removing what this start created: %s", self.root, e)
         finally:
-            for lock in reversed(held):  # each lock file goes when this start made it
-                if lock is not self.lock:
-                    made = lock.made_file or (lock is join and self.join_is_new)
-                    lock.release(unlink=bool(removed) and made)
+            for lock in reversed(held):  # a lock file made just now goes; so does the join
+                if lock is not self.lock:  # lock's, made by this start, with the run
+                    lock.release(
+                        unlink=lock.made_file or (lock is join and removed and self.join_is_new)
+                    )
             if removed and self.lock.made_file:
                 self.lock.release(unlink=True)  # held by the start, or taken again here
             elif mine:
