@@ -317,7 +317,8 @@ class CreatedPaths:
             for lock in reversed(held):  # a lock file made just now goes; so does the join
                 if lock is not self.lock:  # lock's, made by this start, with the run
                     lock.release(
-                        unlink=lock.made_file or (lock is join and removed and self.join_is_new)
+                        unlink=lock.made_file
+                        or (lock is join and bool(removed) and self.join_is_new)
                     )
             if removed and self.lock.made_file:
                 self.lock.release(unlink=True)  # held by the start, or taken again here
