@@ -290,8 +290,16 @@ def test_two_tp_groups_are_two_replicas_of_one_run(tiny: Tiny, tmp_path: Path) -
     run = tmp_path / "run"
     cfg = _cfg(tiny, run, epochs=2, tp=2, replicas=2)
     groups = [_torchrun(cfg, tmp_path / f"group-{i}.log") for i in range(2)]
+
+    def created() -> bool:
+        co = Coordinator.open_if_created(run)
+        if co is not None:
+            co.close()
+        return co is not None or any(g.poll() is not None for g in groups)
+
     try:
         total = len(want)
+        wait_for(created, 300, "the run created")
         _consume_and_compare(run, want, total)
         for i, g in enumerate(groups):
             assert g.wait(300) == 0, (tmp_path / f"group-{i}.log").read_text()[-3000:]
