@@ -143,7 +143,7 @@ def _config(a: argparse.Namespace, tmp: str, ver: Path, run: str, **kw: Any) -> 
         tokenizer=a.tokenizer,
         seq_len=a.seq_len,
         window_rows=a.window_rows,
-        max_live_windows=max(2, a.windows),
+        max_live_windows=a.windows + 1,  # every window fits (K - 1 for the stream)
         num_draft_layers=a.num_draft_layers,
         capture_batch_rows=a.capture_batch_rows,
         device=a.device,

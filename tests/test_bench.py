@@ -227,6 +227,48 @@ def test_metrics_and_probe_read_the_coordinator_on_either_database(
     assert m["aggregate"]["rows_per_s"] > 0
 
 
+def test_a_run_with_replicas_reports_a_row_per_replica_and_their_total(tmp_path: Path) -> None:
+    """Two producer replicas on one run (published alternately): the report has a row
+    per replica (its own windows and windows/s, from its summary) and one for both
+    (windows/s summed, the stream's windows, captures per window)."""
+    from fanout.bench.report import producers_markdown
+    from fanout.coord.leases import ProducerPlan
+
+    root = tmp_path / "1p1c" / "run"
+    rd = RunDir(root).create()
+    cfg_run = RunConfig(total_windows=5, max_live_windows=6)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with Coordinator.create(rd.root, make_contract(), cfg_run) as co:
+        regs = [co.register_producer(make_contract(), rank=r, plan=ProducerPlan(2)) for r in (0, 1)]
+        for w in range(5):
+            cl = co.claim(regs[w % 2])
+            assert cl is not None and cl.window == w
+            name = window_name(cl.window, cl.generation)
+            co.publish_ready(cl, Published(name, rd.windows / name, 100, "xxh3_128:0"))
+    made = {0: 3, 1: 2}
+    roles = []
+    for r in (0, 1):
+        summary = logs / f"producer-r{r}.summary.json"
+        summary.write_text(json.dumps({"windows": made[r], "elapsed_s": 2.0, "replica": r}))
+        roles.append(Role(f"producer-r{r}", "producer", [], logs / f"p{r}.log", root, "cpu",
+                          rc=0, summary_path=summary))  # fmt: skip
+    run = ScenarioRun("1p1c", tmp_path / "1p1c", roles, [root], 999.0, 1002.0)
+    m = scenario_metrics(BenchConfig(name="t", consumers=[ConsumerSpec(id="b4")]), run,
+                         tmp_path / "no-telemetry.jsonl")  # fmt: skip
+    assert (m["unique_windows"], m["captures"], m["captures_per_window"]) == (5, 5, 1.0)
+    assert [m["producers"][f"producer-r{r}"]["windows_made"] for r in (0, 1)] == [3, 2]
+    agg = m["producer_runs"][str(root)]
+    assert (agg["replicas"], agg["windows_per_s"], agg["produced_windows"]) == (2, 2.5, 5)
+    assert (agg["captures_per_window"], agg["claims_reclaimed"]) == (1.0, 0)
+    table = producers_markdown({"1p1c": m})
+    assert table[2:] == [
+        "| 1p1c | producer-r0 (replica 0) | 1.500 | 3 | - | - | - |",
+        "| 1p1c | producer-r1 (replica 1) | 1.000 | 2 | - | - | - |",
+        "| 1p1c | all 2 replicas | 2.500 | 5 | 1.00 | 0 | 0 |",
+    ]
+
+
 def _check_valid_report(rep: dict[str, Any], out: Path) -> None:
     assert rep["valid"], rep["reasons"]
     assert rep["captures_per_window_1p3c"] == 1.0

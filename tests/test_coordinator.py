@@ -97,7 +97,7 @@ def files(store: Store) -> list[str]:
 
 
 def test_every_write_begins_immediate(tmp_path: Path) -> None:
-    co, store, c = new_run(tmp_path, max_live_windows=2)
+    co, store, c = new_run(tmp_path, max_live_windows=3)
     stmts: list[str] = []
     assert isinstance(co.conn, sqlitedb.SqliteDatabase)
     co.conn.raw.set_trace_callback(stmts.append)
@@ -168,8 +168,33 @@ V2_COLUMNS = {
 }
 
 
+# The producer table as schema 3 had it (one row, id 1: no replicas).
+V3_PRODUCER = """
+CREATE TABLE producer(
+  id {int} PRIMARY KEY CHECK (id = 1), token {int} NOT NULL, hb_seq {int} NOT NULL DEFAULT 0,
+  hb_wall {real} NOT NULL, state TEXT NOT NULL CHECK (state IN ('active','lost','finished')),
+  owner TEXT NOT NULL, host TEXT, pid {int}, proc TEXT
+)
+"""
+V3_COLUMNS = "token, hb_seq, hb_wall, state, owner, host, pid, proc"
+
+
+def _downgrade_to_v3(cur: Any, dialect: str) -> None:
+    """Rewrite a schema-4 run as schema 3 had it (rank 0's row as `producer`, no
+    claim_rank, no claims_reclaimed counter), keeping its rows."""
+    rows = cur.execute(f"SELECT {V3_COLUMNS} FROM producers WHERE rank=0").fetchall()
+    cur.execute("DROP TABLE producers")
+    cur.execute(V3_PRODUCER.format(**schema.DIALECTS[dialect]))
+    marks = ",".join("?" * len(V3_COLUMNS.split(",")))
+    cur.executemany(f"INSERT INTO producer(id, {V3_COLUMNS}) VALUES (1, {marks})", rows)
+    cur.execute("ALTER TABLE windows DROP COLUMN claim_rank")
+    cur.execute("DELETE FROM counters WHERE key='claims_reclaimed'")
+    cur.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+
+
 def _downgrade_to_v2(cur: Any, dialect: str) -> None:
-    """Rewrite a schema-3 run's role tables as schema 2 had them, keeping their rows."""
+    """Rewrite a schema-4 run's role tables as schema 2 had them, keeping their rows."""
+    _downgrade_to_v3(cur, dialect)
     rows = {t: cur.execute(f"SELECT {cols} FROM {t}").fetchall() for t, cols in V2_COLUMNS.items()}
     for table in V2_COLUMNS:
         cur.execute(f"DROP TABLE {table}")
@@ -202,8 +227,8 @@ def test_schema_version_1_is_migrated_in_place(tmp_path: Path) -> None:
     co.close()
     with Coordinator.open(tmp_path / "run") as again:
         assert dict(again.conn.execute("SELECT key, value FROM counters").fetchall()) == counters
-        assert again.meta("schema_version") == "3" and again.meta("next_window") == 1
-        assert again.conn.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 4
+        assert again.meta("schema_version") == "4" and again.meta("next_window") == 1
+        assert again.conn.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 5  # + plan
         p = again.register_producer(c)
         assert produce(again, p, store, c).window == 1
 
@@ -222,7 +247,7 @@ def test_schema_version_2_is_migrated_in_place(db: str | None, tmp_path: Path) -
         _downgrade_to_v2(cur, co.conn.dialect)
     co.close()
     with Coordinator.open(tmp_path / "run", db_path=db) as again:
-        assert again.meta("schema_version") == "3"
+        assert again.meta("schema_version") == "4"
         row = again.conn.execute("SELECT cursor, token, state, pid FROM consumers").fetchone()
         assert row == (1, a.token, "active", None)
         again.stop(a)  # the old registration is still this process's own token
@@ -278,7 +303,7 @@ def test_contract_mismatch_names_fields(db: str | None, tmp_path: Path) -> None:
 
 
 def test_two_consumers_every_window_in_order_then_evicted(db: str | None, tmp_path: Path) -> None:
-    co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2, total_windows=6)
+    co, store, c = new_run(tmp_path, db, max_live_windows=4, expected_consumers=2, total_windows=6)
     p = co.register_producer(c)
     a, b = Coordinator.open(tmp_path / "run"), Coordinator.open(tmp_path / "run")
     ra = a.register_consumer("a")
@@ -470,7 +495,7 @@ def test_new_producer_fences_old_one(db: str | None, tmp_path: Path) -> None:
 
 
 def _two_consumers(tmp_path: Path, db: str | None, **cfg: object) -> tuple[Any, ...]:
-    co, store, c = new_run(tmp_path, db, max_live_windows=2, expected_consumers=2, **cfg)
+    co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2, **cfg)
     p = co.register_producer(c)
     fast, slow = Coordinator.open(tmp_path / "run"), Coordinator.open(tmp_path / "run")
     return (
@@ -735,7 +760,7 @@ def test_detach_policy_drops_the_laggard_after_detach_after(db: str | None, tmp_
     clock = FakeClock()
     c = make_contract()
     rd = RunDir(tmp_path / "run").create()
-    cfg = RunConfig(max_live_windows=2, expected_consumers=2, lag_policy="detach", ttl_s=10)
+    cfg = RunConfig(max_live_windows=3, expected_consumers=2, lag_policy="detach", ttl_s=10)
     co = Coordinator.create(rd.root, c, cfg, db_path=db, clock=clock)
     store = Store(rd)
     p = co.register_producer(c)

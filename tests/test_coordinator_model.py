@@ -2,14 +2,18 @@
 
     .venv/bin/pytest tests/test_coordinator_model.py -x -q
 
-Producer and two consumers, each with its own connection, share an injected
-clock (ttl runs in fake seconds). Rules: produce, acquire, ack, crash (drop out
-without acking, stop heartbeating), restart (from the checkpoint cursor, maybe
-one behind the database's), tick (time passes, live processes heartbeat, the
-producer's reclaimer runs), evict, sweep. Invariants: no window a counted cursor
-or a lease still needs is evicted; each consumer acks windows in order without
-gaps (a repeat only right after a restart from an older checkpoint); at most K
-windows live (K+1 only for the window the slowest consumer waits on).
+Two producer replicas and two consumers, each with its own connection, share an
+injected clock (ttl runs in fake seconds). Rules: claim and publish (per replica, so
+their claims interleave), a replica's crash (it stops heartbeating, its claim stays
+until it is reclaimed) and restart, acquire, ack, crash (drop out without acking,
+stop heartbeating), restart (from the checkpoint cursor, maybe one behind the
+database's), tick (time passes, live processes heartbeat, a watcher's reclaimer
+runs), evict, sweep. Invariants: no window a counted cursor or a lease still needs
+is evicted; each consumer acks windows in order without gaps (a repeat only right
+after a restart from an older checkpoint); at most K windows live, whatever the
+replicas do, and the last of the K slots only ever takes the window the slowest
+consumer waits on; a window is published again only after it was evicted, corrupt
+or its claim was reclaimed.
 """
 
 from __future__ import annotations
@@ -30,12 +34,15 @@ from hypothesis.stateful import (
 
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.leases import ConsumerReg, Lease
+from fanout.coord.leases import Claim, ConsumerReg, Lease, ProducerPlan, ProducerReg
 from fanout.errors import AcquireTimeout, StaleLease
 from fanout.store.store import Published, RunDir, window_name
 
 K, TTL = 3, 10.0
 NAMES = ("a", "b")
+RANKS = (0, 1)
+PLAN = ProducerPlan(replicas=len(RANKS))
+LIVE = "('ready','capturing','evicting')"
 
 
 def contract() -> CaptureContract:
@@ -63,9 +70,15 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.clock = Clock()
         cfg = RunConfig(max_live_windows=K, expected_consumers=2, ttl_s=TTL)
         db = None if self.postgres is None else f"{self.postgres}&schema=m_{uuid.uuid4().hex}"
+        # `co`: a watcher (reclaims the lost); each replica and consumer has its own
         self.co = Coordinator.create(rd.root, contract(), cfg, db_path=db, clock=self.clock)
-        self.p = self.co.register_producer(contract())
-        self.conns = {n: Coordinator.open(rd.root, clock=self.clock) for n in NAMES}
+        self.prods = {r: Coordinator.open(rd.root, db_path=db, clock=self.clock) for r in RANKS}
+        self.p: dict[int, ProducerReg] = {
+            r: self.prods[r].register_producer(contract(), rank=r, plan=PLAN) for r in RANKS
+        }
+        self.claim: dict[int, Claim | None] = dict.fromkeys(RANKS)
+        self.down: dict[int, bool] = dict.fromkeys(RANKS, False)
+        self.conns = {n: Coordinator.open(rd.root, db_path=db, clock=self.clock) for n in NAMES}
         self.regs: dict[str, ConsumerReg] = {n: self.conns[n].register_consumer(n) for n in NAMES}
         self.lease: dict[str, Lease | None] = dict.fromkeys(NAMES)
         self.crashed: dict[str, bool] = dict.fromkeys(NAMES, False)
@@ -76,7 +89,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.gone_before: set[int] = set()
 
     def teardown(self) -> None:
-        for c in [self.co, *self.conns.values()]:
+        for c in [self.co, *self.prods.values(), *self.conns.values()]:
             c.close()
         self.tmp.cleanup()
 
@@ -85,20 +98,59 @@ class CoordinatorModel(RuleBasedStateMachine):
 
     # ---- rules -----------------------------------------------------------------------
 
-    @rule()
-    def produce(self) -> None:
-        live = self._q("SELECT COUNT(*) FROM windows WHERE state IN ('ready','capturing')")[0][0]
-        if not self.co.wait_for_capacity(self.p, 0.0):
+    @rule(r=st.sampled_from(RANKS))
+    def claim_one(self, r: int) -> None:
+        """Replica r claims a window (if it is up, holds none, and there is room)."""
+        if self.down[r] or self.claim[r] is not None:
             return
-        cl = self.co.claim(self.p)
-        assert cl is not None
+        live = self._q(f"SELECT COUNT(*) FROM windows WHERE state IN {LIVE}")[0][0]
+        try:
+            if not self.prods[r].wait_for_capacity(self.p[r], 0.0):
+                return
+            cl = self.prods[r].claim(self.p[r])
+        except StaleLease:  # declared lost (we let fake time pass): like a crash
+            self.down[r] = True
+            return
+        if cl is None:  # the other replica took the last slot meanwhile
+            return
         assert cl.generation > self.last_gen  # every claim a new generation
         self.last_gen = cl.generation
-        if live >= K:  # the extra slot: only for the window the slowest consumer waits on
-            low = self._q("SELECT MIN(cursor) FROM consumers WHERE state IN ('active','lost')")
-            assert live == K and cl.window == low[0][0]
+        assert live < K, (live, cl)
+        if live == K - 1:  # the reserved slot: only the window the slowest consumer waits on
+            low = self._q("SELECT MIN(cursor) FROM consumers WHERE state IN "
+                          "('active','lost','stopped')")  # fmt: skip
+            assert cl.window == low[0][0], (cl, low)
+        self.claim[r] = cl
+
+    @rule(r=st.sampled_from(RANKS))
+    def publish_one(self, r: int) -> None:
+        cl = self.claim[r]
+        if self.down[r] or cl is None:
+            return
+        self.claim[r] = None
         name = window_name(cl.window, cl.generation)
-        self.co.publish_ready(cl, Published(name, self.co.root / "windows" / name, 1, "x"))
+        try:
+            self.prods[r].publish_ready(
+                cl, Published(name, self.co.root / "windows" / name, 1, "x")
+            )
+        except StaleLease:  # its claim was reclaimed (it looked lost): another makes it
+            return
+        row = self._q(f"SELECT state, generation FROM windows WHERE window={cl.window}")
+        assert row == [("ready", cl.generation)], (cl, row)
+
+    @rule(r=st.sampled_from(RANKS))
+    def crash_replica(self, r: int) -> None:
+        self.down[r] = True  # its claim stays in the database until it is reclaimed
+
+    @rule(r=st.sampled_from(RANKS))
+    def restart_replica(self, r: int) -> None:
+        if not self.down[r]:
+            return
+        self.p[r] = self.prods[r].register_producer(contract(), rank=r, plan=PLAN)
+        self.claim[r] = None  # a restart releases what its previous incarnation claimed
+        self.down[r] = False
+        claimed = self._q(f"SELECT COUNT(*) FROM windows WHERE claim_rank={r}")[0][0]
+        assert claimed == 0
 
     @precondition(lambda self: any(not self.crashed[n] for n in NAMES))
     @rule(who=st.sampled_from(NAMES))
@@ -167,8 +219,16 @@ class CoordinatorModel(RuleBasedStateMachine):
         for n in NAMES:
             if not self.crashed[n]:
                 self.conns[n].heartbeat(self.regs[n])
+        for r in RANKS:
+            if not self.down[r]:
+                try:
+                    self.prods[r].heartbeat(self.p[r])
+                except StaleLease:  # reclaimed earlier (it had looked silent)
+                    self.down[r] = True
         lost = self.co.reclaim_lost()
-        assert all(self.crashed[x.split(":")[0]] for x in lost), lost  # only the silent
+        for x in lost:  # only the silent
+            who = x.split(":")[0]
+            assert self.down[int(x[-1])] if who == "producer" else self.crashed[who], lost
 
     @rule()
     def evict(self) -> None:
@@ -197,8 +257,8 @@ class CoordinatorModel(RuleBasedStateMachine):
 
     @invariant()
     def at_most_k_live(self) -> None:
-        live = self._q("SELECT COUNT(*) FROM windows WHERE state IN ('ready','capturing')")[0][0]
-        assert live <= K + 1
+        live = self._q(f"SELECT COUNT(*) FROM windows WHERE state IN {LIVE}")[0][0]
+        assert live <= K
 
 
 CoordinatorModel.TestCase.settings = settings(

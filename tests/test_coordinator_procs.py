@@ -179,7 +179,8 @@ def test_publish_crash_points(
 ) -> None:
     c = make_contract()
     rd = RunDir(tmp_path / "run").create()
-    co = Coordinator.create(rd.root, c, RunConfig(max_live_windows=3, total_windows=3))
+    # K = 4: the three windows of the stream, and the slowest consumer's slot
+    co = Coordinator.create(rd.root, c, RunConfig(max_live_windows=4, total_windows=3))
     p = CTX.Process(target=_crashing_producer, args=(str(rd.root), op, n, before_commit))
     p.start()
     p.join(120)

@@ -281,10 +281,12 @@ def test_store_md_says_what_rundir_create_makes(tmp_path: Path) -> None:
 
 
 def test_operations_md_lists_everything_a_producer_makes_in_a_run_dir() -> None:
-    from fanout.produce.rundir import RUN_DIR_NAMES, START_LOCK
+    from fanout.store.rundir import RunDir
 
+    rd = RunDir(Path("run"))
+    made = (*rd.producer_names(), rd.start_lock(0).name, rd.join_lock.name)
     text = _section((REPO / "docs" / "operations.md").read_text(), "## Where things live")
-    names = {n for n in (*RUN_DIR_NAMES, START_LOCK) if not n.endswith(("-wal", "-shm"))}
+    names = {n for n in made if not n.endswith(("-wal", "-shm"))}
     folders = {"windows", "tmp", "quarantine", "telemetry", "logs", "cache"}
     missing = [n for n in names if f"`{n}/`" not in text and f"`{n}`" not in text]
     assert missing == [] and all(f"`{n}/`" in text for n in folders & names), missing

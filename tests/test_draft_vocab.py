@@ -24,6 +24,7 @@ from fanout.data.draft_vocab import (
     write_token_counts,
 )
 from fanout.errors import ConfigError
+from fanout.store.rundir import RunDir
 from faults import after_rename, fail_each_call
 
 
@@ -92,15 +93,16 @@ def test_select_draft_vocab_follows_the_rule(counts: list[int], frac: float) -> 
 
 def test_token_counts_file_round_trip_and_errors(tmp_path: Path) -> None:
     counts = np.array([3, 0, 7, 1], dtype=np.int64)
+    path = RunDir(tmp_path).token_counts
     with pytest.raises(ConfigError, match="missing: a producer writes it"):
-        read_token_counts(tmp_path, "s1", timeout_s=0.3)
-    write_token_counts(tmp_path, counts, "s1")
-    np.testing.assert_array_equal(read_token_counts(tmp_path, "s1"), counts)
+        read_token_counts(path, "s1", timeout_s=0.3)
+    write_token_counts(path, counts, "s1")
+    np.testing.assert_array_equal(read_token_counts(path, "s1"), counts)
     with pytest.raises(ConfigError, match="counted for stream 's1'"):
-        read_token_counts(tmp_path, "s2")
-    (tmp_path / TOKEN_COUNTS).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+        read_token_counts(path, "s2")
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ConfigError, match="unreadable token counts"):
-        read_token_counts(tmp_path, "s1")
+        read_token_counts(path, "s1")
     with pytest.raises(ConfigError, match=r"in \[1, 4\]"):
         select_draft_vocab(counts, 5)
 
@@ -108,16 +110,15 @@ def test_token_counts_file_round_trip_and_errors(tmp_path: Path) -> None:
 def test_token_counts_are_written_whole_or_not_at_all(tmp_path: Path) -> None:
     """A fault at any step (ENOSPC) leaves the old counts readable and no temp file."""
     old, new = np.arange(4, dtype=np.int64), np.array([9, 9, 9, 9], dtype=np.int64)
-    write_token_counts(tmp_path, old, "s1")
+    path = RunDir(tmp_path).token_counts
+    write_token_counts(path, old, "s1")
 
     def check(n: int, e: OSError) -> None:
-        got = read_token_counts(tmp_path, "s1")
+        got = read_token_counts(path, "s1")
         want = new if after_rename(e) else old
         np.testing.assert_array_equal(got, want)
-        assert os.listdir(tmp_path) == [TOKEN_COUNTS], (n, e)
+        assert os.listdir(tmp_path) == [path.name], (n, e)
 
-    fail_each_call(
-        lambda fs: write_token_counts(tmp_path, new, "s1", fs), check, errno_=errno.ENOSPC
-    )
-    np.testing.assert_array_equal(read_token_counts(tmp_path, "s1"), new)
-    assert (tmp_path / TOKEN_COUNTS).stat().st_mode & 0o777 == 0o644
+    fail_each_call(lambda fs: write_token_counts(path, new, "s1", fs), check, errno_=errno.ENOSPC)
+    np.testing.assert_array_equal(read_token_counts(path, "s1"), new)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -99,10 +99,11 @@ def test_a_stream_ended_by_design_ends_a_signal_leaves_it_open(
 def test_a_wait_for_another_consumer_never_counts_toward_the_timeout(
     db: str | None, tmp_path: Path
 ) -> None:
-    """Hold, K = 2, two consumers: `slow` stopped at cursor 0 holds the producer at K;
+    """Hold, K = 3 (two windows and the slowest's slot), two consumers: `slow` stopped at
+    cursor 0 holds the producer at K;
     `fast` waits for window 2 far longer than its timeout and hears who holds it; once
     `slow` is detached the producer has room and `fast` reads on."""
-    co, store, c = new_run(tmp_path, db, max_live_windows=2, expected_consumers=2)
+    co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2)
     p = co.register_producer(c)
     fast = Coordinator.open(tmp_path / "run")
     rf = fast.register_consumer("fast")
@@ -117,14 +118,14 @@ def test_a_wait_for_another_consumer_never_counts_toward_the_timeout(
     blocked = snapshot(co)["blocked"]
     assert blocked is not None and blocked["by"] == ["slow:dp0"], blocked
     line = format_table(snapshot(co))
-    assert "producer blocked at K=2 by slow:dp0 (stopped, cursor 0" in line, line
+    assert "producer blocked at K=3 by slow:dp0 (stopped, cursor 0" in line, line
     assert "fanout detach --run-dir" in line
     assert "slow:dp0 (stopped" in co.blocked_by() and "--lag-policy" in co.blocked_by()
 
     heard, err = _acquire_until(fast, rf, timeout_s=0.2, stop_after_s=1.0)
     assert isinstance(err, AcquireCancelled), err  # never AcquireTimeout: not counted
     assert heard and not any(w.counts for w in heard)
-    assert "blocked at K=2 live windows by slow:dp0 (stopped" in heard[-1].text
+    assert "blocked at K=3 live windows by slow:dp0 (stopped" in heard[-1].text
 
     with pytest.raises(ConfigError, match=r"no consumer 'nobody'.*fast:dp0, slow:dp0"):
         co.detach_consumer("nobody")
@@ -149,7 +150,7 @@ def test_a_wait_for_another_consumer_never_counts_toward_the_timeout(
 def test_detach_force_fences_a_live_consumer_and_a_finished_one_holds_nothing(
     db: str | None, tmp_path: Path
 ) -> None:
-    co, store, c = new_run(tmp_path, db, max_live_windows=2, expected_consumers=2)
+    co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2)
     p = co.register_producer(c)
     a, b = co.register_consumer("a"), co.register_consumer("b")
     for _ in range(2):
@@ -169,7 +170,7 @@ def test_detach_force_fences_a_live_consumer_and_a_finished_one_holds_nothing(
 def test_waiting_for_an_expected_consumer_is_named_and_not_counted(
     db: str | None, tmp_path: Path
 ) -> None:
-    co, store, c = new_run(tmp_path, db, max_live_windows=2, expected_consumers=2)
+    co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2)
     p = co.register_producer(c)
     reg = co.register_consumer("only")
     for _ in range(2):
@@ -266,8 +267,8 @@ def _producer(assets: Path, run: Path, db: str | None, **kw: Any) -> list[str]:
     """`fanout produce` flags: K = 4, 8 epochs (62 windows of 4 rows: 248 rows, so the
     200-step trainer ends at its own --max-steps, not at the stream's end)."""
     cfg = tiny_producer_config(
-        assets, run, max_live_windows=4, heartbeat_s=0.5, cache_dir=str(assets / "cache"),
-        **({"epochs": 8, "db_path": db} | kw),
+        assets, run, heartbeat_s=0.5, cache_dir=str(assets / "cache"),
+        **({"epochs": 8, "db_path": db, "max_live_windows": 4} | kw),
     )  # fmt: skip
     return ["produce", *config_flags(cfg)]
 
@@ -417,8 +418,9 @@ def test_a_trainer_detached_with_force_says_so_once(assets: Path, tmp_path: Path
     run, saves = tmp_path / "run", tmp_path / "drafts"
     procs = Procs(tmp_path / "logs")
     # 2 expected consumers, one joins: nothing is evicted, so `t` reads windows 0-3
-    # (K = 4) and waits at window 4 until it is detached.
-    produce = _producer(assets, run, None, expected_consumers=2)
+    # (K = 5: four windows and the slowest's slot) and waits at window 4 until it is
+    # detached.
+    produce = _producer(assets, run, None, expected_consumers=2, max_live_windows=5)
     try:
         producer = procs.start("producer", *produce)
         t = procs.start("t", *_trainer(assets, run, "t", saves))
@@ -468,13 +470,13 @@ def _max_windows_then_kill9(assets: Path, tmp_path: Path, db: str | None) -> Non
             assert _checkpoint_step(saves / s["consumer"].split(":")[0]) == 12
         assert producer.finish(600)[0] == 0
         assert _status(run)["stream_end"] == 3
-        # A stopped consumer at cursor 3 holds the restarted producer at windows 3-6
+        # A stopped consumer at cursor 3 holds the restarted producer at windows 3-5
         # (K = 4, hold), so it cannot run the stream to its end before `a` resumes.
         with Coordinator.open(run) as co:
             co.stop(co.register_consumer("holder", cursor=3))
 
         again = procs.start("producer-again", *produce)
-        pq = "SELECT pid, state FROM producer"
+        pq = "SELECT pid, state FROM producers"
         wait_for(lambda: _alive(again) and _row(run, pq) == (again.proc.pid, "active"), 300,
                  "the producer started again")  # fmt: skip
         resumed = procs.start(

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from conftest import PostgresControl
-from fanout.coord.coordinator import DB_POINTER, Coordinator, RunConfig
+from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.postgresdb import PostgresDatabase, _translate, parse_url, redact
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
@@ -68,7 +68,7 @@ def test_run_dir_records_the_url_without_password(pg_url: str, tmp_path: Path) -
     assert "hunter2" in url
     rd = RunDir(tmp_path / "run").create()
     co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=url)
-    pointer = (rd.root / DB_POINTER).read_text()
+    pointer = rd.db_pointer.read_text()
     assert "hunter2" not in pointer and "hunter2" not in str(co.db_path)
     assert pointer.strip() == str(co.db_path)
     assert not (rd.root / "coordinator.sqlite3").exists()

@@ -194,13 +194,13 @@ def test_a_signal_while_the_stream_is_open_prints_its_length_as_null(
     stream_assets: Path, tmp_path: Path
 ) -> None:
     """Issue 32 #5: a real `fanout produce --regenerate` stopped by SIGINT while its
-    stream is still open (held at K = 2, nobody reading, regeneration not done). Its
+    stream is still open (held at K = 3, nobody reading, regeneration not done). Its
     summary says `"total_windows": null`, never the OPEN sentinel, nor does its log;
     `fanout status` says `produced 2/∞` and that a signal stopped it."""
     from fanout.coord.status import format_table, snapshot
 
     run = tmp_path / "run"
-    cfg = tiny_producer_config(stream_assets, run, **(STREAM | {"max_live_windows": 2}))
+    cfg = tiny_producer_config(stream_assets, run, **(STREAM | {"max_live_windows": 3}))
     argv = [sys.executable, "-m", "fanout.cli", "produce", *config_flags(cfg)]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"

@@ -34,9 +34,9 @@ from fanout.coord.coordinator import Coordinator
 from fanout.errors import ContractMismatch
 from fanout.filesystem import FileSystem
 from fanout.produce.producer import Producer, ProducerConfig
-from fanout.produce.rundir import write_stream_info
-from fanout.produce.stream import stream_rows, window_count
+from fanout.produce.stream import stream_rows
 from fanout.store.store import RunDir, Store, parse_window_name
+from fanout.store.streaminfo import StreamInfo, window_count, window_span
 from fanout.store.windowfile import hidden_name
 from faults import Recording, after_rename, fail_each_call
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
@@ -142,7 +142,7 @@ def _check_rows(store: Store, name: str, p: Producer) -> None:
 
 def test_stream_rows_each_epoch_is_a_seeded_permutation() -> None:
     n, r, epochs, seed = 10, 4, 3, 7
-    total = window_count(n, epochs, r)
+    total = window_count(n * epochs, r)
     assert total == 8
     parts = [stream_rows(w, r, n, epochs, seed) for w in range(total)]
     rows = np.concatenate([p[0] for p in parts])
@@ -164,19 +164,32 @@ def test_stream_rows_each_epoch_is_a_seeded_permutation() -> None:
 def test_stream_json_is_written_whole_and_durably(tmp_path: Path) -> None:
     """stream.json goes through FileSystem.write_atomic: fsynced, renamed, run dir fsynced;
     a fault at any step (ENOSPC) leaves the old one readable and no temp file."""
-    write_stream_info(tmp_path, {"total_windows": 1}, FileSystem())
+    rd = RunDir(tmp_path)
+    info = {1: StreamInfo.of("s", 4, 4, 1), 2: StreamInfo.of("s", 8, 4, 1)}
+    info[1].write(rd, FileSystem())
     fs = Recording()
-    write_stream_info(tmp_path, {"total_windows": 1}, fs)
+    info[1].write(rd, fs)
     assert fs.ops == ["open_new", "write", "fsync", "close", "rename", "fsync_dir"]
 
     def check(n: int, e: OSError) -> None:
-        info = json.loads((tmp_path / "stream.json").read_text())
-        assert info == {"total_windows": 2 if after_rename(e) else 1}, (n, e)
+        got = StreamInfo.read(rd)
+        assert got == info[2 if after_rename(e) else 1], (n, e)
         assert os.listdir(tmp_path) == ["stream.json"], (n, e)
 
-    write = lambda fs: write_stream_info(tmp_path, {"total_windows": 2}, fs)  # noqa: E731
-    fail_each_call(write, check, errno_=errno.ENOSPC)
-    assert json.loads((tmp_path / "stream.json").read_text()) == {"total_windows": 2}
+    fail_each_call(lambda fs: info[2].write(rd, fs), check, errno_=errno.ENOSPC)
+    assert StreamInfo.read(rd) == info[2]
+    assert json.loads(rd.stream_info.read_text())["total_windows"] == 2
+
+
+def test_window_count_and_span_are_the_streams_one_rule() -> None:
+    """Window w holds rows [w·R, (w+1)·R), the last of a finite stream fewer; the count
+    is the ceiling. Checked against a slow reference (cutting a list of rows)."""
+    for rows, r in [(1, 1), (7, 3), (9, 3), (10, 4), (0, 2)]:
+        chunks = [list(range(rows))[i : i + r] for i in range(0, rows, r)]
+        assert window_count(rows, r) == len(chunks)
+        for w, chunk in enumerate(chunks):
+            assert window_span(w, r, rows) == (chunk[0], chunk[-1] + 1)
+        assert window_span(len(chunks), r) == (len(chunks) * r, (len(chunks) + 1) * r)
 
 
 # ---- capture --------------------------------------------------------------------------
@@ -198,7 +211,7 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
     info = json.loads((tmp_path / "run" / "stream.json").read_text())
     assert info["stream_id"] == p.contract.stream_id
     assert info["num_rows"] == p.dataset.num_rows and info["window_rows"] == 4
-    assert info["total_windows"] == window_count(p.dataset.num_rows, 1, 4)
+    assert info["total_windows"] == window_count(p.dataset.num_rows, 4)
 
     # Reference: HF's own forward with output_hidden_states=True, one document at a time
     # (positions from 0, no packing), fp32. Layer i is hidden_states[i + 1].

@@ -85,7 +85,7 @@ def test_a_live_holder_is_refused_then_taken_over(
     db: str | None, tmp_path: Path, role: str
 ) -> None:
     co = new_run(tmp_path, db)
-    table = "producer" if role == "producer" else "consumers"
+    table = "producers" if role == "producer" else "consumers"
     p, go, out, child = _start_holder(co, db, role)
     try:
         before = co.conn.execute(f"SELECT token, host, pid FROM {table}").fetchone()
@@ -134,7 +134,7 @@ def test_a_crashed_holder_is_replaced_at_once_without_takeover(
     assert reg.cursor == 0
     assert "waiting up to" not in caplog.text  # decided without watching the heartbeat
     assert f"replacing {HOST} pid {child}: it has exited" in caplog.text
-    rows = co.conn.execute("SELECT pid FROM consumers UNION ALL SELECT pid FROM producer")
+    rows = co.conn.execute("SELECT pid FROM consumers UNION ALL SELECT pid FROM producers")
     assert [r[0] for r in rows] == [os.getpid()] * 2
 
 
@@ -252,7 +252,7 @@ def _status(run: Path) -> dict[str, Any]:
 def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
     tmp_path: Path,
 ) -> None:
-    """Real `fanout produce` and `fanout train` processes on one run (K = 2, hold, no
+    """Real `fanout produce` and `fanout train` processes on one run (K = 3, hold, no
     evictions before a trainer joins, ttl 600 s so nothing expires):
 
     - a second producer exits 1 naming the first; `--takeover` replaces it, and the
@@ -266,7 +266,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
     build_tiny_assets(root, generate_corpus(60, seed=0))
     run = tmp_path / "run"
     cfg = tiny_producer_config(
-        root, run, max_live_windows=2, heartbeat_s=0.3, ttl_s=600.0,
+        root, run, max_live_windows=3, heartbeat_s=0.3, ttl_s=600.0,
         cache_dir=str(root / "cache"),
     )  # fmt: skip
     produce = ["produce", *config_flags(cfg)]
@@ -281,7 +281,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
 
     first = cli("producer-1", *produce)
     try:
-        q = "SELECT pid, (SELECT COUNT(*) FROM windows WHERE state='ready') FROM producer"
+        q = "SELECT pid, (SELECT COUNT(*) FROM windows WHERE state='ready') FROM producers"
         wait_for(lambda: _row(run, q) == (first.pid, 2), 300, "the first producer's K windows")
         code, err = cli("producer-2", *produce).finish()
         assert code == 1, err[-3000:]
@@ -292,7 +292,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
         assert code == 1, err[-3000:]
         assert f"another process took this role: {HOST} pid {taker.pid}" in err
         assert "register again" not in err
-        wait_for(lambda: _row(run, "SELECT pid, state FROM producer") == (taker.pid, "active"),
+        wait_for(lambda: _row(run, "SELECT pid, state FROM producers") == (taker.pid, "active"),
                  120, "the new producer")  # fmt: skip
         taker.proc.send_signal(signal.SIGTERM)
         code, err = taker.finish()

@@ -1,4 +1,5 @@
-"""Simultaneous starts: producers and trainers released together on one run, as races.
+"""Simultaneous starts: producers, producer replicas and trainers released together on
+one run, as races.
 
     .venv/bin/pytest tests/test_start_race.py -x -q -p no:randomly            # a few rounds
     .venv/bin/pytest tests/test_start_race.py -m slow -x -q -p no:randomly    # many rounds
@@ -12,7 +13,10 @@ invariants, never timings: exactly one holds the role; every other racer exits 1
 with the holder line naming a racer that held it (never a traceback, never "this
 same process registered the role again"); nothing of the run is removed or changed
 (file listing and hashes, the coordinator's rows); and a trainer then trains on the
-run to the end of its stream.
+run to the end of its stream. Producer replicas (`--replicas M`) released together
+on a fresh run dir all start: exactly one creates the run, the others join, none is
+refused and nothing is removed; a rank asked for twice, or an M+1th replica, is
+refused naming a replica that holds it.
 """
 
 from __future__ import annotations
@@ -171,7 +175,7 @@ def _query(run: Path, db: str | None, sql: str) -> list[tuple[Any, ...]] | None:
 
 
 def _producer(run: Path, db: str | None) -> tuple[Any, ...] | None:
-    rows = _query(run, db, "SELECT pid, state, token FROM producer")
+    rows = _query(run, db, "SELECT pid, state, token FROM producers ORDER BY rank")
     return rows[0] if rows else None
 
 
@@ -190,14 +194,19 @@ def _snapshot(run: Path, db: str | None) -> tuple[dict[str, str], list[tuple[Any
         if p.is_file() and not rel.startswith(("coordinator.sqlite3", "producer.lock", "tmp/")):
             files[rel] = xxhash.xxh3_64_hexdigest(p.read_bytes())
     rows = _query(run, db, "SELECT window, state, generation, name, checksum FROM windows")
-    return files, [*sorted(rows or []), ("producer", *(_producer(run, db) or ()))]
+    producers = _query(run, db, "SELECT rank, pid, state, token FROM producers ORDER BY rank")
+    return files, [*sorted(rows or []), *(("producer", *p) for p in producers or [])]
 
 
-def _produce_argv(assets: Path, run: Path, db: str | None, consumers: int = 1) -> list[str]:
-    """K = 2 live windows; nothing is evicted before `consumers` consumers registered."""
+def _produce_argv(
+    assets: Path, run: Path, db: str | None, consumers: int = 1, **kw: Any
+) -> list[str]:
+    """K = 3: two windows ahead (and the slowest consumer's slot); nothing is evicted
+    before `consumers` consumers registered."""
     cfg = tiny_producer_config(
-        assets, run, max_live_windows=2, heartbeat_s=0.3, ttl_s=600.0, db_path=db,
+        assets, run, heartbeat_s=0.3, ttl_s=600.0, db_path=db,
         cache_dir=str(assets / "cache"), expected_consumers=consumers,
+        **({"max_live_windows": 3} | kw),
     )  # fmt: skip
     return ["produce", *config_flags(cfg)]
 
@@ -237,7 +246,7 @@ def producer_round(assets: Path, base: Path, db: str | None, procs: Procs, rng: 
         if r is not first:
             _refused(r, {first.pid})
     wait_for(lambda: (_producer(run, db) or (0,))[0] == first.pid and _ready(run, db) == 2,
-             300, "the winner's K windows")  # fmt: skip
+             300, "the winner's K - 1 windows")  # fmt: skip
     before = _snapshot(run, db)
     assert {"contract.json", "stream.json", "token_counts.safetensors"} <= set(before[0])
 
@@ -290,6 +299,82 @@ def test_producer_races_many_rounds(
     for i in range(8):
         db = None if backend == "sqlite" else _pg(request.getfixturevalue("postgres_server"))
         producer_round(assets, tmp_path, db, procs, rng, stagger=bool(i % 2))
+
+
+# ---- producer replicas ----------------------------------------------------------------------
+
+M = 3  # replicas
+
+
+def _replicas(run: Path, db: str | None) -> list[tuple[Any, ...]]:
+    return _query(run, db, "SELECT rank, pid, state FROM producers ORDER BY rank") or []
+
+
+def replica_round(assets: Path, base: Path, db: str | None, procs: Procs, rng: random.Random,
+                  stagger: bool) -> None:  # fmt: skip
+    """One round on a new run dir: M replicas (no rank given: each takes a free one)
+    race to start it: all start, one creates the run, the others join, none is refused
+    and nothing is removed. Then a replica asking for rank 1 and two more (an M+1th)
+    race against them: each is refused naming a live replica, and nothing changes. A
+    trainer then trains to the end of the stream, which the replicas make together,
+    each window once."""
+    run = base / f"run-{uuid.uuid4().hex[:8]}"
+    argv = _produce_argv(assets, run, db, replicas=M)
+    jitter = rng if stagger else None
+
+    racers = procs.race(f"{run.name}-replicas", [argv] * M, jitter)
+    pids = {r.pid for r in racers}
+    wait_for(lambda: {p for _, p, s in _replicas(run, db) if s == "active"} == pids
+             or any(r.code is not None for r in racers), 300, "M replicas")  # fmt: skip
+    assert all(r.code is None for r in racers), [
+        (r.log.name, r.code, r.text()[-2000:]) for r in racers
+    ]
+    assert [rank for rank, _, _ in _replicas(run, db)] == list(range(M))
+    created = [r for r in racers if "created coordinator" in r.text()]
+    assert len(created) == 1, [r.text()[-2000:] for r in racers]
+    for r in racers:
+        assert "removed what this start created" not in r.text() and "Traceback" not in r.text()
+    wait_for(lambda: _ready(run, db) == 2, 300, "K - 1 windows")  # no consumer yet: held at K
+    before = _snapshot(run, db)
+
+    extra = [_produce_argv(assets, run, db, replicas=M, replica_rank=1), argv, argv]
+    for r in procs.race(f"{run.name}-extra", extra, jitter):
+        _refused(r, pids)
+    assert _snapshot(run, db) == before  # the refused changed nothing
+    assert all(r.code is None for r in racers)
+
+    (trainer,) = procs.race(f"{run.name}-train", [_train_argv(assets, run, run / "draft")], None)
+    _trains_to_the_end(trainer)
+    for r in racers:
+        assert r.finish() == 0, r.text()[-3000:]
+    total = json.loads((run / "stream.json").read_text())["total_windows"]
+    made = _query(run, db, "SELECT SUM(made) FROM producers") or [(0,)]
+    assert made[0][0] == total  # each window made once, by one of the replicas
+    assert sum("the stream ends at window" in r.text() for r in racers) == 1
+
+
+@pytest.mark.parametrize("stagger", [False, True], ids=["together", "staggered"])
+def test_replicas_started_together_all_join_one_run(
+    assets: Path, tmp_path: Path, procs: Procs, stagger: bool
+) -> None:
+    replica_round(assets, tmp_path, None, procs, random.Random(6), stagger)
+
+
+def test_replicas_started_together_on_postgres(
+    assets: Path, tmp_path: Path, procs: Procs, postgres_server: str
+) -> None:
+    replica_round(assets, tmp_path, _pg(postgres_server), procs, random.Random(7), True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_replica_races_many_rounds(
+    assets: Path, tmp_path: Path, procs: Procs, backend: str, request: pytest.FixtureRequest
+) -> None:
+    rng = random.Random(8)
+    for i in range(6):
+        db = None if backend == "sqlite" else _pg(request.getfixturevalue("postgres_server"))
+        replica_round(assets, tmp_path, db, procs, rng, stagger=bool(i % 2))
 
 
 # ---- trainers ----------------------------------------------------------------------------

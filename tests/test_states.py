@@ -100,3 +100,25 @@ def test_only_states_writes_the_state_column() -> None:
         found += [f"{path.relative_to(SRC)}: {m.group(0)}" for m in writes.finditer(text)]
         found += [f"{path.relative_to(SRC)}: {m.group(0)}" for m in literal.finditer(text)]
     assert found == []
+
+
+def test_role_states_have_one_home() -> None:
+    """The consumers' and producer replicas' states (RoleState) are spelled in coord/
+    states.py alone: no module outside it writes one as a literal, in SQL or as a
+    Python string compared or stored (issue #34); the schema's CHECKs list them from
+    there."""
+    names = "|".join(s.value for s in states.RoleState)
+    sql = re.compile(r"state\s*(=|IN|<>)\s*\(?'(" + names + r")'")
+    py = re.compile(r"(==|!=|\bin|return|=)\s*[(\[{]?\s*\"(" + names + r")\"")
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "states.py":
+            continue
+        text = path.read_text()
+        found += [f"{path.relative_to(SRC)}: {m.group(0)}" for m in sql.finditer(text)]
+        found += [f"{path.relative_to(SRC)}: {m.group(0)}" for m in py.finditer(text)]
+    assert found == []
+    for dialect in ("sqlite", "postgres"):
+        ddl = " ".join(schema.statements(dialect))
+        assert states.sql_in(states.CONSUMER_STATES) in ddl
+        assert states.sql_in(states.PRODUCER_STATES) in ddl

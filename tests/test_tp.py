@@ -215,7 +215,7 @@ def test_every_rank_captures_whole_layers_equal_to_one_process(tiny: Tiny, tmp_p
 def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
     tiny: Tiny, tmp_path: Path
 ) -> None:
-    """Held at K = 2 with nobody reading, rank 0 keeps its follower alive past several
+    """Held at K = 3 with nobody reading, rank 0 keeps its follower alive past several
     --tp-timeout-s (keepalives). kill -9 of the follower stops rank 0 with one line;
     after a restart, kill -9 of rank 0 stops the follower with one line; no claim is
     left in flight. A third TP producer, read by a consumer, finishes the stream, and
@@ -225,7 +225,7 @@ def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
     want = _windows(ref)
     run, log = tmp_path / "run", tmp_path / "tp.log"
     timeout = 4.0
-    cfg = _cfg(tiny, run, epochs=2, max_live_windows=2, tp=2, tp_timeout_s=timeout)
+    cfg = _cfg(tiny, run, epochs=2, max_live_windows=3, tp=2, tp_timeout_s=timeout)
 
     def kill(rank: int, hold_s: float) -> str:
         start = len(log.read_text()) if log.exists() else 0
@@ -243,7 +243,7 @@ def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
             ranks = _ranks(p)
             assert sorted(ranks) == [0, 1], ranks
             with Coordinator.open(run) as co:  # rank 0 holds the producer role, rank 1 none
-                assert co.conn.execute("SELECT pid FROM producer").fetchall() == [(ranks[0],)]
+                assert co.conn.execute("SELECT pid FROM producers").fetchall() == [(ranks[0],)]
             assert not _open_under(ranks[1], run)  # the follower has nothing of the run open
             os.kill(ranks[rank], signal.SIGKILL)
             assert p.wait(120) != 0
@@ -275,6 +275,46 @@ def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
     with Coordinator.open(run) as co:
         rows = co.conn.execute("SELECT window, state FROM windows ORDER BY window").fetchall()
     assert [w for w, _ in rows] == list(range(total)) and total == len(want)
+
+
+# slow (4 processes on 2 cores): the composition of --tp with --replicas
+@pytest.mark.slow
+def test_two_tp_groups_are_two_replicas_of_one_run(tiny: Tiny, tmp_path: Path) -> None:
+    """Two torchrun launches of `--tp 2 --replicas 2` (each takes a free rank; rank 0 of
+    each group registers it): they make the stream together, each window once, and a
+    consumer reads every window equal to a 1-process producer's. One torchrun of 4
+    processes for the two groups is refused with one line saying how to start them."""
+    ref = tmp_path / "ref"
+    Producer(_cfg(tiny, ref, epochs=2)).run()
+    want = _windows(ref)
+    run = tmp_path / "run"
+    cfg = _cfg(tiny, run, epochs=2, tp=2, replicas=2)
+    groups = [_torchrun(cfg, tmp_path / f"group-{i}.log") for i in range(2)]
+
+    def created() -> bool:
+        co = Coordinator.open_if_created(run)
+        if co is not None:
+            co.close()
+        return co is not None or any(g.poll() is not None for g in groups)
+
+    try:
+        total = len(want)
+        wait_for(created, 300, "the run created")
+        _consume_and_compare(run, want, total)
+        for i, g in enumerate(groups):
+            assert g.wait(300) == 0, (tmp_path / f"group-{i}.log").read_text()[-3000:]
+    finally:
+        for g in groups:
+            if g.poll() is None:
+                g.kill()
+                g.wait()
+    with Coordinator.open(run) as co:
+        made = co.conn.execute("SELECT rank, made FROM producers ORDER BY rank").fetchall()
+    assert [r for r, _ in made] == [0, 1] and sum(m for _, m in made) == total
+    argv = [*TORCHRUN, "4", "-m", "fanout.cli", "produce", *config_flags(cfg)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=600)
+    assert done.returncode != 0
+    assert "each replica is its own torchrun launch of 2 processes" in done.stdout + done.stderr
 
 
 def _open_under(pid: int, root: Path) -> list[str]:

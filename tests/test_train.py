@@ -347,7 +347,7 @@ def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run)
         stream_id = co.contract.stream_id
         window_rows = co.contract.window_rows
     stream = json.loads((run.run_dir / "stream.json").read_text())
-    counts = read_token_counts(run.run_dir, stream_id)
+    counts = read_token_counts(RunDir(run.run_dir).token_counts, stream_id)
     # Slow reference: the loss-masked tokens of the first epoch's rows, read back from
     # the window files (stream position < num_rows is epoch 0: every row exactly once).
     slow = torch.zeros(len(counts), dtype=torch.int64)

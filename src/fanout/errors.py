@@ -33,6 +33,23 @@ class ContractMismatch(FanoutError):
         super().__init__(f"capture contract mismatch{loc}; differing fields: " + "; ".join(parts))
 
 
+class PlanMismatch(ContractMismatch):
+    """A producer replica's data plan (`--replicas`, `--epochs`, `--max-windows`, ...)
+    differs from the one the run's live replicas present (fanout.coord.roles).
+
+    `fields` maps each differing flag to (the run's value, the caller's value).
+    """
+
+    def __init__(self, fields: dict[str, tuple[Any, Any]], where: str = "") -> None:
+        super().__init__(fields, where)
+        parts = [f"{k}: run has {a!r}, you asked for {b!r}" for k, (a, b) in sorted(fields.items())]
+        loc = f" ({where})" if where else ""
+        self.args = (
+            f"data plan mismatch{loc}: every producer replica must run with the same "
+            "flags; differing: " + "; ".join(parts),
+        )
+
+
 class StaleLease(FanoutError):
     """A write carried a fencing token that is no longer current (the caller was
     reclaimed as lost, detached, or superseded by a newer registration)."""

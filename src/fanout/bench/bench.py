@@ -221,14 +221,18 @@ def plan(cfg: BenchConfig, scenario: Scenario, a: Assets, work: Path) -> Scenari
     roles: list[Role] = []
     # A new schema name per plan: a schema an earlier bench left behind is never reused.
     token = uuid.uuid4().hex[:8]
+    m = cfg.producer.replicas
     for i, (run_dir, dev, cons, pname) in enumerate(pairs):
-        summary = logs / f"{pname}.summary.json"
         db = run_dir_database(cfg, scenario, i, token)
         cmd = _producer_cmd(cfg, a, run_dir, dev, len(cons), work, db)
-        cmd += ["--summary-json", str(summary)]
-        roles.append(
-            Role(pname, "producer", cmd, logs / f"{pname}.log", run_dir, dev, summary_path=summary)
-        )
+        for r in range(m):  # one role per replica (--replica-rank r of --replicas m)
+            name = pname if m == 1 else f"{pname}-r{r}"
+            summary = logs / f"{name}.summary.json"
+            rank = [] if m == 1 else ["--replica-rank", str(r)]
+            roles.append(
+                Role(name, "producer", [*cmd, *rank, "--summary-json", str(summary)],
+                     logs / f"{name}.log", run_dir, dev, summary_path=summary)
+            )  # fmt: skip
         for c in cons:
             save = d / "drafts" / c.id
             roles.append(

@@ -86,6 +86,8 @@ class ProducerSpec(BaseModel):
     num_draft_layers: int | None = _field(ProducerConfig, "num_draft_layers", 1)
     capture_for: list[FamilyName] | None = _field(ProducerConfig, "capture_for", None)
     capture_batch_rows: int = _field(ProducerConfig, "capture_batch_rows", 4)
+    # Producer replicas per run dir (each a `fanout produce --replica-rank i`).
+    replicas: int = _field(ProducerConfig, "replicas", 1)
     # The verifier's device in 1p1c and 1p3c (unshared: BenchConfig.unshared_producer_devices).
     device: str = _field(ProducerConfig, "device", "cpu")
     dtype: DTypeName = _field(ProducerConfig, "dtype", "auto")

@@ -171,6 +171,7 @@ def scenario_metrics(cfg: BenchLike, run: RunLike, tel: Path) -> dict[str, Any]:
         "consumers": consumers,
         "aggregate": agg,
         "producers": prod["producers"],
+        "producer_runs": prod["runs"],
         "captures": prod["captures"],
         "unique_windows": unique,
         "captures_per_window": cpw,
@@ -257,25 +258,36 @@ def _aggregate(
 def _producer_metrics(
     run: RunLike, snaps: dict[str, dict[str, Any] | None], reasons: list[str]
 ) -> dict[str, Any]:
-    """Each producer's summary and its coordinator's counts (appending to `reasons`
-    what breaks a rule), and the totals over all of them: captures, unique windows
-    and the peak live windows / bytes."""
+    """Each producer's (each replica's) summary, its run dir's coordinator counts, and
+    the totals over all of them (appending to `reasons` what breaks a rule): captures,
+    unique windows, the peak live windows / bytes. `runs`: per run dir, what its
+    producers made together (`replicas`, windows/s summed over them, windows, captures
+    per window, recaptures, reclaimed claims)."""
     producers: dict[str, Any] = {}
-    captures = unique = hw_windows = hw_bytes = failures = 0
-    streams = set()
+    by_dir: dict[str, list[str]] = {}
+    failures = 0
     for role in run.roles:
         if role.kind != "producer":
             continue
-        snap = snaps[str(role.run_dir)]
         sp = role.summary_path
         summ = json.loads(sp.read_text()) if sp is not None and sp.is_file() else {}
-        p: dict[str, Any] = {"summary": summ, "run_dir": str(role.run_dir)}
+        p: dict[str, Any] = {
+            "summary": summ,
+            "run_dir": str(role.run_dir),
+            "replica": summ.get("replica", 0),
+            "windows_made": summ.get("windows"),
+        }
         if summ.get("elapsed_s"):
             p["unique_windows_per_s"] = round(summ["windows"] / summ["elapsed_s"], 4)
         failures += int(summ.get("failures", 0))
         producers[role.name] = p
+        by_dir.setdefault(str(role.run_dir), []).append(role.name)
+    captures = unique = hw_windows = hw_bytes = 0
+    streams, runs = set(), {}
+    for run_dir, names in by_dir.items():
+        snap = snaps[run_dir]
         if not snap:
-            reasons.append(f"{role.name}: no coordinator database in {role.run_dir}")
+            reasons.append(f"{names[0]}: no coordinator database in {run_dir}")
             continue
         produced, rec, hw = snap["produced_windows"], snap["recaptures"], snap["high_water"]
         captures += produced + rec
@@ -284,21 +296,31 @@ def _producer_metrics(
         hw_windows, hw_bytes = max(hw_windows, hw["windows"]), max(hw_bytes, hw["bytes"])
         for k in ("corrupt", "detaches", "reclaims"):
             if snap[k]:
-                reasons.append(f"{role.name}: coordinator counted {snap[k]} {k}")
-        p.update(
+                reasons.append(f"{names[0]}: coordinator counted {snap[k]} {k}")
+        counts = dict(
             produced_windows=produced,
             recaptures=rec,
+            claims_reclaimed=snap.get("claims_reclaimed", 0),
             total_windows=snap["config"]["total_windows"],
             high_water=hw,
             window_bytes=round(hw["bytes"] / max(1, hw["windows"])),
             database=snap["db_path"],
         )
+        for n in names:
+            producers[n].update(counts)
+        rates = [producers[n].get("unique_windows_per_s") for n in names]
+        runs[run_dir] = counts | {
+            "replicas": len(names),
+            "windows_per_s": round(sum(r or 0.0 for r in rates), 4) if all(rates) else None,
+            "captures_per_window": round((produced + rec) / produced, 4) if produced else None,
+        }
     if failures:
         reasons.append(f"producers reported {failures} failed publishes")
     if len(streams) > 1:
         reasons.append(f"pairs produced different streams {sorted(streams)}: not the same data")
     return {
         "producers": producers,
+        "runs": runs,
         "captures": captures,
         "unique_windows": unique,
         "peak_live_windows": hw_windows,

@@ -256,14 +256,8 @@ def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
     out += [f"{i}. {r}" for i, r in enumerate(rep["validity_rules"], 1)]
     out += ["", f"Result: **{'valid' if rep['valid'] else 'INVALID'}**"]
     out += [f"- invalid: {r}" for r in rep["reasons"]] + [f"- flag: {f}" for f in rep["flags"]]
-    out += ["", "## Producers", "", "| scenario | producer | windows/s | captures | recaptures |"]
-    out.append("|---|---|---|---|---|")
-    for name, sc in rep["scenarios"].items():
-        for pid, p in sc["producers"].items():
-            out.append(
-                f"| {name} | {pid} | {_f(p.get('unique_windows_per_s'), 3)} | "
-                f"{p.get('produced_windows', '-')} | {p.get('recaptures', '-')} |"
-            )
+    out += ["", "## Producers", ""]
+    out += producers_markdown(rep["scenarios"])
     if rep.get("eval"):
         out += ["", *eval_markdown(rep["eval"])]
     out += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
@@ -272,6 +266,46 @@ def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
     out += [json.dumps({k: rep[k] for k in keys if k in rep}, indent=2)]
     out += ["```", ""]
     return "\n".join(out)
+
+
+def producers_markdown(scenarios: dict[str, Any]) -> list[str]:
+    """report.md's producers table: a row per producer (each replica of a run with
+    several: its own windows/s and windows made), and for a run with replicas a row of
+    what they made together (windows/s summed, the stream's windows, captures per
+    window, recaptures, claims of lost replicas made again)."""
+    out = [
+        "| scenario | producer | windows/s | windows made | captures/window | recaptures "
+        "| reclaimed claims |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, sc in scenarios.items():
+        runs = sc.get("producer_runs", {})
+        rows: dict[str, list[str]] = {}
+        for pid, p in sc["producers"].items():
+            rows.setdefault(p.get("run_dir", ""), []).append(pid)
+        for run_dir, pids in rows.items():
+            agg = runs.get(run_dir, {})
+            alone = len(pids) == 1
+            for pid in pids:
+                p = sc["producers"][pid]
+                run_cols = (
+                    f"{_f(agg.get('captures_per_window'))} | {agg.get('recaptures', '-')} | "
+                    f"{agg.get('claims_reclaimed', '-')}"
+                    if alone
+                    else "- | - | -"
+                )
+                who = pid if alone else f"{pid} (replica {p.get('replica', '?')})"
+                out.append(
+                    f"| {name} | {who} | {_f(p.get('unique_windows_per_s'), 3)} | "
+                    f"{p.get('windows_made', '-')} | {run_cols} |"
+                )
+            if not alone:
+                out.append(
+                    f"| {name} | all {len(pids)} replicas | {_f(agg.get('windows_per_s'), 3)} | "
+                    f"{agg.get('produced_windows', '-')} | {_f(agg.get('captures_per_window'))} | "
+                    f"{agg.get('recaptures', '-')} | {agg.get('claims_reclaimed', '-')} |"
+                )
+    return out
 
 
 def eval_markdown(ev: dict[str, Any]) -> list[str]:

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from fanout.store.rundir import RunDir
+
 log = logging.getLogger(__name__)
 
 UNDER_UTIL_PCT = 10.0  # "idle" threshold for the fraction-of-time-under metric
@@ -176,7 +178,7 @@ def dir_bytes(root: Path) -> tuple[int, int]:
     """(files, bytes) of window artifacts present under `root/windows` (0, 0 if absent)."""
     n = total = 0
     try:
-        with os.scandir(root / "windows") as it:
+        with os.scandir(RunDir(root).windows) as it:
             for e in it:
                 try:
                     if e.is_file(follow_symlinks=False):

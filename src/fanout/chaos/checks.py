@@ -8,7 +8,10 @@
 `Sampler` watches a run while it happens (coordinator snapshot as `fanout status
 --json` prints it; every new final-named window file fully verified and digested);
 `final_state` reads the database once everything stopped; `ChaosReport.problems()`
-lists every broken promise.
+lists every broken promise: among them, more than K live windows at any sample
+(K is the bound, the slowest consumer's slot inside it), and a window captured
+more than once (files of distinct generations seen) beyond what the run counted
+(recaptures, and claims of lost or replaced producer replicas made again).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fanout.coord.states import LIVE
+from fanout.coord.states import LIVE, RoleState
+from fanout.store.rundir import RunDir
 
 # ---------------------------------------------------------------- checks
 
@@ -102,8 +106,8 @@ class Sampler:
         self.samples = 0
         self.max_live = 0  # ready + capturing + evicting rows (the capacity rule's count)
         self.max_ready = 0
-        self.max_files = 0
-        self.over_k = 0  # samples that used the K+1st slot (slowest consumer's recapture)
+        self.max_files = 0  # final-named files, debris of killed publishes included
+        self.over_k = 0  # samples with more than K live windows (a broken promise)
         self.verified: dict[str, tuple[int, int, str]] = {}  # file name -> (w, g, digest)
         self.bad_files: list[str] = []
         self.digest_by_window: dict[int, str] = {}
@@ -135,7 +139,7 @@ class Sampler:
                 max(self.max_ready, w["ready"]),
             )
             self.over_k += live > self.k
-        wdir = self.run_dir / "windows"
+        wdir = RunDir(self.run_dir).windows
         names = [n for n in os.listdir(wdir) if n.endswith(".safetensors")] if wdir.is_dir() else []
         self.max_files = max(self.max_files, len(names))
         for n in names:
@@ -173,11 +177,12 @@ def final_state(run_dir: Path, db_path: str | None = None) -> dict[str, Any]:
         co = Coordinator.open(run_dir, db_path=db_path)
     except ConfigError as e:
         return {"integrity_check": f"no database: {e}"}
+    rd = RunDir(run_dir)
     try:
         return {
             **co.audit(),
-            "files_left": sorted(os.listdir(run_dir / "windows")),
-            "tmp_left": sorted(os.listdir(run_dir / "tmp")),
+            "files_left": sorted(os.listdir(rd.windows)),
+            "tmp_left": sorted(os.listdir(rd.tmp)),
         }
     finally:
         co.close()
@@ -200,7 +205,8 @@ class ChaosReport:
     max_ready: int = 0
     max_files: int = 0
     over_k_samples: int = 0
-    files_verified: int = 0
+    files_verified: int = 0  # distinct (window, generation) files seen, each verified whole
+    windows_seen: int = 0  # distinct windows among them
     bad_files: list[str] = field(default_factory=list)
     digest_mismatch: list[str] = field(default_factory=list)
     final: dict[str, Any] = field(default_factory=dict)
@@ -212,7 +218,7 @@ class ChaosReport:
 
     def problems(self) -> list[str]:
         """Every broken promise; empty when the run kept them all."""
-        k = self.config["max_live_windows"]
+        k, m = self.config["max_live_windows"], self.config.get("replicas", 1)
         out = [f"{c}: {e}" for c, cov in self.covers.items() for e in cov["errors"]]
         out += [f"partial/corrupt file under a final name: {b}" for b in self.bad_files]
         out += self.digest_mismatch
@@ -220,14 +226,22 @@ class ChaosReport:
             out.append("no stream.json: the producer never started the run")
         if self.timed_out:
             out.append(f"timed out after {self.elapsed_s:.0f} s")
-        if self.max_live > k + 1 or self.max_files > k + 1:
-            out.append(f"live windows {self.max_live} / files {self.max_files} exceed K+1={k + 1}")
+        if self.max_live > k or self.over_k_samples:
+            out.append(f"live windows {self.max_live} exceed K={k} ({self.over_k_samples} samples)")
+        if self.max_files > k + m:  # a killed replica's publish may leave one file, swept later
+            out.append(f"window files {self.max_files} exceed K + replicas = {k + m}")
         f = self.final
+        counted = sum(f.get("counters", {}).get(c, 0) for c in ("recaptures", "claims_reclaimed"))
+        if self.files_verified - self.windows_seen > counted:
+            out.append(
+                f"{self.files_verified - self.windows_seen} windows captured again beyond the "
+                f"{counted} the run counted (recaptures + claims_reclaimed)"
+            )
         if f.get("integrity_check") != "ok":
             out.append(f"integrity_check: {f.get('integrity_check')}")
         if f.get("leases_left"):
             out.append(f"{f['leases_left']} leases left at the end")
-        if any(s != "finished" for s in f.get("consumers", {}).values()):
+        if any(s != RoleState.FINISHED for s in f.get("consumers", {}).values()):
             out.append(f"consumers not finished: {f.get('consumers')}")
         if f.get("failed_windows"):
             out.append(f"{f['failed_windows']} windows failed")

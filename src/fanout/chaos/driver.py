@@ -1,11 +1,13 @@
-"""The chaos run: start a producer and N trainers, kill -9 / pause / break things, check.
+"""The chaos run: start a producer (or M replicas) and N trainers, kill -9 / pause / break
+things, check.
 
     from fanout.chaos import ChaosConfig, ChaosRun
     rep = ChaosRun(ChaosConfig(work_dir="runs/chaos", kills=30)).run()
     assert not rep.problems()
 
 A loop (~20 ms a turn) restarts every role that died (a trainer that exited 0 is
-done; the producer is restarted only while trainers still need windows captured),
+done; a producer replica is restarted only while trainers still need windows
+captured; `replicas` > 1 runs p0 … pM-1, each `--replica-rank i` of `--replicas M`),
 SIGKILLs a random role every `kill_every_s` while killing is on (from the moment the
 first producer has created the run until the kill goal is met), calls the
 scenario's `tick(run)` (fault injection) and samples the run. Then `check()`. One run
@@ -34,6 +36,8 @@ from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_fo
 from fanout.coord.states import LIVE
 from fanout.flags import to_flags
 from fanout.produce.producer import ProducerConfig
+from fanout.store.rundir import RunDir
+from fanout.store.streaminfo import StreamInfo
 from fanout.train.trainer import TrainConfig
 from fanout.train.trainlog import read_train_log
 
@@ -50,6 +54,9 @@ class ChaosConfig(BaseModel):
 
     work_dir: str = Field(description="assets/, run/, drafts/, logs/ go here")
     consumers: int = Field(3, ge=1, description="trainers (consumers c0 … cN-1)")
+    replicas: int = Field(
+        1, ge=1, description="producer replicas (p0 … pM-1; one: the run's producer)"
+    )
     conversations: int = Field(60, ge=1, description="chat rows in the data file (stream length)")
     epochs: int = Field(1, ge=1, description="passes over the data (longer stream)")
     seq_len: int = Field(64, ge=8, description="tokens per packed row")
@@ -88,7 +95,13 @@ class ChaosRun:
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.rng = random.Random(cfg.seed)
         self.sampler = Sampler(self.run_dir, cfg.max_live_windows, cfg.db_path)
-        self.producer = Role("producer", self.producer_argv(), self.work / "logs" / "producer.log")
+        names = ["producer"] if cfg.replicas == 1 else [f"p{i}" for i in range(cfg.replicas)]
+        self.producers = [
+            Role(n, self.producer_argv(replica_rank=i if cfg.replicas > 1 else None),
+                 self.work / "logs" / f"{n}.log")
+            for i, n in enumerate(names)
+        ]  # fmt: skip
+        self.producer = self.producers[0]
         self.trainers = [
             Role(f"c{i}", self.trainer_argv(i), self.work / "logs" / f"c{i}.log")
             for i in range(cfg.consumers)
@@ -99,7 +112,7 @@ class ChaosRun:
 
     @property
     def roles(self) -> list[Role]:
-        return [self.producer, *self.trainers]
+        return [*self.producers, *self.trainers]
 
     def producer_argv(self, **over: Any) -> list[str]:
         c, a = self.cfg, self.assets
@@ -123,6 +136,7 @@ class ChaosRun:
             "capture_batch_rows": c.window_rows,
             "db_path": c.db_path,
             "progress": False,
+            "replicas": c.replicas,
         }
         opts.update(over)
         return ["produce", *_flags(ProducerConfig, opts)]
@@ -157,22 +171,23 @@ class ChaosRun:
         return sum(r.kills for r in self.roles) < c.kills
 
     def _supervise(self, role: Role, killed: set[int]) -> None:
-        """Restart a role that died; a trainer that exited 0 is done; so is the
-        producer once every trainer is (before that it is restarted to serve demand)."""
+        """Restart a role that died; a trainer that exited 0 is done; so is a producer
+        replica once every trainer is (before that it is restarted to serve demand)."""
         if role.done or role.proc is None or (code := role.proc.poll()) is None:
             return
         pid = role.proc.pid
         if pid not in killed and code != 0:
             role.exits.append(code)
             log.warning("%s exited %d on its own:\n%s", role.name, code, role.tail(600))
-        if code == 0 and (role is not self.producer or all(t.done for t in self.trainers)):
+        producer = role in self.producers
+        if code == 0 and (not producer or all(t.done for t in self.trainers)):
             role.done = True
             return
         if len(role.exits) > self.cfg.max_crashes:
             log.error("%s crashed %d times on its own; giving up on it", role.name, len(role.exits))
             role.done = True
             return
-        if role is self.producer and code == 0 and not self._demand():
+        if producer and code == 0 and not self._demand():
             return  # finished its stream; restarted only to serve recapture demand
         role.start(self.cfg.launcher)
 
@@ -214,7 +229,8 @@ class ChaosRun:
             warm_forkserver()
         t0 = time.monotonic()
         killed: set[int] = set()
-        self.producer.start(c.launcher)
+        for p in self.producers:
+            p.start(c.launcher)
         if start_trainers:
             self.start_trainers()
         next_kill = t0 + self.rng.uniform(*c.kill_every_s)
@@ -232,7 +248,7 @@ class ChaosRun:
                     break
                 for r in self.roles:
                     self._supervise(r, killed)
-                if killing_start is None and (self.run_dir / "stream.json").is_file():
+                if killing_start is None and RunDir(self.run_dir).stream_info.is_file():
                     killing_start = now
                     next_kill = now + self.rng.uniform(*c.kill_every_s)
                 if killing_start is not None and killing_end is None:
@@ -279,7 +295,7 @@ class ChaosRun:
                 self.report.max_live = max(self.report.max_live, live)
                 self.report.cli_samples += 1
             self._status_proc = None
-        if not launch or not (self.run_dir / "contract.json").is_file():
+        if not launch or not RunDir(self.run_dir).contract.is_file():
             return
         args = [sys.executable, "-m", "fanout.cli", "status", "--run-dir", str(self.run_dir)]
         args += ["--json", *(["--db-path", self.cfg.db_path] if self.cfg.db_path else [])]
@@ -291,9 +307,9 @@ class ChaosRun:
         if self.cfg.db_path:
             args += ["--db-path", self.cfg.db_path]
         run_cli(args, self.work / "logs" / "sweep.log", self.cfg.launcher)
-        stream = self.run_dir / "stream.json"
-        if stream.is_file():
-            rep.total_windows = int(json.loads(stream.read_text())["total_windows"])
+        info = StreamInfo.read(RunDir(self.run_dir))
+        if info is not None and info.total_windows is not None:
+            rep.total_windows = info.total_windows
         for t in self.trainers:
             cov = check_cover(read_train_log(self.work / "drafts" / t.name), rep.total_windows)
             rep.covers[t.name] = asdict(cov)
@@ -305,6 +321,7 @@ class ChaosRun:
         rep.max_live = max(rep.max_live, s.max_live)
         rep.max_ready, rep.max_files, rep.over_k_samples = s.max_ready, s.max_files, s.over_k
         rep.files_verified, rep.bad_files = len(s.verified), s.bad_files
+        rep.windows_seen = len(s.digest_by_window)
         rep.digest_mismatch = s.digest_mismatch
         rep.final = final_state(self.run_dir, self.cfg.db_path)
         return rep

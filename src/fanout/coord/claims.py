@@ -1,20 +1,27 @@
-"""The producer's work: claim, publish, fail, wait for room at K, and end the stream.
+"""The producer replicas' work: claim, publish, fail, wait for room at K, end the stream.
 
     p = coord.register_producer(contract)            # RoleHeld if a live producer runs
     while coord.wait_for_capacity(p, timeout_s=60):  # blocks at K live windows
-        claim = coord.claim(p)                       # demand (recaptures) first
+        claim = coord.claim(p, end=total)            # demand (recaptures) first
         if claim is None:
             break                                    # finite stream fully produced
         coord.publish_ready(claim, store.publish(tensors, meta))
-    coord.finish_producer(p)                         # a clean exit: state 'finished'
+    coord.finish_producer(p, stream_end=total)       # a clean exit: state 'finished'
 
 `Claims` is a part of fanout.coord.coordinator.Coordinator: it holds the run
-(fanout.coord.core.RunDb), the roles (fanout.coord.roles: who the producer is, and
+(fanout.coord.core.RunDb), the roles (fanout.coord.roles: who each replica is, and
 the fencing check every call makes) and eviction (what goes when blocked).
-Every call is one serialised write transaction fenced by the producer's token and,
-for a claim, the claim's token: a producer that was taken over (RoleTaken) or
+Every call is one serialised write transaction fenced by the replica's token and,
+for a claim, the claim's token: a replica that was taken over (RoleTaken) or
 declared lost gets StaleLease and changes nothing. The window moves it makes
 (queued → capturing → ready, or back to queued, or failed) are fanout.coord.states'.
+
+Replicas (several producers of one run, `fanout produce --replicas M`) share this
+one queue: a claim is a window no other replica holds, so each window is made once
+(a lost replica's claims are released and made again, counted in
+`claims_reclaimed`), K counts every replica's windows together, and the stream's end
+is recorded once, by the replica that publishes its last window
+(fanout.coord.waits.end_if_complete).
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ import time
 
 from fanout.coord import reads, retention, schema, states, waits
 from fanout.coord.core import RunDb
+from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
-from fanout.coord.leases import Claim, ProducerReg, PublishedLike
-from fanout.coord.liveness import wall
+from fanout.coord.leases import Claim, ProducerReg, PublishedLike, producer_id
 from fanout.coord.roles import Roles
-from fanout.coord.states import W
+from fanout.coord.states import RoleState, W
 from fanout.errors import StaleLease
 
 log = logging.getLogger("fanout.coord.coordinator")
@@ -43,58 +50,79 @@ class Claims:
         self._block_recorded = False  # meta blocked_since is set ("blocked … since")
 
     def finish_producer(self, preg: ProducerReg, stream_end: int | None = None) -> None:
-        """A clean exit: state 'finished', claims released; `fanout status` shows it
-        finished, and nobody reclaims it as lost. `stream_end`: the producer ended the
-        stream by design (the run's last window, --max-windows, any budget) after that
-        many windows, and every trainer finishes at it; None (a signal): the stream
-        stays open for a restarted producer, and trainers wait for one."""
+        """A clean exit of one replica: state 'finished', its claims released; `fanout
+        status` shows it finished, and nobody reclaims it as lost. `stream_end`: it ended
+        the stream by design (the run's last window, --max-windows, any budget) after
+        that many windows; the end is recorded now if every window before it is
+        published (else by the replica that publishes the last one), and every trainer
+        finishes at it. None (a signal): the stream stays open for a restarted
+        producer, and trainers wait for one."""
         with self.run.write() as cur:
-            self.roles.check_producer(cur, preg.token)
-            states.release_claims(cur)
-            cur.execute("UPDATE producer SET state='finished', hb_wall=?", (wall(),))
-            waits.record_stream_end(cur, stream_end)
+            self.roles.check_producer(cur, preg.token, preg.rank)
+            self.roles.release_claims_of(cur, preg.rank)
+            cur.execute(
+                "UPDATE producers SET state=?, hb_wall=? WHERE rank=?",
+                (RoleState.FINISHED.value, wall(), preg.rank),
+            )
+            waits.clear_blocked_unless_others(cur, preg.rank)
+            ended = stream_end is not None and waits.end_if_complete(cur, stream_end)
         self._block_recorded = False
+        if ended:
+            log.info("the stream ends at window %s (recorded by %s)", stream_end, preg.role_id)
 
     def blocked_by(self) -> str:
         """While blocked at K: who holds the producer back and the ways out, in words."""
         return waits.producer_block(self.run.conn, self.run.config, str(self.run.root))
 
-    def claim(self, preg: ProducerReg, end: int | None = None) -> Claim | None:
+    def claim(
+        self, preg: ProducerReg, end: int | None = None, upto: int | None = None
+    ) -> Claim | None:
         """Claim the next window to capture: demand first, then the next in order.
-        `end`: no new window at or past it (an open-ended run whose producer knows its
-        length, fanout.produce.onpolicy); the run's total_windows when that is set.
+        `end`: the stream's end, no new window at or past it (an open-ended run whose
+        producer knows its length, --max-windows; the claim carries it, to record the
+        end when its last window is published); the run's total_windows when None.
+        `upto`: no new window at or past it for now (an on-policy stream whose later
+        rows are not regenerated yet); not an end.
 
         None when there is nothing to claim now: at capacity (call wait_for_capacity
-        first) or the finite stream is fully produced and nothing is on demand.
+        first; the last of the K slots only takes the slowest consumer's window), every
+        window is claimed by some replica, or the finite stream is fully produced and
+        nothing is on demand.
         """
         run = self.run
+        total = run.config.total_windows if end is None else end
         with run.write() as cur:
-            self.roles.check_producer(cur, preg.token)
-            if not retention.has_capacity(cur, run.config.max_live_windows):
+            self.roles.check_producer(cur, preg.token, preg.rank)
+            room = retention.claimable(cur, run.config.max_live_windows)
+            if room == "none":
                 return None
-            row = cur.execute(
-                "SELECT window FROM windows WHERE state=? ORDER BY demand DESC, window LIMIT 1",
-                (W.QUEUED.value,),
-            ).fetchone()
-            if row is not None:
-                w = int(row[0])  # a recapture is counted when it is published, not here
+            if room == "reserved":
+                w = retention.reserved_window(cur)
+                assert w is not None
             else:
-                w = int(run.meta(cur, "next_window"))
-                total = run.config.total_windows if end is None else end
-                if total is not None and w >= total:
-                    return None
-                run.bump(cur, "next_window")
-                states.insert_queued(cur, w, demand=False)
+                row = cur.execute(
+                    "SELECT window FROM windows WHERE state=? ORDER BY demand DESC, window LIMIT 1",
+                    (W.QUEUED.value,),
+                ).fetchone()
+                if row is not None:
+                    w = int(row[0])  # a recapture is counted when it is published, not here
+                else:
+                    w = int(run.meta(cur, "next_window"))
+                    if (total is not None and w >= total) or (upto is not None and w >= upto):
+                        return None
+                    run.bump(cur, "next_window")
+                    states.insert_queued(cur, w, demand=False)
             gen = run.bump(cur, "next_generation")
             token = run.bump(cur, "next_token")
             states.move(
                 cur, W.QUEUED, W.CAPTURING, "window=?", (w,),
-                also="generation=?, claim_token=?", also_params=(gen, token),
+                also="generation=?, claim_token=?, claim_rank=?",
+                also_params=(gen, token, preg.rank),
             )  # fmt: skip
-        return Claim(w, gen, token, preg.token, run.rows(w))
+        return Claim(w, gen, token, preg.token, run.rows(w), preg.rank, total)
 
     def _check_claim(self, cur: schema.Sql, claim: Claim) -> None:
-        self.roles.check_producer(cur, claim.producer_token)
+        self.roles.check_producer(cur, claim.producer_token, claim.rank)
         row = cur.execute(
             "SELECT 1 FROM windows WHERE window=? AND state=? AND claim_token=?",
             (claim.window, W.CAPTURING.value, claim.token),
@@ -106,7 +134,10 @@ class Claims:
         """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
         with self.run.write() as cur:
             self._check_claim(cur, claim)
-            cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (wall(),))
+            cur.execute(
+                "UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=?",
+                (wall(), claim.rank),
+            )
 
     def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
         """Record a durable, final-named window file (Store.publish's result) as ready.
@@ -115,6 +146,8 @@ class Claims:
         again) is a recapture: counted and logged here, once per publish, so that
         `recaptures` = files published − windows published. A claim that was retried
         or reclaimed before it was ever published is not one (nothing was published).
+        The replica's count of windows made goes up; a claim that knew the stream's end
+        records it when this was its last window (waits.end_if_complete).
         """
         with self.run.write() as cur:
             self._check_claim(cur, claim)
@@ -127,7 +160,7 @@ class Claims:
             states.move(
                 cur, W.CAPTURING, W.READY, "window=?", (claim.window,),
                 also="name=?, path=?, nbytes=?, checksum=?, captures=captures+1, demand=0, "
-                "attempts=0, claim_token=NULL, last_error=NULL",
+                "attempts=0, claim_token=NULL, claim_rank=NULL, last_error=NULL",
                 also_params=(
                     published.name, str(published.path), int(published.nbytes),
                     str(published.checksum),
@@ -139,6 +172,15 @@ class Claims:
             )
             cur.execute(high, (n, n, "hw_windows"))
             cur.execute(high, (int(nbytes), int(nbytes), "hw_bytes"))
+            cur.execute(
+                "UPDATE producers SET made=made+1, made_since=made_since+1 WHERE rank=?",
+                (claim.rank,),
+            )
+            ended = claim.end is not None and waits.end_if_complete(cur, claim.end)
+        if ended:
+            log.info(
+                "the stream ends at window %d (recorded by %s)", claim.end, producer_id(claim.rank)
+            )
         if nth:  # after the commit: a line for each recapture that counts, and only those
             log.info(
                 "window %d recaptured as generation %d (recapture %d of the run)",
@@ -158,7 +200,8 @@ class Claims:
             state = W.FAILED if attempts >= self.run.config.max_attempts else W.QUEUED
             states.move(
                 cur, W.CAPTURING, state, "window=?", (claim.window,),
-                also="last_error=?, claim_token=NULL, demand=1", also_params=(reason,),
+                also="last_error=?, claim_token=NULL, claim_rank=NULL, demand=1",
+                also_params=(reason,),
             )  # fmt: skip
         log.warning(
             "window %d capture failed (%s); attempt %d → %s",
@@ -166,7 +209,8 @@ class Claims:
         )  # fmt: skip
 
     def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
-        """Block while K windows are live; apply the lag policy. False on timeout.
+        """Block while there is no room (K windows live, or K − 1 and no consumer waits
+        for the reserved slot); apply the lag policy. False on timeout.
 
         While blocked, the run records since when (fanout.coord.waits.BLOCKED_SINCE),
         so `fanout status` can say "producer blocked at K by … since …"."""
@@ -175,12 +219,12 @@ class Claims:
         while True:
             self.roles.reclaim_lost()
             with self.run.write() as cur:
-                self.roles.check_producer(cur, preg.token)
+                self.roles.check_producer(cur, preg.token, preg.rank)
                 doomed = self.eviction.mark(cur, recover=True)
                 if not doomed:
-                    room = retention.has_capacity(cur, cfg.max_live_windows, extra=False)
+                    room = retention.has_capacity(cur, cfg.max_live_windows, reserved=False)
                     if not room:
-                        # The lag policy may make room below K before the extra slot is used.
+                        # The lag policy may make room before the reserved slot is used.
                         doomed = self._apply_lag_policy(cur)
                         room = not doomed and retention.has_capacity(cur, cfg.max_live_windows)
                     if room or not doomed:

@@ -1,4 +1,4 @@
-"""The coordinator: one database that hands out windows to one producer and N consumers.
+"""The coordinator: one database that hands out windows to M producer replicas and N consumers.
 
     from fanout.coord.coordinator import Coordinator, RunConfig
     coord = Coordinator.create("runs/demo", contract, RunConfig(max_live_windows=4))
@@ -51,23 +51,29 @@ from fanout.coord import postgresdb, reads, schema, sqlitedb, waits
 from fanout.coord.claims import Claims
 from fanout.coord.core import Location, RunDb
 from fanout.coord.eviction import Eviction
-from fanout.coord.leases import Claim, ConsumerReg, Lease, ProducerReg, PublishedLike, WindowFiles
+from fanout.coord.leases import (
+    Claim,
+    ConsumerReg,
+    Lease,
+    ProducerPlan,
+    ProducerReg,
+    PublishedLike,
+    WindowFiles,
+)
 from fanout.coord.leasing import Leasing
 from fanout.coord.retention import RunConfig
 from fanout.coord.roles import Roles
 from fanout.errors import ConfigError, CoordinatorBusy, NoCoordinator
 from fanout.filesystem import FileSystem
+from fanout.store.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
-DB_NAME = "coordinator.sqlite3"
-DB_POINTER = "coordinator.dbpath"  # written when --db-path puts the database elsewhere
-
-__all__ = ["DB_NAME", "DB_POINTER", "Coordinator", "Location", "RunConfig"]
+__all__ = ["Coordinator", "Location", "RunConfig"]
 
 
 def _root(run_dir: Any) -> Path:
-    """A run directory given as a path or as a fanout.store.store.RunDir."""
+    """A run directory given as a path or as a fanout.store.rundir.RunDir."""
     return Path(run_dir if isinstance(run_dir, (str, os.PathLike)) else run_dir.root).absolute()
 
 
@@ -108,10 +114,11 @@ class Coordinator:
     def resolve_db_path(root: Path, db_path: str | os.PathLike[str] | None) -> Location:
         """--db-path if given (a path, sqlite:///path or a postgresql:// URL), else what
         create() recorded in the run dir, else root/coordinator.sqlite3."""
-        if db_path is None and (root / DB_POINTER).is_file():
-            db_path = (root / DB_POINTER).read_text().strip()
+        rd = RunDir(root)
+        if db_path is None and rd.db_pointer.is_file():
+            db_path = rd.db_pointer.read_text().strip()
         if db_path is None:
-            return root / DB_NAME
+            return rd.database
         if postgresdb.is_url(db_path):
             return str(db_path)
         path = str(db_path)
@@ -164,10 +171,11 @@ class Coordinator:
                     f"{where}: a coordinator database already exists there; use open(), "
                     "or give this run its own ?schema=NAME"
                 )
-        if where != root / DB_NAME:
+        rd = RunDir(root)
+        if where != rd.database:
             # atomic: a torn pointer would send trainers to a database that is not there
-            FileSystem().write_atomic(root / DB_POINTER, f"{where}\n".encode())
-        contract.save(root / "contract.json")
+            FileSystem().write_atomic(rd.db_pointer, f"{where}\n".encode())
+        contract.save(rd.contract)
         schema.create_schema(
             conn,
             {
@@ -231,7 +239,7 @@ class Coordinator:
         """open(), or None while no producer has created the run yet (no database,
         its tables not committed, or the create holding it locked). For watchers
         (bench probes, reports, the chaos sampler) on either database: the run dir
-        records where the database is (DB_POINTER)."""
+        records where the database is (RunDir.db_pointer)."""
         try:
             return cls.open(run_dir, db_path=db_path)
         except (NoCoordinator, CoordinatorBusy):
@@ -240,18 +248,36 @@ class Coordinator:
     # ---- roles (fanout.coord.roles) ---------------------------------------------
 
     def register_producer(
-        self, contract: CaptureContract, owner: str = "", *, takeover: bool = False
+        self,
+        contract: CaptureContract,
+        owner: str = "",
+        *,
+        takeover: bool = False,
+        rank: int | None = 0,
+        plan: ProducerPlan | None = None,
     ) -> ProducerReg:
-        """Become the run's producer: fences the previous one and releases its claims.
-        RoleHeld while another live producer holds the run, unless `takeover`; a
-        crashed or finished one is replaced without asking."""
-        return self.roles.register_producer(contract, owner, takeover=takeover)
+        """Become the run's producer, or producer replica `rank` of `plan.replicas` (None:
+        the first free rank): fences that rank's previous holder and releases its
+        claims. RoleHeld while a live process holds it (every rank, for None), unless
+        `takeover`; a crashed or finished one is replaced without asking. PlanMismatch
+        when live replicas run with another data plan (`plan`)."""
+        return self.roles.register_producer(
+            contract, owner, takeover=takeover, rank=rank, plan=plan
+        )
 
-    def check_producer_role(self, takeover: bool = False) -> None:
-        """Raise RoleHeld now if a live producer holds the run (and not `takeover`): a
-        second producer learns it before it writes anything to the run dir."""
+    def check_producer_role(
+        self, takeover: bool = False, rank: int | None = 0, replicas: int = 1
+    ) -> None:
+        """Raise RoleHeld now if a live producer holds replica `rank` (None: every rank of
+        `replicas`) and not `takeover`: a second producer learns it before it writes
+        anything to the run dir."""
         if not takeover:
-            self.roles.check_producer_role()
+            self.roles.check_producer_role(rank, replicas)
+
+    def check_plan(self, rank: int, plan: ProducerPlan) -> None:
+        """PlanMismatch now if live producer replicas (other than `rank`) run with another
+        data plan: a replica learns it before it loads anything."""
+        self.roles.check_plan(rank, plan)
 
     def register_consumer(
         self,
@@ -294,10 +320,13 @@ class Coordinator:
 
     # ---- the producer's work (fanout.coord.claims) ------------------------------
 
-    def claim(self, preg: ProducerReg, end: int | None = None) -> Claim | None:
-        """Claim the next window to capture (demand first); None when at capacity or
-        the stream (the run's total_windows, or `end`) is fully produced."""
-        return self.claims.claim(preg, end)
+    def claim(
+        self, preg: ProducerReg, end: int | None = None, upto: int | None = None
+    ) -> Claim | None:
+        """Claim the next window to capture (demand first); None when at capacity, every
+        window is claimed, or the stream (the run's total_windows, or `end`) is fully
+        produced. `upto`: no new window past it for now (not an end)."""
+        return self.claims.claim(preg, end, upto)
 
     def renew(self, claim: Claim) -> None:
         """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
@@ -320,8 +349,9 @@ class Coordinator:
         return self.claims.blocked_by()
 
     def finish_producer(self, preg: ProducerReg, stream_end: int | None = None) -> None:
-        """A clean exit: state 'finished', claims released; `stream_end` (windows) ends
-        the stream by design, None (a signal) leaves it open for a restart."""
+        """A replica's clean exit: state 'finished', its claims released; `stream_end`
+        (windows) ends the stream by design (recorded once every window before it is
+        published), None (a signal) leaves it open for a restart."""
         self.claims.finish_producer(preg, stream_end)
 
     # ---- the consumers' work (fanout.coord.leasing) -----------------------------
@@ -378,6 +408,10 @@ class Coordinator:
         """(count, bytes) of the ready windows: what is on disk for trainers now."""
         return reads.ready_windows(self.conn)
 
+    def ready_stamps(self) -> list[float]:
+        """When each readable window was published (wall clock, oldest first)."""
+        return reads.ready_stamps(self.conn)
+
     def pending_windows(self) -> int:
         """Windows still to be captured (queued or capturing)."""
         return reads.pending_windows(self.conn)
@@ -394,6 +428,10 @@ class Coordinator:
     def consumers_registered(self) -> int:
         """Consumers that ever joined the run, in any state."""
         return reads.consumers_registered(self.conn)
+
+    def producer_replicas(self) -> list[dict[str, Any]]:
+        """Every producer replica rank that registered: state, holder, windows made."""
+        return reads.producer_replicas(self.conn)
 
     def audit(self) -> dict[str, Any]:
         """The database's integrity check and the run's end-state invariants, on

@@ -24,6 +24,8 @@ from fanout.contract import CaptureContract
 from fanout.coord import schema
 from fanout.coord.leases import WindowFiles
 from fanout.coord.retention import RunConfig
+from fanout.store.rundir import RunDir
+from fanout.store.streaminfo import window_span
 
 Location = Path | str  # a SQLite file, or a postgresql:// URL (without its password)
 
@@ -56,7 +58,7 @@ class RunDb:
         if self._store is None:
             # Imported lazily: `fanout status` must not pay for torch.
             from fanout.filesystem import FileSystem
-            from fanout.store.store import RunDir, Store
+            from fanout.store.store import Store
 
             self._store = Store(RunDir(self.root), FileSystem())
         return self._store
@@ -86,6 +88,6 @@ class RunDb:
         return None if row is None else row[0]
 
     def rows(self, window: int) -> tuple[int, int]:
-        """The stream rows [start, stop) window `window` holds."""
-        r = self.contract.window_rows
-        return (window * r, (window + 1) * r)
+        """The stream rows [start, stop) window `window` holds (a full window's: the
+        coordinator does not know where a stream ends; the window file does)."""
+        return window_span(window, self.contract.window_rows)

@@ -5,14 +5,23 @@
 
 fanout.coord.sqlitedb and fanout.coord.postgresdb are the two `Database`s; the
 tables they hold are fanout.coord.schema's. Kept apart from the schema so that the
-modules the schema is built from (fanout.coord.states) can name the seam too.
+modules the schema is built from (fanout.coord.states) can name the seam too, and
+the wall clock every stored stamp comes from (`wall`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+
+def wall() -> float:
+    """Wall-clock seconds, the one source of every stamp the coordinator stores (heartbeat
+    ages, "blocked since", updated_at): for people to read. Liveness decisions use a
+    process's own monotonic clock, never these (fanout.coord.liveness)."""
+    return time.time()
 
 
 class Sql(Protocol):

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fanout.coord import states
 from fanout.coord.core import RunDb
-from fanout.coord.retention import Doomed, finish_evicted, mark_evictable
+from fanout.coord.retention import Doomed, file_wanted, finish_evicted, mark_evictable
 from fanout.coord.schema import Sql
 
 
@@ -52,13 +51,8 @@ class Eviction:
 
     def wants_file(self, window: int, generation: int) -> bool:
         """For the sweeper: is window `window` generation `generation` ready or being
-        captured (states.WANTED_FILE), so that its file must stay?"""
-        row = self.run.conn.execute(
-            f"SELECT 1 FROM windows WHERE window=? AND generation=? AND state IN "
-            f"{states.sql_in(states.WANTED_FILE)}",
-            (window, generation),
-        ).fetchone()
-        return row is not None
+        captured (retention.file_wanted), so that its file must stay?"""
+        return file_wanted(self.run.conn, window, generation)
 
     def sweep(self) -> Any:
         """Finish interrupted evictions, then let the store remove debris and orphans."""

@@ -87,7 +87,7 @@ class Heartbeat:
 
     def _loop(self) -> None:
         coord = Coordinator.open(self.run_dir, **self.open_kwargs)
-        me = "producer" if isinstance(self.reg, ProducerReg) else self.reg.consumer_id
+        me = self.reg.role_id if isinstance(self.reg, ProducerReg) else self.reg.consumer_id
         try:
             while not self._stop.is_set():
                 try:

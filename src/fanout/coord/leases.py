@@ -26,8 +26,35 @@ class ConsumerReg:
 
 @dataclass(frozen=True, slots=True)
 class ProducerReg:
+    """A producer replica's registration: pass it to every producer-side call."""
+
     token: int
     owner: str
+    rank: int = 0  # its replica rank (0 .. replicas-1); 0 for a run's only producer
+
+    @property
+    def role_id(self) -> str:
+        """Its id among the roles the reclaimer watches (fanout.coord.roles)."""
+        return producer_id(self.rank)
+
+
+def producer_id(rank: int) -> str:
+    """`producer:r<rank>`: a producer replica's id in the reclaimer and in logs."""
+    return f"producer:r{rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerPlan:
+    """What every producer replica of a run must present besides the capture contract:
+    how many replicas there are and the data plan (flag → value, as text: `--epochs`,
+    `--max-windows`, ...). The first replica of a session records it; one that joins
+    live replicas with another plan is refused (PlanMismatch naming the flag)."""
+
+    replicas: int = 1
+    fields: tuple[tuple[str, str], ...] = ()
+
+    def as_dict(self) -> dict[str, str]:
+        return {"--replicas": str(self.replicas), **dict(self.fields)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +66,8 @@ class Claim:
     token: int  # claim fencing token
     producer_token: int
     rows: tuple[int, int]  # stream rows [start, stop)
+    rank: int = 0  # the producer replica holding it
+    end: int | None = None  # the stream's end as the claimer knew it (None: open)
 
 
 @dataclass(frozen=True, slots=True)

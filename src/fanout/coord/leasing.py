@@ -22,11 +22,11 @@ from collections.abc import Callable
 
 from fanout.coord import schema, states, waits
 from fanout.coord.core import RunDb
+from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
 from fanout.coord.leases import ConsumerReg, Lease
-from fanout.coord.liveness import wall
 from fanout.coord.roles import Roles
-from fanout.coord.states import W
+from fanout.coord.states import RoleState, W
 from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, StaleLease, WindowGone
 
 log = logging.getLogger("fanout.coord.coordinator")
@@ -172,24 +172,24 @@ class Leasing:
         """The consumer reached its own end (the stream's, --max-steps, --epochs): state
         'finished', leases dropped; its cursor stops holding windows back under every
         lag policy. A later --resume registers it again, as a late joiner."""
-        self._end(reg, "finished")
+        self._end(reg, RoleState.FINISHED)
 
     def stop(self, reg: ConsumerReg) -> None:
         """The consumer exits before its end (a signal, a timeout, a failed window):
         state 'stopped', leases dropped. Its cursor still holds windows back, as a lost
         one's does: a restart (--resume) continues there, `fanout detach` releases it."""
-        self._end(reg, "stopped")
+        self._end(reg, RoleState.STOPPED)
 
-    def _end(self, reg: ConsumerReg, state: str) -> None:
+    def _end(self, reg: ConsumerReg, state: RoleState) -> None:
         with self.run.write() as cur:
             self.roles.check_consumer(cur, reg.consumer_id, reg.token)
             cur.execute("DELETE FROM leases WHERE consumer=?", (reg.consumer_id,))
             cur.execute(
                 "UPDATE consumers SET state=?, hb_wall=? WHERE id=?",
-                (state, wall(), reg.consumer_id),
+                (state.value, wall(), reg.consumer_id),
             )
-            # a finished cursor no longer counts (retention.COUNTED_STATES): windows may go
-            doomed = self.eviction.mark(cur) if state == "finished" else []
+            # a finished cursor no longer counts (states.COUNTED): windows may go
+            doomed = self.eviction.mark(cur) if state not in states.COUNTED else []
         self.eviction.finish(doomed)
 
     def report_corrupt(self, lease: Lease, reason: str) -> None:

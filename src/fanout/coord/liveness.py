@@ -33,12 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-
-def wall() -> float:
-    """Wall-clock seconds, the one source of every stamp the coordinator stores (heartbeat
-    ages, "blocked since", updated_at): for people to read. Liveness decisions use a
-    process's own monotonic clock, never these (see above)."""
-    return time.time()
+from fanout.coord.database import wall
+from fanout.coord.states import RoleState
 
 
 class Reclaimer:
@@ -210,7 +206,7 @@ class RoleWatch:
         self.reason = ""
 
     def verdict(self, holder: Holder | None, me: ProcessInfo) -> Verdict:
-        if holder is None or holder.state != "active":
+        if holder is None or holder.state != RoleState.ACTIVE:
             self.reason = "not held"
             return "free"
         if holder.is_process(me):

@@ -16,7 +16,7 @@ from typing import Any
 
 from fanout.coord import states
 from fanout.coord.schema import Database, Sql
-from fanout.coord.states import W, sql_in
+from fanout.coord.states import RoleState, W, sql_in
 
 
 def ready_windows(cur: Sql) -> tuple[int, int]:
@@ -28,6 +28,13 @@ def ready_windows(cur: Sql) -> tuple[int, int]:
     return int(n), int(nbytes)
 
 
+def ready_stamps(cur: Sql) -> list[float]:
+    """Wall-clock stamps (for people and benchmarks) of when each readable window was
+    published, oldest first."""
+    q = f"SELECT updated_at FROM windows WHERE state IN {sql_in(states.READABLE)}"
+    return sorted(float(t) for (t,) in cur.execute(q).fetchall())
+
+
 def pending_windows(cur: Sql) -> int:
     """Windows still to be captured: queued (new, on demand, or retried) or capturing."""
     q = f"SELECT COUNT(*) FROM windows WHERE state IN {sql_in(states.PENDING)}"
@@ -36,8 +43,8 @@ def pending_windows(cur: Sql) -> int:
 
 def active_consumers_before(cur: Sql, cursor: int) -> int:
     """Active consumers whose cursor is below `cursor` (they may still demand windows)."""
-    q = "SELECT COUNT(*) FROM consumers WHERE state='active' AND cursor < ?"
-    return int(cur.execute(q, (cursor,)).fetchone()[0])
+    q = "SELECT COUNT(*) FROM consumers WHERE state=? AND cursor < ?"
+    return int(cur.execute(q, (RoleState.ACTIVE.value, cursor)).fetchone()[0])
 
 
 def consumers_registered(cur: Sql) -> int:
@@ -47,13 +54,27 @@ def consumers_registered(cur: Sql) -> int:
 
 def run_was_used(cur: Sql, owner: str) -> bool:
     """Did anything use this run beyond producer `owner` creating it: a window published
-    (or evicted since), a trainer joined, or another producer took the run over?"""
+    (or evicted since), a trainer joined, or another producer (a replica, or one that
+    took the run over) registered?"""
     published = cur.execute(
         f"SELECT COUNT(*) FROM windows WHERE state IN {sql_in(states.PUBLISHED)}"
     ).fetchone()[0]
     evictions = cur.execute("SELECT value FROM counters WHERE key='evictions'").fetchone()[0]
-    others = cur.execute("SELECT COUNT(*) FROM producer WHERE owner <> ?", (owner,)).fetchone()[0]
+    others = cur.execute("SELECT COUNT(*) FROM producers WHERE owner <> ?", (owner,)).fetchone()[0]
     return bool(published + int(evictions) + consumers_registered(cur) + others)
+
+
+def producer_replicas(cur: Sql) -> list[dict[str, Any]]:
+    """One dict per producer replica rank that ever registered, by rank: rank, state,
+    owner, host, pid, proc, heartbeats, hb_wall, made (windows published by that rank),
+    since_wall and made_since (its current incarnation's start and windows)."""
+    keys = ("rank", "state", "owner", "host", "pid", "proc", "heartbeats", "hb_wall", "made",
+            "since_wall", "made_since")  # fmt: skip
+    rows = cur.execute(
+        "SELECT rank, state, owner, host, pid, proc, hb_seq, hb_wall, made, since_wall, "
+        "made_since FROM producers ORDER BY rank"
+    ).fetchall()
+    return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
 def consumer_states(cur: Sql) -> dict[str, str]:
@@ -70,6 +91,7 @@ def counters(cur: Sql, keys: Iterable[str] | None = None) -> dict[str, int]:
 
 AUDIT_COUNTERS = (
     "recaptures", "evictions", "corrupt", "detaches", "reclaims", "next_window", "hw_windows",
+    "claims_reclaimed",
 )  # fmt: skip
 
 

@@ -11,11 +11,13 @@ fanout.coord.states'.
 
 Rules:
 - a ready window is evictable when at least `expected_consumers` consumers have
-  registered, every *counted* consumer (active, lost or stopped; not finished or
-  detached) has a cursor past it, and no lease holds it;
-- capacity: at most K windows are live (states.LIVE); one more
-  only for the window the slowest counted consumer waits on, else K ready
-  windows that it also needs would deadlock it;
+  registered, every *counted* consumer (states.COUNTED: active, lost or stopped; not
+  finished or detached) has a cursor past it, and no lease holds it;
+- capacity: at most K windows are live (states.LIVE), whatever claims them (every
+  producer replica together). The last of the K slots is reserved for the window the
+  slowest counted consumer waits on (evicted before it read it, queued again on
+  demand): the others may fill only K − 1, else K ready windows that it also needs
+  would deadlock it;
 - `recapture`: when blocked, an unleased ready window that the leading consumer
   has passed (so only consumers behind it need it) is evicted to make room: the
   one whose next reader is furthest behind it, never a window some consumer reads
@@ -33,10 +35,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.coord import states
 from fanout.coord.schema import Sql
-from fanout.coord.states import W
+from fanout.coord.states import RoleState, W
 
-# consumers whose cursors hold windows back: running, lost, or stopped cleanly mid-stream
-COUNTED_STATES = "('active','lost','stopped')"
+# consumers whose cursors hold windows back (states.COUNTED), as an SQL list
+COUNTED_STATES = states.sql_in(states.COUNTED)
 EVICTED_ROWS_KEPT = 64  # older evicted rows are deleted, so metadata stays flat forever
 _FAR = 1 << 62
 
@@ -50,7 +52,9 @@ class RunOptions(BaseModel):
     max_live_windows: int = Field(
         4,
         ge=2,
-        description="K: most window files that exist at once (ready, capturing or evicting).",
+        description="K: most window files that exist at once (ready, capturing or evicting), "
+        "across every producer replica; one of the K is kept for the window the slowest "
+        "consumer waits on after an eviction, so new windows fill K - 1.",
     )
     lag_policy: Literal["hold", "recapture", "detach"] = Field(
         "hold",
@@ -142,19 +146,42 @@ def finish_evicted(cur: Sql, windows: list[int]) -> int:
     return n
 
 
-def has_capacity(cur: Sql, max_live_windows: int, extra: bool = True) -> bool:
-    """May the producer claim one more window now? `extra`: count the K+1st slot that
-    only the window the slowest consumer waits for may use."""
-    live = cur.execute(
-        f"SELECT COUNT(*) FROM windows WHERE state IN {states.sql_in(states.LIVE)}"
-    ).fetchone()[0]
-    if live != max_live_windows or not extra:
-        return bool(live < max_live_windows)
+def live_windows(cur: Sql) -> int:
+    """Windows whose file may exist (states.LIVE): what K bounds."""
+    q = f"SELECT COUNT(*) FROM windows WHERE state IN {states.sql_in(states.LIVE)}"
+    return int(cur.execute(q).fetchone()[0])
+
+
+def reserved_window(cur: Sql) -> int | None:
+    """The window the slowest counted consumer waits on, when it is queued on demand
+    (evicted before that consumer read it): the one window the last of the K slots is
+    for. None when there is none."""
     low, _ = cursor_bounds(cur)
-    wanted = cur.execute(
-        "SELECT 1 FROM windows WHERE state=? AND demand=1 AND window=?", (W.QUEUED.value, low)
+    if low is None:
+        return None
+    row = cur.execute(
+        "SELECT window FROM windows WHERE state=? AND demand=1 AND window=?",
+        (W.QUEUED.value, low),
     ).fetchone()
-    return wanted is not None
+    return None if row is None else int(row[0])
+
+
+def claimable(cur: Sql, max_live_windows: int) -> Literal["any", "reserved", "none"]:
+    """What a producer replica may claim now: any window while fewer than K − 1 are
+    live; with K − 1 live, only the reserved one (`reserved_window`); nothing at K."""
+    live = live_windows(cur)
+    if live < max_live_windows - 1:
+        return "any"
+    if live < max_live_windows and reserved_window(cur) is not None:
+        return "reserved"
+    return "none"
+
+
+def has_capacity(cur: Sql, max_live_windows: int, reserved: bool = True) -> bool:
+    """May a producer replica claim a window now? `reserved`: the reserved slot counts
+    too (only for the slowest consumer's window)."""
+    room = claimable(cur, max_live_windows)
+    return room == "any" or (reserved and room == "reserved")
 
 
 def recapture_victim(cur: Sql) -> Doomed:
@@ -204,11 +231,33 @@ def recapture_victim(cur: Sql) -> Doomed:
 
 def _leader_has_work(cur: Sql, lead: int) -> bool:
     """Is the leading consumer's next window ready or being captured?"""
+    return file_wanted(cur, lead)
+
+
+def file_wanted(cur: Sql, window: int, generation: int | None = None) -> bool:
+    """Is window `window`'s file (of `generation`, or of its current one) wanted: ready
+    or being captured (states.WANTED_FILE)? The sweeper keeps a file only then, and the
+    recapture policy asks it of the leader's next window."""
+    gen = "" if generation is None else " AND generation=?"
     row = cur.execute(
-        f"SELECT 1 FROM windows WHERE window=? AND state IN {states.sql_in(states.WANTED_FILE)}",
-        (lead,),
+        f"SELECT 1 FROM windows WHERE window=?{gen} AND state IN "
+        f"{states.sql_in(states.WANTED_FILE)}",
+        (window,) if generation is None else (window, generation),
     ).fetchone()
     return row is not None
+
+
+def detach(cur: Sql, consumer_id: str, new_token: int, note: str) -> None:
+    """Detach a consumer: its leases dropped, state 'detached' under a new token (it is
+    fenced off: Detached on its next call), the note saying why, the `detaches`
+    counter. Its cursor no longer holds windows back. The one way any detach is made
+    (the detach lag policy, `fanout detach`)."""
+    cur.execute("DELETE FROM leases WHERE consumer=?", (consumer_id,))
+    cur.execute(
+        "UPDATE consumers SET state=?, token=?, note=? WHERE id=?",
+        (RoleState.DETACHED.value, new_token, note, consumer_id),
+    )
+    cur.execute("UPDATE counters SET value=value+1 WHERE key='detaches'")
 
 
 def detach_laggard(cur: Sql, new_token: int) -> tuple[str, int, int] | None:
@@ -228,10 +277,5 @@ def detach_laggard(cur: Sql, new_token: int) -> tuple[str, int, int] | None:
     if row is None:
         return None
     cid, cursor = str(row[0]), int(row[1])
-    cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
-    cur.execute(
-        "UPDATE consumers SET state='detached', token=?, note=? WHERE id=?",
-        (new_token, f"by the detach lag policy at cursor {cursor} (leader at {lead})", cid),
-    )
-    cur.execute("UPDATE counters SET value=value+1 WHERE key='detaches'")
+    detach(cur, cid, new_token, f"by the detach lag policy at cursor {cursor} (leader at {lead})")
     return cid, cursor, int(lead)

@@ -1,18 +1,23 @@
-"""Who may act on a run: registering the producer and the consumers, fencing, heartbeats,
-reclaiming the lost, detaching.
+"""Who may act on a run: registering the producer replicas and the consumers, fencing,
+heartbeats, reclaiming the lost, detaching.
 
     roles = Roles(run, eviction)             # a part of fanout.coord.coordinator.Coordinator
     reg = roles.register_consumer("b8", dp_rank=0)
+    p = roles.register_producer(contract, rank=None, plan=ProducerPlan(replicas=3))
     with run.write() as cur:
         cursor = roles.check_consumer(cur, reg.consumer_id, reg.token)   # fenced
 
-Roles are exclusive: the producer, and each consumer id `name:dp<rank>`, is held by
-one process at a time (fanout.coord.liveness decides who is live). A newcomer is
-refused with RoleHeld while a live process holds the role, unless it takes over;
-every registration takes a new token from one counter that never repeats, and every
+Roles are exclusive: each producer replica rank (0 .. replicas-1; a run's only producer
+is rank 0), and each consumer id `name:dp<rank>`, is held by one process at a time
+(fanout.coord.liveness decides who is live). A newcomer is refused with RoleHeld while
+a live process holds the role, unless it takes over; a producer asking for any rank
+(`rank=None`) takes the first free one and is refused only when every rank is held.
+Every registration takes a new token from one counter that never repeats, and every
 later call is checked against it (`check_producer`, `check_consumer`), so a process
 that was replaced, reclaimed as lost or detached gets StaleLease / RoleTaken /
-Detached and changes nothing.
+Detached and changes nothing. A replica that joins live replicas must present their
+data plan (PlanMismatch naming the flag); the first of a session records it and
+reopens a stream whose end was recorded (fanout.coord.waits).
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from fanout.contract import CaptureContract
-from fanout.coord import schema
+from fanout.coord import retention, schema, states, waits
 from fanout.coord.core import RunDb
+from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
-from fanout.coord.leases import ConsumerReg, ProducerReg
+from fanout.coord.leases import ConsumerReg, ProducerPlan, ProducerReg, producer_id
 from fanout.coord.liveness import (
     HOLDER_COLUMNS,
     Holder,
@@ -37,18 +43,30 @@ from fanout.coord.liveness import (
     RoleWatch,
     process_gone,
     this_process,
-    wall,
 )
-from fanout.coord.states import release_claims
-from fanout.errors import ConfigError, ContractMismatch, Detached, RoleHeld, RoleTaken, StaleLease
+from fanout.coord.states import RoleState, release_claims
+from fanout.errors import (
+    ConfigError,
+    ContractMismatch,
+    Detached,
+    PlanMismatch,
+    RoleHeld,
+    RoleTaken,
+    StaleLease,
+)
 
 log = logging.getLogger("fanout.coord.coordinator")
 T = TypeVar("T")
+Select = tuple[str, tuple[object, ...]]  # the statement that reads a role's holder
+PLAN = "plan"  # meta key: the data plan of the run's producer replicas (ProducerPlan)
+ACTIVE = RoleState.ACTIVE.value
 
-_PRODUCER = (f"SELECT {HOLDER_COLUMNS} FROM producer", ())
+
+def _producer_row(rank: int) -> Select:
+    return (f"SELECT {HOLDER_COLUMNS} FROM producers WHERE rank=?", (rank,))
 
 
-def _consumer_row(cid: str) -> tuple[str, tuple[object, ...]]:
+def _consumer_row(cid: str) -> Select:
     return (f"SELECT {HOLDER_COLUMNS} FROM consumers WHERE id=?", (cid,))
 
 
@@ -60,36 +78,106 @@ class Roles:
         self.reclaimer = Reclaimer(run.config.ttl_s, run.clock)
         self._watch: dict[str, RoleWatch] = {}  # what take_role saw, per role
 
-    @property
-    def producer_role(self) -> str:
-        return f"the producer of {self.run.root}"
+    def producer_role(self, rank: int, replicas: int = 1) -> str:
+        """What a refusal calls replica `rank`'s role."""
+        if replicas == 1 and rank == 0:
+            return f"the producer of {self.run.root}"
+        return f"producer replica {rank} of {self.run.root}"
 
     # ---- registering -------------------------------------------------------------
 
     def register_producer(
-        self, contract: CaptureContract, owner: str = "", *, takeover: bool = False
+        self,
+        contract: CaptureContract,
+        owner: str = "",
+        *,
+        takeover: bool = False,
+        rank: int | None = 0,
+        plan: ProducerPlan | None = None,
     ) -> ProducerReg:
-        """Become the run's producer: fences the previous one and releases its claims."""
+        """Become producer replica `rank` (None: the first free of `plan.replicas`):
+        fences that rank's previous holder and releases its claims (counted in
+        `claims_reclaimed`: another replica, or this one, captures them again)."""
         if contract != self.run.contract:
             raise ContractMismatch(self.run.contract.diff(contract), where="producer")
+        plan = plan or ProducerPlan()
+        if rank is not None and not 0 <= rank < plan.replicas:
+            raise ConfigError(
+                f"--replica-rank {rank}: must be below --replicas {plan.replicas} (0 .. "
+                f"{plan.replicas - 1})"
+            )
         owner = owner or f"pid {os.getpid()}"
 
-        def register(cur: schema.Sql, me: ProcessInfo) -> int:
+        def register(cur: schema.Sql, me: ProcessInfo, r: int) -> int:
+            self._join_plan(cur, r, plan)
             token = self.run.bump(cur, "next_token")
+            now = wall()
             cur.execute(
-                "INSERT INTO producer(id, token, hb_wall, state, owner, host, pid, proc) "
-                "VALUES (1, ?, ?, 'active', ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
-                "token=excluded.token, hb_wall=excluded.hb_wall, state='active', "
-                "owner=excluded.owner, host=excluded.host, pid=excluded.pid, proc=excluded.proc",
-                (token, wall(), owner, me.host, me.pid, me.proc),
+                "INSERT INTO producers(rank, token, hb_wall, state, owner, host, pid, proc, "
+                "since_wall) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(rank) DO UPDATE SET "
+                "token=excluded.token, hb_wall=excluded.hb_wall, state=excluded.state, "
+                "owner=excluded.owner, host=excluded.host, pid=excluded.pid, proc=excluded.proc, "
+                "since_wall=excluded.since_wall, made_since=0",
+                (r, token, now, ACTIVE, owner, me.host, me.pid, me.proc, now),
             )
-            release_claims(cur)
+            self.release_claims_of(cur, r)
             return token
 
-        token = self.take_role(self.producer_role, _PRODUCER, takeover, register)
-        self.reclaimer.own("producer")
-        log.info("producer %s registered (token %d)", owner, token)
-        return ProducerReg(token, owner)
+        ranks = [rank] if rank is not None else list(range(plan.replicas))
+        roles = [(self.producer_role(r, plan.replicas), _producer_row(r)) for r in ranks]
+        token, i = self.take_role(roles, takeover, register, labels=ranks)
+        got = ranks[i]
+        self.reclaimer.own(producer_id(got))
+        log.info("%s: %s registered (token %d)", roles[i][0], owner, token)
+        return ProducerReg(token, owner, got)
+
+    def _join_plan(self, cur: schema.Sql, rank: int, plan: ProducerPlan) -> None:
+        """PlanMismatch if other replicas are active with another data plan; the first
+        replica of a session (none other active) records its plan and reopens the
+        stream (fanout.coord.waits.reopen_stream)."""
+        live = self._plan_check(cur, rank, plan)
+        cur.execute("DELETE FROM meta WHERE key=?", (PLAN,))
+        cur.execute(
+            "INSERT INTO meta(key, value) VALUES (?, ?)", (PLAN, json.dumps(plan.as_dict()))
+        )
+        if not live:
+            waits.reopen_stream(cur)
+
+    def check_plan(self, rank: int, plan: ProducerPlan) -> None:
+        """PlanMismatch now if live replicas (other than `rank`) run another data plan."""
+        self._plan_check(self.run.conn, rank, plan)
+
+    def _plan_check(self, cur: schema.Sql, rank: int, plan: ProducerPlan) -> bool:
+        """PlanMismatch naming each differing flag when other replicas are active (a
+        process this host sees gone does not count) and recorded another plan; returns
+        whether any other replica is active."""
+        others = [
+            Holder(*row)
+            for row in cur.execute(
+                f"SELECT {HOLDER_COLUMNS} FROM producers WHERE rank<>? AND state=?", (rank, ACTIVE)
+            ).fetchall()
+        ]
+        live = [h for h in others if process_gone(h.proc, h.pid) is not True]
+        row = cur.execute("SELECT value FROM meta WHERE key=?", (PLAN,)).fetchone()
+        if not live or row is None:
+            return bool(live)
+        mine, theirs = plan.as_dict(), json.loads(row[0])
+        diff = {k: (theirs.get(k), mine.get(k)) for k in sorted(theirs.keys() | mine.keys())
+                if theirs.get(k) != mine.get(k)}  # fmt: skip
+        if diff:
+            raise PlanMismatch(
+                diff, where=f"producer replica {rank}, joining live replicas ({live[0]}, ...)"
+            )
+        return True
+
+    def release_claims_of(self, cur: schema.Sql, rank: int) -> int:
+        """Release replica `rank`'s claims (its process is gone, lost or replaced),
+        counted in `claims_reclaimed`."""
+        n = release_claims(cur, rank)
+        if n:
+            self.run.bump(cur, "claims_reclaimed", n)
+            log.warning("released %d claim(s) of %s for recapture", n, producer_id(rank))
+        return n
 
     def register_consumer(
         self,
@@ -116,76 +204,107 @@ class Roles:
             cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
             cur.execute(
                 "INSERT INTO consumers(id, expect, cursor, hb_wall, state, token, host, pid, proc) "
-                "VALUES (?, ?, ?, ?, 'active', ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
                 "expect=excluded.expect, cursor=excluded.cursor, hb_wall=excluded.hb_wall, "
-                "state='active', token=excluded.token, note=NULL, host=excluded.host, "
+                "state=excluded.state, token=excluded.token, note=NULL, host=excluded.host, "
                 "pid=excluded.pid, proc=excluded.proc",
-                (cid, expect_json, start, wall(), token, me.host, me.pid, me.proc),
+                (cid, expect_json, start, wall(), ACTIVE, token, me.host, me.pid, me.proc),
             )
             return ConsumerReg(cid, token, start)
 
-        reg = self.take_role(f"consumer {cid}", _consumer_row(cid), takeover, register)
+        reg, _ = self.take_role(
+            [(f"consumer {cid}", _consumer_row(cid))], takeover, lambda c, m, _i: register(c, m)
+        )
         self.reclaimer.own(cid)
         log.info("consumer %s registered at cursor %d (token %d)", cid, reg.cursor, reg.token)
         return reg
 
-    def check_free(self, role: str, select: tuple[str, tuple[object, ...]]) -> None:
-        """Raise RoleHeld now if a live process holds `role` (registers nothing)."""
-        self.take_role(role, select, False, lambda cur, me: None)
+    def check_free(self, roles: list[tuple[str, Select]]) -> None:
+        """Raise RoleHeld now if live processes hold every role of `roles` (registers
+        nothing)."""
+        self.take_role(roles, False, lambda cur, me, i: None)
 
-    def check_producer_role(self) -> None:
-        self.check_free(self.producer_role, _PRODUCER)
+    def check_producer_role(self, rank: int | None = 0, replicas: int = 1) -> None:
+        ranks = [rank] if rank is not None else list(range(replicas))
+        self.check_free([(self.producer_role(r, replicas), _producer_row(r)) for r in ranks])
 
     def check_consumer_role(self, cid: str) -> None:
-        self.check_free(f"consumer {cid}", _consumer_row(cid))
+        self.check_free([(f"consumer {cid}", _consumer_row(cid))])
 
     def take_role(
         self,
-        role: str,
-        select: tuple[str, tuple[object, ...]],
+        roles: list[tuple[str, Select]],
         takeover: bool,
-        register: Callable[[schema.Sql, ProcessInfo], T],
-    ) -> T:
-        """Run `register` in the write transaction that finds `role` free (RoleWatch).
+        register: Callable[[schema.Sql, ProcessInfo, int], T],
+        labels: list[int] | None = None,
+    ) -> tuple[T, int]:
+        """Run `register(cur, me, label)` in the write transaction that finds one of
+        `roles` (named, with the statement that reads its holder) free (RoleWatch): the
+        first free one, in order. Returns its result and that role's index.
 
-        Raises RoleHeld while another live process holds it, unless `takeover`. A
-        holder that exited on this host is replaced at once; one on another host once
-        its heartbeat counter stood still for ttl_s while we watched (no wall clocks).
+        Raises RoleHeld while live processes hold every one, unless `takeover` (which
+        takes the first). A holder that exited on this host is replaced at once; one on
+        another host once its heartbeat counter stood still for ttl_s while we watched
+        (no wall clocks).
         """
         me = this_process()
         # Kept per role: a check before a registration (check_producer_role) counts
         # toward the registration's own watch.
-        watch = self._watch.setdefault(role, RoleWatch(self.run.config.ttl_s))
+        watches = [self._watch.setdefault(r, RoleWatch(self.run.config.ttl_s)) for r, _ in roles]
+        labels = labels if labels is not None else list(range(len(roles)))
         waiting = False
         while True:
             with self.run.write() as cur:
-                row = cur.execute(*select).fetchone()
-                holder = None if row is None else Holder(*row)
-                verdict = watch.verdict(holder, me)
-                if verdict == "free" or takeover:
-                    if verdict != "free":
-                        log.warning("%s: taking over from %s (--takeover)", role, holder)
-                    elif holder is not None and holder.state == "active":
-                        log.info("%s: replacing %s: %s", role, holder, watch.reason)
-                    return register(cur, me)
-                if verdict == "held":
-                    assert holder is not None
-                    del self._watch[role]  # a later try watches afresh
-                    raise RoleHeld(self._held_message(role, holder, watch.reason))
+                holders: list[Holder | None] = []
+                verdicts = []
+                for (_role, select), watch in zip(roles, watches, strict=True):
+                    row = cur.execute(*select).fetchone()
+                    holders.append(None if row is None else Holder(*row))
+                    verdicts.append(watch.verdict(holders[-1], me))
+                pick = next((i for i, v in enumerate(verdicts) if v == "free"), None)
+                if pick is None and takeover:
+                    pick = 0
+                    log.warning("%s: taking over from %s (--takeover)", roles[0][0], holders[0])
+                if pick is not None:
+                    holder = holders[pick]
+                    if verdicts[pick] == "free" and holder is not None and holder.state == ACTIVE:
+                        log.info(
+                            "%s: replacing %s: %s", roles[pick][0], holder, watches[pick].reason
+                        )
+                    return register(cur, me, labels[pick]), pick
+                if all(v == "held" for v in verdicts):
+                    for role, _ in roles:
+                        del self._watch[role]  # a later try watches afresh
+                    raise RoleHeld(
+                        "; ".join(
+                            self._held_message(role, h, w.reason, last=i == len(roles) - 1)
+                            for i, ((role, _), h, w) in enumerate(
+                                zip(roles, holders, watches, strict=True)
+                            )
+                            if h is not None
+                        )
+                    )
             if not waiting:
                 waiting = True
+                watched = [(r, h) for (r, _), h, v in zip(roles, holders, verdicts, strict=True)
+                           if v == "watch"]  # fmt: skip
                 log.warning(
                     "%s is registered to %s (on another host, or not heartbeating): waiting "
                     "up to %g s (ttl_s) to see whether its heartbeat moves",
-                    role, holder, self.run.config.ttl_s,
+                    watched[0][0], watched[0][1], self.run.config.ttl_s,
                 )  # fmt: skip
             self.run.wait_change(None, max_s=0.2)
 
-    def _held_message(self, role: str, holder: Holder, reason: str) -> str:
+    def _held_message(self, role: str, holder: Holder, reason: str, last: bool = True) -> str:
         ttl = self.run.config.ttl_s
-        return (
+        held = (
             f"{role} is held by {holder} (last heartbeat {wall() - holder.hb_wall:.1f} s ago; "
-            f"{reason}); refusing to start a second one. To replace it, stop that process, or "
+            f"{reason})"
+        )
+        if not last:
+            return held
+        return (
+            f"{held}; refusing to start a second one. To replace it, stop that process, or "
             "start this one with --takeover (the other is then fenced off and exits). A "
             "holder that stopped or crashed is replaced without --takeover: at once when it "
             f"ran on this host, else once its heartbeat has not moved for ttl_s = {ttl:g} s"
@@ -193,14 +312,14 @@ class Roles:
 
     # ---- fencing -----------------------------------------------------------------
 
-    def check_producer(self, cur: schema.Sql, token: int) -> None:
-        """Raise StaleLease / RoleTaken unless `token` is the active producer's."""
-        row = cur.execute(*_PRODUCER).fetchone()
+    def check_producer(self, cur: schema.Sql, token: int, rank: int = 0) -> None:
+        """Raise StaleLease / RoleTaken unless `token` is replica `rank`'s, active."""
+        row = cur.execute(*_producer_row(rank)).fetchone()
         if row is None:
-            raise StaleLease(f"producer token {token}: no producer is registered")
+            raise StaleLease(f"producer token {token}: no producer replica {rank} is registered")
         holder = Holder(*row)
-        if holder.token != token or holder.state != "active":
-            raise self._fenced(self.producer_role, token, holder)
+        if holder.token != token or holder.state != ACTIVE:
+            raise self._fenced(self.producer_role(rank), token, holder)
 
     def check_consumer(self, cur: schema.Sql, cid: str, token: int) -> int:
         """Return the consumer's cursor; raise Detached / StaleLease if fenced off."""
@@ -210,9 +329,11 @@ class Roles:
         if row is None:
             raise StaleLease(f"consumer {cid} is not registered")
         cursor, note, holder = row[0], row[1], Holder(*row[2:])
-        if holder.state == "detached" and (holder.pid is None or holder.is_process(this_process())):
+        if holder.state == RoleState.DETACHED and (
+            holder.pid is None or holder.is_process(this_process())
+        ):
             raise Detached(f"consumer {cid} was detached ({note})")
-        if holder.token != token or holder.state != "active":
+        if holder.token != token or holder.state != ACTIVE:
             raise self._fenced(f"consumer {cid}", token, holder)
         return int(cursor)
 
@@ -228,14 +349,14 @@ class Roles:
                 "no further calls are accepted"
             )
         mine = holder.is_process(this_process())
-        if not mine and not (holder.state == "lost" and holder.pid is None):
-            now = {"active": "holds it now"}.get(holder.state, f"is now {holder.state}")
+        if not mine and not (holder.state == RoleState.LOST and holder.pid is None):
+            now = "holds it now" if holder.state == ACTIVE else f"is now {holder.state}"
             return RoleTaken(
                 f"{role}: another process took this role: {holder} registered it after this "
                 f"process and {now} (token {token} is stale, the role's is {holder.token}). "
                 "This process is fenced off and stops here; nothing it does changes the run"
             )
-        if holder.state != "lost":
+        if holder.state != RoleState.LOST:
             return StaleLease(
                 f"{role}: token {token} is stale: this same process registered the role again "
                 f"(token {holder.token}); the older registration is fenced off"
@@ -253,8 +374,11 @@ class Roles:
         """Prove liveness (increments the heartbeat counter). Fenced."""
         with self.run.write() as cur:
             if isinstance(reg, ProducerReg):
-                self.check_producer(cur, reg.token)
-                cur.execute("UPDATE producer SET hb_seq=hb_seq+1, hb_wall=?", (wall(),))
+                self.check_producer(cur, reg.token, reg.rank)
+                cur.execute(
+                    "UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=?",
+                    (wall(), reg.rank),
+                )
             else:
                 self.check_consumer(cur, reg.consumer_id, reg.token)
                 cur.execute(
@@ -264,29 +388,35 @@ class Roles:
 
     def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
         """Declare lost every process whose heartbeat counter stood still for ttl_s
-        on this process's own clock; release its leases/claims and fence it."""
-        rows = self.run.conn.execute(
-            "SELECT id, token, hb_seq FROM consumers WHERE state='active' UNION ALL "
-            "SELECT 'producer', token, hb_seq FROM producer WHERE state='active'"
+        on this process's own clock; release its leases/claims and fence it. Producer
+        replicas are `producer:r<rank>` here (leases.producer_id)."""
+        consumers = self.run.conn.execute(
+            "SELECT id, token, hb_seq FROM consumers WHERE state=?", (ACTIVE,)
         ).fetchall()
-        lost = self.reclaimer.observe([(r[0], r[1], r[2]) for r in rows], exclude)
+        producers = self.run.conn.execute(
+            "SELECT rank, token, hb_seq FROM producers WHERE state=?", (ACTIVE,)
+        ).fetchall()
+        ranks = {producer_id(int(r)): int(r) for r, _, _ in producers}
+        rows = [(str(c), int(t), int(q)) for c, t, q in consumers]
+        rows += [(producer_id(int(r)), int(t), int(q)) for r, t, q in producers]
+        lost = self.reclaimer.observe(rows, exclude)
         done = []
         for pid, token, seq in lost:
             with self.run.write() as cur:
                 new = self.run.bump(cur, "next_token")
-                if pid == "producer":
+                if pid in ranks:
                     n = cur.execute(
-                        "UPDATE producer SET state='lost', token=? WHERE token=? AND hb_seq=? "
-                        "AND state='active'",
-                        (new, token, seq),
+                        "UPDATE producers SET state=?, token=? WHERE rank=? AND token=? AND "
+                        "hb_seq=? AND state=?",
+                        (RoleState.LOST.value, new, ranks[pid], token, seq, ACTIVE),
                     ).rowcount
                     if n:
-                        release_claims(cur)
+                        self.release_claims_of(cur, ranks[pid])
                 else:
                     n = cur.execute(
-                        "UPDATE consumers SET state='lost', token=? WHERE id=? AND token=? AND "
-                        "hb_seq=? AND state='active'",
-                        (new, pid, token, seq),
+                        "UPDATE consumers SET state=?, token=? WHERE id=? AND token=? AND "
+                        "hb_seq=? AND state=?",
+                        (RoleState.LOST.value, new, pid, token, seq, ACTIVE),
                     ).rowcount
                     if n:
                         cur.execute("DELETE FROM leases WHERE consumer=?", (pid,))
@@ -321,10 +451,10 @@ class Roles:
                 )
             for row in mine:
                 cid, cursor, holder = str(row[0]), int(row[1]), Holder(*row[2:])
-                if holder.state in ("detached", "finished"):
+                if holder.state in states.RELEASED:
                     done.append(f"{cid}: already {holder.state}; it holds nothing back")
                     continue
-                live = holder.state == "active" and not process_gone(holder.proc, holder.pid)
+                live = holder.state == ACTIVE and not process_gone(holder.proc, holder.pid)
                 if live and not force:
                     raise ConfigError(
                         f"consumer {cid} of {self.run.root} is active ({holder}, last heartbeat "
@@ -332,15 +462,14 @@ class Roles:
                         "SIGTERM: it saves a checkpoint and exits), or pass --force to detach "
                         "it anyway (it is fenced off and exits 3)"
                     )
-                was = "active" if live else ("lost" if holder.state == "active" else holder.state)
+                was = (
+                    ACTIVE
+                    if live
+                    else (RoleState.LOST.value if holder.state == ACTIVE else holder.state)
+                )
                 when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
                 note = f"by `fanout detach` at {when}; was {was} at cursor {cursor}"
-                cur.execute("DELETE FROM leases WHERE consumer=?", (cid,))
-                cur.execute(
-                    "UPDATE consumers SET state='detached', token=?, note=? WHERE id=?",
-                    (self.run.bump(cur, "next_token"), note, cid),
-                )
-                self.run.bump(cur, "detaches")
+                retention.detach(cur, cid, self.run.bump(cur, "next_token"), note)
                 done.append(f"{cid}: detached ({note})")
             doomed = self.eviction.mark(cur)
         self.eviction.finish(doomed)

@@ -15,9 +15,10 @@ backend translates placeholders and quotes the column `window`, a reserved word
 there. Only the DDL's types differ (`DDL.format(**DIALECTS[...])`).
 
 The schema is versioned (`meta.schema_version`); versions 1 (counters kept in
-`meta`) and 2 (no role holders, no 'stopped' consumers) are migrated in place,
-anything else unknown is refused with
-`SchemaVersionError` instead of being guessed at.
+`meta`), 2 (no role holders, no 'stopped' consumers) and 3 (one producer row, no
+replicas) are migrated in place, one step at a time, each in one transaction;
+anything else unknown is refused with `SchemaVersionError` instead of being
+guessed at.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from fanout.coord.database import Database as Database  # the seam, named here t
 from fanout.coord.database import Sql as Sql
 from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Integer counters (table `counters`): id sources (never reused) and what `fanout status` reports.
+# `reclaims`: processes declared lost; `claims_reclaimed`: windows a producer replica had
+# claimed and lost (it died, was declared lost or was replaced), captured again by another.
 COUNTERS = (
     "next_window", "next_generation", "next_token", "recaptures", "evictions",
-    "corrupt", "detaches", "reclaims", "hw_windows", "hw_bytes",
+    "corrupt", "detaches", "reclaims", "hw_windows", "hw_bytes", "claims_reclaimed",
 )  # fmt: skip
 
 # Types per dialect. PostgreSQL's INTEGER is 32-bit and its REAL 32-bit float: byte
@@ -55,6 +58,7 @@ CREATE TABLE windows(
   generation {int} NOT NULL DEFAULT 0,     -- of the current/last capture (fencing)
   demand     {int} NOT NULL DEFAULT 0,     -- 1: a consumer waits for it (recapture)
   claim_token {int},                       -- producer's claim while capturing
+  claim_rank {int},                        -- the replica that holds that claim (schema 4)
   name       TEXT, path TEXT, nbytes {int} NOT NULL DEFAULT 0, checksum TEXT,
   captures   {int} NOT NULL DEFAULT 0,     -- completed captures (>1 = recaptured)
   attempts   {int} NOT NULL DEFAULT 0,     -- failed attempts since last success
@@ -68,7 +72,7 @@ CREATE TABLE consumers(
   cursor     {int} NOT NULL,               -- next window it needs
   hb_seq     {int} NOT NULL DEFAULT 0,     -- heartbeat counter (liveness)
   hb_wall    {real} NOT NULL,              -- wall clock of last heartbeat, display only
-  state      TEXT NOT NULL CHECK (state IN ('active','lost','finished','stopped','detached')),
+  state      TEXT NOT NULL CHECK (state IN {consumer_states}), -- states.RoleState
   token      {int} NOT NULL,               -- epoch token (fencing)
   note       TEXT,
   host       TEXT,                         -- who holds the role (schema 3)
@@ -85,16 +89,19 @@ CREATE TABLE leases(
 );
 CREATE UNIQUE INDEX leases_by_consumer ON leases(consumer, window);
 CREATE INDEX leases_by_window ON leases(window);
-CREATE TABLE producer(
-  id      {int} PRIMARY KEY CHECK (id = 1),
+CREATE TABLE producers(
+  rank    {int} PRIMARY KEY,               -- replica rank 0 .. replicas-1 (schema 4)
   token   {int} NOT NULL,
   hb_seq  {int} NOT NULL DEFAULT 0,
   hb_wall {real} NOT NULL,
-  state   TEXT NOT NULL CHECK (state IN ('active','lost','finished')),
+  state   TEXT NOT NULL CHECK (state IN {producer_states}), -- states.RoleState
   owner   TEXT NOT NULL,
-  host    TEXT,                            -- who holds the role (schema 3), as in consumers
+  host    TEXT,                            -- who holds the role, as in consumers
   pid     {int},
-  proc    TEXT
+  proc    TEXT,
+  made    {int} NOT NULL DEFAULT 0,        -- windows this rank published, every incarnation
+  since_wall {real} NOT NULL,              -- when this incarnation registered (display)
+  made_since {int} NOT NULL DEFAULT 0      -- windows it published since then (its rate)
 );
 """
 
@@ -117,8 +124,18 @@ def drop_tables(db: Database, keep_if: Callable[[Sql], bool] | None = None) -> b
 
 
 def statements(dialect: str) -> list[str]:
-    ddl = DDL.format(**DIALECTS[dialect], window_states=states.sql_in(states.W))
+    ddl = DDL.format(
+        **DIALECTS[dialect],
+        window_states=states.sql_in(states.W),
+        consumer_states=states.sql_in(states.CONSUMER_STATES),
+        producer_states=states.sql_in(states.PRODUCER_STATES),
+    )
     return [s for s in ddl.split(";") if s.strip()]
+
+
+def _statement(dialect: str, table: str) -> str:
+    """The CREATE TABLE statement of `table` (for migrations)."""
+    return next(st for st in statements(dialect) if f"TABLE {table}(" in st)
 
 
 def create_schema(db: Database, meta: dict[str, object]) -> None:
@@ -163,7 +180,7 @@ def _migrate_v2(db: Database) -> None:
         row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if str(row[0]) != "2":
             return  # another process migrated it first
-        create = next(st for st in statements(db.dialect) if "TABLE consumers(" in st)
+        create = _statement(db.dialect, "consumers")
         cur.execute(create.replace("TABLE consumers(", "TABLE consumers_v3("))
         cols = _V2_CONSUMER_COLUMNS
         cur.execute(f"INSERT INTO consumers_v3({cols}) SELECT {cols} FROM consumers")
@@ -175,8 +192,33 @@ def _migrate_v2(db: Database) -> None:
         cur.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
 
 
+_V3_PRODUCER_COLUMNS = "token, hb_seq, hb_wall, state, owner, host, pid, proc"
+
+
+def _migrate_v3(db: Database) -> None:
+    """Version 4 runs producer replicas: `producer` (one row, id 1) becomes `producers`
+    (one row per replica rank; the old row is rank 0's), every claim records its
+    replica (`windows.claim_rank`: rank 0's for a claim in flight), and the counter
+    `claims_reclaimed` is added."""
+    with db.write() as cur:
+        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if str(row[0]) != "3":
+            return  # another process migrated it first
+        cur.execute(_statement(db.dialect, "producers"))
+        cols = _V3_PRODUCER_COLUMNS
+        cur.execute(
+            f"INSERT INTO producers(rank, {cols}, since_wall) SELECT 0, {cols}, hb_wall "
+            "FROM producer"
+        )
+        cur.execute("DROP TABLE producer")
+        cur.execute(f"ALTER TABLE windows ADD COLUMN claim_rank {DIALECTS[db.dialect]['int']}")
+        cur.execute("UPDATE windows SET claim_rank=0 WHERE claim_token IS NOT NULL")
+        cur.execute("INSERT INTO counters(key, value) VALUES ('claims_reclaimed', 0)")
+        cur.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+
+
 def check_schema(db: Database) -> None:
-    """Raise unless the database has SCHEMA_VERSION (after migrating 1): NoCoordinator
+    """Raise unless the database has SCHEMA_VERSION (after migrating 1, 2, 3): NoCoordinator
     when it has no tables yet (being created), NotACoordinatorDatabase when its tables
     are not fanout's, SchemaVersionError for a version this code does not know."""
     tables = db.table_names()
@@ -197,6 +239,9 @@ def check_schema(db: Database) -> None:
         version = "2"
     if version == "2":
         _migrate_v2(db)
+        version = "3"
+    if version == "3":
+        _migrate_v3(db)
         version = str(SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION):
         raise SchemaVersionError(

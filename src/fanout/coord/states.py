@@ -1,4 +1,4 @@
-"""A window's life: its states, the moves between them, and the named sets of states.
+"""A window's life (its states, the moves between them, the named sets) and the roles' states.
 
     from fanout.coord import states
     from fanout.coord.states import W
@@ -20,6 +20,11 @@ and the named sets from here.
 
 A window that failed `max_attempts` captures stays failed: the consumers that
 need it get WindowGone.
+
+The processes that hold roles (consumers, producer replicas) have states too
+(`RoleState`): one enum, with the named sets each table allows and the consumers
+whose cursors hold windows back (`COUNTED`). Their writes carry these values as
+parameters; no module spells a role state as a literal.
 """
 
 from __future__ import annotations
@@ -27,8 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
 
-from fanout.coord.database import Sql
-from fanout.coord.liveness import wall
+from fanout.coord.database import Sql, wall
 from fanout.errors import IllegalTransition
 
 
@@ -70,7 +74,25 @@ assert all(s in EVICTABLE for s, d in TRANSITIONS if d == W.EVICTING)
 assert not any(s in TERMINAL for s, _ in TRANSITIONS)
 
 
-def sql_in(states: Iterable[W]) -> str:
+class RoleState(StrEnum):
+    """The state of a role's holder, as `consumers.state` and `producers.state` store it."""
+
+    ACTIVE = "active"  # registered and heartbeating: it holds the role
+    LOST = "lost"  # its heartbeat counter stood still for ttl_s: fenced off, role free
+    FINISHED = "finished"  # a clean exit at its own end (a producer: any clean exit)
+    STOPPED = "stopped"  # a consumer that exited cleanly before its end
+    DETACHED = "detached"  # a consumer released by the detach lag policy or `fanout detach`
+
+
+CONSUMER_STATES = tuple(RoleState)  # what `consumers.state` may hold
+PRODUCER_STATES = (RoleState.ACTIVE, RoleState.LOST, RoleState.FINISHED)  # `producers.state`
+# consumers whose cursors hold windows back: running, lost, or stopped cleanly mid-stream
+COUNTED = (RoleState.ACTIVE, RoleState.LOST, RoleState.STOPPED)
+RELEASED = (RoleState.FINISHED, RoleState.DETACHED)  # a consumer that holds nothing back
+assert set(COUNTED) | set(RELEASED) == set(CONSUMER_STATES)
+
+
+def sql_in(states: Iterable[W | RoleState]) -> str:
     """`('ready','capturing')`: a set of states as an SQL list (enum values, never input)."""
     return "(" + ",".join(f"'{s.value}'" for s in states) + ")"
 
@@ -119,10 +141,14 @@ def move_windows(
     return move(cur, src, dst, f"window IN ({','.join('?' * len(windows))})", windows, also=also)
 
 
-def release_claims(cur: Sql) -> None:
-    """Requeue every window being captured, with demand: it is captured again first,
-    under a new generation (the producer that claimed it is gone, finished or replaced)."""
-    move(cur, W.CAPTURING, W.QUEUED, "1=1", also="demand=1, claim_token=NULL")
+def release_claims(cur: Sql, rank: int) -> int:
+    """Requeue every window producer replica `rank` is capturing, with demand: it is
+    captured again first, under a new generation (that replica is gone, finished or
+    replaced). Returns how many were released."""
+    return move(
+        cur, W.CAPTURING, W.QUEUED, "claim_rank=?", (rank,),
+        also="demand=1, claim_token=NULL, claim_rank=NULL",
+    )  # fmt: skip
 
 
 def insert_queued(cur: Sql, window: int, demand: bool) -> None:

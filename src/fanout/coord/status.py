@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.coord import waits
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.liveness import process_gone, wall
-from fanout.coord.states import W
+from fanout.coord.database import wall
+from fanout.coord.liveness import process_gone
+from fanout.coord.states import RoleState, W
 from fanout.flags import add_model_flags, flag_options, model_from_args
 
 
@@ -111,9 +112,40 @@ def shown_state(state: str, age_s: float, ttl_s: float, proc: str | None, pid: i
     """What status shows for a process the database records in `state`: an 'active' one
     that is gone from this host, or whose heartbeat is older than ttl, is `lost` (for
     people: the reclaimer decides by the heartbeat counter, not by wall clocks)."""
-    if state == "active" and (process_gone(proc, pid) or age_s > ttl_s):
-        return "lost"
+    if state == RoleState.ACTIVE and (process_gone(proc, pid) or age_s > ttl_s):
+        return RoleState.LOST.value
     return state
+
+
+def _replica(p: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
+    """One producer replica as `status --json` lists it: who, its state, windows made
+    (by that rank, every incarnation) and its rate (this incarnation's windows over its
+    time registered, up to now or its exit)."""
+    shown = shown_state(p["state"], now - p["hb_wall"], ttl, p["proc"], p["pid"])
+    until = now if shown == RoleState.ACTIVE else p["hb_wall"]
+    secs = until - p["since_wall"]
+    return {
+        "rank": p["rank"],
+        "state": shown,
+        "recorded_state": p["state"],
+        "owner": p["owner"],
+        "host": p["host"],
+        "pid": p["pid"],
+        "heartbeats": p["heartbeats"],
+        "heartbeat_age_s": round(now - p["hb_wall"], 3),
+        "windows": p["made"],
+        "windows_per_s": round(p["made_since"] / secs, 4) if secs > 0 else None,
+    }
+
+
+def _producer(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The producer side as one line: active if any replica is, else lost if any is,
+    else finished; the details of the first replica in that state."""
+    for state in (RoleState.ACTIVE, RoleState.LOST, RoleState.FINISHED):
+        mine = [r for r in replicas if r["state"] == state]
+        if mine:
+            return {**mine[0], "replicas": len(replicas)}
+    return {"state": "none"}
 
 
 def snapshot(co: Coordinator) -> dict[str, Any]:
@@ -154,20 +186,8 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
             "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
         )
     ]
-    prod = q("SELECT state, owner, hb_seq, hb_wall, host, pid, proc FROM producer").fetchone()
-    producer = (
-        {"state": "none"}
-        if prod is None
-        else {
-            "state": shown_state(prod[0], now - prod[3], ttl, prod[6], prod[5]),
-            "recorded_state": prod[0],
-            "owner": prod[1],
-            "host": prod[4],
-            "pid": prod[5],
-            "heartbeats": prod[2],
-            "heartbeat_age_s": round(now - prod[3], 3),
-        }
-    )
+    replicas = [_replica(p, now, ttl) for p in co.producer_replicas()]
+    producer = _producer(replicas)
     cfg = co.config
     return {
         "run_dir": str(co.root),
@@ -193,14 +213,20 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
         "corrupt": int(co.meta("corrupt")),
         "detaches": int(co.meta("detaches")),
         "reclaims": int(co.meta("reclaims")),
+        "claims_reclaimed": int(co.meta("claims_reclaimed")),
         "producer": producer,
+        "replicas": replicas,
     }
 
 
 def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
     """Who holds an active producer at K (fanout.coord.waits), None while it is not."""
     since = waits.blocked_since(co.conn)
-    if producer_state != "active" or since is None or not waits.is_blocked(co.conn, co.config):
+    if (
+        producer_state != RoleState.ACTIVE
+        or since is None
+        or not waits.is_blocked(co.conn, co.config)
+    ):
         return None
     now = wall()
     text, _ = waits.block_text(co.conn, co.config)
@@ -218,7 +244,7 @@ def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
 def _producer_line(s: dict[str, Any]) -> list[str]:
     p, cfg = s["producer"], s["config"]
     lines = [f"producer {p['state']}" + _producer_detail(p)]
-    if p["state"] == "finished":
+    if p["state"] == RoleState.FINISHED:
         end, total = s["stream_end"], cfg["total_windows"]
         if end is None and total is not None and s["produced_windows"] >= total:
             end = total  # a run from before stream ends were recorded
@@ -246,9 +272,37 @@ def _mib(n: int) -> str:
 def _producer_detail(p: dict[str, Any]) -> str:
     if "owner" not in p:
         return ""
-    who = f"{p['host']}:{p['pid']}" if p["pid"] is not None else p["owner"]
-    when = {"finished": "exited", "lost": "last heartbeat"}.get(p["state"], "heartbeat")
-    return f"  {who}  {when} {p['heartbeat_age_s']:.1f}s ago"
+    if p["replicas"] > 1:
+        return f"  {p['replicas']} replicas (below)"
+    return f"  {_who(p)}  {_when(p)}  made {p['windows']} windows" + _rate(p)
+
+
+def _who(p: dict[str, Any]) -> str:
+    return f"{p['host']}:{p['pid']}" if p["pid"] is not None else str(p["owner"])
+
+
+def _when(p: dict[str, Any]) -> str:
+    when = {RoleState.FINISHED: "exited", RoleState.LOST: "last heartbeat"}.get(
+        RoleState(p["state"]), "heartbeat"
+    )
+    return f"{when} {p['heartbeat_age_s']:.1f}s ago"
+
+
+def _rate(p: dict[str, Any]) -> str:
+    return "" if p["windows_per_s"] is None else f" ({p['windows_per_s']:.2f}/s)"
+
+
+def _replica_lines(s: dict[str, Any]) -> list[str]:
+    """The replicas' table (only when the run has more than one)."""
+    if len(s["replicas"]) < 2:
+        return []
+    lines = [f"{'replica':>7} {'state':<9} {'holder':<22} {'windows':>7} {'rate':>10}  heartbeat"]
+    for r in s["replicas"]:
+        rate = "-" if r["windows_per_s"] is None else f"{r['windows_per_s']:.3f}/s"
+        lines.append(
+            f"{r['rank']:>7} {r['state']:<9} {_who(r):<22} {r['windows']:>7} {rate:>10}  {_when(r)}"
+        )
+    return lines
 
 
 def _layers(ids: list[int]) -> str:
@@ -284,8 +338,10 @@ def format_table(s: dict[str, Any]) -> str:
         f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
         f"({s['high_water']['windows']} windows)",
         f"events   recaptures {s['recaptures']} (windows published again)  "
-        f"corrupt {s['corrupt']}  detaches {s['detaches']}  reclaims {s['reclaims']}",
+        f"corrupt {s['corrupt']}  detaches {s['detaches']}  reclaims {s['reclaims']}  "
+        f"reclaimed claims {s['claims_reclaimed']}",
         *_producer_line(s),
+        *_replica_lines(s),
         "",
         f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
         f"{'holder':<22} {'layers':<16} leases",

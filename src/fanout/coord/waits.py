@@ -24,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fanout.coord import retention, states
-from fanout.coord.liveness import wall
+from fanout.coord.database import wall
 from fanout.coord.retention import RunConfig
 from fanout.coord.schema import Sql
-from fanout.coord.states import W
+from fanout.coord.states import RoleState, W
 
-STREAM_END = "stream_end"  # meta key: windows [0, N) are the stream (a producer ended it)
+STREAM_END = "stream_end"  # meta key: windows [0, N) are the stream (recorded once, complete)
 BLOCKED_SINCE = "blocked_since"  # meta key: wall clock since the producer is blocked at K
 
 
@@ -44,8 +44,12 @@ class Holding:
 
     def describe(self, now: float) -> str:
         age = max(0.0, now - self.since_wall)
-        when = {"active": "heartbeat", "stopped": "stopped", "lost": "last heartbeat"}
-        return f"{self.consumer_id} ({self.state}, cursor {self.cursor}, {when.get(self.state, self.state)} {age:.0f} s ago)"
+        when = {
+            RoleState.ACTIVE: "heartbeat",
+            RoleState.STOPPED: "stopped",
+            RoleState.LOST: "last heartbeat",
+        }.get(RoleState(self.state), self.state)
+        return f"{self.consumer_id} ({self.state}, cursor {self.cursor}, {when} {age:.0f} s ago)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,22 +62,61 @@ class WaitState:
 
 
 def stream_end(cur: Sql) -> int | None:
-    """Windows in the stream as the producer that ended it recorded (its --max-windows
-    or any budget), while that producer is recorded finished; None while the stream is
-    open (a producer runs, was lost, or stopped on a signal)."""
-    row = cur.execute("SELECT state FROM producer").fetchone()
-    if row is None or row[0] != "finished":
-        return None
+    """Windows in the stream, once its end is recorded (`end_if_complete`: every window
+    before it published, by whichever replica); None while the stream is open."""
     end = cur.execute("SELECT value FROM meta WHERE key=?", (STREAM_END,)).fetchone()
     return None if end is None or end[0] in (None, "") else int(end[0])
 
 
-def record_stream_end(cur: Sql, end: int | None) -> None:
-    """At the producer's clean exit: `end` windows by design, or None (a signal: the
-    stream stays open for a restart)."""
+def end_if_complete(cur: Sql, end: int) -> bool:
+    """Record that the stream ends at `end` windows (its length, --max-windows, or any
+    budget: what a producer replica that ends it by design knows) once every window
+    before it has been published, unless an end is recorded already: so the end is
+    recorded once, by the replica that publishes the last window (or finishes after
+    it). True if this call recorded it."""
+    if stream_end(cur) is not None:
+        return False
+    frontier = int(cur.execute("SELECT value FROM counters WHERE key='next_window'").fetchone()[0])
+    if frontier < end:
+        return False
+    never = cur.execute(  # claimed or queued but never published (failed ones never will be)
+        "SELECT 1 FROM windows WHERE window < ? AND captures = 0 AND state <> ? LIMIT 1",
+        (end, W.FAILED.value),
+    ).fetchone()
+    if never is not None:
+        return False
+    cur.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (STREAM_END, str(end)))
+    return True
+
+
+def reopen_stream(cur: Sql) -> None:
+    """A producer starts a new session on the run (no other replica is active): the
+    recorded end is forgotten, so a restart with a larger budget continues the stream."""
     cur.execute("DELETE FROM meta WHERE key IN (?, ?)", (STREAM_END, BLOCKED_SINCE))
-    if end is not None:
-        cur.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (STREAM_END, str(end)))
+
+
+def producer_state(cur: Sql) -> tuple[RoleState | None, float, int]:
+    """The producer side as one state: active if any replica is, else lost if any is,
+    else finished (None: no replica ever registered); the newest heartbeat among the
+    replicas in that state; how many replicas are registered."""
+    rows = [
+        (RoleState(s), float(h)) for s, h in cur.execute("SELECT state, hb_wall FROM producers")
+    ]
+    for state in (RoleState.ACTIVE, RoleState.LOST, RoleState.FINISHED):
+        walls = [h for s, h in rows if s == state]
+        if walls:
+            return state, max(walls), len(rows)
+    return None, 0.0, len(rows)
+
+
+def clear_blocked_unless_others(cur: Sql, rank: int) -> None:
+    """At replica `rank`'s exit: forget the blocked-at-K stamp unless another replica is
+    active (it is still the one blocked, or not)."""
+    others = cur.execute(
+        "SELECT COUNT(*) FROM producers WHERE state=? AND rank<>?", (RoleState.ACTIVE.value, rank)
+    ).fetchone()[0]
+    if not others:
+        record_blocked(cur, False)
 
 
 def record_blocked(cur: Sql, blocked: bool) -> None:
@@ -132,7 +175,7 @@ def block_text(cur: Sql, cfg: RunConfig, exclude: str | None = None) -> tuple[st
 
 def ways_out(held: list[Holding], run_dir: str) -> str:
     """What an operator can do about consumers that hold the producer back."""
-    idle = [h.consumer_id for h in held if h.state != "active"]
+    idle = [h.consumer_id for h in held if h.state != RoleState.ACTIVE]
     if not idle:
         return ""
     name = idle[0]
@@ -154,19 +197,20 @@ def producer_block(cur: Sql, cfg: RunConfig, run_dir: str) -> str:
 
 
 def consumer_wait(cur: Sql, cfg: RunConfig, consumer_id: str, window: int) -> WaitState:
-    """Why `window` is not ready for `consumer_id`: what the producer is doing."""
-    row = cur.execute("SELECT state, hb_wall FROM producer").fetchone()
+    """Why `window` is not ready for `consumer_id`: what the producer (its replicas) is
+    doing."""
+    state, hb_wall, n = producer_state(cur)
     frontier = int(cur.execute("SELECT value FROM counters WHERE key='next_window'").fetchone()[0])
-    if row is None:
+    if state is None:
         return WaitState("no producer has registered with the run yet", True)
-    state, hb_wall = str(row[0]), float(row[1])
-    if state == "lost":
+    who = "the producer" if n == 1 else f"every producer replica ({n})"
+    if state == RoleState.LOST:
         return WaitState(
-            f"the producer is lost (no heartbeat for ttl_s = {cfg.ttl_s:g} s; killed or cut "
+            f"{who} is lost (no heartbeat for ttl_s = {cfg.ttl_s:g} s; killed or cut "
             "off): restart `fanout produce` with the same flags to continue the stream",
             True,
         )
-    if state == "finished":
+    if state == RoleState.FINISHED:
         end = stream_end(cur)
         if end is not None:  # a window below the end: evicted and queued again
             return WaitState(
@@ -176,7 +220,7 @@ def consumer_wait(cur: Sql, cfg: RunConfig, consumer_id: str, window: int) -> Wa
             )
         ago = max(0.0, wall() - hb_wall)
         return WaitState(
-            f"the producer was stopped (a signal, {ago:.0f} s ago) after {frontier} windows; "
+            f"{who} was stopped (a signal, {ago:.0f} s ago) after {frontier} windows; "
             "the stream is open: restart `fanout produce` with the same flags to continue",
             True,
         )

@@ -6,7 +6,8 @@ A draft whose head covers only the most frequent verifier tokens spends far less
 its LM head (Qwen3: 151,936 → 32,000 rows). Which tokens: the producer counts the
 loss-masked `input_ids` of the whole prepared dataset (the tokens the drafts are
 trained to predict) once at start and writes `token_counts.safetensors` (int64
-`[vocab]`, the run's stream id in its metadata) into the run directory, before the
+`[vocab]`, the run's stream id in its metadata) into the run directory
+(fanout.store.rundir.RunDir.token_counts: callers pass that path), before the
 coordinator database exists for a new run, so every trainer finds it. A trainer
 asked for `--draft-vocab-size N` keeps the N most counted ids (ties: lower id),
 filled with the lowest unseen ids when fewer than N were seen, sorted — the same
@@ -31,7 +32,7 @@ from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
 from fanout.rows import INPUT_IDS, LOSS_MASK
 
-TOKEN_COUNTS = "token_counts.safetensors"
+TOKEN_COUNTS = "token_counts.safetensors"  # beside a prepared dataset's shards (its cache)
 log = logging.getLogger(__name__)
 
 
@@ -75,14 +76,14 @@ def _count(dataset: PackedDataset, vocab_size: int) -> np.ndarray:
 
 
 def write_token_counts(
-    run_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     counts: np.ndarray,
     stream_id: str,
     fs: FileSystem | None = None,
 ) -> Path:
-    """Write `<run_dir>/token_counts.safetensors` atomically and durably
-    (`FileSystem.write_atomic`; `fs` injects faults in tests)."""
-    path = Path(run_dir) / TOKEN_COUNTS
+    """Write the run's token counts to `path` (RunDir.token_counts) atomically and
+    durably (`FileSystem.write_atomic`; `fs` injects faults in tests)."""
+    path = Path(path)
     meta = {"stream_id": stream_id, "counted": "input_ids where loss_mask is on"}
     _save_atomic(path, counts, meta, fs)
     return path
@@ -103,14 +104,15 @@ def _save_atomic(
 
 
 def read_token_counts(
-    run_dir: str | os.PathLike[str], stream_id: str, *, timeout_s: float = 0.0
+    path: str | os.PathLike[str], stream_id: str, *, timeout_s: float = 0.0
 ) -> np.ndarray:
-    """The run's token counts, waiting up to `timeout_s` for the producer to write them.
+    """The run's token counts from `path` (RunDir.token_counts), waiting up to
+    `timeout_s` for the producer to write them.
 
     Raises ConfigError when the file is missing (after the wait), unreadable, or was
     written for another stream.
     """
-    path = Path(run_dir) / TOKEN_COUNTS
+    path = Path(path)
     deadline = time.monotonic() + timeout_s
     while not path.is_file():
         if time.monotonic() >= deadline:

@@ -14,16 +14,22 @@ window is retried under a new generation). SIGINT/SIGTERM leave nothing
 half-done: the window in flight is finished and published (one waiting out a full
 disk has its claim failed instead, for recapture), then the loop stops and the
 process exits 0, recording the producer 'finished' (during start-up, before any
-claim, it exits at once). One producer per run: a second one is refused
+claim, it exits at once). One producer per replica rank: a second one is refused
 (RoleHeld) while the first is live, unless it asks to take over (--takeover).
+
+Several producers may feed one run (`--replicas M`, fanout.produce.replicas): each
+runs this loop as one replica, claiming windows through the coordinator, so each
+window is made once; the stream's end is recorded once, by whichever publishes its
+last window, and a replica with nothing left to claim lingers (serving recaptures)
+like a lone producer, then exits 0.
 
 Under `torchrun --nproc-per-node N ... --tp N` rank 0 runs this loop and the other
 ranks run each of its verifier forwards with it (fanout.produce.tp).
 
 Which rows window w holds: fanout.produce.stream. The rest of the producer is
 split by what it does: the run directory it sets up and, after a failed start,
-removes (rundir), publishing and committing windows inline or overlapped
-(publisher), stopping on a signal (stopping), counters (stats).
+removes (rundir), which replica it is (replicas), publishing and committing windows
+inline or overlapped (publisher), stopping on a signal (stopping), counters (stats).
 """
 
 from __future__ import annotations
@@ -58,22 +64,26 @@ from fanout.produce.capture import WindowCapturer
 from fanout.produce.capture_for import CaptureForOptions, capture_fields
 from fanout.produce.onpolicy import OPEN, OnPolicyOptions, OnPolicyStream
 from fanout.produce.publisher import Publisher
+from fanout.produce.replicas import ReplicaOptions, bind_device, plan, rank_of
 from fanout.produce.rundir import (
     CreatedPaths,
     check_disk_budget,
+    check_plan,
     check_producer_role,
     create_run,
+    join_lock,
     open_existing_run,
     take_start_lock,
-    write_stream_info,
 )
 from fanout.produce.stats import ProducerStats
 from fanout.produce.stopping import StopFlag
-from fanout.produce.stream import stream_rows, window_count
+from fanout.produce.stream import stream_rows
 from fanout.produce.tp import Leader
 from fanout.regen.engine import RegenOptions
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS
-from fanout.store.store import RunDir, Store, WindowMeta
+from fanout.store.rundir import RunDir
+from fanout.store.store import Store, WindowMeta
+from fanout.store.streaminfo import StreamInfo, window_count
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +96,7 @@ class ProducerConfig(
     RunOptions,
     RegenOptions,
     OnPolicyOptions,
+    ReplicaOptions,
     HeartbeatOptions,
 ):
     """Every `fanout produce` flag. Fields marked (contract) change what windows mean.
@@ -95,8 +106,9 @@ class ProducerConfig(
     (fanout.model.verifier), which layers it captures CaptureLayers'
     (fanout.model.capture_layers) and CaptureForOptions' (the families it is for,
     fanout.produce.capture_for), how the run shares windows is RunOptions'
-    (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy);
-    each is declared once there. These are the producer's own.
+    (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy),
+    --replicas ReplicaOptions' (fanout.produce.replicas); each is declared once there.
+    These are the producer's own.
     """
 
     # Not ConsumerOptions': the producer creates the run that a trainer reads.
@@ -122,7 +134,10 @@ class ProducerConfig(
         "buffers); auto = on when the verifier runs on CUDA",
     )
     max_windows: int | None = Field(
-        None, ge=1, description="stop after publishing this many windows (tests, benchmarks)"
+        None,
+        ge=1,
+        description="end the stream after this many windows (every replica's together; "
+        "tests, benchmarks); a later producer without it continues the stream",
     )
     summary_json: str | None = Field(
         None, description="also write the final summary (printed as JSON) to this file"
@@ -147,8 +162,9 @@ class ProducerConfig(
     # Not ConsumerOptions': this one takes the producer role, a trainer's its consumer id.
     takeover: bool = Field(
         False,
-        description="take the run's producer role over from a live producer (that one is "
-        "fenced off and exits); without it, a live producer makes this one exit",
+        description="take the run's producer role (this --replica-rank's) over from a live "
+        "producer (that one is fenced off and exits); without it, a live producer makes "
+        "this one exit",
     )
 
     def prepare_config(self, default_cache_dir: str) -> PrepareConfig:
@@ -277,15 +293,21 @@ class Producer:
         check_inputs(cfg)
         self.cfg = cfg = for_families(cfg)
         self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp)
-        # One start at a time per run dir, up to its registration (fanout.produce.rundir):
-        # RoleHeld naming the producer starting there now (--takeover: wait for it).
-        self._start_lock = take_start_lock(Path(cfg.run_dir), cfg.db_path, cfg.takeover)
+        self.plan = plan(cfg)  # what every replica must share (fanout.produce.replicas)
+        root, m = Path(cfg.run_dir), cfg.replicas
+        # One start at a time per replica rank, up to its registration
+        # (fanout.produce.rundir): RoleHeld naming the producer starting there now
+        # (--takeover: wait for it); without a rank, the first free one.
+        self._start_lock, self.rank = take_start_lock(
+            root, cfg.db_path, cfg.takeover, rank_of(m, cfg.replica_rank, cfg.tp), m
+        )
         self._created: CreatedPaths | None = None
         self._created_db = False  # this process created the run's coordinator database
         self.stop = StopFlag()
         try:
-            self._created = CreatedPaths.note(Path(cfg.run_dir), cfg.db_path, self._start_lock)
-            check_producer_role(Path(cfg.run_dir), cfg.db_path, cfg.takeover)
+            self._created = CreatedPaths.note(root, cfg.db_path, self._start_lock, self.rank, m)
+            check_producer_role(root, cfg.db_path, cfg.takeover, self.rank, m)
+            check_plan(root, cfg.db_path, self.rank, self.plan)
             self._start(fs or FileSystem())
         except BaseException:
             self.discard_if_unused()
@@ -328,19 +350,21 @@ class Producer:
             )
             self.dataset = prepared
         elif cfg.regenerate:  # the verifier writes the data chunk by chunk as windows stream
-            prep = cfg.prepare_config(str(self.run_dir.root / "cache"))
+            prep = cfg.prepare_config(str(self.run_dir.cache))
             log.info(
                 "regenerating --data chunk by chunk into %s; each chunk's rows prepared into %s",
-                self.run_dir.root / "regen", prep.cache_root() / "prepared",
+                self.run_dir.regen, prep.cache_root() / "prepared",
             )  # fmt: skip
             verifier = self._load_verifier()
-            self.onpolicy = OnPolicyStream.open(prep, cfg, verifier, self.run_dir, self.tp)
+            self.onpolicy = OnPolicyStream.open(
+                prep, cfg, verifier, self.run_dir, self.tp, replica=(self.rank, cfg.replicas)
+            )
             self.dataset = cast(PackedDataset, self.onpolicy.rows)
         else:
             # The rows `fanout prepare` cached with these settings are found where it
             # writes them (--cache-dir, else $FANOUT_CACHE); missing, they are prepared
             # into the run's cache (RUN_DIR/cache unless --cache-dir).
-            prep = cfg.prepare_config(str(self.run_dir.root / "cache"))
+            prep = cfg.prepare_config(str(self.run_dir.cache))
             look_in = () if cfg.cache_dir else (default_cache_root(),)
             self.dataset = prepare(prep, look_in, announce=True)
         if self.dataset.num_rows == 0:
@@ -354,41 +378,36 @@ class Producer:
             window_rows=cfg.window_rows,
             shuffle_seed=cfg.seed,
         )
-        self.total_windows = window_count(self.dataset.num_rows, cfg.epochs, cfg.window_rows)
+        self.total_windows = window_count(self.dataset.num_rows * cfg.epochs, cfg.window_rows)
         if self.onpolicy:  # OPEN until the last chunk is regenerated
             self.total_windows = self.onpolicy.total_windows
         check_disk_budget(self.run_dir.root, fs, cfg.max_live_windows, self.window_bytes())
-        # A changed contract is refused before anything is written; a new run gets its
-        # stream.json and token counts before its database, so a trainer that finds
-        # the database finds them too.
-        existing = open_existing_run(
-            self.run_dir.root,
-            self.contract,
-            self._run_config(),
-            cfg.db_path,
-            self.store,
-            cfg.takeover,
+        counts = count_tokens(
+            self.onpolicy.counted if self.onpolicy else self.dataset, self.verifier.vocab_size
         )
-        write_stream_info(self.run_dir.root, self._stream_info(), fs)
-        write_token_counts(
-            self.run_dir.root,
-            count_tokens(
-                self.onpolicy.counted if self.onpolicy else self.dataset, self.verifier.vocab_size
-            ),
-            self.contract.stream_id,
-            fs,
-        )
-        if existing is None:
-            existing = create_run(
-                self.run_dir.root, self.contract, self._run_config(), cfg.db_path, self.store
-            )
-            self._created_db = True
-        self.coord = existing
-        # Registered under the start lock: a producer started a moment later finds the
-        # role held (RoleHeld), never a run it could still register in too.
-        self.preg = self.coord.register_producer(
-            self.contract, owner=self._owner(), takeover=cfg.takeover
-        )
+        # Replicas of one run create it or join it in turn (the join lock): exactly one
+        # creates it. A changed contract is refused before anything is written; a new
+        # run gets its stream.json and token counts before its database, so a trainer
+        # that finds the database finds them too.
+        with join_lock(self.run_dir.root):
+            existing = open_existing_run(
+                self.run_dir.root, self.contract, self._run_config(), cfg.db_path, self.store,
+                cfg.takeover, self.rank, cfg.replicas,
+            )  # fmt: skip
+            self._stream_info().write(self.run_dir, fs)
+            write_token_counts(self.run_dir.token_counts, counts, self.contract.stream_id, fs)
+            if existing is None:
+                existing = create_run(
+                    self.run_dir.root, self.contract, self._run_config(), cfg.db_path, self.store
+                )
+                self._created_db = True
+            self.coord = existing
+            # Registered under the start lock: a producer started a moment later finds the
+            # role held (RoleHeld), never a run it could still register in too.
+            self.preg = self.coord.register_producer(
+                self.contract, owner=self._owner(), takeover=cfg.takeover, rank=self.rank,
+                plan=self.plan,
+            )  # fmt: skip
         self.stats = ProducerStats()
         self.capturer = WindowCapturer(
             self.verifier,
@@ -432,17 +451,23 @@ class Producer:
             per_token += h * v.last_hidden_dtype.itemsize
         return c.window_rows * c.seq_len * per_token
 
-    def _stream_info(self) -> dict[str, Any]:
-        """stream.json's contents: what consumers need to turn `--epochs` into windows."""
-        return {
-            "stream_id": self.contract.stream_id,
+    def _stream_info(self) -> StreamInfo:
+        """stream.json: what consumers need to turn `--epochs` into windows."""
+        return StreamInfo.of(
+            self.contract.stream_id,
             # under --regenerate: null until the last chunk is done, then rewritten
-            "num_rows": self.dataset.num_rows if self.stream_length is not None else None,
-            "window_rows": self.cfg.window_rows,
-            "epochs": self.cfg.epochs,
-            "total_windows": self.stream_length,
-            "dataset_summary": self.dataset.summary,
-        }
+            self.dataset.num_rows if self.stream_length is not None else None,
+            self.cfg.window_rows,
+            self.cfg.epochs,
+            self.dataset.summary,
+        )
+
+    @property
+    def end(self) -> int:
+        """No new window at or past this one: the stream's length (OPEN while an
+        on-policy stream is open), capped by --max-windows."""
+        cap = self.cfg.max_windows
+        return self.total_windows if cap is None else min(self.total_windows, cap)
 
     def _run_config(self) -> RunConfig:
         return self.cfg.run_config(None if self.onpolicy else self.total_windows)  # open-ended
@@ -454,6 +479,7 @@ class Producer:
         cfg = self.cfg
         t0 = time.monotonic()
         if self.onpolicy:
+            self._reach(claim.window)  # a claim another replica's frontier moved past
             idx, epoch = self.onpolicy.window_rows_of(claim.window)
         else:
             idx, epoch = stream_rows(
@@ -477,13 +503,22 @@ class Producer:
 
     # ---- the loop -----------------------------------------------------------------
 
-    def _stream_done(self) -> bool:
+    def _nothing_left(self) -> bool:
+        """Every window of the stream claimed and published (by any replica), and none
+        on demand."""
         frontier = int(self.coord.meta("next_window"))
-        if frontier < self.total_windows or self.coord.pending_windows():
-            return False
-        # An active consumer behind the end may still demand an evicted window (a resumed
-        # or late trainer; under every policy): serve it until --exit-when-idle-s.
-        return self.coord.active_consumers_before(self.total_windows) == 0
+        return frontier >= self.end and not self.coord.pending_windows()
+
+    def _done(self, idle_since: float) -> bool:
+        """Nothing left to make and no active consumer behind the end (one may still
+        demand an evicted window: a resumed or late trainer, under every policy), or,
+        with the whole stream claimed, no demand for --exit-when-idle-s."""
+        if self._nothing_left() and self.coord.active_consumers_before(self.end) == 0:
+            return True
+        return (
+            int(self.coord.meta("next_window")) >= self.end
+            and time.monotonic() - idle_since > self.cfg.exit_when_idle_s
+        )
 
     @property
     def stream_length(self) -> int | None:
@@ -492,15 +527,19 @@ class Producer:
         return None if self.total_windows == OPEN else self.total_windows
 
     def run(self) -> dict[str, Any]:
-        """Produce until the stream is done, max_windows, or a signal (fanout.produce.stopping:
-        the window in flight is finished first). Returns the summary."""
+        """Produce until the stream is done (its length, --max-windows), or a signal
+        (fanout.produce.stopping: the window in flight is finished first). Returns the
+        summary."""
         from tqdm import tqdm
 
         self.stop.install()
         owner = self._owner()
         preg = self.preg  # registered at the end of the start, under the start lock
         swept = self.coord.sweep()
-        log.info("producer %s: %s; swept %s", owner, self.verifier, swept)
+        log.info(
+            "producer %s (replica %d of %d): %s; swept %s",
+            owner, self.rank, self.cfg.replicas, self.verifier, swept,
+        )  # fmt: skip
         bar = tqdm(
             total=self.stream_length,
             desc="produce",
@@ -522,17 +561,20 @@ class Producer:
         bar.close()
         self.publisher.shutdown()
         # A clean exit (`fanout status` shows it finished). Ended by design, the stream
-        # ends here for every trainer; stopped by a signal, it stays open for a restart.
-        end = None if self.stop else int(self.coord.meta("next_window"))
-        self.coord.finish_producer(preg, stream_end=end)
+        # ends at `end` for every trainer (recorded once its last window is published,
+        # by whichever replica); stopped by a signal, it stays open for a restart.
+        self.coord.finish_producer(preg, stream_end=None if self.stop else self.end)
         summary = self.stats.summary()
         summary["stream_id"] = self.contract.stream_id
         summary["total_windows"] = self.stream_length  # null while on-policy is open
+        summary["replica"], summary["replicas"] = self.rank, self.cfg.replicas
         log.info("producer done: %s", summary)
         return summary
 
     def _loop(self, preg: ProducerReg, hb: Heartbeat, bar: Any) -> None:
-        """Claim and produce windows until the stream is done, max_windows, or a stop."""
+        """Claim and produce windows until the stream is done (nothing left to claim and
+        nothing on demand; lingering for --exit-when-idle-s while a consumer is behind
+        the end), or a stop."""
         idle_since: float | None = None
         self.blocked = BlockedNotice(self.coord)
         while not self.stop:
@@ -540,27 +582,23 @@ class Producer:
             if self.tp:
                 self.tp.check()  # a dead tensor-parallel rank stops a hold at K too
             self.publisher.finish_inflight(block=False)
-            started = self.stats.windows + self.publisher.in_flight
-            if self.cfg.max_windows and started >= self.cfg.max_windows:
-                break
             w0 = time.monotonic()
             if not self.coord.wait_for_capacity(preg, timeout_s=0.5):
                 self.stats.waits_s += time.monotonic() - w0
+                if self._nothing_left():  # held at K, but nothing is left to make
+                    idle_since = idle_since or time.monotonic()
+                    if self._done(idle_since):
+                        break
                 self.blocked.waiting(bar)
                 continue
             self.blocked.clear()
             self.stats.waits_s += time.monotonic() - w0
-            self._reach()
-            claim = self.coord.claim(preg, end=self.total_windows)
+            upto = self._reach(int(self.coord.meta("next_window")))
+            claim = self.coord.claim(preg, end=None if self.end == OPEN else self.end, upto=upto)
             if claim is None:
-                if self._stream_done():
-                    break
-                now = time.monotonic()
-                idle_since = idle_since or now
-                if (
-                    int(self.coord.meta("next_window")) >= self.total_windows
-                    and now - idle_since > self.cfg.exit_when_idle_s
-                ):
+                self.publisher.finish_inflight()  # its window may be the one still pending
+                idle_since = idle_since or time.monotonic()
+                if self._done(idle_since):
                     break
                 time.sleep(0.05)
                 continue
@@ -581,14 +619,18 @@ class Producer:
             if self.cfg.progress:
                 bar.set_postfix_str(self._progress_line())
 
-    def _reach(self) -> None:
-        """--regenerate: regenerate until any claim's rows exist (fanout.produce.onpolicy);
-        with the last chunk done, the stream's length (into stream.json too)."""
+    def _reach(self, window: int) -> int | None:
+        """--regenerate: regenerate (or wait for other replicas' chunks) until window
+        `window`'s rows exist (fanout.produce.onpolicy); with the last chunk done, the
+        stream's length (into stream.json too). Returns the bound for new claims while
+        the stream is open (no new window past the rows that exist), else None."""
         if self.onpolicy is None or self.total_windows != OPEN:
-            return
-        self.total_windows = self.onpolicy.reach(int(self.coord.meta("next_window")))
+            return None
+        self.total_windows = self.onpolicy.reach(window)
         if self.total_windows != OPEN:
-            write_stream_info(self.run_dir.root, self._stream_info(), self.store.fs)
+            self._stream_info().write(self.run_dir, self.store.fs)
+            return None
+        return window + 1
 
     def _progress_line(self) -> str:
         """live windows/bytes on disk, rates since start, backpressure wait so far."""
@@ -630,6 +672,9 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
     signal.signal(signal.SIGINT, early_exit)
     signal.signal(signal.SIGTERM, early_exit)
     cfg = for_families(cfg)  # every TP rank loads the layers it names
+    rank_of(cfg.replicas, cfg.replica_rank, cfg.tp)  # a torchrun world that does not fit: one line
+    if cfg.tp == 1:
+        bind_device(cfg.device)  # torchrun --replicas: one replica per local GPU
     if cfg.tp > 1:  # every rank loads its shard; rank 0 produces, the others follow it
         from fanout.model.verifier import load_verifier
         from fanout.produce.tp import run_tensor_parallel

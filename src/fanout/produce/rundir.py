@@ -1,83 +1,138 @@
 """The producer's side of the run directory: what it writes there, and what it removes
 again when a start fails before its first window.
 
-    lock = take_start_lock(root, db_path, takeover)  # RoleHeld: another producer starts here
-    created = CreatedPaths.note(root, db_path, lock)  # under the lock, before creating anything
-    check_producer_role(root, db_path, takeover)  # RoleHeld: a live producer holds the run
-    coord = open_existing_run(root, contract, run_config, db_path, store, takeover)
-    write_stream_info(root, info, fs)  # stream.json, atomically and durably
-    coord = coord or create_run(root, contract, run_config, db_path, store)
-    coord.register_producer(...)       # still under the lock; then lock.release()
+    lock, rank = take_start_lock(root, db_path, takeover, rank, replicas)  # RoleHeld: taken
+    created = CreatedPaths.note(root, db_path, lock, replicas)  # under it, before creating
+    check_producer_role(root, db_path, takeover, rank, replicas)  # RoleHeld: held live
+    with join_lock(root):                     # replicas of one run create or join it in turn
+        coord = open_existing_run(root, contract, run_config, db_path, store, takeover, rank)
+        StreamInfo(...).write(RunDir(root), fs)  # stream.json, atomically and durably
+        coord = coord or create_run(root, contract, run_config, db_path, store)
+        coord.register_producer(..., rank=rank, plan=plan)  # still under the start lock
+    lock.release()
     created.discard_if_unused(coord, created_db, owner)  # after a start that failed
 
-Starts are serialised by the run dir's start lock (`producer.lock`, a
-fanout.coord.pathlock.PathLock naming its holder): one producer at a time goes from
-"what is here?" to "registered as the run's producer", and any other started then is
-refused at once with the starting one's identity (with --takeover it waits for it).
-So what a start finds missing under the lock, no other start can be creating, and a
-start that fails (or is interrupted) before it publishes its first window removes
-exactly what it created — no skeleton of a run that never produced anything is left
-for trainers to find, and an existing run, or another producer's, is never touched.
+Starts are serialised per replica rank by the rank's start lock
+(`RunDir.start_lock(rank)`: `producer.lock` for rank 0, the run's only producer, a
+fanout.coord.pathlock.PathLock naming its holder): one process at a time goes from
+"what is here?" to "registered as that rank", and any other started for the rank
+then is refused at once with the starting one's identity (with --takeover it waits
+for it); one asking for any rank takes the first whose lock and role are free. The
+replicas of a run start side by side; the short `join_lock` orders their "create the
+run, or join it", so exactly one creates it. A start that fails (or is interrupted)
+before it publishes its first window removes exactly what it created, under the join
+lock and only while no other replica is starting — no skeleton of a run that never
+produced anything is left for trainers to find, and an existing run, or another
+producer's, is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fanout.contract import CaptureContract
-from fanout.coord.coordinator import DB_NAME, DB_POINTER, Coordinator, RunConfig
+from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.leases import ProducerPlan
 from fanout.coord.pathlock import PathLock
-from fanout.data.draft_vocab import TOKEN_COUNTS
 from fanout.errors import ConfigError, ContractMismatch, FanoutError, RoleHeld
 from fanout.filesystem import FileSystem
+from fanout.store.rundir import RunDir
 from fanout.store.store import Store
 
 log = logging.getLogger(__name__)
 
-STREAM_INFO = "stream.json"
-START_LOCK = "producer.lock"  # held from a producer's first look at the run dir to its registration
 
-# What a producer may create in a run directory (fanout.store.store.RunDir's folders, the data
-# cache, the coordinator's files, stream.json, token counts): the only names a producer
-# that failed before its first window removes, and only those that were not there before.
-RUN_DIR_NAMES = (
-    "windows", "tmp", "quarantine", "telemetry", "logs", "cache", "contract.json",
-    STREAM_INFO, TOKEN_COUNTS, DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm", DB_POINTER,
-)  # fmt: skip
-
-
-def take_start_lock(root: Path, db_path: str | None, takeover: bool) -> PathLock:
-    """The run dir's start lock (made with the run dir if missing). RoleHeld while
-    another producer holds it, naming the run's live producer if it has one (the
-    lock's holder may be a second one, only checking), else the producer that is
-    starting there now; with `takeover`, wait for the lock instead."""
+def start_lock(root: Path, rank: int, replicas: int) -> PathLock:
+    """Replica `rank`'s start lock (RunDir.start_lock), made with the run dir if missing."""
     root = root.absolute()
-    lock = PathLock(
-        root / START_LOCK,
-        f"the producer of {root}",
+    what = f"the producer of {root}" if replicas == 1 else f"producer replica {rank} of {root}"
+    return PathLock(
+        RunDir(root).start_lock(rank),
+        what,
         role="a producer starting up",
         label=f"--run-dir {root}",
         hint="It is released once that producer has registered (it then holds the run) or "
         "its start failed; a crashed one's at once. With --takeover this one waits for it",
     )
+
+
+def take_start_lock(
+    root: Path, db_path: str | None, takeover: bool, rank: int | None = 0, replicas: int = 1
+) -> tuple[PathLock, int]:
+    """The start lock of replica `rank` (None: of the first rank whose lock is free and
+    whose role no live process holds) and that rank. RoleHeld while another process
+    holds it, naming the run's live producer of that rank if it has one (the lock's
+    holder may be a second one, only checking), else the one starting there now
+    (for None: every rank's); with `takeover`, wait for the lock instead."""
+    root = root.absolute()
+    if rank is not None:
+        lock = start_lock(root, rank, replicas)
+        try:
+            lock.acquire(wait=takeover)
+        except RoleHeld as starting:
+            _refuse_if_held(root, db_path, rank, replicas)  # the run's own holder first
+            raise starting
+        return lock, rank
+    refusals: list[str] = []
+    for r in range(replicas):
+        lock = start_lock(root, r, replicas)
+        try:
+            lock.acquire()
+        except RoleHeld as starting:
+            refusals.append(_holder_first(root, db_path, r, replicas, starting))
+            continue
+        try:
+            check_producer_role(root, db_path, False, r, replicas)
+        except RoleHeld as held:
+            lock.release(unlink=lock.made_file)
+            refusals.append(str(held))
+            continue
+        except BaseException:
+            lock.release(unlink=lock.made_file)
+            raise
+        return lock, r
+    raise RoleHeld(f"every producer replica rank of {root} (--replicas {replicas}) is taken: "
+                   + " | ".join(refusals))  # fmt: skip
+
+
+@contextlib.contextmanager
+def join_lock(root: Path) -> Iterator[PathLock]:
+    """Held while a replica creates the run or joins it, up to its registration (and
+    while a failed start removes what it made): replicas started together find one run."""
+    lock = PathLock(
+        RunDir(root).join_lock,
+        f"creating or joining the run {root}",
+        role="a producer replica creating or joining the run",
+        label=f"--run-dir {root}",
+    )
+    lock.acquire(wait=True)
     try:
-        lock.acquire(wait=takeover)
-    except RoleHeld as starting:
-        _refuse_if_held(root, db_path)  # the run's own holder first: it is the one to name
-        raise starting
-    return lock
+        yield lock
+    finally:
+        lock.release()
 
 
-def _refuse_if_held(root: Path, db_path: str | None) -> None:
-    """RoleHeld if the run exists and a live producer holds it; else nothing (a run not
-    created yet, or any error reading it: the caller refuses anyway). Opens the run
-    read-only: never Coordinator.exists here, which clears what looks like an
+def _holder_first(
+    root: Path, db_path: str | None, rank: int, replicas: int, starting: RoleHeld
+) -> str:
+    """The refusal to give for a rank whose start lock is held: the run's live holder of
+    that rank if it has one (it is the one to name), else the process starting it."""
+    try:
+        _refuse_if_held(root, db_path, rank, replicas)
+    except RoleHeld as held:
+        return str(held)
+    return str(starting)
+
+
+def _refuse_if_held(root: Path, db_path: str | None, rank: int, replicas: int) -> None:
+    """RoleHeld if the run exists and a live producer holds replica `rank`; else nothing
+    (a run not created yet, or any error reading it: the caller refuses anyway). Opens
+    the run read-only: never Coordinator.exists here, which clears what looks like an
     interrupted create and, without the start lock, may be the starting producer's."""
     try:
         coord = Coordinator.open_if_created(root, db_path=db_path)
@@ -87,20 +142,31 @@ def _refuse_if_held(root: Path, db_path: str | None) -> None:
         return
     with coord:
         try:
-            coord.check_producer_role(False)
+            coord.check_producer_role(False, rank, replicas)
         except RoleHeld:
             raise
         except FanoutError:
             return
 
 
-def check_producer_role(root: Path, db_path: str | None, takeover: bool) -> None:
+def check_producer_role(
+    root: Path, db_path: str | None, takeover: bool, rank: int = 0, replicas: int = 1
+) -> None:
     """RoleHeld now, before minutes of data preparation and verifier loading, if the run
-    exists and a live producer holds it (and not `takeover`)."""
+    exists and a live producer holds replica `rank` (and not `takeover`)."""
     if takeover or not Coordinator.exists(root, db_path):
         return
     with Coordinator.open(root, db_path=db_path) as coord:
-        coord.check_producer_role(takeover)
+        coord.check_producer_role(takeover, rank, replicas)
+
+
+def check_plan(root: Path, db_path: str | None, rank: int, plan: ProducerPlan) -> None:
+    """PlanMismatch now, before data preparation and verifier loading, if live replicas
+    of the run present another data plan (--replicas, --epochs, --max-windows)."""
+    if Coordinator.open_if_created(root, db_path=db_path) is None:
+        return
+    with Coordinator.open(root, db_path=db_path) as coord:
+        coord.check_plan(rank, plan)
 
 
 def open_existing_run(
@@ -110,11 +176,13 @@ def open_existing_run(
     db_path: str | None,
     store: Store,
     takeover: bool,
+    rank: int = 0,
+    replicas: int = 1,
 ) -> Coordinator | None:
     """The run's coordinator if the run exists, None if it is new. Refused before anything
     is written: another contract (ContractMismatch, naming the fields), or a live
-    producer holding the role without `takeover` (RoleHeld). Stored run settings win
-    over the flags (logged)."""
+    producer holding replica `rank` without `takeover` (RoleHeld). Stored run settings
+    win over the flags (logged)."""
     if not Coordinator.exists(root, db_path):
         return None
     coord = Coordinator.open(root, db_path=db_path, store=store)
@@ -122,7 +190,7 @@ def open_existing_run(
         coord.close()
         raise ContractMismatch(coord.contract.diff(contract), where="producer")
     try:
-        coord.check_producer_role(takeover)  # RoleHeld: refused before any write
+        coord.check_producer_role(takeover, rank, replicas)  # RoleHeld: refused before any write
     except BaseException:
         coord.close()
         raise
@@ -149,24 +217,15 @@ def create_run(
         ) from None
 
 
-def write_stream_info(root: Path, info: dict[str, Any], fs: FileSystem) -> Path:
-    """stream.json: what consumers need to turn `--epochs` into windows (stream id, rows,
-    window rows, epochs, total windows). Replaced whole or not at all, and durable
-    (`FileSystem.write_atomic`: temp, fsync, rename, fsync the run dir)."""
-    path = root / STREAM_INFO
-    fs.write_atomic(path, (json.dumps(info, indent=2) + "\n").encode())
-    return path
-
-
 def check_disk_budget(root: Path, fs: FileSystem, max_live_windows: int, window_bytes: int) -> None:
-    """Warn at start when the run dir cannot hold K + 1 windows (the K+1st: the extra
-    slot for the slowest consumer's window). Not an error: evictions, an operator or
-    another job may free space, and a full disk is waited out, not fatal."""
-    need = (max_live_windows + 1) * window_bytes
+    """Warn at start when the run dir cannot hold K windows (every replica's together,
+    the slowest consumer's reserved slot among them). Not an error: evictions, an
+    operator or another job may free space, and a full disk is waited out, not fatal."""
+    need = max_live_windows * window_bytes
     free = fs.free_bytes(root)
     gib = 2**30
     msg = (
-        f"{root}: up to {max_live_windows} + 1 windows of "
+        f"{root}: up to {max_live_windows} windows of "
         f"{window_bytes / gib:.2f} GiB need {need / gib:.1f} GiB"
     )
     if free < need:
@@ -182,46 +241,56 @@ def check_disk_budget(root: Path, fs: FileSystem, max_live_windows: int, window_
 
 @dataclass
 class CreatedPaths:
-    """What a producer start created, noted under the run dir's start lock before it
-    creates anything, so that a start that fails before the first window leaves no
-    run-dir skeleton behind. Under the lock no other start creates anything here, so
-    "missing when noted" means "made by this start"."""
+    """What a producer start created, noted under its start lock before it creates
+    anything, so that a start that fails before the first window leaves no run-dir
+    skeleton behind. Under the lock no other start of this rank creates anything here,
+    and a removal happens only while no other replica is starting or joining, so
+    "missing when noted" and "removed" are this start's."""
 
     root: Path
     lock: PathLock  # the start lock; held whenever anything is removed
+    rank: int  # the replica rank it starts (its lock)
+    replicas: int
     root_is_new: bool  # this start made the run dir (os.mkdir succeeded)
     run_existed: bool  # a coordinator database (or a pointer to one) was there: never remove
     new_names: list[str]
     new_db: Path | None  # a SQLite database elsewhere (--db-path) that did not exist
+    join_is_new: bool  # the join lock's file was not there
 
     @classmethod
-    def note(cls, root: Path, db_path: str | None, lock: PathLock) -> CreatedPaths:
+    def note(
+        cls, root: Path, db_path: str | None, lock: PathLock, rank: int = 0, replicas: int = 1
+    ) -> CreatedPaths:
         assert lock.held, "note what exists under the start lock"
-        root = root.absolute()
-        where = Coordinator.resolve_db_path(root, db_path)
+        rd = RunDir(root.absolute())
+        where = Coordinator.resolve_db_path(rd.root, db_path)
         new_db = where if isinstance(where, Path) and not where.exists() else None
-        if new_db is not None and new_db.parent == root:
-            new_db = None  # one of RUN_DIR_NAMES
+        if new_db is not None and new_db.parent == rd.root:
+            new_db = None  # one of RunDir.producer_names()
         return cls(
-            root=root,
+            root=rd.root,
             lock=lock,
+            rank=rank,
+            replicas=replicas,
             root_is_new=lock.made_parent,
-            run_existed=(root / DB_NAME).exists()
-            or (root / DB_POINTER).exists()
+            run_existed=rd.database.exists()
+            or rd.db_pointer.exists()
             or (isinstance(where, Path) and where.exists()),
-            new_names=[n for n in RUN_DIR_NAMES if not (root / n).exists()],
+            new_names=[n for n in rd.producer_names() if not (rd.root / n).exists()],
             new_db=new_db,
+            join_is_new=not rd.join_lock.exists(),
         )
 
     def discard_if_unused(self, coord: Coordinator | None, created_db: bool, owner: str) -> bool:
         """After a start that failed or was interrupted: if this producer created the run
-        (no coordinator database was there), no window was ever published and no trainer
-        has joined, remove what it created (folders, database, contract.json,
-        stream.json, token counts, data cache, the start lock if it made it) and the run
-        dir itself if it made it and it is now empty. Never touches an existing run, and
-        runs only holding the start lock (taken again if the start had released it; if
-        another producer is starting now, everything is left to it). True if it removed
-        something.
+        (no coordinator database was there), no window was ever published, no trainer
+        has joined and no other replica registered, remove what it created (folders,
+        database, contract.json, stream.json, token counts, data cache, the lock files
+        it made) and the run dir itself if it made it and it is now empty. Never touches
+        an existing run, and runs only holding its start lock (taken again if the start
+        had released it), every other replica's start lock and the join lock: if another
+        producer is starting or joining now, everything is left to it. True if it
+        removed something.
 
         Args:
             coord: the run's coordinator if the start got that far (closed here when
@@ -231,34 +300,34 @@ class CreatedPaths:
         """
         if self.run_existed:
             return False
-        relock = not self.lock.held
-        if relock:
-            try:
-                self.lock.acquire()
-            except RoleHeld as e:
-                log.info("%s: not removing what this start created: %s", self.root, e)
-                return False
+        mine = [] if self.lock.held else [self.lock]  # taken again if the start released it
+        others = [start_lock(self.root, r, self.replicas) for r in range(self.replicas)
+                  if r != self.rank]  # fmt: skip
+        join = PathLock(RunDir(self.root).join_lock, f"creating or joining the run {self.root}")
+        held: list[PathLock] = []
+        removed: list[str] = []
         try:
-            return self._discard(coord, created_db, owner)
+            for lock in [*mine, *others, join]:
+                lock.acquire()
+                held.append(lock)
+            removed = self._discard(coord, created_db, owner)
+        except RoleHeld as e:
+            log.info("%s: not removing what this start created: %s", self.root, e)
         finally:
-            if relock:
+            for lock in reversed(held):  # a lock file made just now goes; so does the join
+                if lock is not self.lock:  # lock's, made by this start, with the run
+                    lock.release(
+                        unlink=lock.made_file
+                        or (lock is join and bool(removed) and self.join_is_new)
+                    )
+            if removed and self.lock.made_file:
+                self.lock.release(unlink=True)  # held by the start, or taken again here
+            elif mine:
                 self.lock.release()
-
-    def _discard(self, coord: Coordinator | None, created_db: bool, owner: str) -> bool:
-        if coord is not None:
-            if not created_db:
-                return False
-            try:
-                # unless a window was published, a trainer joined, or another producer
-                # took over: checked and dropped in one transaction (Coordinator.discard_run)
-                dropped = coord.discard_run(owner)
-            except Exception as e:  # the database itself failed: keep it for a post-mortem
-                log.warning("%s: could not drop the unused run's tables: %s", self.root, e)
-                coord.close()
-                return False
-            if not dropped:
-                return False
-        removed = self.remove()
+        if removed and self.root_is_new:
+            with contextlib.suppress(OSError):  # not empty: someone else's files stay
+                self.root.rmdir()
+                removed.append(str(self.root))
         if removed:
             log.info(
                 "%s: stopped before publishing a window; removed what this start created: %s",
@@ -267,10 +336,27 @@ class CreatedPaths:
             )
         return bool(removed)
 
+    def _discard(self, coord: Coordinator | None, created_db: bool, owner: str) -> list[str]:
+        if coord is not None:
+            if not created_db:
+                return []
+            try:
+                # unless a window was published, a trainer joined, or another producer
+                # registered: checked and dropped in one transaction (Coordinator.discard_run)
+                dropped = coord.discard_run(owner)
+            except Exception as e:  # the database itself failed: keep it for a post-mortem
+                log.warning("%s: could not drop the unused run's tables: %s", self.root, e)
+                coord.close()
+                return []
+            if not dropped:
+                return []
+        return self.remove()
+
     def remove(self) -> list[str]:
         """Remove what was created (best effort, never raises); returns what went. The
-        start lock goes last, still held (a process waiting on it then tries the file
-        at the path again: fanout.coord.pathlock)."""
+        start lock's file goes once the lock is released (discard_if_unused), while
+        still held (a process waiting on it then tries the file at the path again:
+        fanout.coord.pathlock)."""
         paths = [self.root / n for n in self.new_names]
         if self.new_db is not None:
             paths += [self.new_db, Path(f"{self.new_db}-wal"), Path(f"{self.new_db}-shm")]
@@ -287,11 +373,6 @@ class CreatedPaths:
                 log.warning("could not remove %s: %s", path, e)
                 continue
             removed.append(path.name)
-        if self.lock.made_file and self.lock.held:
-            self.lock.release(unlink=True)
-            removed.append(START_LOCK)
-        if self.root_is_new:
-            with contextlib.suppress(OSError):  # not empty: someone else's files stay
-                self.root.rmdir()
-                removed.append(str(self.root))
+        if self.lock.made_file:
+            removed.append(self.lock.path.name)
         return removed

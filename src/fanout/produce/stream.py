@@ -1,12 +1,12 @@
 """The stream: which dataset rows window w holds, for every epoch, reproducibly.
 
-    from fanout.produce.stream import stream_rows, window_count
-    total = window_count(num_rows=1000, epochs=2, window_rows=16)   # 125
+    from fanout.produce.stream import stream_rows
     idx, epoch = stream_rows(3, 16, 1000, 2, seed=0)   # dataset rows of window 3, its epoch
 
 Row s of the endless stream is row perm_e[s mod N] of the prepared dataset,
 e = s div N, perm_e a permutation seeded by (seed, e). Window w holds rows
-[w·R, (w+1)·R) of that stream (the last one may be shorter), so a recapture
+[w·R, (w+1)·R) of that stream (the last one may be shorter;
+fanout.store.streaminfo.window_span), so a recapture, or another producer replica,
 reproduces it exactly.
 
 Under `fanout produce --regenerate` the rows are regenerated chunk by chunk and
@@ -15,14 +15,9 @@ epoch 0 walks them in chunk order instead: fanout.produce.onpolicy.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-
-def window_count(num_rows: int, epochs: int, window_rows: int) -> int:
-    """Windows in the stream: ceil(num_rows · epochs / window_rows)."""
-    return math.ceil(num_rows * epochs / window_rows)
+from fanout.store.streaminfo import window_span
 
 
 def stream_rows(
@@ -30,8 +25,7 @@ def stream_rows(
 ) -> tuple[np.ndarray, int]:
     """Dataset row indices of window `window` (int64 [<= window_rows]) and the epoch of its
     first row."""
-    start = window * window_rows
-    stop = min((window + 1) * window_rows, num_rows * epochs)
+    start, stop = window_span(window, window_rows, num_rows * epochs)
     s = np.arange(start, stop, dtype=np.int64)  # stream positions
     epochs_of = s // num_rows
     out = np.empty_like(s)

@@ -20,7 +20,8 @@ package's one atomic write, `FileSystem.write_atomic(..., overwrite=False)`, wit
 a writer that streams and hashes the tensors. The caller then commits the window
 in the coordinator. Every write-side call goes through the `FileSystem` seam
 (fanout.filesystem), so tests inject EIO/ENOSPC and kills.
-The file format and the reader live in fanout.store.windowfile (re-exported here).
+The file format and the reader live in fanout.store.windowfile, the run directory's
+layout in fanout.store.rundir (both re-exported here).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from fanout.errors import CorruptWindow, StorageError, StorageFull
 from fanout.filesystem import AtomicWriteError, FileSystem, TempFile
 from fanout.hashing import hasher, labelled
+from fanout.store.rundir import RunDir
 from fanout.store.windowfile import (
     WindowFormatError,
     WindowMeta,
@@ -77,47 +79,6 @@ def _parse_tmp_name(name: str) -> tuple[int, int] | None:
         return None
     cut = name.find(".safetensors.")
     return None if cut < 0 else parse_window_name(name[: cut + len(".safetensors")])
-
-
-@dataclass(frozen=True)
-class RunDir:
-    """Layout of a run directory (see DESIGN.md)."""
-
-    root: Path
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", Path(self.root))
-
-    @property
-    def contract(self) -> Path:
-        return self.root / "contract.json"
-
-    @property
-    def windows(self) -> Path:
-        return self.root / "windows"
-
-    @property
-    def tmp(self) -> Path:
-        return self.root / "tmp"
-
-    @property
-    def quarantine(self) -> Path:
-        return self.root / "quarantine"
-
-    @property
-    def telemetry(self) -> Path:
-        return self.root / "telemetry"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    def create(self, fs: FileSystem | None = None) -> RunDir:
-        """mkdir -p the root and every subdirectory; returns self."""
-        fs = fs or FileSystem()
-        for d in (self.windows, self.tmp, self.quarantine, self.telemetry, self.logs):
-            fs.makedirs(d)
-        return self
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from fanout.coord.states import RoleState
 from fanout.errors import Detached, FanoutError, StaleLease, TrainerStopped
 
 log = logging.getLogger("fanout.train.trainer")
@@ -53,7 +54,8 @@ class Ending:
         self.failure = e
 
     def state(self, stream: Any) -> str:
-        return "finished" if stream.finished or self.reached else "stopped"
+        done = stream.finished or self.reached
+        return (RoleState.FINISHED if done else RoleState.STOPPED).value
 
     def close(self, stream: Any) -> None:
         """Close the stream, recording 'finished' or 'stopped' (not when fenced or

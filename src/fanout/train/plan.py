@@ -17,7 +17,6 @@ the file is replaced whole (a rename), so a changed one has a new inode or mtime
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -25,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from fanout.errors import ConfigError
-
-STREAM_INFO = "stream.json"  # written by fanout.produce.rundir.write_stream_info
+from fanout.store.rundir import RunDir
+from fanout.store.streaminfo import StreamInfo, window_count, window_span
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +61,8 @@ def rank_steps(
     full = min(windows, stream_rows // window_rows)  # full windows read
     rows = full * (window_rows // world)
     if windows > full:  # the stream's last, shorter window
-        rows += (stream_rows - full * window_rows) // world
+        start, stop = window_span(full, window_rows, stream_rows)
+        rows += (stop - start) // world
     return -(-rows // rows_per_step)
 
 
@@ -78,7 +78,8 @@ class StreamPlanner:
         epochs: float | None,
         max_steps: int | None,
     ) -> None:
-        self.path = run_dir / STREAM_INFO
+        self.run_dir = RunDir(run_dir)
+        self.path = self.run_dir.stream_info
         self.rows_per_step, self.world = rows_per_step, world
         self.epochs, self.max_steps = epochs, max_steps
         self._seen: tuple[int, int, int] | None = None
@@ -102,19 +103,17 @@ class StreamPlanner:
                     f"--epochs needs {self.path} (written by the producer); use --max-steps"
                 )
             return self._capped(None, True, None, f"no {self.path}")
-        try:
-            info = json.loads(self.path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{self.path}: cannot read the stream's length: {e}") from None
+        info = StreamInfo.read(self.run_dir)
+        if info is None:  # removed between the stat and the read
+            return self.read()
         return self.plan(info)
 
-    def plan(self, info: dict[str, Any]) -> Plan:
-        """The plan `info` (stream.json's contents) gives."""
-        r, n = int(info["window_rows"]), info.get("num_rows")
-        stream_epochs = int(info.get("epochs") or 1)
+    def plan(self, info: StreamInfo) -> Plan:
+        """The plan `info` (stream.json) gives."""
+        r, n, stream_epochs = info.window_rows, info.num_rows, info.epochs
         if n is not None:
-            return self._from_rows(int(n), r, stream_epochs, True, f"{n} rows in {self.path}")
-        est = estimated_rows(info.get("dataset_summary") or {})
+            return self._from_rows(n, r, stream_epochs, True, f"{n} rows in {self.path}")
+        est = estimated_rows(info.dataset_summary)
         if est is None:
             why = f"{self.path} records no row count and no regeneration plan"
             return self._capped(None, False, None, why)
@@ -123,10 +122,10 @@ class StreamPlanner:
 
     def _from_rows(self, n: int, r: int, stream_epochs: int, settled: bool, why: str) -> Plan:
         stream_rows = n * stream_epochs
-        windows = math.ceil(stream_rows / r)
+        windows = window_count(stream_rows, r)
         max_windows = None
         if self.epochs is not None:
-            want = max(1, math.ceil(self.epochs * n / r))
+            want = max(1, window_count(math.ceil(self.epochs * n), r))
             # an estimate of n cannot end the stream: the windows wait for the real count
             max_windows = want if settled else None
             windows = min(windows, want)

@@ -34,12 +34,7 @@ import torch
 from pydantic import Field, model_validator
 
 from fanout.contract import CaptureContract, ascending_layer_ids
-from fanout.data.draft_vocab import (
-    TOKEN_COUNTS,
-    coverage,
-    read_token_counts,
-    select_draft_vocab,
-)
+from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
 from fanout.errors import ConfigError, Detached, FanoutError, NoSupervisedTokens
 from fanout.families.registry import FamilyOptions, family
 from fanout.families.serving import latest_checkpoint
@@ -48,6 +43,7 @@ from fanout.model.dflash import DFlashDraft, DraftRecipe
 from fanout.model.verifier_dir import read_verifier_config
 from fanout.ops.fp8 import dequantize
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
+from fanout.store.rundir import RunDir
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.consumer import Batch, ConsumerConfig, ConsumerOptions, ConsumerStream
 from fanout.train.distributed import DataParallel
@@ -344,10 +340,11 @@ class Trainer:
         if n_vocab is not None:
             # the producer writes the counts at its start: say so while they are missing
             waits = WaitNotice(cfg.acquire_timeout_s).start()
-            waits.begin(lambda: f"the producer's token counts ({TOKEN_COUNTS} in the run dir)")
+            where = RunDir(Path(cfg.run_dir)).token_counts
+            waits.begin(lambda: f"the producer's token counts ({where.name} in the run dir)")
             try:
                 counts = read_token_counts(
-                    Path(cfg.run_dir), contract.stream_id, timeout_s=cfg.acquire_timeout_s
+                    where, contract.stream_id, timeout_s=cfg.acquire_timeout_s
                 )
             finally:
                 waits.stop()

@@ -1,0 +1,98 @@
+"""The stream's shape: how many windows it has, which rows each holds, and stream.json.
+
+    from fanout.store.streaminfo import StreamInfo, window_count, window_span
+    window_count(stream_rows=1000, window_rows=16)    # 63 windows
+    window_span(3, window_rows=16, stream_rows=1000)  # (48, 64): stream rows of window 3
+    StreamInfo(stream_id=..., num_rows=500, window_rows=16, epochs=2).write(run_dir, fs)
+    info = StreamInfo.read(run_dir)                   # None until a producer wrote it
+
+Window w holds the stream rows [w·R, (w+1)·R), the last window of a finite stream
+fewer (DESIGN.md "Stream"): `window_span` and `window_count` are that rule, the one
+place every part (the producer's row plan, the on-policy stream, the coordinator's
+claims and leases, the trainers' schedule) computes it.
+
+`stream.json` (fanout.store.rundir.RunDir.stream_info) is what a trainer needs to turn
+`--epochs` into windows and steps; the producer writes it (replaced whole, durably),
+trainers and tools read it, both through `StreamInfo`. An on-policy stream
+(`fanout produce --regenerate`) records `num_rows` and `total_windows` only once its
+last chunk is regenerated (null until then).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fanout.errors import ConfigError
+from fanout.filesystem import FileSystem
+from fanout.store.rundir import RunDir
+
+
+def window_count(stream_rows: int, window_rows: int) -> int:
+    """Windows in a stream of `stream_rows` rows: ceil(stream_rows / window_rows)."""
+    return -(-stream_rows // window_rows)
+
+
+def window_span(window: int, window_rows: int, stream_rows: int | None = None) -> tuple[int, int]:
+    """Stream rows [start, stop) of window `window`; `stream_rows` (a finite stream's
+    length) shortens its last window, None (open-ended) never does."""
+    start, stop = window * window_rows, (window + 1) * window_rows
+    return (start, stop if stream_rows is None else min(stop, stream_rows))
+
+
+class StreamInfo(BaseModel):
+    """stream.json: the stream a run's producer makes, as trainers plan against it."""
+
+    model_config = ConfigDict(extra="ignore")  # read files from newer producers too
+
+    stream_id: str = Field(description="the capture contract's hash (fanout.contract)")
+    num_rows: int | None = Field(
+        description="rows in one pass over the data; None while an on-policy stream is open"
+    )
+    window_rows: int = Field(ge=1, description="rows per window R")
+    epochs: int = Field(1, ge=1, description="passes over the data the stream holds")
+    total_windows: int | None = Field(
+        None, description="windows in the stream; None while it is open"
+    )
+    dataset_summary: dict[str, Any] = Field(
+        default_factory=dict, description="the data stage's (or the regeneration's) counts"
+    )
+
+    @classmethod
+    def of(
+        cls,
+        stream_id: str,
+        num_rows: int | None,
+        window_rows: int,
+        epochs: int,
+        dataset_summary: dict[str, Any] | None = None,
+    ) -> StreamInfo:
+        """The record of a stream of `num_rows` rows × `epochs` (None: still open)."""
+        total = None if num_rows is None else window_count(num_rows * epochs, window_rows)
+        return cls(
+            stream_id=stream_id, num_rows=num_rows, window_rows=window_rows, epochs=epochs,
+            total_windows=total, dataset_summary=dataset_summary or {},
+        )  # fmt: skip
+
+    def write(self, run_dir: RunDir, fs: FileSystem | None = None) -> None:
+        """Replace stream.json whole or not at all, durably (FileSystem.write_atomic)."""
+        text = json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+        (fs or FileSystem()).write_atomic(run_dir.stream_info, text.encode())
+
+    @classmethod
+    def read(cls, run_dir: RunDir) -> StreamInfo | None:
+        """stream.json, or None when no producer wrote it yet; ConfigError naming the file
+        when it is unreadable."""
+        path = run_dir.stream_info
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the stream's plan: {e}") from None
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ConfigError(f"{path}: not a stream plan: {e.errors()[0]['msg']}") from None
