@@ -131,7 +131,8 @@ def _assert_soak_ok(rep: SoakReport) -> None:
 
 def test_kill9_producer_and_consumers(chaos_root: Path, assets_root: Path) -> None:
     """≥ 12 SIGKILLs (kill_every_s apart) of a 1P3C run, each role restarted at once:
-    three of every role (the kill order is a shuffled bag of the four).
+    three of every role (each kill takes the role with the fewest so far, and a round
+    that ends with a role short owes it the rest: fanout.chaos.soak).
 
     The stream is looped (fanout.chaos.soak): if it ends before the 12th kill, another
     round on a fresh run takes the rest, so the count is met on any machine; every round

@@ -272,10 +272,12 @@ def test_prepare_missing_data_file_names_the_flag(tmp_path: Path) -> None:
 # ---- trainer: a run that never comes, a database that is not one ----------------------
 
 
-def test_train_waits_visibly_then_names_the_timeout_flag(tmp_path: Path) -> None:
+def test_train_waits_visibly_then_names_the_timeout_flag(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
     r = fanout(
         "train", "--run-dir", tmp_path / "run", "--consumer-id", "c",
-        "--verifier-name-or-path", tmp_path / "v", "--save-path", tmp_path / "s",
+        "--verifier-name-or-path", inputs["verifier"], "--save-path", tmp_path / "s",
         "--acquire-timeout-s", "0.5",
     )  # fmt: skip
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
@@ -288,13 +290,15 @@ def test_train_waits_visibly_then_names_the_timeout_flag(tmp_path: Path) -> None
     assert "--acquire-timeout-s" in errors[0] and "no run after waiting 0.5 s" in errors[0]
 
 
-def test_train_on_a_file_that_is_not_a_database_fails_at_once(tmp_path: Path) -> None:
+def test_train_on_a_file_that_is_not_a_database_fails_at_once(
+    tmp_path: Path, inputs: dict[str, Path]
+) -> None:
     """Waiting cannot fix a file that is not a database: no waiting line, even with the
     default 600 s timeout."""
     (tmp_path / "coordinator.sqlite3").write_bytes(b"garbage" * 1000)
     r = fanout(
         "train", "--run-dir", tmp_path, "--consumer-id", "c",
-        "--verifier-name-or-path", tmp_path / "v", "--save-path", tmp_path / "s",
+        "--verifier-name-or-path", inputs["verifier"], "--save-path", tmp_path / "s",
     )  # fmt: skip
     error_line(r, "fanout train: error:", "not a fanout coordinator database")
 

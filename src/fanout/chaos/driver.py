@@ -84,18 +84,36 @@ class ChaosConfig(BaseModel):
     cache_dir: str | None = Field(None, description="data-prep cache (default work_dir/cache)")
 
 
+def producer_names(cfg: ChaosConfig) -> list[str]:
+    """The producer roles' names: `producer`, or p0 … pM-1 for `replicas` M > 1."""
+    return ["producer"] if cfg.replicas == 1 else [f"p{i}" for i in range(cfg.replicas)]
+
+
+def role_names(cfg: ChaosConfig) -> list[str]:
+    """Every role's name: the producers', then the trainers' c0 … cN-1."""
+    return [*producer_names(cfg), *(f"c{i}" for i in range(cfg.consumers))]
+
+
 class ChaosRun:
     """Set up, run with faults, and check one 1-producer / N-consumer run."""
 
-    def __init__(self, cfg: ChaosConfig, assets: ChaosAssets | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ChaosConfig,
+        assets: ChaosAssets | None = None,
+        prior_kills: dict[str, int] | None = None,
+    ) -> None:
+        """`prior_kills`: kills per role name in earlier rounds of a soak; the victim
+        choice evens out the sum (fanout.chaos.soak)."""
         self.cfg = cfg
+        self.prior_kills = dict(prior_kills or {})
         self.work = Path(cfg.work_dir).absolute()
         self.run_dir = self.work / "run"
         self.assets = assets or build_assets(self.work / "assets", cfg.conversations)
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.rng = random.Random(cfg.seed)
         self.sampler = Sampler(self.run_dir, cfg.max_live_windows, cfg.db_path)
-        names = ["producer"] if cfg.replicas == 1 else [f"p{i}" for i in range(cfg.replicas)]
+        names = producer_names(cfg)
         self.producers = [
             Role(n, self.producer_argv(replica_rank=i if cfg.replicas > 1 else None),
                  self.work / "logs" / f"{n}.log")
@@ -108,7 +126,6 @@ class ChaosRun:
         ]
         self.report = ChaosReport(config=cfg.model_dump(mode="json"))
         self._status_proc: subprocess.Popen[str] | None = None
-        self._bag: list[Role] = []  # kill order: roles shuffled, refilled when empty
 
     @property
     def roles(self) -> list[Role]:
@@ -196,17 +213,21 @@ class ChaosRun:
         return co is not None and co.pending_windows() > 0
 
     def _kill_one(self, now: float, killed: set[int]) -> float:
-        """SIGKILL the next role of a shuffled bag (every role gets its share of kills);
-        one not running or younger than min_age_s goes to the back. Next kill time."""
+        """SIGKILL the role with the fewest kills so far (earlier rounds included; ties in
+        a shuffled order), among those running and older than min_age_s: every role gets
+        its share, whichever roles a loaded machine keeps restarting. Next kill time."""
         c = self.cfg
-        self._bag = [r for r in self._bag if not r.done] or self.rng.sample(
-            self.roles, len(self.roles)
-        )
-        v = self._bag[0]
-        if not (v.running and v.proc is not None and now - v.proc.started >= c.min_age_s):
-            self._bag.append(self._bag.pop(0))  # its turn comes again after the others
+        ready = [
+            r
+            for r in self.roles
+            if not r.done and r.running and r.proc is not None
+            and now - r.proc.started >= c.min_age_s
+        ]  # fmt: skip
+        if not ready:
             return now + 0.1
-        self._bag.pop(0)
+        order = {r.name: i for i, r in enumerate(self.rng.sample(self.roles, len(self.roles)))}
+        v = min(ready, key=lambda r: (self.prior_kills.get(r.name, 0) + r.kills, order[r.name]))
+        assert v.proc is not None
         v.proc.signal(signal.SIGKILL)
         killed.add(v.proc.pid)
         v.kills += 1

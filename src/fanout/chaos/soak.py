@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from fanout.chaos.checks import ChaosReport
-from fanout.chaos.driver import ChaosConfig, ChaosRun
+from fanout.chaos.driver import ChaosConfig, ChaosRun, role_names
 from fanout.chaos.procs import ChaosAssets, build_assets
 
 # Between two kills the driver waits kill_every_s (0.5-1.5 s), plus 0.1 s for each role
@@ -39,7 +39,9 @@ class SoakReport:
 
     @property
     def killing_s(self) -> float:
-        return sum(r.killing_s for r in self.rounds)
+        # each round's figure is rounded to 0.1 s: so is the sum (420.3 + 179.7 is
+        # 599.999…, which would start a round of 1e-13 minutes and miss a 600 s goal)
+        return round(sum(r.killing_s for r in self.rounds), 1)
 
     @property
     def elapsed_s(self) -> float:
@@ -102,12 +104,19 @@ def round_db(db_path: str | None, i: int) -> str | None:
 
 def run_rounds(cfg: ChaosConfig, assets: ChaosAssets | None = None) -> SoakReport:
     """ChaosRun rounds until `cfg.kills` kills or `cfg.minutes` of killing (module
-    docstring). Round 0 runs in `cfg.work_dir`, round i > 0 in `work_dir/round-i`."""
+    docstring). A kill-count goal also holds every role to its share, `cfg.kills` // the
+    number of roles: a round that ended while a role was restarting, or after a trainer
+    finished, leaves that role short, and the next round owes it those kills (each
+    round's victim choice counts the earlier rounds' kills). Round 0 runs in
+    `cfg.work_dir`, round i > 0 in `work_dir/round-i`."""
     work = Path(cfg.work_dir)
     assets = assets or build_assets(work / "assets", cfg.conversations)
     rep = SoakReport()
+    roles = role_names(cfg)
+    share = 0 if cfg.minutes is not None else cfg.kills // len(roles)
     for i in range(1000):
-        left_kills = cfg.kills - rep.total_kills
+        owed = sum(max(share - rep.kills.get(r, 0), 0) for r in roles)
+        left_kills = max(cfg.kills - rep.total_kills, owed)
         left_s = None if cfg.minutes is None else cfg.minutes * 60 - rep.killing_s
         if rep.rounds and (left_kills <= 0 if left_s is None else left_s <= 0):
             break
@@ -116,13 +125,13 @@ def run_rounds(cfg: ChaosConfig, assets: ChaosAssets | None = None) -> SoakRepor
         rcfg = cfg.model_copy(
             update={
                 "work_dir": str(work if i == 0 else work / f"round-{i}"),
-                "kills": max(left_kills, 0),
+                "kills": left_kills,
                 "minutes": None if left_s is None else left_s / 60,
                 "seed": cfg.seed + i,
                 "db_path": round_db(cfg.db_path, i),
             }
         )
-        rep.rounds.append(ChaosRun(rcfg, assets).run())
+        rep.rounds.append(ChaosRun(rcfg, assets, prior_kills=rep.kills).run())
     return rep
 
 
