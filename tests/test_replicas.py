@@ -225,6 +225,30 @@ def test_a_replica_with_another_plan_contract_or_rank_is_refused(
         x.close()
 
 
+def test_a_replica_without_a_rank_takes_a_lost_ones_place_before_a_finished_one(
+    db: str | None, tmp_path: Path
+) -> None:
+    """Replica 0 finished, replica 1 was lost: a replica started without --replica-rank
+    (a restart of the lost one) takes rank 1, so no rank is left recorded as held by a
+    process that is gone."""
+    clock = FakeClock()
+    rd = RunDir(tmp_path / "run").create()
+    cfg = RunConfig(max_live_windows=4, ttl_s=10)
+    co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db, clock=clock)
+    conns, regs = _replicas(tmp_path, db, 2, ProducerPlan(2), clock)
+    conns[0].finish_producer(regs[0])
+    for _ in range(3):
+        assert co.reclaim_lost() == []
+        clock.t += 4
+    assert co.reclaim_lost() == ["producer:r1"]
+    reg = co.register_producer(make_contract(), rank=None, plan=ProducerPlan(2))
+    assert reg.rank == 1
+    states = co.conn.execute("SELECT rank, state FROM producers ORDER BY rank").fetchall()
+    assert [tuple(r) for r in states] == [(0, "finished"), (1, "active")]
+    for x in [co, *conns]:
+        x.close()
+
+
 def _hold(root: str, db: str | None, rank: int, ready: Any, go: Any) -> None:
     """A process holding replica `rank` of 2, heartbeating until `go`."""
     co = Coordinator.open(root, db_path=db)

@@ -257,8 +257,8 @@ class Coordinator:
         plan: ProducerPlan | None = None,
     ) -> ProducerReg:
         """Become the run's producer, or producer replica `rank` of `plan.replicas` (None:
-        the first free rank): fences that rank's previous holder and releases its
-        claims. RoleHeld while a live process holds it (every rank, for None), unless
+        a free rank, a crashed holder's first): fences that rank's previous holder and
+        releases its claims. RoleHeld while a live process holds it (every rank, for None), unless
         `takeover`; a crashed or finished one is replaced without asking. PlanMismatch
         when live replicas run with another data plan (`plan`)."""
         return self.roles.register_producer(

@@ -11,7 +11,8 @@ Roles are exclusive: each producer replica rank (0 .. replicas-1; a run's only p
 is rank 0), and each consumer id `name:dp<rank>`, is held by one process at a time
 (fanout.coord.liveness decides who is live). A newcomer is refused with RoleHeld while
 a live process holds the role, unless it takes over; a producer asking for any rank
-(`rank=None`) takes the first free one and is refused only when every rank is held.
+(`rank=None`) takes a free one (a crashed or lost holder's first, a finished one's
+last) and is refused only when every rank is held.
 Every registration takes a new token from one counter that never repeats, and every
 later call is checked against it (`check_producer`, `check_consumer`), so a process
 that was replaced, reclaimed as lost or detached gets StaleLease / RoleTaken /
@@ -123,13 +124,27 @@ class Roles:
             self.release_claims_of(cur, r)
             return token
 
-        ranks = [rank] if rank is not None else list(range(plan.replicas))
+        ranks = [rank] if rank is not None else self._free_rank_order(plan.replicas)
         roles = [(self.producer_role(r, plan.replicas), _producer_row(r)) for r in ranks]
         token, i = self.take_role(roles, takeover, register, labels=ranks)
         got = ranks[i]
         self.reclaimer.own(producer_id(got))
         log.info("%s: %s registered (token %d)", roles[i][0], owner, token)
         return ProducerReg(token, owner, got)
+
+    def _free_rank_order(self, replicas: int) -> list[int]:
+        """The ranks a replica started without `--replica-rank` tries, in order: a rank
+        whose holder crashed or was lost first (a restarted replica takes its place, so
+        no row is left `active` behind a dead process), then one never taken, then a
+        finished one. Only an order: `take_role` decides, in its transaction, which
+        rank is free."""
+        rows = dict(
+            self.run.conn.execute(
+                "SELECT rank, state FROM producers WHERE rank < ?", (replicas,)
+            ).fetchall()
+        )
+        order = {ACTIVE: 0, RoleState.LOST.value: 0, None: 1, RoleState.FINISHED.value: 2}
+        return sorted(range(replicas), key=lambda r: (order.get(rows.get(r), 1), r))
 
     def _join_plan(self, cur: schema.Sql, rank: int, plan: ProducerPlan) -> None:
         """PlanMismatch if other replicas are active with another data plan; the first
