@@ -62,9 +62,9 @@ from fanout.decode.eval import (
     EvalSession,
     evaluate,
     load_drafts,
-    table,
     tau_interval,
 )
+from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import DecodeResult
 from fanout.model.dflash import DFlashDraft, DraftRecipe
 

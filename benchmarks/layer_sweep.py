@@ -218,7 +218,8 @@ def throughput(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict
 def bytes_read(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict[str, Any]:
     """Capture windows of the union once, then read them page-cache-cold per layer set."""
     from fanout.bench.bench import resolve_assets
-    from fanout.produce.producer import Producer, ProducerConfig
+    from fanout.produce.config import ProducerConfig
+    from fanout.produce.producer import Producer
     from fanout.store.store import RunDir, Store
     from fanout.store.windowfile import HIDDEN, WindowReader, hidden_name
     from fanout.train.consumer import ConsumerConfig, ConsumerStream

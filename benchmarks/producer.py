@@ -51,7 +51,8 @@ import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.model.verifier import packed_attention_mask
-from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.produce.stream import stream_rows
 
 REPO = Path(__file__).resolve().parents[1]

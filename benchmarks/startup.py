@@ -48,7 +48,8 @@ def build_run(root: Path) -> Path:
         tiny_verifier_for_tokenizer,
         write_jsonl,
     )
-    from fanout.produce.producer import Producer, ProducerConfig
+    from fanout.produce.config import ProducerConfig
+    from fanout.produce.producer import Producer
 
     corpus = generate_corpus(120, seed=0)
     write_jsonl(root / "chat.jsonl", corpus)

@@ -25,8 +25,10 @@ from typing import Any
 import torch
 
 from fanout.bench.assets import ensure_demo_assets
-from fanout.produce.producer import Producer, ProducerConfig
-from fanout.train.trainer import TrainConfig, Trainer
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
+from fanout.train.config import TrainConfig
+from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]

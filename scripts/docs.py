@@ -28,8 +28,8 @@ END = "<!-- /configs:makeup -->"
 CONFIGS = {
     "prepare": "fanout.data.prepare:PrepareConfig",
     "regenerate": "fanout.regen.regenerate:RegenerateConfig",
-    "produce": "fanout.produce.producer:ProducerConfig",
-    "train": "fanout.train.trainer:TrainConfig",
+    "produce": "fanout.produce.config:ProducerConfig",
+    "train": "fanout.train.config:TrainConfig",
     "eval": "fanout.decode.eval:EvalConfig",
     "status": "fanout.coord.status:StatusConfig",
     "sweep": "fanout.coord.status:SweepConfig",

@@ -32,8 +32,10 @@ from fanout.coord.postgresdb import parse_url
 from fanout.coord.status import snapshot
 from fanout.errors import ConfigError
 from fanout.produce import producer
+from fanout.produce.config import ProducerConfig
 from fanout.store.store import Published, RunDir, window_name
 from fanout.train import trainer
+from fanout.train.config import TrainConfig
 from fanout.train.trainlog import MetricsLog
 from test_coordinator import make_contract
 
@@ -96,7 +98,7 @@ def test_role_specs_are_the_commands_fields() -> None:
     description in ProducerConfig / TrainConfig reaches the bench spec, and a changed
     type fails here."""
     bench_only = {ProducerSpec: {"threads", "extra_args"}, ConsumerSpec: {"id", "extra_args"}}
-    for spec, config in ((ProducerSpec, producer.ProducerConfig), (ConsumerSpec, trainer.TrainConfig)):  # fmt: skip
+    for spec, config in ((ProducerSpec, ProducerConfig), (ConsumerSpec, TrainConfig)):  # fmt: skip
         shared = set(spec.model_fields) - bench_only[spec]
         assert shared, spec
         for name in sorted(shared):
@@ -105,7 +107,7 @@ def test_role_specs_are_the_commands_fields() -> None:
             assert mine.annotation == theirs.annotation, f"{spec.__name__}.{name}"
             assert mine.metadata == theirs.metadata, f"{spec.__name__}.{name}"
             assert mine.description == theirs.description, f"{spec.__name__}.{name}"
-    assert trainer.TrainConfig.model_fields["consumer_id"].annotation is str  # ConsumerSpec.id
+    assert TrainConfig.model_fields["consumer_id"].annotation is str  # ConsumerSpec.id
     # Bench defaults stay the bench's.
     assert ProducerSpec().seq_len == 256 and ConsumerSpec(id="b").max_anchors == 16
     with pytest.raises(ValueError, match="greater than or equal to 8"):

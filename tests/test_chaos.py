@@ -243,7 +243,8 @@ def test_a_replica_paused_past_ttl_loses_its_claim(chaos_root: Path, assets_root
                 victim = r.producers[int(rank)]
                 if victim.proc is None or victim.proc.pid != pid:
                     continue
-                victim.proc.signal(signal.SIGSTOP)
+                if not r.pause(victim):  # stopped inside a write: later
+                    continue
                 if co.conn.execute(claimed, (int(rank),)).fetchone()[0]:  # still holds it
                     state["stop"], state["victim"] = time.monotonic(), victim
                     return
@@ -507,9 +508,8 @@ def test_sigstop_past_ttl(chaos_root: Path, assets_root: Path, policy: str, exit
 
     def pause(r: ChaosRun) -> None:
         if "stop" not in when and len(read_train_log(vlog)) >= 6:
-            assert victim.proc is not None
-            victim.proc.signal(signal.SIGSTOP)
-            when["stop"], when["stop_wall"] = time.monotonic(), time.time()
+            if r.pause(victim):  # not inside a write transaction (else: next tick)
+                when["stop"], when["stop_wall"] = time.monotonic(), time.time()
         elif "stop" in when and "cont" not in when and time.monotonic() - when["stop"] > 3 * ttl:
             assert victim.proc is not None
             victim.proc.signal(signal.SIGCONT)

@@ -26,7 +26,8 @@ from fanout.bench.assets import generate_corpus
 from fanout.errors import ConfigError, NotACoordinatorDatabase
 from fanout.filesystem import FaultyFileSystem
 from fanout.model.verifier import max_position_embeddings
-from fanout.produce.producer import Producer, ProducerConfig, check_inputs
+from fanout.produce.config import ProducerConfig, check_inputs
+from fanout.produce.producer import Producer
 from tiny_run import build_tiny_assets, tiny_producer_config
 
 

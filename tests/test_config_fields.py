@@ -53,13 +53,13 @@ from fanout.model.capture_layers import CaptureLayers
 from fanout.model.dflash import DFlashConfig, DraftRecipe
 from fanout.model.verifier import VerifierConfig, VerifierOptions
 from fanout.produce import producer as produce_mod
-from fanout.produce.producer import ProducerConfig
+from fanout.produce.config import ProducerConfig
 from fanout.regen import regenerate as regen_mod
 from fanout.regen.engine import RegenOptions
 from fanout.regen.regenerate import RegenerateConfig
 from fanout.train import trainer as train_mod
+from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
-from fanout.train.trainer import TrainConfig
 
 COMMANDS: dict[str, tuple[ModuleType, type[BaseModel]]] = {
     "prepare": (prepare_mod, PrepareConfig),

@@ -26,7 +26,8 @@ import torch
 
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator
-from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.store.store import RunDir, Store
 from fanout.store.windowfile import hidden_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order

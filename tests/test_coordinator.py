@@ -360,6 +360,20 @@ def test_discard_run_drops_only_a_run_nothing_used(db: str | None, tmp_path: Pat
     co.close()
 
 
+def test_writable_is_false_while_another_connection_writes(db: str | None, tmp_path: Path) -> None:
+    """The chaos driver's probe (ChaosRun.pause): a write transaction held open by
+    another connection makes `writable` False within its timeout; released, True."""
+    co, _, _ = new_run(tmp_path, db)
+    other = Coordinator.open(tmp_path / "run", db_path=db)
+    assert co.conn.writable(0.2)
+    with other.conn.write() as cur:
+        cur.execute("SELECT COUNT(*) FROM windows")
+        assert not co.conn.writable(0.2)
+    assert co.conn.writable(0.2)
+    other.close()
+    co.close()
+
+
 def test_named_reads_and_the_audit_on_either_database(db: str | None, tmp_path: Path) -> None:
     """What callers outside fanout.coord ask instead of SQL: live and pending windows,
     who still reads, whether a run was used, and the end-of-run audit."""

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
-from fanout.decode.eval import table, tau_interval
+from fanout.decode.eval import tau_interval
+from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.errors import CheckpointError
 from fanout.model.dflash import DFlashConfig, DFlashDraft
@@ -497,7 +498,7 @@ def test_tau_interval_by_hand() -> None:
 
 
 def test_speedup_beyond_tau_is_flagged() -> None:
-    from fanout.decode.eval import _summary, table
+    from fanout.decode.eval import _summary
 
     greedy = [_result([], 10.0, bs=0)]
     greedy[0].tokens = list(range(9))  # 8 decoded tokens in 10 s
@@ -519,7 +520,7 @@ def test_speedup_beyond_tau_is_flagged() -> None:
 def test_table_bs_is_the_verify_width() -> None:
     """An EAGLE-3 chain trained with 3 TTT steps (block_size 4) and served with
     --num-speculative-tokens 5 verifies 6 tokens a step: the table says 6, not 4."""
-    from fanout.decode.eval import _summary, table
+    from fanout.decode.eval import _summary
 
     greedy = [_result([], 10.0, bs=0)]
     chain = _result([1, 5, 0], 1.0)
@@ -539,7 +540,7 @@ def test_table_bs_is_the_verify_width() -> None:
 def test_tau_verdict_by_hand() -> None:
     """The verdict rule on hand-built intervals: apart (either order), overlapping,
     touching (counts as overlap), undefined; and one line per pair and temperature."""
-    from fanout.decode.eval import tau_verdict, verdicts
+    from fanout.decode.eval_table import tau_verdict, verdicts
 
     def fig(tau: float, ci: list[float] | None) -> dict[str, Any]:
         return {"acceptance_length": tau, "acceptance_length_ci95": ci}
@@ -568,7 +569,7 @@ def test_a_verifier_tie_is_told_from_a_mismatch(vdir: Path) -> None:
     tokens with the same output row tie exactly (margin 0, a tie whichever forward shape
     breaks it), while greedy's choice against any other token is a real mismatch (a
     margin far beyond the rounding of the verifier's dtype)."""
-    from fanout.decode.eval import lossless_line
+    from fanout.decode.eval_table import lossless_line
 
     v = load_verifier(vdir, device="cpu", capture_layer_ids=[1], num_draft_layers=None)
     head = v.model.get_output_embeddings().weight  # [V, H]

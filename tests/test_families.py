@@ -30,9 +30,10 @@ from fanout.errors import CheckpointError, ConfigError
 from fanout.families.registry import FAMILIES, family, family_of
 from fanout.families.serving import latest_checkpoint, load_draft, read_config
 from fanout.produce.capture_for import capture_fields
-from fanout.produce.producer import ProducerConfig
+from fanout.produce.config import ProducerConfig
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
-from fanout.train.trainer import TrainConfig, config_from_args
+from fanout.train.config import TrainConfig
+from fanout.train.trainer import config_from_args
 from fanout.train.trainlog import read_train_log
 from test_endings import Procs, _alive, _summary
 from test_roles import ENV, _status, wait_for

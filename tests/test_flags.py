@@ -15,10 +15,10 @@ from pydantic import BaseModel, Field
 
 from fanout.errors import ConfigError
 from fanout.flags import add_model_flags, field_flag, flag_name, model_from_args
-from fanout.produce.producer import ProducerConfig
+from fanout.produce.config import ProducerConfig
 from fanout.produce.producer import add_arguments as producer_arguments
+from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig
-from fanout.train.trainer import TrainConfig
 from fanout.train.trainer import add_arguments as train_arguments
 
 

@@ -144,7 +144,8 @@ def test_fp8_windows_hold_the_quantised_capture_at_about_half_the_bytes(
 
 
 def test_a_trainer_learns_from_fp8_windows(assets: dict[str, Any]) -> None:
-    from fanout.train.trainer import TrainConfig, Trainer
+    from fanout.train.config import TrainConfig
+    from fanout.train.trainer import Trainer
 
     p = _produce(assets, "run-fp8-train", "float8_e4m3fn")
     cfg = TrainConfig(

@@ -122,7 +122,8 @@ def test_producer_async_device_copies_equal_a_synchronous_capture(
         write_jsonl,
     )
     from fanout.ops.fp8 import dequantize
-    from fanout.produce.producer import Producer, ProducerConfig
+    from fanout.produce.config import ProducerConfig
+    from fanout.produce.producer import Producer
     from fanout.produce.stream import stream_rows
     from fanout.store.store import parse_window_name
     from fanout.store.windowfile import hidden_name, scale_name

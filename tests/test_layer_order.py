@@ -39,8 +39,9 @@ from fanout.model.dflash import DFlashConfig, DFlashDraft
 from fanout.model.draft_cache import IndependentSlots, UncachedDraft
 from fanout.produce.producer import Producer
 from fanout.train.checkpoint import load_checkpoint
+from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig
-from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
 from faults import after_rename, fail_each_call
 from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401 (autouse)

@@ -38,11 +38,13 @@ from fanout.contract import CaptureContract, LayersNotCaptured
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.status import format_table, snapshot
 from fanout.errors import AcquireTimeout, ConfigError, CorruptWindow
-from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.store.store import RunDir, Store, WindowReader, verify_file
 from fanout.store.windowfile import WindowFormatError, hidden_name, scale_name
+from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
-from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
 from tiny_run import RECORDER, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
 

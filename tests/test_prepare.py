@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any, get_args
 
@@ -403,3 +404,58 @@ def test_chat_template_that_cannot_be_masked_is_refused_by_row(
         prepare(cfg)
     with pytest.raises(ValueError, match="no such file"):
         PrepareConfig(**{**base, "chat_template": str(tmp_path / "nope.jinja")})
+
+
+_RACER = """
+import json, logging, os, sys, time
+from pathlib import Path
+from fanout.data.prepare import PrepareConfig, prepare
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+cfg = PrepareConfig.model_validate_json(sys.argv[1])
+go = Path(sys.argv[2])
+while not go.exists():
+    time.sleep(0.001)
+time.sleep(float(sys.argv[3]))
+ds = prepare(cfg, announce=True)
+print(json.dumps({"dir": str(ds.dir), "fingerprint": ds.fingerprint, "rows": ds.num_rows}))
+"""
+
+
+@pytest.mark.parametrize("stagger", [0.0, 0.15, 0.4])
+def test_processes_preparing_the_same_rows_build_them_once(
+    base: dict[str, Any], tmp_path: Path, stagger: float
+) -> None:
+    """Three processes (M producer replicas started together on one host) prepare the
+    same rows into one cache, released together by a go-file or staggered by `stagger`
+    s: exactly one builds the entry, the others wait for it and use it (no race for
+    the final rename, no second build on the same cores); one entry, no debris."""
+    import shutil
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    # the tokenizer build (a transformers subprocess) done once, copied into this cache
+    load_chat_spec(base["tokenizer"], Path(base["cache_dir"]))
+    shutil.copytree(Path(base["cache_dir"]) / "tokenizers", cache / "tokenizers")
+    cfg = PrepareConfig(**{**base, "data": base["data"][:1], "cache_dir": str(cache)})
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACER, cfg.model_dump_json(), str(go), str(i * stagger)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    time.sleep(1.0)  # past their imports, on most machines; the race holds either way
+    go.touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-2000:] for _, e in outs]
+    results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert len({(r["dir"], r["fingerprint"], r["rows"]) for r in results}) == 1, results
+    built = ["\npreparing " in f"\n{e}" for _, e in outs]  # prepare()'s announce line
+    assert sum(built) == 1, [e[-600:] for _, e in outs]
+    assert all("using prepared rows from" in e for (_, e), b in zip(outs, built) if not b)
+    entries = sorted(p.name for p in (cache / "prepared").iterdir())
+    assert entries == [results[0]["fingerprint"]]

@@ -27,7 +27,7 @@ import torch
 from fanout.bench.assets import build_tokenizer, generate_corpus
 from fanout.data.draft_vocab import TOKEN_COUNTS
 from fanout.errors import ConfigError
-from fanout.produce.producer import ProducerConfig, check_inputs, prepared_data
+from fanout.produce.config import ProducerConfig, check_inputs, prepared_data
 from fanout.store.store import RunDir, Store, parse_window_name
 from tiny_run import build_tiny_assets
 

@@ -33,7 +33,8 @@ from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator
 from fanout.errors import ContractMismatch
 from fanout.filesystem import FileSystem
-from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.produce.stream import stream_rows
 from fanout.store.store import RunDir, Store, parse_window_name
 from fanout.store.streaminfo import StreamInfo, window_count, window_span

@@ -29,9 +29,10 @@ from fanout.coord.reads import consumer_states
 from fanout.errors import TrainerStopped
 from fanout.families.serving import latest_checkpoint
 from fanout.produce.producer import Producer
+from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig, ConsumerStream
 from fanout.train.plan import StreamPlanner
-from fanout.train.trainer import NO_TOKEN_STEPS, TrainConfig, Trainer
+from fanout.train.trainer import NO_TOKEN_STEPS, Trainer
 from fanout.train.trainlog import read_train_log
 from test_train import repetitive_corpus
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)

@@ -28,7 +28,8 @@ import torch
 from fanout import cli
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator
-from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.store.store import RunDir, Store, parse_window_name
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,

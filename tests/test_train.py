@@ -31,9 +31,11 @@ from fanout.bench.assets import generate_corpus
 from fanout.errors import ConfigError
 from fanout.families.serving import latest_checkpoint
 from fanout.flags import flag_name
-from fanout.produce.producer import Producer, ProducerConfig
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.store.store import RunDir
-from fanout.train.trainer import TrainConfig, Trainer
+from fanout.train.config import TrainConfig
+from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from fanout.bench.assets import build_tokenizer, tiny_verifier_for_tokenizer, write_jsonl
 from fanout.flags import to_flags
-from fanout.produce.producer import ProducerConfig
+from fanout.produce.config import ProducerConfig
 
 
 def build_tiny_assets(

@@ -52,8 +52,8 @@ from fanout.bench.config import (
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
 from fanout.flags import to_flags
-from fanout.produce.producer import ProducerConfig
-from fanout.train.trainer import TrainConfig
+from fanout.produce.config import ProducerConfig
+from fanout.train.config import TrainConfig
 
 # --------------------------------------------------------------------------- assets
 

@@ -27,8 +27,8 @@ from fanout.coord.postgresdb import is_url
 from fanout.errors import ConfigError
 from fanout.families.registry import FamilyName
 from fanout.model.verifier import DTypeName
-from fanout.produce.producer import ProducerConfig
-from fanout.train.trainer import TrainConfig
+from fanout.produce.config import ProducerConfig
+from fanout.train.config import TrainConfig
 
 Scenario = Literal["1p1c", "1p3c", "unshared"]
 SCENARIOS: tuple[Scenario, ...] = ("1p1c", "1p3c", "unshared")

@@ -187,7 +187,8 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
     from fanout.bench.bench import resolve_assets
     from fanout.bench.ranking import plot_tau, rank_drafts, ranking_lines
     from fanout.bench.report import add_eval
-    from fanout.decode.eval import EvalConfig, evaluate, resolve_draft_dir, table
+    from fanout.decode.eval import EvalConfig, evaluate, resolve_draft_dir
+    from fanout.decode.eval_table import table
 
     assets = resolve_assets(cfg.assets, out)  # cached: returns at once
     drafts = [out / "1p3c" / "drafts" / c.id for c in cfg.consumers]

@@ -312,7 +312,7 @@ def eval_markdown(ev: dict[str, Any]) -> list[str]:
     """report.md's `fanout eval` section, from eval.json's greedy (T = 0) keys: per draft
     τ beside its train-time EAL (whose curve is curves.png) and per-position acceptance."""
     verdict = "every output equals greedy" if ev.get("lossless") else "**NOT lossless**"
-    if ev.get("lossless") and ev.get("ties"):  # fanout.decode.eval.lossless_line says more
+    if ev.get("lossless") and ev.get("ties"):  # fanout.decode.eval_table.lossless_line says more
         verdict += (
             f" but at {len(ev['ties'])} verifier tie(s) (top two logits within rounding, "
             "broken either way by a one-token vs a multi-token forward)"

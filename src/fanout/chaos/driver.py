@@ -35,10 +35,10 @@ from fanout.chaos.checks import ChaosReport, Sampler, check_cover, final_state
 from fanout.chaos.procs import ChaosAssets, Role, build_assets, run_cli, warm_forkserver
 from fanout.coord.states import LIVE
 from fanout.flags import to_flags
-from fanout.produce.producer import ProducerConfig
+from fanout.produce.config import ProducerConfig
 from fanout.store.rundir import RunDir
 from fanout.store.streaminfo import StreamInfo
-from fanout.train.trainer import TrainConfig
+from fanout.train.config import TrainConfig
 from fanout.train.trainlog import read_train_log
 
 log = logging.getLogger(__name__)
@@ -233,6 +233,23 @@ class ChaosRun:
         v.kills += 1
         v.proc.wait(5)
         return now + self.rng.uniform(*c.kill_every_s)
+
+    def pause(self, role: Role, probe_s: float = 1.0) -> bool:
+        """SIGSTOP `role`, unless it stopped inside a coordinator write transaction: such a
+        process holds the write lock, every other process waits on it, nobody can declare
+        it lost until it resumes, and the run stalls for the pause (SQLite: whole
+        database; PostgreSQL: the run's advisory lock). That is a stall, not the fault
+        a pause scenario means (a process silent past its ttl while the others go on);
+        so if the lock cannot be had within `probe_s`, SIGCONT and False: try later."""
+        co = self.sampler._open()
+        if role.proc is None or co is None:
+            return False
+        role.proc.signal(signal.SIGSTOP)
+        if co.conn.writable(probe_s):
+            return True
+        role.proc.signal(signal.SIGCONT)
+        log.info("%s was stopped holding the coordinator's write lock; resumed", role.name)
+        return False
 
     def start_trainers(self) -> None:
         for t in self.trainers:

@@ -49,6 +49,12 @@ class Database(Sql, Protocol):
         """Sleep until another connection commits, `max_s` passes or monotonic `deadline`."""
         ...
 
+    def writable(self, timeout_s: float) -> bool:
+        """Whether a write transaction can start within `timeout_s` (nothing is written):
+        False while another process holds the write lock, e.g. one stopped inside a
+        write (the chaos driver pauses processes only outside one)."""
+        ...
+
     def table_names(self) -> set[str]:
         """The tables this database (PostgreSQL: this schema) holds."""
         ...

@@ -255,6 +255,17 @@ class PostgresDatabase:
         finally:
             self._in_write = False
 
+    def writable(self, timeout_s: float) -> bool:
+        self.raw.execute("BEGIN")
+        try:
+            self.raw.execute(f"SET LOCAL lock_timeout = {max(1, int(timeout_s * 1000))}")
+            self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
+            return True
+        except self._errors.LockNotAvailable:
+            return False
+        finally:
+            self._rollback()
+
     def _typed(self, e: Exception) -> Exception:
         if isinstance(e, self._errors.DiskFull):
             return CoordinatorFull(

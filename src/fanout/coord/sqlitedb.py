@@ -311,6 +311,13 @@ class SqliteDatabase:
                     raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
                 time.sleep(0.002)
 
+    def writable(self, timeout_s: float) -> bool:
+        try:
+            with self.write(max_wait_s=timeout_s):
+                return True  # an empty transaction: commits nothing
+        except CoordinatorBusy:
+            return False
+
     def _rollback(self) -> None:
         # After some errors (SQLITE_FULL among them) SQLite has already rolled back,
         # and ROLLBACK would fail with "no transaction is active".

@@ -19,6 +19,7 @@ cache (fanout.data.cache). Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -146,7 +147,7 @@ class PrepareConfig(DataOptions):
     )
 
     # Only here, not in DataOptions: a ProducerConfig names files that need not exist
-    # yet when it is built (fanout.produce.producer.check_inputs checks them at start).
+    # yet when it is built (fanout.produce.config.check_inputs checks them at start).
     @field_validator("data")
     @classmethod
     def _files_exist(cls, v: list[str]) -> list[str]:
@@ -424,17 +425,64 @@ def prepare(
     fp = _rows_fingerprint(cfg, spec)
     entry = root / "prepared" / fp
     found = [r / "prepared" / fp for r in roots if (r / "prepared" / fp / MANIFEST).is_file()]
-    hit = found[0] if found else None
-    if not cfg.no_cache and hit is not None:
-        if announce:
-            log.info("using prepared rows from %s (fingerprint %s)", hit, fp)
-        if cfg.out:
-            _materialize(hit, Path(cfg.out))
-            return PackedDataset(cfg.out)
-        return PackedDataset(hit)
+    if not cfg.no_cache and found:
+        return _use_entry(cfg, found[0], fp, announce)
     if cfg.no_cache and not cfg.out:
         raise ConfigError("--no-cache needs --out (where else would the rows go?)")
-    target = Path(cfg.out) if cfg.no_cache and cfg.out else entry
+    if cfg.no_cache:  # straight into --out: nothing shared to race for
+        return _build(cfg, root, spec_root, spec, fp, Path(str(cfg.out)), announce)
+    with _building(entry):
+        if (entry / MANIFEST).is_file():  # another process built it while we waited
+            return _use_entry(cfg, entry, fp, announce)
+        return _build(cfg, root, spec_root, spec, fp, entry, announce)
+
+
+def _use_entry(cfg: PrepareConfig, hit: Path, fp: str, announce: bool) -> PackedDataset:
+    """The rows of a cache entry: as they are, or copied to --out."""
+    if announce:
+        log.info("using prepared rows from %s (fingerprint %s)", hit, fp)
+    if cfg.out:
+        _materialize(hit, Path(cfg.out))
+        return PackedDataset(cfg.out)
+    return PackedDataset(hit)
+
+
+@contextlib.contextmanager
+def _building(entry: Path) -> Iterator[None]:
+    """One process at a time builds a cache entry; another that wants the same rows (M
+    producer replicas started together on one host) waits, then uses them, instead of
+    preparing them again on the same cores and racing for the final rename.
+
+    filelock's flock: released when its holder dies, kill -9 included (a forked
+    worker's inherited copy of the descriptor for at most a second more: workers exit
+    with their parent, fanout.data.workers)."""
+    from filelock import FileLock, Timeout
+
+    # beside prepared/, not in it: that directory holds entries only
+    locks = entry.parent.parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(locks / f"prepared-{entry.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("another process is preparing the same rows into %s: waiting for it", entry)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _build(
+    cfg: PrepareConfig,
+    root: Path,
+    spec_root: Path,
+    spec: ChatSpec,
+    fp: str,
+    target: Path,
+    announce: bool,
+) -> PackedDataset:
+    """Prepare the rows into `target` (the cache entry, or --out under --no-cache)."""
     if target.exists() and not (target / MANIFEST).is_file() and any(target.iterdir()):
         raise ConfigError(f"--out {target}: exists and is not a prepared dataset")
     if spec_root != root:  # the workers read this root's tokenizer build, not another's
@@ -463,7 +511,7 @@ def prepare(
         writer.abort()
         raise
     if cfg.out and not cfg.no_cache:
-        _materialize(entry, Path(cfg.out))
+        _materialize(built, Path(cfg.out))
         return PackedDataset(cfg.out)
     return PackedDataset(built)
 

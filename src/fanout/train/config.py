@@ -1,0 +1,135 @@
+"""`fanout train`'s config (scripts/train.py): every flag, composed from the parts that
+declare them.
+
+    cfg = TrainConfig(run_dir="runs/r1", consumer_id="draft-b8", save_path="runs/r1/drafts/b8",
+                      verifier_name_or_path=VERIFIER_DIR, block_size=8)
+    Trainer(cfg).run()         # fanout.train.trainer
+
+Flags are generated from its fields (fanout.flags).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from fanout.families.registry import FamilyOptions
+from fanout.model.dflash import DraftRecipe
+from fanout.train.consumer import ConsumerConfig, ConsumerOptions
+
+
+class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
+    """Every `fanout train` (scripts/train.py) flag; speculators trainer names where the
+    meaning is the same. How the trainer reads the run (run_dir, consumer_id, dp_rank,
+    db_path, draft_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
+    ConsumerOptions', declared once in fanout.train.consumer; the draft's recipe
+    (num_layers, block_size, max_anchors, draft_vocab_size, gamma, loss weighting,
+    dpace_alpha, label_source, loss_type) is DraftRecipe's, declared once in
+    fanout.model.dflash with the defaults that work on a real verifier; the family
+    (--draft-family) and each family's own options are FamilyOptions'
+    (fanout.families.registry); these are the trainer's."""
+
+    verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
+    checkpoint_verifier_name: str | None = Field(
+        None,
+        description="verifier name written into checkpoints for serving (e.g. Qwen/Qwen3-8B); "
+        "default: the absolute path of --verifier-name-or-path",
+    )
+    # Not DFlashConfig's: a choice here (None: the verifier's last id); the draft's is the
+    # id it resolved to.
+    mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    warmup_ratio: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="fraction of the schedule's total steps spent warming up (linearly to "
+        "--lr); where the total is not known at start, the first 100 steps (0: none)",
+    )
+    scheduler_type: Literal["constant", "linear", "cosine"] = Field(
+        "cosine",
+        description="lr after warm-up: cosine or linear decay to 0 at the total steps, or "
+        "constant. The total: --max-steps, or the steps the stream (--epochs of it) makes, "
+        "from the producer's stream.json, whichever is less; an on-policy stream still "
+        "regenerating is estimated from its plan and corrected, without a jump in lr, once "
+        "its length is recorded (the start log line says which)",
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip global grad norm; none = off")
+    adamw_backend: Literal["auto", "fused", "foreach"] = Field(
+        "auto", description="AdamW implementation (auto: fused where supported)"
+    )
+    epochs: float | None = Field(
+        None,
+        gt=0,
+        description="passes over the data to read (its rows from stream.json; on an "
+        "on-policy stream still regenerating, decided once its rows are recorded); "
+        "default: the whole stream",
+    )
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        description="stop after this many optimizer steps (the schedule's total, unless the "
+        "stream ends sooner)",
+    )
+    eval_every: int | None = Field(
+        None,
+        ge=1,
+        description="every N steps, speculative-decode --eval-prompts held-out prompts with the "
+        "draft and log eval_tau (loads the whole verifier into this trainer; docs/eval.md)",
+    )
+    eval_data: str | None = Field(None, description="held-out chat data for --eval-every")
+    eval_tokenizer: str | None = Field(
+        None, description="tokenizer dir for --eval-data; default: --verifier-name-or-path"
+    )
+    eval_prompts: int = Field(4, ge=1, description="prompts per --eval-every evaluation")
+    eval_max_new_tokens: int = Field(32, ge=1, description="tokens generated per eval prompt")
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> TrainConfig:
+        if self.eval_every and not self.eval_data:
+            raise ValueError("--eval-every needs --eval-data (held-out chat data)")
+        if self.eval_data and not Path(self.eval_data).is_file():
+            raise ValueError(f"--eval-data {self.eval_data}: no such file")
+        return self
+
+    rows_per_step: int = Field(2, ge=1, description="window rows per optimizer step")
+    save_path: str = Field(description="checkpoint directory")
+    checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
+    resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
+    log_every: int = Field(1, ge=1, description="steps between log records")
+    logger: Literal["jsonl", "tensorboard"] = Field("jsonl", description="metrics sink")
+    device: str = Field(
+        "cpu",
+        description="training device: cpu | cuda | cuda:N (under torchrun, cuda = LOCAL_RANK)",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="compute dtype (bf16 autocast on CUDA)"
+    )
+    seed: int = Field(0, description="seeds init, anchors and row order within windows")
+    progress: bool | None = Field(
+        None,
+        description="per-step progress bar on stderr (step, loss, EAL, rows/s, time waiting "
+        "for windows, window, cursor); default: when stderr is a terminal",
+    )
+
+    def draft_recipe(self) -> dict[str, Any]:
+        """This config's draft fields: the DraftRecipe fields (the family's reference
+        values where not given) and the family's own options — what the trainer passes
+        on to the family's config (with the run's layers and the verifier's shapes)."""
+        return self.family_recipe({k: getattr(self, k) for k in DraftRecipe.model_fields})
+
+    def consumer_config(
+        self, *, dp_rank: int, dp_world_size: int, max_windows: int | None
+    ) -> ConsumerConfig:
+        """The ConsumerStream's config: this config's ConsumerOptions, the rank and world
+        size the trainer runs with, `seed` as the row seed, and the windows to read."""
+        options = {k: getattr(self, k) for k in ConsumerOptions.model_fields}
+        return ConsumerConfig(
+            **(options | {"dp_rank": dp_rank}),
+            dp_world_size=dp_world_size,
+            row_shuffle_seed=self.seed,
+            max_windows=max_windows,
+        )
