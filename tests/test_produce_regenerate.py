@@ -211,9 +211,10 @@ def test_a_signal_while_the_stream_is_open_prints_its_length_as_null(
         def held_at_k() -> bool:
             if proc.poll() is not None:
                 return True  # exited early: the asserts below say how
-            if not (run / "coordinator.sqlite3").exists():
+            co = Coordinator.open_if_created(run)  # None until its tables are committed
+            if co is None:
                 return False
-            with Coordinator.open(run) as co:
+            with co:
                 return bool(snapshot(co)["windows"]["ready"] == 2)
 
         wait_for(held_at_k, 300, "two windows published", poll_s=0.2)

@@ -47,6 +47,7 @@ from fanout.errors import (
     StaleLease,
 )
 from fanout.produce.replicas import rank_of
+from fanout.produce.rundir import take_start_lock
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowReader
 from fanout.store.streaminfo import StreamInfo
@@ -247,6 +248,36 @@ def test_a_replica_without_a_rank_takes_a_lost_ones_place_before_a_finished_one(
     assert [tuple(r) for r in states] == [(0, "finished"), (1, "active")]
     for x in [co, *conns]:
         x.close()
+
+
+def _register_and_die(root: str, db: str | None, rank: int) -> None:
+    """A process that becomes replica `rank` of 2 and dies without finishing (a crash)."""
+    co = Coordinator.open(root, db_path=db)
+    co.register_producer(make_contract(), rank=rank, plan=ProducerPlan(2))
+    os._exit(0)
+
+
+def test_a_start_without_a_rank_locks_a_crashed_ones_rank_before_a_finished_one(
+    db: str | None, tmp_path: Path
+) -> None:
+    """The start lock comes first (take_start_lock settles the rank before the
+    registration): replica 0 finished, replica 1's process died holding its rank, and
+    a start without --replica-rank takes rank 1, not the finished 0 (CI met a restart
+    that took rank 0 and left rank 1 'active' behind the dead process)."""
+    co, _, c = new_run(tmp_path, db)
+    co.finish_producer(co.register_producer(c, rank=0, plan=ProducerPlan(2)))
+    dead = CTX.Process(target=_register_and_die, args=(str(co.root), db, 1))
+    dead.start()
+    dead.join(120)
+    states = co.conn.execute("SELECT rank, state FROM producers ORDER BY rank").fetchall()
+    assert [tuple(r) for r in states] == [(0, "finished"), (1, "active")]
+    assert co.free_rank_order(2) == [1, 0]
+    lock, rank = take_start_lock(co.root, db, False, None, 2)
+    try:
+        assert rank == 1
+    finally:
+        lock.release()
+    co.close()
 
 
 def _hold(root: str, db: str | None, rank: int, ready: Any, go: Any) -> None:

@@ -274,6 +274,11 @@ class Coordinator:
         if not takeover:
             self.roles.check_producer_role(rank, replicas)
 
+    def free_rank_order(self, replicas: int) -> list[int]:
+        """The ranks a replica started without --replica-rank tries, in order: a crashed
+        or lost holder's first, then one never taken, then a finished one's."""
+        return self.roles.free_rank_order(replicas)
+
     def check_plan(self, rank: int, plan: ProducerPlan) -> None:
         """PlanMismatch now if live producer replicas (other than `rank`) run with another
         data plan: a replica learns it before it loads anything."""

@@ -124,7 +124,7 @@ class Roles:
             self.release_claims_of(cur, r)
             return token
 
-        ranks = [rank] if rank is not None else self._free_rank_order(plan.replicas)
+        ranks = [rank] if rank is not None else self.free_rank_order(plan.replicas)
         roles = [(self.producer_role(r, plan.replicas), _producer_row(r)) for r in ranks]
         token, i = self.take_role(roles, takeover, register, labels=ranks)
         got = ranks[i]
@@ -132,12 +132,14 @@ class Roles:
         log.info("%s: %s registered (token %d)", roles[i][0], owner, token)
         return ProducerReg(token, owner, got)
 
-    def _free_rank_order(self, replicas: int) -> list[int]:
+    def free_rank_order(self, replicas: int) -> list[int]:
         """The ranks a replica started without `--replica-rank` tries, in order: a rank
         whose holder crashed or was lost first (a restarted replica takes its place, so
         no row is left `active` behind a dead process), then one never taken, then a
         finished one. Only an order: `take_role` decides, in its transaction, which
-        rank is free."""
+        rank is free. The start locks are tried in this order too
+        (fanout.produce.rundir.take_start_lock), or the rank is settled before this
+        order is seen."""
         rows = dict(
             self.run.conn.execute(
                 "SELECT rank, state FROM producers WHERE rank < ?", (replicas,)

@@ -65,7 +65,9 @@ def take_start_lock(
     root: Path, db_path: str | None, takeover: bool, rank: int | None = 0, replicas: int = 1
 ) -> tuple[PathLock, int]:
     """The start lock of replica `rank` (None: of the first rank whose lock is free and
-    whose role no live process holds) and that rank. RoleHeld while another process
+    whose role no live process holds, in the coordinator's order: a crashed or lost
+    holder's rank before a finished one's, so a restart leaves no rank `active` behind
+    a dead process) and that rank. RoleHeld while another process
     holds it, naming the run's live producer of that rank if it has one (the lock's
     holder may be a second one, only checking), else the one starting there now
     (for None: every rank's); with `takeover`, wait for the lock instead."""
@@ -79,7 +81,7 @@ def take_start_lock(
             raise starting
         return lock, rank
     refusals: list[str] = []
-    for r in range(replicas):
+    for r in _rank_order(root, db_path, replicas):
         lock = start_lock(root, r, replicas)
         try:
             lock.acquire()
@@ -98,6 +100,14 @@ def take_start_lock(
         return lock, r
     raise RoleHeld(f"every producer replica rank of {root} (--replicas {replicas}) is taken: "
                    + " | ".join(refusals))  # fmt: skip
+
+
+def _rank_order(root: Path, db_path: str | None, replicas: int) -> list[int]:
+    """Coordinator.free_rank_order for an existing run; 0 .. replicas-1 for a new one."""
+    if not Coordinator.exists(root, db_path):
+        return list(range(replicas))
+    with Coordinator.open(root, db_path=db_path) as coord:
+        return coord.free_rank_order(replicas)
 
 
 @contextlib.contextmanager
