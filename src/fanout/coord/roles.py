@@ -137,9 +137,8 @@ class Roles:
         whose holder crashed or was lost first (a restarted replica takes its place, so
         no row is left `active` behind a dead process), then one never taken, then a
         finished one. Only an order: `take_role` decides, in its transaction, which
-        rank is free. The start locks are tried in this order too
-        (fanout.produce.rundir.take_start_lock), or the rank is settled before this
-        order is seen."""
+        rank is free. fanout.produce.rundir.take_start_lock tries the start locks in
+        this order too: it settles the rank before the registration does."""
         rows = dict(
             self.run.conn.execute(
                 "SELECT rank, state FROM producers WHERE rank < ?", (replicas,)

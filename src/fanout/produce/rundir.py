@@ -103,10 +103,12 @@ def take_start_lock(
 
 
 def _rank_order(root: Path, db_path: str | None, replicas: int) -> list[int]:
-    """Coordinator.free_rank_order for an existing run; 0 .. replicas-1 for a new one."""
-    if not Coordinator.exists(root, db_path):
+    """Coordinator.free_rank_order for an existing run; 0 .. replicas-1 for a new one
+    (or one whose create is in flight: no rank is held there yet)."""
+    coord = Coordinator.open_if_created(root, db_path=db_path)
+    if coord is None:
         return list(range(replicas))
-    with Coordinator.open(root, db_path=db_path) as coord:
+    with coord:
         return coord.free_rank_order(replicas)
 
 
