@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +19,13 @@ import torch
 
 from fanout.cli import main as cli_main
 from fanout.contract import CaptureContract
-from fanout.coord import retention, schema, sqlitedb
+from fanout.coord import retention, schema, sqlitedb, waits
 from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.leases import Claim, ProducerReg
 from fanout.coord.liveness import Reclaimer
 from fanout.errors import (
+    AcquireCancelled,
     AcquireTimeout,
     ContractMismatch,
     CoordinatorFull,
@@ -319,14 +322,14 @@ def test_two_consumers_every_window_in_order_then_evicted(db: str | None, tmp_pa
             t = torch.zeros(2, 4, dtype=torch.int32)
             meta = WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)
             co.publish_ready(cl, store.publish({"x": t}, meta))
-        assert len(files(store)) <= 3
+        assert len(files(store)) <= 4  # K, the last slot b's next needed window
         for who, co_, reg in (("a", a, ra), ("b", b, rb)):
             if who in done or (who == "b" and step % 2):  # b is half as fast
                 continue
             try:
                 lease = co_.acquire(reg, timeout_s=0.001)
             except AcquireTimeout:
-                continue  # held back: a is 3 windows ahead of b
+                continue  # held back: a is 4 windows ahead of b
             if lease is None:
                 done.add(who)
                 continue
@@ -531,9 +534,13 @@ def test_hold_blocks_producer_at_k(db: str | None, tmp_path: Path) -> None:
         lease = fast.acquire(rf, timeout_s=1)
         assert lease is not None
         fast.ack(lease)
+    # K = 3, 2 live: the last slot is slow's next needed window, the first at or after
+    # its cursor (0) that is not live: window 2. Then nothing more until slow reads.
+    assert co.wait_for_capacity(p, timeout_s=0.1) is True
+    assert produce(co, p, store, c).window == 2
     assert co.wait_for_capacity(p, timeout_s=0.1) is False
     assert co.claim(p) is None
-    assert len(files(store)) == 2
+    assert len(files(store)) == 3
 
 
 def test_recapture_policy_evicts_what_only_laggards_need(db: str | None, tmp_path: Path) -> None:
@@ -779,7 +786,7 @@ def test_detach_policy_drops_the_laggard_after_detach_after(db: str | None, tmp_
     store = Store(rd)
     p = co.register_producer(c)
     rf, rs = co.register_consumer("fast"), co.register_consumer("slow")
-    for _ in range(2):
+    for _ in range(3):  # K windows: the last one in the slot kept for slow's next need
         produce(co, p, store, c)
         lease = co.acquire(rf, timeout_s=1)
         assert lease is not None
@@ -960,3 +967,53 @@ def _retention_soak(tmp_path: Path, n: int, db: str | None = None) -> None:
     if db is None:
         assert sizes[1] <= sizes[0] * 1.2 + 8192, sizes
     assert co.meta("evictions") == n
+
+
+def test_the_last_slot_takes_the_window_after_the_one_a_trainer_holds(
+    db: str | None, tmp_path: Path
+) -> None:
+    """Issue #47 at K = 2: the trainer holds window 0 (its cursor window) and its
+    prefetch asks for window 1. The producer captures window 1 (2 files, within K)
+    instead of waiting for the trainer that waits for it; then, at K, the prefetch
+    of window 2 waits for this trainer's own ack, says so, and that wait does not
+    count toward its timeout."""
+    co, store, c = new_run(tmp_path, db, max_live_windows=2)
+    p = co.register_producer(c)
+    r = co.register_consumer("t")
+    produce(co, p, store, c)
+    held = co.acquire(r, timeout_s=1)
+    assert held is not None and held.window == 0
+    assert produce(co, p, store, c).window == 1  # the reserved slot: its next needed window
+    assert len(files(store)) == 2
+    assert co.wait_for_capacity(p, 0.0) is False  # K files
+    heard: list[waits.WaitState] = []
+    cancel = threading.Event()
+    t0 = time.monotonic()
+
+    def on_wait(why: waits.WaitState) -> None:
+        heard.append(why)
+        if time.monotonic() - t0 > 0.3:  # 6x its timeout: a counted wait raised by now
+            cancel.set()
+
+    with pytest.raises(AcquireCancelled):  # never AcquireTimeout
+        co.acquire(r, timeout_s=0.05, window=2, cancel=cancel, on_wait=on_wait)
+    assert {w.counts for w in heard} == {False}, heard
+    assert "waits for this trainer to finish window 0" in heard[-1].text, heard[-1].text
+    co.ack(held)
+    assert co.wait_for_capacity(p, 0.0) is True  # its ack made the room
+    assert produce(co, p, store, c).window == 2
+
+
+def test_k_1_takes_turns(db: str | None, tmp_path: Path) -> None:
+    """K = 1 works: one window file at a time, the next captured once the trainer acks."""
+    co, store, c = new_run(tmp_path, db, max_live_windows=1, total_windows=3)
+    p = co.register_producer(c)
+    r = co.register_consumer("t")
+    for w in range(3):
+        assert produce(co, p, store, c).window == w
+        assert co.wait_for_capacity(p, 0.0) is False
+        lease = co.acquire(r, timeout_s=1)
+        assert lease is not None and lease.window == w
+        co.ack(lease)
+        assert files(store) == []
+    assert co.acquire(r, timeout_s=1) is None  # the end of the stream

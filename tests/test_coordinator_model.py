@@ -6,14 +6,17 @@ Two producer replicas and two consumers, each with its own connection, share an
 injected clock (ttl runs in fake seconds). Rules: claim and publish (per replica, so
 their claims interleave), a replica's crash (it stops heartbeating, its claim stays
 until it is reclaimed) and restart, acquire, ack, crash (drop out without acking,
-stop heartbeating), restart (from the checkpoint cursor, maybe one behind the
+stop heartbeating), prefetch (the next window while it holds its cursor window),
+restart (from the checkpoint cursor, maybe one behind the
 database's), tick (time passes, live processes heartbeat, a watcher's reclaimer
 runs), evict, sweep. Invariants: no window a counted cursor or a lease still needs
 is evicted; each consumer acks windows in order without gaps (a repeat only right
 after a restart from an older checkpoint); at most K windows live, whatever the
-replicas do, and the last of the K slots only ever takes the window the slowest
-consumer waits on; a window is published again only after it was evicted, corrupt
-or its claim was reclaimed.
+replicas do, and the last of the K slots only ever takes the slowest
+consumer's next needed window (the first at or after its cursor that is not live);
+a trainer's prefetch of its next window while it holds its cursor window never
+leaves the producer waiting for it (issue #47); a window is published again only
+after it was evicted, corrupt or its claim was reclaimed.
 """
 
 from __future__ import annotations
@@ -33,16 +36,18 @@ from hypothesis.stateful import (
 )
 
 from fanout.contract import CaptureContract
+from fanout.coord import retention
 from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.leases import Claim, ConsumerReg, Lease, ProducerPlan, ProducerReg
 from fanout.errors import AcquireTimeout, StaleLease
 from fanout.store.store import Published, RunDir, window_name
 
-K, TTL = 3, 10.0
+TTL = 10.0
 NAMES = ("a", "b")
 RANKS = (0, 1)
 PLAN = ProducerPlan(replicas=len(RANKS))
 LIVE = "('ready','capturing','evicting')"
+COUNTED = "('active','lost','stopped')"
 
 
 def contract() -> CaptureContract:
@@ -62,13 +67,14 @@ class Clock:
 
 class CoordinatorModel(RuleBasedStateMachine):
     postgres: str | None = None  # a server URL: run on PostgreSQL, a new schema per example
+    k = 3  # K, max_live_windows
 
     def __init__(self) -> None:
         super().__init__()
         self.tmp = tempfile.TemporaryDirectory(prefix="fanout-model-")
         rd = RunDir(Path(self.tmp.name)).create()
         self.clock = Clock()
-        cfg = RunConfig(max_live_windows=K, expected_consumers=2, ttl_s=TTL)
+        cfg = RunConfig(max_live_windows=self.k, expected_consumers=2, ttl_s=TTL)
         db = None if self.postgres is None else f"{self.postgres}&schema=m_{uuid.uuid4().hex}"
         # `co`: a watcher (reclaims the lost); each replica and consumer has its own
         self.co = Coordinator.create(rd.root, contract(), cfg, db_path=db, clock=self.clock)
@@ -81,6 +87,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.conns = {n: Coordinator.open(rd.root, db_path=db, clock=self.clock) for n in NAMES}
         self.regs: dict[str, ConsumerReg] = {n: self.conns[n].register_consumer(n) for n in NAMES}
         self.lease: dict[str, Lease | None] = dict.fromkeys(NAMES)
+        self.ahead: dict[str, Lease | None] = dict.fromkeys(NAMES)  # prefetched: cursor + 1
         self.crashed: dict[str, bool] = dict.fromkeys(NAMES, False)
         self.acked: dict[str, list[int]] = {n: [] for n in NAMES}
         self.checkpoint: dict[str, int] = dict.fromkeys(NAMES, 0)
@@ -104,6 +111,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         if self.down[r] or self.claim[r] is not None:
             return
         live = self._q(f"SELECT COUNT(*) FROM windows WHERE state IN {LIVE}")[0][0]
+        need = self._next_needed()
         try:
             if not self.prods[r].wait_for_capacity(self.p[r], 0.0):
                 return
@@ -115,12 +123,22 @@ class CoordinatorModel(RuleBasedStateMachine):
             return
         assert cl.generation > self.last_gen  # every claim a new generation
         self.last_gen = cl.generation
-        assert live < K, (live, cl)
-        if live == K - 1:  # the reserved slot: only the window the slowest consumer waits on
-            low = self._q("SELECT MIN(cursor) FROM consumers WHERE state IN "
-                          "('active','lost','stopped')")  # fmt: skip
-            assert cl.window == low[0][0], (cl, low)
+        assert live < self.k, (live, cl)
+        if live == self.k - 1:  # the reserved slot: only the slowest consumer's next needed window
+            assert cl.window == need, (cl, need)
         self.claim[r] = cl
+
+    def _next_needed(self) -> int | None:
+        """The slowest counted consumer's next needed window: the first at or after its
+        cursor that is not live (None: no counted consumer)."""
+        low = self._q(f"SELECT MIN(cursor) FROM consumers WHERE state IN {COUNTED}")[0][0]
+        if low is None:
+            return None
+        live = {w for (w,) in self._q(f"SELECT window FROM windows WHERE state IN {LIVE}")}
+        w = int(low)
+        while w in live:
+            w += 1
+        return w
 
     @rule(r=st.sampled_from(RANKS))
     def publish_one(self, r: int) -> None:
@@ -170,6 +188,23 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.lease[who] = lease
 
     @rule(who=st.sampled_from(NAMES))
+    def prefetch(self, who: str) -> None:
+        """While it holds its cursor window, a trainer's prefetch asks for the next one
+        (as fanout.train.consumer does while it trains)."""
+        lease = self.lease[who]
+        if self.crashed[who] or lease is None or self.ahead[who] is not None:
+            return
+        try:
+            nxt = self.conns[who].acquire(self.regs[who], timeout_s=0.0, window=lease.window + 1)
+        except AcquireTimeout:
+            return
+        except StaleLease:
+            self._reclaimed(who)
+            return
+        assert nxt is not None and nxt.window == lease.window + 1, (who, lease, nxt)
+        self.ahead[who] = nxt
+
+    @rule(who=st.sampled_from(NAMES))
     def ack(self, who: str) -> None:
         lease = self.lease[who]
         if self.crashed[who] or lease is None:
@@ -187,18 +222,18 @@ class CoordinatorModel(RuleBasedStateMachine):
             assert lease.window == start  # a repeat only right after a restart
         self.restart_from[who] = None
         seen.append(lease.window)
-        self.lease[who] = None
+        self.lease[who], self.ahead[who] = self.ahead[who], None  # the prefetched one next
         self.checkpoint[who] = lease.window + 1
 
     def _reclaimed(self, who: str) -> None:
         """It was declared lost (we let too much fake time pass): like a crash."""
         self.crashed[who] = True
-        self.lease[who] = None
+        self.lease[who] = self.ahead[who] = None
 
     @rule(who=st.sampled_from(NAMES))
     def crash(self, who: str) -> None:
         self.crashed[who] = True
-        self.lease[who] = None  # the lease stays in the database until reclaimed
+        self.lease[who] = self.ahead[who] = None  # leases stay in the database until reclaimed
 
     @rule(who=st.sampled_from(NAMES), behind=st.booleans())
     def restart(self, who: str, behind: bool) -> None:
@@ -211,7 +246,7 @@ class CoordinatorModel(RuleBasedStateMachine):
         self.checkpoint[who] = cursor
         self.restart_from[who] = cursor if self.acked[who] else None
         self.crashed[who] = False
-        self.lease[who] = None
+        self.lease[who] = self.ahead[who] = None
 
     @rule(dt=st.sampled_from([TTL / 8, TTL / 4, TTL / 2.5]))
     def tick(self, dt: float) -> None:
@@ -258,7 +293,25 @@ class CoordinatorModel(RuleBasedStateMachine):
     @invariant()
     def at_most_k_live(self) -> None:
         live = self._q(f"SELECT COUNT(*) FROM windows WHERE state IN {LIVE}")[0][0]
-        assert live <= K
+        assert live <= self.k
+
+    @invariant()
+    def the_slowest_is_never_kept_waiting_on_itself(self) -> None:
+        """Issue #47: while every live window is one the slowest consumer still needs (at
+        or after its cursor: the one it trains on, what it prefetched) and fewer than K
+        are live, its next needed window can be claimed when it can be captured (new,
+        or queued: a prefetch asked for it again): the producer never waits for the
+        trainer that waits for it."""
+        low = self._q(f"SELECT MIN(cursor) FROM consumers WHERE state IN {COUNTED}")[0][0]
+        if low is None:
+            return
+        live = {w for (w,) in self._q(f"SELECT window FROM windows WHERE state IN {LIVE}")}
+        need = self._next_needed()
+        frontier = self._q("SELECT value FROM counters WHERE key='next_window'")[0][0]
+        queued = self._q(f"SELECT 1 FROM windows WHERE window={need} AND state='queued'")
+        if min(live, default=low) >= low and len(live) < self.k and (need == frontier or queued):
+            with self.co.conn.write() as cur:
+                assert retention.claimable(cur, self.k) != "none", (low, live, need)
 
 
 CoordinatorModel.TestCase.settings = settings(
@@ -281,6 +334,24 @@ def test_same_model_on_postgres(postgres_server: str) -> None:
         OnPostgres,
         settings=settings(
             max_examples=40,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+def test_same_model_at_k_2() -> None:
+    """K = 2, where the slowest consumer's cursor window and its prefetch fill every
+    slot (the case of issue #47: capture and training took turns)."""
+
+    class AtK2(CoordinatorModel):
+        k = 2
+
+    run_state_machine_as_test(
+        AtK2,
+        settings=settings(
+            max_examples=100,
             stateful_step_count=25,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],

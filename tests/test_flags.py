@@ -86,7 +86,7 @@ def test_flags_parse_to_the_right_types() -> None:
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
-        (["--max-live-windows", "1"], "--max-live-windows"),
+        (["--max-live-windows", "0"], "--max-live-windows"),
         (["--window-rows", "0"], "--window-rows"),
         (["--seq-len", "4"], "--seq-len"),
         (["--ttl-s", "0"], "--ttl-s"),

@@ -85,7 +85,8 @@ class Claims:
         rows are not regenerated yet); not an end.
 
         None when there is nothing to claim now: at capacity (call wait_for_capacity
-        first; the last of the K slots only takes the slowest consumer's window), every
+        first; the last of the K slots only takes the slowest consumer's next needed
+        window, fanout.coord.retention.reserved_window), every
         window is claimed by some replica, or the finite stream is fully produced and
         nothing is on demand.
         """
@@ -96,7 +97,8 @@ class Claims:
             room = retention.claimable(cur, run.config.max_live_windows)
             if room == "none":
                 return None
-            if room == "reserved":
+            frontier = int(run.meta(cur, "next_window"))
+            if room == "reserved":  # the slowest consumer's next needed window only
                 w = retention.reserved_window(cur)
                 assert w is not None
             else:
@@ -104,14 +106,13 @@ class Claims:
                     "SELECT window FROM windows WHERE state=? ORDER BY demand DESC, window LIMIT 1",
                     (W.QUEUED.value,),
                 ).fetchone()
-                if row is not None:
-                    w = int(row[0])  # a recapture is counted when it is published, not here
-                else:
-                    w = int(run.meta(cur, "next_window"))
-                    if (total is not None and w >= total) or (upto is not None and w >= upto):
-                        return None
-                    run.bump(cur, "next_window")
-                    states.insert_queued(cur, w, demand=False)
+                # a recapture is counted when it is published, not here
+                w = frontier if row is None else int(row[0])
+            if w == frontier:  # a new window: within the stream?
+                if (total is not None and w >= total) or (upto is not None and w >= upto):
+                    return None
+                run.bump(cur, "next_window")
+                states.insert_queued(cur, w, demand=False)
             gen = run.bump(cur, "next_generation")
             token = run.bump(cur, "next_token")
             states.move(
@@ -209,8 +210,9 @@ class Claims:
         )  # fmt: skip
 
     def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
-        """Block while there is no room (K windows live, or K − 1 and no consumer waits
-        for the reserved slot); apply the lag policy. False on timeout.
+        """Block while there is no room (K windows live, or K − 1 and the slowest
+        consumer's next needed window cannot be claimed: fanout.coord.retention
+        .reserved_window); apply the lag policy. False on timeout.
 
         While blocked, the run records since when (fanout.coord.waits.BLOCKED_SINCE),
         so `fanout status` can say "producer blocked at K by … since …"."""

@@ -14,10 +14,16 @@ Rules:
   registered, every *counted* consumer (states.COUNTED: active, lost or stopped; not
   finished or detached) has a cursor past it, and no lease holds it;
 - capacity: at most K windows are live (states.LIVE), whatever claims them (every
-  producer replica together). The last of the K slots is reserved for the window the
-  slowest counted consumer waits on (evicted before it read it, queued again on
-  demand): the others may fill only K − 1, else K ready windows that it also needs
-  would deadlock it;
+  producer replica together). The last of the K slots is reserved for the slowest
+  counted consumer's next *needed* window: the first window at or after its cursor
+  that is not live (new, queued again on demand after an eviction, or a released
+  claim). The others may fill only K − 1, else K windows that the slowest does not
+  need yet could deadlock it; and the slot goes to the window after the one it is
+  reading, so a trainer that prefetches overlaps with capture even at K = 2 (issue
+  #47: a slot kept for the cursor window it already held stayed empty, and the
+  producer waited for the trainer that waited for it). With a step spanning at most K
+  windows (fanout.store.streaminfo.windows_per_step) the slowest consumer always
+  gets its step's windows, K = 1 included (capture and training then take turns);
 - `recapture`: when blocked, an unleased ready window that the leading consumer
   has passed (so only consumers behind it need it) is evicted to make room: the
   one whose next reader is furthest behind it, never a window some consumer reads
@@ -51,10 +57,12 @@ class RunOptions(BaseModel):
 
     max_live_windows: int = Field(
         4,
-        ge=2,
+        ge=1,
         description="K: most window files that exist at once (ready, capturing or evicting), "
-        "across every producer replica; one of the K is kept for the window the slowest "
-        "consumer waits on after an eviction, so new windows fill K - 1.",
+        "across every producer replica; the last of the K is kept for the slowest "
+        "consumer's next needed window. K >= 2 overlaps capture with training; K = 1 "
+        "works, capture and training taking turns. A trainer whose step spans more "
+        "windows than K is refused at start.",
     )
     lag_policy: Literal["hold", "recapture", "detach"] = Field(
         "hold",
@@ -153,22 +161,36 @@ def live_windows(cur: Sql) -> int:
 
 
 def reserved_window(cur: Sql) -> int | None:
-    """The window the slowest counted consumer waits on, when it is queued on demand
-    (evicted before that consumer read it): the one window the last of the K slots is
-    for. None when there is none."""
+    """The window the last of the K slots is for: the slowest counted consumer's next
+    needed window, i.e. the first window at or after its cursor that is not live, when
+    a producer may claim it now — queued (on demand after an eviction, or a released
+    claim) or the next new window (`next_window`; the claim checks the stream's end).
+    None when there is no counted consumer, or that window is evicted and not yet
+    wanted again (the consumer demands it when it gets there), or failed."""
     low, _ = cursor_bounds(cur)
     if low is None:
         return None
-    row = cur.execute(
-        "SELECT window FROM windows WHERE state=? AND demand=1 AND window=?",
-        (W.QUEUED.value, low),
-    ).fetchone()
-    return None if row is None else int(row[0])
+    live = {s.value for s in states.LIVE}
+    w = int(low)
+    # Rows at or after the cursor: the live ones (at most K), then what the consumers
+    # passed to queue on demand or the recapture policy evicted (compaction bounds it).
+    rows = cur.execute(
+        "SELECT window, state FROM windows WHERE window >= ? ORDER BY window", (w,)
+    ).fetchall()
+    for window, state in rows:
+        if int(window) != w:  # no row: an evicted row compaction deleted (not wanted yet)
+            return None
+        if state not in live:
+            return w if state == W.QUEUED else None
+        w += 1
+    frontier = int(cur.execute("SELECT value FROM counters WHERE key='next_window'").fetchone()[0])
+    return w if w == frontier else None
 
 
 def claimable(cur: Sql, max_live_windows: int) -> Literal["any", "reserved", "none"]:
     """What a producer replica may claim now: any window while fewer than K − 1 are
-    live; with K − 1 live, only the reserved one (`reserved_window`); nothing at K."""
+    live; with K − 1 live (at K = 1: none), only the reserved one (`reserved_window`);
+    nothing at K."""
     live = live_windows(cur)
     if live < max_live_windows - 1:
         return "any"

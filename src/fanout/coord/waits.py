@@ -16,7 +16,9 @@ oldest window still on disk, plus the expected consumers that have not joined.
 A wait *counts* toward a trainer's --acquire-timeout-s only when nothing but the
 producer can end it (the producer is gone, stopped, lost, or slow): a wait for
 another consumer (one that holds the producer at K, or has not joined yet) does
-not, so one trainer never exits because of another (issue #27).
+not, so one trainer never exits because of another (issue #27); nor does a wait
+for the trainer itself (its prefetch waits while the window it trains on holds the
+producer at K: its own ack ends it, issue #47).
 """
 
 from __future__ import annotations
@@ -228,12 +230,17 @@ def consumer_wait(cur: Sql, cfg: RunConfig, consumer_id: str, window: int) -> Wa
     if w is not None and w[0] == W.CAPTURING:
         return WaitState(f"the producer is capturing window {window}", True)
     if is_blocked(cur, cfg):
+        k = cfg.max_live_windows
         text, others = block_text(cur, cfg, exclude=consumer_id)
         if others:
+            return WaitState(f"the producer is blocked at K={k} live windows {text}", False)
+        mine = [h for h in holders(cur) if h.consumer_id == consumer_id]
+        if mine:  # its own held window: it ends the wait itself when it acks (issue #47)
             return WaitState(
-                f"the producer is blocked at K={cfg.max_live_windows} live windows {text}",
+                f"the producer is blocked at K={k} live windows and waits for this trainer "
+                f"to finish window {mine[0].cursor}",
                 False,
             )
-        return WaitState(f"the producer is blocked at K={cfg.max_live_windows} live windows", True)
+        return WaitState(f"the producer is blocked at K={k} live windows", True)
     ahead = "queued for capture" if w is None or w[0] == W.QUEUED else str(w[0])
     return WaitState(f"the producer is capturing (window {window} {ahead})", True)

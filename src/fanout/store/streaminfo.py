@@ -1,8 +1,9 @@
 """The stream's shape: how many windows it has, which rows each holds, and stream.json.
 
-    from fanout.store.streaminfo import StreamInfo, window_count, window_span
+    from fanout.store.streaminfo import StreamInfo, window_count, window_span, windows_per_step
     window_count(stream_rows=1000, window_rows=16)    # 63 windows
     window_span(3, window_rows=16, stream_rows=1000)  # (48, 64): stream rows of window 3
+    windows_per_step(rows_per_step=6, rows_per_window=4)  # 2: a step holds 2 windows
     StreamInfo(stream_id=..., num_rows=500, window_rows=16, epochs=2).write(run_dir, fs)
     info = StreamInfo.read(run_dir)                   # None until a producer wrote it
 
@@ -21,6 +22,7 @@ last chunk is regenerated (null until then).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -40,6 +42,21 @@ def window_span(window: int, window_rows: int, stream_rows: int | None = None) -
     length) shortens its last window, None (open-ended) never does."""
     start, stop = window * window_rows, (window + 1) * window_rows
     return (start, stop if stream_rows is None else min(stop, stream_rows))
+
+
+def windows_per_step(rows_per_step: int, rows_per_window: int) -> int:
+    """The most windows one step of `rows_per_step` rows holds at once, for a reader
+    that gets `rows_per_window` rows of each window (a data-parallel rank: its share)
+    and takes its steps back to back from a window's start. Step k reads that reader's
+    rows [k·S, (k+1)·S); its first row sits at k·S mod R, a multiple of g = gcd(S, R)
+    and at most R − g, so its last row reaches (R − g + S − 1) // R windows further.
+    The producer's K must be at least this (fanout.coord.retention: the slowest
+    consumer's windows fill K), else the step waits for a window that only its own
+    ack could make room for."""
+    if rows_per_window < 1:
+        raise ValueError(f"rows_per_window must be >= 1, got {rows_per_window}")
+    g = math.gcd(rows_per_step, rows_per_window)
+    return (rows_per_window - g + rows_per_step - 1) // rows_per_window + 1
 
 
 class StreamInfo(BaseModel):

@@ -60,6 +60,7 @@ from fanout.filesystem import FileSystem
 from fanout.flags import flag_options
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE, LAST_HIDDEN_STATES, ROW_TENSORS
 from fanout.store.store import RunDir, Store, WindowReader
+from fanout.store.streaminfo import windows_per_step
 from fanout.store.windowfile import hidden_name, layer_tensor_names, scale_name
 
 log = logging.getLogger(__name__)
@@ -357,6 +358,7 @@ class ConsumerStream:
         if rows_per_step < 1:
             raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
         self.open()
+        self._check_span(rows_per_step)
         parts: list[dict[str, torch.Tensor]] = []
         rows: list[tuple[int, int]] = []
         completes: list[OpenWindow] = []
@@ -385,6 +387,24 @@ class ConsumerStream:
         if rows:  # the stream's last partial batch
             last = rows[-1][0]
             yield self._assemble(parts, rows, completes, (last + 1, 0), self.wait_s - waited)
+
+    def _check_span(self, rows_per_step: int) -> None:
+        """Refuse a step that holds more windows at once than the run keeps live (K):
+        its last window could only get room from this trainer's own ack, after the step
+        (fanout.coord.retention). ConfigError in one line naming both flags."""
+        share = self.coord.contract.window_rows // self.cfg.dp_world_size  # rows per window
+        k = self.coord.config.max_live_windows
+        if share < 1:
+            return  # this rank reads no rows of any window (warned per window)
+        span = windows_per_step(rows_per_step, share)
+        if span > k:
+            raise ConfigError(
+                f"{self.reg.consumer_id}: a step of {rows_per_step} rows (--rows-per-step) "
+                f"holds up to {span} windows of {share} rows each, more than the run's "
+                f"--max-live-windows K={k}: the step would wait for a window only its own "
+                f"ack makes room for; use --rows-per-step {share * k} or a divisor of it "
+                f"(steps aligned to windows), or a producer with --max-live-windows >= {span}"
+            )
 
     @staticmethod
     def _assemble(
