@@ -369,3 +369,152 @@ def test_train_log_is_named_written_and_read_in_one_module() -> None:
         if p.name != "trainlog.py" and '"train_log' in p.read_text()
     ]
     assert own == [], "fanout.train.trainlog names, writes and reads train_log.jsonl"
+
+
+# ---- issue 45: names, paths and the module map the docs give ----------------------------
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+# Dotted names the docs mention on purpose although nothing imports by them; each entry
+# must still be in its page and must still not resolve (else it is stale).
+NOT_IMPORTABLE = {
+    # the "before" column of "Renamed in the 2026-12 layout": module paths that are gone
+    ("architecture.md", "fanout.producer"): "module path before the 2026-12 layout",
+    ("architecture.md", "fanout.coordinator"): "module path before the 2026-12 layout",
+    ("architecture.md", "fanout.checkpoint"): "module path before the 2026-12 layout",
+    ("architecture.md", "fanout.assets"): "module path before the 2026-12 layout",
+    ("architecture.md", "fanout.telemetry"): "module path before the 2026-12 layout",
+    # a key path inside a checkpoint's config.json, not a Python name
+    ("training.md", "fanout.dflash_config.target_layer_ids"): "config.json key path",
+}
+
+
+def _lookup(ref: str) -> tuple[object, object] | None:
+    """(what holds the last part, the object) for a dotted name, importing the longest
+    module prefix and getattr-ing the rest; None if any part is missing."""
+    parts = ref.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        owner = obj
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return None
+            owner, obj = obj, getattr(obj, attr)
+        return owner, obj
+    return None
+
+
+def _named_refs(text: str) -> list[tuple[str, int]]:
+    """(dotted name, offset) for each `fanout.x.y...` in `text`, and for each module
+    path followed by a name (`store/rundir.py` `RunDir`: fanout.store.rundir.RunDir)."""
+    refs = [(m.group(0), m.start()) for m in
+            re.finditer(r"(?<![\w./-])fanout(?:\.[A-Za-z_]\w*)+", text)]  # fmt: skip
+    for m in re.finditer(r"`((?:\w+/)+\w+)\.py`\s+`([A-Za-z_]\w*)`", text):
+        refs.append((f"fanout.{m.group(1).replace('/', '.')}.{m.group(2)}", m.start()))
+    return refs
+
+
+def test_every_dotted_fanout_name_in_the_docs_resolves_where_it_lives() -> None:
+    """README.md and docs/*.md: each `fanout.x.y[.Z[.attr]]` (or `x/y.py` `Z`) imports and
+    getattrs, and a function or class is named in the module that defines it, not one
+    re-exporting it."""
+    bad, seen = [], set()
+    for path in DOCS:
+        text = path.read_text()
+        for ref, at in _named_refs(text):
+            where = f"{path.name}:{text.count(chr(10), 0, at) + 1}"
+            if (path.name, ref) in NOT_IMPORTABLE:
+                seen.add((path.name, ref))
+                assert _lookup(ref) is None, f"{where}: {ref} resolves; drop its exemption"
+                continue
+            found = _lookup(ref)
+            if found is None:
+                bad.append(f"{where}: {ref} does not exist")
+                continue
+            owner, obj = found
+            home = getattr(obj, "__module__", None)
+            defined = inspect.isclass(obj) or inspect.isfunction(obj)
+            if inspect.ismodule(owner) and defined and home != owner.__name__:
+                bad.append(f"{where}: {ref} is defined in {home}")
+    assert bad == [], "\n".join(bad)
+    assert set(NOT_IMPORTABLE) - seen == set(), "exemptions no page mentions any more"
+
+
+def test_every_source_path_in_the_docs_exists() -> None:
+    """`src/...` paths (a `<placeholder>` part matches any name), and `.py` paths given
+    relative to the package (`coord/reads.py`, `fanout/flags.py`)."""
+    pkgs = _packages()
+    bad = []
+    for path in DOCS:
+        text = path.read_text()
+        for m in re.finditer(r"(?<![\w./-])src/[\w./<>-]*[\w/>]", text):
+            pattern = re.sub(r"<[^>/]+>", "*", m.group(0)).rstrip("/")
+            if not any(REPO.glob(pattern)):
+                bad.append(f"{path.name}: {m.group(0)}")
+        for p in re.findall(r"`((?:\w+/)+\w+\.py)`", text):
+            ours = p.split("/")[0] in {*pkgs, "fanout"}
+            if ours and not ((SRC / p).is_file() or (SRC.parent / p).is_file()):
+                bad.append(f"{path.name}: {p}")
+    assert bad == [], "\n".join(bad)
+
+
+def _map_sections(block: str, pkgs: list[str]) -> dict[str, str]:
+    """The module map's text per folder: a line whose `folder/` label is followed by two
+    spaces starts that folder's part, and the lines below it continue it."""
+    sections: dict[str, str] = {}
+    current = ""
+    for line in block.splitlines():
+        label = re.search(r"(?<![\w/])(" + "|".join(pkgs) + r")/ {2,}", line)
+        if label:
+            current = label.group(1)
+            line = line[label.end() :]
+        sections[current] = sections.get(current, "") + line + "\n"
+    return sections
+
+
+def test_the_architecture_map_lists_every_module() -> None:
+    """docs/architecture.md's map names each module under src/fanout: a top-level one as
+    `name.py`; one in a folder in that folder's part of the map (or as `folder/name`
+    anywhere); a family's subfolder as `name/` in families' part, with its modules."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    block = text.split("```\n", 2)[1]
+    pkgs = _packages()
+    sections = _map_sections(block, pkgs)
+    word = lambda w: rf"(?<![\w/.]){re.escape(w)}(?![\w/])"  # noqa: E731
+    missing = []
+    for f in sorted(SRC.rglob("*.py")):
+        rel = f.relative_to(SRC)
+        if f.stem in {"__init__", "__main__"} and len(rel.parts) < 3:
+            continue
+        if len(rel.parts) == 1:
+            if not re.search(word(f.name), block):
+                missing.append(str(rel))
+            continue
+        pkg, *subs = rel.parts[:-1]
+        part = sections.get(pkg, "")
+        for sub in subs:  # families/<family>/: the subfolder is named `<family>/`
+            if not re.search(rf"(?<![\w/]){re.escape(sub)}/(?!\w)", part):
+                missing.append(f"{pkg}/{sub}/")
+        if f.stem == "__init__":
+            continue
+        if not (re.search(word(f.stem), part) or re.search(word(f"{pkg}/{f.stem}"), block)):
+            missing.append(str(rel))
+    assert sorted(set(missing)) == [], "not in the map: " + ", ".join(sorted(set(missing)))
+
+
+def test_the_readme_and_pyproject_name_every_draft_family() -> None:
+    """The README's opening paragraph and pyproject's description say what fanout trains:
+    every registered family (`eagle3` is written EAGLE-3)."""
+    import tomllib
+
+    from fanout.families.registry import FAMILIES
+
+    readme = (REPO / "README.md").read_text().split("\n\n")
+    opening = next(p for p in readme if p.startswith("fanout trains"))
+    desc = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["description"]
+    for text in (opening, desc):
+        named = {w.lower().replace("-", "") for w in re.findall(r"[A-Za-z]+(?:-?\d+)?", text)}
+        assert set(FAMILIES) - named == set(), text

@@ -517,24 +517,39 @@ def test_speedup_beyond_tau_is_flagged() -> None:
     assert honest["speedup_exceeds_tau"] is False
 
 
-def test_table_bs_is_the_verify_width() -> None:
-    """An EAGLE-3 chain trained with 3 TTT steps (block_size 4) and served with
-    --num-speculative-tokens 5 verifies 6 tokens a step: the table says 6, not 4."""
+def test_table_bs_is_the_trained_block_and_verify_the_verify_width() -> None:
+    """Issue 45.7: `bs` is the block size the draft was trained with, as the JSON's
+    `block_size`; `verify` is the tokens one verify forward checks (JSON `verify_width`),
+    which the family decides, explained under the table where the two differ. An EAGLE-3
+    chain trained with 3 TTT steps (block_size 4) and served with
+    --num-speculative-tokens 5 verifies 6; a DSpark draft of block 4 drafts 4, verifies 5;
+    a DFlash draft of block 4 drafts 3, verifies 4."""
     from fanout.decode.eval import _summary
 
     greedy = [_result([], 10.0, bs=0)]
     chain = _result([1, 5, 0], 1.0)
     chain.drafted = 5
-    d = _summary({(0.0, "served"): [chain]}, greedy, None, "eagle3")
-    rep = {"drafts": {"e3": d}, "greedy_tokens_per_s": 0.8, "hardware": "cpu",
+    spark = _result([1, 3], 1.0)
+    spark.drafted = 4
+    drafts = {
+        "e3": _summary({(0.0, "served"): [chain]}, greedy, None, "eagle3"),
+        "ds": _summary({(0.0, "served"): [spark]}, greedy, None, "dspark"),
+        "b4": _summary({(0.0, "served"): [_result([1, 3], 1.0)]}, greedy, None, "dflash"),
+    }
+    rep = {"drafts": drafts, "greedy_tokens_per_s": 0.8, "hardware": "cpu",
            "lossless": True, "mismatches": [], "generated_tokens": [9],
            "config": {"max_new_tokens": 32}}  # fmt: skip
-    row = next(line for line in table(rep) if line.startswith("e3"))
-    assert row.split()[1:3] == ["eagle3", "6"]
-    assert len(d["per_position_acceptance"]) == 5  # one figure per drafted token
-    block = _summary({(0.0, "served"): [_result([1, 3], 1.0)]}, greedy, None, "dflash")
-    rep["drafts"] = {"b4": block}
-    assert next(x for x in table(rep) if x.startswith("b4")).split()[1:3] == ["dflash", "4"]
+    lines = table(rep)
+    assert lines[0].split()[:4] == ["draft", "family", "bs", "verify"]
+    want = {"e3": ("eagle3", 4, 6), "ds": ("dspark", 4, 5), "b4": ("dflash", 4, 4)}
+    for name, (family, bs, width) in want.items():
+        row = next(x for x in lines if x.startswith(name + " "))
+        assert row.split()[1:4] == [family, str(bs), str(width)], row
+        assert (drafts[name]["block_size"], drafts[name]["verify_width"]) == (bs, width)
+    assert len(drafts["e3"]["per_position_acceptance"]) == 5  # one figure per drafted token
+    assert any(x.startswith("bs: the block size each draft was trained with") for x in lines)
+    rep["drafts"] = {"b4": drafts["b4"]}  # bs = verify everywhere: no explanation
+    assert not any(x.startswith("bs: ") for x in table(rep))
 
 
 def test_tau_verdict_by_hand() -> None:

@@ -337,8 +337,11 @@ def test_four_families_on_one_stream_end_on_their_own_terms(tmp_path: Path) -> N
     # DSpark's confidence head: the length it would propose, reported beside τ
     assert 0 <= rep["drafts"]["dspark"]["proposed_length"] <= 4
     assert "its confidence head proposes" in r.stdout
-    row = next(x for x in r.stdout.splitlines() if x.startswith("eagle3"))
-    assert row.split()[1:3] == ["eagle3", "3"]  # verify width k + 1
+    for name, d in rep["drafts"].items():  # bs as trained, as the JSON says; verify beside
+        row = next(x for x in r.stdout.splitlines() if x.startswith(name + " "))
+        assert row.split()[1:4] == [name, str(d["block_size"]), str(d["verify_width"])], row
+    assert rep["drafts"]["eagle3"]["verify_width"] == 3  # k + 1
+    assert rep["drafts"]["dspark"]["verify_width"] == rep["drafts"]["dspark"]["block_size"] + 1
 
     # resuming the DFlash save path as another family: one line, exit 1
     r = _fanout(*trainer("dflash"), "--resume", "--draft-family", "dspark")

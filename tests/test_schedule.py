@@ -107,11 +107,21 @@ def test_documented_command_warms_up_then_decays_to_zero_at_the_stream_end(
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["finished_stream"] and summary["state"] == "finished"
+    # a normal finish names its checkpoint in its last lines, stdout's and stderr's (45.4)
+    saved = latest_checkpoint(cfg.save_path)
+    assert saved is not None and summary["checkpoint"] == str(saved)
+    last = r.stderr.strip().splitlines()[-1]
+    assert f"documented: finished at step {summary['steps']}; saved a checkpoint" in last
+    assert last.endswith(str(saved)), last
     lrs = [rec["lr"] for rec in _log(cfg)]
     steps = len(lrs)
     warm = int(0.05 * steps)
     assert warm >= 2
-    assert f"lr schedule: cosine, {warm} warm-up steps, decaying to 0 at step {steps}" in r.stderr
+    n = json.loads((run / "stream.json").read_text())["num_rows"]
+    assert (
+        f"lr schedule: cosine, {warm} warm-up steps, decaying to 0 at step {steps} "
+        f"({n} rows per epoch × 3 epochs in {run / 'stream.json'}, 1 row per step)"
+    ) in r.stderr
     # each step logs the lr it used: step k uses the factor of k - 1
     assert lrs[:warm] == sorted(lrs[:warm]) and lrs[0] == pytest.approx(cfg.lr / warm)  # rises
     assert lrs[warm - 1] == pytest.approx(cfg.lr)  # to the peak
@@ -144,6 +154,12 @@ def test_the_plan_counts_the_steps_the_consumer_stream_yields(
         with ConsumerStream(ccfg) as s:
             counted.add(sum(1 for _ in s.batches(rows_per_step)))
     assert counted == {plan.total_steps}
+    # the log's reason names the numbers the total is made of (issue 45.6)
+    n = json.loads((run / "stream.json").read_text())["num_rows"]
+    assert plan.why.startswith(f"{n} rows per epoch × 3 epochs in {run / 'stream.json'}")
+    ranks = f" on each of {world} ranks" if world > 1 else ""
+    assert plan.why.endswith(f", {rows_per_step} rows per step{ranks}"), plan.why
+    assert ("--epochs 0.5: its first" in plan.why) == (epochs is not None), plan.why
 
 
 def test_unknown_total_warns_holds_the_peak_and_decays_once_the_end_is_recorded(

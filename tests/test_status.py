@@ -155,3 +155,26 @@ def test_the_docs_status_example_has_the_real_tables_layout(tmp_path: Path) -> N
     for row in (x for x in rows if not x.startswith("  ")):
         for at in columns:  # each column starts where the header's does
             assert row[at - 1] == " " and row[at] != " ", (row, at)
+
+
+def test_an_age_is_never_negative_even_when_the_heartbeat_is_ahead(tmp_path: Path) -> None:
+    """Issue 45.8: a heartbeat written after status read its clock (or by a host whose
+    clock runs ahead) showed as `heartbeat -0.0s ago`; every age is clamped at 0."""
+    import math
+
+    from fanout.coord.status import age_s
+
+    assert age_s(100.0, 100.0004) == 0.0 and math.copysign(1, age_s(100.0, 100.0004)) == 1
+    assert age_s(100.0, 130.0, 1) == 0.0 and age_s(130.0, 100.0, 1) == 30.0
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=600))
+    co.register_producer(make_contract())
+    co.register_consumer("a")
+    with co.conn.write() as cur:  # both heartbeats from a clock 5 s ahead
+        cur.execute("UPDATE consumers SET hb_wall=hb_wall+5")
+        cur.execute("UPDATE producers SET hb_wall=hb_wall+5")
+    s = snapshot(co)
+    ages = [s["producer"]["heartbeat_age_s"], *(c["heartbeat_age_s"] for c in s["consumers"])]
+    assert ages == [0.0, 0.0] and all(math.copysign(1, a) == 1 for a in ages), ages
+    table = format_table(s)
+    assert "heartbeat 0.0s ago" in table and not re.search(r"-\d+(\.\d+)?s\b", table), table

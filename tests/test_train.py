@@ -332,7 +332,9 @@ def test_sigterm_finishes_the_step_saves_and_exits_0(run: Run) -> None:
     steps = [r["step"] for r in _log(cfg)]
     assert steps == list(range(1, len(steps) + 1))  # no step lost or half-logged
     ckpt = latest_checkpoint(cfg.save_path)
-    assert ckpt is not None
+    assert ckpt is not None and summary["checkpoint"] == str(ckpt)
+    last = err.decode().strip().splitlines()[-1]  # names it, and how to continue
+    assert last.endswith(f"{ckpt}; continue with --resume") and "sigterm: stopped at" in last
     state = json.loads((ckpt / "training_state.json").read_text())
     assert state["step"] == steps[-1] == summary["steps"]
     assert (state["stream"]["cursor"], state["stream"]["rows_done"]) != (0, 0)

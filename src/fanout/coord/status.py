@@ -117,6 +117,13 @@ def shown_state(state: str, age_s: float, ttl_s: float, proc: str | None, pid: i
     return state
 
 
+def age_s(now: float, then: float, digits: int = 3) -> float:
+    """How long ago `then` was, as status shows every age: rounded to `digits` and never
+    below 0 (a heartbeat written after `now` was read, or by a host whose clock runs
+    ahead, would print as `-0.0s ago`)."""
+    return max(0.0, round(now - then, digits))
+
+
 def _replica(p: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
     """One producer replica as `status --json` lists it: who, its state, windows made
     (by that rank, every incarnation) and its rate (this incarnation's windows over its
@@ -132,7 +139,7 @@ def _replica(p: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
         "host": p["host"],
         "pid": p["pid"],
         "heartbeats": p["heartbeats"],
-        "heartbeat_age_s": round(now - p["hb_wall"], 3),
+        "heartbeat_age_s": age_s(now, p["hb_wall"]),
         "windows": p["made"],
         "windows_per_s": round(p["made_since"] / secs, 4) if secs > 0 else None,
     }
@@ -172,7 +179,7 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
             "cursor": cursor,
             "lag_windows": max(0, frontier - cursor),
             "heartbeats": hb_seq,
-            "heartbeat_age_s": round(now - hb_wall, 3),
+            "heartbeat_age_s": age_s(now, hb_wall),
             "note": note,
         }
         for cid, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect in q(
@@ -181,7 +188,7 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
         )
     ]
     leases = [
-        {"consumer": c, "window": w, "generation": g, "token": t, "age_s": round(now - a, 3)}
+        {"consumer": c, "window": w, "generation": g, "token": t, "age_s": age_s(now, a)}
         for c, w, g, t, a in q(
             "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
         )
@@ -233,7 +240,7 @@ def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
     held = waits.holders(co.conn)
     return {
         "since_wall": since,
-        "for_s": round(now - since, 1),
+        "for_s": age_s(now, since, 1),
         "by": [h.consumer_id for h in held],
         "missing_consumers": waits.missing_consumers(co.conn, co.config.expected_consumers),
         "text": text,

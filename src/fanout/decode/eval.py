@@ -250,9 +250,8 @@ def _rates(results: list[DecodeResult]) -> tuple[int, float, float]:
 
 def _figures(results: list[DecodeResult], greedy: list[DecodeResult]) -> dict[str, Any]:
     """τ, per-position acceptance, steps, CI and the decode speed-up of one (draft, T)."""
-    bs = results[0].block_size
     steps = sum(len(r.accepted) for r in results)
-    drafted = results[0].drafted or bs - 1  # tokens a step drafts (the family decides)
+    drafted = results[0].drafted_per_step  # the family decides
     per_pos = [sum(r.position_accepted()[k] for r in results) for k in range(drafted)]
     tau = sum(n + 1 for r in results for n in r.accepted) / max(steps, 1)
     _, tps, _ = _rates(results)
@@ -298,8 +297,9 @@ def _summary(
     proposed = [n for r in at0 for n in r.proposed]  # the family's own length rule, if any
     return {
         "family": family,
-        "block_size": at0[0].block_size,
+        "block_size": at0[0].block_size,  # the draft's, as trained
         "drafted_per_step": at0[0].drafted,
+        "verify_width": at0[0].verify_width,  # tokens one verify forward checks
         "proposed_length": round(sum(proposed) / len(proposed), 4) if proposed else None,
         **fig0,
         "train_eal": train_eal,

@@ -64,18 +64,23 @@ def generated_line(report: dict[str, Any]) -> str:
 def table(report: dict[str, Any]) -> list[str]:
     """The stdout table: per draft and temperature τ (95% interval, verify steps) beside
     train EAL, per-position acceptance and the decode speed-up; then what was
-    generated, the verdict per pair of drafts (`tau_verdict`) and the notes."""
+    generated, the verdict per pair of drafts (`tau_verdict`) and the notes.
+
+    `bs` is the draft's block size as trained (the report's `block_size`); `verify` the
+    tokens one verify forward checks (`verify_width`: drafted per step + 1), which the
+    family decides: bs for DFlash, bs + 1 for DSpark (its anchor slot drafts too),
+    k + 1 for an EAGLE-3 chain of --num-speculative-tokens k. A line under the table
+    says so where the two differ."""
     lines = [
-        f"{'draft':<14} {'family':<8} {'bs':>3} {'T':>4} {'τ':>6} {'95% CI':>13} {'steps':>6} "
-        f"{'train EAL':>9} {'speedup':>8}  acceptance at drafted token 1, 2, …"
+        f"{'draft':<14} {'family':<8} {'bs':>3} {'verify':>6} {'T':>4} {'τ':>6} {'95% CI':>13} "
+        f"{'steps':>6} {'train EAL':>9} {'speedup':>8}  acceptance at drafted token 1, 2, …"
     ]
     notes = []
+    differ = False
     for name, d in report["drafts"].items():
         eal = f"{d['train_eal']:.2f}" if d["train_eal"] is not None else "—"
-        # bs: the verify width, tokens drafted per step + 1 — an EAGLE-3 chain of
-        # --num-speculative-tokens k reads k + 1 whatever its training-time test length
-        drafted = d.get("drafted_per_step")
-        width = drafted + 1 if drafted else d["block_size"]
+        bs, width = d["block_size"], verify_width(d)
+        differ |= width != bs
         if d.get("proposed_length") is not None:
             notes.append(
                 f"{name} ({d['family']}): its confidence head proposes "
@@ -87,14 +92,14 @@ def table(report: dict[str, Any]) -> list[str]:
             ci_s = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else "—"
             pos = " ".join(f"{a:.2f}" for a in f["per_position_acceptance"])
             lines.append(
-                f"{name:<14} {d.get('family', 'dflash'):<8} {width:>3} {t:>4} "
+                f"{name:<14} {d.get('family', 'dflash'):<8} {bs:>3} {width:>6} {t:>4} "
                 f"{f['acceptance_length']:>6.2f} "
                 f"{ci_s:>13} {f['verify_steps']:>6} {eal:>9} "
                 f"{f['speedup_vs_greedy']:>7.2f}×  {pos}"
             )
             if "acceptance_length_sampled_draft" in f:
                 lines.append(
-                    f"{'  sampled draft':<14} {'':<8} {'':>3} {t:>4} "
+                    f"{'  sampled draft':<14} {'':<8} {'':>3} {'':>6} {t:>4} "
                     f"{f['acceptance_length_sampled_draft']:>6.2f} {'':>13} {'':>6} {'':>9} "
                     f"{f['speedup_vs_greedy_sampled_draft']:>7.2f}×  (min(1, p/q) rule)"
                 )
@@ -104,6 +109,12 @@ def table(report: dict[str, Any]) -> list[str]:
                     f"τ {f['acceptance_length']:.2f} — impossible for a real gain (a verify "
                     "forward costs at least a one-token one): a timing artefact"
                 )
+    if differ:
+        lines.append(
+            "bs: the block size each draft was trained with; verify: the tokens one verify "
+            "forward checks (drafted per step + 1: DSpark drafts its whole block, an EAGLE-3 "
+            "chain --num-speculative-tokens)"
+        )
     lines.append(
         f"greedy alone: {report['greedy_tokens_per_s']:.1f} tok/s decode on "
         f"{report['hardware']}; speed-ups are decode time (prefill excluded); τ interval: "
@@ -123,6 +134,15 @@ def table(report: dict[str, Any]) -> list[str]:
             )
         )
     return [*lines, generated_line(report), *verdicts(report), *notes]
+
+
+def verify_width(d: dict[str, Any]) -> int:
+    """One draft's tokens per verify forward, from its report entry (`verify_width`;
+    a report from before it was recorded: drafted per step + 1, else its block size)."""
+    if d.get("verify_width") is not None:
+        return int(d["verify_width"])
+    drafted = d.get("drafted_per_step")
+    return drafted + 1 if drafted else int(d["block_size"])
 
 
 def lossless_line(report: dict[str, Any]) -> str:

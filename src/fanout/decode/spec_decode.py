@@ -105,9 +105,20 @@ class DecodeResult:
             return 1.0
         return sum(n + 1 for n in self.accepted) / len(self.accepted)
 
+    @property
+    def drafted_per_step(self) -> int:
+        """Tokens a verify step drafts: `drafted`, else bs - 1 (a block after its anchor)."""
+        return self.drafted or max(self.block_size - 1, 0)
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens one verify forward checks: the drafted ones and the bonus token (bs for
+        DFlash, bs + 1 for DSpark, k + 1 for an EAGLE-3 chain of k)."""
+        return self.drafted_per_step + 1
+
     def position_accepted(self) -> list[int]:
         """How many verify steps accepted the k-th drafted token (k = 1..drafted)."""
-        k_max = self.drafted or max(self.block_size - 1, 0)
+        k_max = self.drafted_per_step
         return [sum(1 for n in self.accepted if n >= k) for k in range(1, k_max + 1)]
 
 

@@ -7,8 +7,10 @@
     finally:
         end.close(stream)          # 'finished' / 'stopped' in the run, or nothing if fenced
     end.raise_failure(step, stream)  # TrainerStopped naming the cause and the checkpoint
+    log.info("%s", end.last_line(step, stream))  # else: how it ended, and the checkpoint
 
-Every exit that is not a crash keeps what was trained and says so:
+Every exit that is not a crash keeps what was trained and says so in its last line
+(a failure's TrainerStopped line; else `last_line`, and the summary's `checkpoint`):
 
 | how it ends                                   | consumer state | holds windows | checkpoint |
 | --------------------------------------------- | -------------- | ------------- | ---------- |
@@ -82,6 +84,15 @@ class Ending:
         if not step:
             return "no step was trained, so there is no checkpoint"
         return "rank 0 saved the checkpoint"
+
+    def last_line(self, step: int, stream: Any) -> str:
+        """The line a run that ended without a failure logs last: how it ended and the
+        checkpoint it kept (a stopped one: how to continue)."""
+        state = self.state(stream)
+        resume = state == RoleState.STOPPED
+        return f"{self.consumer_id}: {state} at step {step}; " + self.checkpoint_line(
+            step, stream, resume=resume
+        )
 
     def raise_failure(self, step: int, stream: Any) -> None:
         """Re-raise a controlled failure as one line with the checkpoint in it."""

@@ -112,24 +112,31 @@ class StreamPlanner:
         """The plan `info` (stream.json) gives."""
         r, n, stream_epochs = info.window_rows, info.num_rows, info.epochs
         if n is not None:
-            return self._from_rows(n, r, stream_epochs, True, f"{n} rows in {self.path}")
+            return self._from_rows(n, r, stream_epochs, True, f"{n} rows")
         est = estimated_rows(info.dataset_summary)
         if est is None:
             why = f"{self.path} records no row count and no regeneration plan"
             return self._capped(None, False, None, why)
-        rows, why = est
-        return self._from_rows(rows, r, stream_epochs, False, why)
+        rows, source = est
+        return self._from_rows(rows, r, stream_epochs, False, f"~{rows} rows ({source})")
 
-    def _from_rows(self, n: int, r: int, stream_epochs: int, settled: bool, why: str) -> Plan:
+    def _from_rows(self, n: int, r: int, stream_epochs: int, settled: bool, rows: str) -> Plan:
+        """The plan of `n` rows per epoch (`rows`: how the log says that number)."""
         stream_rows = n * stream_epochs
         windows = window_count(stream_rows, r)
         max_windows = None
+        # the numbers the total is made of: 57 rows x 14 epochs / 2 rows per step = 399
+        times = "epoch" if stream_epochs == 1 else "epochs"
+        why = f"{rows} per epoch × {stream_epochs} {times} in {self.path}"
         if self.epochs is not None:
             want = max(1, window_count(math.ceil(self.epochs * n), r))
             # an estimate of n cannot end the stream: the windows wait for the real count
             max_windows = want if settled else None
             windows = min(windows, want)
-            why += f", --epochs {self.epochs:g}"
+            why += f", --epochs {self.epochs:g}: its first {want} windows of {r} rows"
+        why += f", {self.rows_per_step} row{'s' if self.rows_per_step != 1 else ''} per step"
+        if self.world > 1:
+            why += f" on each of {self.world} ranks"
         steps = rank_steps(stream_rows, r, windows, self.world, self.rows_per_step)
         return self._capped(steps or None, settled, max_windows, why)
 
@@ -143,14 +150,15 @@ class StreamPlanner:
 def estimated_rows(summary: dict[str, Any]) -> tuple[int, str] | None:
     """An on-policy stream's rows, estimated from its regeneration so far: planned
     records × rows per record regenerated (or, from a producer that does not record the
-    planned records, × chunks planned / chunks done); None where nothing says."""
+    planned records, × chunks planned / chunks done), and what it was estimated from;
+    None where nothing says."""
     so_far = int(summary.get("rows_so_far") or 0)
     planned, done = summary.get("planned_records"), int(summary.get("records") or 0)
     if so_far and planned and done:
         est = round(so_far * int(planned) / done)
-        return est, f"~{est} rows estimated from {so_far} rows of {done}/{planned} records"
+        return est, f"estimated from {so_far} rows of {done}/{planned} records"
     chunks, chunks_done = summary.get("chunks"), int(summary.get("chunks_done") or 0)
     if so_far and chunks and chunks_done:
         est = round(so_far * int(chunks) / chunks_done)
-        return est, f"~{est} rows estimated from {so_far} rows of {chunks_done}/{chunks} chunks"
+        return est, f"estimated from {so_far} rows of {chunks_done}/{chunks} chunks"
     return None

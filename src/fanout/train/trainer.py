@@ -387,7 +387,13 @@ class Trainer:
             self.metrics.close()
             self.save_lock.release()  # the next trainer may have --save-path now
         end.raise_failure(self.state["step"], stream)
-        return self._summary(stream, first, last) | {"state": end.state(stream)}
+        # the last log line and the summary (stdout's last line) both name the checkpoint
+        log.info("%s", end.last_line(self.state["step"], stream))
+        checkpoint = None if end.saved is None else str(end.saved)
+        return self._summary(stream, first, last) | {
+            "state": end.state(stream),
+            "checkpoint": checkpoint,
+        }
 
     def _open_stream(self) -> ConsumerStream:
         """Register as the run's consumer, reading on from this trainer's cursor."""
