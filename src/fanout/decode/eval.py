@@ -40,9 +40,10 @@ from fanout.families.serving import latest_checkpoint, load_draft, read_config
 from fanout.flags import add_model_flags, flag_options, model_from_args
 from fanout.model.dflash import DFlashDraft
 from fanout.model.sampling import Sampling
+from fanout.tracking import TrackingOptions, WandbRun, check_available
 
 
-class EvalConfig(ChatFormat):
+class EvalConfig(ChatFormat, TrackingOptions):
     """Every `fanout eval` flag (the chat-format fields are ChatFormat's, as in `fanout
     prepare` and `fanout produce`)."""
 
@@ -518,11 +519,21 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 def run(args: argparse.Namespace, name: str = "eval") -> int:
     cfg = config_from_args(args)
+    if cfg.wandb_project:
+        check_available("--wandb-project")
     try:
         report = evaluate(cfg, echo=lambda s: print(s, flush=True))
     except BadRow as e:
         raise ConfigError(f"--data: {e}") from None
     print("\n".join(table(report)))
+    if cfg.wandb_project:  # τ and speed per draft, in a W&B run (fanout.tracking)
+        flat = {"lossless": report["lossless"], "prompts": report["prompts"]}
+        for name, s in report["drafts"].items():
+            flat |= {f"{name}/{k}": v for k, v in s.items()}
+        WandbRun.start(
+            cfg, name="eval", group=cfg.wandb_group, job_type="eval",
+            config=cfg.model_dump(mode="json"), dir=Path(cfg.json_out or ".").parent,
+        ).finish(flat)  # fmt: skip
     if cfg.json_out:
         Path(cfg.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.json_out).write_text(json.dumps(report, indent=2) + "\n")

@@ -28,6 +28,7 @@ from fanout.produce.capture_for import CaptureForOptions
 from fanout.produce.onpolicy import OnPolicyOptions
 from fanout.produce.replicas import ReplicaOptions
 from fanout.regen.engine import RegenOptions
+from fanout.tracking import TrackingOptions, check_available
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +43,13 @@ class ProducerConfig(
     OnPolicyOptions,
     ReplicaOptions,
     HeartbeatOptions,
+    TrackingOptions,
 ):
     """Every `fanout produce` flag. Fields marked (contract) change what windows mean.
 
     Composed, not copied: the chat format and data-stage fields are DataOptions'
-    (fanout.data.prepare), how the verifier runs is VerifierOptions'
+    (fanout.data.prepare), where its summary goes in W&B TrackingOptions'
+    (fanout.tracking), how the verifier runs is VerifierOptions'
     (fanout.model.verifier), which layers it captures CaptureLayers'
     (fanout.model.capture_layers) and CaptureForOptions' (the families it is for,
     fanout.produce.capture_for), how the run shares windows is RunOptions'
@@ -188,6 +191,8 @@ def check_inputs(cfg: ProducerConfig) -> None:
     from fanout.data.template import tokenizer_dir
     from fanout.model.verifier import check_verifier_dir, max_position_embeddings
 
+    if cfg.wandb_project:
+        check_available("--wandb-project")
     prepared = prepared_data(cfg)  # --data DIR that fanout prepare wrote, checked
     missing = [f for f in cfg.data if not Path(f).is_file()]
     if missing and prepared is None:

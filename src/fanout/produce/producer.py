@@ -80,6 +80,7 @@ from fanout.rows import DOCUMENT_IDS, INPUT_IDS
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowMeta
 from fanout.store.streaminfo import StreamInfo, window_count
+from fanout.tracking import WandbRun, group_for
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +377,15 @@ class Producer:
         summary["total_windows"] = self.stream_length  # null while on-policy is open
         summary["replica"], summary["replicas"] = self.rank, self.cfg.replicas
         log.info("producer done: %s", summary)
+        if self.cfg.wandb_project:  # its summary, in the run's W&B group (fanout.tracking)
+            WandbRun.start(
+                self.cfg,
+                name=f"producer-r{self.rank}",
+                group=group_for(self.cfg.run_dir, self.cfg.wandb_group),
+                job_type="produce",
+                config=self.cfg.model_dump(mode="json"),
+                dir=self.run_dir.root,
+            ).finish(summary)
         return summary
 
     def _loop(self, preg: ProducerReg, hb: Heartbeat, bar: Any) -> None:

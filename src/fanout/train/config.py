@@ -17,10 +17,11 @@ from pydantic import Field, model_validator
 
 from fanout.families.registry import FamilyOptions
 from fanout.model.dflash import DraftRecipe
+from fanout.tracking import TrackingOptions, wandb_missing
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
 
 
-class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
+class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
     """Every `fanout train` (scripts/train.py) flag; speculators trainer names where the
     meaning is the same. How the trainer reads the run (run_dir, consumer_id, dp_rank,
     db_path, draft_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
@@ -29,7 +30,8 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
     dpace_alpha, label_source, loss_type) is DraftRecipe's, declared once in
     fanout.model.dflash with the defaults that work on a real verifier; the family
     (--draft-family) and each family's own options are FamilyOptions'
-    (fanout.families.registry); these are the trainer's."""
+    (fanout.families.registry); where --logger wandb logs TrackingOptions'
+    (fanout.tracking); these are the trainer's."""
 
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
     checkpoint_verifier_name: str | None = Field(
@@ -89,6 +91,8 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
 
     @model_validator(mode="after")
     def _eval_needs_data(self) -> TrainConfig:
+        if self.logger == "wandb" and (why := wandb_missing("--logger wandb")):
+            raise ValueError(why)
         if self.eval_every and not self.eval_data:
             raise ValueError("--eval-every needs --eval-data (held-out chat data)")
         if self.eval_data and not Path(self.eval_data).is_file():
@@ -100,7 +104,11 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions):
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
     resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
     log_every: int = Field(1, ge=1, description="steps between log records")
-    logger: Literal["jsonl", "tensorboard"] = Field("jsonl", description="metrics sink")
+    logger: Literal["jsonl", "tensorboard", "wandb"] = Field(
+        "jsonl",
+        description="metrics sink beside the JSONL log: tensorboard (<save-path>/tb) or "
+        "wandb (rank 0; --wandb-project, --wandb-group; fanout.tracking)",
+    )
     device: str = Field(
         "cpu",
         description="training device: cpu | cuda | cuda:N (under torchrun, cuda = LOCAL_RANK)",

@@ -18,6 +18,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from fanout.tracking import WandbRun
+
 log = logging.getLogger(__name__)
 
 TRAIN_LOG = "train_log.jsonl"
@@ -38,9 +40,18 @@ def read_train_log(save_path: str | Path, rank: int = 0) -> list[dict[str, Any]]
 
 
 class MetricsLog:
-    """JSONL metrics (always) + TensorBoard scalars (`kind="tensorboard"`, when installed)."""
+    """JSONL metrics (always) + TensorBoard scalars (`kind="tensorboard"`, when installed)
+    + a W&B run (`tracker`, fanout.tracking: the trainer opens it on rank 0 for
+    `--logger wandb`; closed with this log)."""
 
-    def __init__(self, save_path: str | Path, rank: int = 0, kind: str = "jsonl") -> None:
+    def __init__(
+        self,
+        save_path: str | Path,
+        rank: int = 0,
+        kind: str = "jsonl",
+        tracker: WandbRun | None = None,
+    ) -> None:
+        self.tracker = tracker
         path = train_log_path(save_path, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.f = path.open("a")
@@ -60,8 +71,12 @@ class MetricsLog:
             for k, v in rec.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, rec["step"])
+        if self.tracker is not None:
+            self.tracker.log(rec, step=rec["step"])
 
     def close(self) -> None:
         self.f.close()
         if self.tb is not None:
             self.tb.close()
+        if self.tracker is not None:
+            self.tracker.finish()
