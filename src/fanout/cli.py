@@ -1,5 +1,5 @@
-"""The `fanout` command: `fanout prepare | regenerate | produce | train | eval | status |
-detach | sweep | bench | demo | upgrade-checkpoint` (every name in COMMANDS;
+"""The `fanout` command: `fanout prepare | regenerate | produce | train | eval | promote |
+status | detach | sweep | bench | demo | upgrade-checkpoint` (every name in COMMANDS;
 tests/test_docs_match_code.py checks).
 
     fanout --help
@@ -62,6 +62,11 @@ _register(
     "eval",
     "fanout.decode.eval",
     "speculative decoding with trained drafts: lossless check, τ, speedup",
+)
+_register(
+    "promote",
+    "fanout.decode.promote",
+    "serve a better draft: evaluate each new checkpoint against the served one, flip a link",
 )
 _register(
     "upgrade-checkpoint",

@@ -56,6 +56,7 @@ Buffer = bytes | bytearray | memoryview
 OPS = frozenset(
     {
         "open_new",
+        "symlink",
         "open_existing",
         "write",
         "pwrite",
@@ -244,6 +245,29 @@ class FileSystem:
         self._before("rename", dst)
         os.rename(src, dst)
         self._after("rename", dst)
+
+    def point(self, link: StrPath, target: str) -> None:
+        """Make symlink `link` point at `target` (relative to its directory), atomically:
+        a reader resolving `link` finds the old target or the new one, never nothing
+        (a new symlink beside it, renamed over it, the directory fsynced). Raises
+        AtomicWriteError naming the step; the old link is intact on failure."""
+        link = Path(link)
+        tmp = link.with_name(f".{link.name}.new-{os.getpid()}")
+        step = "symlink"
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # debris of a killed flip
+            self._before("symlink", tmp)
+            os.symlink(target, tmp)
+            self._after("symlink", tmp)
+            step = "rename"
+            self.rename(tmp, link)
+            step = "fsync directory"
+            self.fsync_dir(link.parent)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise AtomicWriteError(step, link, e) from e
 
     def unlink(self, path: StrPath) -> None:
         self._before("unlink", path)

@@ -1,0 +1,275 @@
+"""Promote a better draft to serving, atomically: evaluate each new checkpoint against the served one, flip a symlink.
+
+    fanout promote --draft drafts/b16 --served /srv/draft --verifier-name-or-path V \
+        --tokenizer V --data heldout.jsonl --num-prompts 32 --once      # cron: decide, exit
+    fanout promote ... --poll-s 300                                    # watch for new ones
+    fanout promote --served /srv/draft --rollback                       # back one version
+
+The served directory (`--served DIR`) is what an engine is pointed at, through one link:
+
+    DIR/current -> versions/v0003   # a complete speculators checkpoint (engines load this)
+    DIR/versions/v0001 … v0003      # the last --keep-versions promoted ones
+    DIR/promotions.jsonl            # one line per decision: both τ with intervals, n, step, time
+
+A candidate is the newest committed checkpoint of `--draft` (a trainer's --save-path,
+or one checkpoint directory). It is decoded against the served draft on the same
+held-out prompts, the same seeds and temperatures, each as its server decodes it
+(fanout.decode.eval's EvalSession: one session, both drafts, interleaved), and promoted
+only when its τ at `--decide-temperature` is higher with the two 95% intervals apart
+(fanout.decode.eval_table.tau_verdict, the rule `fanout eval` prints), or, with
+`--margin M`, higher by at least M. Nothing served yet: the first candidate is promoted.
+
+Promotion: the checkpoint's serving files (config.json, model.safetensors, the commit
+marker, training_state.json, README.md; not the optimizer state) are copied into a new
+`versions/vNNNN` directory that is renamed into place whole (FileSystem.commit_dir),
+then `current` is flipped to it in one rename (FileSystem.point): an engine that
+(re)loads `DIR/current` finds the old checkpoint or the new one, complete, never a
+partial one, whenever this process is killed. `--rollback` flips `current` back to the
+version before it. Every decision, and every rollback, is one JSON line in
+`promotions.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from fanout.decode.eval import EvalConfig, EvalSession, temperature_key
+from fanout.decode.eval_table import tau_verdict
+from fanout.errors import CheckpointError, ConfigError
+from fanout.families.serving import MARKER, latest_checkpoint, load_draft, read_config
+from fanout.filesystem import FileSystem
+from fanout.flags import add_model_flags, model_from_args
+
+log = logging.getLogger(__name__)
+
+CURRENT, VERSIONS, DECISIONS = "current", "versions", "promotions.jsonl"
+SERVED_FILES = ("config.json", "model.safetensors", MARKER, "training_state.json", "README.md")
+_VERSION = re.compile(r"^v(\d{4,})$")
+
+
+class PromoteConfig(EvalConfig):
+    """Every `fanout promote` flag: `fanout eval`'s (the held-out prompts, temperatures,
+    device; `--draft` is the one candidate) and these."""
+
+    served: str = Field(
+        description="served directory: current -> versions/vNNNN (point the engine at "
+        "DIR/current), promotions.jsonl; created on the first promotion"
+    )
+    margin: float | None = Field(
+        None,
+        ge=0,
+        description="promote when the candidate's τ beats the served one's by at least this "
+        "(point estimates); default: only when their 95% intervals are apart",
+    )
+    decide_temperature: float = Field(
+        0.0, ge=0, description="the temperature whose τ decides (one of --temperature)"
+    )
+    keep_versions: int = Field(3, ge=2, description="promoted versions kept in DIR/versions")
+    once: bool = Field(False, description="decide on the newest checkpoint once, then exit")
+    rollback: bool = Field(False, description="point DIR/current at the version before it")
+    poll_s: float = Field(60.0, gt=0, description="without --once: seconds between looks")
+
+    @model_validator(mode="after")
+    def _one_candidate(self) -> PromoteConfig:
+        if len(self.draft) != 1:
+            raise ValueError(f"--draft: give exactly one candidate (got {len(self.draft)})")
+        if temperature_key(self.decide_temperature) not in map(temperature_key, self.temperature):
+            raise ValueError(
+                f"--decide-temperature {self.decide_temperature:g} is not among --temperature"
+            )
+        return self
+
+
+class Served:
+    """A served directory (see the module docstring)."""
+
+    def __init__(self, root: str | Path, fs: FileSystem | None = None) -> None:
+        self.root = Path(root)
+        self.fs = fs or FileSystem()
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"--served {self.root}: not a directory")
+        if self.root.is_dir() and any(self.root.iterdir()) and not self._ours():
+            raise ConfigError(
+                f"--served {self.root}: holds something other than promoted checkpoints "
+                f"(expected {CURRENT} -> {VERSIONS}/vNNNN and {DECISIONS}); give an empty "
+                "or new directory"
+            )
+
+    def _ours(self) -> bool:
+        names = {p.name for p in self.root.iterdir() if not p.name.startswith(".")}
+        return names <= {CURRENT, VERSIONS, DECISIONS}
+
+    def versions(self) -> list[Path]:
+        """Promoted versions, oldest first (complete directories only)."""
+        d = self.root / VERSIONS
+        if not d.is_dir():
+            return []
+        found = [p for p in d.iterdir() if _VERSION.match(p.name) and (p / MARKER).is_file()]
+        return sorted(found, key=lambda p: int(p.name[1:]))
+
+    def current(self) -> Path | None:
+        """The version `current` points at (None before the first promotion)."""
+        link = self.root / CURRENT
+        return link.resolve() if link.is_symlink() else None
+
+    def promote(self, checkpoint: Path, keep: int) -> Path:
+        """Copy `checkpoint`'s serving files into a new version, then flip `current`."""
+        vs = self.versions()
+        n = int(vs[-1].name[1:]) + 1 if vs else 1
+        final = self.root / VERSIONS / f"v{n:04d}"
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        self.fs.makedirs(tmp)
+        try:
+            for name in SERVED_FILES:
+                if (checkpoint / name).is_file():
+                    shutil.copyfile(checkpoint / name, tmp / name)
+            self.fs.commit_dir(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.fs.point(self.root / CURRENT, f"{VERSIONS}/{final.name}")
+        self._prune(keep)
+        return final
+
+    def rollback(self) -> tuple[Path, Path]:
+        """Point `current` at the version before it: (from, to)."""
+        now = self.current()
+        older = [
+            v for v in self.versions() if now is not None and int(v.name[1:]) < int(now.name[1:])
+        ]
+        if now is None or not older:
+            raise ConfigError(f"--served {self.root}: no earlier version to roll back to")
+        self.fs.point(self.root / CURRENT, f"{VERSIONS}/{older[-1].name}")
+        return now, older[-1]
+
+    def _prune(self, keep: int) -> None:
+        """Keep the newest `keep` versions and whatever `current` points at."""
+        now = self.current()
+        for v in self.versions()[:-keep]:
+            if v != now:
+                shutil.rmtree(v, ignore_errors=True)
+
+    def record(self, decision: dict[str, Any]) -> None:
+        """Append one decision line (a line is written whole: one write of one line)."""
+        self.fs.makedirs(self.root)
+        with open(self.root / DECISIONS, "a") as f:
+            f.write(json.dumps(decision) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _figures(report: dict[str, Any], name: str, t: float) -> dict[str, Any]:
+    return dict(report["drafts"][name]["at_temperature"][temperature_key(t)])
+
+
+def _step(checkpoint: Path) -> int | None:
+    try:
+        return int(json.loads((checkpoint / "training_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, Any]:
+    """Evaluate the newest checkpoint of `--draft` against the served one, promote it if
+    it wins, record the decision; return it (also printed by `run`)."""
+    served = Served(cfg.served)
+    candidate = latest_checkpoint(cfg.draft[0]) or Path(cfg.draft[0])
+    read_config(candidate)  # CheckpointError naming it when it is not a checkpoint
+    now = served.current()
+    base: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "candidate": str(candidate.resolve()),
+        "candidate_step": _step(candidate),
+        "served": None if now is None else str(now),
+        "temperature": cfg.decide_temperature,
+    }
+    if now is not None and _same(candidate, now):
+        return base | {"promoted": False, "why": "the candidate is what is served"}
+    if now is None:
+        version = served.promote(candidate, cfg.keep_versions)
+        decision = base | {"promoted": True, "why": "nothing served yet", "version": version.name}
+        served.record(decision)
+        return decision
+    vdir = Path(cfg.verifier_name_or_path)
+    drafts = {"candidate": load_draft(candidate, vdir, device=cfg.device),
+              "served": load_draft(now, vdir, device=cfg.device)}  # fmt: skip
+    layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
+    session = session or EvalSession(cfg, layers)
+    report = session.run(drafts, {"candidate": None, "served": None})
+    t = cfg.decide_temperature
+    fc, fs_ = _figures(report, "candidate", t), _figures(report, "served", t)
+    tau_c, tau_s = fc["acceptance_length"], fs_["acceptance_length"]
+    if cfg.margin is not None:
+        win = tau_c >= tau_s + cfg.margin
+        why = f"candidate τ {tau_c:.3f} vs served {tau_s:.3f}, margin {cfg.margin:g}"
+    else:
+        winner, why = tau_verdict("candidate", fc, "served", fs_)
+        win = winner == "candidate"
+    decision = base | {
+        "candidate_tau": tau_c, "candidate_ci95": fc["acceptance_length_ci95"],
+        "served_tau": tau_s, "served_ci95": fs_["acceptance_length_ci95"],
+        "prompts": report["prompts"], "lossless": report["lossless"], "why": why,
+    }  # fmt: skip
+    if not report["lossless"]:
+        win = False  # never serve a draft whose decoding differed from greedy
+        decision["why"] += "; speculative output differed from greedy: not promoted"
+    decision["promoted"] = win
+    if win:
+        decision["version"] = served.promote(candidate, cfg.keep_versions).name
+    served.record(decision)
+    return decision
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Is checkpoint `a` the served version `b` (same weights file bytes size and config)?"""
+    try:
+        return (a / "config.json").read_bytes() == (b / "config.json").read_bytes() and (
+            a / "model.safetensors"
+        ).read_bytes() == (b / "model.safetensors").read_bytes()
+    except OSError:
+        return False
+
+
+def add_arguments(p: argparse.ArgumentParser, name: str = "promote") -> None:
+    add_model_flags(p, PromoteConfig)
+
+
+def run(args: argparse.Namespace, name: str = "promote") -> int:
+    if getattr(args, "rollback", False):  # needs only --served
+        if not getattr(args, "served", None):
+            raise ConfigError("--rollback: give --served DIR")
+        served = Served(args.served)
+        was, now = served.rollback()
+        served.record({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "rollback": True, "from": was.name, "to": now.name})  # fmt: skip
+        print(f"fanout promote: {args.served}/current: {was.name} -> {now.name}")
+        return 0
+    cfg = model_from_args(PromoteConfig, args)
+    Served(cfg.served)  # refuses a directory that is not ours before anything loads
+    seen: Path | None = None
+    while True:
+        newest = latest_checkpoint(cfg.draft[0])
+        if newest is None and not (Path(cfg.draft[0]) / MARKER).is_file():
+            if cfg.once:
+                raise CheckpointError(f"--draft {cfg.draft[0]}: no committed checkpoint yet")
+        elif newest != seen or seen is None:
+            decision = decide(cfg)
+            print(json.dumps(decision), flush=True)
+            seen = newest
+        if cfg.once:
+            return 0
+        try:
+            time.sleep(cfg.poll_s)
+        except KeyboardInterrupt:
+            print("fanout promote: stopped", file=sys.stderr)
+            return 0

@@ -1,0 +1,180 @@
+"""`fanout promote`: a better draft is served, a worse one never, the flip is atomic.
+
+    .venv/bin/pytest tests/test_promote.py -x -q
+
+Two drafts of one tiny verifier, trained on its own greedy continuations of the held-out
+prompts: one on the true next tokens (it accepts), one on shuffled targets (made worse
+on purpose). Decisions are made by decoding both on the same prompts (EvalSession).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fanout.bench.assets import generate_corpus, write_jsonl
+from fanout.decode.eval import EvalSession
+from fanout.decode.promote import CURRENT, DECISIONS, PromoteConfig, Served, decide
+from fanout.decode.spec_decode import Decoder
+from fanout.errors import ConfigError
+from fanout.families.serving import load_draft
+from fanout.filesystem import FaultyFileSystem
+from fanout.model.dflash import DFlashDraft
+from fanout.ops.adamw import make_optimizer
+from fanout.train.checkpoint import save_checkpoint
+from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
+
+LAYERS = [1, 2]
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+
+
+def _train(session: EvalSession, shuffled: bool, save: Path, steps: int = 120) -> Path:
+    """A block-4 DFlash draft trained on the verifier's greedy continuations of the
+    session's prompts (`shuffled`: on a random permutation of its targets), saved."""
+    torch.manual_seed(0)
+    v = session.verifier
+    draft = DFlashDraft.from_verifier(
+        session.cfg.verifier_name_or_path, target_layer_ids=LAYERS, block_size=4, max_anchors=32
+    )
+    dec = Decoder(v, set())
+    seqs = [p.ids + dec.greedy(p.ids, 40).tokens for p in session.prompts]
+    t = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (t - len(s)) for s in seqs])  # [B, T]
+    b = ids.shape[0]
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    cap = v.capture(ids, pos, doc)
+    target = cap.target_ids.long()  # [B, T]
+    if shuffled:
+        gen = torch.Generator().manual_seed(1)
+        target = target.flatten()[torch.randperm(target.numel(), generator=gen)].view(b, t)
+    batch = {
+        "hidden_states": cap.hidden_states.float(), "input_ids": ids, "target_ids": target,
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc,
+        "position_ids": pos,
+    }  # fmt: skip
+    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        out = draft.loss(batch, gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    return save_checkpoint(save, draft.eval(), opt, {"step": steps},
+                           verifier_name_or_path=session.cfg.verifier_name_or_path)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("promote")
+    _, tok, ver = build_tiny_assets(root, generate_corpus(60, seed=3))
+    held = write_jsonl(root / "held.jsonl", generate_corpus(8, seed=99))
+    base = PromoteConfig(
+        verifier_name_or_path=str(ver), tokenizer=str(tok), data=str(held), num_prompts=6,
+        max_new_tokens=24, draft=[str(root / "drafts" / "good")], served=str(root / "served"),
+    )  # fmt: skip
+    session = EvalSession(base, LAYERS)
+    good = _train(session, False, root / "drafts" / "good")
+    bad = _train(session, True, root / "drafts" / "bad")
+    return {"root": root, "base": base, "session": session, "good": good, "bad": bad,
+            "tok": tok, "ver": ver, "held": held}  # fmt: skip
+
+
+def _cfg(world: dict[str, Any], draft: Path, served: Path, **kw: Any) -> PromoteConfig:
+    return world["base"].model_copy(update={"draft": [str(draft)], "served": str(served)} | kw)
+
+
+def _decisions(served: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (served / DECISIONS).read_text().splitlines()]
+
+
+def test_a_better_draft_is_promoted_a_worse_one_never(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    served, session = tmp_path / "served", world["session"]
+    first = decide(_cfg(world, world["bad"], served), session)
+    assert first["promoted"] and first["why"] == "nothing served yet"
+    assert (served / CURRENT).resolve().name == "v0001"
+    better = decide(_cfg(world, world["good"], served), session)
+    assert better["promoted"], better
+    assert better["candidate_tau"] > better["served_tau"]
+    assert better["candidate_ci95"][0] > better["served_ci95"][1]  # intervals apart
+    assert (served / CURRENT).resolve().name == "v0002"
+    worse = decide(_cfg(world, world["bad"], served), session)
+    assert not worse["promoted"], worse
+    assert (served / CURRENT).resolve().name == "v0002"  # still the better one
+    lines = _decisions(served)
+    assert [d["promoted"] for d in lines] == [True, True, False]
+    assert all(d["prompts"] == 6 for d in lines[1:]) and lines[1]["candidate_step"] == 120
+    # what is served loads as a draft of the verifier, and is the good one's weights
+    cur = load_draft(served / CURRENT, world["ver"])
+    good = load_draft(world["good"], world["ver"])
+    for (n, a), (_, b) in zip(cur.state_dict().items(), good.state_dict().items(), strict=True):
+        assert torch.equal(a, b), n
+    assert not (served / "versions" / "v0002" / "resume.safetensors").exists()
+
+
+def test_a_margin_decides_on_point_estimates(world: dict[str, Any], tmp_path: Path) -> None:
+    served, session = tmp_path / "served", world["session"]
+    decide(_cfg(world, world["bad"], served), session)
+    huge = decide(_cfg(world, world["good"], served, margin=100.0), session)
+    assert not huge["promoted"] and "margin 100" in huge["why"]
+    small = decide(_cfg(world, world["good"], served, margin=0.0), session)
+    assert small["promoted"]
+
+
+def test_a_flip_that_fails_leaves_the_served_version_whole(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    served = Served(tmp_path / "served")
+    served.promote(world["bad"], keep=3)
+    faulty = Served(tmp_path / "served", fs=FaultyFileSystem(fail_at=1, errno_=errno.EIO,
+                                                             ops={"symlink"}))  # fmt: skip
+    with pytest.raises(OSError):
+        faulty.promote(world["good"], keep=3)
+    assert (tmp_path / "served" / CURRENT).resolve().name == "v0001"
+    load_draft(tmp_path / "served" / CURRENT, world["ver"])  # complete, loadable
+    assert not [p for p in (tmp_path / "served").iterdir() if p.name.startswith(".current")]
+
+
+def test_rollback_and_pruning_through_the_command(world: dict[str, Any], tmp_path: Path) -> None:
+    served = Served(tmp_path / "served")
+    for ckpt in (world["bad"], world["good"], world["bad"], world["good"]):
+        served.promote(ckpt, keep=3)
+    assert [v.name for v in served.versions()] == ["v0002", "v0003", "v0004"]
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "promote", "--served", str(tmp_path / "served"),
+         "--rollback"], capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "v0004 -> v0003" in r.stdout
+    assert (tmp_path / "served" / CURRENT).resolve().name == "v0003"
+    assert _decisions(tmp_path / "served")[-1] == {**_decisions(tmp_path / "served")[-1],
+                                                   "rollback": True, "to": "v0003"}  # fmt: skip
+
+
+def test_served_that_is_not_ours_is_refused_in_one_line(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="holds something other than promoted checkpoints"):
+        Served(other)
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "promote", "--served", str(other), "--once",
+         "--draft", str(world["good"]), "--verifier-name-or-path", str(world["ver"]),
+         "--tokenizer", str(world["tok"]), "--data", str(world["held"])],
+        capture_output=True, text=True, env=ENV, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr.strip().count("\n") == 0 and "--served" in r.stderr, r.stderr
+    assert (other / "weights.bin").read_bytes() == b"x"  # nothing touched
