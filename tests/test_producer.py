@@ -437,10 +437,13 @@ def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
     for w in recaptured:
         assert second[w]["hash"] == first[w]["hash"], w  # byte-identical tensors
     count = int(_rows_of(run, "SELECT value FROM counters WHERE key='recaptures'")[0][0])
-    assert count == len(recaptured)
+    caps = dict(_rows_of(run, "SELECT window, captures FROM windows"))
+    # windows past 5 the first phase left live may have given the last slot back to
+    # window 1 (retention.yield_reserved): captured again too, and counted
+    gave_back = [w for w, c in caps.items() if w >= 6 and c and c > 1]
+    assert count == len(recaptured) + len(gave_back)
     assert summary["windows"] == p.total_windows + count
     # the stream's full windows were each captured, some twice (counted)
-    caps = dict(_rows_of(run, "SELECT window, captures FROM windows"))
     assert sum(c - 1 for c in caps.values() if c) <= count
 
 

@@ -226,8 +226,12 @@ class Claims:
                 if not doomed:
                     room = retention.has_capacity(cur, cfg.max_live_windows, reserved=False)
                     if not room:
-                        # The lag policy may make room before the reserved slot is used.
-                        doomed = self._apply_lag_policy(cur)
+                        # The slowest consumer's cursor window gets the last slot back
+                        # (a restart from an older checkpoint); else the lag policy may
+                        # make room before the reserved slot is used.
+                        doomed = retention.yield_reserved(
+                            cur, cfg.max_live_windows
+                        ) or self._apply_lag_policy(cur)
                         room = not doomed and retention.has_capacity(cur, cfg.max_live_windows)
                     if room or not doomed:
                         self._record_block(cur, blocked=not room)

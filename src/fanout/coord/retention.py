@@ -23,7 +23,10 @@ Rules:
   #47: a slot kept for the cursor window it already held stayed empty, and the
   producer waited for the trainer that waited for it). With a step spanning at most K
   windows (fanout.store.streaminfo.windows_per_step) the slowest consumer always
-  gets its step's windows, K = 1 included (capture and training then take turns);
+  gets its step's windows, K = 1 included (capture and training then take turns).
+  When its cursor moves back (a restart from an older checkpoint, a late joiner) while
+  K windows it needs later are live, the highest of them is evicted to give the slot
+  back (`yield_reserved`; captured again when wanted);
 - `recapture`: when blocked, an unleased ready window that the leading consumer
   has passed (so only consumers behind it need it) is evicted to make room: the
   one whose next reader is furthest behind it, never a window some consumer reads
@@ -197,6 +200,32 @@ def claimable(cur: Sql, max_live_windows: int) -> Literal["any", "reserved", "no
     if live < max_live_windows and reserved_window(cur) is not None:
         return "reserved"
     return "none"
+
+
+def yield_reserved(cur: Sql, max_live_windows: int) -> Doomed:
+    """At K, give the last slot back to the slowest consumer's cursor window: when that
+    window is queued (it asked for it: a consumer restarted from an older checkpoint,
+    a late joiner, a window evicted before it read it) and not live while K windows
+    are, mark the highest unleased ready window above its cursor for eviction (it is
+    captured again when wanted, counted as a recapture); [] otherwise. Why: the last
+    slot takes the slowest consumer's next needed window (`reserved_window`), so K
+    windows it needs *later* can be live when its cursor moves back; without this, the
+    window it needs now would wait for a slot nothing frees."""
+    if live_windows(cur) < max_live_windows:
+        return []
+    low, _ = cursor_bounds(cur)
+    if low is None:
+        return []
+    row = cur.execute("SELECT state FROM windows WHERE window=?", (low,)).fetchone()
+    if row is None or row[0] != W.QUEUED:
+        return []
+    return _mark(
+        cur,
+        f"SELECT window, name FROM windows w WHERE state IN {states.sql_in(states.EVICTABLE)} "
+        "AND window > ? AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) "
+        "ORDER BY window DESC LIMIT 1",
+        (low,),
+    )
 
 
 def has_capacity(cur: Sql, max_live_windows: int, reserved: bool = True) -> bool:
