@@ -27,13 +27,26 @@ tensor per layer (no `output_hidden_states`, which would keep every layer alive)
 the head ourselves in `chunk_tokens`-row chunks and keep only the argmax, so the full
 `[T, vocab]` logits (1.9 GB for T = 3072 on Qwen3 in fp32) never exist at once.
 
-**Packed rows.** A row holds several documents. We pass a 4D block-diagonal causal mask
-built from `document_ids` (a token attends to earlier tokens of its own document
-only; padding, document id −1, attends only to itself), and the caller's
-`position_ids` restart at 0 per document, so each document is computed exactly as if
-it ran alone (tested: max abs diff ≤ 1e-4 in fp32). Supported attention
-implementations: `sdpa` (boolean mask) and `eager` (additive mask); both accept a
-prepared 4D mask unchanged (transformers 5.x; tested with 5.24).
+**Packed rows.** A row holds several documents (`document_ids`, −1 on padding;
+`position_ids` restart at 0 per document), and each document must be computed exactly
+as if it ran alone, in every layer. fanout.model.layer_types holds that rule per layer
+type (full, sliding, chunked attention: a block-diagonal causal mask per type, passed
+as a dict where layer types are mixed; linear attention: each document run alone) and
+refuses at load any layer type it has no rule for. Rows go one of two ways:
+- *masked*: one forward over the rows with the per-type [B, 1, T, T] masks (padding
+  attends only to itself); for models whose layers all take a mask, while the masks
+  fit `dense_mask_max_bytes`;
+- *alone*: each document as its own sequence without a mask (fanout.model.documents:
+  batched by length, right-padded, outputs scattered back into the [B, T, H] buffers;
+  each padding token runs as a one-token document, as under the mask). Linear
+  attention needs it; long rows take it so that no T × T mask exists (SDPA runs
+  is_causal on full-attention layers).
+Both are checked against each document run alone through plain transformers for 16
+architectures (tests/test_verifier_zoo.py). Attention implementations: `sdpa` (boolean
+masks) and `eager` (additive); a model class without sdpa (gpt-oss: sinks; Gemma-2:
+soft-capping) loads with eager. A multimodal checkpoint (`…ForConditionalGeneration`)
+is captured through its text model: layers, hidden size and vocabulary are the text
+model's, the head is the top-level one.
 
 **Tensor parallel** (`tp` > 1, one process per rank under torchrun): each rank loads
 its shard with transformers' TP plan (fanout.model.tp) and `capture` runs unchanged.
@@ -41,8 +54,6 @@ its shard with transformers' TP plan (fanout.model.tp) and `capture` runs unchan
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,9 +64,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
-from fanout.hashing import hasher, labelled
 from fanout.model.capture_layers import CaptureLayers, resolve_capture_layer_ids
+from fanout.model.documents import DocumentBatch, document_batches
+from fanout.model.layer_types import FULL, PackingRule
 from fanout.model.tp import ShardedHead, check_tp_model, model_device, tp_load_kwargs
+from fanout.model.verifier_dir import (  # noqa: F401 - re-exported: callers import them here
+    check_verifier_dir,
+    config_hash,
+    max_position_embeddings,
+    weights_fingerprint,
+)
 from fanout.ops.argmax import row_argmax
 from fanout.ops.fp8 import FP8, quantize_into
 from fanout.rows import DOCUMENT_IDS, POSITION_IDS
@@ -68,117 +86,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float8_e4m3fn": FP8,  # storage only: per-token scales (fanout.ops.fp8)
 }
-# Files whose bytes are model weights (top level of the directory, like from_pretrained).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-
-
-# --------------------------------------------------------------------------- identity
-
-
-def config_hash(path: str | os.PathLike[str]) -> str:
-    """sha256 (hex) of the verifier's `config.json`, canonicalised.
-
-    Canonical = parsed and re-dumped with sorted keys, without the fields that name
-    the writer rather than the model (`transformers_version`, `_name_or_path`), so
-    re-saving the same model with another transformers version keeps the hash.
-    """
-    cfg = _read_config(Path(path))
-    for k in ("transformers_version", "_name_or_path"):
-        cfg.pop(k, None)
-    blob = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def max_position_embeddings(path: str | os.PathLike[str]) -> int | None:
-    """The verifier's `max_position_embeddings` from its config.json (a multimodal
-    model's `text_config` when the top level has none); None if it declares none.
-    Read from the file, without loading the model, so a producer can refuse a
-    `--seq-len` above it before it creates anything."""
-    cfg = _read_config(Path(path))
-    for section in (cfg, cfg.get("text_config")):
-        v = section.get("max_position_embeddings") if isinstance(section, dict) else None
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    return None
-
-
-def weights_fingerprint(
-    path: str | os.PathLike[str],
-    *,
-    full_hash_bytes: int = 64 << 20,
-    samples_per_file: int = 16,
-    sample_bytes: int = 256 << 10,
-) -> str:
-    """A cheap fingerprint of the weight files: changes when the weights change.
-
-    Per weight file (sorted by name): its name and size; for files up to
-    `full_hash_bytes` every byte; for larger ones the whole safetensors header
-    (tensor names, dtypes, shapes, offsets) plus `samples_per_file` ranges of
-    `sample_bytes` spread evenly over the data (first and last included). Index
-    files are hashed whole. All through xxh3-128 (fanout.hashing).
-
-    Why: hashing all of a 16 GB checkpoint takes a minute or more on a network
-    filesystem, every producer start. Headers catch any change of architecture,
-    dtype or layout; sizes catch truncation; sampled bytes catch re-trained or
-    fine-tuned weights (which change essentially every tensor), for ~4 MiB of
-    reads per file. What it cannot see: an edit confined to bytes outside the
-    samples of a large file (say, one flipped weight) — small files, like the tiny
-    test verifiers, are hashed in full so such edits are caught there.
-    """
-    root = Path(path)
-    files = _weight_files(root)
-    h = hasher()
-    h.update(f"fanout-weights-v1:{full_hash_bytes}:{samples_per_file}:{sample_bytes};".encode())
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size};".encode())
-        with open(f, "rb") as fh:
-            if size <= full_hash_bytes or f.name in _WEIGHT_INDEXES:
-                while chunk := fh.read(8 << 20):
-                    h.update(chunk)
-                continue
-            data_start = 0
-            if f.suffix == ".safetensors":
-                n = int.from_bytes(fh.read(8), "little")
-                h.update(fh.read(n))
-                data_start = 8 + n
-            last = max(data_start, size - sample_bytes)
-            k = max(samples_per_file, 2)
-            for j in range(k):
-                fh.seek(data_start + (last - data_start) * j // (k - 1))
-                h.update(fh.read(sample_bytes))
-    return labelled(h)
-
-
-def _weight_files(root: Path) -> list[Path]:
-    files = sorted(
-        p
-        for p in root.iterdir()
-        if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or p.name in _WEIGHT_INDEXES)
-    )
-    if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
-        raise ConfigError(
-            f"verifier directory {root}: no weight files (*.safetensors or pytorch_model*.bin)"
-        )
-    return files
-
-
-def _read_config(root: Path) -> dict[str, Any]:
-    if not root.exists():
-        raise ConfigError(f"verifier directory {root} does not exist")
-    if not root.is_dir():
-        raise ConfigError(f"verifier path {root} is not a directory (want a from_pretrained dir)")
-    cfg_path = root / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"verifier directory {root}: config.json is missing")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{cfg_path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
 
 
 # --------------------------------------------------------------------------- config
@@ -290,17 +197,30 @@ def _out_buffers(
 
 
 def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean 4D mask (True = may attend) keeping attention inside each document.
+    """Boolean 4D mask (True = may attend) keeping attention inside each document: the
+    full-attention rule of fanout.model.layer_types.
 
     document_ids [B, T] int; −1 marks padding, which attends only to itself (so no
     query row is empty, which would give NaN in softmax).
     """
-    t = document_ids.shape[1]
-    d = document_ids
-    causal = torch.ones(t, t, dtype=torch.bool, device=d.device).tril()  # [T, T]
-    same = (d[:, :, None] == d[:, None, :]) & (d >= 0)[:, :, None]  # [B, T, T]
-    allowed = (same & causal) | torch.eye(t, dtype=torch.bool, device=d.device)  # [B, T, T]
-    return allowed[:, None]  # [B, 1, T, T]
+    mask = PackingRule((FULL,)).masks(document_ids, document_ids)
+    assert isinstance(mask, torch.Tensor)  # one layer type: one mask
+    return mask  # [B, 1, T, T]
+
+
+def text_model(model: Any) -> Any:
+    """The decoder stack a causal LM runs its tokens through: `model.model` for a text
+    model, `model.model.language_model` for a multimodal one; None if there is none."""
+    for c in (model.get_decoder(), getattr(model, "model", None)):
+        for m in (c, getattr(c, "language_model", None)):
+            if m is not None and isinstance(getattr(m, "layers", None), torch.nn.ModuleList):
+                return m
+    return None
+
+
+# Dense masks above this many bytes (all layer types, whole batch) are not built; the
+# rows run each document alone instead (no T × T tensor at all under SDPA).
+DENSE_MASK_MAX_BYTES = 128 << 20
 
 
 class Verifier:
@@ -315,24 +235,23 @@ class Verifier:
         # last_hidden_states are stored as bf16 under fp8 storage (they feed a KL loss
         # through the frozen head, where per-token scales would only add error).
         self.last_hidden_dtype = torch.bfloat16 if self.storage_dtype == FP8 else self.storage_dtype
-        base = getattr(model, model.base_model_prefix, None)
-        layers = getattr(base, "layers", None)
+        base = text_model(model)
         head = model.get_output_embeddings()
-        if base is None or layers is None or head is None:
+        if base is None or head is None:
             raise ConfigError(
-                f"verifier {config.path}: {type(model).__name__} has no base_model.layers / "
-                "lm_head; only decoder-only causal LMs (Llama/Qwen-style) are supported"
+                f"verifier {config.path}: {type(model).__name__} has no decoder layers / "
+                "lm_head; only decoder-only causal LMs (or a multimodal model's text model) "
+                "are supported"
             )
-        if getattr(base, "has_sliding_layers", False):
-            # Our one 4D mask would silently turn sliding-window layers into full attention.
-            raise ConfigError(
-                f"verifier {config.path}: sliding-window attention layers are not supported "
-                "by the packed-document mask yet"
-            )
+        layers = base.layers
         self.base = base
         self.layers = layers
         self.lm_head = head
         text_cfg = model.config.get_text_config()
+        # refuses layer types without a rule (also checked before the weights load)
+        self.rule = PackingRule.from_config(model.config, config.path)
+        self.attn_implementation: str = text_cfg._attn_implementation  # after fallbacks
+        self.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
         self.num_layers: int = len(layers)
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.vocab_size: int = int(head.weight.shape[0])
@@ -393,6 +312,8 @@ class Verifier:
         Nothing here waits for the device: CPU inputs are staged through pinned memory
         and copied asynchronously on CUDA, so a caller that also copies the results
         back asynchronously (the producer does) keeps the GPU queue full across batches.
+        Rows that run each document alone (`runs_alone`) split them by the host copy of
+        `document_ids`, so they too need no sync when it is on the CPU.
         """
         for name, x in ((POSITION_IDS, position_ids), (DOCUMENT_IDS, document_ids)):
             if x.shape != input_ids.shape:
@@ -406,18 +327,16 @@ class Verifier:
         dev = self.device
         ids = self._to_device(input_ids)  # [B, T] long
         pos = self._to_device(position_ids)  # [B, T] long
-        mask = packed_attention_mask(self._to_device(document_ids))  # [B, 1, T, T] bool
-        if self.config.attn_implementation == "eager":
-            # eager adds the mask to the scores
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(
-                ~mask, torch.finfo(self.dtype).min
-            )
+        docs = self._to_device(document_ids)  # [B, T] long
 
         hidden = _out_buffers(hidden_out, n, (b, t, h), self.storage_dtype, dev, "hidden_out")
         fp8 = self.storage_dtype == FP8
         scales = (
             _out_buffers(scale_out, n, (b, t), torch.float32, dev, "scale_out") if fp8 else None
         )
+        # Where the running forward's tokens go: None = it runs the [B, T] rows
+        # themselves; else the DocumentBatch it runs.
+        place: list[DocumentBatch | None] = [None]
         handles = []
         for j, layer_id in enumerate(self.capture_layer_ids):
             sl = hidden[j]  # [B, T, H]: this layer's buffer
@@ -426,19 +345,26 @@ class Verifier:
             def hook(
                 _m: Any, _a: Any, out: Any, sl: torch.Tensor = sl, sc: torch.Tensor | None = sc
             ) -> None:
-                x = out[0] if isinstance(out, tuple) else out  # [B, T, H]
-                if sc is None:
-                    sl.copy_(x)
-                else:
-                    quantize_into(x, sl, sc)
+                x = out[0] if isinstance(out, tuple) else out  # [B, T, H] or [k, L, H]
+                _store(x, sl, sc, place[0])
 
             handles.append(self.layers[layer_id].register_forward_hook(hook))
         try:
-            out = self.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+            if self.runs_alone(b, t):
+                last = torch.empty((b, t, h), dtype=self.dtype, device=dev)  # [B, T, H]
+                for db in document_batches(ids, pos, document_ids):  # spans from the host copy
+                    place[0] = db
+                    o = self.base(
+                        input_ids=db.input_ids, position_ids=db.position_ids, use_cache=False
+                    )
+                    last[db.rows, db.cols] = db.take(o.last_hidden_state)  # [N, H]
+            else:
+                mask = self._masks(docs, pos)
+                o = self.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+                last = o.last_hidden_state  # [B, T, H], after the final norm
         finally:
             for hd in handles:
                 hd.remove()
-        last = out.last_hidden_state  # [B, T, H], after the final norm
         target = self._greedy_ids(last)  # [B, T] int32
         last_store = None
         if self.config.store_last_hidden_states:
@@ -449,6 +375,32 @@ class Verifier:
             last_hidden_states=last_store,
             layer_scales=scales,
         )
+
+    def runs_alone(self, b: int, t: int) -> bool:
+        """Whether [B, T] rows run each document alone rather than under dense masks:
+        when a layer type needs it (fanout.model.layer_types) or the masks would take
+        more than `dense_mask_max_bytes`."""
+        if self.rule.needs_alone(t):
+            return True
+        elem = 1 if self.attn_implementation == "sdpa" else self.dtype.itemsize
+        return self.rule.mask_bytes(b, t, elem) > self.dense_mask_max_bytes
+
+    def _masks(
+        self, docs: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The packing rule's [B, 1, T, T] masks, as the attention implementation takes
+        them: boolean for sdpa, additive (0 / dtype min) for eager."""
+        masks = self.rule.masks(docs, pos)
+        if self.attn_implementation == "sdpa":
+            return masks
+
+        def additive(m: torch.Tensor) -> torch.Tensor:
+            z = torch.zeros(m.shape, dtype=self.dtype, device=m.device)
+            return z.masked_fill_(~m, torch.finfo(self.dtype).min)
+
+        if isinstance(masks, dict):
+            return {k: additive(m) for k, m in masks.items()}
+        return additive(masks)
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         """A [B, T] integer input as int64 on the model's device, without a host sync.
@@ -506,6 +458,35 @@ class Verifier:
         return ids.view(b, t)
 
 
+def _store(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    scale: torch.Tensor | None,
+    place: DocumentBatch | None,
+) -> None:
+    """Write a layer output into its [B, T, H] buffer (fp8: and [B, T] scales).
+
+    x: [B, T, H] for whole rows (place None), or [k, L, H] for a batch of documents,
+    whose valid tokens go to (rows, cols) of the buffer.
+    """
+    if place is None:
+        if scale is None:
+            out.copy_(x)
+        else:
+            quantize_into(x, out, scale)
+        return
+    rows, cols = place.rows, place.cols  # [N] each
+    xs = place.take(x)  # [N, H]
+    if scale is None:
+        out[rows, cols] = xs.to(out.dtype)
+        return
+    q = torch.empty(xs.shape, dtype=FP8, device=xs.device)  # [N, H]
+    s = torch.empty(xs.shape[0], dtype=torch.float32, device=xs.device)  # [N]
+    quantize_into(xs, q, s)
+    out.view(torch.uint8)[rows, cols] = q.view(torch.uint8)  # fp8 has no index_put
+    scale[rows, cols] = s
+
+
 def load_verifier(
     path: str | os.PathLike[str],
     *,
@@ -533,15 +514,6 @@ def load_verifier(
     return Verifier.from_config(cfg)
 
 
-def check_verifier_dir(path: str | os.PathLike[str]) -> None:
-    """What a verifier directory must hold, checked without loading it: a readable
-    config.json (a JSON object) and weight files. ConfigError naming what is missing, so
-    a command refuses the directory before it creates or loads anything."""
-    root = Path(path)
-    _read_config(root)
-    _weight_files(root)
-
-
 def resolve_device(device: str) -> torch.device:
     """The device `--device` names: auto = CUDA if present, else the CPU."""
     if device == "auto":
@@ -557,8 +529,9 @@ def resolve_dtype(dtype: DTypeName, device: torch.device) -> torch.dtype:
 
 
 def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
+    from huggingface_hub.errors import StrictDataclassError  # a config that fails validation
     from safetensors import SafetensorError  # a damaged weight file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     root = Path(cfg.path)
     check_verifier_dir(root)  # clear errors for missing dir / config / weights before HF's
@@ -566,16 +539,33 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
         check_tp_model(root, cfg.tp)  # before any weight is read
     dev = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, dev)
+    bad = (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError)
     try:
-        model: Any = AutoModelForCausalLM.from_pretrained(
+        hf_cfg = AutoConfig.from_pretrained(root, local_files_only=True)
+    except (*bad, StrictDataclassError) as e:
+        raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
+    PackingRule.from_config(hf_cfg, str(root))  # unknown layer types: refused before the weights
+    cls = _model_class(hf_cfg, root)
+    attn = cfg.attn_implementation
+    if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
+        attn = "eager"  # e.g. attention sinks (gpt-oss), logit soft-capping (Gemma-2)
+    try:
+        model, info = cls.from_pretrained(
             root,
             dtype=dtype,
             local_files_only=True,
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attn,
+            output_loading_info=True,
             **(tp_load_kwargs(cfg.tp) if cfg.tp > 1 else {}),
         )
-    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+    except (*bad, StrictDataclassError) as e:
         raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers would have left them random, silently
+        raise ConfigError(
+            f"verifier directory {root}: {len(missing)} weights missing for "
+            f"{cls.__name__} (first: {missing[0]})"
+        )
     if cfg.tp > 1:
         dev = model_device(model)  # transformers put this rank's shard on its device
     else:
@@ -583,3 +573,22 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
     model.eval()
     model.requires_grad_(False)
     return model, dev
+
+
+def _model_class(hf_cfg: Any, root: Path) -> Any:
+    """The transformers class a verifier loads as: its causal-LM class (for some
+    multimodal checkpoints, e.g. Qwen3.5, a text-only class that reads the text
+    weights), else its image-text-to-text class (e.g. Gemma-3's ForConditionalGeneration,
+    whose text model is then captured)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING):
+        if type(hf_cfg) in mapping:
+            return mapping[type(hf_cfg)]
+    raise ConfigError(
+        f"verifier directory {root}: cannot load: {type(hf_cfg).__name__} "
+        f"(model_type {hf_cfg.model_type!r}) has no causal-LM class in transformers"
+    )

@@ -1,5 +1,6 @@
 """A verifier directory read without loading the model: the DFlash-relevant fields of
-its HF `config.json` and named tensors from its (possibly sharded) safetensors files.
+its HF `config.json`, named tensors from its (possibly sharded) safetensors files, what
+the directory must hold, and its identity (config hash, weights fingerprint).
 
     python -c "from pathlib import Path; from fanout.model.verifier_dir import read_verifier_config; print(read_verifier_config(Path('VERIFIER_DIR')))"
 
@@ -10,7 +11,9 @@ the config the same way (fanout.families.serving).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,11 @@ import torch
 from safetensors import safe_open
 
 from fanout.errors import ConfigError
+from fanout.hashing import hasher, labelled
+
+# Files whose bytes are model weights (top level of the directory, like from_pretrained).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 def read_verifier_config(vdir: Path) -> dict[str, Any]:
@@ -67,3 +75,120 @@ def read_verifier_tensors(vdir: Path, names: list[str]) -> dict[str, torch.Tenso
         except OSError as e:
             raise ConfigError(f"cannot read verifier weights {f}: {e}") from e
     return out
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def config_hash(path: str | os.PathLike[str]) -> str:
+    """sha256 (hex) of the verifier's `config.json`, canonicalised.
+
+    Canonical = parsed and re-dumped with sorted keys, without the fields that name
+    the writer rather than the model (`transformers_version`, `_name_or_path`), so
+    re-saving the same model with another transformers version keeps the hash.
+    """
+    cfg = _read_config(Path(path))
+    for k in ("transformers_version", "_name_or_path"):
+        cfg.pop(k, None)
+    blob = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def max_position_embeddings(path: str | os.PathLike[str]) -> int | None:
+    """The verifier's `max_position_embeddings` from its config.json (a multimodal
+    model's `text_config` when the top level has none); None if it declares none.
+    Read from the file, without loading the model, so a producer can refuse a
+    `--seq-len` above it before it creates anything."""
+    cfg = _read_config(Path(path))
+    for section in (cfg, cfg.get("text_config")):
+        v = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def weights_fingerprint(
+    path: str | os.PathLike[str],
+    *,
+    full_hash_bytes: int = 64 << 20,
+    samples_per_file: int = 16,
+    sample_bytes: int = 256 << 10,
+) -> str:
+    """A cheap fingerprint of the weight files: changes when the weights change.
+
+    Per weight file (sorted by name): its name and size; for files up to
+    `full_hash_bytes` every byte; for larger ones the whole safetensors header
+    (tensor names, dtypes, shapes, offsets) plus `samples_per_file` ranges of
+    `sample_bytes` spread evenly over the data (first and last included). Index
+    files are hashed whole. All through xxh3-128 (fanout.hashing).
+
+    Why: hashing all of a 16 GB checkpoint takes a minute or more on a network
+    filesystem, every producer start. Headers catch any change of architecture,
+    dtype or layout; sizes catch truncation; sampled bytes catch re-trained or
+    fine-tuned weights (which change essentially every tensor), for ~4 MiB of
+    reads per file. What it cannot see: an edit confined to bytes outside the
+    samples of a large file (say, one flipped weight) — small files, like the tiny
+    test verifiers, are hashed in full so such edits are caught there.
+    """
+    root = Path(path)
+    files = _weight_files(root)
+    h = hasher()
+    h.update(f"fanout-weights-v1:{full_hash_bytes}:{samples_per_file}:{sample_bytes};".encode())
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size};".encode())
+        with open(f, "rb") as fh:
+            if size <= full_hash_bytes or f.name in _WEIGHT_INDEXES:
+                while chunk := fh.read(8 << 20):
+                    h.update(chunk)
+                continue
+            data_start = 0
+            if f.suffix == ".safetensors":
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(n))
+                data_start = 8 + n
+            last = max(data_start, size - sample_bytes)
+            k = max(samples_per_file, 2)
+            for j in range(k):
+                fh.seek(data_start + (last - data_start) * j // (k - 1))
+                h.update(fh.read(sample_bytes))
+    return labelled(h)
+
+
+def _weight_files(root: Path) -> list[Path]:
+    files = sorted(
+        p
+        for p in root.iterdir()
+        if p.is_file() and (p.suffix in _WEIGHT_SUFFIXES or p.name in _WEIGHT_INDEXES)
+    )
+    if not any(p.suffix in _WEIGHT_SUFFIXES for p in files):
+        raise ConfigError(
+            f"verifier directory {root}: no weight files (*.safetensors or pytorch_model*.bin)"
+        )
+    return files
+
+
+def _read_config(root: Path) -> dict[str, Any]:
+    if not root.exists():
+        raise ConfigError(f"verifier directory {root} does not exist")
+    if not root.is_dir():
+        raise ConfigError(f"verifier path {root} is not a directory (want a from_pretrained dir)")
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"verifier directory {root}: config.json is missing")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def check_verifier_dir(path: str | os.PathLike[str]) -> None:
+    """What a verifier directory must hold, checked without loading it: a readable
+    config.json (a JSON object) and weight files. ConfigError naming what is missing, so
+    a command refuses the directory before it creates or loads anything."""
+    root = Path(path)
+    _read_config(root)
+    _weight_files(root)

@@ -1,0 +1,244 @@
+"""Packed capture is exact for every verifier architecture: each document of a packed
+row, every captured layer and its greedy ids, equals that document run alone through
+plain transformers.
+
+.venv/bin/python -m pytest tests/test_verifier_zoo.py -x -q
+
+The oracle runs each document alone (batch 1, no mask, positions 0..n-1) through the
+model class it was saved with, reading decoder-layer outputs with forward hooks: it
+uses nothing of fanout's. Architectures come from tests/verifier_zoo.py (tiny, random,
+sliding windows and attention chunks of 8 tokens; documents of 10-30 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fanout.errors import ConfigError
+from fanout.model.verifier import DENSE_MASK_MAX_BYTES, Verifier, load_verifier
+from verifier_zoo import VOCAB, WINDOW, ZOO, build, load_oracle
+
+T = 64
+# two rows of documents (lengths), then padding (document id -1) to T
+ROWS = [[12, 25, 18], [30, 10, 20, 1]]
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """input_ids, position_ids, document_ids [2, T] and the (row, start, end) spans."""
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, VOCAB, (len(ROWS), T), generator=g)
+    pos = torch.zeros(len(ROWS), T, dtype=torch.long)
+    doc = torch.full((len(ROWS), T), -1, dtype=torch.long)
+    spans = []
+    for b, lens in enumerate(ROWS):
+        s = 0
+        for d, n in enumerate(lens):
+            pos[b, s : s + n] = torch.arange(n)
+            doc[b, s : s + n] = d
+            spans.append((b, s, s + n))
+            s += n
+        pos[b, s:] = torch.arange(T - s)  # padding: arbitrary positions, isolated tokens
+    assert max(e - s for _, s, e in spans) > WINDOW
+    return ids, pos, doc, spans
+
+
+def _text_layers(model: Any) -> Any:
+    """The decoder layers of the text tower (a multimodal model's language_model)."""
+    inner = model.model
+    return getattr(inner, "language_model", inner).layers
+
+
+@torch.inference_mode()
+def _alone(model: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One document [n] run alone: every decoder layer's output [n, H] and the logits
+    [n, vocab]. Hooks, so the last layer is its raw output (no final norm), as fanout's."""
+    layers = _text_layers(model)
+    outs: list[torch.Tensor] = [torch.empty(0)] * len(layers)
+    handles = []
+    for i, layer in enumerate(layers):
+
+        def hook(_m: Any, _a: Any, out: Any, i: int = i) -> None:
+            outs[i] = (out[0] if isinstance(out, tuple) else out)[0].clone()
+
+        handles.append(layer.register_forward_hook(hook))
+    try:
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]  # [n, vocab]
+    finally:
+        for h in handles:
+            h.remove()
+    return outs, logits
+
+
+@pytest.fixture(scope="module")
+def zoo_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("zoo")
+    return {a: build(a, root / a) for a in ZOO}
+
+
+_ORACLES: dict[str, tuple[list[list[torch.Tensor]], list[torch.Tensor]]] = {}
+
+
+def _oracle(
+    arch: str, path: Path, attn: str
+) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """Per span of `_rows()`: the layer outputs and logits of the document alone."""
+    key = f"{arch}:{attn}"
+    if key not in _ORACLES:
+        model = load_oracle(arch, path, attn_implementation=attn)
+        ids, _pos, _doc, spans = _rows()
+        res = [_alone(model, ids[b, s:e]) for b, s, e in spans]
+        _ORACLES[key] = ([r[0] for r in res], [r[1] for r in res])
+    return _ORACLES[key]
+
+
+# storage dtype -> (rtol, atol relative to the layer's largest magnitude): fp32 only
+# sees kernel-order noise; bf16 storage rounds each value once (half an ulp, eps/2).
+_TOL = {
+    "float32": (1e-4, 1e-5),
+    "bfloat16": (torch.finfo(torch.bfloat16).eps, torch.finfo(torch.bfloat16).eps / 2),
+}
+CASES = [("float32", "auto"), ("bfloat16", "auto"), ("float32", "alone")]
+
+
+@pytest.mark.parametrize(("storage", "path"), CASES, ids=[f"{s}-{p}" for s, p in CASES])
+@pytest.mark.parametrize("arch", list(ZOO))
+def test_packed_capture_equals_each_document_alone(
+    zoo_dirs: dict[str, Path], arch: str, storage: str, path: str
+) -> None:
+    v = load_verifier(
+        zoo_dirs[arch],
+        device="cpu",
+        dtype="float32",
+        storage_dtype=storage,
+        capture_layer_ids=["all"],
+        chunk_tokens=40,
+    )
+    if path == "alone":
+        v.dense_mask_max_bytes = 0  # every row through the per-document path
+    ids, pos, doc, spans = _rows()
+    cap = v.capture(ids, pos, doc)
+    layers, logits = _oracle(
+        arch, zoo_dirs[arch], v.model.config.get_text_config()._attn_implementation
+    )
+    assert v.num_layers == len(layers[0]) and v.capture_layer_ids == list(range(v.num_layers))
+    assert all(torch.isfinite(x.float()).all() for x in cap.layers)  # padding included
+    rtol, atol = _TOL[storage]
+    worst = 0.0
+    for k, (b, s, e) in enumerate(spans):
+        for j, ref in enumerate(layers[k]):
+            got = cap.layers[j][b, s:e].float()  # [n, H]
+            scale = ref.abs().max().item()
+            rel = (got - ref).abs().max().item() / scale
+            worst = max(worst, rel)
+            ok = ((got - ref).abs() <= rtol * ref.abs() + atol * scale).all()
+            assert ok, f"{arch} doc {k} layer {j}: max |diff| / max |ref| = {rel:.2e}"
+        want = logits[k].argmax(-1).to(torch.int32)  # [n]
+        diff = cap.target_ids[b, s:e] != want
+        if diff.any():  # only a float near-tie may flip between batch shapes
+            top2 = logits[k][diff].topk(2, dim=-1).values
+            assert (top2[:, 0] - top2[:, 1]).abs().max() < 1e-4, f"doc {k}: target_ids differ"
+    print(f"{arch} {storage} {path}: max |diff| / max |ref| = {worst:.2e}")
+
+
+def test_unknown_layer_type_is_refused_in_one_line(
+    zoo_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    d = Path(shutil.copytree(zoo_dirs["qwen3"], tmp_path / "v"))
+    cfg = json.loads((d / "config.json").read_text())
+    # a type transformers' own config allows, that fanout has no rule for
+    cfg["layer_types"] = ["full_attention", "indexed_attention", "full_attention"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_verifier(d, device="cpu", capture_layer_ids=[0])
+    msg = str(e.value)
+    assert "\n" not in msg and "indexed_attention" in msg and str(d) in msg
+
+
+def test_config_transformers_cannot_build_is_a_config_error(
+    zoo_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    d = Path(shutil.copytree(zoo_dirs["gemma3_text"], tmp_path / "v"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["num_attention_heads"] = 5  # hidden 32 is not a multiple: the config refuses
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="cannot load"):
+        load_verifier(d, device="cpu")
+    empty = Path(shutil.copytree(zoo_dirs["qwen3_next"], tmp_path / "noweights"))
+    for f in empty.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="no weight files"):
+        load_verifier(empty, device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_multimodal", "gemma3_multimodal"])
+def test_multimodal_checkpoint_captures_its_text_model(
+    zoo_dirs: dict[str, Path], arch: str
+) -> None:
+    v: Verifier = load_verifier(zoo_dirs[arch], device="cpu", num_draft_layers=1)
+    text = v.model.config.get_text_config()
+    assert (v.num_layers, v.hidden_size, v.vocab_size) == (
+        text.num_hidden_layers,
+        text.hidden_size,
+        text.vocab_size,
+    )
+
+
+def _largest_allocation(v: Verifier, t: int, lens: list[int]) -> int:
+    """Bytes of the largest allocation any one op makes while capturing one [1, t] row
+    of documents `lens` (then padding), per torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(1, VOCAB, (1, t), generator=torch.Generator().manual_seed(0))
+    pos = torch.zeros(1, t, dtype=torch.long)
+    doc = torch.full((1, t), -1, dtype=torch.long)
+    s = 0
+    for k, n in enumerate(lens):
+        pos[0, s : s + n] = torch.arange(n)
+        doc[0, s : s + n] = k
+        s += n
+    pos[0, s:] = torch.arange(t - s)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        v.capture(ids, pos, doc)
+    return max(e.self_cpu_memory_usage for e in prof.events())
+
+
+def test_long_rows_never_build_a_t_by_t_tensor(zoo_dirs: dict[str, Path]) -> None:
+    v = load_verifier(zoo_dirs["qwen3"], device="cpu", dtype="float32", capture_layer_ids=[1])
+    # Control: forced through the dense mask, a 2048-token row allocates >= T² bytes
+    # (the boolean mask itself, 4 MiB), so the measurement does see such a tensor.
+    v.dense_mask_max_bytes = 1 << 40
+    assert _largest_allocation(v, 2048, [1000, 700, 300]) >= 2048 * 2048
+    # At T = 16384 a T×T boolean mask is 256 MiB (and a float one 1 GiB): with the
+    # default budget the row runs each document alone, SDPA is_causal, no mask at all.
+    v.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
+    t = 16384
+    assert v.runs_alone(1, t)
+    assert _largest_allocation(v, t, [8000, 6000, 2000]) < t * t // 16
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+def test_fp8_storage_on_both_paths(zoo_dirs: dict[str, Path], arch: str) -> None:
+    # fp8 rows are written through the per-document scatter too: same values and
+    # scales as the float32 capture, up to e4m3 rounding (half an ulp: 2^-4 relative).
+    from fanout.ops.fp8 import dequantize
+
+    ids, pos, doc, _spans = _rows()
+    kw: dict[str, Any] = {"device": "cpu", "dtype": "float32", "capture_layer_ids": [0, 2]}
+    ref = load_verifier(zoo_dirs[arch], storage_dtype="float32", **kw).capture(ids, pos, doc)
+    v = load_verifier(zoo_dirs[arch], storage_dtype="float8_e4m3fn", **kw)
+    for budget in (DENSE_MASK_MAX_BYTES, 0):
+        v.dense_mask_max_bytes = budget
+        cap = v.capture(ids, pos, doc)
+        assert cap.hidden_scales is not None
+        got = dequantize(cap.hidden_states, cap.hidden_scales)  # [B, T, 2H] float32
+        want = ref.hidden_states  # [B, T, 2H]
+        per_token = want.unflatten(-1, (2, -1)).abs().amax(-1, keepdim=True)  # [B, T, 2, 1]
+        err = (got - want).unflatten(-1, (2, -1)).abs()  # [B, T, 2, H]
+        assert (err <= 2**-4 * per_token + 1e-6).all()
+        assert torch.equal(cap.target_ids, ref.target_ids)

@@ -1,0 +1,219 @@
+"""Tiny random verifiers of every architecture fanout captures, built offline.
+
+    from verifier_zoo import ZOO, build, load_oracle   # tests/ is on sys.path under pytest
+    path = build("gemma3_text", tmp_dir)      # save_pretrained dir: config.json + weights
+    model = load_oracle("gemma3_text", path)  # the same weights in plain transformers
+
+Each entry builds a seeded, random-init model from transformers' own config class
+(hidden 32, 2-4 layers, vocab 160, a few experts) and `save_pretrained`s it: no
+download. Sliding windows and attention chunks are 8 tokens, so documents of 10-30
+tokens cross them. Nothing here imports fanout: the test compares fanout's capture
+against these models run by transformers alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 160
+WINDOW = 8  # sliding window / attention chunk of the zoo's local-attention layers
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 512,
+    # larger than the 0.02 default, so attention is far from uniform and a wrong
+    # mask shows up as a large difference rather than a small one
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    # the real checkpoints' special-token ids lie outside the tiny vocabulary
+    "pad_token_id": 0,
+    "bos_token_id": None,
+    "eos_token_id": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Arch:
+    """One zoo entry: how to build its config and which class to save it with."""
+
+    config: Callable[[], Any]  # a transformers config object
+    model_class: str  # transformers class the checkpoint is saved (and oracle-loaded) with
+
+
+def _cfg(cls_name: str, **kw: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        import transformers
+
+        return getattr(transformers, cls_name)(**(_COMMON | kw))
+
+    return make
+
+
+def _qwen3_5_multimodal() -> Any:
+    from transformers import Qwen3_5Config
+
+    text = _COMMON | {"num_hidden_layers": 4, **_LINEAR}
+    vision = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 32,
+        "num_position_embeddings": 16,
+        "patch_size": 4,
+    }
+    return Qwen3_5Config(text_config=text, vision_config=vision)
+
+
+def _gemma3_multimodal() -> Any:
+    from transformers import Gemma3Config
+
+    text = _COMMON | {
+        "num_hidden_layers": 4,
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 16,
+        "patch_size": 4,
+    }
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+
+
+# the linear-attention (gated delta rule) sizes of Qwen3-Next / Qwen3.5
+_LINEAR: dict[str, Any] = {
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+ZOO: dict[str, Arch] = {
+    "qwen3": Arch(_cfg("Qwen3Config", num_hidden_layers=3), "Qwen3ForCausalLM"),
+    "llama": Arch(_cfg("LlamaConfig", num_hidden_layers=3), "LlamaForCausalLM"),
+    "qwen3_moe": Arch(_cfg("Qwen3MoeConfig", num_hidden_layers=2, **_MOE), "Qwen3MoeForCausalLM"),
+    "glm4_moe": Arch(
+        _cfg(
+            "Glm4MoeConfig",
+            num_hidden_layers=3,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+        ),
+        "Glm4MoeForCausalLM",
+    ),
+    "deepseek_v3": Arch(  # MLA + group-limited MoE routing
+        _cfg(
+            "DeepseekV3Config",
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+        ),
+        "DeepseekV3ForCausalLM",
+    ),
+    "phi3": Arch(_cfg("Phi3Config", num_hidden_layers=3), "Phi3ForCausalLM"),
+    "olmo2": Arch(_cfg("Olmo2Config", num_hidden_layers=3), "Olmo2ForCausalLM"),
+    "gemma2": Arch(  # alternating sliding / full, logit soft-capping
+        _cfg("Gemma2Config", num_hidden_layers=4, sliding_window=WINDOW), "Gemma2ForCausalLM"
+    ),
+    "gemma3_text": Arch(  # sliding 3:1 full
+        _cfg(
+            "Gemma3TextConfig",
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        ),
+        "Gemma3ForCausalLM",
+    ),
+    "gemma3_multimodal": Arch(_gemma3_multimodal, "Gemma3ForConditionalGeneration"),
+    "mistral_sliding": Arch(  # no layer_types: every layer slides
+        _cfg("MistralConfig", num_hidden_layers=3, sliding_window=WINDOW), "MistralForCausalLM"
+    ),
+    "qwen3_next": Arch(  # gated delta rule (linear attention) 3:1 full, MoE
+        _cfg(
+            "Qwen3NextConfig",
+            num_hidden_layers=4,
+            shared_expert_intermediate_size=16,
+            **_LINEAR,
+            **_MOE,
+        ),
+        "Qwen3NextForCausalLM",
+    ),
+    "qwen3_5_text": Arch(
+        _cfg("Qwen3_5TextConfig", num_hidden_layers=4, **_LINEAR), "Qwen3_5ForCausalLM"
+    ),
+    "qwen3_5_multimodal": Arch(_qwen3_5_multimodal, "Qwen3_5ForConditionalGeneration"),
+    "gpt_oss": Arch(  # attention sinks, alternating sliding / full, MoE
+        _cfg(
+            "GptOssConfig",
+            num_hidden_layers=4,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=131072,  # = its YaRN factor x 4096, as in the release
+        ),
+        "GptOssForCausalLM",
+    ),
+    "llama4_text": Arch(  # chunked (RoPE) 1:1 full (NoPE, temperature-tuned past floor_scale)
+        _cfg(
+            "Llama4TextConfig",
+            num_hidden_layers=4,
+            attention_chunk_size=WINDOW,
+            no_rope_layer_interval=2,
+            floor_scale=16,  # rows longer than this scale NoPE queries by their row index
+            num_local_experts=4,
+            intermediate_size_mlp=64,
+        ),
+        "Llama4ForCausalLM",
+    ),
+}
+
+
+def build(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
+    """Build zoo entry `arch` with random weights (seeded) and save it to `out_dir`."""
+    import transformers
+
+    a = ZOO[arch]
+    cfg = a.config()
+    torch.manual_seed(seed)
+    model = getattr(transformers, a.model_class)(cfg)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_oracle(arch: str, path: Path, *, attn_implementation: str | None = None) -> Any:
+    """The saved model in plain transformers (fp32, CPU, eval), the class it was saved
+    with; attention as given, else as transformers picks it for that class."""
+    import transformers
+
+    cls = getattr(transformers, ZOO[arch].model_class)
+    model = cls.from_pretrained(
+        path, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation
+    )
+    return model.eval().requires_grad_(False)
