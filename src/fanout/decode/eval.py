@@ -333,7 +333,8 @@ class EvalSession:
             vdir, device=cfg.device, dtype=cfg.dtype, capture_layer_ids=layer_ids,
             num_draft_layers=None,
         )  # fmt: skip
-        max_pos = int(getattr(self.verifier.model.config, "max_position_embeddings", 1 << 30))
+        text_cfg = self.verifier.model.config.get_text_config()  # multimodal: its text model
+        max_pos = int(getattr(text_cfg, "max_position_embeddings", 1 << 30))
         self.prompts = load_prompts(cfg, max_pos)
         self.decoder = Decoder(self.verifier, eos_ids(vdir, cfg.eos_token_id))
         self._warm = False

@@ -22,8 +22,10 @@ batching and paged KV), written plainly so it can be checked token for token:
    on top of its cache. Its argmax `y_k` at slot k is its own choice for position p+k+1.
    The drafts are accepted while `d_{k+1} == y_k`; with n accepted, the tokens
    `d_1..d_n, y_n` are appended (n + 1 tokens for one verifier forward: the acceptance
-   length). The cache is cropped back to the accepted prefix (the rejected slots' keys
-   are rolled back) and the hidden states of the n + 1 kept positions join the context.
+   length). The rejected slots are undone in every layer's state — keys, sliding
+   windows, linear attention's recurrent state and convolution window
+   (`fanout.decode.rollback`) — and the hidden states of the n + 1 kept positions join
+   the context.
 
 Every appended token is a verifier argmax given exactly the tokens before it, so the
 output equals plain greedy decoding — up to floating-point differences between a
@@ -52,6 +54,7 @@ from typing import Any, Literal
 
 import torch
 
+from fanout.decode.rollback import Rollback
 from fanout.families.registry import family_of
 from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import DraftContext
@@ -134,6 +137,7 @@ class Decoder:
         # transformers renamed `past_key_values` to `cache` (5.2x warns on the old name)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.where = f"verifier {getattr(getattr(verifier, 'config', None), 'path', '')}"
 
     # ---- the verifier ----------------------------------------------------------------
 
@@ -251,6 +255,7 @@ class Decoder:
         cache = self._new_cache()
         if context is None:  # the family's drafting step
             context = family_of(draft).context(draft, cached=cache_draft)
+        rollback = Rollback(cache, self.where)  # refuses a layer it cannot undo
         logits, hid = self._forward(prompt, 0, cache, layer_ids, last_only=True)
         assert hid is not None
         context.extend(hid)  # positions 0..len(prompt)-1
@@ -269,13 +274,14 @@ class Decoder:
             if (n_proposed := getattr(context, "proposed_length", None)) is not None:
                 proposed.append(int(n_proposed))
             block = [tokens[-1], *proposal[0].tolist()]
+            rollback.begin(len(block))
             logits, hid = self._forward(block, p, cache, layer_ids)  # [k+1, V], [k+1, n·H]
             assert hid is not None
             n, last = self._verify(block, logits, proposal, sampling, gen)
             accepted.append(n)
-            # keep the anchor and the n accepted drafts; a negative count ("remove this
-            # many") means the same in every transformers version that has crop
-            cache.crop(-(k - n)) if n < k else None
+            # keep the anchor and the n accepted drafts, in every layer's state (with
+            # n = k too: the crop trims what the forward recorded)
+            rollback.undo(k - n)
             context.extend(hid[: n + 1])
             new = [*block[1 : n + 1], last]
             tokens.extend(new)
