@@ -97,6 +97,7 @@ SPEC_CLASSES = {
     "dflash2": ("speculators.models.dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig"),
     "dspark": ("speculators.models.dspark", "DSparkDraftModel", "DSparkSpeculatorConfig"),
     "eagle3": ("speculators.models.eagle3", "Eagle3DraftModel", "Eagle3SpeculatorConfig"),
+    "peagle": ("speculators.models.peagle", "PEagleDraftModel", "PEagleSpeculatorConfig"),
 }
 SPEC_LOSS = {"ce": "ce", "kl": "kl_div"}  # fanout loss_type -> speculators --loss-fn
 
@@ -431,7 +432,7 @@ def family_step(
     from fanout.train.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
-    eagle = name == "eagle3"
+    eagle = name in ("eagle3", "peagle")  # EAGLE-3's rows (speculators' shift_batch)
     draft = family(name).build(vdir, target_layer_ids=layers,
                                block_size=FAMILIES[name].block_size_for(BLOCK),
                                max_anchors=a.step_anchors, num_layers=1,

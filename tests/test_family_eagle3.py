@@ -72,10 +72,15 @@ EPS_DEN = 1e-5  # speculators' loss_function adds this to the supervised count
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return eagle_verifier(tmp_path_factory.mktemp("eagle3"))
+
+
+def eagle_verifier(root: Path) -> Path:
     """Tiny Qwen3 as in test_speculators.py: non-unit final norm, RoPE theta 1e6, eps
-    1e-5, bf16-representable weights, a sharded-style safetensors index."""
+    1e-5, bf16-representable weights, a sharded-style safetensors index (P-EAGLE's
+    tests use it too)."""
     vdir = tiny_qwen3_verifier(
-        tmp_path_factory.mktemp("eagle3") / "verifier", VOCAB, hidden_size=H,
+        root / "verifier", VOCAB, hidden_size=H,
         num_layers=V_LAYERS, head_dim=8, intermediate_size=64,
     )  # fmt: skip
     cfg = json.loads((vdir / "config.json").read_text())
@@ -476,6 +481,11 @@ def test_fused_head_equals_plain_autograd(verifier_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def decoder(verifier_dir: Path) -> Decoder:
+    return eagle_decoder(verifier_dir)
+
+
+def eagle_decoder(verifier_dir: Path) -> Decoder:
+    """Decoding on `eagle_verifier`, its auxiliary layers and last states captured."""
     v = load_verifier(
         verifier_dir, device="cpu", capture_layer_ids=TARGET_LAYERS, num_draft_layers=None,
         store_last_hidden_states=True,

@@ -76,10 +76,11 @@ Attend = Callable[[torch.Tensor], torch.Tensor]  # normed layer input -> attenti
 
 
 class Eagle3Attention(nn.Module):
-    """Llama attention (no q/k norm) whose projections read `in_features` (2H in the
-    first layer: `[embedding ; hidden]`)."""
+    """Llama attention whose projections read `in_features` (2H in the first layer:
+    `[embedding ; hidden]`); with `qk_norm`, Qwen3's per-head `q_norm`/`k_norm` before
+    RoPE (a `qwen3` draft layer, P-EAGLE's reference)."""
 
-    def __init__(self, cfg: DFlashConfig, in_features: int) -> None:
+    def __init__(self, cfg: DFlashConfig, in_features: int, *, qk_norm: bool = False) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
@@ -87,21 +88,27 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, self.nkv * hd, bias=False)
         self.v_proj = nn.Linear(in_features, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps) if qk_norm else None
 
     def kv(self, x: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated keys and values of `x` `[B, L, in]`: `[B, nkv, L, hd]` each."""
         b, n, _ = x.shape
-        k = self.k_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.nkv, self.hd)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         v = self.v_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2)
-        return _apply_rope(k, *rope), v
+        return _apply_rope(k.transpose(1, 2), *rope), v
 
     def attend(
         self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, mask: Any
     ) -> torch.Tensor:
         """Queries of `x` `[B, Q, in]` over `k`, `v` `[B, nkv, K, hd]` -> `[B, Q, H]`."""
         b, q_len, _ = x.shape
-        q = self.q_proj(x).view(b, q_len, self.nh, self.hd).transpose(1, 2)
-        q = _apply_rope(q, *rope)  # [B, nh, Q, hd]
+        q = self.q_proj(x).view(b, q_len, self.nh, self.hd)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = _apply_rope(q.transpose(1, 2), *rope)  # [B, nh, Q, hd]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
         return cast("torch.Tensor", self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1)))
 
@@ -109,10 +116,10 @@ class Eagle3Attention(nn.Module):
 class Eagle3FirstLayer(nn.Module):
     """speculators' EAGLE-3 first layer: attention over `[norm(embedding) ; norm(hidden)]`."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, *, qk_norm: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.self_attn = Eagle3Attention(cfg, 2 * h)
+        self.self_attn = Eagle3Attention(cfg, 2 * h, qk_norm=qk_norm)
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
@@ -130,10 +137,10 @@ class Eagle3FirstLayer(nn.Module):
 class Eagle3Layer(nn.Module):
     """A plain Llama decoder layer (the second and later layers)."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: Eagle3Config, *, qk_norm: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.self_attn = Eagle3Attention(cfg, h)
+        self.self_attn = Eagle3Attention(cfg, h, qk_norm=qk_norm)
         self.mlp = MLP(cfg)
         self.input_layernorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(h, eps=cfg.rms_norm_eps)

@@ -1,0 +1,121 @@
+"""P-EAGLE's own flags and its validated config.
+
+    from fanout.families.peagle.config import PEagleConfig, PEagleRecipe
+    PEagleRecipe(num_depths=6)                           # the family's flags (fanout train)
+    cfg = PEagleConfig(**dflash_fields, num_depths=8, block_size=9)  # a draft's config
+
+`PEagleRecipe` holds what speculators 0.9.0's P-EAGLE trainer lets a user choose beyond
+the shared recipe, with its defaults (`speculators/train/config/schema.py`
+`PEagleArgs`, `DraftArgs`): 8 parallel depths, COD sampling ratio 0.7 with floor 0.2,
+and the draft layer's architecture (`--draft-arch`, `qwen3` for every speculator type
+but eagle3).
+
+`PEagleConfig` is EAGLE-3's config (`Eagle3Config`: the layer, fc and norm fields
+the EAGLE-3 model reads) with those fields and the values speculators' trainer resolves
+for `--speculator-type peagle`: `norm_before_fc` off, `fc_norm` off, `norm_output` off,
+`norm_before_residual` on, the embedding trained (`embed_requires_grad`, the
+`PEagleSpeculatorConfig` default). EAGLE-3's TTT fields it inherits are unused. Of the
+shared DFlash-family fields a P-EAGLE draft:
+- maps `block_size` to its verify width, `num_depths + 1` (the depths it drafts in one
+  forward plus the anchor); `PEagle.build` sets it, any other value is refused;
+- refuses `gamma`, `loss_weighting dpace` and `label_source input_ids` (every sampled
+  position weighs 1; its targets are the verifier's distribution);
+- reads `max_anchors` (the COD seed positions per row, speculators' `max_anchors`),
+  `mask_token_id` (the token of the depth >= 1 positions) and `loss_type` (`kl`, the
+  reference `kl_div`, or `ce` against the verifier distribution's argmax).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fanout.families.eagle3.config import Eagle3Config
+from fanout.rows import TARGET_IDS
+
+
+class PEagleRecipe(BaseModel):
+    """P-EAGLE's flags (speculators' P-EAGLE trainer defaults)."""
+
+    num_depths: int = Field(
+        8,
+        ge=1,
+        description="P-EAGLE: parallel depths drafted in one forward (the tokens one "
+        "drafting step proposes; verify width num_depths + 1)",
+    )
+    down_sample_ratio: float = Field(
+        0.7, gt=0, le=1, description="P-EAGLE: COD sampling keeps ratio**d of depth d's seeds"
+    )
+    down_sample_ratio_min: float = Field(
+        0.2, ge=0, le=1, description="P-EAGLE: floor of the COD retention ratio"
+    )
+    draft_arch: Literal["qwen3", "llama"] = Field(
+        "qwen3",
+        description="P-EAGLE: draft layer architecture (qwen3: per-head q/k RMSNorm, "
+        "speculators' default; llama: EAGLE-3's layer)",
+    )
+
+
+class PEagleConfig(PEagleRecipe, Eagle3Config):
+    """One P-EAGLE draft: EAGLE-3's layer over `[embedding ; fused hidden]` (one by
+    default), the learned `mask_hidden` for depths >= 1, and its COD recipe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    norm_before_fc: bool = Field(
+        False, description="one RMSNorm over the concatenated auxiliary states before fc"
+    )
+    norm_output: bool = Field(False, description="unused by P-EAGLE (no TTT feedback)")
+    embed_requires_grad: bool = Field(
+        True, description="train the embedding (speculators' P-EAGLE does; the mask token's row)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_norm_before_fc(cls, data: Any) -> Any:
+        # replaces EAGLE-3's rule (unset: on): P-EAGLE's trainer resolves it off
+        if isinstance(data, dict) and data.get("norm_before_fc") is None:
+            return {**data, "norm_before_fc": False}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> PEagleConfig:
+        problem = shared_field_problem(
+            self.num_depths, self.block_size, self.gamma, self.loss_weighting, self.label_source
+        )
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def shared_field_problem(
+    num_depths: int,
+    block_size: int | None,
+    gamma: float | None,
+    loss_weighting: str,
+    label_source: str,
+) -> str | None:
+    """Why shared recipe values do not apply to a P-EAGLE draft (None: they do): the
+    one rule `PEagleConfig` and `fanout train --draft-family peagle`'s flag check
+    (`PEagle.shared_conflict`) apply. `block_size` None: not given."""
+    if block_size is not None and block_size != num_depths + 1:
+        return (
+            f"--block-size {block_size}: P-EAGLE's verify width is --num-depths + 1 = "
+            f"{num_depths + 1} (drop --block-size, or set --num-depths {block_size - 1})"
+        )
+    refused = {
+        "--gamma": gamma is not None,
+        f"--per-position-loss-weight {loss_weighting}": loss_weighting != "exp",
+        f"--label-source {label_source}": label_source != TARGET_IDS,
+    }
+    for flag, bad in refused.items():
+        if bad:
+            return (
+                f"{flag}: P-EAGLE weighs every sampled position 1 against the verifier's "
+                "distribution (its last hidden states); drop it"
+            )
+    return None
+
+
+__all__ = ["PEagleConfig", "PEagleRecipe", "shared_field_problem"]

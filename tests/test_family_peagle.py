@@ -1,0 +1,449 @@
+"""The P-EAGLE family (fanout.families.peagle) against speculators 0.9.0's P-EAGLE, and
+its parallel drafting against plain greedy decoding.
+
+speculators' `PEagleDraftModel` is the oracle where it is installed (those tests skip
+without it):
+
+(a) a fanout checkpoint loads with `PEagleDraftModel.from_pretrained` with no
+    missing/unexpected keys, no warning, every tensor the file's and the draft's
+    (the trained embedding and `mask_hidden` included), and every field speculators'
+    P-EAGLE config declares beyond its base written with fanout's meaning;
+(b) the same COD samples from the same generator state, and with the same weights and
+    rows, fanout's logits at every sampled position, loss, per-depth accuracy and every
+    parameter gradient equal speculators' `forward` (eager attention and losses, fp32
+    on CPU; Qwen3 and Llama layers, KL and CE, full and reduced vocabulary).
+    Tolerances as tests/test_family_eagle3.py's (logits atol 2e-5, losses rtol 2e-5
+    after undoing speculators' 1e-5 denominator, gradients rtol 1e-4 with atol 1e-5
+    of the largest entry);
+(c) a draft trained a few steps lowers its loss, its checkpoint loads in speculators,
+    and decoding it as `fanout eval` does (parallel drafting, every depth in one
+    forward) is lossless at T = 0 against `Decoder.greedy`, the cache giving the
+    reference's tokens and rows;
+(d) bad configurations and a resume as another family are refused in one line.
+
+Rows given to speculators (its data pipeline shifts each sample, `shift_batch`):
+fanout's draft rows of one packed window, its step-0 supervision as the loss mask (so
+both read the same mask; the module docstring says how fanout's differs), the boundary
+row a document of its own (speculators' padding rows see nothing and give NaN in eager
+attention; fanout's see themselves), and every document's first tokens unsupervised so
+no chain hangs from a boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.errors import CheckpointError, ConfigError
+from fanout.families.peagle import PEagleDraft
+from fanout.families.peagle.model import cod_sample
+from fanout.families.peagle.propose import PEagleContext
+from fanout.families.registry import family, family_of
+from fanout.families.serving import load_draft
+from fanout.ops.adamw import make_optimizer
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
+from test_family_eagle3 import (
+    EPS_DEN,
+    TARGET_LAYERS,
+    VOCAB,
+    H,
+    _prompt,
+    _Recording,
+    _rows,
+    eagle_decoder,
+    eagle_verifier,
+)
+from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
+
+DEPTHS = 4
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return eagle_verifier(tmp_path_factory.mktemp("peagle"))
+
+
+@pytest.fixture(scope="module")
+def decoder(verifier_dir: Path) -> Decoder:
+    return eagle_decoder(verifier_dir)
+
+
+def _draft(vdir: Path, ids: torch.Tensor | None = None, **kw: Any) -> PEagleDraft:
+    """A two-layer P-EAGLE draft, every weight moved off its init, rounded to bf16."""
+    torch.manual_seed(1)
+    fields: dict[str, Any] = {
+        "target_layer_ids": TARGET_LAYERS, "num_layers": 2, "num_depths": DEPTHS,
+        "max_anchors": 12, **kw,
+    }  # fmt: skip
+    if ids is not None:
+        fields["draft_vocab_size"] = int(ids.numel())
+    d = family("peagle").build(vdir, draft_vocab_ids=ids, **fields)
+    assert isinstance(d, PEagleDraft)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for k, p in d.named_parameters():
+            if k == "embed_tokens.weight":
+                continue  # the verifier's (bf16), trained from there
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            p.copy_(p.bfloat16().float())
+    return d
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "qwen3-kl": {},
+    "qwen3-ce": {"loss_type": "ce"},
+    "llama-kl": {"draft_arch": "llama", "norm_before_fc": True},
+    "reduced-kl": {},
+}
+
+
+@pytest.fixture(scope="module")
+def drafts(
+    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[PEagleDraft, Path]]:
+    """One draft per case, each saved with save_checkpoint."""
+    g = torch.Generator().manual_seed(5)
+    reduced = torch.randperm(VOCAB, generator=g)[:200].sort().values
+    out = {}
+    for name, kw in CASES.items():
+        d = _draft(verifier_dir, reduced if name.startswith("reduced") else None, **kw)
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        root = tmp_path_factory.mktemp(f"peagle-{name}")
+        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+        out[name] = (d, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec() -> SimpleNamespace:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peagle: Any = pytest.importorskip("speculators.models.peagle")
+        data: Any = pytest.importorskip("speculators.models.peagle.data")
+        eager: Any = pytest.importorskip("speculators.losses.eager")
+        base: Any = pytest.importorskip("speculators.config")
+        import test_speculators as helpers
+    return SimpleNamespace(peagle=peagle, data=data, eager=eager, base=base, h=helpers)
+
+
+def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
+    """speculators' model from a fanout checkpoint (eager attention, fp32), its loading
+    report and every warning said while loading."""
+    cls = spec.peagle.PEagleDraftModel
+
+    def config() -> Any:
+        cfg = spec.peagle.PEagleSpeculatorConfig.from_pretrained(str(path))
+        cfg.transformer_layer_config._attn_implementation = "eager"
+        return cfg
+
+    with spec.h._notes() as notes:
+        model = cls.from_pretrained(str(path), config=config(), dtype=torch.float32)
+    _, info = super(cls.__mro__[1], cls).from_pretrained(  # past both overrides
+        str(path), config=config(), dtype=torch.float32, output_loading_info=True
+    )
+    return model, info, notes
+
+
+# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3-kl", "reduced-kl", "llama-kl"])
+def test_checkpoint_loads_in_speculators(
+    name: str, spec: SimpleNamespace, drafts: dict[str, tuple[PEagleDraft, Path]]
+) -> None:
+    draft, path = drafts[name]
+    model, info, notes = _load(spec, path)
+    assert type(model).__name__ == "PEagleDraftModel" and notes == []
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+    saved = load_file(str(path / "model.safetensors"))
+    sd = model.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
+    for k, v in draft.trainable_state().items():
+        assert torch.equal(sd[k], v), k
+    model.load_verifier_weights()  # the checkpoint's (trained) embedding is kept
+    assert torch.equal(model.embed_tokens.weight, draft.embed_tokens.weight)
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {k for k, p in draft.named_parameters() if p.requires_grad}
+    assert {"mask_hidden", "embed_tokens.weight"} <= trainable
+    assert ("layers.0.self_attn.q_norm.weight" in trainable) == (name != "llama-kl")
+
+
+def test_config_fields_as_fanout_means_them(
+    spec: SimpleNamespace, verifier_dir: Path, drafts: dict[str, tuple[PEagleDraft, Path]]
+) -> None:
+    draft, path = drafts["qwen3-kl"]
+    model, _, _ = _load(spec, path)
+    own = set(spec.peagle.PEagleSpeculatorConfig.model_fields) - set(
+        spec.base.SpeculatorModelConfig.model_fields
+    )
+    c = draft.cfg
+    meant = {
+        "transformer_layer_config": None,
+        "draft_vocab_size": VOCAB,
+        "norm_before_residual": True,
+        "target_hidden_size": H,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in TARGET_LAYERS],
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": True,
+        "mask_token_id": c.mask_token_id,
+    }  # speculators' trainer recipe for --speculator-type peagle
+    assert own == set(meant)
+    raw = json.loads((path / "config.json").read_text())
+    for k, v in meant.items():
+        if v is not None:
+            assert raw[k] == v and getattr(model.config, k) == v, k
+    tl = model.config.transformer_layer_config
+    assert (tl.model_type, tl.num_hidden_layers, tl.hidden_size) == ("qwen3", 2, H)
+    assert raw["speculators_model_type"] == "peagle"
+    assert raw["architectures"] == ["PEagleDraftModel"]
+    proposal = model.config.speculators_config.proposal_methods[0]
+    assert proposal.speculative_tokens == DEPTHS == family("peagle").speculative_tokens(c)
+    assert raw["fanout"]["family"] == "peagle" and c.block_size == DEPTHS + 1
+    assert family("peagle").serving_method == "eagle3"
+
+
+# ---- (b) the same samples, logits, loss and gradients ------------------------------------
+
+
+def _one_row(draft: PEagleDraft, norm: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Row 1 of test_family_eagle3's rows (two documents, the second from 13) alone."""
+    batch, pre = _rows(11, draft, norm)  # type: ignore[arg-type]
+    return {k: v[1:] for k, v in batch.items()}, pre[1:]
+
+
+def _packed(draft: PEagleDraft, batch: dict[str, torch.Tensor], pre: torch.Tensor) -> Any:
+    rows = draft.rows(batch)
+    _, row_mask, _ = draft.step_inputs(batch, rows["document_ids"], 0)
+    doc = rows["document_ids"].clone()
+    doc[doc < 0] = 99  # the boundary row: a document of its own (module docstring)
+    return row_mask, {
+        "hidden_states": rows["hidden_states"],
+        "input_ids": batch["input_ids"][:, 1:],
+        "document_ids": doc,
+        "position_ids": rows["position_ids"],
+        "loss_mask": row_mask.float(),
+        "verifier_last_hidden_states": pre[:, 1:],
+    }
+
+
+def test_cod_samples_equal_speculators(spec: SimpleNamespace) -> None:
+    g = torch.Generator().manual_seed(3)
+    for seed in range(6):
+        mask = torch.rand(40, generator=g) < 0.7
+        mask[0] = False  # speculators hangs row 0 from row -1 (fanout drops it)
+        torch.manual_seed(seed)
+        theirs = spec.data.generate_cod_sample_indices(
+            40, mask[None].float(), num_depths=6, max_anchors=20 if seed % 2 else None
+        )
+        ours = cod_sample(mask, 6, 0.7, 0.2, 20 if seed % 2 else None,
+                          torch.Generator().manual_seed(seed))  # fmt: skip
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), seed
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_loss_and_grads_equal_speculators(
+    case: str, spec: SimpleNamespace, drafts: dict[str, tuple[PEagleDraft, Path]]
+) -> None:
+    draft, path = drafts[case]
+    model, _, _ = _load(spec, path)
+    model.load_verifier_weights()
+    model.float()
+    batch, pre = _one_row(draft, model.verifier_norm)
+    row_mask, packed = _packed(draft, batch, pre)
+    c = draft.cfg
+    samples = draft.sample(row_mask, torch.Generator().manual_seed(4))
+    assert int(samples.depth.max()) == DEPTHS - 1  # every depth sampled
+    draft.zero_grad()
+    out = draft.sampled_loss(batch, samples)
+    out.loss.backward()
+    with torch.no_grad():
+        rows = draft.rows(batch)
+        tok, _, _ = draft.step_inputs(batch, rows["document_ids"], 0)
+        states = draft.draft_states(
+            rows["hidden_states"], rows["position_ids"], rows["document_ids"], tok, samples
+        )
+        ours = states[0] @ draft.lm_head_weight.t()  # [S, Vd]
+    logits: list[torch.Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _a, o: logits.append(o.detach()))
+    fn = spec.eager.kl_div_loss if c.loss_type == "kl" else spec.eager.ce_loss
+    model.zero_grad()
+    torch.manual_seed(4)  # speculators draws its samples from the global generator
+    with warnings.catch_warnings():
+        # transformers' deprecation of the `past_key_values` keyword speculators' layer passes
+        warnings.simplefilter("ignore", FutureWarning)
+        _, loss, metrics = model(
+            **packed, loss_config={c.loss_type: (fn, 1.0)}, max_anchors=c.max_anchors,
+            num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
+            down_sample_ratio_min=c.down_sample_ratio_min,
+        )  # fmt: skip
+        loss.backward()
+    hook.remove()
+    torch.testing.assert_close(ours, logits[0][0], atol=2e-5, rtol=0)
+    n = out.n_tokens
+    assert n == int(out.per_slot_count.sum()) > 0
+    assert float(out.loss.detach()) == pytest.approx(
+        float(loss.detach()) * (n + EPS_DEN) / n, rel=2e-5
+    )
+    for d in range(DEPTHS):
+        assert float(metrics[f"position_{d}_acc_total"]) == int(out.per_slot_count[d]), d
+        hits = float(out.per_slot_acc[d]) * int(out.per_slot_count[d])
+        assert hits == pytest.approx(float(metrics[f"position_{d}_acc_sum"]), abs=1e-4), d
+    theirs = dict(model.named_parameters())
+    for k, p in draft.named_parameters():
+        if p.requires_grad:
+            g = theirs[k].grad
+            assert p.grad is not None and g is not None, k
+            scale = float(g.abs().max())
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-5 * max(scale, 1e-6), msg=k)
+
+
+# ---- (c) training, and decoding as fanout eval does ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(verifier_dir: Path, decoder: Decoder) -> tuple[PEagleDraft, list[float]]:
+    """A P-EAGLE draft (reference recipe, 4 depths) trained on the verifier's own greedy
+    continuations; the loss of every step."""
+    torch.manual_seed(0)
+    draft = family("peagle").build(verifier_dir, target_layer_ids=TARGET_LAYERS, num_depths=4)
+    assert isinstance(draft, PEagleDraft) and draft.cfg.num_layers == 1
+    v = decoder.verifier
+    rows = [_prompt(6, 100 + s) + Decoder(v, set()).greedy(_prompt(6, 100 + s), 42).tokens
+            for s in range(8)]  # fmt: skip
+    ids = torch.tensor(rows)  # [8, 48]
+    b, t = ids.shape
+    pos, doc = torch.arange(t).expand(b, t), torch.zeros(b, t, dtype=torch.long)
+    cap = v.capture(ids, pos, doc)
+    assert cap.last_hidden_states is not None
+    batch = {
+        "hidden_states": cap.hidden_states.float(), "input_ids": ids,
+        "target_ids": cap.target_ids.long(), "last_hidden_states": cap.last_hidden_states.float(),
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc, "position_ids": pos,
+    }  # fmt: skip
+    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(60):
+        out = draft.loss(batch, gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    return draft.eval(), losses
+
+
+def test_training_lowers_the_loss_and_speculators_loads_it(
+    trained: tuple[PEagleDraft, list[float]], spec: SimpleNamespace, verifier_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    draft, losses = trained
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    opt = torch.optim.SGD(draft.parameters(), lr=0.1)
+    path = save_checkpoint(
+        tmp_path, draft, opt, {"step": 60}, verifier_name_or_path=str(verifier_dir)
+    )
+    _, info, notes = _load(spec, path)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and notes == []
+    back = load_draft(path, verifier_dir)
+    assert type(back) is PEagleDraft and back.cfg == draft.cfg
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_greedy_lossless_all_depths_in_one_forward(
+    k: int | None, trained: tuple[PEagleDraft, list[float]], decoder: Decoder
+) -> None:
+    draft = trained[0]
+    fam = family_of(draft)
+    assert fam.name == "peagle"
+    taus = []
+    for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
+        prompt = _prompt(n, seed)
+        g = decoder.greedy(prompt, 30)
+        rec = _Recording(fam.drafting_context(draft, num_speculative_tokens=k))
+        s = decoder.speculative(prompt, draft, 30, context=rec)
+        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
+        want = k or draft.cfg.num_depths
+        assert set(rec.sizes) == {want} and s.drafted == want
+        taus.append(s.acceptance_length)
+    assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
+
+
+def test_cached_equals_uncached(trained: tuple[PEagleDraft, list[float]], decoder: Decoder) -> None:
+    draft = trained[0]
+    fam = family("peagle")
+    for n, seed in ((5, 3), (21, 4), (6, 102)):
+        prompt = _prompt(n, seed)
+        a = _Recording(fam.drafting_context(draft, cached=True))
+        b = _Recording(fam.drafting_context(draft, cached=False))
+        sa = decoder.speculative(prompt, draft, 30, context=a)
+        sb = decoder.speculative(prompt, draft, 30, context=b)
+        assert sa.tokens == sb.tokens and sa.accepted == sb.accepted
+        for x, y in zip(a.rows, b.rows):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-5)
+    assert isinstance(fam.context(draft), PEagleContext)
+
+
+# ---- (d) bad input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"block_size": 8}, r"--num-depths \+ 1 = 9"),
+        ({"gamma": 4.0}, "--gamma: P-EAGLE weighs"),
+        ({"label_source": "input_ids"}, "--label-source input_ids"),
+        ({"num_depths": 0}, "num_depths"),
+        ({"down_sample_ratio": 1.5}, "down_sample_ratio"),
+    ],
+)
+def test_bad_config_is_refused_in_one_line(
+    fields: dict[str, Any], match: str, verifier_dir: Path
+) -> None:
+    with pytest.raises(ConfigError, match=match) as e:
+        family("peagle").build(verifier_dir, target_layer_ids=TARGET_LAYERS, **fields)
+    assert "\n" not in str(e.value).strip() or "validation error" in str(e.value)
+
+
+def test_too_many_speculative_tokens_are_refused(trained: tuple[PEagleDraft, list[float]]) -> None:
+    with pytest.raises(ConfigError, match="trained 4 depths"):
+        family("peagle").drafting_context(trained[0], num_speculative_tokens=5)
+
+
+def test_a_checkpoint_of_another_family_is_refused(
+    drafts: dict[str, tuple[PEagleDraft, Path]], verifier_dir: Path
+) -> None:
+    _, path = drafts["qwen3-kl"]
+    e3 = family("eagle3").build(verifier_dir, target_layer_ids=TARGET_LAYERS)
+    with pytest.raises(CheckpointError, match=r"a peagle draft's checkpoint.*eagle3") as e:
+        load_checkpoint(path, e3, None)
+    assert "\n" not in str(e.value)
+
+
+def test_its_flags_are_refused_for_another_family_and_theirs_for_it() -> None:
+    from test_families import _train_cfg
+
+    with pytest.raises(ConfigError, match=r"--num-depths: peagle option.*--draft-family is eagle3"):
+        _train_cfg("--draft-family", "eagle3", "--num-depths", "4")
+    with pytest.raises(ConfigError, match=r"--ttt-steps: eagle3 option.*is peagle") as e:
+        _train_cfg("--draft-family", "peagle", "--ttt-steps", "4")
+    assert "\n" not in str(e.value) and "--num-depths" in str(e.value)  # its own, named
+    with pytest.raises(ConfigError, match=r"--block-size 4: P-EAGLE's verify width"):
+        _train_cfg("--draft-family", "peagle", "--block-size", "4")
+    r = _train_cfg("--draft-family", "peagle", "--num-depths", "6").draft_recipe()
+    assert (r["num_depths"], r["num_layers"], r["loss_type"]) == (6, 1, "kl")
+    assert family("peagle").verify_width(r) == 7 and "ttt_steps" not in r
