@@ -21,7 +21,7 @@ import torch
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator
 from fanout.errors import ConfigError
-from fanout.produce.onpolicy import OPEN
+from fanout.produce.onpolicy import OPEN, OnPolicyStream
 from fanout.produce.producer import Producer
 from fanout.regen.hf import load_tokenizer
 from fanout.regen.regenerate import RegenerateConfig, regenerate
@@ -134,7 +134,7 @@ def test_first_window_is_served_before_regeneration_finishes(
     run = tmp_path / "run"
     cfg = tiny_producer_config(stream_assets, run, **STREAM)
     p = Producer(cfg.model_copy(update={"max_windows": 1}))
-    chunks = p.onpolicy.num_chunks if p.onpolicy else 0
+    chunks = p.growing.num_chunks if isinstance(p.growing, OnPolicyStream) else 0
     assert chunks == 6 and p.total_windows == OPEN  # length unknown: the run is open-ended
     assert json.loads((run / "stream.json").read_text())["total_windows"] is None
     assert p.run()["windows"] == 1

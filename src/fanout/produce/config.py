@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from fanout.coord.coordinator import RunConfig
 from fanout.coord.heartbeat import HeartbeatOptions
@@ -25,6 +25,7 @@ from fanout.flags import problems
 from fanout.model.capture_layers import CaptureLayers
 from fanout.model.verifier import VerifierOptions
 from fanout.produce.capture_for import CaptureForOptions
+from fanout.produce.follow import FollowOptions, check_follow
 from fanout.produce.onpolicy import OnPolicyOptions
 from fanout.produce.replicas import ReplicaOptions
 from fanout.regen.engine import RegenOptions
@@ -41,6 +42,7 @@ class ProducerConfig(
     RunOptions,
     RegenOptions,
     OnPolicyOptions,
+    FollowOptions,
     ReplicaOptions,
     HeartbeatOptions,
     TrackingOptions,
@@ -52,11 +54,20 @@ class ProducerConfig(
     (fanout.tracking), how the verifier runs is VerifierOptions'
     (fanout.model.verifier), which layers it captures CaptureLayers'
     (fanout.model.capture_layers) and CaptureForOptions' (the families it is for,
-    fanout.produce.capture_for), how the run shares windows is RunOptions'
+    fanout.produce.capture_for), a live source (--follow) FollowOptions'
+    (fanout.produce.follow), how the run shares windows is RunOptions'
     (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy),
     --replicas ReplicaOptions' (fanout.produce.replicas); each is declared once there.
     These are the producer's own.
     """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _follow_is_the_data(cls, v: Any) -> Any:
+        """--follow PATH: PATH is the data (no --data needed)."""
+        if isinstance(v, dict) and v.get("follow") and not v.get("data"):
+            return v | {"data": [v["follow"]]}
+        return v
 
     # Not ConsumerOptions': the producer creates the run that a trainer reads.
     run_dir: str = Field(description="run directory (windows/, coordinator.sqlite3, ...)")
@@ -114,12 +125,16 @@ class ProducerConfig(
         "this one exit",
     )
 
-    def prepare_config(self, default_cache_dir: str) -> PrepareConfig:
-        """The data stage's config: the DataOptions fields as given, the tokenizer (default:
-        the verifier's), seq_len, and the cache in `default_cache_dir` unless given."""
+    def prepare_config(
+        self, default_cache_dir: str, data: list[str] | None = None
+    ) -> PrepareConfig:
+        """The data stage's config: the DataOptions fields as given (`data`: other input
+        files, e.g. a --follow chunk), the tokenizer (default: the verifier's), seq_len,
+        and the cache in `default_cache_dir` unless given."""
+        given = {} if data is None else {"data": data}
         try:
             return PrepareConfig(
-                **self.data_options() | {"cache_dir": self.cache_dir or default_cache_dir},
+                **self.data_options() | given | {"cache_dir": self.cache_dir or default_cache_dir},
                 tokenizer=self.tokenizer or self.verifier_name_or_path,
                 seq_len=self.seq_len,
             )
@@ -193,10 +208,14 @@ def check_inputs(cfg: ProducerConfig) -> None:
 
     if cfg.wandb_project:
         check_available("--wandb-project")
-    prepared = prepared_data(cfg)  # --data DIR that fanout prepare wrote, checked
-    missing = [f for f in cfg.data if not Path(f).is_file()]
-    if missing and prepared is None:
-        raise ConfigError(f"--data: no such file: {', '.join(missing)}")
+    prepared = None
+    if cfg.follow:  # a source that grows as it runs (its files need not exist yet)
+        check_follow(cfg)
+    else:
+        prepared = prepared_data(cfg)  # --data DIR that fanout prepare wrote, checked
+        missing = [f for f in cfg.data if not Path(f).is_file()]
+        if missing and prepared is None:
+            raise ConfigError(f"--data: no such file: {', '.join(missing)}")
     try:
         limit = max_position_embeddings(cfg.verifier_name_or_path)
         check_verifier_dir(cfg.verifier_name_or_path)

@@ -131,6 +131,20 @@ class ChunkRows:
                 out[key][sel] = a
         return out
 
+    def in_order(self, pos: np.ndarray, seed: int) -> np.ndarray:
+        """Rows at stream positions `pos` of a pass over the chunks in order, each chunk's
+        rows shuffled by (seed, 0, c): the on-policy stream's epoch 0 and the whole of a
+        followed one (fanout.produce.follow)."""
+        starts = np.asarray(self.starts, dtype=np.int64)
+        chunk = np.searchsorted(starts, pos, side="right") - 1
+        out = np.empty_like(pos)
+        for c in np.unique(chunk):
+            sel = chunk == c
+            lo, size = int(starts[c]), int(starts[c + 1] - starts[c])
+            perm = np.random.default_rng([seed, 0, int(c)]).permutation(size)
+            out[sel] = lo + perm[pos[sel] - lo]
+        return out
+
     @property
     def tokenizer_fingerprint(self) -> str:
         return self.first.tokenizer_fingerprint
@@ -224,6 +238,13 @@ class OnPolicyStream:
             return OPEN
         return window_count(self.rows.num_rows * self.epochs, self.window_rows)
 
+    @property
+    def ready_windows(self) -> int:
+        """Windows whose rows all exist now (new claims stop there while open)."""
+        if self.done:
+            return self.total_windows
+        return self.rows.num_rows // self.window_rows
+
     def reach(self, window: int) -> int:
         """Regenerate chunks until window `window`'s rows exist or every chunk is done;
         returns total_windows (OPEN while open)."""
@@ -251,15 +272,7 @@ class OnPolicyStream:
         """Rows at positions `pos` (within one epoch) of epoch `epoch`."""
         if epoch > 0:  # every chunk is done: one permutation over all rows
             return np.random.default_rng([self.seed, epoch]).permutation(self.rows.num_rows)[pos]
-        starts = np.asarray(self.rows.starts, dtype=np.int64)
-        chunk = np.searchsorted(starts, pos, side="right") - 1
-        out = np.empty_like(pos)
-        for c in np.unique(chunk):
-            sel = chunk == c
-            lo, size = int(starts[c]), int(starts[c + 1] - starts[c])
-            perm = np.random.default_rng([self.seed, 0, int(c)]).permutation(size)
-            out[sel] = lo + perm[pos[sel] - lo]
-        return out
+        return self.rows.in_order(pos, self.seed)
 
     def _owns(self, c: int) -> bool:
         return c % self.replicas == self.rank

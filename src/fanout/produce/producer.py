@@ -59,6 +59,7 @@ from fanout.produce.backpressure import BlockedNotice
 from fanout.produce.capture import WindowCapturer
 from fanout.produce.capture_for import capture_fields
 from fanout.produce.config import ProducerConfig, check_inputs, prepared_data
+from fanout.produce.follow import FollowStream
 from fanout.produce.onpolicy import OPEN, OnPolicyStream
 from fanout.produce.publisher import Publisher
 from fanout.produce.replicas import bind_device, plan, rank_of
@@ -150,8 +151,10 @@ class Producer:
                 f"({e.filename})"
             ) from None
         self.store = Store(self.run_dir, fs)
-        verifier, self.onpolicy = None, None
-        prepared = prepared_data(cfg)  # --data DIR: fanout prepare's rows, as they are
+        verifier: Verifier | None = None
+        self.growing: OnPolicyStream | FollowStream | None = None  # rows that grow as it runs
+        # --data DIR: fanout prepare's rows, as they are (--follow: its source, growing)
+        prepared = None if cfg.follow else prepared_data(cfg)
         if prepared is not None:
             log.info(
                 "using prepared rows from %s (fingerprint %s)", prepared.dir, prepared.fingerprint
@@ -164,10 +167,18 @@ class Producer:
                 self.run_dir.regen, prep.cache_root() / "prepared",
             )  # fmt: skip
             verifier = self._load_verifier()
-            self.onpolicy = OnPolicyStream.open(
+            self.growing = OnPolicyStream.open(
                 prep, cfg, verifier, self.run_dir, self.tp, replica=(self.rank, cfg.replicas)
             )
-            self.dataset = cast(PackedDataset, self.onpolicy.rows)
+            self.dataset = cast(PackedDataset, self.growing.rows)
+        elif cfg.follow:  # a live source: chunks as records arrive (fanout.produce.follow)
+            log.info("following %s; its chunks and held-out set in %s/follow",
+                     cfg.follow, self.run_dir.root)  # fmt: skip
+            cache = str(self.run_dir.cache)
+            self.growing = FollowStream.open(
+                lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, self.run_dir
+            )
+            self.dataset = cast(PackedDataset, self.growing.rows)
         else:
             # The rows `fanout prepare` cached with these settings are found where it
             # writes them (--cache-dir, else $FANOUT_CACHE); missing, they are prepared
@@ -187,11 +198,11 @@ class Producer:
             shuffle_seed=cfg.seed,
         )
         self.total_windows = window_count(self.dataset.num_rows * cfg.epochs, cfg.window_rows)
-        if self.onpolicy:  # OPEN until the last chunk is regenerated
-            self.total_windows = self.onpolicy.total_windows
+        if self.growing:  # OPEN until the last chunk is regenerated
+            self.total_windows = self.growing.total_windows
         check_disk_budget(self.run_dir.root, fs, cfg.max_live_windows, self.window_bytes())
         counts = count_tokens(
-            self.onpolicy.counted if self.onpolicy else self.dataset, self.verifier.vocab_size
+            self.growing.counted if self.growing else self.dataset, self.verifier.vocab_size
         )
         # Replicas of one run create it or join it in turn (the join lock): exactly one
         # creates it. A changed contract is refused before anything is written; a new
@@ -278,7 +289,7 @@ class Producer:
         return self.total_windows if cap is None else min(self.total_windows, cap)
 
     def _run_config(self) -> RunConfig:
-        return self.cfg.run_config(None if self.onpolicy else self.total_windows)  # open-ended
+        return self.cfg.run_config(None if self.growing else self.total_windows)  # open-ended
 
     # ---- one window ---------------------------------------------------------------
 
@@ -286,9 +297,9 @@ class Producer:
         """Capture `claim`'s window and publish it (inline, or handed to the publisher)."""
         cfg = self.cfg
         t0 = time.monotonic()
-        if self.onpolicy:
+        if self.growing:
             self._reach(claim.window)  # a claim another replica's frontier moved past
-            idx, epoch = self.onpolicy.window_rows_of(claim.window)
+            idx, epoch = self.growing.window_rows_of(claim.window)
         else:
             idx, epoch = stream_rows(
                 claim.window, cfg.window_rows, self.dataset.num_rows, cfg.epochs, cfg.seed
@@ -441,13 +452,13 @@ class Producer:
         `window`'s rows exist (fanout.produce.onpolicy); with the last chunk done, the
         stream's length (into stream.json too). Returns the bound for new claims while
         the stream is open (no new window past the rows that exist), else None."""
-        if self.onpolicy is None or self.total_windows != OPEN:
+        if self.growing is None or self.total_windows != OPEN:
             return None
-        self.total_windows = self.onpolicy.reach(window)
+        self.total_windows = self.growing.reach(window)
         if self.total_windows != OPEN:
             self._stream_info().write(self.run_dir, self.store.fs)
             return None
-        return window + 1
+        return self.growing.ready_windows
 
     def _progress_line(self) -> str:
         """live windows/bytes on disk, rates since start, backpressure wait so far."""
