@@ -52,7 +52,7 @@ def _records(path: Path) -> list[Any]:
         buf += data[pos + HEADER : pos + HEADER + n]
         pos += HEADER + n
         if kind in (FULL, LAST):
-            rec = pb.Record()
+            rec = pb.Record()  # type: ignore[attr-defined]  # generated protobuf class
             rec.ParseFromString(buf)
             out.append(rec)
             buf = b""

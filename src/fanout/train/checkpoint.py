@@ -45,6 +45,7 @@ No pickle.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -68,6 +69,9 @@ from fanout.families.serving import (
 )
 from fanout.filesystem import FileSystem
 from fanout.model.dflash import DFlashDraft
+from fanout.train.ema import WeightEMA
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -129,6 +133,7 @@ def save_checkpoint(
     verifier_serving_name: str | None = None,
     config_extra: dict[str, Any] | None = None,
     fs: FileSystem | None = None,
+    ema: WeightEMA | None = None,
 ) -> Path:
     """Write one committed checkpoint and prune older ones. Returns its directory.
 
@@ -147,6 +152,8 @@ def save_checkpoint(
             `Qwen/Qwen3-8B`); default: the (absolute) path.
         config_extra: JSON fields added to config.json's `fanout` section (e.g. train_eal).
         fs: the filesystem seam every write goes through (a FaultyFileSystem in tests).
+        ema: an average of the weights (--ema-decay): model.safetensors serves it, the
+            resume file keeps it beside the raw weights (fanout.train.ema).
 
     A failure (a full disk: an OSError with errno ENOSPC) removes the temp directory
     and leaves the committed checkpoints as they were.
@@ -174,7 +181,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     fs.makedirs(tmp)
     try:
-        _write_files(fs, tmp, draft, optimizer, training_state, generators, config)
+        _write_files(fs, tmp, draft, optimizer, training_state, generators, config, ema)
         fs.commit_dir(tmp, final)  # replaces an uncommitted (or superseded) one of this step
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -192,10 +199,12 @@ def _write_files(
     training_state: dict[str, Any],
     generators: dict[str, torch.Generator] | None,
     config: dict[str, Any],
+    ema: WeightEMA | None = None,
 ) -> None:
     """Every file of a checkpoint but COMMITTED, each fsynced, into `tmp`."""
     weights = {k: v.detach().cpu().contiguous() for k, v in draft.trainable_state().items()}
-    serve = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    served = weights if ema is None else ema.serving(weights)  # --ema-decay: the average
+    serve = {k: v.to(torch.bfloat16) for k, v in served.items()}
     if draft.cfg.draft_vocab_size is not None:
         serve["lm_head.weight"] = draft.lm_head_weight.detach().cpu().to(torch.bfloat16)
         serve["d2t"] = draft.d2t.cpu()  # type: ignore[union-attr]
@@ -209,6 +218,7 @@ def _write_files(
         {f"w.{k}": v for k, v in weights.items() if k in own}
         | opt_tensors
         | _rng_tensors(generators)
+        | ({} if ema is None else ema.tensors())
     )
     # "pt": what transformers' from_pretrained (so speculators) requires of the format key
     fs.write_new(
@@ -260,9 +270,11 @@ def load_checkpoint(
     *,
     states: Mapping[str, Stateful] | None = None,
     generators: dict[str, torch.Generator] | None = None,
+    ema: WeightEMA | None = None,
 ) -> dict[str, Any]:
-    """Restore weights (training precision), optimizer state, each of `states` and RNG
-    states in place; return the saved training_state. Raises ConfigError when the
+    """Restore weights (training precision), optimizer state, each of `states`, the
+    weights' average (`ema`, when the checkpoint holds one; else it restarts from the
+    weights) and RNG states in place; return the saved training_state. Raises ConfigError when the
     checkpoint is not committed, has an older format, or was written for a differently
     shaped draft (names the fields)."""
     p = Path(path)
@@ -311,6 +323,9 @@ def load_checkpoint(
             for name, v in st.items():
                 if isinstance(v, torch.Tensor) and name != "step":
                     st[name] = v.to(dev)
+    if ema is not None and not ema.load(t):
+        ema.reset(draft)  # from the resumed weights
+        log.warning("%s holds no weight average: --ema-decay starts one from its weights", p)
     torch.set_rng_state(t["rng.torch_cpu"])
     for name, g in (generators or {}).items():
         key = f"rng.gen.{name}"

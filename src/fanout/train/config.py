@@ -102,6 +102,23 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
     rows_per_step: int = Field(2, ge=1, description="window rows per optimizer step")
     save_path: str = Field(description="checkpoint directory")
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
+    checkpoint_every_s: float | None = Field(
+        None,
+        gt=0,
+        description="also checkpoint once this many seconds passed since the last one (a "
+        "trainer on a live, open-ended stream: fanout produce --follow)",
+    )
+    keep_checkpoints: int = Field(
+        2, ge=2, description="committed checkpoints kept in --save-path (older ones pruned)"
+    )
+    ema_decay: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="keep an exponential moving average of the weights (e.g. 0.999) and "
+        "save it as the checkpoint's served weights (model.safetensors); training resumes "
+        "from the raw weights (fanout.train.ema)",
+    )
     resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
     log_every: int = Field(1, ge=1, description="steps between log records")
     logger: Literal["jsonl", "tensorboard", "wandb"] = Field(
