@@ -178,3 +178,41 @@ def test_served_that_is_not_ours_is_refused_in_one_line(
     assert r.returncode == 1
     assert r.stderr.strip().count("\n") == 0 and "--served" in r.stderr, r.stderr
     assert (other / "weights.bin").read_bytes() == b"x"  # nothing touched
+
+
+def test_drift_is_recorded_and_flagged_below_the_promoted_interval(
+    world: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--run-dir of a live run: each look decodes the served draft on the newest held-out
+    conversations and records τ with its interval. The first version of a served dir
+    is promoted unmeasured, so its first record is its baseline; a version promoted with
+    an interval is held to that one, and a look whose interval lies wholly below it is
+    flagged (here: a version whose recorded win is out of the tiny draft's reach)."""
+    from fanout.decode.promote import DRIFT, HELDOUT, drift
+
+    run, served = tmp_path / "run", tmp_path / "served"
+    (run / "follow").mkdir(parents=True)
+    heldout = run / "follow" / HELDOUT
+    heldout.write_text(world["held"].read_text())
+    cfg = _cfg(world, world["good"], served).model_copy(
+        update={"run_dir": str(run), "data": str(heldout)}
+    )
+    decide(cfg, world["session"])  # nothing served yet: promoted unmeasured
+    first = drift(cfg)
+    assert first is not None and first["baseline_ci95"] is None and first["below"] is False
+    more = "".join(json.dumps(c) + "\n" for c in generate_corpus(8, seed=4242))
+    heldout.write_text(heldout.read_text() + more)  # the traffic grew: a newer slice
+    again = drift(cfg)
+    assert again is not None and again["heldout_seen"] == 16
+    assert again["baseline_ci95"] == first["ci95"] and again["prompts"] == 6
+    assert again["below"] == (again["ci95"][1] < first["ci95"][0])
+    # a version that won its promotion with a higher interval than it now shows
+    with open(served / "promotions.jsonl", "a") as f:
+        f.write(json.dumps({"promoted": True, "version": "v0001",
+                            "candidate_ci95": [again["ci95"][1] + 0.5, 9.0]}) + "\n")  # fmt: skip
+    low = drift(cfg)
+    assert low is not None and low["below"] is True
+    assert low["baseline_ci95"] == [again["ci95"][1] + 0.5, 9.0]
+    lines = [json.loads(x) for x in (run / "follow" / DRIFT).read_text().splitlines()]
+    assert [d["below"] for d in lines] == [False, again["below"], True]
+    assert "drift: the served draft v0001" in caplog.text

@@ -4,6 +4,9 @@
         --tokenizer V --data heldout.jsonl --num-prompts 32 --once      # cron: decide, exit
     fanout promote ... --poll-s 300                                    # watch for new ones
     fanout promote --served /srv/draft --rollback                       # back one version
+    fanout promote --run-dir runs/live --draft drafts/b16 --served /srv/draft ...
+        # a live run (fanout produce --follow): its held-out traffic is --data, and the
+        # served draft's τ on each newest slice of it is recorded (drift)
 
 The served directory (`--served DIR`) is what an engine is pointed at, through one link:
 
@@ -27,6 +30,14 @@ then `current` is flipped to it in one rename (FileSystem.point): an engine that
 partial one, whenever this process is killed. `--rollback` flips `current` back to the
 version before it. Every decision, and every rollback, is one JSON line in
 `promotions.jsonl`.
+
+Drift (`--run-dir R` of a `fanout produce --follow` run): each look also decodes the
+served draft alone on the newest `--num-prompts` conversations of the run's held-out
+traffic (RUN_DIR/follow/heldout.jsonl, which the producer keeps current) and appends
+its τ with interval to RUN_DIR/follow/drift.jsonl; when the interval lies wholly below
+the one the draft had when it was promoted, it says so (a warning line, `"below": true`
+in the record, and `fanout status` shows it): the traffic has moved away from what the
+draft learned.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ from fanout.flags import add_model_flags, model_from_args
 log = logging.getLogger(__name__)
 
 CURRENT, VERSIONS, DECISIONS = "current", "versions", "promotions.jsonl"
+HELDOUT, DRIFT = "heldout.jsonl", "drift.jsonl"  # in RUN_DIR/follow (fanout.produce.follow)
 SERVED_FILES = ("config.json", "model.safetensors", MARKER, "training_state.json", "README.md")
 _VERSION = re.compile(r"^v(\d{4,})$")
 
@@ -79,6 +91,20 @@ class PromoteConfig(EvalConfig):
     once: bool = Field(False, description="decide on the newest checkpoint once, then exit")
     rollback: bool = Field(False, description="point DIR/current at the version before it")
     poll_s: float = Field(60.0, gt=0, description="without --once: seconds between looks")
+    run_dir: str | None = Field(
+        None,
+        description="a live run (fanout produce --follow): its held-out traffic is the "
+        "default --data, and the served draft's τ on its newest slice is recorded in "
+        "RUN_DIR/follow/drift.jsonl at each look",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _heldout_is_the_data(cls, v: Any) -> Any:
+        """--run-dir R: R/follow/heldout.jsonl is --data unless given."""
+        if isinstance(v, dict) and v.get("run_dir") and not v.get("data"):
+            return v | {"data": str(Path(v["run_dir"]) / "follow" / HELDOUT)}
+        return v
 
     @model_validator(mode="after")
     def _one_candidate(self) -> PromoteConfig:
@@ -204,7 +230,8 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
     drafts = {"candidate": load_draft(candidate, vdir, device=cfg.device),
               "served": load_draft(now, vdir, device=cfg.device)}  # fmt: skip
     layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
-    session = session or EvalSession(cfg, layers)
+    ecfg = newest_slice(cfg)[0] if cfg.run_dir else cfg  # live: the newest held-out traffic
+    session = session or EvalSession(ecfg, layers)
     report = session.run(drafts, {"candidate": None, "served": None})
     t = cfg.decide_temperature
     fc, fs_ = _figures(report, "candidate", t), _figures(report, "served", t)
@@ -228,6 +255,67 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
         decision["version"] = served.promote(candidate, cfg.keep_versions).name
     served.record(decision)
     return decision
+
+
+def drift(cfg: PromoteConfig) -> dict[str, Any] | None:
+    """The served draft's τ on the newest --num-prompts held-out conversations of the
+    live run, appended to RUN_DIR/follow/drift.jsonl; `below` when its interval lies
+    under the one it was promoted with. None without --run-dir or a served draft."""
+    served = Served(cfg.served)
+    now = served.current()
+    if cfg.run_dir is None or now is None:
+        return None
+    follow = Path(cfg.run_dir) / "follow"
+    ecfg, seen = newest_slice(cfg)
+    draft = load_draft(now, Path(cfg.verifier_name_or_path), device=cfg.device)
+    session = EvalSession(ecfg, sorted(draft.cfg.target_layer_ids))
+    report = session.run({"served": draft}, {"served": None})
+    f = _figures(report, "served", cfg.decide_temperature)
+    ci, was = f["acceptance_length_ci95"], _baseline(served, now, follow / DRIFT)
+    below = bool(ci and was and ci[1] < was[0])
+    rec = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": now.name,
+        "tau": f["acceptance_length"], "ci95": ci, "prompts": report["prompts"],
+        "heldout_seen": seen, "baseline_ci95": was, "below": below,
+    }  # fmt: skip
+    with open(follow / DRIFT, "a") as out:
+        out.write(json.dumps(rec) + "\n")
+    if below:
+        log.warning(
+            "drift: the served draft %s has τ %.2f (%s) on the newest %d held-out "
+            "conversations, below the %s it was promoted with",
+            now.name, rec["tau"], ci, rec["prompts"], was,
+        )  # fmt: skip
+    return rec
+
+
+def newest_slice(cfg: PromoteConfig) -> tuple[PromoteConfig, int]:
+    """`cfg` decoding the newest --num-prompts conversations of --data (the live run's
+    held-out traffic grows at its end), and how many the file holds."""
+    held = [x for x in Path(cfg.data).read_text().splitlines() if x.strip()]
+    out = Path(cfg.run_dir or Path(cfg.data).parent) / "follow" / ".newest-heldout.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(x + "\n" for x in held[-cfg.num_prompts :]))
+    return cfg.model_copy(update={"data": str(out)}), len(held)
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _baseline(served: Served, version: Path, drift_log: Path) -> list[float] | None:
+    """The τ interval `version` is held to: the one it won its promotion with, else its
+    first drift record's (the first version of a served dir is promoted unmeasured)."""
+    won = [d["candidate_ci95"] for d in _jsonl(served.root / DECISIONS)
+           if d.get("promoted") and d.get("version") == version.name and d.get("candidate_ci95")]  # fmt: skip
+    if won:
+        return list(won[-1])
+    first = [
+        d["ci95"] for d in _jsonl(drift_log) if d.get("version") == version.name and d.get("ci95")
+    ]
+    return list(first[0]) if first else None
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -266,6 +354,8 @@ def run(args: argparse.Namespace, name: str = "promote") -> int:
             decision = decide(cfg)
             print(json.dumps(decision), flush=True)
             seen = newest
+        if cfg.run_dir is not None and (d := drift(cfg)) is not None:
+            print(json.dumps({"drift": d}), flush=True)
         if cfg.once:
             return 0
         try:
