@@ -13,6 +13,10 @@ tree sees the same load. Each trainer logs where its start went with its first s
 optimizer ..., ...)"); the table gives the median (min) of each part and of the whole
 command, with the load average (`os.getloadavg`) before and after. docs/operations.md,
 "Trainer start-up", quotes it.
+
+A second row per tree: how long a flag-only error takes to come back (`fanout produce
+--replica-rank 2 --replicas 2 ...`, exit 1: fanout.cli.early_check refuses it before
+torch is imported), over `--flag-errors` runs; `--no-trainers` times only that.
 """
 
 from __future__ import annotations
@@ -99,6 +103,22 @@ def one_trainer(root: Path, src: str, name: str) -> dict[str, Any]:
     return out
 
 
+FLAG_ERROR = ["produce", "--replica-rank", "2", "--replicas", "2", "--run-dir", "r",
+              "--verifier-name-or-path", "v", "--data", "d"]  # fmt: skip
+
+
+def one_flag_error(src: str) -> float:
+    """Seconds from launch to the exit of a `fanout produce` refused for its flags."""
+    env = {**os.environ, "PYTHONPATH": src}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "fanout.cli", *FLAG_ERROR], env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    took = time.perf_counter() - t0
+    if r.returncode != 1 or "--replica-rank 2 must be below --replicas 2" not in r.stderr:
+        raise SystemExit(f"the flag error did not come back as expected: {r.stderr[-2000:]}")
+    return took
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -112,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=5, help="trainers per tree (default 5)")
     ap.add_argument("--workdir", type=Path, help="assets + run dir; default: a temp dir")
     ap.add_argument("--json", type=Path, help="write the results to this JSON file")
+    ap.add_argument("--flag-errors", type=int, default=5,
+                    help="flag-only errors to time per tree (default 5)")  # fmt: skip
+    ap.add_argument("--no-trainers", action="store_true",
+                    help="time only the flag errors (no assets, no run)")  # fmt: skip
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO / "benchmarks"))
     from record import Recorder, Row, spread
@@ -121,13 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fanout-startup-") as tmp:
         root = args.workdir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
-        if not (root / "run" / "contract.json").is_file():
+        if not args.no_trainers and not (root / "run" / "contract.json").is_file():
             build_run(root)
         load_before = os.getloadavg()
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
-        for i in range(args.pairs):
+        flag_errors: dict[str, list[float]] = {k: [] for k in trees}
+        for i in range(max(args.flag_errors, 0 if args.no_trainers else args.pairs)):
             for k, src in trees.items():
-                runs[k].append(one_trainer(root, src, f"{k}-{os.getpid()}-{i}"))
+                if i < args.flag_errors:
+                    flag_errors[k].append(one_flag_error(src))
+                if not args.no_trainers and i < args.pairs:
+                    runs[k].append(one_trainer(root, src, f"{k}-{os.getpid()}-{i}"))
         load_after = os.getloadavg()
     cols = ("command_s", "first_step_s", *PARTS)
     print(
@@ -135,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         f"load {load_before[0]:.1f} → {load_after[0]:.1f}; {args.pairs} trainers per tree, "
         "alternating; median (min), s"
     )
-    print("| tree | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 1) + "|")
+    show = print if not args.no_trainers else (lambda *_: None)
+    show("| tree | " + " | ".join(cols) + " |")
+    show("|---" * (len(cols) + 1) + "|")
     summary: dict[str, dict[str, list[float]]] = {}
     for k, rs in runs.items():
         cells, summary[k] = [], {}
@@ -144,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             xs = [r[c] for r in rs if r.get(c) is not None]
             summary[k][c] = [statistics.median(xs), min(xs)] if xs else []
             cells.append(f"{statistics.median(xs):.2f} ({min(xs):.2f})" if xs else "-")
-        print(f"| {k} | " + " | ".join(cells) + " |")
+        show(f"| {k} | " + " | ".join(cells) + " |")
     rows = []
     for k, rs in runs.items():
         xs = [r["first_step_s"] for r in rs if r.get("first_step_s") is not None]
@@ -155,7 +184,18 @@ def main(argv: list[str] | None = None) -> int:
                         what=f"trainer launch → first step ({k} tree)", result=statistics.median(xs),
                         unit="s", spread=spread(xs), n=len(xs), n_of="trainers",
                         conditions=f"tiny run (hidden 32 × 4 layers, block 4); median s by part: {parts}"))  # fmt: skip
-    out = {"trees": trees, "load": [load_before, load_after], "runs": runs}
+    print("| tree | flag error, s (median (min)) |\n|---|---|")
+    for k, xs in flag_errors.items():
+        if not xs:
+            continue
+        print(f"| {k} | {statistics.median(xs):.2f} ({min(xs):.2f}) |")
+        rows.append(Row(stage="start-up", name=f"flag_error_s.{k}",
+                        what=f"a flag-only error (`fanout produce --replica-rank 2 --replicas 2`) "
+                        f"→ exit 1 ({k} tree)", result=statistics.median(xs), unit="s",
+                        spread=spread(xs), n=len(xs), n_of="commands",
+                        conditions="checked before torch is imported (fanout.cli.early_check)"))  # fmt: skip
+    out = {"trees": trees, "load": [load_before, load_after], "runs": runs,
+           "flag_errors": flag_errors}  # fmt: skip
     rec.write(args.json, rows, raw=out | {"summary": summary})
     return 0
 

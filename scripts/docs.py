@@ -1,14 +1,17 @@
 #!/usr/bin/env python
-"""The docs' blocks generated from the code: what each command's config is composed of.
+"""The docs' blocks generated from the code: what each command's config is composed of,
+and the JSON Schema of `fanout status --json`.
 
-    python scripts/docs.py            # rewrite the blocks in README.md, docs/architecture.md
+    python scripts/docs.py            # rewrite the blocks in README.md, docs/*.md
     python scripts/docs.py --check    # exit 1, naming the file, when a block is stale
 
 Each command's config inherits the component configs whose fields it takes
 (fanout.flags.makeup reads the bases); the block between the `configs:makeup` markers
 lists them, so the docs cannot describe a composition the code does not have
 (tests/test_docs_match_code.py runs the check). The numbers have their own generator,
-benchmarks/report.py.
+benchmarks/report.py. The block between the `status:schema` markers in
+docs/operations.md is fanout.coord.status_schema.schema_block() (StatusSnapshot's JSON
+Schema; tests/test_status_schema.py checks it).
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+from fanout.coord import status_schema
 from fanout.flags import makeup
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,11 +54,29 @@ def block() -> str:
     return "\n".join([*lines, "", END])
 
 
-def with_block(text: str, path: Path) -> str:
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: no {BEGIN} ... {END} block")
-    head, rest = text.split(BEGIN, 1)
-    return head + block() + rest.split(END, 1)[1]
+def with_block(
+    text: str,
+    path: Path,
+    begin: str = BEGIN,
+    end: str = END,
+    make: Callable[[], str] = block,
+) -> str:
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no {begin} ... {end} block")
+    head, rest = text.split(begin, 1)
+    return head + make() + rest.split(end, 1)[1]
+
+
+# (files, begin marker, end marker, the block's generator)
+BLOCKS = (
+    (DOCS, BEGIN, END, block),
+    (
+        (REPO / "docs" / "operations.md",),
+        status_schema.BEGIN,
+        status_schema.END,
+        status_schema.schema_block,
+    ),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,13 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="only say which file is stale")
     a = ap.parse_args(argv)
     stale = []
-    for path in DOCS:
-        text = path.read_text()
-        new = with_block(text, path)
-        if new != text:
-            stale.append(path)
-            if not a.check:
-                path.write_text(new)
+    for paths, begin, end, make in BLOCKS:
+        for path in paths:
+            text = path.read_text()
+            new = with_block(text, path, begin, end, make)
+            if new != text:
+                stale.append(path)
+                if not a.check:
+                    path.write_text(new)
     for path in stale:
         print(f"{path.relative_to(REPO)}: {'stale' if a.check else 'rewritten'}")
     return 1 if a.check and stale else 0

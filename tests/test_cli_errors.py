@@ -396,3 +396,28 @@ def test_failed_start_after_the_database_drops_it_and_a_retry_starts_clean(
         assert schemas == 0
     summary = Producer(cfg).run()  # the retry: a clean create
     assert summary["windows"] == 1
+
+
+def test_a_flag_only_error_comes_back_before_torch_is_imported(tmp_path: Path) -> None:
+    """Issue 45.5: `--replica-rank 2 --replicas 2` is refused by fanout.cli.early_check,
+    one line and exit 1, before the producer's module (and torch) is imported (its time:
+    benchmarks/startup.py's flag-error row). The full config says the same, for a caller
+    that builds it without the CLI."""
+    code = (
+        "import sys\nfrom fanout.cli import main\n"
+        "rc = main(['produce', '--replica-rank', '2', '--replicas', '2', '--run-dir', 'r',"
+        " '--verifier-name-or-path', 'v', '--data', 'd'])\n"
+        "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)  # fmt: skip
+    assert r.stdout.split("\n")[0] == "1 []", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert "fanout produce: error:" in r.stderr
+    assert "--replica-rank 2 must be below --replicas 2 (ranks 0 .. 1)" in r.stderr
+    from pydantic import ValidationError
+
+    from fanout.produce.replicas import ReplicaOptions
+
+    with pytest.raises(ValidationError, match="--replica-rank 3 must be below --replicas 2"):
+        ReplicaOptions(replicas=2, replica_rank=3)

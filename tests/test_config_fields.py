@@ -160,6 +160,8 @@ def _base(command: str, p: dict[str, str]) -> dict[str, Any]:
 # Values: a key of the `paths` fixture, or a literal value.
 COMPANIONS: dict[tuple[str, str], dict[str, Any]] = {
     ("train", "eval_every"): {"eval_data": "file"},
+    # a replica rank is below --replicas (fanout.produce.replicas.ReplicaOptions)
+    ("produce", "replica_rank"): {"replicas": 8},
     # a family's own options are valid only with that family chosen
     **{("train", k): {"draft_family": f.name} for f in FAMILIES.values() for k in f.options()},
 }

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fanout.bench.assets import generate_corpus, write_jsonl
+from fanout.coord.status_schema import StatusSnapshot
 from fanout.families.serving import latest_checkpoint
 from fanout.train.trainlog import read_train_log
 from test_endings import Procs, _alive, _summary
@@ -83,6 +84,13 @@ def test_the_documented_journey(tmp_path: Path) -> None:
 
         # SIGINT b8 once it has trained a few steps: exit 0, checkpoint, `stopped`
         wait_for(lambda: _alive(b8) and _steps_logged(drafts / "b8") >= 3, 300, "b8 steps")
+        # a real run's `status --json` is a StatusSnapshot (docs/operations.md's schema)
+        live = StatusSnapshot.model_validate(_status(run))
+        c8 = {c.id: c for c in live.consumers}["b8:dp0"]
+        assert (c8.name, c8.family, c8.dp_rank, c8.dp_world) == ("b8", "dflash", 0, 1), c8
+        assert c8.step is not None and c8.step >= 3, c8  # from its train log
+        rates = [r.windows_per_s or 0.0 for r in live.replicas if r.state == "active"]
+        assert live.totals.producer_windows_per_s == round(sum(rates), 4) > 0, live.totals
         b8.proc.send_signal(signal.SIGINT)
         code, out = b8.finish(300)
         assert code == 0, out[-3000:]
@@ -129,6 +137,8 @@ def test_the_documented_journey(tmp_path: Path) -> None:
     # the stream ended where the producer said; status says who finished, who detached
     info = json.loads((run / "stream.json").read_text())
     st = _status(run)
+    end = StatusSnapshot.model_validate(st)
+    assert end.producer.state == "finished" and end.stream.length_windows == info["total_windows"]
     assert st["stream_end"] == st["produced_windows"] == info["total_windows"]
     states = {c["id"]: c["recorded_state"] for c in st["consumers"]}
     assert states == {"b4:dp0": "finished", "b8:dp0": "detached"}, states

@@ -297,7 +297,7 @@ def test_second_producer_and_trainer_are_refused_and_takeover_fences_the_first(
         taker.proc.send_signal(signal.SIGTERM)
         code, err = taker.finish()
         assert code == 0, err[-3000:]
-        assert _status(run)["producer"]["state"] == "finished"
+        assert _status(run)["producer"]["state"] == "stopped"  # by a signal (issue 45.1)
 
         train = [
             "train", "--run-dir", str(run), "--consumer-id", "c0", "--verifier-name-or-path",

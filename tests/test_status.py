@@ -42,7 +42,7 @@ def _child(root: str, db: str | None, clean: bool, ready: Any) -> None:
     if clean:
         co.finish(b)
         co.stop(a)
-        co.finish_producer(p)
+        co.finish_producer(p, stream_end=0)  # by design (a signal: `stopped`, test_status_schema)
         co.close()
     ready.put(os.getpid())
     if not clean:

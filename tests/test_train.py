@@ -433,3 +433,61 @@ def test_kl_loss_trains_from_last_hidden_states_and_needs_them(run: Run) -> None
     assert ckpt is not None
     saved = json.loads((ckpt / "config.json").read_text())["fanout"]["dflash_config"]
     assert saved["loss_type"] == "kl"
+
+
+def test_logger_wandb_logs_every_step_and_the_producer_its_summary(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--logger wandb` (offline): rank 0's W&B run holds the same losses as the JSONL
+    log, in the run dir's group; the producer's summary lands in the same group."""
+    pytest.importorskip("wandb")
+    from wandb_offline import read_offline_runs
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = _cfg(run, "wb", max_steps=4, logger="wandb", wandb_project="drafts")
+    Trainer(cfg).run()
+    (got,) = read_offline_runs(cfg.save_path)
+    assert (got.project, got.group, got.name, got.job_type) == ("drafts", "run", "wb", "train")
+    assert [h["loss"] for h in got.history] == [r["loss"] for r in _log(cfg)]
+    assert [h["step"] for h in got.history] == [1, 2, 3, 4]
+    assert got.config["consumer_id"] == "wb"
+    other = run.root / "wb-run"
+    summary = Producer(_producer_cfg(run.root, other, max_windows=2, wandb_project="drafts")).run()
+    (prod,) = read_offline_runs(other)
+    assert (prod.group, prod.name, prod.job_type) == ("wb-run", "producer-r0", "produce")
+    assert prod.summary["windows"] == summary["windows"] == 2
+
+
+def test_ema_is_served_resumed_exactly_and_checkpoints_kept_by_time(run: Run) -> None:
+    """--ema-decay: model.safetensors holds the average, the resume file the raw weights
+    and the average; a resumed run ends with the same average as one run through.
+    --checkpoint-every-s saves by time, --keep-checkpoints bounds what stays."""
+    from safetensors.torch import load_file
+
+    n, m = 5, 4
+    kw: dict[str, Any] = {"ema_decay": 0.8, "checkpoint_every": 1000}
+    full = _cfg(run, "ema-full", max_steps=n + m, **kw)
+    Trainer(full).run()
+    part = _cfg(run, "ema-part", max_steps=n, **kw)
+    Trainer(part).run()
+    Trainer(part.model_copy(update={"max_steps": n + m, "resume": True})).run()
+    a, b = (latest_checkpoint(c.save_path) for c in (full, part))
+    assert a is not None and b is not None
+    ra, rb = (load_file(str(p / "resume.safetensors")) for p in (a, b))
+    avg = sorted(k for k in ra if k.startswith("ema.") and k != "ema.updates")
+    assert avg and int(ra["ema.updates"]) == n + m == int(rb["ema.updates"])
+    for k in avg:
+        torch.testing.assert_close(ra[k], rb[k], rtol=0, atol=0)  # resumed exactly
+    served = load_file(str(a / "model.safetensors"))
+    moved = 0
+    for k in avg:
+        name = k.removeprefix("ema.")
+        assert torch.equal(served[name], ra[k].to(torch.bfloat16)), name  # the average
+        moved += not torch.equal(served[name], ra[f"w.{name}"].to(torch.bfloat16))
+    assert moved, "the served weights are the raw ones: no average was taken"
+    timed = _cfg(run, "timed", max_steps=5, checkpoint_every=1000, checkpoint_every_s=1e-6,
+                 keep_checkpoints=3)  # fmt: skip
+    Trainer(timed).run()
+    kept = sorted(p.name for p in Path(timed.save_path).glob("checkpoint-*"))
+    assert kept == [f"checkpoint-{s:08d}" for s in (3, 4, 5)], kept

@@ -19,14 +19,48 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from fanout.errors import FanoutError
-from fanout.flags import add_log_level_flag, configure_logging
+from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
 
 # name -> (module, one-line help). Each module defines add_arguments(p) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {}
 # Commands whose progress log is their record (the rest log warnings and errors only).
 INFO_LOGGING = ("produce", "train")
+# name -> light component configs ("module:Class", no torch in their imports) whose
+# flag-only rules (their validators) are checked before the command's module, and torch
+# with it, is imported: such an error comes back in well under a second
+# (benchmarks/startup.py measures it). The command's own config checks them again.
+EARLY: dict[str, tuple[str, ...]] = {
+    "produce": ("fanout.produce.replicas:ReplicaOptions",),
+}
+
+
+class _Quiet(argparse.ArgumentParser):
+    """A parser that raises instead of printing a usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def early_check(argv: list[str]) -> None:
+    """Raise ConfigError if `argv`'s command breaks a flag-only rule of its EARLY
+    components; anything else (help, a flag the full parser rejects) is left to it."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in EARLY or {"-h", "--help"} & set(argv):
+        return
+    rest = argv[argv.index(command) + 1 :]
+    for ref in EARLY[command]:
+        module, cls = ref.split(":")
+        model = getattr(importlib.import_module(module), cls)
+        parser = _Quiet(add_help=False, allow_abbrev=False)
+        add_model_flags(parser, model)
+        try:
+            args, _ = parser.parse_known_args(rest)
+        except ValueError:
+            return
+        model_from_args(model, args)
 
 
 def _register(name: str, module: str, help_text: str) -> None:
@@ -99,6 +133,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        early_check(argv)
+    except FanoutError as e:
+        print(f"fanout {next(a for a in argv if not a.startswith('-'))}: error: {e}",
+              file=sys.stderr)  # fmt: skip
+        return 1
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -374,12 +374,15 @@ def problems(e: ValidationError, model: type[BaseModel] | None = None) -> str:
     fields = model.model_fields if model is not None else {}
 
     def where(loc: tuple[int | str, ...]) -> str:
-        if not loc:
-            return "?"
         name = str(loc[0])
         return field_flag(name, fields[name]) if name in fields else flag_name(name)
 
-    return "; ".join(f"{where(err['loc'])}: {err['msg']}" for err in e.errors())
+    def one(err: Any) -> str:  # a whole-model check names its flags in its own words
+        if not err["loc"]:
+            return str(err["msg"]).removeprefix("Value error, ")
+        return f"{where(err['loc'])}: {err['msg']}"
+
+    return "; ".join(one(err) for err in e.errors())
 
 
 # --------------------------------------------------------------------------- logging

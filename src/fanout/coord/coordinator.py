@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from fanout.contract import CaptureContract
-from fanout.coord import postgresdb, reads, schema, sqlitedb, waits
+from fanout.coord import postgresdb, reads, records, schema, sqlitedb, waits
 from fanout.coord.claims import Claims
 from fanout.coord.core import Location, RunDb
 from fanout.coord.eviction import Eviction
@@ -292,15 +292,19 @@ class Coordinator:
         cursor: int | None = None,
         *,
         takeover: bool = False,
+        about: dict[str, Any] | None = None,
     ) -> ConsumerReg:
-        """Join (or rejoin) as `name:dp<rank>`; `cursor` resumes from a checkpoint.
+        """Join (or rejoin) as `name:dp<rank>`; `cursor` resumes from a checkpoint;
+        `about` (family, data-parallel world, ...) is for `fanout status` (fanout.coord.records).
 
         A rejoin keeps the stored cursor unless `cursor` is given (which may move it
         back: that window is then recaptured), fences the previous incarnation and
         drops its leases. RoleHeld while another live process holds this id, unless
         `takeover`. ContractMismatch names every expected field that differs.
         """
-        return self.roles.register_consumer(name, dp_rank, expect, cursor, takeover=takeover)
+        return self.roles.register_consumer(
+            name, dp_rank, expect, cursor, takeover=takeover, about=about
+        )
 
     def check_consumer_role(self, name: str, dp_rank: int = 0, takeover: bool = False) -> None:
         """Raise RoleHeld now if a live process holds consumer `name:dp<rank>` (and not
@@ -356,7 +360,12 @@ class Coordinator:
     def finish_producer(self, preg: ProducerReg, stream_end: int | None = None) -> None:
         """A replica's clean exit: state 'finished', its claims released; `stream_end`
         (windows) ends the stream by design (recorded once every window before it is
-        published), None (a signal) leaves it open for a restart."""
+        published), None (a signal) leaves it open for a restart. How it ended is
+        recorded first (fanout.coord.records), so `fanout status` tells a replica stopped
+        by a signal from one that finished."""
+        with self.run.write() as cur:
+            self.roles.check_producer(cur, preg.token, preg.rank)
+            records.record_producer_exit(cur, preg.rank, stream_end)
         self.claims.finish_producer(preg, stream_end)
 
     # ---- the consumers' work (fanout.coord.leasing) -----------------------------

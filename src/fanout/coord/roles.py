@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from fanout.contract import CaptureContract
-from fanout.coord import retention, schema, states, waits
+from fanout.coord import records, retention, schema, states, waits
 from fanout.coord.core import RunDb
 from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
@@ -203,8 +203,10 @@ class Roles:
         cursor: int | None = None,
         *,
         takeover: bool = False,
+        about: dict[str, Any] | None = None,
     ) -> ConsumerReg:
-        """Join (or rejoin) as `name:dp<rank>` at `cursor` (default: the stored one)."""
+        """Join (or rejoin) as `name:dp<rank>` at `cursor` (default: the stored one);
+        `about` is what `fanout status` shows of it (fanout.coord.records)."""
         if not name or ":" in name:
             raise ConfigError(f"consumer name {name!r}: must be non-empty without ':'")
         cid = f"{name}:dp{dp_rank}"
@@ -226,6 +228,7 @@ class Roles:
                 "pid=excluded.pid, proc=excluded.proc",
                 (cid, expect_json, start, wall(), ACTIVE, token, me.host, me.pid, me.proc),
             )
+            records.record_consumer_start(cur, cid, start, about)
             return ConsumerReg(cid, token, start)
 
         reg, _ = self.take_role(

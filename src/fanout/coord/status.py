@@ -1,7 +1,9 @@
 """`fanout status`, `sweep`, `detach`: look at a run directory, clean it up, release a consumer.
 
     fanout status --run-dir runs/demo            # compact table
-    fanout status --run-dir runs/demo --json     # machine-readable (see snapshot())
+    fanout status --run-dir runs/demo --json     # machine-readable (fanout.coord.status_schema)
+    fanout status --run-dir runs/demo --watch    # the table, redrawn (fanout.coord.status_watch)
+    fanout status --run-dir runs/demo --serve 9464   # /metrics, / (fanout.coord.status_serve)
     fanout sweep --run-dir runs/demo             # remove temp debris and orphan files
     fanout detach --run-dir runs/demo --consumer-id b8:dp0   # release a stopped consumer
 
@@ -14,6 +16,10 @@ heartbeat counter (fanout.coord.liveness), and `--json` keeps that as `recorded_
 no ready or capturing row names (Store.sweep with Coordinator.wants_file); it is
 safe while a producer and consumers run.
 
+`build` makes the one versioned snapshot every view shows (the table is
+fanout.coord.status_table's); what processes record for it beyond the role tables
+(how a replica exited, what a consumer is) is fanout.coord.records'.
+
 Their flags are generated from StatusConfig / SweepConfig (fanout.flags), so both
 take `--config FILE` too. This module stays free of torch: `fanout status` is the
 command people run in a loop.
@@ -23,17 +29,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.coord import waits
+from fanout.coord import records, retention, waits
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.database import wall
 from fanout.coord.liveness import process_gone
 from fanout.coord.states import RoleState, W
+from fanout.coord.status_schema import STATUS_SCHEMA_VERSION, StatusSnapshot
+from fanout.coord.status_table import format_table as format_table  # the table view
+from fanout.errors import ConfigError, FanoutError
 from fanout.flags import add_model_flags, flag_options, model_from_args
+from fanout.store.rundir import RunDir
+from fanout.store.streaminfo import StreamInfo
 
 
 class RunDirOptions(BaseModel):
@@ -60,9 +72,43 @@ class StatusConfig(RunDirOptions):
     # Not SweepConfig's: --json prints a snapshot here, what was removed there.
     as_json: bool = Field(
         False,
-        description="Print the whole snapshot as JSON instead of a table.",
+        description="Print the whole snapshot as JSON instead of a table (its schema: "
+        "fanout.coord.status_schema, docs/operations.md).",
         json_schema_extra=flag_options(flag="--json"),
     )
+    watch: bool = Field(
+        False,
+        description="Redraw the table in place every --interval-s seconds until Ctrl-C "
+        "(exit 0); needs a terminal.",
+    )
+    serve: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics at /metrics, the snapshot at /status.json and "
+        "a page that refreshes itself at / on this TCP port until Ctrl-C (0: any free "
+        "port, printed); none = do not serve.",
+        json_schema_extra=flag_options(metavar="PORT"),
+    )
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address --serve binds: loopback by default; 0.0.0.0 = every interface.",
+    )
+    interval_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds between --watch redraws, and between --serve's samples "
+        "(its page's plot) and page refreshes.",
+    )
+
+    @model_validator(mode="after")
+    def _one_view(self) -> StatusConfig:
+        views = [f for f, on in (("--json", self.as_json), ("--watch", self.watch),
+                                 ("--serve", self.serve is not None)) if on]  # fmt: skip
+        if len(views) > 1:
+            raise ValueError(f"{' and '.join(views)}: pick one view")
+        return self
 
 
 class SweepConfig(RunDirOptions):
@@ -124,11 +170,19 @@ def age_s(now: float, then: float, digits: int = 3) -> float:
     return max(0.0, round(now - then, digits))
 
 
-def _replica(p: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
+def _replica(
+    p: dict[str, Any], now: float, ttl: float, exits: dict[int, int | None], ended: bool
+) -> dict[str, Any]:
     """One producer replica as `status --json` lists it: who, its state, windows made
     (by that rank, every incarnation) and its rate (this incarnation's windows over its
-    time registered, up to now or its exit)."""
+    time registered, up to now or its exit). A clean exit shows `finished` when it
+    ended the stream by design and `stopped` when a signal ended it (the stream is
+    open): fanout.coord.records, else (a run from before that record) whether the
+    stream's end is recorded."""
     shown = shown_state(p["state"], now - p["hb_wall"], ttl, p["proc"], p["pid"])
+    if shown == RoleState.FINISHED:
+        by_signal = exits[p["rank"]] is None if p["rank"] in exits else not ended
+        shown = RoleState.STOPPED.value if by_signal else shown
     until = now if shown == RoleState.ACTIVE else p["hb_wall"]
     secs = until - p["since_wall"]
     return {
@@ -142,22 +196,140 @@ def _replica(p: dict[str, Any], now: float, ttl: float) -> dict[str, Any]:
         "heartbeat_age_s": age_s(now, p["hb_wall"]),
         "windows": p["made"],
         "windows_per_s": round(p["made_since"] / secs, 4) if secs > 0 else None,
+        "waiting": None,
     }
 
 
+def _replica_waiting(r: dict[str, Any], blocked: dict[str, Any] | None, k: int) -> str | None:
+    """Why replica `r` is not making windows now, in words (None while it captures)."""
+    if r["state"] == RoleState.ACTIVE:
+        if blocked is None:
+            return None
+        return f"blocked at K={k} live windows {blocked['text'] or '(by nobody)'}"
+    again = f"restart it with the same flags (replica rank {r['rank']}) to continue"
+    if r["state"] == RoleState.STOPPED:
+        return f"stopped by a signal {r['heartbeat_age_s']:.0f} s ago; the stream is open: {again}"
+    if r["state"] == RoleState.LOST:
+        return f"lost (no heartbeat, no clean exit); {again}"
+    return None
+
+
+# The producer side's state: the first of these any replica is in.
+PRODUCER_ORDER = (RoleState.ACTIVE, RoleState.LOST, RoleState.STOPPED, RoleState.FINISHED)
+
+
 def _producer(replicas: list[dict[str, Any]]) -> dict[str, Any]:
-    """The producer side as one line: active if any replica is, else lost if any is,
+    """The producer side as one line: active if any replica is, else lost, else stopped,
     else finished; the details of the first replica in that state."""
-    for state in (RoleState.ACTIVE, RoleState.LOST, RoleState.FINISHED):
+    for state in PRODUCER_ORDER:
         mine = [r for r in replicas if r["state"] == state]
         if mine:
             return {**mine[0], "replicas": len(replicas)}
     return {"state": "none"}
 
 
-def snapshot(co: Coordinator) -> dict[str, Any]:
-    """Everything `fanout status --json` prints. Heartbeat ages use the wall clock and
-    are for people only; liveness decisions never use them."""
+def _last_record(path: str | None) -> dict[str, Any]:
+    """The last JSON line of a trainer's train log (fanout.train.trainlog), {} when this
+    host cannot read it (another host's disk) or it has none yet."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            tail = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return {}
+    for line in reversed(tail):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return {}
+
+
+def _consumer(
+    row: tuple[Any, ...], co: Coordinator, now: float, starts: dict[str, dict[str, Any]],
+    length: int | None, frontier: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One consumer as `status --json` lists it: what the database and its registration
+    record (fanout.coord.records) say, its rate and ETA, and what its trainer logged."""
+    cid, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect = row
+    shown = shown_state(state, now - hb_wall, co.config.ttl_s, proc, pid)
+    about = starts.get(cid, {})
+    rate = None
+    if "since_wall" in about:
+        secs = (now if shown == RoleState.ACTIVE else hb_wall) - float(about["since_wall"])
+        moved = cursor - int(about.get("since_cursor", cursor))
+        rate = round(max(0, moved) / secs, 4) if secs > 0 else None
+    ends = [e for e in (about.get("max_windows"), length) if e is not None]
+    end = min(ends) if ends else None
+    eta = None
+    if shown == RoleState.FINISHED:
+        eta = 0.0
+    elif shown == RoleState.ACTIVE and end is not None and rate:
+        eta = round(max(0, end - cursor) / rate, 1)
+    waiting = None
+    if shown == RoleState.ACTIVE and (end is None or cursor < end):
+        w = co.conn.execute("SELECT state FROM windows WHERE window=?", (cursor,)).fetchone()
+        if w is None or w[0] != W.READY:
+            waiting = waits.consumer_wait(co.conn, co.config, cid, cursor).text
+    logged = _last_record(about.get("metrics_log"))
+    name, _, rank = str(cid).rpartition(":dp")
+    captured = list(co.contract.target_layer_ids)
+    return {
+        "id": cid,
+        "name": name,
+        "dp_rank": int(rank) if rank.isdigit() else 0,
+        "dp_world": about.get("dp_world"),
+        "family": about.get("family"),
+        # the layers it trains on (registered; older registrations read them all)
+        "target_layer_ids": json.loads(expect or "{}").get("target_layer_ids", captured),
+        "state": shown,
+        "recorded_state": state,
+        "host": host,
+        "pid": pid,
+        "cursor": cursor,
+        "lag_windows": max(0, frontier - cursor),
+        "heartbeats": hb_seq,
+        "heartbeat_age_s": age_s(now, hb_wall),
+        "note": note,
+        "step": logged.get("step"),
+        "eal": logged.get("eal"),
+        "windows_per_s": rate,
+        "rows_per_s": None if rate is None else round(rate * co.contract.window_rows, 3),
+        "end_window": end,
+        "eta_s": eta,
+        "waiting": waiting,
+    }
+
+
+def _stream(co: Coordinator, end: int | None) -> dict[str, Any]:
+    """The stream: its length once known (the recorded end, else the run's
+    total_windows, else stream.json's), its rows and epochs (stream.json)."""
+    try:
+        info = StreamInfo.read(RunDir(co.root))
+    except FanoutError:  # unreadable: status still shows the rest
+        info = None
+    length = end if end is not None else co.config.total_windows
+    if length is None and info is not None:
+        length = info.total_windows
+    return {
+        "stream_id": str(co.meta("stream_id")),
+        "length_windows": length,
+        "ended": end is not None,
+        "rows": None if info is None else info.num_rows,
+        "epochs": None if info is None else info.epochs,
+        "window_rows": co.contract.window_rows,
+    }
+
+
+def build(co: Coordinator) -> StatusSnapshot:
+    """The run now, as the versioned StatusSnapshot (fanout.coord.status_schema).
+    Heartbeat ages and rates use the wall clock and are for people only; liveness
+    decisions never use them."""
     q = co.conn.execute
     now = wall()
     ttl = co.config.ttl_s
@@ -166,26 +338,15 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
     windows["evicted"] = int(co.meta("evictions"))  # old evicted rows are compacted away
     live_bytes = co.ready_windows()[1]  # of the readable windows
     frontier = int(co.meta("next_window"))
-    captured = list(co.contract.target_layer_ids)
+    end = waits.stream_end(co.conn)
+    stream = _stream(co, end)
+    starts = records.consumer_starts(co.conn)
     consumers = [
-        {
-            "id": cid,
-            # the layers it trains on (registered; older registrations read them all)
-            "target_layer_ids": json.loads(expect or "{}").get("target_layer_ids", captured),
-            "state": shown_state(state, now - hb_wall, ttl, proc, pid),
-            "recorded_state": state,
-            "host": host,
-            "pid": pid,
-            "cursor": cursor,
-            "lag_windows": max(0, frontier - cursor),
-            "heartbeats": hb_seq,
-            "heartbeat_age_s": age_s(now, hb_wall),
-            "note": note,
-        }
-        for cid, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect in q(
+        _consumer(row, co, now, starts, stream["length_windows"], frontier)
+        for row in q(
             "SELECT id, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect "
             "FROM consumers ORDER BY id"
-        )
+        ).fetchall()
     ]
     leases = [
         {"consumer": c, "window": w, "generation": g, "token": t, "age_s": age_s(now, a)}
@@ -193,37 +354,68 @@ def snapshot(co: Coordinator) -> dict[str, Any]:
             "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
         )
     ]
-    replicas = [_replica(p, now, ttl) for p in co.producer_replicas()]
+    exits = records.producer_exits(co.conn)
+    replicas = [_replica(p, now, ttl, exits, end is not None) for p in co.producer_replicas()]
+    any_active = any(r["state"] == RoleState.ACTIVE for r in replicas)
+    blocked = _blocked(co, RoleState.ACTIVE.value if any_active else "none")
+    k = co.config.max_live_windows
+    for r in replicas:
+        r["waiting"] = _replica_waiting(r, blocked, k)
     producer = _producer(replicas)
-    cfg = co.config
-    return {
-        "run_dir": str(co.root),
-        "stream_end": waits.stream_end(co.conn),
-        "blocked": _blocked(co, producer["state"]),
-        "db_path": str(co.db_path),
-        "stream_id": co.meta("stream_id"),
-        "config": cfg.model_dump(mode="json"),
-        "capture": {
-            "target_layer_ids": list(co.contract.target_layer_ids),
-            "storage_dtype": co.contract.storage_dtype,
-            "seq_len": co.contract.seq_len,
-            "window_rows": co.contract.window_rows,
-        },
-        "windows": windows,
-        "produced_windows": frontier,
-        "live_bytes": int(live_bytes),
-        "high_water": {"windows": int(co.meta("hw_windows")), "bytes": int(co.meta("hw_bytes"))},
-        "consumers": consumers,
-        "leases": leases,
-        "recaptures": int(co.meta("recaptures")),
-        "evictions": int(co.meta("evictions")),
-        "corrupt": int(co.meta("corrupt")),
-        "detaches": int(co.meta("detaches")),
-        "reclaims": int(co.meta("reclaims")),
-        "claims_reclaimed": int(co.meta("claims_reclaimed")),
-        "producer": producer,
-        "replicas": replicas,
+    active = [r for r in replicas if r["state"] == RoleState.ACTIVE]
+    totals = {
+        "windows_made": frontier,
+        "windows_live": retention.live_windows(co.conn),
+        "windows_ready": windows[W.READY],
+        "max_live_windows": k,
+        "producer_windows_per_s": round(sum(r["windows_per_s"] or 0.0 for r in active), 4),
+        "replicas": len(replicas),
+        "replicas_active": len(active),
+        "consumers": len(consumers),
+        "consumers_active": sum(c["state"] == RoleState.ACTIVE for c in consumers),
     }
+    return StatusSnapshot.model_validate(
+        {
+            "schema_version": STATUS_SCHEMA_VERSION,
+            "taken_wall": now,
+            "run_dir": str(co.root),
+            "db_path": str(co.db_path),
+            "stream_id": str(co.meta("stream_id")),
+            "totals": totals,
+            "stream": stream,
+            "stream_end": end,
+            "blocked": blocked,
+            "config": co.config.model_dump(mode="json"),
+            "capture": {
+                "target_layer_ids": list(co.contract.target_layer_ids),
+                "storage_dtype": co.contract.storage_dtype,
+                "seq_len": co.contract.seq_len,
+                "window_rows": co.contract.window_rows,
+            },
+            "windows": windows,
+            "produced_windows": frontier,
+            "live_bytes": int(live_bytes),
+            "high_water": {
+                "windows": int(co.meta("hw_windows")),
+                "bytes": int(co.meta("hw_bytes")),
+            },
+            "recaptures": int(co.meta("recaptures")),
+            "evictions": int(co.meta("evictions")),
+            "corrupt": int(co.meta("corrupt")),
+            "detaches": int(co.meta("detaches")),
+            "reclaims": int(co.meta("reclaims")),
+            "claims_reclaimed": int(co.meta("claims_reclaimed")),
+            "producer": producer,
+            "replicas": replicas,
+            "consumers": consumers,
+            "leases": leases,
+        }
+    )
+
+
+def snapshot(co: Coordinator) -> dict[str, Any]:
+    """Everything `fanout status --json` prints (`build`'s model, as JSON-ready dicts)."""
+    return build(co).model_dump(mode="json")
 
 
 def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
@@ -248,129 +440,13 @@ def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:
     }
 
 
-def _producer_line(s: dict[str, Any]) -> list[str]:
-    p, cfg = s["producer"], s["config"]
-    lines = [f"producer {p['state']}" + _producer_detail(p)]
-    if p["state"] == RoleState.FINISHED:
-        end, total = s["stream_end"], cfg["total_windows"]
-        if end is None and total is not None and s["produced_windows"] >= total:
-            end = total  # a run from before stream ends were recorded
-        lines[0] += (
-            f"  (stream ended at window {end})"
-            if end is not None
-            else "  (stopped by a signal: the stream is open, restart it to continue)"
-        )
-    b = s["blocked"]
-    if b is not None:
-        when = time.strftime("%H:%M:%S UTC", time.gmtime(b["since_wall"]))
-        lines.append(
-            f"producer blocked at K={cfg['max_live_windows']} {b['text'] or '(by nobody)'} "
-            f"since {when} ({b['for_s']:.0f} s)"
-        )
-        if b["ways_out"]:
-            lines.append(f"         {b['ways_out']}")
-    return lines
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def _producer_detail(p: dict[str, Any]) -> str:
-    if "owner" not in p:
-        return ""
-    if p["replicas"] > 1:
-        return f"  {p['replicas']} replicas (below)"
-    return f"  {_who(p)}  {_when(p)}  made {p['windows']} windows" + _rate(p)
-
-
-def _who(p: dict[str, Any]) -> str:
-    return f"{p['host']}:{p['pid']}" if p["pid"] is not None else str(p["owner"])
-
-
-def _when(p: dict[str, Any]) -> str:
-    when = {RoleState.FINISHED: "exited", RoleState.LOST: "last heartbeat"}.get(
-        RoleState(p["state"]), "heartbeat"
-    )
-    return f"{when} {p['heartbeat_age_s']:.1f}s ago"
-
-
-def _rate(p: dict[str, Any]) -> str:
-    return "" if p["windows_per_s"] is None else f" ({p['windows_per_s']:.2f}/s)"
-
-
-def _replica_lines(s: dict[str, Any]) -> list[str]:
-    """The replicas' table (only when the run has more than one)."""
-    if len(s["replicas"]) < 2:
-        return []
-    lines = [f"{'replica':>7} {'state':<9} {'holder':<22} {'windows':>7} {'rate':>10}  heartbeat"]
-    for r in s["replicas"]:
-        rate = "-" if r["windows_per_s"] is None else f"{r['windows_per_s']:.3f}/s"
-        lines.append(
-            f"{r['rank']:>7} {r['state']:<9} {_who(r):<22} {r['windows']:>7} {rate:>10}  {_when(r)}"
-        )
-    return lines
-
-
-def _layers(ids: list[int]) -> str:
-    return ",".join(map(str, ids))
-
-
-def _windows_line(s: dict[str, Any]) -> str:
-    """`windows  produced N/total  <state> <count> ...`: the total is where the stream
-    ended once that is recorded, else the run's length, else ∞ (an open-ended stream).
-    `evicted` counts files, so a window recaptured and evicted again counts again: said
-    when so."""
-    total = s["stream_end"] if s["stream_end"] is not None else s["config"]["total_windows"]
-    w = s["windows"]
-    again = " (incl. recaptured copies)" if s["recaptures"] and w[W.EVICTED] else ""
-    counts = [
-        f"{k} {w[k]}" + (again if k == W.EVICTED else "")
-        for k in W
-        if w[k] or k in (W.READY, W.EVICTED)
-    ]
-    shown = "∞" if total is None else total
-    return f"windows  produced {s['produced_windows']}/{shown}  " + "  ".join(counts)
-
-
-def format_table(s: dict[str, Any]) -> str:
-    cfg = s["config"]
-    lines = [
-        f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
-        f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
-        f"database {s['db_path']}",
-        f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
-        f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
-        _windows_line(s),
-        f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
-        f"({s['high_water']['windows']} windows)",
-        f"events   recaptures {s['recaptures']} (windows published again)  "
-        f"corrupt {s['corrupt']}  detaches {s['detaches']}  reclaims {s['reclaims']}  "
-        f"reclaimed claims {s['claims_reclaimed']}",
-        *_producer_line(s),
-        *_replica_lines(s),
-        "",
-        f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
-        f"{'holder':<22} {'layers':<16} leases",
-    ]
-    held: dict[str, list[str]] = {}
-    for lease in s["leases"]:
-        held.setdefault(lease["consumer"], []).append(f"{lease['window']}.g{lease['generation']}")
-    for c in s["consumers"]:
-        holder = f"{c['host']}:{c['pid']}" if c["pid"] is not None else "-"
-        lines.append(
-            f"{c['id']:<24} {c['state']:<9} {c['cursor']:>7} {c['lag_windows']:>5} "
-            f"{c['heartbeat_age_s']:>7.1f}s  {holder:<22} {_layers(c['target_layer_ids']):<16} "
-            f"{' '.join(held.get(c['id'], [])) or '-'}"
-        )
-    if not s["consumers"]:
-        lines.append("(no consumers registered)")
-    lines += [f"  {c['id']}: {c['state']} {c['note']}" for c in s["consumers"] if c["note"]]
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace, name: str = "status") -> int:
     cfg = config_from_args(args, name)
+    if isinstance(cfg, StatusConfig) and cfg.watch and not sys.stdout.isatty():
+        raise ConfigError(
+            "--watch redraws a terminal, and stdout is not one; use --json (in a loop) or "
+            "--serve PORT for a dashboard"
+        )
     with Coordinator.open(
         cfg.run_dir, db_path=cfg.db_path, allow_network_fs=cfg.allow_network_fs
     ) as co:
@@ -391,6 +467,17 @@ def run(args: argparse.Namespace, name: str = "status") -> int:
                     f"{report.kept} live kept"
                 )
             return 0
+        if isinstance(cfg, StatusConfig) and cfg.serve is not None:
+            from fanout.coord.status_serve import StatusServer
+
+            server = StatusServer(build, co, cfg.host, cfg.serve, cfg.interval_s)
+            print(f"fanout status: serving {server.url} (metrics at {server.url}metrics); "
+                  "Ctrl-C to stop", flush=True)  # fmt: skip
+            return server.run()
+        if isinstance(cfg, StatusConfig) and cfg.watch:
+            from fanout.coord.status_watch import watch
+
+            return watch(lambda: format_table(snapshot(co)), cfg.interval_s)
         s = snapshot(co)
         print(json.dumps(s, indent=2) if cfg.as_json else format_table(s))
     return 0

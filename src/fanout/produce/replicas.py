@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from fanout.coord.leases import ProducerPlan
 from fanout.errors import ConfigError
@@ -50,6 +50,24 @@ class ReplicaOptions(BaseModel):
         "(one process per replica), else the first rank no live replica holds",
     )
 
+    @model_validator(mode="after")
+    def _rank_below_replicas(self) -> ReplicaOptions:
+        # a flag-only rule: fanout.cli checks it before the producer imports torch
+        problem = rank_problem(self.replicas, self.replica_rank)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def rank_problem(replicas: int, replica_rank: int | None) -> str | None:
+    """What is wrong with `--replica-rank` for `--replicas`, in words; None if nothing."""
+    if replica_rank is not None and replica_rank >= replicas:
+        return (
+            f"--replica-rank {replica_rank} must be below --replicas {replicas} (ranks 0 .. "
+            f"{replicas - 1})"
+        )
+    return None
+
 
 def plan(cfg: Any) -> ProducerPlan:
     """The data plan every replica of a run must share (a ProducerConfig's fields)."""
@@ -64,11 +82,9 @@ def rank_of(replicas: int, replica_rank: int | None, tp: int) -> int | None:
     below `replicas`, and for a torchrun world that does not fit: --tp > 1 runs one
     torchrun launch per replica (WORLD_SIZE = --tp), and a torchrun of N processes
     without --tp needs --replicas N."""
-    if replica_rank is not None and replica_rank >= replicas:
-        raise ConfigError(
-            f"--replica-rank {replica_rank} must be below --replicas {replicas} (ranks 0 .. "
-            f"{replicas - 1})"
-        )
+    problem = rank_problem(replicas, replica_rank)
+    if problem:
+        raise ConfigError(problem)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp > 1 and replicas > 1 and "WORLD_SIZE" in os.environ and world != tp:
         raise ConfigError(

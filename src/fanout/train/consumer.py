@@ -163,11 +163,23 @@ def row_order(window: int, rows: int, seed: int, rank: int = 0, world: int = 1) 
 class ConsumerStream:
     """Iterate a run's windows for one consumer. Not thread-safe; one per trainer process."""
 
-    def __init__(self, cfg: ConsumerConfig, expect: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ConsumerConfig,
+        expect: dict[str, Any] | None = None,
+        about: dict[str, Any] | None = None,
+    ) -> None:
         """Nothing is opened or registered yet: `open()` (or `with`, or the first
-        `windows()`) does it, at the position `load_state_dict` set."""
+        `windows()`) does it, at the position `load_state_dict` set. `about` is what
+        `fanout status` shows of this consumer besides its data-parallel world and
+        window budget (fanout.coord.records: the trainer's family, rows per step, log)."""
         self.cfg = cfg
         self._expect = expect
+        self._about = {
+            **(about or {}),
+            "dp_world": cfg.dp_world_size,
+            "max_windows": cfg.max_windows,
+        }
         self._cursor: int | None = None  # None: the coordinator's stored cursor (0 if new)
         self._rows_done = 0
         self._opened = False
@@ -211,6 +223,7 @@ class ConsumerStream:
                 expect=expect,
                 cursor=self._cursor,
                 takeover=cfg.takeover,
+                about=self._about,
             )
         except BaseException:  # RoleHeld, ContractMismatch: nothing was registered
             self.coord.close()

@@ -43,10 +43,12 @@ from fanout.model.verifier_dir import read_verifier_config
 from fanout.ops.fp8 import dequantize
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 from fanout.store.rundir import RunDir
+from fanout.tracking import WandbRun, group_for
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import Batch, ConsumerStream
 from fanout.train.distributed import DataParallel
+from fanout.train.ema import WeightEMA
 from fanout.train.ending import Ending, summary
 from fanout.train.optim import LRCurve, build_optimizer
 from fanout.train.plan import Plan, StreamPlanner
@@ -57,7 +59,7 @@ from fanout.train.progress import (
     wait_for_run,
 )
 from fanout.train.savepath import hold_save_path
-from fanout.train.trainlog import MetricsLog
+from fanout.train.trainlog import MetricsLog, train_log_path
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,11 @@ class Trainer:
                 dp_rank=self.rank, dp_world_size=self.dp.world, max_windows=self.max_windows
             ),
             self.expect,
+            about={
+                "family": cfg.draft_family,
+                "rows_per_step": cfg.rows_per_step,
+                "metrics_log": str(train_log_path(cfg.save_path, self.dp.rank).resolve()),
+            },
         )
         self.opt, self.backend, self.sched = build_optimizer(
             self.draft.parameters(),
@@ -141,10 +148,13 @@ class Trainer:
             total_steps=self.plan.total_steps,
             settled=self.plan.settled,
         )
+        # --ema-decay: the average checkpoints serve (resumed with them, fanout.train.ema)
+        self.ema = WeightEMA(self.draft, cfg.ema_decay) if cfg.ema_decay else None
+        self._saved_at = time.monotonic()  # --checkpoint-every-s counts from here
         self.state = self._resume()
         self._log_schedule()
         self.dp.broadcast_parameters(self.draft)  # identical start on every rank
-        self.metrics = MetricsLog(cfg.save_path, self.dp.rank, cfg.logger)
+        self.metrics = MetricsLog(cfg.save_path, self.dp.rank, cfg.logger, self._tracker())
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if self.device.type == "cuda" and cfg.dtype == "bfloat16"
@@ -314,6 +324,7 @@ class Trainer:
             self.opt,
             states={"stream": self.stream, "scheduler": self.sched},
             generators={"anchors": self.gen},
+            ema=self.ema,
         )
         self._reconcile_schedule(planned)
         if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
@@ -338,6 +349,20 @@ class Trainer:
             raise KeyboardInterrupt
 
     # ---- training -------------------------------------------------------------------
+
+    def _tracker(self) -> WandbRun | None:
+        """--logger wandb: rank 0's W&B run, in the run dir's group (fanout.tracking)."""
+        cfg = self.cfg
+        if cfg.logger != "wandb" or self.dp.rank != 0:
+            return None
+        return WandbRun.start(
+            cfg,
+            name=cfg.consumer_id,
+            group=group_for(cfg.run_dir, cfg.wandb_group),
+            job_type="train",
+            config=cfg.model_dump(mode="json"),
+            dir=cfg.save_path,
+        )
 
     def run(self) -> dict[str, Any]:
         """Train until the stream ends, --max-steps, or a stop signal; save; summarise.
@@ -489,14 +514,21 @@ class Trainer:
         }
 
     def _after_step(self, rec: dict[str, Any]) -> None:
-        """Every --eval-every steps an eval (its numbers join `rec`), every --log-every
-        the metrics record, every --checkpoint-every a checkpoint."""
+        """The weight average moves (--ema-decay); every --eval-every steps an eval (its
+        numbers join `rec`), every --log-every the metrics record, every
+        --checkpoint-every steps (or --checkpoint-every-s seconds) a checkpoint."""
         cfg, step = self.cfg, rec["step"]
+        if self.ema is not None:
+            self.ema.update(self.draft)  # after this step's optimizer update
         if cfg.eval_every and step % cfg.eval_every == 0 and self.dp.is_main:
             rec |= self._eval()
         if step % cfg.log_every == 0:
             self.metrics.write(rec)
-        if step % cfg.checkpoint_every == 0 and self.supervised_steps:
+        due = step % cfg.checkpoint_every == 0 or (
+            cfg.checkpoint_every_s is not None
+            and time.monotonic() - self._saved_at >= cfg.checkpoint_every_s
+        )
+        if due and self.supervised_steps:
             self.save()  # not while this process has learned nothing (no supervised token)
 
     def _check_supervised(self, step: int) -> None:
@@ -564,6 +596,7 @@ class Trainer:
         """Write a checkpoint (rank 0 only: every rank holds the same weights)."""
         if not self.dp.is_main:
             return None
+        self._saved_at = time.monotonic()
         return save_checkpoint(
             self.cfg.save_path,
             self.draft,
@@ -574,6 +607,8 @@ class Trainer:
             verifier_name_or_path=self.cfg.verifier_name_or_path,
             verifier_serving_name=self.cfg.checkpoint_verifier_name,
             config_extra=self._checkpoint_extra(),
+            keep=self.cfg.keep_checkpoints,
+            ema=self.ema,
         )
 
     def _checkpoint_extra(self) -> dict[str, Any]:

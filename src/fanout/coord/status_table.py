@@ -1,0 +1,182 @@
+"""`fanout status`'s table: the snapshot (fanout.coord.status.snapshot) for people.
+
+    from fanout.coord.status import snapshot
+    from fanout.coord.status_table import format_table
+    print(format_table(snapshot(co)))
+
+The run's lines (its capture, windows, totals, bytes, events), the producer's line and
+its replicas' table, then one row per consumer with notes and why each waits under it.
+docs/operations.md, "Reading `fanout status`", shows it (tests/test_status.py keeps the
+example in the real layout). `--watch` redraws it (fanout.coord.status_watch).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fanout.coord.states import RoleState, W
+
+
+def _producer_line(s: dict[str, Any]) -> list[str]:
+    p, cfg = s["producer"], s["config"]
+    lines = [f"producer {p['state']}" + _producer_detail(p)]
+    if p["state"] == RoleState.FINISHED:
+        end, total = s["stream_end"], cfg["total_windows"]
+        if end is None and total is not None and s["produced_windows"] >= total:
+            end = total  # a run from before stream ends were recorded
+        lines[0] += f"  (stream ended at window {end})" if end is not None else ""
+    elif p["state"] == RoleState.STOPPED:
+        lines[0] += "  (stopped by a signal: the stream is open, restart it to continue)"
+    b = s["blocked"]
+    if b is not None:
+        when = time.strftime("%H:%M:%S UTC", time.gmtime(b["since_wall"]))
+        lines.append(
+            f"producer blocked at K={cfg['max_live_windows']} {b['text'] or '(by nobody)'} "
+            f"since {when} ({b['for_s']:.0f} s)"
+        )
+        if b["ways_out"]:
+            lines.append(f"         {b['ways_out']}")
+    return lines
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _producer_detail(p: dict[str, Any]) -> str:
+    if p["owner"] is None:
+        return ""
+    if p["replicas"] > 1:
+        return f"  {p['replicas']} replicas (below)"
+    return f"  {_who(p)}  {_when(p)}  made {p['windows']} windows" + _rate(p)
+
+
+def _who(p: dict[str, Any]) -> str:
+    return f"{p['host']}:{p['pid']}" if p["pid"] is not None else str(p["owner"])
+
+
+def _when(p: dict[str, Any]) -> str:
+    when = {
+        RoleState.FINISHED: "exited",
+        RoleState.STOPPED: "exited",
+        RoleState.LOST: "last heartbeat",
+    }.get(RoleState(p["state"]), "heartbeat")
+    return f"{when} {p['heartbeat_age_s']:.1f}s ago"
+
+
+def _rate(p: dict[str, Any]) -> str:
+    return "" if p["windows_per_s"] is None else f" ({p['windows_per_s']:.2f}/s)"
+
+
+def _replica_lines(s: dict[str, Any]) -> list[str]:
+    """The replicas' table (only when the run has more than one), then why each one
+    that is not capturing waits."""
+    if len(s["replicas"]) < 2:
+        return []
+    lines = [f"{'replica':>7} {'state':<9} {'holder':<22} {'windows':>7} {'rate':>10}  heartbeat"]
+    for r in s["replicas"]:
+        rate = "-" if r["windows_per_s"] is None else f"{r['windows_per_s']:.3f}/s"
+        lines.append(
+            f"{r['rank']:>7} {r['state']:<9} {_who(r):<22} {r['windows']:>7} {rate:>10}  {_when(r)}"
+        )
+    waiting = [r for r in s["replicas"] if r["waiting"] and r["state"] != RoleState.ACTIVE]
+    return lines + [f"  replica {r['rank']}: {r['waiting']}" for r in waiting]
+
+
+def _layers(ids: list[int]) -> str:
+    return ",".join(map(str, ids))
+
+
+def _windows_line(s: dict[str, Any]) -> str:
+    """`windows  produced N/total  <state> <count> ...`: the total is where the stream
+    ended once that is recorded, else the run's length, else ∞ (an open-ended stream).
+    `evicted` counts files, so a window recaptured and evicted again counts again: said
+    when so."""
+    total = s["stream_end"] if s["stream_end"] is not None else s["config"]["total_windows"]
+    w = s["windows"]
+    again = " (incl. recaptured copies)" if s["recaptures"] and w[W.EVICTED] else ""
+    counts = [
+        f"{k} {w[k]}" + (again if k == W.EVICTED else "")
+        for k in W
+        if w[k] or k in (W.READY, W.EVICTED)
+    ]
+    shown = "∞" if total is None else total
+    return f"windows  produced {s['produced_windows']}/{shown}  " + "  ".join(counts)
+
+
+def _totals_line(s: dict[str, Any]) -> str:
+    """`totals   live N/K  producer R windows/s (a of n replicas active)  consumers ...`"""
+    t, st = s["totals"], s["stream"]
+    length = "∞" if st["length_windows"] is None else str(st["length_windows"])
+    rows = "" if st["rows"] is None else f"  {st['rows']} rows × {st['epochs']} epochs"
+    return (
+        f"totals   live {t['windows_live']}/K={t['max_live_windows']}  "
+        f"producer {t['producer_windows_per_s']:.3f} windows/s "
+        f"({t['replicas_active']} of {t['replicas']} replicas active)  "
+        f"consumers {t['consumers_active']} of {t['consumers']} active  "
+        f"stream {length} windows" + (" (ended)" if st["ended"] else "") + rows
+    )
+
+
+def duration(secs: float | None) -> str:
+    """An ETA for people: `-` (not known), `42s`, `12m05s`, `3h07m`."""
+    if secs is None:
+        return "-"
+    n = round(secs)
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        return f"{n // 60}m{n % 60:02d}s"
+    return f"{n // 3600}h{n % 3600 // 60:02d}m"
+
+
+CONSUMER_HEADER = (
+    f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
+    f"{'holder':<22} {'layers':<16} {'family':<8} {'dp':>5} {'step':>7} {'rows/s':>8} "
+    f"{'eta':>7}  leases"
+)
+
+
+def _consumer_line(c: dict[str, Any], held: list[str]) -> str:
+    holder = f"{c['host']}:{c['pid']}" if c["pid"] is not None else "-"
+    dp = f"{c['dp_rank']}/{c['dp_world']}" if c["dp_world"] is not None else "-"
+    step = "-" if c["step"] is None else str(c["step"])
+    rate = "-" if c["rows_per_s"] is None else f"{c['rows_per_s']:.2f}"
+    return (
+        f"{c['id']:<24} {c['state']:<9} {c['cursor']:>7} {c['lag_windows']:>5} "
+        f"{c['heartbeat_age_s']:>7.1f}s  {holder:<22} {_layers(c['target_layer_ids']):<16} "
+        f"{c['family'] or '-':<8} {dp:>5} {step:>7} {rate:>8} {duration(c['eta_s']):>7}  "
+        f"{' '.join(held) or '-'}"
+    )
+
+
+def format_table(s: dict[str, Any]) -> str:
+    cfg = s["config"]
+    lines = [
+        f"run {s['run_dir']}  stream {s['stream_id']}  K={cfg['max_live_windows']}  "
+        f"policy={cfg['lag_policy']}  ttl={cfg['ttl_s']}s",
+        f"database {s['db_path']}",
+        f"capture  layers {s['capture']['target_layer_ids']}  {s['capture']['storage_dtype']}  "
+        f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
+        _windows_line(s),
+        _totals_line(s),
+        f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
+        f"({s['high_water']['windows']} windows)",
+        f"events   recaptures {s['recaptures']} (windows published again)  "
+        f"corrupt {s['corrupt']}  detaches {s['detaches']}  reclaims {s['reclaims']}  "
+        f"reclaimed claims {s['claims_reclaimed']}",
+        *_producer_line(s),
+        *_replica_lines(s),
+        "",
+        CONSUMER_HEADER,
+    ]
+    held: dict[str, list[str]] = {}
+    for lease in s["leases"]:
+        held.setdefault(lease["consumer"], []).append(f"{lease['window']}.g{lease['generation']}")
+    lines += [_consumer_line(c, held.get(c["id"], [])) for c in s["consumers"]]
+    if not s["consumers"]:
+        lines.append("(no consumers registered)")
+    lines += [f"  {c['id']}: {c['state']} {c['note']}" for c in s["consumers"] if c["note"]]
+    lines += [f"  {c['id']}: waiting: {c['waiting']}" for c in s["consumers"] if c["waiting"]]
+    return "\n".join(lines)

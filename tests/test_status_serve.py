@@ -1,0 +1,218 @@
+"""`fanout status --serve PORT` and `--watch` (issue 45): Prometheus metrics checked with
+prometheus_client's own parser, a page whose numbers are `--json`'s, a terminal view that
+Ctrl-C ends with exit 0, and the misuses (a port in use, `--watch` without a terminal,
+a run dir that is not a run), one line and exit 1 each.
+
+    .venv/bin/pytest tests/test_status_serve.py -x -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fanout.cli import main as cli_main
+from fanout.coord.coordinator import Coordinator
+from fanout.coord.status import build
+from fanout.coord.status_serve import StatusServer
+from test_coordinator import new_run, produce
+
+AGES = ("heartbeat_age_s", "taken_wall")  # the wall clock moves between two requests
+
+
+@pytest.fixture
+def settled_run(tmp_path: Path) -> Path:
+    """A run whose numbers stand still: 3 windows made by a producer that finished, a
+    DP rank of a dspark draft that acked 2 and stopped (so every rate is fixed)."""
+    co, store, c = new_run(tmp_path, None, max_live_windows=4, total_windows=6)
+    p = co.register_producer(c)
+    log = tmp_path / "train_log.jsonl"
+    log.write_text('{"step": 4, "eal": 2.25}\n')
+    reg = co.register_consumer(
+        "d", dp_rank=0,
+        about={"family": "dspark", "dp_world": 2, "max_windows": None, "metrics_log": str(log)},
+    )  # fmt: skip
+    for _ in range(3):
+        produce(co, p, store, c)
+    for _ in range(2):
+        lease = co.acquire(reg, timeout_s=1)
+        assert lease is not None
+        co.ack(lease)
+    co.stop(reg)
+    co.finish_producer(p, stream_end=6)
+    co.close()
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def server(settled_run: Path) -> Iterator[StatusServer]:
+    """The server in a thread that opens its own coordinator connection (as the CLI's)."""
+    ready: queue.Queue[StatusServer | BaseException] = queue.Queue()
+
+    def serve() -> None:
+        try:
+            with Coordinator.open(settled_run) as co:
+                srv = StatusServer(build, co, "127.0.0.1", 0, 0.1)
+                ready.put(srv)
+                srv.run()
+        except BaseException as e:  # surfaced by the test
+            ready.put(e)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    srv = ready.get(timeout=60)
+    assert isinstance(srv, StatusServer), srv
+    yield srv
+    srv.shutdown()
+    t.join(30)
+    assert not t.is_alive()
+
+
+def _get(url: str) -> tuple[str, str]:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode(), r.headers["Content-Type"]
+
+
+def _json(run: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert cli_main(["status", "--run-dir", str(run), "--json"]) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def _strip(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if k not in AGES}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    return x
+
+
+def test_metrics_page_and_json_agree_with_status_json(
+    server: StatusServer, settled_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    want = _json(settled_run, capsys)
+    served, kind = _get(server.url + "status.json")
+    assert kind.startswith("application/json")
+    assert _strip(json.loads(served)) == _strip(want)
+
+    text, kind = _get(server.url + "metrics")
+    assert kind.startswith("text/plain; version=0.0.4")
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for f in fams.values():  # Prometheus' conventions
+        assert f.name.startswith("fanout_"), f.name
+        if f.type == "counter":
+            assert all(s.name.endswith("_total") for s in f.samples), f
+        assert not re.search(r"_s$|_ms$|_secs?$", f.name), f.name  # base units, spelled out
+
+    def value(name: str, **labels: Any) -> float:
+        fam = fams[name.removesuffix("_total")]
+        (v,) = [s.value for s in fam.samples
+                if all(s.labels.get(k) == str(x) for k, x in labels.items())]  # fmt: skip
+        return float(v)
+
+    t = want["totals"]
+    assert value("fanout_windows_made_total") == t["windows_made"] == 3
+    assert value("fanout_windows_live") == t["windows_live"]
+    assert value("fanout_windows_ready") == t["windows_ready"]
+    assert value("fanout_max_live_windows") == t["max_live_windows"] == 4
+    assert value("fanout_producer_windows_per_second") == t["producer_windows_per_s"]
+    assert value("fanout_stream_length_windows") == want["stream"]["length_windows"] == 6
+    (r,) = want["replicas"]
+    assert value("fanout_replica_state", rank=0, state="finished") == 1
+    assert value("fanout_replica_state", rank=0, state="active") == 0
+    assert value("fanout_replica_windows_total", rank=0) == r["windows"] == 3
+    assert value("fanout_replica_windows_per_second", rank=0) == r["windows_per_s"]
+    (c,) = want["consumers"]
+    who = {"consumer": "d:dp0", "family": "dspark", "dp_rank": 0}
+    assert value("fanout_consumer_state", **who, state="stopped") == 1
+    assert value("fanout_consumer_cursor", **who) == c["cursor"] == 2
+    assert value("fanout_consumer_lag_windows", **who) == c["lag_windows"] == 1
+    assert value("fanout_consumer_step", **who) == c["step"] == 4
+    assert value("fanout_consumer_eal", **who) == c["eal"] == 2.25
+    assert value("fanout_consumer_rows_per_second", **who) == c["rows_per_s"]
+    assert c["rows_per_s"] is not None and c["rows_per_s"] > 0
+
+    page, kind = _get(server.url)
+    assert kind.startswith("text/html") and 'http-equiv="refresh"' in page
+    cells = dict(re.findall(r'<td data-key="([^"]+)">([^<]*)</td>', page))
+    assert cells, page
+    flat = {f"totals.{k}": v for k, v in t.items()}
+    flat |= {f"consumers.d:dp0.{k}": v for k, v in c.items()}
+    flat |= {f"replicas.0.{k}": v for k, v in r.items()}
+    checked = 0
+    for key, shown in cells.items():
+        if key.rsplit(".", 1)[1] in AGES:
+            continue
+        v = flat[key]
+        assert shown == ("-" if v is None else str(v)), (key, shown, v)
+        checked += 1
+    assert checked >= 20 and cells["consumers.d:dp0.family"] == "dspark"
+    time.sleep(0.3)  # a few samples: the plot is drawn
+    page, _ = _get(server.url)
+    assert "<svg" in page and "windows live" in page
+    with pytest.raises(urllib.error.HTTPError):
+        _get(server.url + "nope")
+
+
+def test_a_port_in_use_a_run_that_is_not_one_and_watch_without_a_terminal(
+    settled_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line on stderr and exit 1 each."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = cli_main(["status", "--run-dir", str(settled_run), "--serve", str(port)])
+        err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1, err
+    assert f"--serve {port}: cannot listen on 127.0.0.1:{port}" in err
+    (tmp_path / "empty").mkdir()
+    code = cli_main(["status", "--run-dir", str(tmp_path / "empty"), "--serve", "0"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "no coordinator database" in err, err
+    code = cli_main(["status", "--run-dir", str(settled_run), "--watch"])  # capsys: no tty
+    out, err = capsys.readouterr()
+    assert code == 1 and out == "" and err.count("\n") == 1, err
+    assert "--watch redraws a terminal, and stdout is not one" in err
+
+
+def test_watch_redraws_in_a_terminal_and_ctrl_c_exits_0(settled_run: Path) -> None:
+    """In a pseudo-terminal: the table, redrawn (rich moves the cursor up over it, no
+    clear-screen), until SIGINT, then exit 0."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fanout.cli", "status", "--run-dir", str(settled_run),
+         "--watch", "--interval-s", "0.2"],
+        stdin=slave, stdout=slave, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 60
+    while seen.count(b"Ctrl-C to stop") < 3 and time.monotonic() < deadline:
+        try:
+            seen += os.read(master, 65536)
+        except OSError:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    os.close(master)
+    assert proc.returncode == 0, err
+    text = seen.decode(errors="replace")
+    assert text.count("Ctrl-C to stop") >= 3, text[-2000:]
+    assert "d:dp0" in text and "producer finished" in text
+    assert "\x1b[2J" not in text  # never cleared: redrawn in place
