@@ -98,8 +98,12 @@ SPEC_CLASSES = {
     "dspark": ("speculators.models.dspark", "DSparkDraftModel", "DSparkSpeculatorConfig"),
     "eagle3": ("speculators.models.eagle3", "Eagle3DraftModel", "Eagle3SpeculatorConfig"),
     "peagle": ("speculators.models.peagle", "PEagleDraftModel", "PEagleSpeculatorConfig"),
+    "xpress": ("speculators.models.xpress", "XPressDraftModel", "XPressSpeculatorConfig"),
 }
 SPEC_LOSS = {"ce": "ce", "kl": "kl_div"}  # fanout loss_type -> speculators --loss-fn
+# a family whose loss is its own compound (trained as fanout's loss_type ce whatever
+# --step-loss says): speculators' --loss-fn for it, its trainer's default
+SPEC_OWN_LOSS = {"xpress": '{"ce": 0.1, "tv": 0.9}'}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -436,7 +440,7 @@ def family_step(
     draft = family(name).build(vdir, target_layer_ids=layers,
                                block_size=FAMILIES[name].block_size_for(BLOCK),
                                max_anchors=a.step_anchors, num_layers=1,
-                               loss_type=a.step_loss)  # fmt: skip
+                               loss_type="ce" if name in SPEC_OWN_LOSS else a.step_loss)  # fmt: skip
     # Weights rounded to bf16 first: model.safetensors is bf16, so both hold the same numbers.
     with torch.no_grad():
         for p in draft.parameters():
@@ -448,10 +452,13 @@ def family_step(
     scfg = config_cls.from_pretrained(str(ckpt))
     scfg.transformer_layer_config._attn_implementation = "eager"  # plain PyTorch on CPU
     model = model_cls.from_pretrained(str(ckpt), config=scfg, dtype=torch.float32)
+    for key, buf in model.named_buffers():  # speculators 0.9.0's XPress from_pretrained
+        if key.endswith("causal_tril"):  # leaves this non-persistent buffer unset
+            buf.copy_(torch.tril(torch.ones_like(buf)))
     model.train()
     sopt = _adamw(model)
     kw, _ = model.get_trainer_kwargs(
-        loss_fn=SPEC_LOSS[a.step_loss],
+        loss_fn=SPEC_OWN_LOSS.get(name, SPEC_LOSS[a.step_loss]),
         loss_implementation="eager",  # the fused losses are Triton kernels
         max_anchors=a.step_anchors,
         dflash_decay_gamma=None if eagle else draft.cfg.resolved_gamma,

@@ -1,8 +1,10 @@
 """The two-head linear CE / KL (fanout.ops.two_head_ce) against materialised logits + autograd.
 
 Reference: `logits = x @ a^T + e @ b^T` in fp32, `F.cross_entropy` (ignore_index -100) or
-KL(softmax(teacher @ a^T) || softmax(logits)), autograd for x, e and b (a frozen), the
-acceptance `sum_v min(q_v, p_v)` from the two softmaxes. Both modes: `row_weight` given
+KL(softmax(teacher @ a^T) || softmax(logits)) or the compound `0.3 CE + 0.7 TV` (cetv:
+speculators' `{"ce": .., "tv": ..}`, TV = 1 - sum_v min(q_v, p_v), an ignored row
+neither term), autograd for x, e and b (a frozen), the acceptance `sum_v min(q_v, p_v)`
+from the two softmaxes. Both modes: `row_weight` given
 (forward folds every gradient, loss = sum_i w_i l_i) and per-row (backward recomputes,
 output gradient any `[N]` vector). Shapes cross chunk boundaries (chunks of 1, a ragged
 last chunk, one chunk bigger than N, N = 1, no rows) and drop the second head.
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 
 from fanout.ops.two_head_ce import (
     TwoHeadOut,
+    two_head_ce_tv_and_argmax,
     two_head_cross_entropy_and_argmax,
     two_head_kl_div_and_argmax,
 )
@@ -27,6 +30,7 @@ from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 VALUE_TOL: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL: dict[str, Any] = {"rtol": 1e-4, "atol": 1e-6}
+CE_TV = (0.3, 0.7)  # the compound's weights (cetv)
 
 
 def _inputs(seed: int, n: int, h: int = 12, r: int = 5, v: int = 97) -> dict[str, torch.Tensor]:
@@ -58,13 +62,15 @@ def _reference(
     if two:
         logits = logits + leaves[1] @ leaves[2].t()
     log_p = F.log_softmax(d["teacher"] @ d["a"].t(), -1)
-    if kind == "ce":
+    overlap = torch.minimum(logits.softmax(-1), log_p.exp()).sum(-1)  # [N]
+    if kind != "kl":
         rows = F.cross_entropy(logits, d["target"], reduction="none", ignore_index=-100)
+        if kind == "cetv":
+            rows = (CE_TV[0] * rows + CE_TV[1] * (1 - overlap)) * (d["target"] != -100)
     else:
         rows = (log_p.exp() * (log_p - F.log_softmax(logits, -1))).sum(-1)
     (rows * d["w"]).sum().backward()
-    with torch.no_grad():
-        accept = torch.minimum(logits.softmax(-1), log_p.exp()).sum(-1)
+    accept = overlap.detach()
     grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
     return rows.detach(), logits.detach().argmax(-1), accept, grads
 
@@ -80,6 +86,11 @@ def _fused(
         out = two_head_cross_entropy_and_argmax(
             x, e, d["a"], b, d["target"], teacher=d["teacher"], row_weight=w, chunk_rows=chunk
         )
+    elif kind == "cetv":
+        out = two_head_ce_tv_and_argmax(
+            x, e, d["a"], b, d["target"], d["teacher"], ce_weight=CE_TV[0],
+            tv_weight=CE_TV[1], row_weight=w, chunk_rows=chunk,
+        )  # fmt: skip
     else:
         out = two_head_kl_div_and_argmax(
             x, e, d["a"], b, d["teacher"], row_weight=w, chunk_rows=chunk
@@ -94,7 +105,7 @@ def _fused(
 SHAPES = [(37, 8), (37, 1), (16, 16), (5, 64), (1, None), (64, None), (0, 4)]
 
 
-@pytest.mark.parametrize("kind", ["ce", "kl"])
+@pytest.mark.parametrize("kind", ["ce", "kl", "cetv"])
 @pytest.mark.parametrize("fold", [True, False], ids=["row_weight", "per_row"])
 @pytest.mark.parametrize("two", [True, False], ids=["two_heads", "one_head"])
 @pytest.mark.parametrize(("n", "chunk"), SHAPES)
@@ -113,7 +124,7 @@ def test_matches_materialised_logits(
     assert out.accept is not None
     torch.testing.assert_close(out.accept, accept, **VALUE_TOL)
     assert torch.equal(out.pred, pred)
-    if kind == "ce":  # ignored rows: CE 0
+    if kind != "kl":  # ignored rows: CE (and TV) 0
         assert bool((out.rows[d["target"] == -100] == 0).all())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **GRAD_TOL)

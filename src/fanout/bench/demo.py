@@ -7,7 +7,8 @@ Needs nothing but Python and this repo: it builds its own tiny assets (a BPE
 tokenizer, a briefly trained tiny Qwen3 verifier, a generated chat corpus; cached
 under `<run-dir>/assets`, so the second run starts at once), then runs the `1p3c`
 scenario of the benchmark harness (fanout.bench.bench) with one block-8 draft of each
-family (every registered one: DFlash, DFlash2, DSpark, EAGLE-3, P-EAGLE; `DEMO_FAMILIES`) on the one stream for `--minutes`
+family (every registered one: DFlash, DFlash2, DSpark, EAGLE-3, P-EAGLE, XPress;
+`DEMO_FAMILIES`) on the one stream for `--minutes`
 on-policy (the producer runs with `--regenerate`: the verifier rewrites
 the corpus's answers chunk by chunk and the drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
 acceptance length (first → last), windows captured once and read by every draft, the

@@ -89,8 +89,13 @@ def model_card(ckpt: Path, name: str, report: dict[str, Any]) -> str:
         "The served rule is what vLLM's DFlash/EAGLE proposers run: the draft proposes its "
         "argmax tokens; at T > 0 the verifier accepts token d with probability p(d) and "
         "otherwise samples from p without d. Load with speculators "
-        f"(`speculators_model_type: {fam.speculators_model_type}` in config.json) or serve "
-        f"with vLLM's speculative method `{fam.serving_method}`.",
+        f"(`speculators_model_type: {fam.speculators_model_type}` in config.json) "
+        + (
+            f"or serve with vLLM's speculative method `{fam.serving_method}`."
+            if fam.served_by_vllm
+            else "; vLLM has no proposer for this family yet: the figures above are "
+            "speculators' reference decoding."
+        ),
         "",
     ]
     return "\n".join(lines)

@@ -45,6 +45,8 @@ class Family:
     architectures: ClassVar[tuple[str, ...]]
     # vLLM's `--speculative-config` method that serves it (docs/eval.md)
     serving_method: ClassVar[str]
+    # vLLM has a proposer for it (False: fanout eval runs speculators' reference decoding)
+    served_by_vllm: ClassVar[bool] = True
     # slot 0 (the anchor) predicts the next token too (DSpark): bs drafted tokens, not bs-1
     sample_from_anchor: ClassVar[bool] = False
     # speculators' `sliding_window_non_causal` default for the family (written as is)

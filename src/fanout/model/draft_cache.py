@@ -71,9 +71,15 @@ class IndependentSlots:
 def head_logits(draft: DFlashDraft, hid: torch.Tensor) -> torch.Tensor:
     """Final-norm states `[n, H]` -> logits `[n, V]` over the verifier's vocabulary."""
     logits = hid.to(draft.lm_head_weight.dtype) @ draft.lm_head_weight.t()  # [n, V or Vd]
+    return verifier_vocab(draft, logits)
+
+
+def verifier_vocab(draft: DFlashDraft, logits: torch.Tensor) -> torch.Tensor:
+    """Draft-vocab logits `[n, Vd]` -> fp32 verifier-vocab logits `[n, V]` (-inf outside
+    a reduced draft vocabulary: probability 0 there)."""
     if draft.d2t is None:
         return logits.float()
-    full = logits.new_full((hid.shape[0], draft.cfg.vocab_size), float("-inf")).float()
+    full = logits.new_full((logits.shape[0], draft.cfg.vocab_size), float("-inf")).float()
     ids = torch.arange(logits.shape[1], device=logits.device) + draft.d2t  # verifier ids
     full[:, ids] = logits.float()
     return full
@@ -197,4 +203,11 @@ class DraftCache(IndependentSlots):
         return head_logits(self.draft, self.block_states(seq)[1:])
 
 
-__all__ = ["DraftCache", "DraftContext", "IndependentSlots", "UncachedDraft", "head_logits"]
+__all__ = [
+    "DraftCache",
+    "DraftContext",
+    "IndependentSlots",
+    "UncachedDraft",
+    "head_logits",
+    "verifier_vocab",
+]

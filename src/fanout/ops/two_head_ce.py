@@ -25,6 +25,10 @@ backward. Here A (`a`) never gets a gradient, and:
   CE uses it only for `accept` = `sum_v min(q_v, p_v)` = 1 - TV(q, p), computed from the
   same chunk's logits instead of a second pass (DSpark's confidence target).
 
+- `two_head_ce_tv_and_argmax`: the compound `ce_weight * CE + tv_weight * TV(q, p)` per
+  row (speculators' `{"ce": .., "tv": ..}` loss, XPress's), TV = 1 - sum_v min(q_v, p_v)
+  with `dTV/dz = q (S - 1[q < p])`, S = sum of q where q < p; one pass gives both terms.
+
 `e` and `b` may both be None (one frozen head only: the op is then the DFlash linear CE
 plus the teacher agreement). No `[N, V]` logits exist at once: chunks of about 256 MiB
 of fp32 per live `[chunk, V]` block. Logits, log-sum-exp, softmaxes and gradient
@@ -42,7 +46,7 @@ import torch
 from fanout.ops.argmax import row_argmax
 from fanout.ops.linear_ce import _chunk_rows, _mm_fp32, _own_precision
 
-Kind = Literal["ce", "kl"]
+Kind = Literal["ce", "kl", "cetv"]
 
 
 class TwoHeadOut(NamedTuple):
@@ -83,27 +87,38 @@ def _chunk(
     ignore_index: int,
     tz: torch.Tensor | None,  # [c, V] fp32 teacher logits, overwritten (or None)
     scale: torch.Tensor | None,  # [c] fp32 d(loss)/d(value_row), or None: 1
+    mix: tuple[float, float] = (1.0, 0.0),  # ce / cetv: (CE weight, TV weight)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Row values `[c]`, argmax `[c]`, accept `[c]` (None without a teacher) and
     `scale_row * d(value_row)/d(logits)` `[c, V]` (in z's storage) of one chunk."""
     pred = row_argmax(z)  # [c], the first maximum, as argmax
-    if kind == "ce":
-        assert target is not None
+    if kind != "kl":  # ce: CE; cetv: mix[0] CE + mix[1] TV
+        assert target is not None and (kind == "ce" or tz is not None)
+        ce_w, tv_w = mix
         keep = target != ignore_index  # [c]
         safe_t = torch.where(keep, target, torch.zeros_like(target))
         z_t = z.gather(1, safe_t[:, None]).squeeze(1)  # [c] target logit
         m = z.amax(dim=1)  # [c]
         z.sub_(m[:, None]).exp_()  # [c, V] exp(z - m), in place
         s = z.sum(dim=1)  # [c]
-        val = (m + s.log() - z_t) * keep  # [c]
+        val = ce_w * (m + s.log() - z_t)  # [c]
         q = z.div_(s[:, None])  # [c, V] softmax
-        accept = None
+        accept = q_below = None
         if tz is not None:
             p = _softmax_(tz)  # [c, V]
-            accept = torch.minimum(p, q, out=p).sum(dim=1)
-        q.scatter_add_(1, safe_t[:, None], -torch.ones_like(m)[:, None])  # q - onehot
+            below = q < p if tv_w else None  # [c, V] where the draft's mass is the smaller
+            accept = torch.minimum(p, q, out=p).sum(dim=1)  # [c] sum_v min(q_v, p_v)
+            if below is not None:
+                q_below = torch.mul(q, below, out=p)  # [c, V] q where q < p, 0 elsewhere
+                val += tv_w * (1.0 - accept)
+        # d/dz = w_ce (q - onehot) + w_tv q (S - 1[q < p]), S = sum of q where q < p
+        if q_below is not None:
+            q.mul_((ce_w + tv_w * q_below.sum(dim=1))[:, None]).sub_(q_below, alpha=tv_w)
+        elif ce_w != 1.0:
+            q.mul_(ce_w)
+        q.scatter_add_(1, safe_t[:, None], torch.full_like(m, -ce_w)[:, None])  # - onehot
         q.mul_((keep if scale is None else keep * scale)[:, None])  # ignored rows: no grad
-        return val, pred, accept, q
+        return val * keep, pred, accept, q
     assert tz is not None
     # One exp per side: log p - log q = (tz - m_p) - (z - m_q) - log s_p + log s_q
     z.sub_(z.amax(dim=1, keepdim=True))  # [c, V] z - m_q
@@ -136,6 +151,7 @@ class _TwoHeadLinear(torch.autograd.Function):
         ignore_index: int,
         chunk_rows: int | None,
         grad_on: bool,
+        mix: tuple[float, float],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         n, vocab = x.shape[0], a.shape[0]
         need = ctx.needs_input_grad
@@ -171,7 +187,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 tc = None if target is None else target[s:t]
                 grads = gx is not None or ge is not None or gb is not None
                 scale = w[s:t] if w is not None and grads else None  # d(sum_i w_i l_i)/d(l_i)
-                val, pred, acc, dz = _chunk(kind, z, tc, ignore_index, tz, scale)
+                val, pred, acc, dz = _chunk(kind, z, tc, ignore_index, tz, scale, mix)
                 del tz
                 vals[s:t], preds[s:t] = val, pred
                 if accept is not None and acc is not None:
@@ -180,6 +196,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                     _grads(dz, ec, a, b, gx, ge, gb, s, t)
                 del z, dz
         ctx.kind, ctx.ignore_index, ctx.chunk, ctx.fold = kind, ignore_index, c, fold
+        ctx.mix = mix
         ctx.dtypes = (x.dtype, None if e is None else e.dtype, None if b is None else b.dtype)
         if fold:
             ctx.save_for_backward(gx, ge, gb)
@@ -205,7 +222,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 None if t is None else (t * g).to(dt)
                 for t, dt in ((gx, x_dt), (ge, e_dt), (gb, b_dt))
             ]
-            return out[0], out[1], None, out[2], None, None, None, None, None, None, None
+            return out[0], out[1], None, out[2], None, None, None, None, None, None, None, None
         return _TwoHeadLinear._recompute(ctx, g)
 
     @staticmethod
@@ -225,13 +242,13 @@ class _TwoHeadLinear(torch.autograd.Function):
                 tz = None if teacher is None or ctx.kind == "ce" else _mm_fp32(teacher[s:t], a.t())
                 tc = None if target is None else target[s:t]
                 # [c, V] d(loss)/d(logits): scaled by each row's output gradient
-                _, _, _, dz = _chunk(ctx.kind, z, tc, ctx.ignore_index, tz, g[s:t])
+                _, _, _, dz = _chunk(ctx.kind, z, tc, ctx.ignore_index, tz, g[s:t], ctx.mix)
                 del tz
                 _grads(dz, ec, a, b, gx, ge, gb, s, t)
                 del z, dz
         x_dt, e_dt, b_dt = ctx.dtypes
         out = [None if t is None else t.to(dt) for t, dt in ((gx, x_dt), (ge, e_dt), (gb, b_dt))]
-        return out[0], out[1], None, out[2], None, None, None, None, None, None, None
+        return out[0], out[1], None, out[2], None, None, None, None, None, None, None, None
 
 
 def _grads(
@@ -301,12 +318,13 @@ def _apply(
     kind: Kind,
     ignore_index: int,
     chunk_rows: int | None,
+    mix: tuple[float, float] = (1.0, 0.0),
 ) -> TwoHeadOut:
     _check(x, e, a, b, teacher, row_weight)
     t = None if teacher is None else teacher.detach()
     w = None if row_weight is None else row_weight.detach()
     loss, rows, pred, accept = _TwoHeadLinear.apply(
-        x, e, a, b, target, t, w, kind, ignore_index, chunk_rows, torch.is_grad_enabled()
+        x, e, a, b, target, t, w, kind, ignore_index, chunk_rows, torch.is_grad_enabled(), mix
     )
     return TwoHeadOut(loss, loss.detach() if rows is None else rows, pred, accept)
 
@@ -367,4 +385,43 @@ def two_head_kl_div_and_argmax(
     return _apply(x, e, a, b, None, teacher, row_weight, "kl", -100, chunk_rows)
 
 
-__all__ = ["TwoHeadOut", "two_head_cross_entropy_and_argmax", "two_head_kl_div_and_argmax"]
+def two_head_ce_tv_and_argmax(
+    x: torch.Tensor,
+    e: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    target: torch.Tensor,
+    teacher: torch.Tensor,
+    *,
+    ce_weight: float,
+    tv_weight: float,
+    row_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+) -> TwoHeadOut:
+    """Per-row `ce_weight * CE(target) + tv_weight * TV(q, p)`, q = softmax(x @ a^T +
+    e @ b^T), p = softmax(teacher @ a^T), TV = 1 - sum_v min(q_v, p_v) (speculators'
+    `tv_loss`), without `[N, V]` logits; arguments and `TwoHeadOut` as
+    `two_head_cross_entropy_and_argmax` (`accept` = 1 - TV always given; an
+    `ignore_index` row has neither term).
+
+    Example:
+        >>> x, a, t = torch.randn(8, 4, requires_grad=True), torch.randn(10, 4), torch.randn(8, 4)
+        >>> out = two_head_ce_tv_and_argmax(x, None, a, None, torch.randint(0, 10, (8,)), t,
+        ...     ce_weight=0.1, tv_weight=0.9, row_weight=torch.ones(8))
+        >>> out.loss.backward()
+    """
+    if target.shape != (x.shape[0],):
+        raise ValueError(f"expected target [{x.shape[0]}], got {tuple(target.shape)}")
+    mix = (float(ce_weight), float(tv_weight))
+    return _apply(
+        x, e, a, b, target.long(), teacher, row_weight, "cetv", ignore_index, chunk_rows, mix
+    )
+
+
+__all__ = [
+    "TwoHeadOut",
+    "two_head_ce_tv_and_argmax",
+    "two_head_cross_entropy_and_argmax",
+    "two_head_kl_div_and_argmax",
+]

@@ -1,0 +1,107 @@
+"""XPress's own flags and its validated config.
+
+    from fanout.families.xpress.config import XPressConfig, XPressRecipe
+    XPressRecipe(xpress_rank=128)                      # the family's flags (fanout train)
+    cfg = XPressConfig(**dflash_fields, xpress_rank=128)  # a draft's full config
+
+`XPressRecipe` holds the fields speculators 0.9.0's XPress declares beyond DFlash
+(`xpress_rank`, `xpress_mlp_ratio`, `num_jacobi_passes`: written top-level into
+`config.json`, `XPressSpeculatorConfig`) and its trainer's loss knobs (training only,
+`speculators/train/config/schema.py` `XPressArgs`: `consistency_weight`,
+`consistency_passes`, `base_anchor_weight`, `base_anchor_full_weight`), with
+speculators' defaults, plus the weights of its compound loss (speculators'
+`--loss-fn '{"ce": 0.1, "tv": 0.9}'`, XPress's default). speculators' `ce_from_data` is
+the shared `--label-source input_ids`. `XPressConfig` is `DFlashConfig` plus those, frozen
+and validated at construction.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fanout.model.dflash import DFlashConfig
+
+
+class XPressRecipe(BaseModel):
+    """XPress's own options (speculators' XPress defaults: rank 256, MLP ratio 2, 6
+    Jacobi passes, CE 0.1 + TV 0.9, 3 consistency rounds at weight 0.3, the base anchor
+    at 0.6 with the decay)."""
+
+    xpress_rank: int = Field(
+        256, ge=1, description="XPress: low-rank width r of the causal refiner head"
+    )
+    xpress_mlp_ratio: int = Field(
+        2, ge=1, description="XPress: refiner SwiGLU MLP width = rank x this ratio"
+    )
+    num_jacobi_passes: int = Field(
+        6,
+        ge=0,
+        description="XPress: parallel refine passes K when drafting (fanout eval; stored in "
+        "config.json, unused in training); 0: the backbone's own argmax",
+    )
+    xpress_ce_weight: float = Field(
+        0.1, ge=0, description="XPress: weight of the CE term of each loss term (speculators' "
+        "--loss-fn {\"ce\": w, ...})",
+    )  # fmt: skip
+    xpress_tv_weight: float = Field(
+        0.9,
+        ge=0,
+        description="XPress: weight of the total-variation term 1 - sum min(q, p) against "
+        "the verifier's distribution (needs --store-last-hidden-states)",
+    )
+    consistency_weight: float = Field(
+        0.3,
+        ge=0,
+        description="XPress: weight of the free-running Jacobi rounds' mean loss (0: off)",
+    )
+    consistency_passes: int = Field(
+        3,
+        ge=0,
+        description="XPress: free-running rounds in training, each fed the previous one's "
+        "argmax (stop-grad between rounds)",
+    )
+    base_anchor_weight: float = Field(
+        0.6,
+        ge=0,
+        description="XPress: weight of the loss on the backbone's own logits (the Jacobi seed)",
+    )
+    base_anchor_full_weight: bool = Field(
+        False,
+        description="XPress: the base-anchor term without the slot decay (every slot weight 1)",
+    )
+
+    @model_validator(mode="after")
+    def _check_xpress(self) -> XPressRecipe:
+        if self.xpress_ce_weight == 0 and self.xpress_tv_weight == 0:
+            raise ValueError("xpress_ce_weight and xpress_tv_weight are both 0: no loss to train")
+        return self
+
+
+class XPressConfig(XPressRecipe, DFlashConfig):
+    """One XPress draft: the DFlash backbone's shape and recipe plus the refiner."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def _check_loss_fields(self) -> XPressConfig:
+        if problem := shared_problem(self.loss_type, self.loss_weighting):
+            raise ValueError(problem)
+        return self
+
+
+def shared_problem(loss_type: str, loss_weighting: str) -> str | None:
+    """Why shared recipe values do not apply to XPress, in one line (None: they do)."""
+    if loss_type != "ce":
+        return (
+            f"--loss-type {loss_type}: XPress's loss is its own CE + TV compound "
+            "(--xpress-ce-weight, --xpress-tv-weight); leave --loss-type at ce"
+        )
+    if loss_weighting != "exp":
+        return (
+            f"--per-position-loss-weight {loss_weighting}: XPress weighs slots with the exp "
+            "decay (speculators refuses D-PACE with its CE + TV loss)"
+        )
+    return None
+
+
+__all__ = ["XPressConfig", "XPressRecipe", "shared_problem"]

@@ -1,0 +1,630 @@
+"""The XPress family (fanout.families.xpress) against speculators 0.9.0's XPress, and its
+Jacobi drafting against plain greedy decoding.
+
+speculators' `XPressDraftModel` is the oracle where it is installed (those tests skip
+without it; the rest never need it):
+
+(a) a fanout checkpoint loads with `XPressDraftModel.from_pretrained` with no
+    missing/unexpected keys, no warning, every tensor the file's and the draft's (the
+    `refiner_head.*` ones included), every config field speculators' XPress declares
+    beyond DFlash's written with fanout's meaning, and the config equal to the one
+    speculators writes itself (`save_pretrained`);
+(b) with the same weights (the refiner, its mixer included, far from its init), rows
+    and anchors (both `select_anchors` patched, as tests/test_family_dspark.py does),
+    fanout's teacher-forced refined logits and base logits equal speculators'
+    `_backbone_forward` + `refiner_head.block_bias`, and its loss, each term of it,
+    the accept rates and every parameter gradient equal speculators' `forward` (eager
+    CE 0.1 + TV 0.9; default knobs, the undecayed base anchor with data-token CE, the
+    rounds off). fp32 on CPU, eager attention; tolerances as DSpark's (losses rtol 2e-6
+    after undoing speculators' 1e-5 denominator, logits atol 2e-5, gradients rtol 1e-4
+    with atol 1e-5 of the largest entry);
+(c) a draft trained a few steps lowers its loss and its checkpoint loads in speculators
+    and in fanout; decoding it as `fanout eval` does (the Jacobi passes) is lossless at
+    T = 0 against `Decoder.greedy`, cached equals uncached, 0 passes is the backbone's
+    own proposal, bs - 1 passes the sequential greedy chain, and the refiner changes
+    picks;
+(d) its flags given to another family, another family's to it, a shared flag it does
+    not take and a checkpoint of it resumed as another family are refused in one line.
+
+The rows keep every block inside one document's supervised span or its prompt, where
+fanout's slot mask (the predicted token's mask, same document) and speculators'
+(`loss_mask[a+k]`) agree: tests/test_speculators.py pins how they differ, as for DFlash.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.errors import CheckpointError, ConfigError
+from fanout.families.registry import family, family_of
+from fanout.families.serving import load_draft
+from fanout.families.xpress import XPressDraft
+from fanout.families.xpress.propose import XPressContext
+from fanout.model import dflash as fanout_dflash
+from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
+from fanout.model.verifier_dir import read_verifier_tensors
+from fanout.ops.adamw import make_optimizer
+from fanout.train.checkpoint import load_checkpoint, save_checkpoint
+from test_family_dspark import (
+    BS,
+    MASK,
+    RMS_EPS,
+    TARGET_LAYERS,
+    VOCAB,
+    H,
+    T,
+    _anchors,
+    _layout,
+    _prompt,
+    _Recording,
+    decoder,  # noqa: F401 (fixture)
+    verifier_dir,  # noqa: F401 (fixture)
+)
+from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
+
+RANK = 8
+EPS_DEN = 1e-5  # speculators' loss denominator: n + 1e-5
+# blocks inside a document: 0 and 22 open one (the refiner's slot-0 token is the anchor
+# itself), slot 2 of the block at 8 is the hole at 10, the block at 35 is the last a row
+# allows (a < T - bs); one padding block
+ANCHORS = (0, 3, 8, 13, 17, 22, 25, 30, 35)
+
+
+def _draft(vdir: Path, ids: torch.Tensor | None = None, **kw: Any) -> XPressDraft:
+    """A two-layer XPress draft, every weight moved off its init (the refiner and its
+    mixer far enough that the bias matters), rounded to bf16."""
+    torch.manual_seed(1)
+    fields: dict[str, Any] = {
+        "target_layer_ids": TARGET_LAYERS, "block_size": BS, "max_anchors": 8,
+        "mask_token_id": MASK, "num_layers": 2, "xpress_rank": RANK, **kw,
+    }  # fmt: skip
+    if ids is not None:
+        fields["draft_vocab_size"] = int(ids.numel())
+    d = family("xpress").build(vdir, draft_vocab_ids=ids, **fields)
+    assert isinstance(d, XPressDraft)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.ndim == 1:  # norms: away from their 1s
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif "refiner" in name:
+                p.add_((1.0 if "token_embed" in name else 0.25) * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+            p.copy_(p.bfloat16().float())  # exact in the bf16 model.safetensors
+    return d
+
+
+@pytest.fixture(scope="module")
+def drafts(
+    verifier_dir: Path,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[XPressDraft, Path]]:
+    """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
+    reduced = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:200].sort()
+    out: dict[str, tuple[XPressDraft, Path]] = {}
+    for name, ids in (("full", None), ("reduced", reduced.values)):
+        d = _draft(verifier_dir, ids)
+        root = tmp_path_factory.mktemp(f"xpress-ckpt-{name}")
+        opt = torch.optim.SGD(d.parameters(), lr=0.1)
+        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+        out[name] = (d, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spec() -> SimpleNamespace:
+    """speculators' XPress (skipped without speculators) and test_speculators' helpers."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # import-time deprecations of torch.compile & co.
+        xpress: Any = pytest.importorskip("speculators.models.xpress")
+        dflash: Any = pytest.importorskip("speculators.models.dflash")
+        core: Any = pytest.importorskip("speculators.models.dflash.core")
+        eager: Any = pytest.importorskip("speculators.losses.eager")
+        import test_speculators as helpers  # needs speculators and loguru itself
+    return SimpleNamespace(xpress=xpress, dflash=dflash, core=core, eager=eager, h=helpers)
+
+
+def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
+    """speculators' own loading path (eager attention on CPU), then the verifier-owned
+    tensors it reloads itself before training."""
+    cfg = spec.xpress.XPressSpeculatorConfig.from_pretrained(str(path))
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    with spec.h._notes() as notes:
+        model, info = spec.xpress.XPressDraftModel.from_pretrained(
+            str(path), config=cfg, dtype=torch.float32, output_loading_info=True
+        )
+    model.load_verifier_weights()
+    # speculators 0.9.0 defect: `from_pretrained` builds the model on the meta device and
+    # never re-creates the refiner's non-persistent `causal_tril` buffer (it holds
+    # whatever memory it got; `from_training_args` builds it right). Restored here, as its
+    # own constructor makes it, so the oracle computes the model its source describes.
+    tril = model.refiner_head.causal_tril
+    tril.copy_(torch.tril(torch.ones_like(tril)))
+    return model, info, notes
+
+
+@pytest.fixture(scope="module")
+def loaded(
+    spec: SimpleNamespace, drafts: dict[str, tuple[XPressDraft, Path]]
+) -> dict[str, tuple[Any, dict[str, Any], list[str]]]:
+    return {name: _load(spec, path) for name, (_, path) in drafts.items()}
+
+
+# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_checkpoint_loads_in_speculators(
+    name: str,
+    drafts: dict[str, tuple[XPressDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+) -> None:
+    draft, path = drafts[name]
+    model, info, notes = loaded[name]
+    assert type(model).__name__ == "XPressDraftModel"
+    assert notes == []
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+    saved = load_file(str(path / "model.safetensors"))
+    sd = model.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
+    mine = draft.trainable_state()
+    for k, v in mine.items():
+        assert torch.equal(sd[k], v), k
+    refiner = {k for k in mine if k.startswith("refiner_head.")}
+    assert len(refiner) == 9 and "refiner_head.mix_l" in refiner
+    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert trainable == set(mine) == set(saved) - {"lm_head.weight", "d2t", "t2d"}
+    head = model.refiner_head
+    vd = draft.cfg.draft_vocab_size or VOCAB
+    assert head.readout.weight.shape == (vd, RANK)
+    assert head.token_embed.weight.shape == (VOCAB, RANK)
+    assert head.mlp_gate.weight.shape == (2 * RANK, RANK) and head.mix_l.shape == (RANK, BS, BS)
+
+
+def test_config_fields_as_fanout_means_them(
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[XPressDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+) -> None:
+    """Every field speculators' XPress config declares beyond DFlash's, or whose default
+    it changes, is written top-level with fanout's value (a new one fails here)."""
+    draft, path = drafts["full"]
+    model, _, _ = loaded["full"]
+    xp, df = spec.xpress.XPressSpeculatorConfig, spec.dflash.DFlashSpeculatorConfig
+    own = set(xp.model_fields) - set(df.model_fields)
+
+    def default(cls: Any, k: str) -> Any:
+        f = cls.model_fields[k]
+        return f.default_factory() if f.default_factory is not None else f.default
+
+    changed = {
+        k for k in df.model_fields if k in xp.model_fields and default(xp, k) != default(df, k)
+    }
+    fam = family("xpress")
+    c = draft.cfg
+    meant = {
+        "xpress_rank": c.xpress_rank,
+        "xpress_mlp_ratio": c.xpress_mlp_ratio,
+        "num_jacobi_passes": c.num_jacobi_passes,
+        "speculators_model_type": "xpress",
+        # save_pretrained writes the model class (the config's default says XPressSpeculator)
+        "architectures": ["XPressDraftModel"],
+    }
+    assert own | changed == set(meant)
+    assert set(fam.serving_fields()) == own
+    raw = json.loads((path / "config.json").read_text())
+    for k, v in meant.items():
+        assert raw[k] == v, k
+        if k != "architectures":
+            assert getattr(model.config, k) == v, k
+    assert raw["sample_from_anchor"] is False and model.config.sample_from_anchor is False
+    assert raw["fanout"]["family"] == "xpress"
+    assert raw["fanout"]["dflash_config"]["consistency_weight"] == c.consistency_weight
+    proposal = model.config.speculators_config.proposal_methods[0]
+    assert proposal.speculative_tokens == BS - 1 == fam.speculative_tokens(c)
+    assert model.config.speculators_config.algorithm == "xpress"
+
+
+@pytest.mark.parametrize("name", ["full", "reduced"])
+def test_config_matches_what_speculators_writes(
+    name: str,
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[XPressDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    tmp_path: Path,
+) -> None:
+    _, path = drafts[name]
+    model, _, _ = loaded[name]
+    model.save_pretrained(tmp_path / "resaved")
+    read = spec.xpress.XPressSpeculatorConfig.from_pretrained
+    ours = spec.h._flat(read(str(path)).to_dict())
+    theirs = spec.h._flat(read(str(tmp_path / "resaved")).to_dict())
+    keys = {
+        k
+        for k in ours.keys() | theirs.keys()
+        if k.split(".")[0] not in spec.h._WRITER_ONLY and not k.endswith(".transformers_version")
+    }
+    diff = {k: (ours.get(k), theirs.get(k)) for k in sorted(keys) if ours.get(k) != theirs.get(k)}
+    assert diff == {}, f"fanout vs speculators-written config.json (ours, theirs): {diff}"
+    mine, re = (
+        load_file(str(path / "model.safetensors")),
+        load_file(str(tmp_path / "resaved" / "model.safetensors")),
+    )
+    assert set(mine) == set(re)
+    for k in mine:
+        assert torch.equal(mine[k].to(re[k].dtype), re[k]), k
+
+
+# ---- (b) the same logits and loss on the same rows ------------------------------------
+
+
+def _tf_pieces(
+    draft: XPressDraft, batch: dict[str, torch.Tensor], anchors: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fanout's base and teacher-forced refined logits `[N, bs, Vd]` of the real blocks."""
+    hid = draft.block_hidden(batch, anchors, valid)[valid]  # [N, bs, H]
+    tok, before = (t[valid] for t in draft.block_tokens(batch, anchors))
+    prev = torch.cat([before[:, None], tok[:, :-1]], dim=1)  # [N, bs]
+    base = hid @ draft.lm_head_weight.t()
+    return base, base + draft.refiner_head(prev, draft.refiner_head.hidden_cache(hid))
+
+
+def _rows(
+    draft: XPressDraft, vdir: Path, anchors: torch.Tensor, valid: torch.Tensor, seed: int
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A fanout batch row and the matching pre-norm verifier states for speculators:
+    random, except that about half the slots get a verifier state along the head row of
+    the draft's teacher-forced refined greedy token (so accuracies and EAL prefixes see
+    hits and misses). `target_ids[p] = argmax(lm_head(norm(pre[p])))`, fanout's capture
+    rule; fanout's `last_hidden_states` are the normed states."""
+    vt = read_verifier_tensors(vdir, ["lm_head.weight", "model.norm.weight"])
+    head, w = vt["lm_head.weight"], vt["model.norm.weight"]
+    g = torch.Generator().manual_seed(seed)
+    batch = {
+        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
+        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
+        **_layout(),
+    }
+    pre = 2.0 * torch.randn(1, T, H, generator=g)
+    with torch.no_grad():
+        pred = draft.to_verifier_ids(_tf_pieces(draft, batch, anchors, valid)[1].argmax(-1))
+        for j, a in enumerate(anchors[valid].tolist()):
+            for k in range(1, BS):
+                if torch.rand((), generator=g) < 0.5:
+                    pre[0, a + k - 1] = 3.0 * head[pred[j, k]] / w  # its greedy token: pred
+    post = F.rms_norm(pre, (H,), w, eps=RMS_EPS)
+    batch["target_ids"] = (post @ head.t()).argmax(-1)
+    batch["last_hidden_states"] = post
+    return batch, pre
+
+
+def _patch_anchors(
+    spec: SimpleNamespace, monkeypatch: pytest.MonkeyPatch, anchors: torch.Tensor,
+    valid: torch.Tensor,
+) -> None:  # fmt: skip
+    """Both sides use exactly these anchors (speculators' XPress inherits DFlash's
+    `_backbone_forward`, which calls the dflash core module's select_anchors)."""
+    monkeypatch.setattr(fanout_dflash, "select_anchors", lambda *a, **k: (anchors, valid))
+    monkeypatch.setattr(
+        spec.core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
+    )
+
+
+def test_logits_equal_speculators(
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[XPressDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    verifier_dir: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The distributions, not only the loss: the backbone's and the teacher-forced
+    refined logits equal speculators' `_backbone_forward` + `refiner_head.block_bias`
+    (with the previous tokens its forward builds), every slot of every real block."""
+    draft = drafts["full"][0]
+    model, _, _ = loaded["full"]
+    anchors, valid = _anchors(*ANCHORS)
+    batch, pre = _rows(draft, verifier_dir, anchors, valid, seed=11)
+    _patch_anchors(spec, monkeypatch, anchors, valid)
+    n = anchors.shape[1]
+    with torch.no_grad():
+        hidden, logits, _, _, idx = model._backbone_forward(
+            batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
+            batch["document_ids"], batch["position_ids"], max_anchors=n,
+        )  # fmt: skip
+        ids, doc = batch["input_ids"][0], batch["document_ids"][0]
+        tok = ids[idx].view(n, BS)
+        a = idx.view(n, BS)[:, 0]
+        b4 = (a - 1).clamp(min=0)  # the token before each anchor, where in its document
+        am1 = torch.where((a > 0) & (doc[b4] == doc[a]), ids[b4], tok[:, 0])
+        prev = torch.cat([am1[:, None], tok[:, :-1]], dim=1)
+        head = model.refiner_head
+        bias = head.block_bias(prev, hcache=head.hidden_cache(hidden.view(n, BS, -1)))
+        theirs_base = logits.view(n, BS, -1)[valid[0]]
+        theirs_tf = (logits.view(n, BS, -1) + bias)[valid[0]]
+        base, tf = _tf_pieces(draft, batch, anchors, valid)
+    assert float(bias.std()) > 0.1 and not torch.equal(tf.argmax(-1), base.argmax(-1))
+    torch.testing.assert_close(base, theirs_base, rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(tf, theirs_tf, rtol=1e-5, atol=2e-5)
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "reference": {},
+    "full-anchor-data-ce": {"base_anchor_full_weight": True, "label_source": "input_ids"},
+    "no-rounds": {"consistency_weight": 0.0, "xpress_ce_weight": 0.4, "xpress_tv_weight": 0.5},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_loss_terms_and_grads_equal_speculators(
+    case: str,
+    spec: SimpleNamespace,
+    drafts: dict[str, tuple[XPressDraft, Path]],
+    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
+    verifier_dir: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    full = drafts["full"][0]
+    draft = copy.deepcopy(full)
+    draft.cfg = full.cfg.model_copy(update={"gamma": 2.5, **CASES[case]})
+    c = draft.cfg
+    model, _, _ = loaded["full"]
+    model.zero_grad(set_to_none=True)
+    anchors, valid = _anchors(*ANCHORS)
+    batch, pre = _rows(draft, verifier_dir, anchors, valid, seed=11)
+    _patch_anchors(spec, monkeypatch, anchors, valid)
+
+    fan = draft.loss(batch, None)
+    fan.loss.backward()
+    eager = spec.eager
+    _, loss, m = model(
+        hidden_states=batch["hidden_states"], input_ids=batch["input_ids"],
+        loss_mask=batch["loss_mask"], verifier_last_hidden_states=pre,
+        document_ids=batch["document_ids"], position_ids=batch["position_ids"],
+        max_anchors=anchors.shape[1],
+        loss_config={"ce": (eager.ce_loss, c.xpress_ce_weight),
+                     "tv": (eager.tv_loss, c.xpress_tv_weight)},
+        gamma=2.5, consistency_weight=c.consistency_weight,
+        consistency_passes=c.consistency_passes, base_anchor_weight=c.base_anchor_weight,
+        base_anchor_full_weight=c.base_anchor_full_weight,
+        ce_from_data=c.label_source == "input_ids",
+    )  # fmt: skip
+    loss.backward()
+
+    n = fan.n_tokens
+    assert n == int(m["accept_rate_total"]) > 0
+    if c.label_source == "target_ids":  # the rows' verifier agrees with half the slots
+        assert float(fan.per_slot_acc.min()) > 0 and float(fan.per_slot_acc.max()) < 1
+    scale = (n + EPS_DEN) / n
+    close: dict[str, Any] = {"rtol": 2e-6, "atol": 1e-7}
+    torch.testing.assert_close(float(loss.detach()) * scale, float(fan.loss.detach()), **close)
+    torch.testing.assert_close(float(m["tf_loss_sum"]) * scale, fan.extra["tf_loss"], **close)
+    torch.testing.assert_close(
+        float(m["base_anchor_loss_sum"]) * scale, fan.extra["base_anchor_loss"], **close
+    )
+    if c.consistency_weight:
+        cons = float(m["consistency_loss_sum"]) * scale
+        torch.testing.assert_close(cons, fan.extra["consistency_loss"], **close)
+        assert m["consistency_round2_loss_sum"] is not None
+    else:
+        assert "consistency_loss_sum" not in m and "consistency_loss" not in fan.extra
+    for k in ("accept_rate", "base_accept_rate"):
+        theirs = float(m[f"{k}_sum"] / m[f"{k}_total"])
+        torch.testing.assert_close(theirs, fan.extra[k], rtol=1e-5, atol=1e-7)
+    spec.h._compare_grads(draft, model, scale)
+    grad = draft.refiner_head.mix_l.grad
+    assert grad is not None and float(grad.abs().max()) > 0
+    model.zero_grad(set_to_none=True)
+
+
+# ---- (c) training, and decoding as fanout eval does ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(
+    verifier_dir: Path,  # noqa: F811
+    decoder: Decoder,  # noqa: F811
+) -> tuple[XPressDraft, list[float]]:
+    """An XPress draft (reference recipe but for its size) trained on the verifier's own
+    greedy continuations; the loss of every step."""
+    torch.manual_seed(0)
+    draft = family("xpress").build(
+        verifier_dir, target_layer_ids=TARGET_LAYERS, block_size=BS, mask_token_id=MASK,
+        max_anchors=32, num_layers=1, xpress_rank=16,
+    )  # fmt: skip
+    assert isinstance(draft, XPressDraft)
+    v = decoder.verifier
+    rows = [_prompt(6, 100 + s) + Decoder(v, set()).greedy(_prompt(6, 100 + s), 42).tokens
+            for s in range(8)]  # fmt: skip
+    ids = torch.tensor(rows)  # [8, 48]
+    b, t = ids.shape
+    pos, doc = torch.arange(t).expand(b, t), torch.zeros(b, t, dtype=torch.long)
+    cap = v.capture(ids, pos, doc)
+    assert cap.last_hidden_states is not None
+    batch = {
+        "hidden_states": cap.hidden_states.float(), "input_ids": ids,
+        "target_ids": cap.target_ids.long(), "last_hidden_states": cap.last_hidden_states.float(),
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc, "position_ids": pos,
+    }  # fmt: skip
+    opt, _ = make_optimizer(draft.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(60):
+        out = draft.loss(batch, gen)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    return draft.eval(), losses
+
+
+def test_training_lowers_the_loss_and_speculators_loads_it(
+    trained: tuple[XPressDraft, list[float]], spec: SimpleNamespace,
+    verifier_dir: Path, tmp_path: Path,  # noqa: F811
+) -> None:  # fmt: skip
+    draft, losses = trained
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
+    opt = torch.optim.SGD(draft.parameters(), lr=0.1)
+    path = save_checkpoint(
+        tmp_path, draft, opt, {"step": 60}, verifier_name_or_path=str(verifier_dir)
+    )
+    model, info, notes = _load(spec, path)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and notes == []
+    assert torch.equal(model.refiner_head.mix_l, draft.refiner_head.mix_l.bfloat16().float())
+    back = load_draft(path, verifier_dir)
+    assert type(back) is XPressDraft and back.cfg == draft.cfg
+
+
+@pytest.mark.parametrize("which", ["trained", "perturbed"])
+def test_greedy_lossless_with_jacobi_passes(
+    which: str, trained: tuple[XPressDraft, list[float]], decoder: Decoder,  # noqa: F811
+    verifier_dir: Path,  # noqa: F811
+) -> None:  # fmt: skip
+    draft = trained[0] if which == "trained" else _draft(verifier_dir).eval()
+    fam = family_of(draft)
+    assert fam.name == "xpress"
+    taus = []
+    prompts = ((6, 100), (6, 101), (6, 102)) if which == "trained" else ((3, 0), (17, 1), (30, 2))
+    for n, seed in prompts:
+        prompt = _prompt(n, seed)
+        g = decoder.greedy(prompt, 30)
+        rec = _Recording(fam.context(draft, cached=True))
+        s = decoder.speculative(prompt, draft, 30, context=rec)
+        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
+        assert rec.sizes and set(rec.sizes) == {BS - 1}
+        assert isinstance(rec.inner, XPressContext) and 1 <= rec.inner.passes <= 6
+        taus.append(s.acceptance_length)
+    if which == "trained":
+        assert sum(taus) / len(taus) > 2  # drafts are accepted, rejected ones rolled back
+
+
+def test_cached_equals_uncached(
+    trained: tuple[XPressDraft, list[float]],
+    decoder: Decoder,  # noqa: F811
+) -> None:
+    draft = trained[0]
+    for n, seed in ((5, 3), (21, 4)):
+        prompt = _prompt(n, seed)
+        a = decoder.speculative(prompt, draft, 30, cache_draft=True)
+        b = decoder.speculative(prompt, draft, 30, cache_draft=False)
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+
+
+@torch.no_grad()
+def _sequential(draft: XPressDraft, states: torch.Tensor, seq: list[int]) -> list[int]:
+    """The greedy chain slot by slot: slot k's refined argmax given the tokens chosen for
+    slots 1..k-1, every later slot's previous token an arbitrary 0 (the refiner is causal)."""
+    ref = draft.refiner_head
+    hcache = ref.hidden_cache(states[None])
+    base = states @ draft.lm_head_weight.t()  # [bs, Vd]
+    chosen: list[int] = []
+    for k in range(1, BS):
+        prev = [seq[-2], seq[-1], *chosen] + [0] * (BS - 2 - len(chosen))
+        row = base[k] + ref(torch.tensor([prev[:BS]]), hcache)[0, k]
+        chosen.append(int(draft.to_verifier_ids(row.argmax())))
+    return chosen
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_jacobi_passes(vocab: str, verifier_dir: Path, decoder: Decoder) -> None:  # noqa: F811
+    """0 passes is the backbone's own proposal (DFlash's), bs - 1 passes the sequential
+    greedy chain, and the refiner changes picks."""
+    ids = None
+    if vocab == "reduced":
+        ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(5))[:200].sort().values
+    draft = _draft(verifier_dir, ids).eval()
+    changed = 0
+    for seed in range(6):
+        prompt = _prompt(9 + seed, 10 + seed)
+        _, hid = decoder._forward(prompt, 0, decoder._new_cache(), TARGET_LAYERS)
+        assert hid is not None
+        seq = [*prompt, int(_prompt(1, 50 + seed)[0])]  # any anchor token
+        states = UncachedDraft(draft)
+        states.extend(hid)
+        st = states.block_states(seq)  # [bs, H]
+        got = {}
+        for k in (0, 1, BS - 1, 6):
+            ctx = XPressContext(draft, DraftCache(draft), passes=k)
+            ctx.extend(hid)
+            got[k], rows = ctx.propose(seq, lambda row: int(row.argmax()))
+            assert rows.shape == (BS - 1, VOCAB) and ctx.passes <= k
+        assert got[0] == head_logits(draft, st[1:]).argmax(-1).tolist()
+        assert got[BS - 1] == got[6] == _sequential(draft, st, seq)
+        changed += sum(a != b for a, b in zip(got[0], got[6]))
+        if ids is not None:
+            assert set(got[6]) <= set(ids.tolist())
+    assert changed > 0  # the refiner's bias changes picks
+
+
+# ---- (d) bad input -----------------------------------------------------------------------
+
+
+def test_its_flags_are_refused_for_another_family_and_theirs_for_it() -> None:
+    from test_families import _train_cfg
+
+    with pytest.raises(
+        ConfigError, match=r"--xpress-rank: xpress option.*--draft-family is dspark"
+    ):
+        _train_cfg("--draft-family", "dspark", "--xpress-rank", "8")
+    with pytest.raises(ConfigError, match=r"--markov-rank: dspark option.*is xpress") as e:
+        _train_cfg("--draft-family", "xpress", "--markov-rank", "8")
+    assert "\n" not in str(e.value) and "--xpress-rank" in str(e.value)  # its own, named
+    for flags, match in (
+        (("--loss-type", "kl"), "--loss-type kl: XPress's loss is its own CE"),
+        (("--per-position-loss-weight", "dpace"), "dpace: XPress weighs slots with the exp"),
+    ):
+        with pytest.raises(ConfigError, match=match) as e:
+            _train_cfg("--draft-family", "xpress", *flags)
+        assert "\n" not in str(e.value)
+    r = _train_cfg("--draft-family", "xpress", "--consistency-passes", "2").draft_recipe()
+    got = [r[k] for k in ("consistency_passes", "gamma", "block_size", "num_layers")]
+    assert got == [2, 4.0, 16, 5]
+    got = [r[k] for k in ("xpress_ce_weight", "xpress_tv_weight", "base_anchor_weight")]
+    assert got == [0.1, 0.9, 0.6]
+    assert family("xpress").needs_last_hidden_states(r)
+
+
+def test_a_checkpoint_of_it_resumed_as_another_family_is_refused(
+    drafts: dict[str, tuple[XPressDraft, Path]],
+    verifier_dir: Path,  # noqa: F811
+) -> None:
+    _, path = drafts["full"]
+    other = family("dflash").build(
+        verifier_dir, target_layer_ids=TARGET_LAYERS, block_size=BS, mask_token_id=MASK,
+        num_layers=2,
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"a xpress draft's checkpoint.*dflash") as e:
+        load_checkpoint(path, other, None)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_last_hidden_states_and_wrong_config(verifier_dir: Path) -> None:  # noqa: F811
+    draft = _draft(verifier_dir)
+    anchors, valid = _anchors(*ANCHORS)
+    batch, _ = _rows(draft, verifier_dir, anchors, valid, seed=1)
+    del batch["last_hidden_states"]
+    with pytest.raises(ConfigError, match="--store-last-hidden-states"):
+        draft.loss(batch, torch.Generator().manual_seed(0))
+    other = family("dflash").build(
+        verifier_dir, target_layer_ids=TARGET_LAYERS, block_size=BS, mask_token_id=MASK,
+        num_layers=1,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="XPressDraft needs an XPressConfig"):
+        XPressDraft(other.cfg, other.embed_weight, other.embed_weight, other.verifier_norm_weight)
+    with pytest.raises(TypeError, match="XPress drafts with an XPressDraft"):
+        family("xpress").context(other)
+    with pytest.raises(ConfigError, match="both 0"):
+        _draft(verifier_dir, xpress_ce_weight=0.0, xpress_tv_weight=0.0)
