@@ -99,16 +99,16 @@ def test_a_stream_ended_by_design_ends_a_signal_leaves_it_open(
 def test_a_wait_for_another_consumer_never_counts_toward_the_timeout(
     db: str | None, tmp_path: Path
 ) -> None:
-    """Hold, K = 3 (two windows and the slowest's slot), two consumers: `slow` stopped at
-    cursor 0 holds the producer at K;
-    `fast` waits for window 2 far longer than its timeout and hears who holds it; once
+    """Hold, K = 3 (two windows and the slowest's slot, its next needed window 2), two
+    consumers: `slow` stopped at cursor 0 holds the producer at K;
+    `fast` waits for window 3 far longer than its timeout and hears who holds it; once
     `slow` is detached the producer has room and `fast` reads on."""
     co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2)
     p = co.register_producer(c)
     fast = Coordinator.open(tmp_path / "run")
     rf = fast.register_consumer("fast")
     rs = co.register_consumer("slow")
-    for _ in range(2):
+    for _ in range(3):
         produce(co, p, store, c)
         lease = fast.acquire(rf, timeout_s=1)
         assert lease is not None
@@ -137,10 +137,10 @@ def test_a_wait_for_another_consumer_never_counts_toward_the_timeout(
     assert s["detaches"] == 1 and s["blocked"] is None
     assert [x["state"] for x in s["consumers"]] == ["active", "detached"]
     assert "slow:dp0: detached by `fanout detach`" in format_table(s)
-    assert co.wait_for_capacity(p, timeout_s=0.1) is True  # windows 0, 1 evicted
+    assert co.wait_for_capacity(p, timeout_s=0.1) is True  # windows 0, 1, 2 evicted
     produce(co, p, store, c)
     lease = fast.acquire(rf, timeout_s=1)
-    assert lease is not None and lease.window == 2
+    assert lease is not None and lease.window == 3
 
     again = co.register_consumer("slow")  # may register again: active, at its cursor
     assert again.cursor == 0 and snapshot(co)["consumers"][1]["state"] == "active"
@@ -173,7 +173,7 @@ def test_waiting_for_an_expected_consumer_is_named_and_not_counted(
     co, store, c = new_run(tmp_path, db, max_live_windows=3, expected_consumers=2)
     p = co.register_producer(c)
     reg = co.register_consumer("only")
-    for _ in range(2):
+    for _ in range(3):  # K: the last in the slot kept for its next needed window
         produce(co, p, store, c)
         lease = co.acquire(reg, timeout_s=1)
         assert lease is not None
@@ -417,15 +417,15 @@ def test_a_trainer_detached_with_force_says_so_once(assets: Path, tmp_path: Path
     that names it and says once how to rejoin (--resume)."""
     run, saves = tmp_path / "run", tmp_path / "drafts"
     procs = Procs(tmp_path / "logs")
-    # 2 expected consumers, one joins: nothing is evicted, so `t` reads windows 0-3
-    # (K = 5: four windows and the slowest's slot) and waits at window 4 until it is
-    # detached.
+    # 2 expected consumers, one joins: nothing is evicted, so `t` reads windows 0-4
+    # (K = 5: four windows and the slowest's slot, which takes its next needed window)
+    # and waits at window 5 until it is detached.
     produce = _producer(assets, run, None, expected_consumers=2, max_live_windows=5)
     try:
         producer = procs.start("producer", *produce)
         t = procs.start("t", *_trainer(assets, run, "t", saves))
         cq = "SELECT cursor FROM consumers WHERE id='t:dp0'"
-        wait_for(lambda: _alive(t) and (_row(run, cq) or [0])[0] == 4, 300, "cursor 4")
+        wait_for(lambda: _alive(t) and (_row(run, cq) or [0])[0] == 5, 300, "cursor 5")
         r = subprocess.run(
             [sys.executable, "-m", "fanout.cli", "detach", "--run-dir", str(run),
              "--consumer-id", "t", "--force"], capture_output=True, text=True, env=ENV,
@@ -440,9 +440,9 @@ def test_a_trainer_detached_with_force_says_so_once(assets: Path, tmp_path: Path
         assert code == 3, out[-3000:]
         last = out.strip().splitlines()[-1]
         assert last.startswith("t: consumer t:dp0 was detached (by `fanout detach`"), last
-        assert "saved a checkpoint at step 16 (cursor 4)" in last, last
+        assert "saved a checkpoint at step 20 (cursor 5)" in last, last
         assert last.count("--resume") == 1, last
-        assert _checkpoint_step(saves / "t") == 16
+        assert _checkpoint_step(saves / "t") == 20
         producer.proc.send_signal(signal.SIGINT)
         assert producer.finish(300)[0] == 0
     finally:
