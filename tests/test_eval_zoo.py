@@ -25,10 +25,9 @@ import torch
 from fanout.decode.rollback import Rollback
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
-from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import IndependentSlots
 from fanout.model.verifier import load_verifier
-from fanout.model.verifier_dir import read_verifier_config
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from verifier_zoo import VOCAB, ZOO, build
 
@@ -52,22 +51,13 @@ def _decoder(arch: str, root: Path) -> Decoder:
     return Decoder(v, set())  # no EOS: every decode runs NEW tokens
 
 
-def _draft(arch: str, path: Path, dec: Decoder) -> DFlashDraft:
-    """An untrained DFlash draft for the verifier (seeded). from_verifier reads the
-    verifier's tensors by the text checkpoints' names; a multimodal checkpoint's text
-    tensors are taken from the loaded model instead."""
+def _draft(path: Path) -> DFlashDraft:
+    """An untrained DFlash draft for the verifier (seeded); a multimodal checkpoint's
+    text tensors are found by their names (fanout.model.verifier_dir.text_tensors)."""
     torch.manual_seed(0)
-    if not arch.endswith("_multimodal"):
-        return DFlashDraft.from_verifier(
-            path, target_layer_ids=LAYERS, block_size=BLOCK, mask_token_id=VOCAB - 1
-        )
-    fields = read_verifier_config(path)
-    fields.pop("_num_hidden_layers")
-    cfg = DFlashConfig(**fields | {"target_layer_ids": LAYERS, "block_size": BLOCK,
-                                   "mask_token_id": VOCAB - 1, "tie_word_embeddings": False})  # fmt: skip
-    v = dec.verifier
-    embed = v.model.get_input_embeddings().weight
-    return DFlashDraft(cfg, embed.clone(), v.lm_head.weight.clone(), v.base.norm.weight.clone())
+    return DFlashDraft.from_verifier(
+        path, target_layer_ids=LAYERS, block_size=BLOCK, mask_token_id=VOCAB - 1
+    )
 
 
 class Scripted(IndependentSlots):
@@ -116,7 +106,7 @@ def test_zoo_speculative_decoding_is_lossless(arch: str, zoo_dir: Path) -> None:
         seq += block[: BLOCK - r]
 
     # the decoder: an untrained family draft (wrong tokens), then the scripted one
-    draft = _draft(arch, zoo_dir / arch, dec)
+    draft = _draft(zoo_dir / arch)
     rejected = 0
     for n, seed in ((5, 1), (13, 2)):
         prompt = _ids(n, seed)

@@ -30,7 +30,14 @@ from fanout.coord.coordinator import Coordinator
 from fanout.errors import ConfigError
 from fanout.produce.config import ProducerConfig, check_inputs
 from fanout.produce.follow import openai_pair
-from tiny_run import RECORDER, build_tiny_assets, config_flags, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
+    RECORDER,
+    build_tiny_assets,
+    config_flags,
+    one_thread,
+    tiny_producer_config,
+    wait_for,
+)
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 K = 3
@@ -162,9 +169,9 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     info = json.loads((run / "stream.json").read_text())
     rows = info["dataset_summary"]["rows_so_far"]
     assert info["total_windows"] == -(-rows // 2)
-    assert sorted((r["w"], r["i"]) for r in seen) == sorted(
-        {(r["w"], r["i"]) for r in seen}
-    ), "a row was read twice"
+    assert sorted((r["w"], r["i"]) for r in seen) == sorted({(r["w"], r["i"]) for r in seen}), (
+        "a row was read twice"
+    )
     assert len(seen) == rows
     assert most[0] <= K
 

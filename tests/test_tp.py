@@ -55,9 +55,10 @@ from fanout.produce.tp import start_process_group
 def main():
     torch.set_num_threads(1)
     ver, out = sys.argv[1], sys.argv[2]
+    vocab = int(sys.argv[3]) if len(sys.argv) > 3 else 500
     rank, _ = start_process_group("cpu", 120)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 500, (2, 48), generator=g)
+    ids = torch.randint(0, vocab, (2, 48), generator=g)
     docs = torch.tensor([[0] * 20 + [1] * 28, [0] * 40 + [-1] * 8])
     pos = torch.cat([torch.arange(20), torch.arange(28)]).expand(2, 48).clone()
     pos[1] = torch.cat([torch.arange(40), torch.zeros(8, dtype=torch.long)])
@@ -193,19 +194,75 @@ def test_refuses_what_cannot_work_before_loading(
 # ---- what each rank captures --------------------------------------------------------
 
 
-def test_every_rank_captures_whole_layers_equal_to_one_process(tiny: Tiny, tmp_path: Path) -> None:
+def _replicas(verifier: Path, tmp_path: Path, vocab: int = 500) -> dict[str, Any]:
+    """REPLICAS run by a 2-rank torchrun on `verifier`: what rank 0 measured."""
     script, out = tmp_path / "replicas.py", tmp_path / "replicas.json"
     script.write_text(REPLICAS)
-    argv = [*TORCHRUN, "2", str(script), str(tiny.verifier), str(out)]
+    argv = [*TORCHRUN, "2", str(script), str(verifier), str(out), str(vocab)]
     done = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads(out.read_text())
+    r: dict[str, Any] = json.loads(out.read_text())
+    return r
+
+
+def test_every_rank_captures_whole_layers_equal_to_one_process(tiny: Tiny, tmp_path: Path) -> None:
+    r = _replicas(tiny.verifier, tmp_path)
     assert len(r["replica_diff"]) == 4 + 1  # every layer, then the final-normed state
     assert max(r["replica_diff"]) == 0.0  # replicated after the all-reduce: bit-identical
     # fp32, only the reduction order differs (measured ≤ 1.5e-6 on states of scale ~5)
     assert max(r["vs_one_process"]) <= 1e-5 * max(1.0, r["scale"]), r
     assert r["targets_equal_ranks"] and r["targets_equal_one_process"]
     assert r["sharded_head_ok"]
+
+
+# ---- the verifier zoo ------------------------------------------------------------------
+
+
+def test_a_plan_that_splits_no_decoder_layer_is_refused(tmp_path: Path) -> None:
+    """From config.json alone: gpt-oss's plan splits only its embedding (attention with
+    sinks and the experts are outside it), refused in one line naming it; every other
+    zoo architecture (MLA, linear attention, sliding, chunked, multimodal) passes."""
+    from fanout.errors import ConfigError
+    from fanout.model.tp import check_tp_model
+    from verifier_zoo import ZOO
+
+    for arch, a in ZOO.items():
+        d = tmp_path / arch
+        a.config().save_pretrained(d)
+        if arch != "gpt_oss":
+            check_tp_model(d, 2)
+    with pytest.raises(ConfigError) as e:
+        check_tp_model(tmp_path / "gpt_oss", 2)
+    msg = str(e.value)
+    assert "gpt_oss" in msg and "splits no decoder-layer weight (only embed_tokens)" in msg
+    assert "--tp 1" in msg and "\n" not in msg
+
+
+# every zoo architecture --tp accepts; one in the default run (linear attention + a
+# multimodal checkpoint's text tower), the rest slow (~15 s of torchrun each)
+_TP_ZOO = ["qwen3_5_multimodal"]
+
+
+def _tp_cases() -> list[Any]:
+    from verifier_zoo import ZOO
+
+    return [
+        pytest.param(a, marks=() if a in _TP_ZOO else pytest.mark.slow)
+        for a in ZOO
+        if a != "gpt_oss"
+    ]
+
+
+@pytest.mark.parametrize("arch", _tp_cases())
+def test_zoo_verifier_is_exact_at_tp_2(arch: str, tmp_path: Path) -> None:
+    """Every layer type under transformers' plan, 2 ranks against one process: layers
+    bit-identical across ranks, within reduction-order noise of one process."""
+    from verifier_zoo import VOCAB, build
+
+    r = _replicas(build(arch, tmp_path / arch), tmp_path, VOCAB)
+    assert max(r["replica_diff"]) == 0.0
+    assert max(r["vs_one_process"]) <= 1e-5 * max(1.0, r["scale"]), r
+    assert r["targets_equal_ranks"] and r["targets_equal_one_process"]
 
 
 # ---- the producer under torchrun -------------------------------------------------------

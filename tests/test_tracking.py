@@ -1,6 +1,6 @@
 """W&B tracking (fanout.tracking), checked against what W&B itself writes offline.
 
-    .venv/bin/pytest tests/test_tracking.py -x -q
+.venv/bin/pytest tests/test_tracking.py -x -q
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fanout.errors import ConfigError
 from fanout.tracking import TrackingOptions, WandbRun, check_available, group_for
 
 pytest.importorskip("wandb")
-from wandb_offline import read_offline_runs  # noqa: E402 (after the skip)
+from wandb_offline import read_offline_runs
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +32,12 @@ def test_a_run_holds_its_group_job_metrics_and_summary(tmp_path: Path) -> None:
         run.log({"step": step, "loss": 4.0 - step, "note": "text is left out"}, step=step)
     run.finish({"checkpoint": "drafts/b16/step-3", "steps": 3, "nested": {"no": 1}})
     (got,) = read_offline_runs(tmp_path)
-    assert (got.project, got.group, got.job_type, got.name) == ("drafts", "run1", "train", "b16:dp0")
+    assert (got.project, got.group, got.job_type, got.name) == (
+        "drafts",
+        "run1",
+        "train",
+        "b16:dp0",
+    )
     assert got.config["block_size"] == 16
     assert [(h["step"], h["loss"]) for h in got.history] == [(1, 3.0), (2, 2.0), (3, 1.0)]
     assert all("note" not in h for h in got.history)

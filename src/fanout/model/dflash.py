@@ -55,7 +55,7 @@ from fanout.model.anchors import (
     select_anchors,
     slot_supervision,
 )
-from fanout.model.verifier_dir import read_verifier_config, read_verifier_tensors
+from fanout.model.verifier_dir import read_text_tensors, read_verifier_config
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
 from fanout.ops.linear_kl import linear_kl_div_and_argmax
 from fanout.rows import (
@@ -420,17 +420,16 @@ class DFlashDraft(nn.Module):
         device: str | torch.device = "cpu",
     ) -> Self:
         """A draft of shape `cfg` (freshly initialised weights, drawn on the CPU) with the
-        verifier's frozen embedding, `lm_head` (or the tied embedding) and final norm, on
-        `device` in `dtype`. The verifier's tensors move to `device` as stored (bf16 for
+        verifier's frozen embedding, `lm_head` (or the tied embedding) and final norm (its
+        gain: Gemma-style 1 + w), read by the names the checkpoint gives its text model
+        (fanout.model.verifier_dir.text_tensors: a multimodal one's too), on `device` in
+        `dtype`. The verifier's tensors move to `device` as stored (bf16 for
         most) and are cast there: half the copy, and a GPU casts in milliseconds what takes
         the CPU seconds (two 151,936 x 4,096 matrices for Qwen3-8B)."""
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not cfg.tie_word_embeddings:
-            names.append("lm_head.weight")
-        t = {k: v.to(device) for k, v in read_verifier_tensors(Path(verifier_dir), names).items()}
-        embed = t["model.embed_tokens.weight"].to(dtype)
-        head = embed if cfg.tie_word_embeddings else t["lm_head.weight"].to(dtype)
-        draft = cls(cfg, embed, head, t["model.norm.weight"].to(dtype), draft_vocab_ids)
+        embed, head, norm = read_text_tensors(Path(verifier_dir))  # the text model's
+        embed = embed.to(device).to(dtype)
+        head = embed if head is None else head.to(device).to(dtype)  # None: tied
+        draft = cls(cfg, embed, head, norm.to(device).to(dtype), draft_vocab_ids)
         return draft.to(dtype=dtype).to(device=device)
 
     # ---- forward ---------------------------------------------------------------------

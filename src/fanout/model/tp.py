@@ -16,8 +16,15 @@ rows and gathered.
 What must divide by N (checked from config.json alone, before the weights load):
 attention heads, key/value heads and the MLP's intermediate size (an MoE expert's
 too), since each rank holds whole heads and an equal slice of every MLP. A model class without a TP plan
-(`base_model_tp_plan` empty) is refused: transformers would load it unsharded on
+(`base_model_tp_plan` empty), or whose plan splits no decoder-layer weight (gpt-oss:
+only its embedding), is refused: transformers would load its layers unsharded on
 every rank.
+
+Every layer type of the verifier zoo is exact under the plans (tests/test_tp.py, 2
+ranks on CPU against one process): full, sliding and chunked attention, MLA
+(DeepSeek-V3's `mla_kv_a_proj`), linear attention (Qwen3-Next, Qwen3.5: its
+projections are split and their outputs gathered, so each rank runs the recurrence
+whole), MoE (experts replicated: no expert parallelism), multimodal text towers.
 """
 
 from __future__ import annotations
@@ -56,6 +63,13 @@ def check_tp_model(path: str | Path, tp: int) -> None:
         raise ConfigError(
             f"--tp {tp}: verifier {root} ({cfg.model_type}) has no tensor-parallel plan in "
             "transformers (config.base_model_tp_plan is empty); run it with --tp 1"
+        )
+    if not any(k.startswith("layers.") for k in plan):
+        # gpt-oss: attention with sinks and the experts are outside transformers' plan
+        raise ConfigError(
+            f"--tp {tp}: transformers' tensor-parallel plan for verifier {root} "
+            f"({cfg.model_type}) splits no decoder-layer weight (only {', '.join(plan)}): "
+            "every rank would hold and run every layer whole; run it with --tp 1"
         )
     for name in _SPLIT_FIELDS:
         value = getattr(text, name, None)

@@ -3,10 +3,15 @@ its HF `config.json`, named tensors from its (possibly sharded) safetensors file
 the directory must hold, and its identity (config hash, weights fingerprint).
 
     python -c "from pathlib import Path; from fanout.model.verifier_dir import read_verifier_config; print(read_verifier_config(Path('VERIFIER_DIR')))"
+    python -c "from pathlib import Path; from fanout.model.verifier_dir import text_tensors; print(text_tensors(Path('VERIFIER_DIR')))"
 
 The draft takes its shapes and its frozen embedding / head / norm from here
 (fanout.model.dflash.DFlashDraft.from_verifier); `fanout eval` and `load_draft` read
-the config the same way (fanout.families.serving).
+the config the same way (fanout.families.serving). A multimodal checkpoint
+(`…ForConditionalGeneration`) is read as its text model: shapes from its
+`text_config`, tensors by the names its layout gives them (`text_tensors`: plain
+`model.*`, `model.language_model.*` or `language_model.model.*`), the head tied or not
+as the top-level config says (Gemma-3: tied at the top, untied in `text_config`).
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from fanout.errors import ConfigError
 from fanout.hashing import hasher, labelled
@@ -29,15 +35,16 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 
 def read_verifier_config(vdir: Path) -> dict[str, Any]:
-    """DFlashConfig fields from a HF Qwen3-style `config.json` (+ `_num_hidden_layers`)."""
+    """DFlashConfig fields from a HF `config.json` (+ `_num_hidden_layers`): the text
+    model's (a multimodal config's `text_config`), with the head's tie flag as the
+    checkpoint's top level declares it (`tied_head`)."""
     path = vdir / "config.json"
     try:
-        c = json.loads(path.read_text())
+        top = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read verifier config {path}: {e}") from e
-    c = c.get("text_config", c)  # multimodal wrappers nest the LM config
+    c = top.get("text_config", top)  # multimodal wrappers nest the LM config
     try:
-        rope = c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta") or 1e4
         return {
             "hidden_size": c["hidden_size"],
             "intermediate_size": c["intermediate_size"],
@@ -45,14 +52,134 @@ def read_verifier_config(vdir: Path) -> dict[str, Any]:
             "num_key_value_heads": c.get("num_key_value_heads", c["num_attention_heads"]),
             "head_dim": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
             "rms_norm_eps": c.get("rms_norm_eps", 1e-6),
-            "rope_theta": float(rope),
+            "rope_theta": _rope_theta(c),
             "max_position_embeddings": c.get("max_position_embeddings", 40960),
             "vocab_size": c["vocab_size"],
-            "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+            "tie_word_embeddings": bool(tied_head(top)),
             "_num_hidden_layers": c["num_hidden_layers"],
         }
     except KeyError as e:
         raise ConfigError(f"{path}: missing field {e.args[0]!r}") from e
+
+
+def _rope_theta(c: dict[str, Any]) -> float:
+    """The text model's RoPE base: `rope_theta`, or `rope_parameters.rope_theta`, or (one
+    `rope_parameters` per layer type, Gemma-3) its full-attention layers'; else 1e4."""
+    rp = c.get("rope_parameters") or {}
+    full = rp.get("full_attention")
+    full = full if isinstance(full, dict) else {}
+    return float(c.get("rope_theta") or rp.get("rope_theta") or full.get("rope_theta") or 1e4)
+
+
+def tied_head(config: dict[str, Any]) -> bool | None:
+    """Whether the verifier's head is its embedding, as its `config.json` (`config`)
+    declares it: the top level's `tie_word_embeddings` (what transformers ties by, also
+    for a multimodal model, whose `text_config` may say otherwise: Gemma-3), else its
+    `text_config`'s; None when neither declares it."""
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict) and section.get("tie_word_embeddings") is not None:
+            return bool(section["tie_word_embeddings"])
+    return None
+
+
+# Where a checkpoint keeps its text model's tensors, tried in this order: a causal LM
+# (`model.`); a multimodal one as transformers >= 4.52 names it (`model.language_model.`,
+# Qwen3.5, Qwen3-VL); as older ones do and Gemma-3's conversion mapping still saves it
+# (`language_model.model.`).
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+# model_types whose final norm scales by (1 + w) rather than w (Gemma's RMSNorm; Qwen3.5's
+# and Qwen3-Next's compute `output * (1.0 + weight)`), matched on the text config's
+# model_type: speculators 0.9.0's GEMMA_STYLE_FINAL_NORM_MODEL_TYPES plus qwen3_next,
+# which it misses (tests/test_zoo_families.py checks each zoo verifier's norm)
+_ONE_PLUS_NORM = frozenset(
+    {
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "qwen3_5",
+        "qwen3_5_text",
+        "qwen3_next",
+        "recurrent_gemma",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TextTensors:
+    """Where a verifier checkpoint keeps the text-model tensors a draft takes frozen."""
+
+    embed: str  # [V, H] input embedding
+    norm: str  # [H] final norm
+    head: str | None  # [V, H] lm_head; None: tied to the embedding
+    norm_offset: float  # the final norm's gain is weight + norm_offset (Gemma-style: 1)
+
+    @property
+    def tied(self) -> bool:
+        return self.head is None
+
+    def names(self) -> list[str]:
+        """The tensors to read (the embedding once when the head is tied)."""
+        return [self.embed, self.norm, *([self.head] if self.head else [])]
+
+
+def text_tensors(vdir: Path) -> TextTensors:
+    """The names of the verifier's text embedding, final norm and head in its checkpoint,
+    read from the safetensors index (or the single file's header) and `config.json`.
+
+    The text model is the first of `model.` / `model.language_model.` /
+    `language_model.model.` that holds both `embed_tokens.weight` and `norm.weight`. The
+    head is tied when the config says so (`tied_head`); when it says nothing, when no
+    head tensor exists. Raises ConfigError naming the directory and what is missing
+    (a declared untied head without an `lm_head.weight` included)."""
+    keys = _tensor_names(vdir)
+    top = _read_config(vdir)
+    for prefix in _TEXT_PREFIXES:
+        embed, norm = f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"
+        if embed in keys and norm in keys:
+            break
+    else:
+        tried = ", ".join(f"{p}{{embed_tokens,norm}}.weight" for p in _TEXT_PREFIXES)
+        raise ConfigError(
+            f"verifier {vdir}: no text model's embedding and final norm in its weights "
+            f"(looked for {tried})"
+        )
+    head = next((n for n in _HEAD_NAMES if n in keys), None)
+    tied = tied_head(top)
+    if tied is False and head is None:
+        raise ConfigError(
+            f"verifier {vdir}: config.json says tie_word_embeddings false, but its weights "
+            f"hold no head ({' or '.join(_HEAD_NAMES)})"
+        )
+    text = top.get("text_config", top)
+    offset = 1.0 if str(text.get("model_type", "")).lower() in _ONE_PLUS_NORM else 0.0
+    return TextTensors(embed, norm, None if tied or head is None else head, offset)
+
+
+def read_text_tensors(vdir: Path) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The verifier's text embedding [V, H], head [V, H] (None when tied to the
+    embedding) and final-norm gain [H] (the stored weight + `norm_offset`, what the norm
+    multiplies by: float32 where an offset was added), as stored, located by
+    `text_tensors`."""
+    names = text_tensors(vdir)
+    t = read_verifier_tensors(vdir, names.names())
+    norm = t[names.norm]
+    if names.norm_offset:
+        norm = norm.float() + names.norm_offset  # w + 1 is not exact in bf16
+    return t[names.embed], None if names.head is None else t[names.head], norm
+
+
+def _tensor_names(vdir: Path) -> set[str]:
+    """Every tensor name of the verifier's safetensors weights (index or single file)."""
+    index = vdir / "model.safetensors.index.json"
+    try:
+        if index.exists():
+            return set(json.loads(index.read_text())["weight_map"])
+        with safe_open(str(vdir / "model.safetensors"), framework="pt") as sf:
+            return set(sf.keys())
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        raise ConfigError(f"cannot read verifier weight names in {vdir}: {e}") from e
 
 
 def read_verifier_tensors(vdir: Path, names: list[str]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,269 @@
+"""Verifier capture on every architecture of the zoo, and on long rows: tokens/s and peak memory.
+
+    .venv/bin/python benchmarks/verifiers.py                              # CPU, a few minutes
+    .venv/bin/python benchmarks/verifiers.py --archs qwen3,gemma3_text --lengths 4096,16384 \
+        --json /tmp/verifiers.json
+
+1. Per architecture of the verifier zoo (tests/verifier_zoo.py: tiny random models
+   of 16 real architectures, hidden 32, 2-4 layers, vocabulary 160, windows of 8):
+   - `capture`: `Verifier.capture` over `--rows` packed rows of `--seq-len` tokens
+     (documents of 10-80 tokens, so they cross the sliding windows), every layer type's
+     rule applied (fanout.model.layer_types);
+   - `alone`: the same model in plain transformers (the class it was saved with) run on
+     each document by itself, `output_hidden_states=True`: the oracle's path
+     (tests/test_verifier_zoo.py), i.e. what a capture without packing costs.
+   `capture_vs_alone` = capture tokens/s ÷ alone tokens/s.
+2. Long rows (`--lengths`, default T = 4k, 16k, 32k) on a tiny Qwen3 (`--hidden`,
+   `--layers`, `--vocab`): one row of documents of `--doc-tokens` tokens, captured
+   - `documents`: with no T × T mask (`Verifier.dense_mask_max_bytes = 0`: each
+     document runs alone, SDPA `is_causal`), what the default budget picks for long rows;
+   - `dense`: today's dense-mask path forced (`dense_mask_max_bytes` huge: one
+     [1, 1, T, T] mask, attention over every masked-out pair).
+   Goals: the documents path's peak memory grows linearly in T (peak at the longest T
+   ÷ peak at the shortest, over the ratio of the Ts: <= 1.25), and its tokens/s at
+   T = 16k is >= 2x the dense mask's.
+
+Peak memory is the process's resident high-water mark during the call above the
+resident set before it (Linux: `/proc/self/status` VmHWM, reset through
+`/proc/self/clear_refs` before each call; glibc's malloc told to map every allocation of
+128 KiB or more on its own and trimmed before each call, so freed memory does not stay
+resident): torch's CPU tensors are allocated outside Python's allocator, where
+`tracemalloc` does not see them. Every timing is the best of
+`--repeats` calls after a warm-up (T >= 16k: one call, no warm-up, the dense path takes
+a minute there). fp32 on the CPU, torch's default threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.model.verifier import DENSE_MASK_MAX_BYTES, Verifier, load_verifier
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the zoo
+from record import Recorder, Row, spread
+from verifier_zoo import VOCAB, ZOO, build, load_oracle
+
+MIB = 1 << 20
+
+
+def _status(field: str) -> int:
+    """A `/proc/self/status` size field (VmRSS, VmHWM) in bytes."""
+    text = Path("/proc/self/status").read_text()
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    assert m, field
+    return int(m.group(1)) * 1024
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+# glibc: every allocation of 128 KiB or more is its own mapping, given back on free (the
+# default threshold grows with use, and memory under it stays resident once freed), so
+# the resident set follows what is live
+_LIBC.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+
+
+def measure(fn: Callable[[], Any], repeats: int, warm: bool = True) -> tuple[float, int]:
+    """(best seconds of `repeats` calls, peak resident bytes above the resident set
+    before a call, the largest over the calls)."""
+    if warm:
+        fn()
+    best, peak = float("inf"), 0
+    for _ in range(repeats):
+        _LIBC.malloc_trim(0)  # freed heap memory back to the OS: RSS = what is live
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status("VmRSS")
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        peak = max(peak, _status("VmHWM") - before)
+    return best, peak
+
+
+def _packed(rows: int, t: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """`rows` packed rows of `t` tokens: documents of 10-80 tokens (the last one cut to
+    fit), positions restarting per document; returns ids, pos, doc [B, T] and the spans
+    (row, start, end) of every document."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (rows, t), generator=g)
+    pos = torch.empty(rows, t, dtype=torch.long)
+    doc = torch.empty(rows, t, dtype=torch.long)
+    spans = []
+    for b in range(rows):
+        s, k = 0, 0
+        while s < t:
+            e = min(t, s + int(torch.randint(10, 81, (1,), generator=g)))
+            pos[b, s:e], doc[b, s:e] = torch.arange(e - s), k
+            spans.append((b, s, e))
+            s, k = e, k + 1
+    return ids, pos, doc, torch.tensor(spans)
+
+
+def zoo_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    out = []
+    ids, pos, doc, spans = _packed(a.rows, a.seq_len, 0)
+    tokens = a.rows * a.seq_len
+    for arch in a.archs:
+        path = build(arch, root / arch)
+        v = load_verifier(path, device="cpu", dtype="float32", num_draft_layers=None,
+                          capture_layer_ids=[0, 1])  # fmt: skip
+        oracle = load_oracle(arch, path)
+
+        def capture(v: Verifier = v) -> None:
+            v.capture(ids, pos, doc)
+
+        @torch.inference_mode()
+        def alone(m: Any = oracle) -> None:
+            for b, s, e in spans.tolist():
+                m(input_ids=ids[b : b + 1, s:e], use_cache=False, output_hidden_states=True)
+
+        t_cap, m_cap = measure(capture, a.repeats)
+        t_alone, m_alone = measure(alone, a.repeats)
+        out.append({
+            "arch": arch, "model_class": ZOO[arch].model_class, "layers": v.num_layers,
+            "runs_alone": v.runs_alone(a.rows, a.seq_len), "documents": len(spans),
+            "capture_tokens_per_s": tokens / t_cap, "alone_tokens_per_s": tokens / t_alone,
+            "capture_vs_alone": t_alone / t_cap,
+            "capture_peak_mib": m_cap / MIB, "alone_peak_mib": m_alone / MIB,
+        })  # fmt: skip
+        r = out[-1]
+        print(f"{arch:<20}{'documents' if r['runs_alone'] else 'masked':>10}"
+              f"{r['capture_tokens_per_s']:>12.0f}{r['alone_tokens_per_s']:>12.0f}"
+              f"{r['capture_vs_alone']:>8.2f}{r['capture_peak_mib']:>10.1f}"
+              f"{r['alone_peak_mib']:>10.1f}", flush=True)  # fmt: skip
+    return out
+
+
+def long_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    heads = max(1, a.hidden // 16)
+    path = tiny_qwen3_verifier(
+        root / "qwen3-long", a.vocab, hidden_size=a.hidden, num_layers=a.layers,
+        num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=16,
+        intermediate_size=2 * a.hidden,
+    )  # fmt: skip
+    v = load_verifier(path, device="cpu", dtype="float32", capture_layer_ids=[1, a.layers - 2],
+                      num_draft_layers=None)  # fmt: skip
+    out = []
+    for t in a.lengths:
+        g = torch.Generator().manual_seed(t)
+        ids = torch.randint(1, a.vocab, (1, t), generator=g)  # [1, T]
+        doc = (torch.arange(t) // a.doc_tokens)[None]  # [1, T]
+        pos = (torch.arange(t) % a.doc_tokens)[None]
+        v.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
+        default = "documents" if v.runs_alone(1, t) else "dense"
+        long = t >= 16384
+        row: dict[str, Any] = {"T": t, "documents_per_row": int(doc.max()) + 1,
+                               "default_path": default}  # fmt: skip
+        for name, budget in (("documents", 0), ("dense", 1 << 62)):
+            v.dense_mask_max_bytes = budget
+            assert v.runs_alone(1, t) == (name == "documents")
+
+            def capture(
+                ids: torch.Tensor = ids, pos: torch.Tensor = pos, doc: torch.Tensor = doc
+            ) -> None:
+                v.capture(ids, pos, doc)
+
+            sec, peak = measure(capture, 1 if long else a.repeats, warm=not long)  # fmt: skip
+            row[f"{name}_tokens_per_s"] = t / sec
+            row[f"{name}_peak_mib"] = peak / MIB
+        row["speedup"] = row["documents_tokens_per_s"] / row["dense_tokens_per_s"]
+        out.append(row)
+        print(f"{t:>8}{row['documents_tokens_per_s']:>12.0f}{row['dense_tokens_per_s']:>12.0f}"
+              f"{row['speedup']:>9.2f}{row['documents_peak_mib']:>12.1f}"
+              f"{row['dense_peak_mib']:>12.1f}  {default}", flush=True)  # fmt: skip
+    v.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--archs", default=",".join(ZOO), help="zoo architectures, comma-separated")
+    p.add_argument("--rows", type=int, default=2, help="packed rows per capture (part 1)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per packed row (part 1)")
+    p.add_argument("--lengths", default="4096,16384,32768", help="row lengths T (part 2)")
+    p.add_argument("--doc-tokens", type=int, default=2048, help="tokens per document (part 2)")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the long-row Qwen3")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the long-row Qwen3")
+    p.add_argument("--vocab", type=int, default=1000, help="vocabulary of the long-row Qwen3")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls (best of)")
+    p.add_argument("--json", default=None, help="write the record (benchmarks/record.py) here")
+    a = p.parse_args()
+    a.archs = [x for x in a.archs.split(",") if x]
+    a.lengths = sorted(int(x) for x in a.lengths.split(","))
+    unknown = sorted(set(a.archs) - set(ZOO))
+    if unknown:
+        p.error(f"--archs: unknown {unknown}; the zoo has {', '.join(ZOO)}")
+    rec = Recorder("verifiers")
+    hw = rec.head["hardware"]
+    print(f"hardware: {hw}; torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")
+    print(f"part 1: zoo models (H 32, 2-4 layers, vocab {VOCAB}), {a.rows} rows x "
+          f"{a.seq_len} tokens, documents of 10-80 tokens")  # fmt: skip
+    print(f"{'arch':<20}{'path':>10}{'capture/s':>12}{'alone/s':>12}{'ratio':>8}"
+          f"{'cap MiB':>10}{'alone MiB':>10}")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        zoo = zoo_rows(a, Path(tmp))
+        print(f"part 2: tiny Qwen3 H {a.hidden} x {a.layers} layers, vocab {a.vocab}, one row "
+              f"of documents of {a.doc_tokens} tokens")  # fmt: skip
+        print(f"{'T':>8}{'docs tok/s':>12}{'dense tok/s':>12}{'speedup':>9}{'docs MiB':>12}"
+              f"{'dense MiB':>12}  default path")  # fmt: skip
+        long = long_rows(a, Path(tmp))
+
+    rows = []
+    cond = f"cpu fp32, zoo sizes (H 32), {a.rows} rows x {a.seq_len} tokens, docs 10-80 tokens"
+    for r in zoo:
+        rows.append(Row(
+            stage="producer", name=f"capture_vs_alone_{r['arch']}",
+            what=f"{r['model_class']}: capture of packed rows vs each document alone in "
+            f"plain transformers (tokens/s; peak {r['capture_peak_mib']:.0f} vs "
+            f"{r['alone_peak_mib']:.0f} MiB)",
+            result=round(r["capture_vs_alone"], 2), unit="×", n=a.repeats, n_of="runs (best)",
+            conditions=f"{cond}; capture path {'documents' if r['runs_alone'] else 'masked'}",
+        ))  # fmt: skip
+    lcond = (f"cpu fp32, Qwen3 H {a.hidden} x {a.layers} layers, vocab {a.vocab}, 1 row, "
+             f"documents of {a.doc_tokens} tokens")  # fmt: skip
+    by_t = {r["T"]: r for r in long}
+    if 16384 in by_t:
+        s = by_t[16384]["speedup"]
+        rows.append(Row(
+            stage="producer", name="long_row_documents_vs_dense_16k",
+            what="capture of a 16k-token row: no T×T mask (documents alone) vs the dense "
+            "mask forced (tokens/s)", result=round(s, 2), unit="×", goal=">= 2", met=s >= 2,
+            conditions=lcond,
+        ))  # fmt: skip
+    if len(long) > 1:
+        lo, hi = long[0], long[-1]
+        growth = (hi["documents_peak_mib"] / lo["documents_peak_mib"]) / (hi["T"] / lo["T"])
+        dense = (hi["dense_peak_mib"] / max(lo["dense_peak_mib"], 1e-9)) / (hi["T"] / lo["T"])
+        rows.append(Row(
+            stage="producer", name="long_row_peak_memory_growth",
+            what=f"peak memory of the capture, T = {lo['T']:,} -> {hi['T']:,}, over the "
+            f"growth of T (1 = linear; the dense mask's: {dense:.1f}); peak "
+            f"{hi['documents_peak_mib']:.0f} MiB vs dense {hi['dense_peak_mib']:.0f} MiB "
+            f"at T = {hi['T']:,}",
+            result=round(growth, 2), unit="×", goal="<= 1.25", met=growth <= 1.25,
+            conditions=lcond,
+        ))  # fmt: skip
+    plots = [{
+        "name": "long_row_peak_memory", "stage": "producer", "kind": "line",
+        "title": "capture peak memory vs row length (CPU, fp32)",
+        "xlabel": "T (tokens per row)", "ylabel": "peak MiB above resident",
+        "series": {k: [[r["T"], r[f"{k}_peak_mib"]] for r in long] for k in ("documents", "dense")},
+    }] if long else []  # fmt: skip
+    raw = {"sizes": vars(a), "zoo": zoo, "long_rows": long,
+           "spread_capture_vs_alone": spread([r["capture_vs_alone"] for r in zoo])}  # fmt: skip
+    rec.write(a.json, rows, raw=raw, plots=plots)
+
+
+if __name__ == "__main__":
+    main()
