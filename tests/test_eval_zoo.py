@@ -120,7 +120,7 @@ def test_zoo_speculative_decoding_is_lossless(arch: str, zoo_dir: Path) -> None:
     g = dec.greedy(prompt, NEW)
     rights = [4, 0, 2, 1, 3]
     scripted = Scripted(g.tokens, len(prompt), rights)
-    s = dec.speculative(prompt, draft, NEW, context=scripted)  # type: ignore[arg-type]
+    s = dec.speculative(prompt, draft, NEW, context=scripted)
     assert first_mismatch(g.tokens, s.tokens) is None, (arch, g.tokens, s.tokens)
     assert s.accepted[:-1] == (rights * NEW)[: len(s.accepted) - 1]  # the last: cut by NEW
 

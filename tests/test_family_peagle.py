@@ -222,7 +222,7 @@ def test_config_fields_as_fanout_means_them(
 
 def _one_row(draft: PEagleDraft, norm: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Row 1 of test_family_eagle3's rows (two documents, the second from 13) alone."""
-    batch, pre = _rows(11, draft, norm)  # type: ignore[arg-type]
+    batch, pre = _rows(11, draft, norm)
     return {k: v[1:] for k, v in batch.items()}, pre[1:]
 
 

@@ -178,7 +178,7 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
 
 def test_follow_refuses_bad_input_in_one_line(assets: Path, tmp_path: Path) -> None:
     base = tiny_producer_config(assets, tmp_path / "run")
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"follow": str(tmp_path / "nope")}, "no such file or directory"),
         ({"follow": str(assets), "replicas": 2}, "--follow with --replicas"),
         ({"follow": str(assets), "epochs": 2}, "one epoch"),

@@ -152,9 +152,9 @@ def test_first_window_is_served_before_regeneration_finishes(
     assert info["total_windows"] == len(_windows(reference)) and info["num_rows"] > 0
     # a recapture now, every chunk done, gathers the rows each window was published with
     p3 = Producer(cfg)
-    assert p3.onpolicy is not None and p3.onpolicy.reach(1 << 20) == info["total_windows"]
+    assert p3.growing is not None and p3.growing.reach(1 << 20) == info["total_windows"]
     for w, want in _windows(run).items():
-        idx, _ = p3.onpolicy.window_rows_of(w)
+        idx, _ = p3.growing.window_rows_of(w)
         got = torch.from_numpy(p3.dataset.rows(idx)["input_ids"]).to(torch.int32)
         assert torch.equal(got, want["input_ids"]), f"window {w}"
 

@@ -108,6 +108,7 @@ def test_consumers_carry_family_group_rate_eta_and_why_they_wait(
     (d,) = snap.consumers
     assert (d.id, d.name, d.dp_rank, d.dp_world, d.family) == ("d:dp1", "d", 1, 2, "dspark")
     assert (d.step, d.eal, d.cursor, d.end_window) == (2, 1.75, 2, 6)  # its budget < 8
+    assert d.windows_per_s is not None
     assert d.windows_per_s == pytest.approx(2 / 100, rel=1e-2)
     assert d.rows_per_s == pytest.approx(d.windows_per_s * 2, rel=1e-2)
     assert d.eta_s == pytest.approx(4 / d.windows_per_s, rel=1e-2)
