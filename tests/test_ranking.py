@@ -41,8 +41,9 @@ def test_ranked_best_first_with_the_checkpoint_and_step_figures(tmp_path: Path) 
     assert checkpoint_params(b)[0] == n_b
     # every family: the count is the model's own trainable parameters (EAGLE-3's file also
     # holds the verifier's frozen embedding)
-    for name in FAMILIES:
-        path, count = _save(name, ver, tmp_path / f"all-{name}")  # eagle3: ttt 3 = block 4
+    for name in FAMILIES:  # each at the block its family drafts at width 4 (eagle3: ttt 3)
+        bs = family(name).block_size_for(4)
+        path, count = _save(name, ver, tmp_path / f"all-{name}", block_size=bs)
         assert checkpoint_params(path)[0] == count, name
     logs = {}
     for n, ms in (("a", [50.0, 40.0, 3.0, 4.0, 5.0]), ("b", [9.0, 9.0, 7.0, 8.0, 30.0])):

@@ -25,10 +25,10 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.status_schema import StatusSnapshot
+from fanout.coord.status_schema import ConsumerState, ReplicaState, StatusSnapshot
 from fanout.errors import ConfigError
 
 MAX_SAMPLES = 720  # the plot's memory: an hour at the default 5 s ... 24 min at 2 s
@@ -103,7 +103,7 @@ def metrics_text(s: StatusSnapshot) -> str:
           None if s.blocked is None else s.blocked.for_s)  # fmt: skip
 
     reps = s.replicas
-    states = ("active", "stopped", "finished", "lost")
+    states = get_args(ReplicaState)  # the schema's: one home for the states
     m.add(
         "fanout_replica_state",
         "gauge",
@@ -122,7 +122,7 @@ def metrics_text(s: StatusSnapshot) -> str:
     def who(c: Any) -> dict[str, Any]:
         return {"consumer": c.id, "family": c.family or "", "dp_rank": c.dp_rank}
 
-    cstates = ("active", "lost", "finished", "stopped", "detached")
+    cstates = get_args(ConsumerState)
     m.add(
         "fanout_consumer_state",
         "gauge",
