@@ -43,20 +43,25 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 K = 3
 N = 48  # conversations the appender writes
 
-# `python appender.py SRC_DIR RECORDS_JSON READY_DIR`: once READY_DIR exists, one record
-# every ~200 ms, each written in two
-# parts (the first flushed without its newline), the file rotated half-way, one line
-# that is not a chat.
+# `python appender.py SRC_DIR RECORDS_JSON READY_DIR GO`: once READY_DIR exists, one
+# record every ~200 ms (half of them, then GO.half is made and it waits for GO), each
+# written in two
+# parts (the first flushed without its newline), the file rotated a third of the way,
+# one line that is not a chat.
 APPENDER = """
 import json, os, sys, time
-src, recs, ready = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3]
+src, recs, ready, go = sys.argv[1], json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 while not os.path.isdir(ready):  # the producer follows: it made its chunk directory
     time.sleep(0.05)
 path = os.path.join(src, "log.jsonl")
 f = open(path, "ab")
 for i, r in enumerate(recs):
-    if i == len(recs) // 2:
+    if i == len(recs) // 3:
         f.close(); os.rename(path, path + ".1"); f = open(path, "ab")
+    if i == len(recs) // 2:  # half written: wait until the test has killed the producer
+        open(go + ".half", "w").close()
+        while not os.path.exists(go):
+            time.sleep(0.05)
     if i == 5:
         f.write(b"this is not json\\n")
     line = (json.dumps(r) + "\\n").encode()
@@ -96,7 +101,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _producer(assets: Path, src: Path, run: Path, log: Path) -> subprocess.Popen[bytes]:
     cfg = tiny_producer_config(
-        assets, run, follow=str(src), data=[], follow_idle_s=6.0, follow_flush_s=0.5,
+        assets, run, follow=str(src), data=[], follow_idle_s=8.0, follow_flush_s=0.5,
         follow_chunk_records=6, holdout_fraction=0.25, max_live_windows=K, window_rows=2,
         cache_dir=str(assets / "cache"), heartbeat_s=0.3, ttl_s=3.0,
     )  # fmt: skip
@@ -114,8 +119,9 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     src.mkdir()
     recs = _records()
     (tmp_path / "recs.json").write_text(json.dumps(recs))
+    go = tmp_path / "go"
     appender = subprocess.Popen([sys.executable, str(assets / "appender.py"), str(src),
-                                 str(tmp_path / "recs.json"), str(run / "follow")])  # fmt: skip
+                                 str(tmp_path / "recs.json"), str(run / "follow"), str(go)])  # fmt: skip
     log = tmp_path / "producer.log"
     prod = _producer(assets, src, run, log)
     wait_for(lambda: Coordinator.open_if_created(run) is not None, 120, "the run", 0.05)
@@ -137,11 +143,14 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        # kill -9 once a few chunks are in, then restart with the same flags
-        wait_for(lambda: len(list((run / "follow").glob("chunk-*.json"))) >= 3, 120, "3 chunks")
+        # kill -9 once half the records are written and a chunk is in (records after its
+        # manifest are read again by the restart), then the rest of the traffic
+        wait_for(lambda: Path(f"{go}.half").exists(), 300, "half the records")
+        wait_for(lambda: len(list((run / "follow").glob("chunk-*.json"))) >= 1, 300, "a chunk")
         prod.send_signal(signal.SIGKILL)
         prod.wait(30)
         prod = _producer(assets, src, run, log)
+        go.touch()
         assert appender.wait(120) == 0
         assert prod.wait(180) == 0, log.read_text()[-3000:]
         assert reader.wait(180) == 0
