@@ -178,3 +178,27 @@ def test_an_age_is_never_negative_even_when_the_heartbeat_is_ahead(tmp_path: Pat
     assert ages == [0.0, 0.0] and all(math.copysign(1, a) == 1 for a in ages), ages
     table = format_table(s)
     assert "heartbeat 0.0s ago" in table and not re.search(r"-\d+(\.\d+)?s\b", table), table
+
+
+def test_drift_records_of_a_live_run_are_in_the_snapshot_and_the_table(tmp_path: Path) -> None:
+    """`fanout promote --run-dir` appends the served draft's τ on each newest held-out
+    slice to RUN_DIR/follow/drift.jsonl: status shows the newest, and says when it fell
+    below the interval the draft was promoted with."""
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=600))
+    assert snapshot(co)["drift"] == [] and "served " not in format_table(snapshot(co))
+    rd.drift.parent.mkdir(parents=True)
+    ok = {"time": "t1", "version": "v0002", "tau": 3.1, "ci95": [2.9, 3.3], "prompts": 32,
+          "heldout_seen": 40, "baseline_ci95": [2.8, 3.2], "below": False}  # fmt: skip
+    low = ok | {"time": "t2", "tau": 2.0, "ci95": [1.8, 2.2], "heldout_seen": 80, "below": True}
+    rd.drift.write_text(json.dumps(ok) + "\n" + json.dumps(low) + "\n")
+    s = snapshot(co)
+    assert [d["time"] for d in s["drift"]] == ["t1", "t2"]
+    table = format_table(s)
+    assert "served   v0002 τ 2.00 (1.80–2.20) on the newest 32 held-out" in table, table
+    assert "drift: below the 2.80–3.20 it was promoted with" in table, table
+    from fanout.coord.status import build
+    from fanout.coord.status_serve import metrics_text
+
+    text = metrics_text(build(co))
+    assert "fanout_served_tau 2.0" in text and "fanout_served_drift 1" in text, text

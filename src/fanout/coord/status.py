@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -409,8 +410,17 @@ def build(co: Coordinator) -> StatusSnapshot:
             "replicas": replicas,
             "consumers": consumers,
             "leases": leases,
+            "drift": _drift(RunDir(co.root).drift),
         }
     )
+
+
+def _drift(path: Path, last: int = 20) -> list[dict[str, Any]]:
+    """The newest drift records `fanout promote --run-dir` wrote (none: not a live run)."""
+    if not path.is_file():
+        return []
+    lines = [x for x in path.read_text().splitlines() if x.strip()][-last:]
+    return [json.loads(x) for x in lines]
 
 
 def snapshot(co: Coordinator) -> dict[str, Any]:

@@ -101,6 +101,11 @@ def metrics_text(s: StatusSnapshot) -> str:
           int(s.stream.ended))  # fmt: skip
     m.one("fanout_blocked_seconds", "gauge", "How long the producer has been blocked at K.",
           None if s.blocked is None else s.blocked.for_s)  # fmt: skip
+    last = s.drift[-1] if s.drift else None  # fanout promote --run-dir's newest look
+    m.one("fanout_served_tau", "gauge", "The served draft's tau on the newest held-out slice.",
+          None if last is None else last.tau)  # fmt: skip
+    m.one("fanout_served_drift", "gauge", "1 when that tau fell below its promoted interval.",
+          None if last is None else int(last.below))  # fmt: skip
 
     reps = s.replicas
     states = get_args(ReplicaState)  # the schema's: one home for the states

@@ -179,4 +179,26 @@ def format_table(s: dict[str, Any]) -> str:
         lines.append("(no consumers registered)")
     lines += [f"  {c['id']}: {c['state']} {c['note']}" for c in s["consumers"] if c["note"]]
     lines += [f"  {c['id']}: waiting: {c['waiting']}" for c in s["consumers"] if c["waiting"]]
+    lines += _drift_lines(s.get("drift") or [])
     return "\n".join(lines)
+
+
+def _drift_lines(points: list[dict[str, Any]]) -> list[str]:
+    """The served draft on the newest held-out traffic, and a warning when it drifted."""
+    if not points:
+        return []
+    d = points[-1]
+    ci = d["ci95"]
+    shown = f"τ {d['tau']:.2f}" + (f" ({ci[0]:.2f}–{ci[1]:.2f})" if ci else "")
+    out = [
+        "",
+        f"served   {d['version']} {shown} on the newest {d['prompts']} held-out "
+        f"conversations ({d['time']}; {len(points)} looks)",
+    ]
+    if d["below"]:
+        b = d["baseline_ci95"]
+        out.append(
+            f"  drift: below the {b[0]:.2f}–{b[1]:.2f} it was promoted with: the traffic "
+            "moved; a candidate trained on it is due (fanout promote decides)"
+        )
+    return out

@@ -148,7 +148,7 @@ class FollowStream:
     ) -> None:
         self.make_prep, self.opts = make_prep, opts
         self.root = Path(opts.follow)
-        self.dir = run_dir.root / "follow"
+        self.dir, self.heldout_path = run_dir.follow, run_dir.heldout
         self.fs = FileSystem()
         self.rows = ChunkRows()
         self.window_rows, self.seed = int(opts.window_rows), int(opts.seed)
@@ -207,7 +207,7 @@ class FollowStream:
             c += 1
         if c:
             log.info("--follow: resumed %d chunks (%s), reading on from there", c, self.counts)
-        held = self.dir / "heldout.jsonl"
+        held = self.heldout_path
         if held.is_file():
             self.heldout = [json.loads(x) for x in held.read_text().splitlines() if x.strip()]
 
@@ -296,7 +296,7 @@ class FollowStream:
         self.fs.write_atomic(data, body.encode())
         if self.heldout:
             held = "".join(json.dumps(d) + "\n" for d in self.heldout)
-            self.fs.write_atomic(self.dir / "heldout.jsonl", held.encode())
+            self.fs.write_atomic(self.heldout_path, held.encode())
         m = {"records": len(self.pending), "positions": self.positions, "counts": self.counts}
         self.fs.write_atomic(manifest, json.dumps(m).encode())  # the commit: written last
         self.pending, self.pending_since = [], None

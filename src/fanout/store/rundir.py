@@ -77,6 +77,22 @@ class RunDir:
         return self.root / "regen"
 
     @property
+    def follow(self) -> Path:
+        """`fanout produce --follow`'s chunks, held-out set and drift records."""
+        return self.root / "follow"
+
+    @property
+    def heldout(self) -> Path:
+        """The newest held-out conversations of a followed source (fanout.produce.follow)."""
+        return self.follow / "heldout.jsonl"
+
+    @property
+    def drift(self) -> Path:
+        """The served draft's τ on recent held-out slices (`fanout promote --run-dir`;
+        fanout.decode.promote spells the same path, from below this layer)."""
+        return self.follow / "drift.jsonl"
+
+    @property
     def stream_info(self) -> Path:
         return self.root / "stream.json"
 
