@@ -74,12 +74,26 @@ _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 _LIBC.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
 
 
-def measure(fn: Callable[[], Any], repeats: int, warm: bool = True) -> tuple[float, int]:
+def measure(
+    fn: Callable[[], Any], repeats: int, warm: bool = True, device: str = "cpu"
+) -> tuple[float, int]:
     """(best seconds of `repeats` calls, peak resident bytes above the resident set
-    before a call, the largest over the calls)."""
+    before a call, the largest over the calls). On CUDA: device memory, the allocator's
+    peak above what was allocated before the call, each call synchronised."""
     if warm:
         fn()
     best, peak = float("inf"), 0
+    if device.startswith("cuda"):
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+            peak = max(peak, torch.cuda.max_memory_allocated() - before)
+        return best, peak
     for _ in range(repeats):
         _LIBC.malloc_trim(0)  # freed heap memory back to the OS: RSS = what is live
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
@@ -112,13 +126,13 @@ def _packed(rows: int, t: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def zoo_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     out = []
-    ids, pos, doc, spans = _packed(a.rows, a.seq_len, 0)
+    ids, pos, doc, spans = (x.to(a.device) for x in _packed(a.rows, a.seq_len, 0))
     tokens = a.rows * a.seq_len
     for arch in a.archs:
         path = build(arch, root / arch)
-        v = load_verifier(path, device="cpu", dtype="float32", num_draft_layers=None,
+        v = load_verifier(path, device=a.device, dtype="float32", num_draft_layers=None,
                           capture_layer_ids=[0, 1])  # fmt: skip
-        oracle = load_oracle(arch, path)
+        oracle = load_oracle(arch, path).to(a.device)
 
         def capture(v: Verifier = v) -> None:
             v.capture(ids, pos, doc)
@@ -128,8 +142,8 @@ def zoo_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             for b, s, e in spans.tolist():
                 m(input_ids=ids[b : b + 1, s:e], use_cache=False, output_hidden_states=True)
 
-        t_cap, m_cap = measure(capture, a.repeats)
-        t_alone, m_alone = measure(alone, a.repeats)
+        t_cap, m_cap = measure(capture, a.repeats, device=a.device)
+        t_alone, m_alone = measure(alone, a.repeats, device=a.device)
         out.append({
             "arch": arch, "model_class": ZOO[arch].model_class, "layers": v.num_layers,
             "runs_alone": v.runs_alone(a.rows, a.seq_len), "documents": len(spans),
@@ -152,8 +166,8 @@ def long_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
         num_heads=heads, num_kv_heads=max(1, heads // 2), head_dim=16,
         intermediate_size=2 * a.hidden,
     )  # fmt: skip
-    v = load_verifier(path, device="cpu", dtype="float32", capture_layer_ids=[1, a.layers - 2],
-                      num_draft_layers=None)  # fmt: skip
+    v = load_verifier(path, device=a.device, dtype="float32",
+                      capture_layer_ids=[1, a.layers - 2], num_draft_layers=None)  # fmt: skip
     out = []
     for t in a.lengths:
         g = torch.Generator().manual_seed(t)
@@ -174,7 +188,8 @@ def long_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
             ) -> None:
                 v.capture(ids, pos, doc)
 
-            sec, peak = measure(capture, 1 if long else a.repeats, warm=not long)  # fmt: skip
+            sec, peak = measure(capture, 1 if long else a.repeats, warm=not long,
+                                device=a.device)  # fmt: skip
             row[f"{name}_tokens_per_s"] = t / sec
             row[f"{name}_peak_mib"] = peak / MIB
         row["speedup"] = row["documents_tokens_per_s"] / row["dense_tokens_per_s"]
@@ -197,6 +212,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the long-row Qwen3")
     p.add_argument("--vocab", type=int, default=1000, help="vocabulary of the long-row Qwen3")
     p.add_argument("--repeats", type=int, default=3, help="timed calls (best of)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a lent GPU (checks.sh)")
     p.add_argument("--json", default=None, help="write the record (benchmarks/record.py) here")
     a = p.parse_args()
     a.archs = [x for x in a.archs.split(",") if x]
@@ -220,7 +236,9 @@ def main() -> None:
         long = long_rows(a, Path(tmp))
 
     rows = []
-    cond = f"cpu fp32, zoo sizes (H 32), {a.rows} rows x {a.seq_len} tokens, docs 10-80 tokens"
+    cond = (
+        f"{a.device} fp32, zoo sizes (H 32), {a.rows} rows x {a.seq_len} tokens, docs 10-80 tokens"
+    )
     for r in zoo:
         rows.append(Row(
             stage="producer", name=f"capture_vs_alone_{r['arch']}",
@@ -230,7 +248,7 @@ def main() -> None:
             result=round(r["capture_vs_alone"], 2), unit="×", n=a.repeats, n_of="runs (best)",
             conditions=f"{cond}; capture path {'documents' if r['runs_alone'] else 'masked'}",
         ))  # fmt: skip
-    lcond = (f"cpu fp32, Qwen3 H {a.hidden} x {a.layers} layers, vocab {a.vocab}, 1 row, "
+    lcond = (f"{a.device} fp32, Qwen3 H {a.hidden} x {a.layers} layers, vocab {a.vocab}, 1 row, "
              f"documents of {a.doc_tokens} tokens")  # fmt: skip
     by_t = {r["T"]: r for r in long}
     if 16384 in by_t:
@@ -255,8 +273,9 @@ def main() -> None:
             conditions=lcond,
         ))  # fmt: skip
     plots = [{
-        "name": "long_row_peak_memory", "stage": "producer", "kind": "line",
-        "title": "capture peak memory vs row length (CPU, fp32)",
+        "name": "long_row_peak_memory" + ("" if a.device == "cpu" else "_gpu"),
+        "stage": "producer", "kind": "line",
+        "title": f"capture peak memory vs row length ({a.device}, fp32)",
         "xlabel": "T (tokens per row)", "ylabel": "peak MiB above resident",
         "series": {k: [[r["T"], r[f"{k}_peak_mib"]] for r in long] for k in ("documents", "dense")},
     }] if long else []  # fmt: skip

@@ -14,7 +14,8 @@
 # --tp 2 under torchrun when the device has two GPUs or more, and `fanout eval`
 # in bf16 of the demo's trained drafts (one per family) (prepare trains them if runs/demo has none),
 # greedy and at T = 1, and the draft cache against the uncached loop and a free draft
-# at a 1.5k-token context.
+# at a 1.5k-token context; then every zoo verifier's capture and long rows on CUDA
+# (benchmarks/verifiers.py).
 # The copy there has no .git: give the commit it is of, FANOUT_COMMIT=$(git rev-parse HEAD)
 # (run here), so the JSONs (benchmarks/record.py) name it; copy the producer JSONs into
 # benchmarks/results/ (e.g. producer-h200-16.json) and run `python benchmarks/report.py`.
@@ -90,4 +91,10 @@ python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bflo
 python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bfloat16 \
   --num-prompts 1 --max-new-tokens 256 --ignore-eos --compare-uncached --rounds 2 --turns 30 \
   --json "$OUT/eval-bf16-cache.json" 2>&1 | grep -v "Loading weights" | tee "$OUT/eval-bf16-cache.log"
+# every verifier architecture of the zoo (tests/verifier_zoo.py): packed capture vs each
+# document alone on CUDA, and long rows (T 4k/16k/32k) with no T x T mask vs the dense
+# mask forced, at a verifier-like width (issue #43)
+python3 benchmarks/verifiers.py --device cuda --hidden 1024 --layers 8 --vocab 32000 \
+  --rows 4 --seq-len 4096 --json "$OUT/verifiers-gpu.json" 2>&1 \
+  | grep -v "it/s\]" | tee "$OUT/verifiers-gpu.log"
 ls -la "$OUT"
