@@ -10,9 +10,12 @@ cd "$(dirname "$0")"
 VENV=${FANOUT_VENV:-.venv}
 stamp="$VENV/.fanout-installed"
 if [ ! -x "$VENV/bin/python" ]; then
+  echo "dev.sh: creating $VENV (first use) …" >&2
   python3 -m venv "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # said before the long part; pip's own download progress follows (no -q on the installs)
+  echo "dev.sh: installing torch (CPU) and fanout with its dev tools into $VENV (a few minutes) …" >&2
   # torch first, pinned, and its CPU build: PyPI's Linux wheel of torch is the CUDA
   # build (GBs of CUDA libraries). A wheel of the pinned version pip can already find
   # without an index (find-links, e.g. PIP_FIND_LINKS on an offline machine) is used as
@@ -21,13 +24,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # installed (any >=2.9, e.g. a CUDA build) is kept instead of replaced.
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if "$VENV/bin/pip" install -q --dry-run --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
-      "$VENV/bin/pip" install -q "torch==2.13.0"
+      "$VENV/bin/pip" install --progress-bar on "torch==2.13.0"
     else
-      "$VENV/bin/pip" install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+      "$VENV/bin/pip" install --progress-bar on "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  "$VENV/bin/pip" install -q -e ".[dev]"
+  "$VENV/bin/pip" install --progress-bar on -e ".[dev]"
   touch "$stamp"
+  echo "dev.sh: installed" >&2
 fi
 # speculators 0.9.0, the oracle of tests/test_speculators.py (which skips without it):
 # always in CI (CI=true), else with FANOUT_SPECULATORS=1. Its own script installs it

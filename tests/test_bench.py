@@ -271,6 +271,65 @@ def test_a_run_with_replicas_reports_a_row_per_replica_and_their_total(tmp_path:
     ]
 
 
+def test_plots_tell_the_drafts_and_the_live_lines_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """steps.png: drafts that step at one pace keep apart (a marker and dash each);
+    live.png: ready windows solid on the left axis, MiB dashed on the right, one legend;
+    titles say what the scenario runs, not its key (issue #45)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fanout.bench.plots import write_plots
+
+    figs: list[Any] = []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figures to look at
+    root = tmp_path / "1p3c" / "run"
+    tel = tmp_path / "telemetry.jsonl"
+    tel.write_text("".join(
+        json.dumps({"t_wall": 1000.0 + t, "host_cpu_pct": 50, "gpus": [],
+                    "extra": {str(root): {"ready_windows": t % 3}},
+                    "run_dirs": {str(root): {"bytes": 2**20 * t}}}) + "\n"
+        for t in range(5)
+    ))  # fmt: skip
+    timeline = [(float(t), t) for t in range(20)]  # both drafts: the same line
+    sc = {"consumers": {c: {"timeline": timeline} for c in ("dflash", "eagle3")}}
+    run = ScenarioRun("1p3c", tmp_path / "1p3c", [], [root], 1000.0, 1005.0)
+    assert write_plots({"scenarios": {"1p3c": sc}}, [(run, tel)], tmp_path)[:2] == [
+        "steps.png",
+        "live.png",
+    ]
+    steps, live = (f.axes for f in figs[:2])
+    a, b = steps[0].get_lines()
+    assert (a.get_linestyle(), a.get_marker()) != (b.get_linestyle(), b.get_marker())
+    assert steps[0].get_title() == "1 producer → 2 drafts: steps"
+    ready, mib = live[0].get_lines()[0], live[1].get_lines()[0]
+    assert ready.get_linestyle() == "-" and mib.get_linestyle() == "--"
+    assert "solid" in live[0].get_ylabel() and "dashed" in live[1].get_ylabel()
+    legend = live[0].get_legend()
+    assert legend is not None and len(legend.get_texts()) == 2
+
+
+def test_scenario_titles_and_draft_labels() -> None:
+    from fanout.bench.config import scenario_title
+    from fanout.bench.ranking import draft_label
+
+    assert scenario_title("1p3c", 6) == "1 producer → 6 drafts"
+    assert scenario_title("1p1c", 1) == "1 producer → 1 draft"
+    assert scenario_title("unshared", 3) == "3 unshared producer → draft pairs"
+    assert draft_label({"draft": "dflash2", "family": "dflash2"}) == "dflash2"
+    assert draft_label({"draft": "b8", "family": "dspark"}) == "b8\ndspark"
+
+
+def test_the_report_explains_each_acceptance_figure_once() -> None:
+    from fanout.bench.report import EAL_NOTE
+
+    for figure in ("*EAL first→last*", "*train EAL*", "*τ*", "`fanout demo`"):
+        assert EAL_NOTE.count(figure) == 1, figure
+
+
 def _check_valid_report(rep: dict[str, Any], out: Path) -> None:
     assert rep["valid"], rep["reasons"]
     assert rep["captures_per_window_1p3c"] == 1.0

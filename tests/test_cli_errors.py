@@ -246,7 +246,20 @@ def test_status_on_a_foreign_sqlite_database(tmp_path: Path) -> None:
 
 
 def test_status_without_a_run(tmp_path: Path) -> None:
-    error_line(fanout("status", "--run-dir", tmp_path / "none"), "no coordinator database")
+    """Before a producer created the run nothing says which database it will use (a
+    PostgreSQL run's pointer is written at create): the line names no SQLite file."""
+    line = error_line(
+        fanout("status", "--run-dir", tmp_path / "none"),
+        "no coordinator database",
+        "no producer has created this run",
+        "--db-path",
+    )
+    assert ".sqlite3:" not in line, line  # not "RUN/coordinator.sqlite3: ..."
+    # A --db-path given: that database is named
+    error_line(
+        fanout("status", "--run-dir", tmp_path, "--db-path", tmp_path / "c.sqlite3"),
+        f"{tmp_path / 'c.sqlite3'}: no coordinator database",
+    )
 
 
 @pytest.mark.parametrize("command", ["status", "sweep", "demo"])

@@ -53,3 +53,22 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 def test_demo_rejects_nonpositive_minutes(tmp_path: Path) -> None:
     assert cli_main(["demo", "--minutes", "0", "--run-dir", str(tmp_path)]) == 1
+
+
+def test_the_opening_line_names_every_stage_and_how_long(tmp_path: Path) -> None:
+    from fanout.bench.demo import demo_config, opening_line
+
+    line = opening_line(demo_config(tmp_path, 2.0), tmp_path, 2.0)
+    n = len(DEMO_FAMILIES)
+    for part in ("[1] prepare", f"[2] produce → {n} drafts", "2 min", "[3] eval", "min on 2 CPU"):
+        assert part in line, (part, line)
+
+
+def test_dev_sh_says_it_installs_before_the_long_install() -> None:
+    """A fresh clone's `./dev.sh demo` is not silent for minutes: a line before the
+    install, and pip's own progress (no -q on the installs)."""
+    dev = (Path(__file__).parent.parent / "dev.sh").read_text()
+    installs = [x for x in dev.splitlines() if '/bin/pip" install' in x and "--dry-run" not in x]
+    assert len(installs) == 3 and not any(" -q " in x for x in installs), installs
+    assert dev.index("(a few minutes)") < dev.index(installs[0].strip())
+    assert "creating $VENV" in dev

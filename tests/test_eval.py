@@ -346,7 +346,7 @@ def test_cli_temperatures_records_and_model_card(chat_run: dict[str, Path], tmp_
 
 
 def test_tau_half_width_decodes_until_every_interval_is_that_narrow(
-    chat_run: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    chat_run: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--tau-half-width W: past --num-prompts the eval goes on (--num-prompts 2: a check
     after every prompt) and stops at the first count where every draft's τ interval at
@@ -403,7 +403,14 @@ def test_tau_half_width_decodes_until_every_interval_is_that_narrow(
         assert got["prompt_records"] == rep["prompt_records"][:expected]  # same prompts, in order
         assert any("met" in line for line in table(got))
     session.cfg = cfg.model_copy(update={"tau_half_width": None})
+    capsys.readouterr()
     assert session.run(drafts, eals)["prompts"] == 2  # without it: exactly --num-prompts
+    assert capsys.readouterr().err == ""  # no bar unless asked (a trainer's periodic eval)
+    # progress=True (fanout demo, `fanout eval` on a terminal): a bar, a tick per prompt
+    session.cfg = cfg.model_copy(update={"tau_half_width": 1e-9})
+    assert session.run(drafts, eals, progress=True)["prompts"] == n
+    err = capsys.readouterr().err
+    assert "eval: " in err and f"{n}/{n} " in err, err
 
 
 def _one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:

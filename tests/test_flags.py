@@ -241,3 +241,56 @@ def test_a_field_named_for_the_negative_gets_no_double_negative() -> None:
         "--cache",
         "--no-progress",
     ]
+
+
+# --------------------------------------------------------------------------- log role
+
+
+def test_log_lines_carry_role_and_torchrun_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun the ranks share one stderr: each line names its role and rank."""
+    import logging
+
+    from fanout.flags import LOG_FORMAT, RoleFormatter, log_role, set_log_role
+
+    before = log_role()
+    try:
+        monkeypatch.delenv("RANK", raising=False)
+        assert set_log_role("produce") == "produce"
+        monkeypatch.setenv("RANK", "1")
+        assert set_log_role("produce") == "produce r1"
+        assert set_log_role("train", "b16:dp1") == "train b16:dp1"
+        rec = logging.LogRecord("fanout.x", logging.INFO, __file__, 1, "hello", None, None)
+        assert "[train b16:dp1] fanout.x hello" in RoleFormatter(LOG_FORMAT).format(rec)
+    finally:
+        set_log_role(before)
+
+
+@pytest.mark.parametrize(("rank", "draws"), [(None, True), ("0", True), ("1", False)])
+def test_only_rank_0_draws_a_progress_bar(
+    monkeypatch: pytest.MonkeyPatch, rank: str | None, draws: bool
+) -> None:
+    from fanout.flags import draws_progress
+
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert draws_progress() is draws
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_command_under_torchrun_tags_its_log_lines(rank: str) -> None:
+    """The command's own logging set-up (no test runner's handlers): the tag on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import logging; from fanout import cli; from fanout.flags import configure_logging\n"
+        "configure_logging(cli.build_parser(['status']).parse_args(['status']))\n"
+        "logging.getLogger('fanout.t').warning('hello')\n"
+    )
+    env = {**os.environ, "RANK": rank, "WORLD_SIZE": "2"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert f"[status r{rank}] fanout.t hello" in p.stderr

@@ -514,3 +514,29 @@ def test_regenerate_splits_its_chunks_among_replicas(tmp_path: Path) -> None:
         (a,) = RunDir(one).windows.glob(f"{n}.g*")
         (b,) = RunDir(two).windows.glob(f"{n}.g*")
         assert _file(a) == _file(b), n
+
+
+def test_a_starting_replica_says_what_it_waits_for_every_few_seconds() -> None:
+    """A restarted replica is not silent until it registers (issue #45): from the 5th
+    second on, one line every 5 s naming its current step (fake clock)."""
+    from fanout.produce.rundir import StartNotice
+
+    now, said = [0.0], list[str]()
+    notice = StartNotice(5.0, clock=lambda: now[0], say=said.append)
+    notice.stage("loading the verifier tiny")
+    now[0] = 4.0
+    assert notice.tick() is None
+    now[0] = 5.0
+    assert notice.tick() == "starting (not registered yet, 5 s): loading the verifier tiny (5 s)"
+    now[0] = 7.0
+    notice.stage("waiting for the join lock")
+    assert notice.tick() is None  # not due again before 10 s
+    now[0] = 10.0
+    assert notice.tick() == "starting (not registered yet, 10 s): waiting for the join lock (3 s)"
+    assert len(said) == 2
+    with StartNotice(0.01, say=said.append) as live:  # its thread ticks; exits cleanly
+        live.stage("x")
+        import time
+
+        time.sleep(0.1)
+    assert any(line.endswith(": x (0 s)") for line in said[2:]), said

@@ -21,7 +21,9 @@ A field whose flag differs from its name says so with
 `Field(..., json_schema_extra=flag_options(flag="--json", metavar="OUT"))`; a renamed
 flag keeps its old name working with `flag_options(aliases=("--old-name",))`.
 The commands' shared flags live here too: `--log-level` (`add_log_level_flag`,
-`configure_logging`).
+`configure_logging`), and what every log line says about the process that wrote it:
+its role and torchrun rank (`[produce r1]`, `set_log_role`), and whether it draws a
+progress bar (`draws_progress`: rank 0 only, as torchrun's ranks share one stderr).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import argparse
 import inspect
 import json
 import logging
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -45,7 +48,7 @@ from fanout.errors import ConfigError
 M = TypeVar("M", bound=BaseModel)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMAT = "%(asctime)s %(name)s %(message)s"
+LOG_FORMAT = "%(asctime)s [%(role)s] %(name)s %(message)s"
 
 
 def makeup(model: type[BaseModel]) -> str:
@@ -399,14 +402,62 @@ def add_log_level_flag(parser: argparse.ArgumentParser, default: str = "warning"
     parser.set_defaults(log_level_default=default)
 
 
-def configure_logging(args: argparse.Namespace) -> None:
-    """Set up logging from `--log-level` (or the command's default level).
+def torchrun_rank() -> int | None:
+    """This process's rank in a torchrun group (its RANK), None outside one."""
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.strip().isdigit() else None
+
+
+def draws_progress() -> bool:
+    """Whether this process may draw a progress bar: outside torchrun, or as its rank 0
+    (the ranks share one stderr, where two bars would glue together)."""
+    return torchrun_rank() in (None, 0)
+
+
+_role = "fanout"  # what log lines name the process by; set_log_role
+
+
+def log_role() -> str:
+    """The tag this process's log lines carry, e.g. `produce r1` or `train b16:dp1`."""
+    return _role
+
+
+def set_log_role(command: str, rank: int | str | None = None) -> str:
+    """Tag this process's log lines `[COMMAND rRANK]` (`rank` an int) or
+    `[COMMAND RANK]` (a string, e.g. `b16:dp1`); without a rank, torchrun's RANK when
+    there is one. `configure_logging` sets it from the command; a command that learns
+    its rank later (a producer's replica rank, a trainer's draft and DP rank) sets it
+    again. Returns the tag."""
+    global _role
+    rank = torchrun_rank() if rank is None else rank
+    if rank is None:
+        _role = command
+    else:
+        _role = f"{command} r{rank}" if isinstance(rank, int) else f"{command} {rank}"
+    return _role
+
+
+class RoleFormatter(logging.Formatter):
+    """LOG_FORMAT with the process's role and rank (`%(role)s`: log_role())."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.role = _role
+        return super().format(record)
+
+
+def configure_logging(args: argparse.Namespace, role: str | None = None) -> None:
+    """Set up logging from `--log-level` (or the command's default level); each line
+    carries the process's role (`role`, else the subcommand's name) and its torchrun
+    rank, e.g. `[produce r1]` (set_log_role).
 
     A process that already has log handlers (a test runner, an embedding program)
     keeps them; an explicit --log-level still sets the level."""
     given: str | None = getattr(args, "log_level", None)
     name: str = given or getattr(args, "log_level_default", None) or "warning"
     level = getattr(logging, name.upper())
-    logging.basicConfig(level=level, format=LOG_FORMAT)
+    set_log_role(role or getattr(args, "command", None) or "fanout")
+    handler = logging.StreamHandler()
+    handler.setFormatter(RoleFormatter(LOG_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])
     if given:
         logging.getLogger().setLevel(level)

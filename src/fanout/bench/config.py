@@ -34,6 +34,18 @@ Scenario = Literal["1p1c", "1p3c", "unshared"]
 SCENARIOS: tuple[Scenario, ...] = ("1p1c", "1p3c", "unshared")
 
 
+def scenario_title(name: str, drafts: int) -> str:
+    """What a scenario runs, in words, for output, reports and plot titles (its name, e.g.
+    `1p3c`, stays the key in report.json and the folder name): `1p3c` with 6 drafts is
+    "1 producer → 6 drafts"."""
+    s = "" if drafts == 1 else "s"
+    if name == "unshared":
+        return f"{drafts} unshared producer → draft pair{s}"
+    if name in ("1p1c", "1p3c"):
+        return f"1 producer → {drafts} draft{s}"
+    return name
+
+
 class AssetsSpec(BaseModel):
     """Where the verifier, tokenizer and data come from."""
 

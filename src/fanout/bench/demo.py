@@ -38,7 +38,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.bench.assets import torch_threads
 from fanout.bench.bench import run_bench
-from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
+from fanout.bench.config import (
+    AssetsSpec,
+    BenchConfig,
+    ConsumerSpec,
+    ProducerSpec,
+    scenario_title,
+)
 from fanout.families.registry import FAMILIES
 from fanout.flags import add_model_flags, model_from_args
 from fanout.train.trainlog import read_train_log
@@ -113,6 +119,25 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
     )
 
 
+def eval_minutes(cfg: BenchConfig) -> str:
+    """The eval's rough length: 1–2 min per draft on a busy 2-core CPU (measured: ~7 min
+    for 4 drafts, issue #45), less with cores to spare."""
+    n = len(cfg.consumers)
+    return f"roughly {n}–{2 * n} min on 2 CPU cores"
+
+
+def opening_line(cfg: BenchConfig, root: Path, minutes: float) -> str:
+    """What the demo does, stage by stage, and roughly how long each takes."""
+    fams = ", ".join(c.draft_family for c in cfg.consumers)
+    return (
+        f"fanout demo, 3 stages: [1] prepare: build the tiny assets under {root / 'assets'} "
+        f"(a few minutes the first time, cached after); [2] produce → "
+        f"{len(cfg.consumers)} drafts: {minutes:g} min of 1 producer feeding one draft of "
+        f"each family ({fams}); [3] eval: speculative decoding of every draft on held-out "
+        f"prompts, ranked ({eval_minutes(cfg)}) …"
+    )
+
+
 def _ends(save_path: Path, key: str) -> tuple[float | None, float | None, int]:
     """Mean of `key` over the first and the last few steps (single steps are noisy)."""
     vals = [r[key] for r in read_train_log(save_path)]
@@ -124,7 +149,11 @@ def _ends(save_path: Path, key: str) -> tuple[float | None, float | None, int]:
 
 def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
     sc = rep["scenarios"]["1p3c"]
-    lines = [f"fanout demo: {'valid' if rep['valid'] else 'INVALID'} run, {sc['wall_s']:.0f} s"]
+    what = scenario_title("1p3c", len(sc["consumers"]))
+    lines = [
+        f"fanout demo: {'valid' if rep['valid'] else 'INVALID'} run of {what}, "
+        f"{sc['wall_s']:.0f} s (EAL: train-time estimate, mean of the first and last steps)"
+    ]
     w = max([6, *map(len, sc["consumers"])])
     lines.append(f"{'draft':<{w}} {'steps':>6} {'loss first → last':>20} {'EAL first → last':>20}")
     rose = []
@@ -210,8 +239,8 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
         json_out=str(out / "eval.json"),
     )
     # a second thread gains nothing idle (13.0–13.7 vs 12.5 s for 64 prompts)
-    with torch_threads(1):
-        rep = evaluate(ecfg, echo=lambda s: None)
+    with torch_threads(1):  # its opening line, then a bar per prompt on stderr
+        rep = evaluate(ecfg, echo=lambda s: print(s, flush=True), progress=True)
     (out / "eval.json").write_text(json.dumps(rep, indent=2) + "\n")
     add_eval(out, rep)  # report.md: the τ table beside curves.png
     drafts_dir = out / "1p3c" / "drafts"
@@ -255,12 +284,13 @@ def run_demo(dcfg: DemoConfig) -> int:
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time; assets stay cached
     cfg = demo_config(root, dcfg.minutes)
     t0 = time.monotonic()
-    print(f"fanout demo: building/caching assets under {root / 'assets'}, then "
-          f"{dcfg.minutes:g} min of 1 producer → {len(cfg.consumers)} drafts "
-          f"({', '.join(c.draft_family for c in cfg.consumers)}) …", flush=True)  # fmt: skip
+    print(opening_line(cfg, root, dcfg.minutes), flush=True)
+    print(f"[1-2/3] prepare, then produce → {len(cfg.consumers)} drafts:", flush=True)
     rep = run_bench(cfg, out, stop_after_s=dcfg.minutes * 60, echo=lambda s: print(s, flush=True))
     print("\n".join(summary_lines(rep, out)))
     if rep["valid"]:
+        print(f"\n[3/3] eval: speculative decoding of each draft ({eval_minutes(cfg)}) …",
+              flush=True)  # fmt: skip
         print("\n".join(eval_drafts(cfg, out)), flush=True)
     print(f"(total {time.monotonic() - t0:.0f} s)")
     return 0 if rep["valid"] else 1

@@ -112,6 +112,13 @@ def ranking_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def draft_label(row: dict[str, Any]) -> str:
+    """A draft's name, and its family under it when the name does not say it already
+    (`dflash2`, not `dflash2 / dflash2`)."""
+    draft, fam = str(row["draft"]), str(row["family"])
+    return draft if fam in (draft, "") else f"{draft}\n{fam}"
+
+
 def plot_tau(rows: list[dict[str, Any]], out: Path) -> Path:
     """One bar per draft and temperature: τ with its 95% interval (Agg backend)."""
     import matplotlib
@@ -134,7 +141,7 @@ def plot_tau(rows: list[dict[str, Any]], out: Path) -> Path:
             err.append((f["tau"] - lo, hi - f["tau"]))
         ax.bar(xs, ys, width, yerr=list(zip(*err)) if err else None, capsize=3, label=f"T={t}")
     ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(rows))])
-    ax.set_xticklabels([f"{r['draft']}\n{r['family']}" for r in rows], fontsize=8)
+    ax.set_xticklabels([draft_label(r) for r in rows], fontsize=8)
     ax.set(ylabel="τ (tokens per verifier forward)", title="acceptance length per draft")
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.legend(fontsize=7)
@@ -144,4 +151,11 @@ def plot_tau(rows: list[dict[str, Any]], out: Path) -> Path:
     return out
 
 
-__all__ = ["checkpoint_params", "plot_tau", "rank_drafts", "ranking_lines", "step_ms"]
+__all__ = [
+    "checkpoint_params",
+    "draft_label",
+    "plot_tau",
+    "rank_drafts",
+    "ranking_lines",
+    "step_ms",
+]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fanout import package_version
+from fanout.bench.config import scenario_title
 from fanout.bench.metrics import VALIDITY_RULES, BenchLike, RunLike, scenario_metrics
 from fanout.bench.plots import write_plots
 from fanout.errors import FanoutError
@@ -203,6 +204,12 @@ def format_table(rep: dict[str, Any]) -> str:
         f"sizes: verifier h{ver['hidden_size']} × {ver['num_hidden_layers']} layers, vocab "
         f"{ver['vocab_size']}; T={s['seq_len']}, R={s['window_rows']}, K={s['max_live_windows']}",
         "",
+        "scenarios: "
+        + "; ".join(
+            f"{name} = {scenario_title(name, len(sc['consumers']))}"
+            for name, sc in rep["scenarios"].items()
+        ),
+        "",
         f"{'scenario':<9} {'consumer':<10} {'rows/s':>8} {'steps/s':>8} {'p50 ms':>8} "
         f"{'p95 ms':>8} {'wait %':>7} {'EAL':>13}",
     ]
@@ -231,13 +238,29 @@ def format_table(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Three figures of one draft's acceptance, said once (the demo prints the first and the
+# third, report.md shows all three): they measure different things and need not agree.
+EAL_NOTE = (
+    "**Three acceptance figures, three meanings.** The table's *EAL first→last* is the "
+    "train-time expected acceptance length the trainer logs each step (the draft's "
+    "predictions on that step's training windows) at the run's first and its last step: "
+    "single steps, so noisy. The terminal summary of `fanout demo` shows the same log as "
+    "a mean over up to 10 steps at each end, so its two numbers differ from these. *train "
+    "EAL* in the eval table is what the checkpoint recorded when saved: the mean over the "
+    "steps just before it. *τ* is measured, not estimated: tokens per verifier forward when the "
+    "draft really decodes held-out prompts (`fanout eval`), so it may sit below or above "
+    "the train-time figures."
+)
+
+
 def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
     out = [f"# fanout benchmark: {rep['name']}", "", rep["description"], ""]
     out += ["```", format_table(rep), "```", ""]
     if rep.get("aggregate_speedup_vs_unshared"):
+        n = len(rep["scenarios"].get("1p3c", {}).get("consumers", {})) or "the"
         out.append(
-            f"- **Aggregate throughput**: three drafts fed by one producer train "
-            f"{rep['aggregate_speedup_vs_unshared']:.2f}× as many rows per second as three "
+            f"- **Aggregate throughput**: {n} drafts fed by one producer train "
+            f"{rep['aggregate_speedup_vs_unshared']:.2f}× as many rows per second as {n} "
             "unshared producer+trainer pairs on the same hardware."
         )
     if rep.get("verifier_passes_saved_per_window") is not None:
@@ -252,6 +275,7 @@ def _markdown(rep: dict[str, Any], plots: list[str]) -> str:
             f"{_mib(d['all_windows_bytes'])} to store every window of the stream "
             f"({d['window_bytes'] / 2**20:.2f} MiB per window)."
         )
+    out += ["", EAL_NOTE]
     out += ["", "## Validity rules", ""]
     out += [f"{i}. {r}" for i, r in enumerate(rep["validity_rules"], 1)]
     out += ["", f"Result: **{'valid' if rep['valid'] else 'INVALID'}**"]

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    configure_logging(a)
+    configure_logging(a, role="chaos")
     try:
         cfg = model_from_args(ChaosConfig, a)
     except ConfigError as e:

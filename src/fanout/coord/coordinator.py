@@ -217,11 +217,20 @@ class Coordinator:
     ) -> Coordinator:
         """Open an existing run's database (SchemaVersionError if it is not one we know)."""
         root = _root(run_dir)
+        pointer = RunDir(root).db_pointer
         where = cls.resolve_db_path(root, db_path)
         conn: schema.Database
         if isinstance(where, Path):
             if not allow_network_fs:
                 sqlitedb.check_local_filesystem(where, mountinfo)
+            if not where.is_file() and db_path is None and not pointer.is_file():
+                # Nothing says where the database is: a PostgreSQL run's pointer is
+                # written by the producer that creates it, so do not name a SQLite file.
+                raise NoCoordinator(
+                    f"{root}: no coordinator database yet: no producer has created this "
+                    f"run (neither {where.name} nor {pointer.name}, the pointer to a "
+                    "--db-path database, is there); start the producer, or pass --db-path"
+                )
             if not where.is_file():
                 raise NoCoordinator(
                     f"{where}: no coordinator database (has a producer created the run?)"

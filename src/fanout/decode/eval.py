@@ -379,8 +379,16 @@ class EvalSession:
         self._warm = True
 
     def run(
-        self, drafts: dict[str, DFlashDraft], train_eals: dict[str, float | None]
+        self,
+        drafts: dict[str, DFlashDraft],
+        train_eals: dict[str, float | None],
+        *,
+        progress: bool = False,
     ) -> dict[str, Any]:
+        """Decode every prompt with every draft (and plain greedy); the report.
+        `progress`: a bar on stderr, one tick per prompt."""
+        from tqdm import tqdm
+
         cfg, dec = self.cfg, self.decoder
         prompts = self.prompts[: cfg.prompt_limit()]  # loaded for this limit (or a larger one)
         missing = {i for d in drafts.values() for i in d.cfg.target_layer_ids} - set(
@@ -401,12 +409,17 @@ class EvalSession:
         # walks every result, so not after every prompt)
         every = max(1, cfg.num_prompts // 8)
         widest: float | None = None
+        # --num-prompts first; past it (--tau-half-width) up to every prompt loaded
+        bar = tqdm(total=min(cfg.num_prompts, len(prompts)), desc="eval", unit="prompt",
+                   file=sys.stderr, dynamic_ncols=True, disable=not progress)  # fmt: skip
         for i, p in enumerate(prompts):
             past = i - cfg.num_prompts  # prompts decoded beyond --num-prompts
             if cfg.tau_half_width is not None and past >= 0 and past % every == 0:
                 widest = widest_half_width(out)
                 if widest is not None and widest <= cfg.tau_half_width:
                     break
+                bar.total = len(prompts)  # τ's interval is wider than asked: go on
+                bar.set_postfix_str(f"τ ±{widest:.2f} of ±{cfg.tau_half_width}" if widest else "")
             dec.greedy(p.ids, 1)  # untimed: this prompt length's prefill shapes
             done = {job: self._decode(job, p, drafts) for job in (jobs if i % 2 else jobs[::-1])}
             g = done[jobs[0]]
@@ -429,8 +442,10 @@ class EvalSession:
                     else:
                         ties.append(where | {"margin": tie.margin, "tolerance": tie.tolerance})
             records.append(rec)
+            bar.update()
         else:  # every prompt decoded: the width they reached (only when it is asked for)
             widest = widest_half_width(out) if cfg.tau_half_width is not None else None
+        bar.close()
         greedy = out[jobs[0]]
         _, g_tps, _ = _rates(greedy)
         summaries = {
@@ -478,9 +493,10 @@ def load_drafts(cfg: EvalConfig) -> tuple[list[Path], dict[str, DFlashDraft], di
     return dirs, drafts, train_eals
 
 
-def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
+def evaluate(cfg: EvalConfig, echo: Any = print, progress: bool | None = None) -> dict[str, Any]:
     """Load every `--draft` from its checkpoint files, run them (EvalSession); return the
-    report (what `--json` writes); with `--model-card`, write each draft's README.md."""
+    report (what `--json` writes); with `--model-card`, write each draft's README.md.
+    `progress`: a per-prompt bar on stderr (None: when stderr is a terminal)."""
     dirs, drafts, train_eals = load_drafts(cfg)
     layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
     session = EvalSession(cfg, layers)
@@ -494,7 +510,9 @@ def evaluate(cfg: EvalConfig, echo: Any = print) -> dict[str, Any]:
         f"{len(drafts)} draft(s), {cfg.device} {cfg.dtype}, temperatures "
         f"{', '.join(temperature_key(t) for t in cfg.temperature)}"
     )
-    report = session.run(drafts, train_eals)
+    report = session.run(
+        drafts, train_eals, progress=sys.stderr.isatty() if progress is None else progress
+    )
     if cfg.model_card:
         from fanout.decode.model_card import write_model_card
 

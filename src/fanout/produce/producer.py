@@ -52,7 +52,13 @@ from fanout.data.cache import PackedDataset
 from fanout.data.draft_vocab import count_tokens, write_token_counts
 from fanout.errors import ConfigError, StorageError
 from fanout.filesystem import FileSystem
-from fanout.flags import add_model_flags, model_from_args
+from fanout.flags import (
+    add_model_flags,
+    draws_progress,
+    model_from_args,
+    set_log_role,
+    torchrun_rank,
+)
 from fanout.model.verifier import Verifier
 from fanout.ops.fp8 import FP8
 from fanout.produce.backpressure import BlockedNotice
@@ -65,6 +71,7 @@ from fanout.produce.publisher import Publisher
 from fanout.produce.replicas import bind_device, plan, rank_of
 from fanout.produce.rundir import (
     CreatedPaths,
+    StartNotice,
     check_disk_budget,
     check_plan,
     check_producer_role,
@@ -104,25 +111,29 @@ class Producer:
         self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp)
         self.plan = plan(cfg)  # what every replica must share (fanout.produce.replicas)
         root, m = Path(cfg.run_dir), cfg.replicas
-        # One start at a time per replica rank, up to its registration
-        # (fanout.produce.rundir): RoleHeld naming the producer starting there now
-        # (--takeover: wait for it); without a rank, the first free one.
-        self._start_lock, self.rank = take_start_lock(
-            root, cfg.db_path, cfg.takeover, rank_of(m, cfg.replica_rank, cfg.tp), m
-        )
-        self._created: CreatedPaths | None = None
-        self._created_db = False  # this process created the run's coordinator database
-        self.stop = StopFlag()
-        try:
-            self._created = CreatedPaths.note(root, cfg.db_path, self._start_lock, self.rank, m)
-            check_producer_role(root, cfg.db_path, cfg.takeover, self.rank, m)
-            check_plan(root, cfg.db_path, self.rank, self.plan)
-            self._start(fs or FileSystem())
-        except BaseException:
-            self.discard_if_unused()
-            raise
-        finally:
-            self._start_lock.release()
+        # Until it registers, a start says every few seconds what it waits for
+        with StartNotice() as self._notice:
+            # One start at a time per replica rank, up to its registration
+            # (fanout.produce.rundir): RoleHeld naming the producer starting there now
+            # (--takeover: wait for it); without a rank, the first free one.
+            self._notice.stage("taking a replica rank's start lock")
+            self._start_lock, self.rank = take_start_lock(
+                root, cfg.db_path, cfg.takeover, rank_of(m, cfg.replica_rank, cfg.tp), m
+            )
+            self._created: CreatedPaths | None = None
+            self._created_db = False  # this process created the run's coordinator database
+            self.stop = StopFlag()
+            try:
+                self._notice.stage(f"checking that replica rank {self.rank} is free")
+                self._created = CreatedPaths.note(root, cfg.db_path, self._start_lock, self.rank, m)
+                check_producer_role(root, cfg.db_path, cfg.takeover, self.rank, m)
+                check_plan(root, cfg.db_path, self.rank, self.plan)
+                self._start(fs or FileSystem())
+            except BaseException:
+                self.discard_if_unused()
+                raise
+            finally:
+                self._start_lock.release()
 
     @staticmethod
     def _owner() -> str:
@@ -166,6 +177,7 @@ class Producer:
                 "regenerating --data chunk by chunk into %s; each chunk's rows prepared into %s",
                 self.run_dir.regen, prep.cache_root() / "prepared",
             )  # fmt: skip
+            self._notice.stage(f"loading the verifier {cfg.verifier_name_or_path}")
             verifier = self._load_verifier()
             self.growing = OnPolicyStream.open(
                 prep, cfg, verifier, self.run_dir, self.tp, replica=(self.rank, cfg.replicas)
@@ -185,9 +197,11 @@ class Producer:
             # into the run's cache (RUN_DIR/cache unless --cache-dir).
             prep = cfg.prepare_config(str(self.run_dir.cache))
             look_in = () if cfg.cache_dir else (default_cache_root(),)
+            self._notice.stage("preparing the rows")
             self.dataset = prepare(prep, look_in, announce=True)
         if self.dataset.num_rows == 0:
             raise ConfigError(f"{cfg.data}: no usable rows after preparation")
+        self._notice.stage(f"loading the verifier {cfg.verifier_name_or_path}")
         self.verifier: Verifier = verifier or self._load_verifier()
         self.contract = CaptureContract(
             **self.verifier.contract_fields(),
@@ -201,6 +215,7 @@ class Producer:
         if self.growing:  # OPEN until the last chunk is regenerated
             self.total_windows = self.growing.total_windows
         check_disk_budget(self.run_dir.root, fs, cfg.max_live_windows, self.window_bytes())
+        self._notice.stage("counting the rows' tokens")
         counts = count_tokens(
             self.growing.counted if self.growing else self.dataset, self.verifier.vocab_size
         )
@@ -208,7 +223,9 @@ class Producer:
         # creates it. A changed contract is refused before anything is written; a new
         # run gets its stream.json and token counts before its database, so a trainer
         # that finds the database finds them too.
+        self._notice.stage("waiting for the join lock (another replica creating or joining)")
         with join_lock(self.run_dir.root):
+            self._notice.stage(f"joining or creating the run, registering replica {self.rank}")
             existing = open_existing_run(
                 self.run_dir.root, self.contract, self._run_config(), cfg.db_path, self.store,
                 cfg.takeover, self.rank, cfg.replicas,
@@ -363,7 +380,7 @@ class Producer:
             total=self.stream_length,
             desc="produce",
             unit="win",
-            disable=not self.cfg.progress,
+            disable=not (self.cfg.progress and draws_progress()),  # rank 0 under torchrun
             initial=int(self.coord.meta("next_window")),
         )
         with Heartbeat(
@@ -500,6 +517,8 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
     signal.signal(signal.SIGINT, early_exit)
     signal.signal(signal.SIGTERM, early_exit)
     cfg = for_families(cfg)  # every TP rank loads the layers it names
+    if cfg.tp > 1 and torchrun_rank() is not None:  # RANK is the tensor-parallel rank
+        set_log_role("produce", f"tp{torchrun_rank()}")
     rank_of(cfg.replicas, cfg.replica_rank, cfg.tp)  # a torchrun world that does not fit: one line
     if cfg.tp == 1:
         bind_device(cfg.device)  # torchrun --replicas: one replica per local GPU
@@ -527,6 +546,8 @@ def _produce(cfg: ProducerConfig, tp: Leader | None) -> int:
     import json
 
     producer = Producer(cfg, tp=tp)  # a failed start removes what it created
+    if cfg.replicas > 1:  # log lines name the replica rank it took: [produce r1]
+        set_log_role("produce", f"r{producer.rank}" + (":tp0" if tp is not None else ""))
     try:
         summary = producer.run()  # installs the in-loop (finish-then-stop) handlers
     except BaseException:

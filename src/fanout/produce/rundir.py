@@ -12,6 +12,9 @@ again when a start fails before its first window.
     lock.release()
     created.discard_if_unused(coord, created_db, owner)  # after a start that failed
 
+    with StartNotice() as notice:             # a start says what it waits for, every 5 s
+        notice.stage("loading the verifier")  # "starting (not registered yet, 10 s): ..."
+
 Starts are serialised per replica rank by the rank's start lock
 (`RunDir.start_lock(rank)`: `producer.lock` for rank 0, the run's only producer, a
 fanout.coord.pathlock.PathLock naming its holder): one process at a time goes from
@@ -31,7 +34,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +50,66 @@ from fanout.store.rundir import RunDir
 from fanout.store.store import Store
 
 log = logging.getLogger(__name__)
+
+START_NOTICE_EVERY_S = 5.0  # a starting producer says what it waits for this often
+
+
+class StartNotice:
+    """Says on the log what a starting producer is doing or waiting for, until it has
+    registered: a restart that loads a verifier, counts tokens or waits for a lock is
+    not silent for a minute. The first line comes once the start is `every_s` old, then
+    one every `every_s`, e.g.
+
+        starting (not registered yet, 15 s): loading the verifier (10 s)
+
+    `stage(what)` names the next step; `tick()` logs a line when one is due (the thread
+    that `__enter__` starts calls it). `clock` and `say` are seams for tests."""
+
+    def __init__(
+        self,
+        every_s: float = START_NOTICE_EVERY_S,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = log.info,
+    ) -> None:
+        self.every_s, self.clock, self.say = every_s, clock, say
+        self._lock = threading.Lock()
+        self._t0 = self._since = clock()
+        self._due = self._t0 + every_s
+        self._what = "starting"
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def stage(self, what: str) -> None:
+        with self._lock:
+            self._what, self._since = what, self.clock()
+
+    def tick(self) -> str | None:
+        with self._lock:
+            now = self.clock()
+            if now < self._due:
+                return None
+            self._due = now + self.every_s
+            line = (
+                f"starting (not registered yet, {now - self._t0:.0f} s): {self._what} "
+                f"({now - self._since:.0f} s)"
+            )
+        self.say(line)
+        return line
+
+    def __enter__(self) -> StartNotice:
+        def loop() -> None:
+            while not self._stopped.wait(min(1.0, self.every_s)):
+                self.tick()
+
+        self._thread = threading.Thread(target=loop, name="start-notice", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def start_lock(root: Path, rank: int, replicas: int) -> PathLock:

@@ -54,7 +54,7 @@ from fanout.data.chat import (
 )
 from fanout.data.prepare import PrepareConfig, existing_files
 from fanout.errors import BadRow, ConfigError
-from fanout.flags import add_model_flags, model_from_args
+from fanout.flags import add_model_flags, draws_progress, model_from_args
 from fanout.hashing import hasher, labelled
 from fanout.model.verifier import DTypeName
 from fanout.regen.engine import (
@@ -416,7 +416,9 @@ def regenerate(cfg: RegenerateConfig, engine: Engine | None = None) -> dict[str,
     out.open(ident)
     regen = Regenerator(engine, cfg, cfg.seed, verifier)
     totals: dict[str, int] = {}
-    bar = tqdm(total=total, desc="regenerate", unit="rec", disable=not cfg.progress)
+    bar = tqdm(
+        total=total, desc="regenerate", unit="rec", disable=not (cfg.progress and draws_progress())
+    )
     t0, new_tokens, shards = time.monotonic(), 0, 0
     items = iter_items(cfg)
     while chunk := list(islice(items, cfg.records_per_shard)):

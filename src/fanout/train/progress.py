@@ -24,6 +24,7 @@ from typing import Any
 
 from fanout.contract import CaptureContract
 from fanout.errors import ConfigError, CoordinatorBusy, NoCoordinator
+from fanout.flags import log_role, torchrun_rank
 from fanout.train.consumer import Batch
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,12 @@ def _secs(x: float) -> str:
 
 
 def _say(line: str) -> None:
-    """One line on stderr, above the progress bar if one is drawn."""
+    """One line on stderr, above the progress bar if one is drawn; under torchrun it
+    names the rank that says it (`[train b16:dp1] waiting for ...`), as log lines do."""
     from tqdm import tqdm
 
+    if torchrun_rank() is not None:
+        line = f"[{log_role()}] {line}"
     tqdm.write(line, file=sys.stderr)
 
 

@@ -37,7 +37,13 @@ from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vo
 from fanout.errors import ConfigError, Detached, FanoutError, NoSupervisedTokens
 from fanout.families.registry import family
 from fanout.families.serving import latest_checkpoint
-from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
+from fanout.flags import (
+    add_log_level_flag,
+    add_model_flags,
+    configure_logging,
+    model_from_args,
+    set_log_role,
+)
 from fanout.model.dflash import DFlashDraft
 from fanout.model.verifier_dir import read_verifier_config
 from fanout.ops.fp8 import dequantize
@@ -666,6 +672,8 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
     trainer: Trainer | None = None
     try:
         trainer = Trainer(cfg)
+        dp = trainer.dp  # log lines name the draft and its DP rank: [train b16:dp1]
+        set_log_role("train", f"{cfg.consumer_id}:dp{dp.rank}" if dp.enabled else cfg.consumer_id)
         signal.signal(signal.SIGINT, trainer.request_stop)
         signal.signal(signal.SIGTERM, trainer.request_stop)
         summary = trainer.run()
@@ -693,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     add_log_level_flag(p, "info")
     add_arguments(p)
     args = p.parse_args(argv)
-    configure_logging(args)
+    configure_logging(args, role="train")
     try:
         return run(args)
     except FanoutError as e:
