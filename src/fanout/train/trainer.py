@@ -32,10 +32,8 @@ from typing import Any
 
 import torch
 
-from fanout.contract import CaptureContract, ascending_layer_ids
-from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
+from fanout.contract import CaptureContract
 from fanout.errors import ConfigError, Detached, FanoutError, NoSupervisedTokens
-from fanout.families.registry import family
 from fanout.families.serving import latest_checkpoint
 from fanout.flags import (
     add_log_level_flag,
@@ -44,11 +42,8 @@ from fanout.flags import (
     model_from_args,
     set_log_role,
 )
-from fanout.model.dflash import DFlashDraft
-from fanout.model.verifier_dir import read_verifier_config
 from fanout.ops.fp8 import dequantize
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
-from fanout.store.rundir import RunDir
 from fanout.tracking import WandbRun, group_for
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.config import TrainConfig
@@ -56,6 +51,7 @@ from fanout.train.consumer import Batch, ConsumerStream
 from fanout.train.distributed import DataParallel
 from fanout.train.ema import WeightEMA
 from fanout.train.ending import Ending, summary
+from fanout.train.evaluation import PeriodicEval
 from fanout.train.optim import LRCurve, build_optimizer
 from fanout.train.plan import Plan, StreamPlanner
 from fanout.train.progress import (
@@ -65,6 +61,7 @@ from fanout.train.progress import (
     wait_for_run,
 )
 from fanout.train.savepath import hold_save_path
+from fanout.train.setup import build_draft, check_run
 from fanout.train.trainlog import MetricsLog, train_log_path
 
 log = logging.getLogger(__name__)
@@ -80,8 +77,8 @@ NO_TOKEN_STEPS = 20
 class Trainer:
     """One consumer of a run training one draft: `Trainer(cfg).run()` → summary dict.
 
-    Built in stages (`__init__`): wait for the run and check it (`_check_run`), build
-    the draft (`_build_draft`), AdamW + LR schedule (`fanout.train.optim`), resume
+    Built in stages (`__init__`): wait for the run and check it (`setup.check_run`), build
+    the draft (`setup.build_draft`), AdamW + LR schedule (`fanout.train.optim`), resume
     (`_resume`). `run()` registers as a consumer (`_open_stream`), then per batch: one
     optimizer step and the ack (`_step`), then reporting, eval and checkpoints
     (`_after_step`); `fanout.train.progress` holds what it says along the way.
@@ -104,7 +101,7 @@ class Trainer:
             raise ConfigError(f"--verifier-name-or-path: {e}") from None
         contract = wait_for_run(Path(cfg.run_dir), cfg.db_path, cfg.acquire_timeout_s)
         self.startup.mark("run")
-        layers = self._check_run(contract)
+        layers = check_run(cfg, contract, self.dp.world)
         self.expect = {"target_layer_ids": layers}
         # Refused now, naming the holder, while a live process has this consumer id or
         # (rank 0) a live trainer holds --save-path (fanout.train.savepath).
@@ -120,7 +117,7 @@ class Trainer:
     def _build(self, contract: CaptureContract, layers: list[int]) -> None:
         """Everything after the checks: draft, optimizer, resume, metrics log."""
         cfg = self.cfg
-        self.draft = self._build_draft(contract, layers)
+        self.draft = build_draft(self.cfg, contract, layers, self.device)
         self.gen = torch.Generator().manual_seed(self._anchor_seed())
         self.planner = StreamPlanner(
             Path(cfg.run_dir),
@@ -168,7 +165,7 @@ class Trainer:
         )
         # EAL of the last logged steps: the train-time estimate a checkpoint records
         self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
-        self._eval_session: Any = None  # fanout.decode.eval.EvalSession, built at the first eval
+        self.evaluator = PeriodicEval(cfg, self.device)  # --eval-every
         self.seq_len = contract.seq_len
         # steps of this process with a supervised token (on any rank), and the run of
         # steps without one that is going on (NO_TOKEN_STEPS of them end the trainer)
@@ -180,91 +177,6 @@ class Trainer:
         self.startup.mark("ready")
 
     # ---- building -------------------------------------------------------------------
-
-    def _check_run(self, contract: CaptureContract) -> list[int]:
-        """Refuse a run this trainer cannot train on, now rather than after the draft is
-        built; return the verifier layers the draft reads (the consumer reads only these)."""
-        cfg, run_dir = self.cfg, Path(self.cfg.run_dir)
-        if contract.window_rows % self.dp.world:
-            raise ConfigError(
-                f"{run_dir}: {contract.window_rows} rows per window do not split over "
-                f"{self.dp.world} data-parallel ranks; use a world size that divides it"
-            )
-        fam = family(cfg.draft_family)
-        # what the capture must hold for this family's recipe: named with the producer
-        # flags that capture it, before anything is built or read
-        if (
-            fam.needs_last_hidden_states(cfg.draft_recipe())
-            and not contract.store_last_hidden_states
-        ):
-            who = "--loss-type kl" if cfg.loss_type == "kl" else f"--draft-family {fam.name}"
-            raise ConfigError(
-                f"{who} trains on the verifier's final hidden states, but {run_dir} was "
-                f"captured without them: produce the run with --capture-for {fam.name} (or "
-                "--store-last-hidden-states)"
-            )
-        # rows too short for the recipe (DFlash families: the block; EAGLE-3: its TTT steps)
-        why = fam.row_length_error(cfg.draft_recipe(), contract.seq_len, str(run_dir))
-        if why is not None:
-            raise ConfigError(why)
-        # Any subset of the captured layers (naming the captured ones), in ascending order;
-        # by default what the family reads of the capture (every layer; EAGLE-3: its own)
-        captured = list(contract.target_layer_ids)
-        layers = ascending_layer_ids(
-            cfg.draft_layer_ids or fam.draft_layers(captured, Path(cfg.verifier_name_or_path))
-        )
-        missing = [i for i in layers if i not in captured]
-        if missing and not cfg.draft_layer_ids:  # the family's own layers (EAGLE-3's three)
-            raise ConfigError(
-                f"--draft-family {fam.name} reads verifier layers {layers} (its reference "
-                f"recipe), but {run_dir} captured {captured} ({missing} missing): produce the "
-                f"run with --capture-for {fam.name}, or choose captured layers with "
-                "--draft-layer-ids"
-            )
-        contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
-        return layers
-
-    def _build_draft(self, contract: CaptureContract, layers: list[int]) -> DFlashDraft:
-        """The draft on `self.device`: shapes and frozen embedding/head from the verifier,
-        the rest from the flags; with --draft-vocab-size, the run's most used tokens."""
-        cfg = self.cfg
-        overrides: dict[str, Any] = cfg.draft_recipe() | {"target_layer_ids": layers}
-        if cfg.mask_token_id is not None:
-            overrides["mask_token_id"] = cfg.mask_token_id
-        vocab_ids = None
-        fam = family(cfg.draft_family)
-        # the family's reference vocabulary where none is given (EAGLE-3: 32,000 tokens)
-        n_vocab = cfg.draft_vocab_size or fam.default_draft_vocab_size(
-            read_verifier_config(Path(cfg.verifier_name_or_path))["vocab_size"]
-        )
-        overrides["draft_vocab_size"] = n_vocab
-        if n_vocab is not None:
-            # the producer writes the counts at its start: say so while they are missing
-            waits = WaitNotice(cfg.acquire_timeout_s).start()
-            where = RunDir(Path(cfg.run_dir)).token_counts
-            waits.begin(lambda: f"the producer's token counts ({where.name} in the run dir)")
-            try:
-                counts = read_token_counts(
-                    where, contract.stream_id, timeout_s=cfg.acquire_timeout_s
-                )
-            finally:
-                waits.stop()
-            vocab_ids = select_draft_vocab(counts, n_vocab)
-            log.info(
-                "draft vocabulary: %d of %d tokens, covering %.2f%% of the data's "
-                "loss-masked tokens",
-                n_vocab,
-                counts.shape[0],
-                100 * coverage(counts, vocab_ids),
-            )
-        draft = fam.build(
-            cfg.verifier_name_or_path, device=self.device, draft_vocab_ids=vocab_ids, **overrides
-        )
-        # the recipe _check_run checked is the one the draft was built from
-        assert not fam.needs_last_hidden_states(draft.cfg.model_dump()) or (
-            contract.store_last_hidden_states
-        )
-        return draft
 
     def _read_plan(self) -> Plan:
         """The stream's length (fanout.train.plan): every rank reads it (a bad
@@ -527,7 +439,7 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(self.draft)  # after this step's optimizer update
         if cfg.eval_every and step % cfg.eval_every == 0 and self.dp.is_main:
-            rec |= self._eval()
+            rec |= self.evaluator(self.draft)
         if step % cfg.log_every == 0:
             self.metrics.write(rec)
         due = step % cfg.checkpoint_every == 0 or (
@@ -626,36 +538,6 @@ class Trainer:
             extra["train_eal"] = round(sum(recent) / len(recent), 4)
             extra["train_eal_steps"] = len(recent)
         return extra
-
-    def _eval(self) -> dict[str, Any]:
-        """Real speculative decoding of the draft as it is now (`fanout.decode.eval`): the
-        acceptance length τ and whether the output stayed lossless. The verifier and
-        prompts are loaded at the first call and kept."""
-        from fanout.decode.eval import EvalConfig, EvalSession
-
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        if self._eval_session is None:
-            ecfg = EvalConfig(
-                verifier_name_or_path=cfg.verifier_name_or_path,
-                data=cfg.eval_data or "",
-                tokenizer=cfg.eval_tokenizer or cfg.verifier_name_or_path,
-                num_prompts=cfg.eval_prompts,
-                max_new_tokens=cfg.eval_max_new_tokens,
-                device=str(self.device),
-            )
-            self._eval_session = EvalSession(ecfg, list(self.draft.cfg.target_layer_ids))
-        self.draft.eval()
-        try:
-            rep = self._eval_session.run({"draft": self.draft}, {"draft": None})
-        finally:
-            self.draft.train()
-        d = rep["drafts"]["draft"]
-        return {
-            "eval_tau": d["acceptance_length"],
-            "eval_lossless": rep["lossless"],
-            "eval_s": round(time.perf_counter() - t0, 2),
-        }
 
 
 def add_arguments(p: argparse.ArgumentParser, name: str = "train") -> None:
