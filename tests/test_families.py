@@ -155,8 +155,10 @@ def ver(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _draft(name: str, ver: Path) -> Any:
     torch.manual_seed(0)
     bs = family(name).block_size_for(4)  # a chain family's own verify width
+    # MTP reads the verifier's last layer only (the layers its trainer picks)
+    layers = family(name).draft_layers([1, 2], ver) if name == "mtp" else [1, 2]
     return family(name).build(
-        ver, target_layer_ids=[1, 2], block_size=bs, max_anchors=8, num_layers=1
+        ver, target_layer_ids=layers, block_size=bs, max_anchors=8, num_layers=1
     )
 
 

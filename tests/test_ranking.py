@@ -18,7 +18,9 @@ from tiny_run import one_thread  # noqa: F401 (autouse)
 
 def _save(name: str, ver: Path, root: Path, **kw: Any) -> tuple[Path, int]:
     torch.manual_seed(0)
-    fields = {"target_layer_ids": [1, 2], "block_size": 4, "max_anchors": 8, "num_layers": 1}
+    # MTP reads the verifier's last layer only (the layers its trainer picks)
+    layers = family(name).draft_layers([1, 2], ver) if name == "mtp" else [1, 2]
+    fields = {"target_layer_ids": layers, "block_size": 4, "max_anchors": 8, "num_layers": 1}
     d = family(name).build(ver, **(fields | kw))
     path = save_checkpoint(
         root, d, torch.optim.SGD(d.parameters(), lr=0.1), {"step": 1},

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from fanout.errors import ConfigError
-from fanout.families import dflash, dflash2, dspark, eagle3, peagle, xpress
+from fanout.families import dflash, dflash2, dspark, eagle3, mtp, peagle, xpress
 from fanout.families.base import Family
 from fanout.flags import field_flag, flag_options
 from fanout.model.dflash import DFlashConfig, DFlashDraft
@@ -20,6 +20,7 @@ FAMILIES: dict[str, Family] = {
         dflash2.FAMILY,
         dspark.FAMILY,
         eagle3.FAMILY,
+        mtp.FAMILY,
         peagle.FAMILY,
         xpress.FAMILY,
     ]

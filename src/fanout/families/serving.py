@@ -356,7 +356,10 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
             max_position_embeddings=tl["max_position_embeddings"],
             vocab_size=tl["vocab_size"],
             draft_vocab_size=(
-                cfg["draft_vocab_size"] if cfg["draft_vocab_size"] != tl["vocab_size"] else None
+                # speculators' MTP config has no such field (its whole vocabulary)
+                None
+                if cfg.get("draft_vocab_size", tl["vocab_size"]) == tl["vocab_size"]
+                else cfg["draft_vocab_size"]
             ),
             **fam.layout_fields(cfg, saved),
             target_layer_ids=layers,

@@ -137,7 +137,7 @@ class Eagle3FirstLayer(nn.Module):
 class Eagle3Layer(nn.Module):
     """A plain Llama decoder layer (the second and later layers)."""
 
-    def __init__(self, cfg: Eagle3Config, *, qk_norm: bool = False) -> None:
+    def __init__(self, cfg: DFlashConfig, *, qk_norm: bool = False) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.self_attn = Eagle3Attention(cfg, h, qk_norm=qk_norm)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from fanout.model.draft_cache import head_logits
 class Eagle3Context:
     """EAGLE-3's `DraftContext` (module docstring): `num_speculative_tokens` drafted a
     step (default: the draft's `ttt_steps`, what its checkpoint's proposal says)."""
+
+    # position of draft row t: t + row_offset (EAGLE-3: its token's; MTP: its state's)
+    row_offset: ClassVar[int] = 1
 
     def __init__(
         self,
@@ -140,7 +143,7 @@ class Eagle3Context:
         dev = new.device
         x = self._run(
             self._embed(seq[at + 1 : p + 1]), d.fuse(new)[None], at,
-            torch.arange(at + 1, p + 1, device=dev),
+            torch.arange(at, p, device=dev) + self.row_offset,
         )  # fmt: skip
         self.length = p
         normed, fed = self._out(x[:, -1:])  # [1, 1, H] row p-1
@@ -151,10 +154,10 @@ class Eagle3Context:
             rows.append(row)
             if j + 1 == self.k:
                 break
-            # chain entry j+1: the token just chosen at position p+j+1, scratch row p+j
-            x = self._run(
-                self._embed(tokens[-1:]), fed, p + j, torch.tensor([p + j + 1], device=dev)
-            )
+            # chain entry j+1: the token just chosen at position p+j+row_offset, scratch
+            # row p+j
+            at_pos = torch.tensor([p + j + self.row_offset], device=dev)
+            x = self._run(self._embed(tokens[-1:]), fed, p + j, at_pos)
             normed, fed = self._out(x)
         return tokens, torch.stack(rows)
 

@@ -1,0 +1,120 @@
+"""MTP's own flags and its validated config.
+
+    from fanout.families.mtp.config import MTPConfig, MTPRecipe
+    MTPRecipe(mtp_steps=3)                               # the family's flags (fanout train)
+    cfg = MTPConfig(**dflash_fields, mtp_steps=3, block_size=4)  # a draft's config
+
+`MTPRecipe` holds what speculators 0.9.0's MTP trainer lets a user choose beyond the
+shared recipe, with its defaults (`speculators/models/mtp/core.py`
+`MTPDraftModel.from_training_args` / `get_trainer_kwargs`): 3 speculative steps
+(`num_speculative_steps`, written as the greedy proposal's `speculative_tokens`) and the
+FastMTP step-weight decay `step_weight_beta` 0.6 (step k weighs
+beta**k / sum_j beta**j).
+
+`MTPConfig` is `DFlashConfig` plus those fields. speculators' MTP has one layer
+(`num_nextn_predict_layers` 1, the only value it accepts), the verifier's whole
+vocabulary (no draft vocabulary) and the verifier's final hidden states as input (its
+`target_layer_ids` is `[num_hidden_layers]` in HF numbering: fanout's last decoder
+layer, normed by the verifier's final norm as the verifier's head sees it). Of the
+shared DFlash-family fields an MTP draft:
+- maps `block_size` to its verify width, `mtp_steps + 1`; `MTP.build` sets it, any other
+  value is refused;
+- refuses `gamma`, `loss_weighting dpace`, `loss_type kl` and a draft vocabulary
+  (speculators' MTP trains cross-entropy over the whole vocabulary, weighted per step);
+- reads `label_source` (`input_ids`, speculators' targets, or `target_ids`, the
+  verifier's greedy tokens) and ignores `max_anchors` and `mask_token_id`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fanout.model.dflash import DFlashConfig
+
+
+class MTPRecipe(BaseModel):
+    """MTP's flags (speculators' MTP trainer defaults)."""
+
+    mtp_steps: int = Field(
+        3,
+        ge=1,
+        description="MTP: steps the layer is unrolled on its own output in training (the "
+        "tokens one drafting step proposes; verify width mtp_steps + 1)",
+    )
+    mtp_step_weight_beta: float = Field(
+        0.6, gt=0, description="MTP: step k's loss weight is beta**k / sum_j beta**j (FastMTP)"
+    )
+
+
+class MTPConfig(MTPRecipe, DFlashConfig):
+    """One MTP draft: one MTP layer (a Qwen3 decoder layer over `input_proj([norm(embed)
+    ; norm(hidden)])`, then `final_layernorm`) and its step recipe."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int = Field(1, ge=1, le=1, description="MTP layers (speculators: exactly one)")
+    label_source: Literal["target_ids", "input_ids"] = Field(
+        "input_ids", description="labels: the data tokens (speculators) or target_ids"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_layer(cls, data: Any) -> Any:
+        # speculators writes the verifier's own layer config: its depth (the last layer
+        # + 1) as `num_hidden_layers`, read back as the one MTP layer
+        if isinstance(data, dict) and data.get("num_layers") not in (None, 1):
+            ids = data.get("target_layer_ids") or []
+            if len(ids) == 1 and data["num_layers"] == ids[0] + 1:
+                return {**data, "num_layers": 1}
+        return data
+
+    @model_validator(mode="after")
+    def _check_shared(self) -> MTPConfig:
+        problem = shared_field_problem(
+            self.mtp_steps, self.block_size, self.gamma, self.loss_weighting, self.loss_type,
+            self.draft_vocab_size,
+        )  # fmt: skip
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    def step_weights(self) -> list[float]:
+        """speculators' `compute_step_weights(beta, steps)`: normalised beta**k."""
+        raw = [self.mtp_step_weight_beta**k for k in range(self.mtp_steps)]
+        return [w / sum(raw) for w in raw]
+
+
+def shared_field_problem(
+    mtp_steps: int,
+    block_size: int | None,
+    gamma: float | None,
+    loss_weighting: str,
+    loss_type: str,
+    draft_vocab_size: int | None,
+) -> str | None:
+    """Why shared recipe values do not apply to an MTP draft (None: they do): the one
+    rule `MTPConfig` and `fanout train --draft-family mtp`'s flag check apply.
+    `block_size` None: not given (it follows mtp_steps)."""
+    if block_size is not None and block_size != mtp_steps + 1:
+        return (
+            f"--block-size {block_size}: MTP drafts a chain; its verify width is "
+            f"--mtp-steps + 1 = {mtp_steps + 1} (drop --block-size)"
+        )
+    refused = {
+        "--gamma": gamma is not None,
+        f"--per-position-loss-weight {loss_weighting}": loss_weighting != "exp",
+        f"--loss-type {loss_type}": loss_type != "ce",
+        f"--draft-vocab-size {draft_vocab_size}": draft_vocab_size is not None,
+    }
+    for flag, bad in refused.items():
+        if bad:
+            return (
+                f"{flag}: MTP trains cross-entropy over the verifier's whole vocabulary, "
+                "each step weighted by --mtp-step-weight-beta (speculators' MTP); drop it"
+            )
+    return None
+
+
+__all__ = ["MTPConfig", "MTPRecipe", "shared_field_problem"]

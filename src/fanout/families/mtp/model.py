@@ -1,0 +1,223 @@
+"""The MTP draft: one multi-token-prediction layer over the verifier's final hidden state
+and the next token's embedding, with the verifier's whole vocabulary, trained unrolled
+on its own output.
+
+    from fanout.families.mtp.model import MTPDraft
+    draft = MTPDraft.from_verifier("models/qwen3-8b", target_layer_ids=[35], block_size=4)
+    out = draft.loss(batch, None)   # batch: window rows (the last layer's states)
+    out.loss.backward(); print(out.per_slot_acc, out.eal)
+
+Architecture (speculators 0.9.0 `MTPDraftModel` with a Qwen3 layer,
+`speculators/models/mtp/model_definitions.py` `MTPLayerMixin`; vLLM's `mtp` models;
+same parameter names, so `trainable_state()` keys are speculators'
+`mtp_layers.0.*`): `input_proj` (2H -> H, bias-free) over
+`[token_layernorm(embed(token)) ; hidden_layernorm(hidden)]`, a Qwen3 decoder layer
+(per-head q/k norm), then `final_layernorm`, whose output is both the head's input
+(the verifier's frozen `lm_head`, whole vocabulary) and the hidden state of the next
+step. The embedding and head are the verifier's, frozen (speculators writes neither).
+
+Input: the verifier's final hidden states, after its final norm (what its head reads;
+speculators' `verifier_last_hidden_states`, vLLM's target hidden states): fanout
+captures the last decoder layer (`target_layer_ids` `[L - 1]`, speculators'
+`[num_hidden_layers]` in HF numbering) and applies the verifier's final norm (`fuse`),
+in training and in decoding alike.
+
+Rows (speculators' `forward`): with K = `mtp_steps` and R = T - K - 1 rows, step
+k = 0..K-1 feeds row t the token t+k+1 and the hidden state of row t (step 0: the
+verifier's at t; step k: this layer's step k-1 output), at position `position_ids[t]`,
+attending causally to the rows <= t of its document at the same step; its output
+predicts token t+k+2. Loss: per step, cross-entropy summed over supervised rows and
+divided by their count (at least 1), weighted by `step_weights()` (FastMTP's normalised
+beta**k), summed over steps.
+
+Semantics decided here (`tests/test_family_mtp.py` pins them against speculators):
+- Supervision: step k of row t counts iff `loss_mask[t+k+2]` and that token is in row
+  t's document (speculators reads the same index of its loss mask; it has no documents).
+- Labels: `label_source input_ids` the data token t+k+2 (speculators); `target_ids`
+  the verifier's greedy token there (`target_ids[t+k+1]`).
+- Positions: each row's own `position_ids` (speculators: the same when given).
+
+Metrics: `per_slot_acc[k]` greedy accuracy of step k over its supervised rows; `eal`
+= 1 + the run of correct steps from step 0 over rows whose step 0 is supervised;
+`extra["loss_{k}"]` each step's unweighted loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fanout.errors import ConfigError
+from fanout.families.eagle3.model import Attend, Eagle3Layer
+from fanout.families.mtp.config import MTPConfig
+from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput
+from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
+from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, INPUT_IDS, LOSS_MASK, POSITION_IDS, TARGET_IDS
+
+IGNORE = -100
+
+
+class MTPLayer(Eagle3Layer):
+    """speculators' `MTPLayerMixin` over a Qwen3 decoder layer (q/k norm)."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__(cfg, qk_norm=True)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.hidden_layernorm = nn.RMSNorm(h, eps=eps)
+        self.token_layernorm = nn.RMSNorm(h, eps=eps)
+        self.input_proj = nn.Linear(2 * h, h, bias=False)
+        self.final_layernorm = nn.RMSNorm(h, eps=eps)
+
+    def run(self, emb: torch.Tensor, x: torch.Tensor, attention: Attend) -> torch.Tensor:
+        """The layer on hidden states `x` `[B, L, H]` fed tokens embedded as `emb`:
+        the final-normed output `[B, L, H]` (head input and next step's hidden)."""
+        cat = torch.cat([self.token_layernorm(emb), self.hidden_layernorm(x)], dim=-1)
+        x = super().run(emb, self.input_proj(cat), attention)
+        return cast("torch.Tensor", self.final_layernorm(x))
+
+
+class MTPDraft(DFlashDraft):
+    """Trainable: `mtp_layers.0` (speculators' names); frozen buffers: the verifier's
+    embedding, head and final norm (`fuse`)."""
+
+    config_class: ClassVar[type[DFlashConfig]] = MTPConfig
+    cfg: MTPConfig
+
+    def __init__(
+        self,
+        cfg: DFlashConfig,
+        embed_weight: torch.Tensor,  # [V, H]
+        lm_head_weight: torch.Tensor,  # [V, H]
+        verifier_norm_weight: torch.Tensor,  # [H]
+        draft_vocab_ids: torch.Tensor | None = None,
+    ) -> None:
+        if not isinstance(cfg, MTPConfig):
+            raise ConfigError(f"MTPDraft needs an MTPConfig, got {type(cfg).__name__}")
+        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+        # speculators' module names: one `mtp_layers` entry, no fc / context norm / norm
+        self.mtp_layers = cast("nn.ModuleList", self._modules.pop("layers"))
+        for name in ("fc", "hidden_norm", "norm"):
+            self._modules.pop(name)
+
+    @property
+    def layers(self) -> nn.ModuleList:  # type: ignore[override]
+        """The MTP layer (as speculators' `layers` property), what the drafting step runs."""
+        return self.mtp_layers
+
+    @property
+    def fc(self) -> nn.Linear:  # type: ignore[override]
+        """`input_proj`: the weight whose dtype and device the drafting step follows."""
+        return cast("MTPLayer", self.mtp_layers[0]).input_proj
+
+    def make_layer(self, cfg: DFlashConfig, index: int) -> nn.Module:
+        return MTPLayer(cfg)
+
+    def fuse(self, hs: torch.Tensor) -> torch.Tensor:
+        """The last decoder layer's output `[.., H]` -> the verifier's final-normed state."""
+        dt = self.fc.weight.dtype
+        w = self.verifier_norm_weight
+        return F.rms_norm(hs.to(dt), (w.shape[0],), w.to(dt), self.cfg.rms_norm_eps)
+
+    # ---- the forward ---------------------------------------------------------------
+
+    def states(
+        self,
+        hidden: torch.Tensor,  # [B, R, H] final-normed hidden state of each row
+        tokens: torch.Tensor,  # [B, R] fed tokens
+        pos: torch.Tensor,  # [B, R] positions
+        mask: torch.Tensor,  # [B, 1, R, R] bool
+    ) -> torch.Tensor:
+        """One pass of the MTP layer over rows: outputs `[B, R, H]` (final-normed)."""
+        dt = self.fc.weight.dtype
+        emb = F.embedding(tokens, self.embed_weight).to(dt)
+        rope = self.rope(pos, dt)
+        layer = cast("MTPLayer", self.mtp_layers[0])
+        a = layer.self_attn
+
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            k, v = a.kv(h, rope)
+            return a.attend(h, k, v, rope, mask)
+
+        return layer.run(emb, hidden.to(dt), attend)
+
+    def unroll(self, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Every step's outputs `[B, R, H]` (the head's input), R = T - mtp_steps - 1."""
+        cfg = self.cfg
+        _check_mtp_batch(batch, cfg.hidden_size, cfg.mtp_steps)
+        ids, doc = batch[INPUT_IDS].long(), batch[DOCUMENT_IDS].long()
+        r = ids.shape[1] - cfg.mtp_steps - 1  # speculators' valid_len
+        row_doc, pos = doc[:, :r], batch[POSITION_IDS].long()[:, :r]
+        eye = torch.eye(r, dtype=torch.bool, device=ids.device)
+        causal = torch.ones(r, r, dtype=torch.bool, device=ids.device).tril()
+        same = (row_doc[:, :, None] == row_doc[:, None, :]) & (row_doc[:, :, None] >= 0)
+        mask = ((same & causal) | eye)[:, None]  # [B, 1, R, R]
+        hidden = self.fuse(batch[HIDDEN_STATES][:, :r])  # [B, R, H]
+        outs = []
+        for k in range(cfg.mtp_steps):
+            hidden = self.states(hidden, ids[:, k + 1 : k + 1 + r], pos, mask)
+            outs.append(hidden)
+        return outs
+
+    def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
+        """The unrolled MTP loss and metrics of a window batch (module docstring);
+        `generator` is unused (every row trains)."""
+        cfg = self.cfg
+        outs = self.unroll(batch)
+        ids, lm = batch[INPUT_IDS].long(), batch[LOSS_MASK].bool()
+        doc = batch[DOCUMENT_IDS].long()
+        r = outs[0].shape[1]
+        row_doc = doc[:, :r]
+        weights = cfg.step_weights()
+        loss = outs[0].new_zeros((), dtype=torch.float32)
+        sups, rights, extra = [], [], {}
+        for k, out in enumerate(outs):
+            at = slice(k + 2, k + 2 + r)  # the predicted tokens
+            if cfg.label_source == TARGET_IDS:
+                label = batch[TARGET_IDS].long()[:, k + 1 : k + 1 + r]
+            else:
+                label = ids[:, at]
+            sup = lm[:, at] & (doc[:, at] == row_doc) & (row_doc >= 0)  # [B, R]
+            n = int(sup.sum())
+            right = torch.zeros_like(sup)
+            if n:
+                per_row, pred = linear_cross_entropy_and_argmax(
+                    out[sup], self.lm_head_weight, label[sup], reduction="none"
+                )
+                step_loss = per_row.float().sum() / n
+                loss = loss + weights[k] * step_loss
+                right[sup] = pred == label[sup]
+                extra[f"loss_{k}"] = float(step_loss.detach())
+            sups.append(sup)
+            rights.append(right)
+        with torch.no_grad():
+            sup_all, right_all = torch.stack(sups, -1), torch.stack(rights, -1)  # [B, R, K]
+            cnt = sup_all.sum(dim=(0, 1))
+            acc = right_all.sum(dim=(0, 1)) / cnt.clamp(min=1)
+            run = torch.cumprod(right_all.long(), dim=-1)
+            has = sup_all[:, :, 0]
+            eal = (1.0 + run.sum(-1)[has].float()).mean() if has.any() else torch.tensor(1.0)
+        return LossOutput(loss, acc.float(), cnt, eal, int(cnt.sum()), int(has.sum()), extra)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """`mtp_layers.0.*` under speculators' names (it writes no embedding or head)."""
+        return {k: v for k, v in self.state_dict().items() if k.startswith("mtp_layers.")}
+
+
+def _check_mtp_batch(batch: dict[str, Any], width: int, steps: int) -> None:
+    for k in (HIDDEN_STATES, INPUT_IDS, LOSS_MASK, DOCUMENT_IDS, POSITION_IDS):
+        if k not in batch:
+            raise ConfigError(f"MTP batch is missing {k!r} (has {sorted(batch)})")
+    b, t = batch[INPUT_IDS].shape
+    if batch[HIDDEN_STATES].shape != (b, t, width):
+        raise ConfigError(
+            f"hidden_states {tuple(batch[HIDDEN_STATES].shape)} != [B, T, H] = {(b, t, width)}: "
+            "MTP reads one layer, the verifier's last (--draft-layer-ids L-1)"
+        )
+    if t < steps + 2:
+        raise ConfigError(f"MTP with --mtp-steps {steps} needs rows of at least {steps + 2} tokens")
+
+
+__all__ = ["MTPDraft", "MTPLayer"]

@@ -1,0 +1,419 @@
+"""The MTP family (fanout.families.mtp) against speculators 0.9.0's MTP, its chained
+drafting against plain greedy decoding, and its start from a verifier's own MTP weights.
+
+speculators' `MTPDraftModel` is the oracle where it is installed (those tests skip
+without it):
+
+(a) a fanout checkpoint loads with `MTPDraftModel.from_pretrained` with no
+    missing/unexpected keys, every tensor the file's and the draft's, and the config
+    speculators expects (`mtp`, `MTPDraftModel`, one layer, the proposal's steps);
+(b) with the same weights and rows (one document; fanout's last-layer states normed by
+    the verifier's final norm as speculators' input), every step's logits and the loss
+    equal speculators' `forward` (eager attention, fp32 on CPU), with the step weights
+    its trainer computes, labels from input_ids and a loss mask with holes;
+(c) a draft trained a few steps decodes as `fanout eval` does (a chain, vLLM's `mtp`)
+    losslessly at T = 0 against `Decoder.greedy`, the cache giving the reference's
+    tokens and rows, also after a save/load round trip;
+(d) the verifier's own `mtp.*` weights (a tiny Qwen3-Next from tests/verifier_zoo.py
+    with such tensors added) start the draft, and ones that do not fit its config are
+    refused in one line; bad configurations are refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.errors import ConfigError
+from fanout.families.mtp import MTPDraft
+from fanout.families.mtp.propose import MTPContext
+from fanout.families.registry import family, family_of
+from fanout.families.serving import load_draft
+from fanout.ops.adamw import make_optimizer
+from fanout.train.checkpoint import save_checkpoint
+from test_family_eagle3 import (
+    V_LAYERS,
+    VOCAB,
+    H,
+    _prompt,
+    _Recording,
+    eagle_decoder,
+    eagle_verifier,
+)
+from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
+
+STEPS = 3
+T = 20
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return eagle_verifier(tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.fixture(scope="module")
+def decoder(verifier_dir: Path) -> Decoder:
+    return eagle_decoder(verifier_dir)
+
+
+def _draft(vdir: Path, **kw: Any) -> MTPDraft:
+    """An MTP draft, every weight moved off its init, rounded to bf16."""
+    torch.manual_seed(1)
+    d = family("mtp").build(vdir, mtp_steps=STEPS, **kw)
+    assert isinstance(d, MTPDraft)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _, p in d.named_parameters():
+            if p.ndim == 1:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            else:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            p.copy_(p.bfloat16().float())
+    return d
+
+
+@pytest.fixture(scope="module")
+def saved(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[MTPDraft, Path]:
+    d = _draft(verifier_dir)
+    opt = torch.optim.SGD(d.parameters(), lr=0.1)
+    root = tmp_path_factory.mktemp("mtp-ckpt")
+    path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
+    return d, path
+
+
+@pytest.fixture(scope="module")
+def spec() -> SimpleNamespace:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mtp: Any = pytest.importorskip("speculators.models.mtp")
+        import test_speculators as helpers
+    return SimpleNamespace(mtp=mtp, h=helpers)
+
+
+def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
+    """speculators' model from a fanout checkpoint (eager attention, fp32), its loading
+    report and every warning said while loading."""
+    cls = spec.mtp.MTPDraftModel
+
+    def config() -> Any:
+        cfg = spec.mtp.MTPSpeculatorConfig.from_pretrained(str(path))
+        cfg.transformer_layer_config._attn_implementation = "eager"
+        return cfg
+
+    with spec.h._notes() as notes:
+        model = cls.from_pretrained(str(path), config=config(), dtype=torch.float32)
+    _, info = super(cls.__mro__[1], cls).from_pretrained(  # past both overrides
+        str(path), config=config(), dtype=torch.float32, output_loading_info=True
+    )
+    return model, info, notes
+
+
+# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+
+
+def test_checkpoint_loads_in_speculators(
+    spec: SimpleNamespace, saved: tuple[MTPDraft, Path], verifier_dir: Path
+) -> None:
+    draft, path = saved
+    model, info, notes = _load(spec, path)
+    assert type(model).__name__ == "MTPDraftModel" and notes == []
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+    file = load_file(str(path / "model.safetensors"))
+    assert set(file) == set(draft.trainable_state())
+    sd = model.state_dict()
+    for k, v in draft.trainable_state().items():
+        assert torch.equal(sd[k], v) and torch.equal(file[k].float(), v), k
+    # the verifier's embedding and head, loaded by speculators itself
+    assert torch.equal(sd["embed_tokens.weight"], draft.embed_weight)
+    assert torch.equal(sd["lm_head.weight"], draft.lm_head_weight)
+    c = model.config
+    assert c.speculators_model_type == "mtp" and c.architectures == ["MTPDraftModel"]
+    assert c.num_nextn_predict_layers == 1 and c.num_speculative_steps == STEPS
+    assert c.transformer_layer_config.model_type == "qwen3"
+    assert model.target_layer_ids == [V_LAYERS]  # speculators' numbering: the last layer
+    assert c.speculators_config.verifier.name_or_path == str(verifier_dir)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == STEPS
+
+
+# ---- (b) the same logits and loss as speculators' forward ------------------------------
+
+
+def _batch(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, T), generator=g)
+    pos = torch.arange(T)[None]
+    doc = torch.zeros(1, T, dtype=torch.long)
+    lm = torch.ones(1, T, dtype=torch.uint8)
+    lm[0, :4] = 0
+    lm[0, 11] = 0
+    return {
+        "hidden_states": 2.0 * torch.randn(1, T, H, generator=g), "input_ids": ids,
+        "target_ids": ids, "loss_mask": lm, "document_ids": doc,
+        "position_ids": pos,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logits_and_loss_match_speculators(
+    seed: int, spec: SimpleNamespace, saved: tuple[MTPDraft, Path]
+) -> None:
+    draft, path = saved
+    model, _, _ = _load(spec, path)
+    batch = _batch(seed)
+    with torch.no_grad(), warnings.catch_warnings():
+        # speculators 0.9.0 calls create_causal_mask(past_key_values=...), deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        normed = draft.fuse(batch["hidden_states"])  # speculators' input: the last states
+        logits, loss, metrics = model(
+            input_ids=batch["input_ids"], hidden_states=normed,
+            loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
+            step_weights=draft.cfg.step_weights(),
+        )  # fmt: skip
+        outs = draft.unroll(batch)
+        out = draft.loss(batch, None)
+    assert len(logits) == len(outs) == STEPS
+    for theirs, mine in zip(logits, outs):
+        torch.testing.assert_close(mine @ draft.lm_head_weight.t(), theirs, atol=2e-5, rtol=0)
+    torch.testing.assert_close(out.loss, loss.float(), atol=0, rtol=2e-5)
+    for k in range(STEPS):
+        w = draft.cfg.step_weights()[k]
+        assert out.extra[f"loss_{k}"] == pytest.approx(float(metrics[f"loss_step_{k}"]) / w, 2e-5)
+
+
+def test_step_weights_are_speculators(spec: SimpleNamespace, saved: tuple[MTPDraft, Path]) -> None:
+    core: Any = pytest.importorskip("speculators.models.mtp.core")
+    assert saved[0].cfg.step_weights() == pytest.approx(core.compute_step_weights(0.6, STEPS))
+
+
+# ---- (c) decoding -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(verifier_dir: Path, decoder: Decoder) -> MTPDraft:
+    """An MTP draft trained briefly on the verifier's own greedy continuations."""
+    torch.manual_seed(0)
+    draft = family("mtp").build(verifier_dir)
+    assert isinstance(draft, MTPDraft) and draft.cfg.target_layer_ids == [V_LAYERS - 1]
+    v = decoder.verifier
+    rows = []
+    for seed in range(8):
+        prompt = _prompt(6, 100 + seed)
+        rows.append(prompt + Decoder(v, set()).greedy(prompt, 42).tokens)
+    ids = torch.tensor(rows)  # [8, 48]
+    b, t = ids.shape
+    pos = torch.arange(t).expand(b, t)
+    doc = torch.zeros(b, t, dtype=torch.long)
+    hs = []
+
+    def hook(_m: Any, _a: Any, out: Any) -> None:
+        hs.append(out[0] if isinstance(out, tuple) else out)
+
+    layer = decoder.layers[V_LAYERS - 1]
+    handle = layer.register_forward_hook(hook)
+    try:
+        cap = v.capture(ids, pos, doc)
+    finally:
+        handle.remove()
+    batch = {
+        "hidden_states": hs[-1].float(), "input_ids": ids, "target_ids": cap.target_ids.long(),
+        "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc, "position_ids": pos,
+    }  # fmt: skip
+    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
+    first = None
+    for _ in range(60):
+        out = draft.loss(batch, None)
+        first = first if first is not None else float(out.loss.detach())
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert first is not None and float(out.loss.detach()) < first
+    return draft.eval()
+
+
+@pytest.mark.parametrize("k", [None, 1, 5])
+def test_greedy_lossless_chained(k: int | None, trained: MTPDraft, decoder: Decoder) -> None:
+    fam = family_of(trained)
+    assert fam.name == "mtp" and fam.serving_method == "mtp"
+    taus = []
+    for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
+        prompt = _prompt(n, seed)
+        g = decoder.greedy(prompt, 30)
+        rec = _Recording(fam.drafting_context(trained, cached=True, num_speculative_tokens=k))
+        s = decoder.speculative(prompt, trained, 30, context=rec)
+        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
+        assert rec.sizes and set(rec.sizes) == {k or STEPS} and s.drafted == (k or STEPS)
+        taus.append(s.acceptance_length)
+    if k != 1:
+        assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
+
+
+def test_cached_equals_uncached(trained: MTPDraft, decoder: Decoder) -> None:
+    fam = family("mtp")
+    for n, seed in ((5, 3), (21, 4), (6, 102)):
+        prompt = _prompt(n, seed)
+        a = _Recording(fam.drafting_context(trained, cached=True, num_speculative_tokens=4))
+        b = _Recording(fam.drafting_context(trained, cached=False, num_speculative_tokens=4))
+        sa = decoder.speculative(prompt, trained, 30, context=a)
+        sb = decoder.speculative(prompt, trained, 30, context=b)
+        assert sa.tokens == sb.tokens and sa.accepted == sb.accepted
+        for x, y in zip(a.rows, b.rows):
+            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-5)
+    assert isinstance(fam.context(trained), MTPContext)
+
+
+def test_checkpoint_round_trip_decodes(
+    trained: MTPDraft, decoder: Decoder, verifier_dir: Path, tmp_path: Path
+) -> None:
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    path = save_checkpoint(
+        tmp_path, trained, opt, {"step": 1}, verifier_name_or_path=str(verifier_dir)
+    )
+    back = load_draft(path, verifier_dir)
+    assert isinstance(back, MTPDraft) and back.cfg == trained.cfg
+    for k, v in trained.trainable_state().items():
+        assert torch.equal(back.trainable_state()[k], v.bfloat16().float()), k  # bf16 file
+    prompt = _prompt(6, 100)
+    assert decoder.speculative(prompt, back, 20).tokens == decoder.greedy(prompt, 20).tokens
+
+
+# ---- (d) the verifier's own MTP weights; bad input ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from verifier_zoo import build
+
+    return Path(build("qwen3_next", tmp_path_factory.mktemp("qwen3-next")))
+
+
+_NAMES = {
+    "mtp_layers.0.input_proj.weight": "mtp.fc.weight",
+    "mtp_layers.0.final_layernorm.weight": "mtp.norm.weight",
+    "mtp_layers.0.hidden_layernorm.weight": "mtp.pre_fc_norm_hidden.weight",
+    "mtp_layers.0.token_layernorm.weight": "mtp.pre_fc_norm_embedding.weight",
+}
+
+
+def _with_mtp(
+    src: Path,
+    dst: Path,
+    shapes: dict[str, torch.Size],
+    bad: str | None = None,
+    extra: dict[str, torch.Size] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A copy of verifier `src` whose safetensors add `mtp.*` tensors (the names
+    speculators' MTPConverter reads, as Qwen3-Next's checkpoints name them) of `shapes`
+    (the draft's), `bad` one of them of the wrong shape."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(7)
+    added = {}
+    for k, shape in shapes.items():
+        name = _NAMES.get(k, k.replace("mtp_layers.0.", "mtp.layers.0."))
+        shape = torch.Size([shape[0] + 1, *shape[1:]]) if name == bad else shape
+        added[name] = (0.1 * torch.randn(shape, generator=g)).bfloat16()
+    for name, shape in (extra or {}).items():  # e.g. a MoE layer's experts
+        added[name] = torch.zeros(shape, dtype=torch.bfloat16)
+    first = sorted(dst.glob("*.safetensors"))[0]
+    save_file({**load_file(str(first)), **added}, str(first), metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        idx = json.loads(index.read_text())
+        idx["weight_map"] |= {n: first.name for n in added}
+        index.write_text(json.dumps(idx))
+    return added
+
+
+def test_starts_from_the_verifiers_mtp_weights(
+    next_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fam = family("mtp")
+    with caplog.at_level(logging.INFO, logger="fanout.families.mtp"):
+        plain = fam.build(next_dir)
+    assert "speculators' initialisation" in caplog.text
+    shapes = {k: v.shape for k, v in plain.trainable_state().items()}
+    vdir = tmp_path / "with-mtp"
+    added = _with_mtp(next_dir, vdir, shapes)
+    assert len(added) == len(shapes)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fanout.families.mtp"):
+        d = fam.build(vdir)
+    assert "own MTP weights" in caplog.text
+    from fanout.model.verifier_dir import text_tensors
+
+    offset = text_tensors(vdir).norm_offset  # Qwen3-Next: zero-centred norms (w + 1)
+    assert offset == 1
+    state = d.trainable_state()
+    assert torch.equal(state["mtp_layers.0.input_proj.weight"], added["mtp.fc.weight"].float())
+    assert torch.equal(
+        state["mtp_layers.0.self_attn.q_proj.weight"],
+        added["mtp.layers.0.self_attn.q_proj.weight"].float(),
+    )
+    assert torch.equal(
+        state["mtp_layers.0.final_layernorm.weight"], added["mtp.norm.weight"].float() + 1
+    )
+    assert not torch.equal(
+        state["mtp_layers.0.input_proj.weight"],
+        plain.trainable_state()["mtp_layers.0.input_proj.weight"],
+    )
+
+
+EXPERT = "mtp.layers.0.mlp.experts.0.gate_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("bad", "extra", "named"),
+    [
+        ("mtp.layers.0.self_attn.q_proj.weight", None, "mtp.layers.0.self_attn.q_proj.weight"),
+        (None, {EXPERT: torch.Size([8, 8])}, EXPERT),  # a MoE MTP layer (Qwen3-Next's)
+    ],
+)
+def test_mismatched_verifier_mtp_weights_refused(
+    bad: str | None, extra: Any, named: str, next_dir: Path, tmp_path: Path
+) -> None:
+    fam = family("mtp")
+    plain = fam.build(next_dir)
+    shapes = {k: v.shape for k, v in plain.trainable_state().items()}
+    vdir = tmp_path / "bad-mtp"
+    _with_mtp(next_dir, vdir, shapes, bad=bad, extra=extra)
+    with pytest.raises(ConfigError) as e:
+        fam.build(vdir)
+    assert "\n" not in str(e.value) and named in str(e.value)
+    assert "--draft-family mtp" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"block_size": 8}, "MTP drafts a chain"),
+        ({"gamma": 4.0}, "--gamma: MTP trains cross-entropy"),
+        ({"loss_type": "kl"}, "--loss-type kl"),
+        ({"loss_weighting": "dpace"}, "dpace"),
+        ({"mtp_steps": 0}, "mtp_steps"),
+        ({"target_layer_ids": [1]}, "last layer only"),
+    ],
+)
+def test_bad_config_refused(fields: dict[str, Any], match: str, verifier_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=match):
+        family("mtp").build(verifier_dir, **fields)
+
+
+def test_shared_conflict_one_line() -> None:
+    fam = family("mtp")
+    assert fam.shared_conflict({"block_size": 16}, set()) is None
+    msg = fam.shared_conflict({"block_size": 6, "draft_vocab_size": 100}, {"block_size"})
+    assert msg is not None and "--block-size 6" in msg and "\n" not in msg
+    msg = fam.shared_conflict({"draft_vocab_size": 100}, set())
+    assert msg is not None and "--draft-vocab-size 100" in msg
