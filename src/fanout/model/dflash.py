@@ -319,6 +319,11 @@ class DFlashDraft(nn.Module):
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
     ) -> None:
+        # every family's draft takes its own config (the one check each family's class shares)
+        if not isinstance(cfg, want := type(self).config_class):
+            name = want.__name__  # "an" before a letter read with a vowel sound (an MTP...)
+            a = "an" if name[0] in "AEFHILMNORSX" else "a"
+            raise ConfigError(f"{type(self).__name__} needs {a} {name}, got {type(cfg).__name__}")
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size

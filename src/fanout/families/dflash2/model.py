@@ -249,9 +249,8 @@ class DFlash2Draft(DFlashDraft):
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,
     ) -> None:
-        if not isinstance(cfg, DFlash2Config):
-            raise ConfigError(f"DFlash2Draft needs a DFlash2Config, got {type(cfg).__name__}")
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+        cfg = self.cfg  # its own config class (DFlashDraft checked it)
         self.candidate_selector = CandidateSelector(
             cfg.vocab_size, cfg.hidden_size, cfg.selector_rank
         )

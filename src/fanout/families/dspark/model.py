@@ -126,9 +126,8 @@ class DSparkDraft(DFlashDraft):
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
     ) -> None:
-        if not isinstance(cfg, DSparkConfig):
-            raise ConfigError(f"DSparkDraft needs a DSparkConfig, got {type(cfg).__name__}")
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+        cfg = self.cfg  # its own config class (DFlashDraft checked it)
         h, rank = cfg.hidden_size, cfg.markov_rank
         draft_v = cfg.draft_vocab_size or cfg.vocab_size
         self.markov_head: MarkovHead | None

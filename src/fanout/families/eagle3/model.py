@@ -182,9 +182,8 @@ class Eagle3Draft(DFlashDraft):
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
     ) -> None:
-        if not isinstance(cfg, Eagle3Config):
-            raise ConfigError(f"Eagle3Draft needs an Eagle3Config, got {type(cfg).__name__}")
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+        cfg = self.cfg  # its own config class (DFlashDraft checked it)
         del self.hidden_norm  # DFlash's context norm: EAGLE-3 has none after fc
         h, n = cfg.hidden_size, len(cfg.target_layer_ids)
         self.input_norm = nn.RMSNorm(n * h, eps=cfg.rms_norm_eps) if cfg.norm_before_fc else None

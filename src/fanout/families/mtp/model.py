@@ -94,8 +94,6 @@ class MTPDraft(DFlashDraft):
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,
     ) -> None:
-        if not isinstance(cfg, MTPConfig):
-            raise ConfigError(f"MTPDraft needs an MTPConfig, got {type(cfg).__name__}")
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
         # speculators' module names: one `mtp_layers` entry, no fc / context norm / norm
         self.mtp_layers = cast("nn.ModuleList", self._modules.pop("layers"))

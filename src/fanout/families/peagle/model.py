@@ -55,7 +55,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fanout.errors import ConfigError
 from fanout.families.eagle3.model import (
     Eagle3Draft,
     Eagle3FirstLayer,
@@ -144,9 +143,8 @@ class PEagleDraft(Eagle3Draft):
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
     ) -> None:
-        if not isinstance(cfg, PEagleConfig):
-            raise ConfigError(f"PEagleDraft needs a PEagleConfig, got {type(cfg).__name__}")
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+        cfg = self.cfg  # its own config class (DFlashDraft checked it)
         # the embedding is a parameter under speculators' name (trained by default)
         del self._buffers["embed_weight"]
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # [V, H]

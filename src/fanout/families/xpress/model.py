@@ -125,9 +125,8 @@ class XPressDraft(DFlashDraft):
 
     def __init__(self, cfg: DFlashConfig, *verifier_tensors: Any, **kw: Any) -> None:
         """DFlashDraft's arguments (the verifier's frozen tensors after `cfg`)."""
-        if not isinstance(cfg, XPressConfig):
-            raise ConfigError(f"XPressDraft needs an XPressConfig, got {type(cfg).__name__}")
         super().__init__(cfg, *verifier_tensors, **kw)
+        cfg = self.cfg  # its own config class (DFlashDraft checked it)
         self.refiner_head = XPressRefinerHead(
             cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, cfg.hidden_size,
             cfg.block_size, cfg.xpress_rank, cfg.xpress_mlp_ratio,
