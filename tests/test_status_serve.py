@@ -8,6 +8,7 @@ a run dir that is not a run), one line and exit 1 each.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -60,15 +61,16 @@ def settled_run(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-@pytest.fixture
-def server(settled_run: Path) -> Iterator[StatusServer]:
-    """The server in a thread that opens its own coordinator connection (as the CLI's)."""
+@contextlib.contextmanager
+def serving(run_dir: Path, interval_s: float = 0.1) -> Iterator[StatusServer]:
+    """The server in a thread that opens its own coordinator connection (as the CLI's),
+    shut down on leaving."""
     ready: queue.Queue[StatusServer | BaseException] = queue.Queue()
 
     def serve() -> None:
         try:
-            with Coordinator.open(settled_run) as co:
-                srv = StatusServer(build, co, "127.0.0.1", 0, 0.1)
+            with Coordinator.open(run_dir) as co:
+                srv = StatusServer(build, co, "127.0.0.1", 0, interval_s)
                 ready.put(srv)
                 srv.run()
         except BaseException as e:  # surfaced by the test
@@ -78,10 +80,18 @@ def server(settled_run: Path) -> Iterator[StatusServer]:
     t.start()
     srv = ready.get(timeout=60)
     assert isinstance(srv, StatusServer), srv
-    yield srv
-    srv.shutdown()
-    t.join(30)
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        t.join(30)
     assert not t.is_alive()
+
+
+@pytest.fixture
+def server(settled_run: Path) -> Iterator[StatusServer]:
+    with serving(settled_run) as srv:
+        yield srv
 
 
 def _get(url: str) -> tuple[str, str]:
@@ -182,9 +192,13 @@ def test_a_port_in_use_a_run_that_is_not_one_and_watch_without_a_terminal(
     assert code == 1 and err.count("\n") == 1, err
     assert f"--serve {port}: cannot listen on 127.0.0.1:{port}" in err
     (tmp_path / "empty").mkdir()
-    code = cli_main(["status", "--run-dir", str(tmp_path / "empty"), "--serve", "0"])
-    err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and "no coordinator database" in err, err
+    (tmp_path / "a-file").write_text("not a run\n")
+    for not_a_run in ("empty", "a-file", "missing"):  # a folder, a file, nothing there
+        where = str(tmp_path / not_a_run)
+        code = cli_main(["status", "--run-dir", where, "--serve", "0"])
+        err = capsys.readouterr().err
+        assert code == 1 and err.count("\n") == 1, err
+        assert f"{where}: no coordinator database" in err and "Traceback" not in err, err
     code = cli_main(["status", "--run-dir", str(settled_run), "--watch"])  # capsys: no tty
     out, err = capsys.readouterr()
     assert code == 1 and out == "" and err.count("\n") == 1, err

@@ -3,12 +3,13 @@
     fanout status --run-dir runs/demo --serve 9464            # loopback only
     curl -s localhost:9464/metrics     # Prometheus text format (version 0.0.4)
     curl -s localhost:9464/status.json # what `fanout status --json` prints
-    open http://localhost:9464/        # one page that refreshes itself, with a plot
+    open http://localhost:9464/        # one page that refreshes itself, with plots
 
 Every response is built from one fresh snapshot (fanout.coord.status.build), so the
 page, /metrics and /status.json agree with `--json` at the instant they were asked.
-The server also samples every --interval-s for the page's plot (windows live vs K,
-the producer's rate), kept in memory (the last MAX_SAMPLES). One thread serves and
+The server also samples every --interval-s, and on every request, for the page's plots
+(windows live vs K, each replica's rate, each draft's lag and EAL; the page is
+fanout.coord.status_page), kept in memory (the last MAX_SAMPLES). One thread serves and
 samples (`serve_forever`'s idle hook), on the coordinator connection it was given:
 open it in the thread that calls `run()`.
 
@@ -19,7 +20,6 @@ series whose `state` label is the current one.
 
 from __future__ import annotations
 
-import html
 import http.server
 import json
 import time
@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from fanout.coord.coordinator import Coordinator
+from fanout.coord.status_page import Sample, page_html, sample_of
 from fanout.coord.status_schema import ConsumerState, ReplicaState, StatusSnapshot
 from fanout.errors import ConfigError
 
@@ -149,109 +150,6 @@ def metrics_text(s: StatusSnapshot) -> str:
     return "\n".join(m.lines) + "\n"
 
 
-def _svg(samples: list[tuple[float, int, int, float]]) -> str:
-    """Windows live (line) and K (dashed) over the samples, as inline SVG."""
-    w, h, pad = 600, 160, 24
-    if len(samples) < 2:
-        return '<p class="note">the plot starts after two samples</p>'
-    t0, t1 = samples[0][0], samples[-1][0]
-    top = max(max(k for _, _, k, _ in samples), max(n for _, n, _, _ in samples), 1)
-
-    def xy(t: float, v: float) -> str:
-        x = pad + (w - 2 * pad) * (t - t0) / max(t1 - t0, 1e-9)
-        return f"{x:.1f},{h - pad - (h - 2 * pad) * v / top:.1f}"
-
-    live = " ".join(xy(t, n) for t, n, _, _ in samples)
-    kline = " ".join(xy(t, k) for t, _, k, _ in samples)
-    return (
-        f'<svg width="{w}" height="{h}" role="img" aria-label="windows live vs K">'
-        f'<polyline points="{kline}" fill="none" stroke="#c33" stroke-dasharray="4"/>'
-        f'<polyline points="{live}" fill="none" stroke="#36c" stroke-width="2"/>'
-        f'<text x="{pad}" y="14" font-size="12">windows live (blue) vs K={top} (red), '
-        f"last {t1 - t0:.0f} s</text></svg>"
-    )
-
-
-def _cell(key: str, value: object) -> str:
-    shown = "-" if value is None else value
-    return f'<td data-key="{html.escape(key)}">{html.escape(str(shown))}</td>'
-
-
-def _table(rows: list[dict[str, Any]], cols: list[str], prefix: str, id_key: str) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = "".join(
-        "<tr>" + "".join(_cell(f"{prefix}.{r[id_key]}.{c}", r.get(c)) for c in cols) + "</tr>"
-        for r in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def page_html(s: StatusSnapshot, samples: list[tuple[float, int, int, float]],
-              refresh_s: float) -> str:  # fmt: skip
-    """One page with the same numbers as `--json` (each cell's `data-key` names the
-    field), refreshing itself every `refresh_s` seconds."""
-    t = s.totals.model_dump()
-    totals = "".join(
-        f"<tr><th>{html.escape(k)}</th>{_cell('totals.' + k, v)}</tr>" for k, v in t.items()
-    )
-    producer = f"{s.producer.state}" + (f" ({s.blocked.text})" if s.blocked else "")
-    dump = s.model_dump(mode="json")
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{refresh_s:g}">
-<title>fanout status {html.escape(s.run_dir)}</title>
-<style>body{{font:14px sans-serif;margin:1em}}td,th{{padding:2px 8px;text-align:right}}
-table{{border-collapse:collapse;margin:.5em 0}}tr:nth-child(even){{background:#f4f4f4}}
-.note{{color:#666}}</style></head><body>
-<h1>fanout run {html.escape(s.run_dir)}</h1>
-<p>stream {html.escape(s.stream_id)} · length {s.stream.length_windows or "∞"} windows ·
-producer <span data-key="producer.state">{html.escape(producer)}</span> ·
-taken {time.strftime("%H:%M:%S", time.localtime(s.taken_wall))}</p>
-{_svg(samples)}
-<h2>totals</h2><table>{totals}</table>
-<h2>replicas</h2>{
-        _table(
-            dump["replicas"],
-            [
-                "rank",
-                "state",
-                "host",
-                "pid",
-                "windows",
-                "windows_per_s",
-                "heartbeat_age_s",
-                "waiting",
-            ],
-            "replicas",
-            "rank",
-        )
-    }
-<h2>consumers</h2>{
-        _table(
-            dump["consumers"],
-            [
-                "id",
-                "family",
-                "dp_rank",
-                "dp_world",
-                "state",
-                "cursor",
-                "lag_windows",
-                "step",
-                "eal",
-                "rows_per_s",
-                "eta_s",
-                "waiting",
-            ],
-            "consumers",
-            "id",
-        )
-    }
-<p class="note">the same numbers: <a href="status.json">status.json</a> ·
-<a href="metrics">metrics</a> · refreshes every {refresh_s:g} s</p>
-</body></html>
-"""
-
-
 class StatusServer:
     """The HTTP server of `fanout status --serve`: bound at construction (a port in use
     is a ConfigError, one line), serving until `shutdown()` or Ctrl-C."""
@@ -266,7 +164,7 @@ class StatusServer:
     ) -> None:
         """`build` is fanout.coord.status.build (passed in: status imports this module)."""
         self.co, self.interval_s, self._build = co, interval_s, build
-        self.samples: deque[tuple[float, int, int, float]] = deque(maxlen=MAX_SAMPLES)
+        self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
         self._next_sample = 0.0
         outer = self
 
@@ -292,8 +190,7 @@ class StatusServer:
 
     def snapshot(self) -> StatusSnapshot:
         s = self._build(self.co)
-        self.samples.append((s.taken_wall, s.totals.windows_live, s.totals.max_live_windows,
-                             s.totals.producer_windows_per_s))  # fmt: skip
+        self.samples.append(sample_of(s))
         return s
 
     def _sample(self) -> None:
