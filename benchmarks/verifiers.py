@@ -23,6 +23,17 @@
    ÷ peak at the shortest, over the ratio of the Ts: <= 1.25), and its tokens/s at
    T = 16k is >= 2x the dense mask's.
 
+3. Long documents on sliding-window verifiers (`--sliding-archs`, default Mistral with
+   `sliding_window` and Gemma-3 text, at `--hidden` / `--vocab`, window `--window`):
+   one row that is one document of T tokens (`--lengths`), each document alone
+   (`dense_mask_max_bytes = 0`), captured
+   - `blocked`: fanout.model.local_attention (query blocks of w tokens against
+     [start − w, end), a [w, 2w] mask; full layers SDPA `is_causal`), the default;
+   - `masks`: transformers' own attention and masks (`Verifier.local_attention =
+     False`): a [1, 1, T, T] sliding mask per document, what long documents cost before.
+   Goal: the blocked path's peak memory grows as T does (growth over T's growth
+   <= 1.25), where the masks' grow as T².
+
 Peak memory is the process's resident high-water mark during the call above the
 resident set before it (Linux: `/proc/self/status` VmHWM, reset through
 `/proc/self/clear_refs` before each call; glibc's malloc told to map every allocation of
@@ -201,6 +212,82 @@ def long_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     return out
 
 
+def sliding_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    out = []
+    heads = max(2, a.hidden // 16)
+    for arch in a.sliding_archs:
+        over: dict[str, Any] = {
+            "hidden_size": a.hidden, "intermediate_size": 2 * a.hidden, "head_dim": 16,
+            "num_attention_heads": heads, "num_key_value_heads": heads // 2,
+            "vocab_size": a.vocab, "sliding_window": a.window,
+            "max_position_embeddings": 2 * max(a.lengths),
+        }  # fmt: skip
+        path = build(arch, root / f"{arch}-long", **over)
+        v = load_verifier(path, device=a.device, dtype="float32", capture_layer_ids=[0, 1],
+                          num_draft_layers=None)  # fmt: skip
+        v.dense_mask_max_bytes = 0  # each document alone
+        for t in a.lengths:
+            ids = torch.randint(1, a.vocab, (1, t), generator=torch.Generator().manual_seed(t))
+            pos, doc = torch.arange(t)[None], torch.zeros(1, t, dtype=torch.long)  # one document
+            row: dict[str, Any] = {"arch": arch, "T": t, "window": a.window,
+                                   "layer_types": list(v.rule.layer_types)}  # fmt: skip
+            for name, on in (("blocked", True), ("masks", False)):
+                v.local_attention = on
+
+                def capture(
+                    ids: torch.Tensor = ids,
+                    pos: torch.Tensor = pos,
+                    doc: torch.Tensor = doc,
+                    v: Verifier = v,
+                ) -> None:
+                    v.capture(ids, pos, doc)
+
+                long = t >= 16384
+                sec, peak = measure(capture, 1 if long else a.repeats, warm=not long,
+                                    device=a.device)  # fmt: skip
+                row[f"{name}_tokens_per_s"] = t / sec
+                row[f"{name}_peak_mib"] = peak / MIB
+            v.local_attention = True
+            row["speedup"] = row["blocked_tokens_per_s"] / row["masks_tokens_per_s"]
+            out.append(row)
+            print(f"{arch:<16}{t:>8}{row['blocked_tokens_per_s']:>12.0f}"
+                  f"{row['masks_tokens_per_s']:>12.0f}{row['speedup']:>9.2f}"
+                  f"{row['blocked_peak_mib']:>12.1f}{row['masks_peak_mib']:>12.1f}",
+                  flush=True)  # fmt: skip
+    return out
+
+
+def sliding_records(a: argparse.Namespace, sliding: list[dict[str, Any]]) -> list[Row]:
+    rows = []
+    for arch in a.sliding_archs:
+        rs = [r for r in sliding if r["arch"] == arch]
+        if len(rs) < 2:
+            continue
+        lo, hi = rs[0], rs[-1]
+        grow_t = hi["T"] / lo["T"]
+        growth = hi["blocked_peak_mib"] / lo["blocked_peak_mib"] / grow_t
+        old = hi["masks_peak_mib"] / max(lo["masks_peak_mib"], 1e-9) / grow_t
+        cond = (f"{a.device} fp32, {ZOO[arch].model_class} H {a.hidden} x {len(lo['layer_types'])} "
+                f"layers ({', '.join(sorted(set(lo['layer_types'])))}), sliding window "
+                f"{a.window}, vocab {a.vocab}, 1 row = 1 document")  # fmt: skip
+        rows.append(Row(
+            stage="producer", name=f"long_document_sliding_peak_memory_growth_{arch}",
+            what=f"peak memory of the capture, one document of T = {lo['T']:,} -> {hi['T']:,} "
+            f"tokens, over the growth of T (1 = linear; transformers' own masks: {old:.1f}); "
+            f"peak {hi['blocked_peak_mib']:.0f} MiB vs {hi['masks_peak_mib']:.0f} MiB with "
+            f"transformers' masks at T = {hi['T']:,}",
+            result=round(growth, 2), unit="×", goal="<= 1.25", met=growth <= 1.25,
+            conditions=cond,
+        ))  # fmt: skip
+        rows.append(Row(
+            stage="producer", name=f"long_document_sliding_blocked_vs_masks_{arch}",
+            what=f"capture of one {hi['T']:,}-token document: blocked local attention vs "
+            "transformers' own sliding masks (tokens/s)",
+            result=round(hi["speedup"], 2), unit="×", conditions=cond,
+        ))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--archs", default=",".join(ZOO), help="zoo architectures, comma-separated")
@@ -211,13 +298,20 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64, help="hidden size of the long-row Qwen3")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the long-row Qwen3")
     p.add_argument("--vocab", type=int, default=1000, help="vocabulary of the long-row Qwen3")
+    p.add_argument(
+        "--sliding-archs",
+        default="mistral_sliding,gemma3_text",
+        help="zoo architectures with sliding layers for part 3 ('' skips it)",
+    )
+    p.add_argument("--window", type=int, default=1024, help="sliding window (part 3), tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed calls (best of)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a lent GPU (checks.sh)")
     p.add_argument("--json", default=None, help="write the record (benchmarks/record.py) here")
     a = p.parse_args()
     a.archs = [x for x in a.archs.split(",") if x]
     a.lengths = sorted(int(x) for x in a.lengths.split(","))
-    unknown = sorted(set(a.archs) - set(ZOO))
+    a.sliding_archs = [x for x in a.sliding_archs.split(",") if x]
+    unknown = sorted((set(a.archs) | set(a.sliding_archs)) - set(ZOO))
     if unknown:
         p.error(f"--archs: unknown {unknown}; the zoo has {', '.join(ZOO)}")
     rec = Recorder("verifiers")
@@ -234,6 +328,11 @@ def main() -> None:
         print(f"{'T':>8}{'docs tok/s':>12}{'dense tok/s':>12}{'speedup':>9}{'docs MiB':>12}"
               f"{'dense MiB':>12}  default path")  # fmt: skip
         long = long_rows(a, Path(tmp))
+        print(f"part 3: one document per row, sliding window {a.window}, H {a.hidden}, "
+              f"vocab {a.vocab}: blocked local attention vs transformers' masks")  # fmt: skip
+        print(f"{'arch':<16}{'T':>8}{'blk tok/s':>12}{'mask tok/s':>12}{'speedup':>9}"
+              f"{'blk MiB':>12}{'mask MiB':>12}")  # fmt: skip
+        sliding = sliding_rows(a, Path(tmp))
 
     rows = []
     cond = (
@@ -272,6 +371,7 @@ def main() -> None:
             result=round(growth, 2), unit="×", goal="<= 1.25", met=growth <= 1.25,
             conditions=lcond,
         ))  # fmt: skip
+    rows += sliding_records(a, sliding)
     plots = [{
         "name": "long_row_peak_memory" + ("" if a.device == "cpu" else "_gpu"),
         "stage": "producer", "kind": "line",
@@ -279,7 +379,17 @@ def main() -> None:
         "xlabel": "T (tokens per row)", "ylabel": "peak MiB above resident",
         "series": {k: [[r["T"], r[f"{k}_peak_mib"]] for r in long] for k in ("documents", "dense")},
     }] if long else []  # fmt: skip
-    raw = {"sizes": vars(a), "zoo": zoo, "long_rows": long,
+    for arch in a.sliding_archs:
+        rs = [r for r in sliding if r["arch"] == arch]
+        plots += [{
+            "name": f"long_document_sliding_peak_memory_{arch}" + ("" if a.device == "cpu" else "_gpu"),
+            "stage": "producer", "kind": "line",
+            "title": f"{ZOO[arch].model_class}, one document, window {a.window}: peak memory "
+            f"({a.device}, fp32)",
+            "xlabel": "T (tokens per document)", "ylabel": "peak MiB above resident",
+            "series": {k: [[r["T"], r[f"{k}_peak_mib"]] for r in rs] for k in ("blocked", "masks")},
+        }] if rs else []  # fmt: skip
+    raw = {"sizes": vars(a), "zoo": zoo, "long_rows": long, "sliding_documents": sliding,
            "spread_capture_vs_alone": spread([r["capture_vs_alone"] for r in zoo])}  # fmt: skip
     rec.write(a.json, rows, raw=raw, plots=plots)
 

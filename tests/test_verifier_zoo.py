@@ -242,3 +242,71 @@ def test_fp8_storage_on_both_paths(zoo_dirs: dict[str, Path], arch: str) -> None
         err = (got - want).unflatten(-1, (2, -1)).abs()  # [B, T, 2, H]
         assert (err <= 2**-4 * per_token + 1e-6).all()
         assert torch.equal(cap.target_ids, ref.target_ids)
+
+
+def _local_archs() -> list[str]:
+    """Zoo architectures with sliding-window or chunked attention layers."""
+    from fanout.model.layer_types import CHUNKED, SLIDING, PackingRule
+
+    out = []
+    for a, arch in ZOO.items():
+        types = PackingRule.from_config(arch.config(), a).layer_types
+        if SLIDING in types or CHUNKED in types:
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("arch", _local_archs())
+def test_documents_many_windows_long_run_blocked_local_attention(
+    zoo_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Documents alone: every attention layer runs fanout.model.local_attention, with no
+    # mask from transformers, and equals the document alone in plain transformers.
+    # 75 tokens = 9 windows + 3; 20 = 2 windows + 4; then one padding token.
+    from transformers import AttentionInterface
+
+    from fanout.model import local_attention as la
+
+    seen: list[tuple[int, bool, int]] = []
+
+    def spy(module: Any, q: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        seen.append((int(module.layer_idx), a[2] is None, q.shape[2]))
+        return la.attend(module, q, *a, **kw)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, la.NAME, spy)
+    v = load_verifier(zoo_dirs[arch], device="cpu", dtype="float32", storage_dtype="float32",
+                      capture_layer_ids=["all"])  # fmt: skip
+    v.dense_mask_max_bytes = 0
+    lens, t = [75, 20], 96
+    ids = torch.randint(1, VOCAB, (1, t), generator=torch.Generator().manual_seed(5))
+    pos = torch.cat([torch.arange(n) for n in [*lens, 1]])[None]  # [1, T]
+    doc = torch.tensor([k for k, n in enumerate(lens) for _ in range(n)] + [-1])[None]
+    cap = v.capture(ids, pos, doc)
+    attention = {i for i, k in enumerate(v.rule.layer_types) if k != "linear_attention"}
+    assert {i for i, _, _ in seen} == attention and all(none for _, none, _ in seen)
+    assert max(n for *_, n in seen) == lens[0]
+    oracle = load_oracle(arch, zoo_dirs[arch], attn_implementation=v.attn_implementation)
+    s = 0
+    for n in lens:
+        layers, _logits = _alone(oracle, ids[0, s : s + n])
+        for j, ref in enumerate(layers):
+            got = cap.layers[j][0, s : s + n]  # [n, H]
+            scale = ref.abs().max().item()
+            rel = (got - ref).abs().max().item() / scale
+            assert rel < 1e-4, f"{arch} document of {n} tokens, layer {j}: {rel:.2e}"
+        s += n
+
+
+def test_long_document_on_a_sliding_arch_never_builds_a_t_by_t_tensor(
+    zoo_dirs: dict[str, Path],
+) -> None:
+    v = load_verifier(zoo_dirs["mistral_sliding"], device="cpu", dtype="float32",
+                      capture_layer_ids=[1])  # fmt: skip
+    v.dense_mask_max_bytes = 0  # documents alone (what long rows take)
+    t = 8192
+    # Control: transformers' own sliding mask for an 8192-token document is T² bytes
+    # (64 MiB); the blocked path's largest tensors are O(T·H) and O(T·w).
+    v.local_attention = False
+    assert _largest_allocation(v, t, [t]) >= t * t
+    v.local_attention = True
+    assert _largest_allocation(v, t, [t]) < t * t // 16

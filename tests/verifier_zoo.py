@@ -45,15 +45,15 @@ _COMMON: dict[str, Any] = {
 class Arch:
     """One zoo entry: how to build its config and which class to save it with."""
 
-    config: Callable[[], Any]  # a transformers config object
+    config: Callable[..., Any]  # a transformers config object (text ones take overrides)
     model_class: str  # transformers class the checkpoint is saved (and oracle-loaded) with
 
 
-def _cfg(cls_name: str, **kw: Any) -> Callable[[], Any]:
-    def make() -> Any:
+def _cfg(cls_name: str, **kw: Any) -> Callable[..., Any]:
+    def make(**over: Any) -> Any:
         import transformers
 
-        return getattr(transformers, cls_name)(**(_COMMON | kw))
+        return getattr(transformers, cls_name)(**(_COMMON | kw | over))
 
     return make
 
@@ -195,12 +195,14 @@ ZOO: dict[str, Arch] = {
 }
 
 
-def build(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
-    """Build zoo entry `arch` with random weights (seeded) and save it to `out_dir`."""
+def build(arch: str, out_dir: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """Build zoo entry `arch` with random weights (seeded) and save it to `out_dir`;
+    `overrides`: config fields instead of the zoo's (text-only entries; the
+    benchmarks' larger sizes)."""
     import transformers
 
     a = ZOO[arch]
-    cfg = a.config()
+    cfg = a.config(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, a.model_class)(cfg)
     model.save_pretrained(out_dir)
@@ -217,3 +219,59 @@ def load_oracle(arch: str, path: Path, *, attn_implementation: str | None = None
         path, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation
     )
     return model.eval().requires_grad_(False)
+
+
+def add_mtp(path: Path, *, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Write a random MTP layer into the checkpoint at `path` as the real Qwen3-Next /
+    Qwen3.5 / Qwen3.5-MoE checkpoints ship it (tensors transformers drops at load), and
+    return them (bf16, by name): `mtp.fc.weight` [H, 2H], `mtp.norm.weight`,
+    `mtp.pre_fc_norm_hidden.weight`, `mtp.pre_fc_norm_embedding.weight`, and the
+    architecture's decoder layer at its last full-attention index (transformers' own
+    class) as `mtp.layers.0.*`, a MoE layer's experts one tensor per expert and
+    projection (`mlp.experts.{i}.gate_proj.weight`, ...) as the checkpoints and
+    `save_pretrained` store them. Norm weights are drawn too (zero-centred: 0 is a gain
+    of 1), so a dropped or mis-named norm shows."""
+    import importlib
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    lm: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)]  # e.g. Qwen3NextForCausalLM
+    modeling = importlib.import_module(lm.__module__)
+    layer_cls = getattr(modeling, lm.__name__.replace("ForCausalLM", "DecoderLayer"))
+    idx = max(i for i, t in enumerate(cfg.layer_types) if t == "full_attention")
+    torch.manual_seed(seed)
+    layer = layer_cls(cfg, idx)
+    g = torch.Generator().manual_seed(seed)
+    h = cfg.hidden_size
+    out: dict[str, torch.Tensor] = {
+        "mtp.fc.weight": 0.1 * torch.randn(h, 2 * h, generator=g),
+        "mtp.norm.weight": 0.1 * torch.randn(h, generator=g),
+        "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(h, generator=g),
+        "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(h, generator=g),
+    }
+    for k, v in layer.state_dict().items():
+        t = 0.1 * torch.randn(v.shape, generator=g)
+        if k.endswith("experts.gate_up_proj"):  # [E, 2I, H] -> per expert gate, up
+            for i, expert in enumerate(t.unbind(0)):
+                gate, up = expert.chunk(2, dim=0)
+                out[f"mtp.layers.0.mlp.experts.{i}.gate_proj.weight"] = gate
+                out[f"mtp.layers.0.mlp.experts.{i}.up_proj.weight"] = up
+        elif k.endswith("experts.down_proj"):
+            for i, down in enumerate(t.unbind(0)):
+                out[f"mtp.layers.0.mlp.experts.{i}.down_proj.weight"] = down
+        else:
+            out[f"mtp.layers.0.{k}"] = t
+    out = {k: v.contiguous().bfloat16() for k, v in out.items()}
+    first = sorted(path.glob("*.safetensors"))[0]
+    save_file({**load_file(str(first)), **out}, str(first), metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        idx_json = json.loads(index.read_text())
+        idx_json["weight_map"] |= {n: first.name for n in out}
+        index.write_text(json.dumps(idx_json))
+    return out

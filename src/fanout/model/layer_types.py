@@ -22,11 +22,14 @@ document what it computes for that document alone. Per layer type (the text conf
 
 Window conventions are transformers' own (masking_utils.sliding_window_overlay:
 `kv_idx > q_idx − sliding_window`; chunked_overlay: `kv_idx // C == q_idx // C` on
-the document's positions). Attention sinks (gpt-oss) add a learned logit per head to
-every softmax; they need no rule of their own, only an attention implementation that
-has them (the verifier loads such models with eager when sdpa is not supported), and
-the mask stays per layer type. MLA (DeepSeek-V3) and MoE layers are full attention /
-per-token and need nothing more.
+the document's positions). Run alone, a sliding / chunked layer gets no mask at all:
+fanout.model.local_attention computes the same window in query blocks, O(L·w) memory
+for a document of L tokens (by the layer type this rule gives each `layer_idx`).
+Attention sinks (gpt-oss) add a learned logit per head to every softmax; they need no
+rule of their own, only an attention implementation that has them (the verifier loads
+such models with eager when sdpa is not supported; alone, local_attention keeps
+eager's math), and the mask stays per layer type. MLA (DeepSeek-V3) and MoE layers
+are full attention / per-token and need nothing more.
 
 Why linear attention runs each document alone: transformers passes packed boundaries
 to the gated delta rule and the causal conv1d as `cu_seq_lens_q`, but their torch

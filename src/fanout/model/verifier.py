@@ -39,8 +39,8 @@ refuses at load any layer type it has no rule for. Rows go one of two ways:
 - *alone*: each document as its own sequence without a mask (fanout.model.documents:
   batched by length, right-padded, outputs scattered back into the [B, T, H] buffers;
   each padding token runs as a one-token document, as under the mask). Linear
-  attention needs it; long rows take it so that no T × T mask exists (SDPA runs
-  is_causal on full-attention layers).
+  attention needs it; long rows take it so that no T × T mask exists: full layers run
+  SDPA is_causal, sliding / chunked ones fanout.model.local_attention (O(T·w)).
 Both are checked against each document run alone through plain transformers for 16
 architectures (tests/test_verifier_zoo.py). Attention implementations: `sdpa` (boolean
 masks) and `eager` (additive); a model class without sdpa (gpt-oss: sinks; Gemma-2:
@@ -67,6 +67,7 @@ from fanout.errors import ConfigError
 from fanout.model.capture_layers import CaptureLayers, resolve_capture_layer_ids
 from fanout.model.documents import DocumentBatch, document_batches
 from fanout.model.layer_types import FULL, PackingRule
+from fanout.model.local_attention import local_attention
 from fanout.model.tp import ShardedHead, check_tp_model, model_device, tp_load_kwargs
 from fanout.model.verifier_dir import (  # noqa: F401 - re-exported: callers import them here
     check_verifier_dir,
@@ -252,6 +253,7 @@ class Verifier:
         self.rule = PackingRule.from_config(model.config, config.path)
         self.attn_implementation: str = text_cfg._attn_implementation  # after fallbacks
         self.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
+        self.local_attention = True  # False: transformers' own masks alone (a benchmark's baseline)
         self.num_layers: int = len(layers)
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.vocab_size: int = int(head.weight.shape[0])
@@ -352,12 +354,13 @@ class Verifier:
         try:
             if self.runs_alone(b, t):
                 last = torch.empty((b, t, h), dtype=self.dtype, device=dev)  # [B, T, H]
-                for db in document_batches(ids, pos, document_ids):  # spans from the host copy
-                    place[0] = db
-                    o = self.base(
-                        input_ids=db.input_ids, position_ids=db.position_ids, use_cache=False
-                    )
-                    last[db.rows, db.cols] = db.take(o.last_hidden_state)  # [N, H]
+                with local_attention(self.base.config, self.rule, on=self.local_attention):
+                    for db in document_batches(ids, pos, document_ids):  # host spans
+                        place[0] = db
+                        o = self.base(
+                            input_ids=db.input_ids, position_ids=db.position_ids, use_cache=False
+                        )
+                        last[db.rows, db.cols] = db.take(o.last_hidden_state)  # [N, H]
             else:
                 mask = self._masks(docs, pos)
                 o = self.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
