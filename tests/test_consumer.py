@@ -155,6 +155,21 @@ def test_data_parallel_ranks_read_disjoint_equal_shards_of_every_window(env: Env
         ConsumerConfig(run_dir="x", consumer_id="c", dp_rank=2, dp_world_size=2)
 
 
+def test_windows_with_no_rows_for_a_rank_are_acked_to_the_stream_end(env: Env) -> None:
+    """More data-parallel ranks than a window has rows: each rank's shard is empty. Such
+    windows are acked with the next batch, and when the stream ends on them (no next
+    batch) they are acked at once, so every rank's cursor reaches the end (it stopped
+    one window short, holding the last window and showing lag 1, before)."""
+    world = max(env.rows) + 1  # no rank gets a row of any window
+    for rank in range(2):  # two of the ranks are enough: each acks on its own
+        cfg = _ccfg(env, "wide").model_copy(update={"dp_rank": rank, "dp_world_size": world})
+        with ConsumerStream(cfg) as s:
+            assert list(s.batches(1)) == []
+            assert s.state_dict()["cursor"] == env.total
+    got = _db(env, "SELECT cursor, state FROM consumers WHERE id IN ('wide:dp0', 'wide:dp1')")
+    assert got == [(env.total, "finished")] * 2
+
+
 def test_resume_at_cursor_and_rows_done_continues_at_the_next_row(env: Env) -> None:
     want = _expected(env, 1)
     for stop in (2, 5, 7):  # a window boundary and mid-window positions (4-row windows)

@@ -400,6 +400,8 @@ class ConsumerStream:
         if rows:  # the stream's last partial batch
             last = rows[-1][0]
             yield self._assemble(parts, rows, completes, (last + 1, 0), self.wait_s - waited)
+        elif completes:  # the stream ends on shards with no rows: no step to wait for
+            self._done(completes, (completes[-1].window + 1, 0))
 
     def _check_span(self, rows_per_step: int) -> None:
         """Refuse a step that holds more windows at once than the run keeps live (K):
@@ -435,11 +437,15 @@ class ConsumerStream:
     def ack(self, batch: Batch) -> None:
         """After the optimizer step that consumed `batch`: ack its completed windows; the
         stream's position (`state_dict`) moves past the batch."""
-        for ow in batch.completes:
+        self._done(batch.completes, batch.next_position)
+
+    def _done(self, completes: list[OpenWindow], position: tuple[int, int]) -> None:
+        """Ack `completes` and move the stream's position (window, rows done) on."""
+        for ow in completes:
             self.coord.ack(ow.lease)
             self._held.pop(ow.window, None)
             ow.reader.close()
-        self._cursor, self._rows_done = batch.next_position
+        self._cursor, self._rows_done = position
 
     def close(self, clean: bool | None = None, *, done: bool = False) -> None:
         """Release leases held (prefetched), stop threads, and record how it ended:
