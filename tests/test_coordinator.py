@@ -183,8 +183,9 @@ V3_COLUMNS = "token, hb_seq, hb_wall, state, owner, host, pid, proc"
 
 
 def _downgrade_to_v3(cur: Any, dialect: str) -> None:
-    """Rewrite a schema-4 run as schema 3 had it (rank 0's row as `producer`, no
-    claim_rank, no claims_reclaimed counter), keeping its rows."""
+    """Rewrite a schema-5 run as schema 3 had it (rank 0's row as `producer`, no
+    claim_rank, no claims_reclaimed counter, no follow_chunks), keeping its rows."""
+    cur.execute("DROP TABLE follow_chunks")
     rows = cur.execute(f"SELECT {V3_COLUMNS} FROM producers WHERE rank=0").fetchall()
     cur.execute("DROP TABLE producers")
     cur.execute(V3_PRODUCER.format(**schema.DIALECTS[dialect]))
@@ -196,7 +197,7 @@ def _downgrade_to_v3(cur: Any, dialect: str) -> None:
 
 
 def _downgrade_to_v2(cur: Any, dialect: str) -> None:
-    """Rewrite a schema-4 run's role tables as schema 2 had them, keeping their rows."""
+    """Rewrite a schema-5 run's role tables as schema 2 had them, keeping their rows."""
     _downgrade_to_v3(cur, dialect)
     rows = {t: cur.execute(f"SELECT {cols} FROM {t}").fetchall() for t, cols in V2_COLUMNS.items()}
     for table in V2_COLUMNS:
@@ -230,7 +231,10 @@ def test_schema_version_1_is_migrated_in_place(tmp_path: Path) -> None:
     co.close()
     with Coordinator.open(tmp_path / "run") as again:
         assert dict(again.conn.execute("SELECT key, value FROM counters").fetchall()) == counters
-        assert again.meta("schema_version") == "4" and again.meta("next_window") == 1
+        assert (
+            again.meta("schema_version") == str(schema.SCHEMA_VERSION)
+            and again.meta("next_window") == 1
+        )
         assert again.conn.execute("SELECT COUNT(*) FROM meta").fetchone()[0] == 5  # + plan
         p = again.register_producer(c)
         assert produce(again, p, store, c).window == 1
@@ -250,7 +254,7 @@ def test_schema_version_2_is_migrated_in_place(db: str | None, tmp_path: Path) -
         _downgrade_to_v2(cur, co.conn.dialect)
     co.close()
     with Coordinator.open(tmp_path / "run", db_path=db) as again:
-        assert again.meta("schema_version") == "4"
+        assert again.meta("schema_version") == str(schema.SCHEMA_VERSION)
         row = again.conn.execute("SELECT cursor, token, state, pid FROM consumers").fetchone()
         assert row == (1, a.token, "active", None)
         again.stop(a)  # the old registration is still this process's own token

@@ -27,9 +27,13 @@ import pytest
 
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator
-from fanout.errors import ConfigError
+from fanout.coord.follow_log import FollowChunk
+from fanout.coord.status import format_table, snapshot
+from fanout.errors import ConfigError, StaleLease
 from fanout.produce.config import ProducerConfig, check_inputs
-from fanout.produce.follow import openai_pair
+from fanout.produce.follow import FollowStream, chunk_name, openai_pair
+from fanout.store.rundir import RunDir
+from test_coordinator import make_contract, new_run
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     RECORDER,
     build_tiny_assets,
@@ -90,6 +94,19 @@ def _key(messages: list[dict[str, Any]]) -> str:
     return json.dumps([(m["role"], m["content"]) for m in messages])
 
 
+def committed(run: Path, db_path: str | None = None) -> list[FollowChunk]:
+    """The chunks the run's coordinator committed (none before it exists)."""
+    co = Coordinator.open_if_created(run, db_path=db_path)
+    if co is None:
+        return []
+    with co:
+        return co.follow_chunks()
+
+
+def _chunk(run: Path, c: FollowChunk) -> Path:
+    return run / "follow" / chunk_name(c.chunk, c.digest)
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("follow")
@@ -143,10 +160,10 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        # kill -9 once half the records are written and a chunk is in (records after its
-        # manifest are read again by the restart), then the rest of the traffic
+        # kill -9 once half the records are written and a chunk is committed (records
+        # after its position are read again by the restart), then the rest of the traffic
         wait_for(lambda: Path(f"{go}.half").exists(), 300, "half the records")
-        wait_for(lambda: len(list((run / "follow").glob("chunk-*.json"))) >= 1, 300, "a chunk")
+        wait_for(lambda: committed(run), 300, "a committed chunk", 0.1)
         prod.send_signal(signal.SIGKILL)
         prod.wait(30)
         prod = _producer(assets, src, run, log)
@@ -162,9 +179,13 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
                 p.wait(30)
     text = log.read_text()
     assert "not a chat record, skipped" in text and "byte " in text
-    # every conversation once: in exactly one chunk, or held out
-    chunked = [json.loads(x) for c in sorted((run / "follow").glob("chunk-*.jsonl"))
-               for x in c.read_text().splitlines()]  # fmt: skip
+    # every conversation once: in exactly one committed chunk, or held out
+    chunks = committed(run)
+    assert sorted((run / "follow").glob("chunk-*.jsonl")) == [_chunk(run, c) for c in chunks]
+    chunked = [json.loads(x) for c in chunks for x in _chunk(run, c).read_text().splitlines()]
+    assert [len(_chunk(run, c).read_text().splitlines()) for c in chunks] == [
+        c.records for c in chunks
+    ]
     held = [json.loads(x) for x in (run / "follow" / "heldout.jsonl").read_text().splitlines()]
     want = sorted(_key((openai_pair(r) or r)["messages"]) for r in recs)
     got_chunks = [_key(d["messages"]) for d in chunked]
@@ -183,6 +204,12 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     )
     assert len(seen) == rows
     assert most[0] <= K
+    # `fanout status` shows the position the coordinator holds
+    with Coordinator.open(run) as co:
+        snap = snapshot(co)
+    assert snap["follow"] == {**snap["follow"], "chunks": len(chunks), "records": N,
+                              "heldout": len(held), "skipped": 1}  # fmt: skip
+    assert f"follow   {len(chunks)} chunks committed: {N} records read" in format_table(snap)
 
 
 def test_follow_refuses_bad_input_in_one_line(assets: Path, tmp_path: Path) -> None:
@@ -197,3 +224,174 @@ def test_follow_refuses_bad_input_in_one_line(assets: Path, tmp_path: Path) -> N
         with pytest.raises(ConfigError, match=needle):
             check_inputs(cfg)
     assert not (tmp_path / "run").exists()  # refused before the run dir is touched
+
+
+def test_the_coordinator_commits_each_chunk_once_in_order_fenced(
+    db: str | None, tmp_path: Path
+) -> None:
+    """The commit point (fanout.coord.follow_log), on both databases: a chunk is committed
+    once, only as the next one, only by the producer that holds the role; it is there
+    for the next process that opens the run."""
+    co, _, c = new_run(tmp_path, db)
+    assert co.follow_chunks() == [] and co.follow_position() is None
+    p = co.register_producer(c)
+
+    def chunk(i: int, records: int = 3) -> FollowChunk:
+        return FollowChunk(chunk=i, records=records, digest=f"d{i}",
+                           positions={"1:2": 100 * (i + 1)},
+                           counts={"records": 4 * (i + 1), "heldout": i + 1, "skipped": 0})  # fmt: skip
+
+    co.commit_follow_chunk(p, chunk(0))
+    for bad in (chunk(0), chunk(2)):  # again, or past the next one
+        with pytest.raises(StaleLease, match="committed chunks"):
+            co.commit_follow_chunk(p, bad)
+    q = co.register_producer(c, takeover=True)  # p is fenced off from here on
+    with pytest.raises(StaleLease):
+        co.commit_follow_chunk(p, chunk(1))
+    co.commit_follow_chunk(q, chunk(1, records=5))
+    co.close()
+    with Coordinator.open(tmp_path / "run", db_path=db) as again:
+        got = again.follow_chunks()
+        assert [(x.chunk, x.records, x.digest) for x in got] == [(0, 3, "d0"), (1, 5, "d1")]
+        assert got[-1].positions == {"1:2": 200} and got[-1].stream == c.stream_id
+        pos = again.follow_position()
+        assert pos is not None
+        assert {k: pos[k] for k in ("chunks", "records", "heldout", "skipped")} == {
+            "chunks": 2, "records": 8, "heldout": 2, "skipped": 0,
+        }  # fmt: skip
+
+
+def _source_records(n: int, start: int = 0) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(generate_corpus(n, seed=5 + start)):
+        msgs = [dict(m) for m in c["messages"]]
+        msgs[0]["content"] += f" [s{start + i}]"
+        out.append({"messages": msgs})
+    return out
+
+
+def test_a_chunk_written_but_not_committed_is_read_and_written_again(
+    assets: Path, tmp_path: Path
+) -> None:
+    """In process, the two places a kill can fall: after the first chunk but before the
+    run exists (nothing committed), and between a chunk's file and its commit. Each
+    time the next start drops the uncommitted file and reads its records again from
+    the last committed position; the committed chunks hold every record once, and a
+    committed chunk that changed on disk is refused in one line."""
+    src, run = tmp_path / "log.jsonl", tmp_path / "run"
+    recs = _source_records(6)
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = tiny_producer_config(
+        assets, run, follow=str(src), data=[], follow_flush_s=0.05, follow_chunk_records=100,
+        cache_dir=str(assets / "cache"),
+    )  # fmt: skip
+    cache = str(assets / "cache")
+
+    def make_prep(chunk: str) -> Any:
+        return cfg.prepare_config(cache, data=[chunk])
+
+    rd = RunDir(run).create()
+    first = FollowStream.open(make_prep, cfg, rd)  # no run yet: chunk 0 is not committed
+    assert first.files[0].is_file() and len(first.uncommitted) == 1
+    more = _source_records(4, start=100)
+    with open(src, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in more))
+    # killed there; the next start creates the run, so chunk 0 is cut again, with all ten
+    co = Coordinator.create(run, make_contract())
+    p = co.register_producer(make_contract())
+    second = FollowStream.open(make_prep, cfg, rd)
+    second.attach(co, p)
+    assert [x.records for x in co.follow_chunks()] == [10]
+    assert not first.files[0].exists()  # the one never committed is gone
+    assert sorted((run / "follow").glob("chunk-*.jsonl")) == second.files
+
+    # a kill between chunk 1's file and its commit
+    tail = _source_records(3, start=200)
+    with open(src, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in tail))
+
+    class Killed(Exception):
+        pass
+
+    def killed(*_: Any) -> FollowChunk:
+        raise Killed("killed before the commit")
+
+    def polled(s: FollowStream, chunks: int) -> bool:
+        s.poll()
+        return len(co.follow_chunks()) == chunks
+
+    real = co.commit_follow_chunk
+    co.commit_follow_chunk = killed  # type: ignore[method-assign,assignment]
+    with pytest.raises(Killed):
+        wait_for(lambda: polled(second, 2), 10, "a cut", 0.05)
+    assert len(list((run / "follow").glob("chunk-*.jsonl"))) == 2
+    assert len(co.follow_chunks()) == 1
+    co.commit_follow_chunk = real  # type: ignore[method-assign]
+    third = FollowStream.open(make_prep, cfg, rd)  # resumes chunk 0; chunk 1 is cut again
+    assert len(third.rows.parts) == 1
+    third.attach(co, p)
+    wait_for(lambda: polled(third, 2), 10, "chunk 1 again", 0.05)
+    assert [x.records for x in co.follow_chunks()] == [10, 3]
+    assert sorted((run / "follow").glob("chunk-*.jsonl")) == [
+        _chunk(run, c) for c in co.follow_chunks()
+    ]
+    st = src.stat()
+    assert co.follow_chunks()[-1].positions == {f"{st.st_dev}:{st.st_ino}": st.st_size}
+    got = [json.loads(x)["messages"][0]["content"] for c in co.follow_chunks()
+           for x in _chunk(run, c).read_text().splitlines()]  # fmt: skip
+    want = [r["messages"][0]["content"] for r in recs + more + tail]
+    assert got == want  # every record once, in order
+    assert len(third.rows.parts) == 2 and third.rows.num_rows > second.rows.num_rows
+    # a start that resumed fewer chunks than are committed when it registers (it took a
+    # live producer over, which committed meanwhile) stops before it commits anything
+    fourth = FollowStream.open(make_prep, cfg, rd)
+    zero = _chunk(run, co.follow_chunks()[0])
+    co.commit_follow_chunk(p, FollowChunk(chunk=2, records=0, digest="x", positions={},
+                                          counts={}))  # fmt: skip
+    with pytest.raises(StaleLease, match="another producer committed while it started"):
+        fourth.attach(co, p)
+    co.close()
+    zero.write_text(zero.read_text()[:-2] + "\n")
+    with pytest.raises(ConfigError, match=r"\.jsonl: not the follow chunk 0"):
+        FollowStream.open(make_prep, cfg, rd)
+
+
+def test_rotation_races_neither_repeat_nor_skip_a_record(
+    assets: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two races of a rotation, made to happen: a directory listing taken while the file
+    is renamed misses it (the soak saw its records read twice when its position was
+    dropped then), and a listing that named the file before the rename while the open
+    after it finds the new file (whose bytes are not the old file's)."""
+    from fanout.produce import follow
+
+    src = tmp_path / "src"
+    src.mkdir()
+    path = src / "log.jsonl"
+    recs = _source_records(6)
+
+    def append(target: Path, rs: list[dict[str, Any]]) -> None:
+        with open(target, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rs))
+
+    append(path, recs[:3])
+    cfg = tiny_producer_config(assets, tmp_path / "run", follow=str(src), data=[])
+    s = FollowStream(lambda chunk: cfg.prepare_config(str(tmp_path), data=[chunk]), cfg,
+                     RunDir(tmp_path / "run").create())  # fmt: skip
+    assert s._read() == 3
+    real = follow._sources
+    monkeypatch.setattr(follow, "_sources", lambda root: [])  # the file under neither name
+    assert s._read() == 0
+    monkeypatch.setattr(follow, "_sources", real)
+    path.rename(src / "log.jsonl.1")
+    append(path, recs[3:4])
+    assert s._read() == 1  # the new file only: the old one's position was kept
+    old = (src / "log.jsonl.1").stat()
+    stale = [follow._File(path, f"{old.st_dev}:{old.st_ino}")]  # listed as the old file
+    monkeypatch.setattr(follow, "_sources", lambda root: stale)
+    append(path, recs[4:6])
+    assert s._read() == 0  # opened the new file under the old one's key: left for later
+    monkeypatch.setattr(follow, "_sources", real)
+    assert s._read() == 2
+    got = [d["messages"][0]["content"] for d in s.pending]
+    assert got == [r["messages"][0]["content"] for r in recs]

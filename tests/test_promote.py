@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from fanout.bench.assets import generate_corpus, write_jsonl
+from fanout.decode.config import PromoteConfig
 from fanout.decode.eval import EvalSession
-from fanout.decode.promote import CURRENT, DECISIONS, PromoteConfig, Served, decide
+from fanout.decode.promote import CURRENT, DECISIONS, Served, decide
 from fanout.decode.spec_decode import Decoder
 from fanout.errors import ConfigError
 from fanout.families.serving import load_draft
@@ -188,7 +189,8 @@ def test_drift_is_recorded_and_flagged_below_the_promoted_interval(
     is promoted unmeasured, so its first record is its baseline; a version promoted with
     an interval is held to that one, and a look whose interval lies wholly below it is
     flagged (here: a version whose recorded win is out of the tiny draft's reach)."""
-    from fanout.decode.promote import DRIFT, HELDOUT, drift
+    from fanout.decode.config import HELDOUT
+    from fanout.decode.promote import DRIFT, drift
 
     run, served = tmp_path / "run", tmp_path / "served"
     (run / "follow").mkdir(parents=True)
@@ -216,3 +218,20 @@ def test_drift_is_recorded_and_flagged_below_the_promoted_interval(
     lines = [json.loads(x) for x in (run / "follow" / DRIFT).read_text().splitlines()]
     assert [d["below"] for d in lines] == [False, again["below"], True]
     assert "drift: the served draft v0001" in caplog.text
+
+
+def test_a_candidate_pruned_while_it_is_copied_is_never_served(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """Its trainer keeps only its last few checkpoints: one pruned between its evaluation
+    and its copy has lost files. No version is made of what is left, `current` stays."""
+    served = Served(tmp_path / "served")
+    served.promote(world["bad"], keep=3)
+    pruned = tmp_path / "checkpoint-00000120"
+    pruned.mkdir()
+    (pruned / "config.json").write_bytes((world["good"] / "config.json").read_bytes())
+    with pytest.raises(ConfigError, match=r"model\.safetensors went away"):
+        served.promote(pruned, keep=3)
+    assert [v.name for v in served.versions()] == ["v0001"]
+    assert (tmp_path / "served" / CURRENT).resolve().name == "v0001"
+    assert sorted(p.name for p in (tmp_path / "served" / "versions").iterdir()) == ["v0001"]

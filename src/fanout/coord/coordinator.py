@@ -28,6 +28,7 @@ one part per responsibility, each its own module, sharing only the run
     retention  what may be evicted and when (rules, RunConfig)
     eviction   eviction's file side and the sweep (Eviction)
     reads      named read-only questions (status, bench, chaos)
+    follow_log a followed source's committed chunks (`produce --follow`'s position)
 
 Window states and their legal moves are fanout.coord.states'; liveness rules
 fanout.coord.liveness'; the heartbeat thread fanout.coord.heartbeat's; the tokens'
@@ -51,6 +52,7 @@ from fanout.coord import postgresdb, reads, records, schema, sqlitedb, waits
 from fanout.coord.claims import Claims
 from fanout.coord.core import Location, RunDb
 from fanout.coord.eviction import Eviction
+from fanout.coord.follow_log import FollowChunk, FollowLog
 from fanout.coord.leases import (
     Claim,
     ConsumerReg,
@@ -91,6 +93,7 @@ class Coordinator:
         self.roles = Roles(self.run, self.eviction)
         self.claims = Claims(self.run, self.roles, self.eviction)
         self.leasing = Leasing(self.run, self.roles, self.eviction)
+        self.follow_log = FollowLog(self.run, self.roles)
         self.conn, self.root, self.db_path = run.conn, run.root, run.db_path
         self.config, self.contract = self.run.config, self.run.contract
         self.created_namespace = False  # create() made the PostgreSQL schema
@@ -376,6 +379,21 @@ class Coordinator:
             self.roles.check_producer(cur, preg.token, preg.rank)
             records.record_producer_exit(cur, preg.rank, stream_end)
         self.claims.finish_producer(preg, stream_end)
+
+    # ---- a followed source (fanout.coord.follow_log) -----------------------------
+
+    def commit_follow_chunk(self, preg: ProducerReg, chunk: FollowChunk) -> FollowChunk:
+        """Commit `produce --follow`'s next chunk (its file already written) and the
+        source position after it, in one transaction fenced by the producer's token."""
+        return self.follow_log.commit(preg, chunk)
+
+    def follow_chunks(self) -> list[FollowChunk]:
+        """The committed chunks of a followed source, in order (a producer resumes here)."""
+        return self.follow_log.chunks()
+
+    def follow_position(self) -> dict[str, Any] | None:
+        """Chunks committed and records read / held out / skipped (None: not followed)."""
+        return self.follow_log.position()
 
     # ---- the consumers' work (fanout.coord.leasing) -----------------------------
 

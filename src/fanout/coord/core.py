@@ -5,7 +5,7 @@
         token = run.bump(cur, "next_token")   # ids and tokens: one counter each, never reused
 
 The Coordinator is composed of parts, one per responsibility (fanout.coord.roles,
-.leasing, .claims, .retention, .reads); each holds this RunDb and nothing else in
+.leasing, .claims, .retention, .reads, .follow_log); each holds this RunDb and nothing else in
 common. It owns the connection, the run's RunConfig and CaptureContract (stored in
 `meta` at create time), the window-file store, the id/token counters and the
 monotonic clock that decisions use; the wall-clock stamps stored for display are

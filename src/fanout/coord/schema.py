@@ -16,7 +16,8 @@ there. Only the DDL's types differ (`DDL.format(**DIALECTS[...])`).
 
 The schema is versioned (`meta.schema_version`); versions 1 (counters kept in
 `meta`), 2 (no role holders, no 'stopped' consumers) and 3 (one producer row, no
-replicas) are migrated in place, one step at a time, each in one transaction;
+replicas) and 4 (no follow_chunks, fanout.coord.follow_log) are migrated in place,
+one step at a time, each in one transaction;
 anything else unknown is refused with `SchemaVersionError` instead of being
 guessed at.
 """
@@ -31,7 +32,7 @@ from fanout.coord.database import Database as Database  # the seam, named here t
 from fanout.coord.database import Sql as Sql
 from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Integer counters (table `counters`): id sources (never reused) and what `fanout status` reports.
 # `reclaims`: processes declared lost; `claims_reclaimed`: windows a producer replica had
@@ -103,6 +104,16 @@ CREATE TABLE producers(
   since_wall {real} NOT NULL,              -- when this incarnation registered (display)
   made_since {int} NOT NULL DEFAULT 0      -- windows it published since then (its rate)
 );
+CREATE TABLE follow_chunks(                -- a followed source's commits (schema 5)
+  stream  TEXT NOT NULL,                   -- the run's stream id
+  chunk   {int} NOT NULL,                  -- RUN_DIR/follow/chunk-<chunk>-<digest>.jsonl
+  records {int} NOT NULL,                  -- its lines
+  digest  TEXT NOT NULL,                   -- of its bytes
+  positions TEXT NOT NULL,                 -- JSON: bytes read per file (dev:ino) after it
+  counts  TEXT NOT NULL,                   -- JSON: records, heldout, skipped so far
+  committed_wall {real} NOT NULL,          -- display only
+  PRIMARY KEY (stream, chunk)
+) {no_rowid};
 """
 
 
@@ -217,8 +228,19 @@ def _migrate_v3(db: Database) -> None:
         cur.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
 
 
+def _migrate_v4(db: Database) -> None:
+    """Version 5 records a followed source's chunks (`follow_chunks`,
+    fanout.coord.follow_log): a new, empty table."""
+    with db.write() as cur:
+        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if str(row[0]) != "4":
+            return  # another process migrated it first
+        cur.execute(_statement(db.dialect, "follow_chunks"))
+        cur.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
+
+
 def check_schema(db: Database) -> None:
-    """Raise unless the database has SCHEMA_VERSION (after migrating 1, 2, 3): NoCoordinator
+    """Raise unless the database has SCHEMA_VERSION (after migrating 1 to 4): NoCoordinator
     when it has no tables yet (being created), NotACoordinatorDatabase when its tables
     are not fanout's, SchemaVersionError for a version this code does not know."""
     tables = db.table_names()
@@ -242,6 +264,9 @@ def check_schema(db: Database) -> None:
         version = "3"
     if version == "3":
         _migrate_v3(db)
+        version = "4"
+    if version == "4":
+        _migrate_v4(db)
         version = str(SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION):
         raise SchemaVersionError(

@@ -16,7 +16,8 @@ heartbeat counter (fanout.coord.liveness), and `--json` keeps that as `recorded_
 no ready or capturing row names (Store.sweep with Coordinator.wants_file); it is
 safe while a producer and consumers run.
 
-`build` makes the one versioned snapshot every view shows (the table is
+`build` makes the one versioned snapshot every view shows, read in one
+read-only transaction so its numbers are of one instant (the table is
 fanout.coord.status_table's); what processes record for it beyond the role tables
 (how a replica exited, what a consumer is) is fanout.coord.records'.
 
@@ -31,6 +32,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fanout.coord import records, retention, waits
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.database import wall
+from fanout.coord.database import Database, wall
 from fanout.coord.liveness import process_gone
 from fanout.coord.states import RoleState, W
 from fanout.coord.status_schema import STATUS_SCHEMA_VERSION, StatusSnapshot
@@ -327,10 +330,33 @@ def _stream(co: Coordinator, end: int | None) -> dict[str, Any]:
     }
 
 
+@contextmanager
+def _one_instant(db: Database) -> Iterator[None]:
+    """Every read of one snapshot in one read-only transaction: its numbers are of one
+    instant (totals are the sum of the rows beside them, a window counted as made is
+    published by some replica or still claimed), not of a moving run read in several
+    autocommitted statements. PostgreSQL: REPEATABLE READ (one snapshot for the whole
+    transaction); SQLite (WAL): a deferred transaction reads one snapshot from its first
+    read. Neither blocks a writer."""
+    begin = (
+        "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if db.dialect == "postgres" else "BEGIN"
+    )
+    db.execute(begin)
+    try:
+        yield
+    finally:
+        db.execute("COMMIT")  # nothing was written: the end of the snapshot
+
+
 def build(co: Coordinator) -> StatusSnapshot:
-    """The run now, as the versioned StatusSnapshot (fanout.coord.status_schema).
-    Heartbeat ages and rates use the wall clock and are for people only; liveness
-    decisions never use them."""
+    """The run now, as the versioned StatusSnapshot (fanout.coord.status_schema), read
+    at one instant (`_one_instant`). Heartbeat ages and rates use the wall clock and are
+    for people only; liveness decisions never use them."""
+    with _one_instant(co.conn):
+        return _build(co)
+
+
+def _build(co: Coordinator) -> StatusSnapshot:
     q = co.conn.execute
     now = wall()
     ttl = co.config.ttl_s
@@ -411,6 +437,7 @@ def build(co: Coordinator) -> StatusSnapshot:
             "consumers": consumers,
             "leases": leases,
             "drift": _drift(RunDir(co.root).drift),
+            "follow": co.follow_position(),
         }
     )
 

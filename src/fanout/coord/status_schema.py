@@ -189,6 +189,17 @@ class DriftPoint(_Model):
     below: bool = Field(description="its interval lies wholly below the baseline: drift")
 
 
+class FollowPosition(_Model):
+    """Where `fanout produce --follow` is in its source: its newest committed chunk
+    (fanout.coord.follow_log)."""
+
+    chunks: int = Field(description="chunks committed (in the stream)")
+    records: int = Field(description="chat records read up to them, held-out ones included")
+    heldout: int = Field(description="of those, held out of every window")
+    skipped: int = Field(description="lines that were not a chat record")
+    committed_wall: float = Field(description="when the newest chunk was committed (Unix s)")
+
+
 class StatusSnapshot(_Model):
     """Everything `fanout status --json` prints."""
 
@@ -221,6 +232,9 @@ class StatusSnapshot(_Model):
         default_factory=list,
         description="the served draft's τ on the newest held-out slices of a live run "
         "(RUN_DIR/follow/drift.jsonl), oldest first, at most the last 20",
+    )
+    follow: FollowPosition | None = Field(
+        None, description="a live run's position in its source (`produce --follow`); null: none"
     )
 
 

@@ -179,6 +179,9 @@ def format_table(s: dict[str, Any]) -> str:
         lines.append("(no consumers registered)")
     lines += [f"  {c['id']}: {c['state']} {c['note']}" for c in s["consumers"] if c["note"]]
     lines += [f"  {c['id']}: waiting: {c['waiting']}" for c in s["consumers"] if c["waiting"]]
+    if f := s.get("follow"):
+        lines += ["", f"follow   {f['chunks']} chunks committed: {f['records']} records read, "
+                  f"{f['heldout']} held out, {f['skipped']} skipped"]  # fmt: skip
     lines += _drift_lines(s.get("drift") or [])
     return "\n".join(lines)
 

@@ -26,115 +26,21 @@ import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, field_validator, model_validator
 
 from fanout.data.chat import ChatFormat, Conversation, load_conversations
+from fanout.decode.config import EvalConfig, temperature_key
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, Rule, Tie, first_mismatch
 from fanout.errors import BadRow, CheckpointError, ConfigError
 from fanout.families.registry import family_of
 from fanout.families.serving import latest_checkpoint, load_draft, read_config
-from fanout.flags import add_model_flags, flag_options, model_from_args
+from fanout.flags import add_model_flags, model_from_args
 from fanout.model.dflash import DFlashDraft
 from fanout.model.sampling import Sampling
-from fanout.tracking import TrackingOptions, WandbRun, check_available
-
-
-class EvalConfig(ChatFormat, TrackingOptions):
-    """Every `fanout eval` flag (the chat-format fields are ChatFormat's, as in `fanout
-    prepare` and `fanout produce`)."""
-
-    verifier_name_or_path: str = Field(description="local verifier dir (the full model)")
-    draft: list[str] = Field(
-        default_factory=list,
-        description="draft checkpoint dir or trainer --save-path (at least one)",
-        json_schema_extra=flag_options(metavar="DIR", repeatable=True),
-    )
-    data: str = Field(description="chat data (JSON/JSONL/Parquet, any format prepare reads)")
-    tokenizer: str = Field(description="tokenizer dir with the chat template")
-    max_new_tokens: int = Field(128, gt=0, description="tokens to generate per prompt")
-    num_prompts: int = Field(8, gt=0, description="prompts to decode (the file's first ones)")
-    tau_half_width: float | None = Field(
-        None,
-        gt=0,
-        description="past --num-prompts, keep decoding the file's next prompts until every "
-        "draft's τ 95% interval is at most ± this at every temperature (or --max-prompts)",
-    )
-    max_prompts: int | None = Field(
-        None,
-        gt=0,
-        description="with --tau-half-width: the most prompts to decode (default 4 × --num-prompts)",
-    )
-    device: str = Field("cpu", description="cpu | cuda | cuda:N")
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="verifier and draft dtype (lossless is exact in float32)"
-    )
-    eos_token_id: list[int] | None = Field(
-        None, description="stop tokens; default: the verifier's config / generation_config"
-    )
-    temperature: list[float] = Field(
-        default_factory=lambda: [0.0],
-        description="sampling temperatures to evaluate (0 = greedy, always evaluated: the "
-        "lossless check)",
-        json_schema_extra=flag_options(metavar="T"),
-    )
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass kept at T > 0 (p and q)")
-    top_k: int = Field(0, ge=0, description="most likely tokens kept at T > 0 (0: all)")
-    seed: int = Field(0, description="sampling seed (per prompt: seed, prompt index)")
-    sampled_draft: bool = Field(
-        True,
-        description="at T > 0 also report τ under the min(1, p/q) rule with sampled draft "
-        "tokens (acceptance_length_sampled_draft) beside the served greedy-draft rule",
-    )
-    cache_draft: bool = Field(
-        True, description="cache the draft's context k/v as engines do (off: the slow reference)"
-    )
-    num_speculative_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="tokens a chain-drafting draft (EAGLE-3) proposes per verify step, as "
-        "vLLM's num_speculative_tokens; default: its checkpoint's (its --ttt-steps). Block "
-        "drafts (DFlash families) draft their block whatever this says",
-    )
-    model_card: bool = Field(
-        False, description="write README.md (τ per temperature) into each draft's checkpoint"
-    )
-    json_out: str | None = Field(
-        None,
-        description="write the full report as JSON here",
-        json_schema_extra=flag_options(flag="--json", metavar="OUT"),
-    )
-
-    @field_validator("temperature")
-    @classmethod
-    def _temps(cls, v: list[float]) -> list[float]:
-        if any(t < 0 for t in v):
-            raise ValueError(f"{v}: temperatures must be >= 0")
-        return sorted({0.0, *(float(t) for t in v)})
-
-    @model_validator(mode="after")
-    def _prompt_cap(self) -> EvalConfig:
-        if self.max_prompts is not None and self.max_prompts < self.num_prompts:
-            raise ValueError(
-                f"--max-prompts {self.max_prompts} is below --num-prompts {self.num_prompts}"
-            )
-        return self
-
-    def prompt_limit(self) -> int:
-        """How many prompts to load: --num-prompts, or the cap with --tau-half-width."""
-        if self.tau_half_width is None:
-            return self.num_prompts
-        return self.max_prompts or 4 * self.num_prompts
-
-    @field_validator("data", "tokenizer", "verifier_name_or_path")
-    @classmethod
-    def _exists(cls, v: str) -> str:
-        if not Path(v).exists():
-            raise ValueError(f"{v}: no such file or directory")
-        return v
+from fanout.tracking import WandbRun, check_available
 
 
 @dataclass
@@ -207,11 +113,6 @@ def draft_names(dirs: list[Path]) -> list[str]:
 
 
 # ---- the run -------------------------------------------------------------------------
-
-
-def temperature_key(t: float) -> str:
-    """`at_temperature` key: the temperature as a decimal string ("0.0", "1.0", "0.8")."""
-    return str(float(t))
 
 
 def tau_interval(results: list[DecodeResult]) -> list[float] | None:

@@ -27,9 +27,11 @@ marker, training_state.json, README.md; not the optimizer state) are copied into
 `versions/vNNNN` directory that is renamed into place whole (FileSystem.commit_dir),
 then `current` is flipped to it in one rename (FileSystem.point): an engine that
 (re)loads `DIR/current` finds the old checkpoint or the new one, complete, never a
-partial one, whenever this process is killed. `--rollback` flips `current` back to the
-version before it. Every decision, and every rollback, is one JSON line in
-`promotions.jsonl`.
+partial one, whenever this process is killed. A candidate its trainer pruned while it
+was evaluated or copied (it keeps only its last few) is not promoted: a version lacking
+config.json, model.safetensors or the commit marker is never made. `--rollback` flips
+`current` back to the version before it. Every decision, and every rollback, is one JSON
+line in `promotions.jsonl`.
 
 Drift (`--run-dir R` of a `fanout produce --follow` run): each look also decodes the
 served draft alone on the newest `--num-prompts` conversations of the run's held-out
@@ -53,9 +55,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
-
-from fanout.decode.eval import EvalConfig, EvalSession, temperature_key
+from fanout.decode.config import PromoteConfig, temperature_key
+from fanout.decode.eval import EvalSession
 from fanout.decode.eval_table import tau_verdict
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.serving import MARKER, latest_checkpoint, load_draft, read_config
@@ -65,56 +66,10 @@ from fanout.flags import add_model_flags, model_from_args
 log = logging.getLogger(__name__)
 
 CURRENT, VERSIONS, DECISIONS = "current", "versions", "promotions.jsonl"
-HELDOUT, DRIFT = "heldout.jsonl", "drift.jsonl"  # in RUN_DIR/follow (fanout.produce.follow)
+DRIFT = "drift.jsonl"  # in RUN_DIR/follow, beside HELDOUT (fanout.produce.follow)
 SERVED_FILES = ("config.json", "model.safetensors", MARKER, "training_state.json", "README.md")
+REQUIRED = SERVED_FILES[:3]  # a version without them is not a checkpoint an engine loads
 _VERSION = re.compile(r"^v(\d{4,})$")
-
-
-class PromoteConfig(EvalConfig):
-    """Every `fanout promote` flag: `fanout eval`'s (the held-out prompts, temperatures,
-    device; `--draft` is the one candidate) and these."""
-
-    served: str = Field(
-        description="served directory: current -> versions/vNNNN (point the engine at "
-        "DIR/current), promotions.jsonl; created on the first promotion"
-    )
-    margin: float | None = Field(
-        None,
-        ge=0,
-        description="promote when the candidate's τ beats the served one's by at least this "
-        "(point estimates); default: only when their 95% intervals are apart",
-    )
-    decide_temperature: float = Field(
-        0.0, ge=0, description="the temperature whose τ decides (one of --temperature)"
-    )
-    keep_versions: int = Field(3, ge=2, description="promoted versions kept in DIR/versions")
-    once: bool = Field(False, description="decide on the newest checkpoint once, then exit")
-    rollback: bool = Field(False, description="point DIR/current at the version before it")
-    poll_s: float = Field(60.0, gt=0, description="without --once: seconds between looks")
-    run_dir: str | None = Field(
-        None,
-        description="a live run (fanout produce --follow): its held-out traffic is the "
-        "default --data, and the served draft's τ on its newest slice is recorded in "
-        "RUN_DIR/follow/drift.jsonl at each look",
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _heldout_is_the_data(cls, v: Any) -> Any:
-        """--run-dir R: R/follow/heldout.jsonl is --data unless given."""
-        if isinstance(v, dict) and v.get("run_dir") and not v.get("data"):
-            return v | {"data": str(Path(v["run_dir"]) / "follow" / HELDOUT)}
-        return v
-
-    @model_validator(mode="after")
-    def _one_candidate(self) -> PromoteConfig:
-        if len(self.draft) != 1:
-            raise ValueError(f"--draft: give exactly one candidate (got {len(self.draft)})")
-        if temperature_key(self.decide_temperature) not in map(temperature_key, self.temperature):
-            raise ValueError(
-                f"--decide-temperature {self.decide_temperature:g} is not among --temperature"
-            )
-        return self
 
 
 class Served:
@@ -158,8 +113,16 @@ class Served:
         self.fs.makedirs(tmp)
         try:
             for name in SERVED_FILES:
-                if (checkpoint / name).is_file():
+                try:
                     shutil.copyfile(checkpoint / name, tmp / name)
+                except FileNotFoundError:
+                    # the trainer keeps its last few checkpoints: it may prune this one
+                    # while it is evaluated or copied; never serve what is left of it
+                    if name in REQUIRED:
+                        raise CheckpointError(
+                            f"{checkpoint}: its {name} went away while it was copied (its "
+                            "trainer pruned it); not promoted"
+                        ) from None
             self.fs.commit_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -222,10 +185,8 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
     if now is not None and _same(candidate, now):
         return base | {"promoted": False, "why": "the candidate is what is served"}
     if now is None:
-        version = served.promote(candidate, cfg.keep_versions)
-        decision = base | {"promoted": True, "why": "nothing served yet", "version": version.name}
-        served.record(decision)
-        return decision
+        decision = base | {"promoted": True, "why": "nothing served yet"}
+        return _promote(served, candidate, cfg, decision)
     vdir = Path(cfg.verifier_name_or_path)
     drafts = {"candidate": load_draft(candidate, vdir, device=cfg.device),
               "served": load_draft(now, vdir, device=cfg.device)}  # fmt: skip
@@ -252,7 +213,21 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
         decision["why"] += "; speculative output differed from greedy: not promoted"
     decision["promoted"] = win
     if win:
+        return _promote(served, candidate, cfg, decision)
+    served.record(decision)
+    return decision
+
+
+def _promote(
+    served: Served, candidate: Path, cfg: PromoteConfig, decision: dict[str, Any]
+) -> dict[str, Any]:
+    """Serve `candidate` and record `decision` (not promoted after all when the candidate
+    was pruned before it was copied whole)."""
+    try:
         decision["version"] = served.promote(candidate, cfg.keep_versions).name
+    except CheckpointError as e:
+        decision |= {"promoted": False, "why": f"{decision['why']}; {e}"}
+        log.warning("%s", e)
     served.record(decision)
     return decision
 
@@ -351,8 +326,13 @@ def run(args: argparse.Namespace, name: str = "promote") -> int:
             if cfg.once:
                 raise CheckpointError(f"--draft {cfg.draft[0]}: no committed checkpoint yet")
         elif newest != seen or seen is None:
-            decision = decide(cfg)
-            print(json.dumps(decision), flush=True)
+            try:
+                print(json.dumps(decide(cfg)), flush=True)
+            except (CheckpointError, OSError) as e:
+                if newest is None or newest.exists():
+                    raise
+                log.warning("%s was pruned by its trainer while it was evaluated (%s); "
+                            "the next checkpoint is", newest, e)  # fmt: skip
             seen = newest
         if cfg.run_dir is not None and (d := drift(cfg)) is not None:
             print(json.dumps({"drift": d}), flush=True)

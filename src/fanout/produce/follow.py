@@ -5,7 +5,8 @@
         --holdout-fraction 0.02 --follow-idle-s 3600
 
     from fanout.produce.follow import FollowStream
-    s = FollowStream.open(make_prep, cfg, run_dir)  # resumes RUN_DIR/follow; waits for rows
+    s = FollowStream.open(make_prep, cfg, run_dir)  # resumes the committed chunks; waits for rows
+    s.attach(coord, preg)          # once registered: commits what was cut before, then each chunk
     s.reach(window=5)              # reads what arrived; total_windows (OPEN while following)
     s.ready_windows                # windows whose rows all exist now (claims stop there)
     idx, epoch = s.window_rows_of(5)
@@ -14,7 +15,11 @@ The source (`--follow PATH`) is a JSONL file or a directory of JSONL files that 
 appends to or drops new files into (rotation included: files are told apart by inode,
 so `log.jsonl` renamed to `log.jsonl.1` is read to its end and the new `log.jsonl` from
 its start; a file is PATH itself and its siblings named `PATH.*`, or every file in the
-directory). Only complete lines are read: a last line without its newline (the writer
+directory). A file's position is forgotten only after it was missing from the source
+for FORGET_S (a listing taken during a rename may show the file under neither name),
+a file opened as another inode than the one listed is left for the next look, and one
+that shrank below its position (copytruncate) is read from its start. Only complete
+lines are read: a last line without its newline (the writer
 mid-append) is waited for, not parsed. A record is any chat format the data stage
 reads (fanout.data.chat) or an OpenAI chat-completions log pair (`{"request":
 {"messages": [...]}, "response": {"choices": [{"message": {...}}]}}`, or the two
@@ -27,17 +32,33 @@ conversation is always on the same side) never enters a window; the most recent
 of `fanout eval` / `fanout promote --data`.
 
 Records are grouped into chunks (`--follow-chunk-records` records, or fewer once the
-newest waited `--follow-flush-s`): chunk c is RUN_DIR/follow/chunk-<c>.jsonl and then
-its manifest chunk-<c>.json (written atomically, last) with the source positions after
-it. The chunks are the source of truth, as regenerated shards are for `--regenerate`
-(fanout.produce.onpolicy): a producer killed with -9 and restarted rebuilds the rows
-from the chunks with a manifest and reads the source on from the last manifest's
-positions, so no record is skipped or captured twice. Each chunk is prepared on its own
-(same template and mask rules as --data) and its rows are numbered after the earlier
-chunks'; window w holds rows [w·R, (w+1)·R) in that order, each chunk's rows shuffled
-by (seed, 0, c) as the on-policy stream's epoch 0. While following, only full windows
-are claimed; the stream ends (`total_windows` known) after `--follow-idle-s` without a
-new record, its last window possibly shorter. One epoch only, one producer (--replicas
+newest waited `--follow-flush-s`). Chunk c is written to RUN_DIR/follow/chunk-<c>-<digest>.jsonl
+(atomically), prepared (same template and mask rules as --data), and then committed in
+the coordinator (fanout.coord.follow_log): one row holding the chunk's index, record
+count and file digest, the source position after it (bytes read per file, by
+identity) and the counts, written in one transaction fenced by the producer's token.
+That row is the commit point and the only record of the position: the coordinator is
+where the run's other durable decisions are made, a JSON file beside the chunks would
+be a second copy that a kill can leave disagreeing with it, and a trainer or `fanout
+status` on another host can read it there. A producer killed with -9 and restarted
+rebuilds the rows from the committed chunks (each file checked against its digest) and
+reads the source on from the last committed position, so no record is skipped or
+captured twice; a chunk file no commit names (written, never committed: its records
+are read and written again) is removed once the producer has registered. A file is
+named by its content too, so a start never overwrites a file another start cut as
+the same chunk (one being taken over with --takeover may still commit it until the
+new registration fences it; a start that finds more chunks committed then than it
+resumed stops in one line). The chunks cut before the run's database exists (the
+first ones: the run's contract needs rows) are committed as soon as the producer has
+registered (`attach`). The held-out set is
+rewritten with each chunk; a conversation already in it is not added twice (a
+restart reads the records after the last commit again).
+
+Chunk c's rows are numbered after the earlier chunks'; window w holds rows [w·R,
+(w+1)·R) in that order, each chunk's rows shuffled by (seed, 0, c) as the on-policy
+stream's epoch 0 (fanout.produce.onpolicy). While following, only full windows are
+claimed; the stream ends (`total_windows` known) after `--follow-idle-s` without a new
+record, its last window possibly shorter. One epoch only, one producer (--replicas
 would need every replica to cut the same chunks from one moving source).
 """
 
@@ -55,11 +76,15 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field
 
+from fanout.coord.coordinator import Coordinator
+from fanout.coord.follow_log import FollowChunk
+from fanout.coord.leases import ProducerReg
+from fanout.data.cache import PackedDataset
 from fanout.data.chat import ChatFormat, Conversation, detect_format, to_conversation
 from fanout.data.prepare import PrepareConfig, prepare
-from fanout.errors import BadRow, ConfigError
+from fanout.errors import BadRow, ConfigError, StaleLease
 from fanout.filesystem import FileSystem
-from fanout.hashing import hasher, labelled
+from fanout.hashing import hasher, hexdigest, labelled
 from fanout.produce.onpolicy import OPEN, ChunkRows
 from fanout.store.rundir import RunDir
 from fanout.store.streaminfo import window_count, window_span
@@ -68,6 +93,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT = "fanout-follow-1"  # the row order above; in the dataset fingerprint
 POLL_S = 0.5  # how often `open` looks for the first records
+FORGET_S = 60.0  # a file missing from the source this long is gone (see _forget)
 
 
 class FollowOptions(BaseModel):
@@ -154,12 +180,17 @@ class FollowStream:
         self.window_rows, self.seed = int(opts.window_rows), int(opts.seed)
         self.fmt = ChatFormat(**{k: getattr(opts, k) for k in ChatFormat.model_fields})
         self.positions: dict[str, int] = {}  # file key -> bytes read (complete lines)
+        self.missing: dict[str, float] = {}  # file key -> when a listing first missed it
         self.pending: list[dict[str, Any]] = []  # records read, not yet in a chunk
         self.pending_since: float | None = None
         self.last_record = time.monotonic()
         self.counts = {"records": 0, "heldout": 0, "skipped": 0}
         self.heldout: list[dict[str, Any]] = []
         self.ended = False
+        self.coord: Coordinator | None = None  # set by attach: where chunks are committed
+        self.preg: ProducerReg | None = None
+        self.uncommitted: list[FollowChunk] = []  # cut before attach
+        self.files: list[Path] = []  # each chunk's file, in chunk order
 
     # ---- opening, resuming ----------------------------------------------------------
 
@@ -167,12 +198,18 @@ class FollowStream:
     def open(
         cls, make_prep: Callable[[str], PrepareConfig], opts: Any, run_dir: RunDir
     ) -> FollowStream:
-        """Resume RUN_DIR/follow (its chunks with a manifest), then wait until the stream
-        has rows (a log line every 30 s). `make_prep(chunk file)`: the data stage's config
-        for one chunk (the producer's template and mask rules)."""
+        """Resume the chunks the run's coordinator committed (none before the run exists),
+        then wait until the stream has rows (a log line every 30 s). `make_prep(chunk
+        file)`: the data stage's config for one chunk (the producer's template and mask
+        rules). Chunks cut here wait for `attach` to be committed."""
         s = cls(make_prep, opts, run_dir)
         s.fs.makedirs(s.dir)
-        s._resume()
+        co = Coordinator.open_if_created(run_dir.root, db_path=getattr(opts, "db_path", None))
+        if co is None:
+            s._resume([])
+        else:
+            with co:
+                s._resume(co.follow_chunks())
         said = 0.0
         while s.rows.num_rows == 0:
             s.poll()
@@ -188,28 +225,72 @@ class FollowStream:
                 time.sleep(POLL_S)
         h = hasher(json.dumps({"layout": LAYOUT, "source": str(s.root.resolve()),
                                "holdout": opts.holdout_fraction}, sort_keys=True).encode())  # fmt: skip
-        prep = s.make_prep(str(s._chunk(0)[0]))
+        prep = s.make_prep(str(s.files[0]))
         h.update(json.dumps(prep.output_options(), sort_keys=True, default=str).encode())
         h.update(s.rows.first.tokenizer_fingerprint.encode())
         s.rows.fingerprint = labelled(h)
         return s
 
-    def _chunk(self, c: int) -> tuple[Path, Path]:
-        return self.dir / f"chunk-{c:06d}.jsonl", self.dir / f"chunk-{c:06d}.json"
+    def _chunk(self, c: int, digest: str) -> Path:
+        return self.dir / chunk_name(c, digest)
 
-    def _resume(self) -> None:
-        c = 0
-        while (manifest := self._chunk(c)[1]).is_file():
-            m = json.loads(manifest.read_text())
-            self._add_rows(c)
-            self.positions = {k: int(v) for k, v in m["positions"].items()}
-            self.counts = {k: int(v) for k, v in m["counts"].items()}
-            c += 1
-        if c:
-            log.info("--follow: resumed %d chunks (%s), reading on from there", c, self.counts)
+    def _resume(self, committed: list[FollowChunk]) -> None:
+        """Rebuild the rows of the committed chunks, each file checked against its digest."""
+        for c, rec in enumerate(committed):
+            data = self._chunk(c, rec.digest)
+            try:
+                body = data.read_bytes()
+            except OSError as e:
+                raise ConfigError(
+                    f"{data}: committed follow chunk {c} is unreadable ({e.strerror or e}); "
+                    "the run's follow state is damaged: start a new --run-dir"
+                ) from None
+            if rec.chunk != c or hexdigest(body) != rec.digest:
+                raise ConfigError(
+                    f"{data}: not the follow chunk {c} the coordinator committed (its digest "
+                    "differs); the run's follow state is damaged: start a new --run-dir"
+                )
+            self.files.append(data)
+            self._add(self._prepare(data))
+        if committed:
+            self.positions = dict(committed[-1].positions)
+            self.counts = {k: int(committed[-1].counts.get(k, 0)) for k in self.counts}
+            log.info("--follow: resumed %d committed chunks (%s), reading on from there",
+                     len(committed), self.counts)  # fmt: skip
+        elif (self.dir / "chunk-000000.json").is_file():  # the manifests of an older fanout
+            raise ConfigError(
+                f"{self.dir}: follow chunks with JSON manifests, written before the follow "
+                "position moved into the coordinator; start a new --run-dir"
+            )
         held = self.heldout_path
         if held.is_file():
             self.heldout = [json.loads(x) for x in held.read_text().splitlines() if x.strip()]
+
+    def attach(self, coord: Coordinator, preg: ProducerReg) -> None:
+        """The producer registered: commit the chunks cut before (in order), and every
+        later one as it is cut, in `coord` fenced by `preg` (fanout.coord.follow_log)."""
+        resumed = len(self.files) - len(self.uncommitted)
+        if (have := len(coord.follow_chunks())) != resumed:
+            raise StaleLease(
+                f"--follow: the run has {have} committed chunks, this producer resumed "
+                f"{resumed}: another producer committed while it started; start it again"
+            )
+        self.coord, self.preg = coord, preg
+        todo, self.uncommitted = self.uncommitted, []
+        for chunk in todo:
+            self._commit(chunk)
+        # Files no commit names: cut by a start that was killed before its commit (their
+        # records are read again). Removed only now: before this registration fenced
+        # it, a producer being taken over could still commit the file it had just cut.
+        for stale in set(self.dir.glob("chunk-*.jsonl")) - set(self.files):
+            log.info("--follow: %s was never committed; its records were read again", stale)
+            stale.unlink(missing_ok=True)
+
+    def _commit(self, chunk: FollowChunk) -> None:
+        if self.coord is None or self.preg is None:
+            self.uncommitted.append(chunk)
+            return
+        self.coord.commit_follow_chunk(self.preg, chunk)
 
     # ---- reading the source -----------------------------------------------------------
 
@@ -236,11 +317,17 @@ class FollowStream:
         """New records from every file of the source; returns how many arrived."""
         got = 0
         files = _sources(self.root)
-        live = {f.key for f in files}
         for f in files:
             start = self.positions.get(f.key, 0)
             try:
                 with open(f.path, "rb") as fh:
+                    st = os.fstat(fh.fileno())
+                    if f"{st.st_dev}:{st.st_ino}" != f.key:
+                        continue  # renamed between the listing and the open: next poll
+                    if st.st_size < start:  # truncated in place (copytruncate): anew
+                        log.warning("--follow: %s shrank below byte %d; read from its start",
+                                    f.path, start)  # fmt: skip
+                        start = 0
                     fh.seek(start)
                     data = fh.read()
             except OSError:
@@ -249,11 +336,24 @@ class FollowStream:
             for off, line in _lines(data[:end], start):
                 got += self._take(line, f.path, off)
             self.positions[f.key] = start + end
-        # files gone from the source are forgotten (their bytes were all read before)
-        self.positions = {k: v for k, v in self.positions.items() if k in live}
+        self._forget({f.key for f in files})
         if got:
             self.last_record = time.monotonic()
         return got
+
+    def _forget(self, live: set[str]) -> None:
+        """Forget the position of a file gone from the source (its bytes were all read
+        before; its inode number may be reused by a new file) once it has been missing
+        from every listing for FORGET_S: a directory listing taken while a file is being
+        renamed (rotation) may show it under neither name, and forgetting it then would
+        read it again from its start."""
+        now = time.monotonic()
+        for k in live:
+            self.missing.pop(k, None)
+        for k in set(self.positions) - live:
+            if now - self.missing.setdefault(k, now) >= FORGET_S:
+                del self.positions[k]
+                del self.missing[k]
 
     def _take(self, line: bytes, path: Path, offset: int) -> int:
         """One line: a chat for a chunk, one for the held-out set, or skipped."""
@@ -274,7 +374,8 @@ class FollowStream:
         self.counts["records"] += 1
         if self._held_out(doc):
             self.counts["heldout"] += 1
-            self.heldout = [*self.heldout, doc][-self.opts.holdout_keep :]
+            if doc not in self.heldout:  # read again after a restart (module doc)
+                self.heldout = [*self.heldout, doc][-self.opts.holdout_keep :]
         else:
             self.pending.append(doc)
         return 1
@@ -289,25 +390,29 @@ class FollowStream:
     # ---- chunks ---------------------------------------------------------------------
 
     def _cut(self) -> None:
-        """Write the pending records as the next chunk (its manifest last), prepare it."""
+        """Write the pending records as the next chunk, prepare it, commit it (module doc)."""
         c = len(self.rows.parts)
-        data, manifest = self._chunk(c)
-        body = "".join(json.dumps(d) + "\n" for d in self.pending)
-        self.fs.write_atomic(data, body.encode())
+        body = "".join(json.dumps(d) + "\n" for d in self.pending).encode()
+        data = self._chunk(c, hexdigest(body))
+        self.fs.write_atomic(data, body)  # before the commit: a committed chunk has its file
         if self.heldout:
             held = "".join(json.dumps(d) + "\n" for d in self.heldout)
             self.fs.write_atomic(self.heldout_path, held.encode())
-        m = {"records": len(self.pending), "positions": self.positions, "counts": self.counts}
-        self.fs.write_atomic(manifest, json.dumps(m).encode())  # the commit: written last
+        part = self._prepare(data)
+        chunk = FollowChunk(chunk=c, records=len(self.pending), digest=hexdigest(body),
+                            positions=dict(self.positions), counts=dict(self.counts))  # fmt: skip
+        self._commit(chunk)  # the commit point (before attach: at attach)
+        self.files.append(data)
         self.pending, self.pending_since = [], None
-        self._add_rows(c)
+        self._add(part)
         log.info("--follow: chunk %d: %d records, %d rows so far (%s)",
-                 c, m["records"], self.rows.num_rows, self.counts)  # fmt: skip
+                 c, chunk.records, self.rows.num_rows, self.counts)  # fmt: skip
 
-    def _add_rows(self, c: int) -> None:
+    def _prepare(self, chunk: Path) -> PackedDataset:
         fmt = ChatFormat().model_dump()  # chunks hold {"messages", "tools"} records
-        prep = self.make_prep(str(self._chunk(c)[0])).model_copy(update=fmt)
-        part = prepare(prep)
+        return prepare(self.make_prep(str(chunk)).model_copy(update=fmt))
+
+    def _add(self, part: PackedDataset) -> None:
         self.rows.add(part if part.num_rows else None)
         self.rows.summary = self.summary()
 
@@ -346,6 +451,12 @@ class FollowStream:
         """stream.json's dataset summary: what the source gave so far."""
         return {"follow": LAYOUT, "source": str(self.root), "chunks": len(self.rows.parts),
                 "rows_so_far": self.rows.num_rows, **self.counts}  # fmt: skip
+
+
+def chunk_name(c: int, digest: str) -> str:
+    """Chunk c's file name: named by its content too, so a start that cuts chunk c again
+    never overwrites the file another start cut (and maybe committed) as chunk c."""
+    return f"chunk-{c:06d}-{digest[:16]}.jsonl"
 
 
 def _lines(data: bytes, start: int) -> list[tuple[int, bytes]]:

@@ -244,6 +244,8 @@ class Producer:
                 self.contract, owner=self._owner(), takeover=cfg.takeover, rank=self.rank,
                 plan=self.plan,
             )  # fmt: skip
+        if isinstance(self.growing, FollowStream):  # its chunks are committed from now on
+            self.growing.attach(self.coord, self.preg)
         self.stats = ProducerStats()
         self.capturer = WindowCapturer(
             self.verifier,

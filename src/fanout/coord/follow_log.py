@@ -1,0 +1,121 @@
+"""The commit log of a followed source: which chunks of `fanout produce --follow` are in the stream.
+
+    from fanout.coord.follow_log import FollowChunk
+    coord.commit_follow_chunk(preg, FollowChunk(chunk=3, records=64, digest="xxh3:…",
+                              positions={"2049:131": 81920}, counts={"records": 70, ...}))
+    coord.follow_chunks()          # the committed ones, in chunk order (a producer's resume)
+    coord.follow_position()        # the newest one's counts, for `fanout status`
+
+A followed source has no end and no replay: what was read from it is known only from
+what the producer kept. The producer (fanout.produce.follow) writes each chunk of
+records to RUN_DIR/follow/chunk-<c>-<digest>.jsonl (atomically), then commits it here: one row
+of `follow_chunks` (stream id, chunk index, its record count and file digest, the
+source position after it — bytes read per file, keyed by file identity `dev:ino` —
+and the running counts), written in one transaction fenced by the producer's token.
+That row is the commit point: a chunk is in the stream once its row is, and the
+position in the newest row is where a restarted producer reads on. A chunk file
+without a row (the producer died between the file and the commit) is not in the
+stream and is written again from the source; a committed one is never rewritten
+(its digest says so on resume).
+
+Chunks are committed in order, each one the next (`chunk` = rows so far): a second
+committer is refused by the fencing token first and by the order second.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fanout.coord.core import RunDb
+from fanout.coord.database import wall
+from fanout.coord.leases import ProducerReg
+from fanout.coord.roles import Roles
+from fanout.coord.schema import Sql
+from fanout.errors import StaleLease
+
+COUNTS = ("records", "heldout", "skipped")  # what `counts` holds (fanout.produce.follow)
+
+
+class FollowChunk(BaseModel):
+    """One committed chunk of a followed source (the module docstring)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    chunk: int = Field(ge=0, description="RUN_DIR/follow/chunk-<chunk>-<digest>.jsonl")
+    records: int = Field(ge=0, description="its lines (records that enter windows)")
+    digest: str = Field(description="fanout.hashing digest of the chunk file's bytes")
+    positions: dict[str, int] = Field(description="bytes read per source file (dev:ino) after it")
+    counts: dict[str, int] = Field(description="records, heldout, skipped read so far")
+    stream: str = Field("", description="the run's stream id (filled in at commit)")
+    committed_wall: float = Field(0.0, description="when it was committed (display only)")
+
+
+_COLUMNS = "stream, chunk, records, digest, positions, counts, committed_wall"
+
+
+def _row(r: tuple[Any, ...]) -> FollowChunk:
+    stream, chunk, records, digest, positions, counts, at = r
+    return FollowChunk(
+        stream=str(stream), chunk=int(chunk), records=int(records), digest=str(digest),
+        positions=json.loads(positions), counts=json.loads(counts), committed_wall=float(at),
+    )  # fmt: skip
+
+
+class FollowLog:
+    """The Coordinator's part for a followed source's chunks (module docstring)."""
+
+    def __init__(self, run: RunDb, roles: Roles) -> None:
+        self.run, self.roles = run, roles
+
+    def _stream(self, cur: Sql) -> str:
+        return str(self.run.meta(cur, "stream_id"))
+
+    def commit(self, preg: ProducerReg, chunk: FollowChunk) -> FollowChunk:
+        """Commit `chunk` (its file already written): fenced by the producer's token,
+        and only as the next chunk of the stream. Returns it as stored."""
+        with self.run.write() as cur:
+            self.roles.check_producer(cur, preg.token, preg.rank)
+            stream = self._stream(cur)
+            (n,) = cur.execute(
+                "SELECT COUNT(*) FROM follow_chunks WHERE stream=?", (stream,)
+            ).fetchone()
+            if int(n) != chunk.chunk:
+                raise StaleLease(
+                    f"follow chunk {chunk.chunk}: the run has {n} committed chunks; another "
+                    "producer follows this source"
+                )
+            stored = chunk.model_copy(update={"stream": stream, "committed_wall": wall()})
+            cur.execute(
+                f"INSERT INTO follow_chunks({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (stream, stored.chunk, stored.records, stored.digest,
+                 json.dumps(stored.positions, sort_keys=True),
+                 json.dumps(stored.counts, sort_keys=True), stored.committed_wall),
+            )  # fmt: skip
+        return stored
+
+    def chunks(self) -> list[FollowChunk]:
+        """The run's committed chunks, in chunk order (empty: not a followed run)."""
+        q = self.run.conn.execute
+        stream = self._stream(self.run.conn)
+        rows = q(
+            f"SELECT {_COLUMNS} FROM follow_chunks WHERE stream=? ORDER BY chunk", (stream,)
+        ).fetchall()
+        return [_row(r) for r in rows]
+
+    def position(self) -> dict[str, Any] | None:
+        """`fanout status`'s view: chunks committed and the newest one's counts (records
+        read, held out, skipped), or None when the run follows no source."""
+        q = self.run.conn.execute
+        stream = self._stream(self.run.conn)
+        row = q(
+            f"SELECT {_COLUMNS} FROM follow_chunks WHERE stream=? ORDER BY chunk DESC LIMIT 1",
+            (stream,),
+        ).fetchone()
+        if row is None:
+            return None
+        last = _row(row)
+        counts = {k: int(last.counts.get(k, 0)) for k in COUNTS}
+        return {"chunks": last.chunk + 1, **counts, "committed_wall": last.committed_wall}

@@ -1,0 +1,431 @@
+"""The live loop under kill -9: a gateway's log followed, trained on and promoted from, with the producer, trainer and promoter killed at random.
+
+    .venv/bin/pytest tests/test_follow_soak.py -q -x              # short: SQLite, PostgreSQL
+    .venv/bin/pytest tests/test_follow_soak.py -q -x -m slow      # minutes of traffic
+
+An appender process writes chats into a directory at a fixed rate (each record split
+across two writes, the file rotated every few records, one line that is not a chat,
+every third record an OpenAI request/response pair; each carries a marker `<<rN>>`
+in its first message). `fanout produce --follow DIR` captures them, `fanout train`
+trains a draft on the open stream, `fanout promote --run-dir` serves its checkpoints
+from SERVED (margin 0: nearly every checkpoint is promoted, so `current` flips
+often), and a recorder (a second consumer, never killed) writes down the token ids
+of every row it is handed. The three roles are killed with -9 at seeded random
+moments and restarted until each was killed `kills_each` times (or, for the long
+variant, for `minutes`), then the appender stops and the stream ends after
+--follow-idle-s without a record.
+
+Checked, none of it depending on timing: against what the appender wrote (the source
+files, read back), every record's marker is in exactly one row of the stream or the
+record is held out, and held out ones are in no row (the rows decoded from their
+token ids, deduplicated by (window, row)); the coordinator's committed chunks hold
+exactly the captured records, each once, and are the only chunk files; window files
+on disk never exceed K at any 20 ms sample; every time SERVED/current was sampled
+it was a complete checkpoint that speculators 0.9.0's DFlashDraftModel loads (that
+part is skipped when speculators is not installed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fanout.bench.assets import generate_corpus
+from fanout.chaos.procs import Proc, warm_forkserver
+from fanout.coord.coordinator import Coordinator
+from fanout.decode.config import PromoteConfig
+from fanout.decode.promote import CURRENT
+from fanout.flags import to_flags
+from fanout.produce.config import ProducerConfig
+from fanout.produce.follow import chunk_name
+from fanout.train.config import TrainConfig
+from tiny_run import build_tiny_assets, one_thread, wait_for  # noqa: F401 (one_thread: autouse)
+
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+K = 3
+MARK = re.compile(r"<<r(\d+)>>")
+
+# `python appender.py SRC_DIR EVERY_S ROTATE STOP`: record after record, each written
+# in two halves (the first flushed without its newline), one every EVERY_S seconds,
+# log.jsonl renamed to log.jsonl.<n> every ROTATE records, line 7 not a chat; it stops
+# after the record it is writing once the file STOP exists.
+APPENDER = """
+import json, os, sys, time
+from fanout.bench.assets import generate_corpus
+src, every, rotate, stop = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+path = os.path.join(src, "log.jsonl")
+f = open(path, "ab")
+i = 0
+while not os.path.exists(stop):
+    if i and i % rotate == 0:
+        f.close(); os.rename(path, f"{path}.{i // rotate:04d}"); f = open(path, "ab")
+    if i == 7:
+        f.write(b"[1, 2, 3]\\n")
+    msgs = [dict(m) for m in generate_corpus(1, seed=1000 + i)[0]["messages"]]
+    msgs[0]["content"] = f"<<r{i}>> " + msgs[0]["content"]
+    rec = {"messages": msgs}
+    if i % 3 == 0:
+        rec = {"request": {"model": "v", "messages": msgs[:-1]},
+               "response": {"choices": [{"index": 0, "message": msgs[-1]}]}}
+    line = (json.dumps(rec) + "\\n").encode()
+    f.write(line[: len(line) // 2]); f.flush(); time.sleep(every / 2)
+    f.write(line[len(line) // 2 :]); f.flush(); time.sleep(every / 2)
+    i += 1
+f.close()
+"""
+
+# `python recorder.py JSON`: a consumer that writes {"w", "i", "ids"} for every row it is
+# handed (its token ids), acks, and keeps its position in a checkpoint.
+RECORDER = """
+import json, os, sys
+import torch
+torch.set_num_threads(1)
+from fanout.rows import INPUT_IDS
+from fanout.train.consumer import ConsumerConfig, ConsumerStream
+a = json.loads(sys.argv[1])
+ckpt = a["ckpt"]
+state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"cursor": None, "rows_done": 0}
+cfg = ConsumerConfig(run_dir=a["run_dir"], db_path=a["db_path"], consumer_id="recorder",
+                     heartbeat_s=0.3, acquire_timeout_s=900)
+out = open(a["out"], "a")
+s = ConsumerStream(cfg)
+s.load_state_dict(state)
+with s:
+    for b in s.batches(1):
+        for k, (w, i) in enumerate(b.rows):
+            ids = b.tensors[INPUT_IDS][k].tolist()
+            out.write(json.dumps({"w": w, "i": i, "ids": ids}) + "\\n")
+        out.flush()
+        s.ack(b)
+        with open(ckpt + ".tmp", "w") as f:
+            json.dump(s.state_dict(), f)
+        os.replace(ckpt + ".tmp", ckpt)
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("soak")
+    build_tiny_assets(root, generate_corpus(60, seed=3))
+    (root / "appender.py").write_text(APPENDER)
+    (root / "recorder.py").write_text(RECORDER)
+    warm_forkserver()  # roles fork from it: a restart costs ~1 s, not the imports
+    return root
+
+
+class Role:
+    """A role the loop keeps alive: restarted after each kill, done after exit 0."""
+
+    def __init__(self, name: str, argv: list[str], log: Path) -> None:
+        self.name, self.argv, self.log = name, argv, log
+        self.proc: Proc | None = None
+        self.kills, self.starts, self.done = 0, 0, False
+        self.crashes: list[int] = []
+
+    def start(self) -> None:
+        with self.log.open("a") as f:
+            f.write(f"\n==== soak: start #{self.starts + 1} of {self.name}\n")
+        self.proc = Proc(self.argv, self.log, "fork")
+        self.starts += 1
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.kills += 1
+
+    def supervise(self, finishes: bool) -> None:
+        """Restart after a kill or a crash; a role that `finishes` is done after exit 0."""
+        if self.done or self.proc is None or (code := self.proc.poll()) is None:
+            return
+        if code == 0 and finishes:
+            self.done = True
+            return
+        if code not in (0, -signal.SIGKILL):
+            self.crashes.append(code)
+        if len(self.crashes) > 3:
+            raise AssertionError(f"{self.name} crashed {self.crashes}:\n{self.tail()}")
+        self.start()
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.is_file() else ""
+
+    def stop(self) -> None:
+        if self.running():
+            assert self.proc is not None
+            self.proc.signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class Watch(threading.Thread):
+    """Samples, until stopped: window files on disk (every 20 ms) and SERVED/current
+    loaded by speculators (each time a new version is served, and every few seconds)."""
+
+    def __init__(self, run: Path, served: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.served = run, served
+        self.halt = threading.Event()
+        self.most, self.disk_samples, self.loads = 0, 0, 0
+        self.bad: list[str] = []
+        self.last_load = 0.0
+        self.spec: Any = None
+        try:
+            with warnings.catch_warnings():  # its imports warn of torch.jit deprecations
+                warnings.simplefilter("ignore", DeprecationWarning)
+                import speculators.models.dflash as spec
+            self.spec = spec
+        except ImportError:
+            pass
+
+    def disk(self) -> None:
+        d = self.run_dir / "windows"
+        n = len([p for p in d.iterdir() if p.suffix == ".safetensors"]) if d.is_dir() else 0
+        self.most, self.disk_samples = max(self.most, n), self.disk_samples + 1
+
+    def load_served(self) -> None:
+        """Open SERVED/current as an engine would: resolve it once, load what is there."""
+        link = self.served / CURRENT
+        if self.spec is None or not link.is_symlink():
+            return
+        target = link.resolve()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                model = self._load(target)
+            missing = set(model["missing_keys"]) | set(model["unexpected_keys"])
+            if missing:
+                self.bad.append(f"{target}: keys {sorted(missing)}")
+            self.loads += 1
+        except Exception as e:  # any failure to load is what this sample looks for
+            self.bad.append(f"{target}: {type(e).__name__}: {e}")
+
+    def _load(self, target: Path) -> dict[str, Any]:
+        """speculators' own loading path (as tests/test_speculators.py): its loading info."""
+        cfg = self.spec.DFlashSpeculatorConfig.from_pretrained(str(target))
+        cfg.transformer_layer_config._attn_implementation = "eager"  # CPU, no flex attention
+        _, info = self.spec.DFlashDraftModel.from_pretrained(
+            str(target), config=cfg, output_loading_info=True
+        )
+        return dict(info)
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.disk()
+            if time.monotonic() - self.last_load > 2.0:
+                self.load_served()
+                self.last_load = time.monotonic()
+            time.sleep(0.02)
+
+
+def _argv(config: type[Any], command: str, opts: dict[str, Any]) -> list[str]:
+    return [command, *to_flags(config, {k: v for k, v in opts.items() if v is not None})]
+
+
+def live_loop(
+    assets: Path, work: Path, db: str | None, *, kills_each: int, minutes: float, seed: int
+) -> dict[str, Any]:
+    """Run the loop (module docstring); return what the checks need."""
+    src, run, served = work / "src", work / "run", work / "served"
+    logs, drafts = work / "logs", work / "drafts"
+    for d in (src, logs):
+        d.mkdir(parents=True)
+    ver, tok = str(assets / "verifier"), str(assets / "tok")
+    produce = _argv(ProducerConfig, "produce", {
+        "run_dir": run, "follow": src, "verifier_name_or_path": ver, "tokenizer": tok,
+        "seq_len": 96, "window_rows": 2, "capture_layer_ids": [1, 2], "workers": 1,
+        "progress": False, "max_live_windows": K, "expected_consumers": 2,
+        "follow_idle_s": 4.0, "follow_flush_s": 0.5, "follow_chunk_records": 5,
+        "holdout_fraction": 0.25, "holdout_keep": 100_000, "cache_dir": work / "cache",
+        "heartbeat_s": 0.3, "ttl_s": 3.0, "db_path": db, "device": "cpu",
+        "capture_batch_rows": 2,
+    })  # fmt: skip
+    train = _argv(TrainConfig, "train", {
+        "run_dir": run, "consumer_id": "c0", "verifier_name_or_path": ver, "num_layers": 1,
+        "block_size": 4, "max_anchors": 8, "rows_per_step": 2, "save_path": drafts / "c0",
+        "checkpoint_every": 2, "heartbeat_s": 0.3, "acquire_timeout_s": 900, "db_path": db,
+        "resume": True,
+    })  # fmt: skip
+    promote = _argv(PromoteConfig, "promote", {
+        "run_dir": run, "draft": [drafts / "c0"], "served": served,
+        "verifier_name_or_path": ver, "tokenizer": tok, "num_prompts": 2,
+        "max_new_tokens": 8, "margin": 0.0, "keep_versions": 1000, "poll_s": 0.5,
+    })  # fmt: skip
+    producer = Role("producer", produce, logs / "producer.log")
+    trainer = Role("trainer", train, logs / "trainer.log")
+    promoter = Role("promoter", promote, logs / "promoter.log")
+    roles = [producer, trainer, promoter]
+    stop = work / "stop-appending"
+    appender = subprocess.Popen(
+        [sys.executable, str(assets / "appender.py"), str(src), "0.15", "7", str(stop)],
+        env=ENV,
+    )  # fmt: skip
+    rec = {"run_dir": str(run), "db_path": db, "out": str(work / "rows.jsonl"),
+           "ckpt": str(work / "recorder.json")}  # fmt: skip
+    recorder: subprocess.Popen[bytes] | None = None
+    watch = Watch(run, served)
+    watch.start()
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    next_kill: float | None = None
+    heldout = run / "follow" / "heldout.jsonl"
+    try:
+        producer.start()
+        while True:
+            now = time.monotonic()
+            if now - t0 > 600 + 60 * minutes:
+                raise AssertionError("the soak did not end:\n" + producer.tail())
+            producer.supervise(finishes=True)
+            trainer.supervise(finishes=True)
+            promoter.supervise(finishes=False)
+            if recorder is None and Coordinator.open_if_created(run, db_path=db) is not None:
+                with open(logs / "recorder.log", "ab") as out:
+                    recorder = subprocess.Popen(
+                        [sys.executable, str(assets / "recorder.py"), json.dumps(rec)],
+                        env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                trainer.start()
+                next_kill = now + rng.uniform(1.0, 3.0)  # killing starts with the run
+            if promoter.proc is None and heldout.is_file():
+                promoter.start()
+            goal = now - t0 >= 60 * minutes and min(r.kills for r in roles) >= kills_each
+            if not stop.exists() and goal:
+                stop.touch()  # enough: the traffic stops, the stream ends when idle
+            if next_kill is not None and not stop.exists() and now >= next_kill:
+                ready = [r for r in roles if r.running() and r.proc is not None
+                         and now - r.proc.started >= 1.0]  # fmt: skip
+                if ready:
+                    order = rng.sample(ready, len(ready))
+                    min(order, key=lambda r: r.kills).kill()
+                next_kill = now + rng.uniform(0.8, 2.5)
+            done = producer.done and trainer.done
+            if done and recorder is not None and recorder.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert recorder is not None and recorder.wait(60) == 0
+        assert appender.wait(60) == 0
+        # the promoter loops forever: stop it, then decide once on the last checkpoint
+        # (the first promotion if none came yet) and look at what is served
+        promoter.stop()
+        once = Proc([*promote, "--once"], logs / "promoter.log", "fork")
+        assert once.wait(300) == 0, promoter.tail()
+        watch.load_served()
+    finally:
+        watch.halt.set()
+        watch.join(30)
+        stop.touch()
+        for r in roles:
+            r.stop()
+        for p in (appender, recorder):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(30)
+    return {"src": src, "run": run, "served": served, "work": work, "watch": watch,
+            "roles": {r.name: r for r in roles}, "db": db}  # fmt: skip
+
+
+def _written(src: Path) -> dict[int, dict[str, Any]]:
+    """What the appender wrote, read back from the source files: marker -> record."""
+    out: dict[int, dict[str, Any]] = {}
+    for f in sorted(src.iterdir()):
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                continue  # the line that is not a chat
+            msgs = rec["messages"] if "messages" in rec else rec["request"]["messages"]
+            m = MARK.match(msgs[0]["content"])
+            assert m is not None, line
+            assert int(m.group(1)) not in out, f"the appender wrote record {m.group(1)} twice"
+            out[int(m.group(1))] = rec
+    return out
+
+
+def _markers(messages: list[dict[str, Any]]) -> int:
+    m = MARK.match(messages[0]["content"])
+    assert m is not None
+    return int(m.group(1))
+
+
+def check(got: dict[str, Any], assets: Path, kills_each: int) -> None:
+    """Every promise of the module docstring, against what the appender wrote."""
+    from tokenizers import Tokenizer
+
+    run, watch = got["run"], got["watch"]
+    written = _written(got["src"])
+    assert len(written) >= 20
+    held = [json.loads(x) for x in (run / "follow" / "heldout.jsonl").read_text().splitlines()]
+    held_ids = [_markers(d["messages"]) for d in held]
+    assert len(held_ids) == len(set(held_ids)), "a held-out record was kept twice"
+    # the rows of the stream, each (window, row) once, decoded back to text
+    tok = Tokenizer.from_file(str(assets / "tok" / "tokenizer.json"))
+    rows: dict[tuple[int, int], list[int]] = {}
+    for line in (got["work"] / "rows.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        assert rows.setdefault((r["w"], r["i"]), r["ids"]) == r["ids"], "a row changed"
+    captured = Counter(
+        int(m)
+        for ids in rows.values()
+        for m in MARK.findall(tok.decode(ids, skip_special_tokens=False))
+    )
+    twice = {m: n for m, n in captured.items() if n > 1}
+    assert not twice, f"records captured more than once: {twice}"
+    assert not set(captured) & set(held_ids), "a held-out record reached a window"
+    assert sorted([*captured, *held_ids]) == sorted(written), (
+        f"missing: {sorted(set(written) - set(captured) - set(held_ids))[:20]}, "
+        f"unknown: {sorted((set(captured) | set(held_ids)) - set(written))[:20]}"
+    )
+    assert 0 < len(held_ids) < len(written)
+    info = json.loads((run / "stream.json").read_text())
+    assert len(rows) == info["dataset_summary"]["rows_so_far"]
+    # the coordinator's committed chunks are the chunk files, and hold the captured
+    co = Coordinator.open(run, db_path=got["db"])
+    with co:
+        chunks = co.follow_chunks()
+        pos = co.follow_position()
+    files = sorted((run / "follow").glob("chunk-*.jsonl"))
+    assert [f.name for f in files] == [chunk_name(c.chunk, c.digest) for c in chunks]
+    chunked = [
+        _markers(json.loads(x)["messages"]) for f in files for x in f.read_text().splitlines()
+    ]
+    assert sorted(chunked) == sorted(captured)
+    assert pos is not None and pos["records"] == len(written) and pos["skipped"] == 1
+    # K at every sample; SERVED/current always a checkpoint speculators loads
+    assert watch.disk_samples > 0 and watch.most <= K
+    assert not watch.bad, watch.bad
+    if watch.spec is not None:
+        assert watch.loads >= 1
+    roles = got["roles"]
+    kills = {n: r.kills for n, r in roles.items()}
+    assert all(n >= kills_each for n in kills.values()), kills
+    promoted = (got["served"] / "promotions.jsonl").read_text().count('"promoted": true')
+    print(f"soak: {len(written)} records ({len(held_ids)} held out) in {len(rows)} rows, "
+          f"{len(chunks)} chunks; kills {kills}; {promoted} promotions; served loaded "
+          f"{watch.loads} times; at most {watch.most} window files")  # fmt: skip
+
+
+def test_the_live_loop_keeps_every_promise_through_kills(
+    assets: Path, tmp_path: Path, db: str | None
+) -> None:
+    got = live_loop(assets, tmp_path, db, kills_each=2, minutes=0, seed=46)
+    check(got, assets, kills_each=2)
+
+
+@pytest.mark.slow
+def test_the_live_loop_for_minutes(assets: Path, tmp_path: Path) -> None:
+    got = live_loop(assets, tmp_path, None, kills_each=5, minutes=4, seed=4646)
+    check(got, assets, kills_each=5)
