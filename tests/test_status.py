@@ -202,3 +202,15 @@ def test_drift_records_of_a_live_run_are_in_the_snapshot_and_the_table(tmp_path:
 
     text = metrics_text(build(co))
     assert "fanout_served_tau 2.0" in text and "fanout_served_drift 1" in text, text
+    # the page: the newest look, the warning, and a plot once the times are real ones
+    from fanout.coord.status_page import page_html
+
+    page = page_html(build(co), [], 5)
+    assert 'data-key="drift.tau">2.00<' in page and 'class="warn" data-key="drift.below"' in page
+    assert 'id="plot-drift"' not in page  # "t1", "t2" are no times to plot against
+    ok["time"], low["time"] = "2026-12-05T20:00:00Z", "2026-12-05T20:05:00Z"
+    rd.drift.write_text(json.dumps(ok) + "\n" + json.dumps(low) + "\n")
+    page = page_html(build(co), [], 5)
+    assert 'id="plot-drift"' in page and page.count("<polyline") == 5, page
+    rd.drift.write_text(json.dumps(ok) + "\n")  # back within its interval: no warning
+    assert "drift.below" not in page_html(build(co), [], 5)

@@ -5,7 +5,9 @@
 The tables carry the snapshot's own numbers (each cell's `data-key` names the field of
 `status --json`, e.g. `consumers.d:dp0.lag_windows`); the plots are SVG drawn here, on
 the server, from the samples the server keeps in memory (fanout.coord.status_serve):
-windows live vs K, each replica's rate, each draft's lag and EAL, over time. No script
+windows live vs K, each replica's rate, each draft's lag and EAL, over time; and, for a
+live run, the served draft's τ on new held-out traffic with a warning when it drifted
+(from the snapshot's durable drift records, so its history outlives the server). No script
 and no network: the page reloads itself (`<meta http-equiv="refresh">`).
 """
 
@@ -16,6 +18,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from fanout.coord.status_schema import StatusSnapshot
@@ -160,6 +163,8 @@ def plot_svg(key: str, name: str, y_label: str, series: Sequence[Series], t_end:
                 parts.append(f'<polyline points="{line}" fill="none" stroke="{s.colour}" '
                              f'stroke-width="2"{dash}/>')  # fmt: skip
         last = s.points[-1][1] if s.points else None
+        if not s.label:  # the other edge of a band: its first edge's legend says it
+            continue
         legend.append(
             f'<li><svg width="26" height="8"><line x1="1" x2="25" y1="4" y2="4" '
             f'stroke="{s.colour}" stroke-width="2"{dash}/></svg>{html.escape(s.label)} '
@@ -197,6 +202,58 @@ def plots_html(samples: Sequence[Sample]) -> str:
     return f'<div class="plots">{"".join(figs)}</div>'
 
 
+def _wall(stamp: str) -> float | None:
+    """A drift record's ISO time ("2026-12-05T20:41:07Z") as Unix seconds; None if not one."""
+    try:
+        return datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return None
+
+
+def drift_html(s: StatusSnapshot) -> str:
+    """The served draft on the newest held-out traffic (`fanout promote --run-dir`, its
+    every look in RUN_DIR/follow/drift.jsonl): τ with its interval over time against
+    the interval it was promoted with, and a warning when it fell below it. Empty when
+    the run has no such records."""
+    if not s.drift:
+        return ""
+    d = s.drift[-1]
+    ci = f" ({d.ci95[0]:.2f}–{d.ci95[1]:.2f})" if d.ci95 else ""
+    base = f"{d.baseline_ci95[0]:.2f}–{d.baseline_ci95[1]:.2f}" if d.baseline_ci95 else "-"
+    warn = (
+        f'<p class="warn" data-key="drift.below">drift: τ fell below the {base} '
+        f"{html.escape(d.version)} was promoted with: the traffic moved; a candidate trained "
+        "on it is due (fanout promote decides)</p>"
+        if d.below
+        else ""
+    )
+    head = (
+        f'<p>served <span data-key="drift.version">{html.escape(d.version)}</span>: τ '
+        f'<span data-key="drift.tau">{d.tau:.2f}</span>{ci} on the newest {d.prompts} '
+        f"held-out conversations ({html.escape(d.time)}; {len(s.drift)} looks; promoted "
+        f"with {base})</p>"
+    )
+    walls = [_wall(p.time) for p in s.drift]
+    plot = ""
+    if all(w is not None for w in walls) and len(walls) > 1:
+        pts = list(zip([w for w in walls if w is not None], s.drift, strict=True))
+        series = [
+            Series("τ served", [(t, p.tau) for t, p in pts], COLOURS[0]),
+            Series("its 95% interval", [(t, p.ci95[0] if p.ci95 else None) for t, p in pts],
+                   COLOURS[0], DASHES[2]),
+            Series("", [(t, p.ci95[1] if p.ci95 else None) for t, p in pts], COLOURS[0],
+                   DASHES[2]),
+            Series("interval it was promoted with",
+                   [(t, p.baseline_ci95[0] if p.baseline_ci95 else None) for t, p in pts],
+                   COLOURS[1], DASHES[1]),
+            Series("", [(t, p.baseline_ci95[1] if p.baseline_ci95 else None) for t, p in pts],
+                   COLOURS[1], DASHES[1]),
+        ]  # fmt: skip
+        plot = plot_svg("drift", "served draft on new held-out traffic", "τ (tokens / verify)",
+                        series, pts[-1][0])  # fmt: skip
+    return f"<h2>drift</h2>{warn}{head}{plot}"
+
+
 def _cell(key: str, value: object) -> str:
     shown = "-" if value is None else value
     return f'<td data-key="{html.escape(key)}">{html.escape(str(shown))}</td>'
@@ -217,7 +274,7 @@ CONSUMER_COLS = ["id", "family", "dp_rank", "dp_world", "state", "cursor", "lag_
                  "step", "eal", "rows_per_s", "eta_s", "waiting"]  # fmt: skip
 STYLE = """body{font:14px sans-serif;margin:1em;color:#222}td,th{padding:2px 8px;text-align:right}
 table{border-collapse:collapse;margin:.5em 0}tr:nth-child(even){background:#f4f4f4}
-.note{color:#666}.plots{display:flex;flex-wrap:wrap;gap:4px 16px}
+.note{color:#666}.warn{color:#B00;font-weight:bold}.plots{display:flex;flex-wrap:wrap;gap:4px 16px}
 figure{margin:0}figcaption{font-weight:bold;margin:.3em 0}
 .legend{list-style:none;padding:0;margin:0 0 .4em;max-width:600px;font-size:12px}
 .legend li{display:inline-block;margin-right:14px}.legend svg{vertical-align:middle;margin-right:4px}"""
@@ -243,6 +300,7 @@ taken {time.strftime("%H:%M:%S", time.localtime(s.taken_wall))}</p>
 {plots_html(samples)}
 <p class="note">{len(samples)} samples over the last {span:.0f} s, one every
 {refresh_s:g} s and one per request, kept in this server's memory</p>
+{drift_html(s)}
 <h2>totals</h2><table>{totals}</table>
 <h2>replicas</h2>{_table(dump["replicas"], REPLICA_COLS, "replicas", "rank")}
 <h2>consumers</h2>{_table(dump["consumers"], CONSUMER_COLS, "consumers", "id")}
