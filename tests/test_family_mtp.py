@@ -14,9 +14,11 @@ without it):
 (c) a draft trained a few steps decodes as `fanout eval` does (a chain, vLLM's `mtp`)
     losslessly at T = 0 against `Decoder.greedy`, the cache giving the reference's
     tokens and rows, also after a save/load round trip;
-(d) the verifier's own `mtp.*` weights (a tiny Qwen3-Next from tests/verifier_zoo.py
-    with such tensors added) start the draft, and ones that do not fit its config are
-    refused in one line; bad configurations are refused in one line.
+(d) the verifier's own `mtp.*` weights (a tiny Gemma-3 from tests/verifier_zoo.py, whose
+    zero-centred norms take w + 1, with such tensors added for the dense layer) start
+    the draft, and ones that do not fit its config are refused in one line; bad
+    configurations are refused in one line. (Qwen3-Next / Qwen3.5 verifiers get their
+    own layer: tests/test_mtp_hybrid.py.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
-from fanout.families.mtp import MTPDraft
+from fanout.families.mtp.model import MTPDraft
 from fanout.families.mtp.propose import MTPContext
 from fanout.families.registry import family, family_of
 from fanout.families.serving import load_draft
@@ -294,7 +296,8 @@ def test_checkpoint_round_trip_decodes(
 def next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from verifier_zoo import build
 
-    return Path(build("qwen3_next", tmp_path_factory.mktemp("qwen3-next")))
+    # a dense verifier with zero-centred norms (a hybrid one gets its own MTP layer)
+    return Path(build("gemma3_text", tmp_path_factory.mktemp("gemma3")))
 
 
 _NAMES = {
@@ -353,7 +356,7 @@ def test_starts_from_the_verifiers_mtp_weights(
     assert "own MTP weights" in caplog.text
     from fanout.model.verifier_dir import text_tensors
 
-    offset = text_tensors(vdir).norm_offset  # Qwen3-Next: zero-centred norms (w + 1)
+    offset = text_tensors(vdir).norm_offset  # Gemma-3: zero-centred norms (w + 1)
     assert offset == 1
     state = d.trainable_state()
     assert torch.equal(state["mtp_layers.0.input_proj.weight"], added["mtp.fc.weight"].float())
@@ -377,7 +380,7 @@ EXPERT = "mtp.layers.0.mlp.experts.0.gate_proj.weight"
     ("bad", "extra", "named"),
     [
         ("mtp.layers.0.self_attn.q_proj.weight", None, "mtp.layers.0.self_attn.q_proj.weight"),
-        (None, {EXPERT: torch.Size([8, 8])}, EXPERT),  # a MoE MTP layer (Qwen3-Next's)
+        (None, {EXPERT: torch.Size([8, 8])}, EXPERT),  # a MoE MTP layer, half shipped
     ],
 )
 def test_mismatched_verifier_mtp_weights_refused(

@@ -15,7 +15,8 @@
 # in bf16 of the demo's trained drafts (one per family) (prepare trains them if runs/demo has none),
 # greedy and at T = 1, and the draft cache against the uncached loop and a free draft
 # at a 1.5k-token context; then every zoo verifier's capture and long rows on CUDA
-# (benchmarks/verifiers.py).
+# (benchmarks/verifiers.py), and every family's train step at DFlash's recipe shape,
+# dense vs block-sparse draft attention vs speculators (benchmarks/draft_attention.py).
 # The copy there has no .git: give the commit it is of, FANOUT_COMMIT=$(git rev-parse HEAD)
 # (run here), so the JSONs (benchmarks/record.py) name it; copy the producer JSONs into
 # benchmarks/results/ (e.g. producer-h200-16.json) and run `python benchmarks/report.py`.
@@ -37,6 +38,13 @@ if [ "$mode" = prepare ]; then
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl accelerate==1.15.0 psutil==7.2.2
+  # speculators 0.9.0 and what its models import (scripts/install_speculators.sh's pins),
+  # for the draft-attention step comparison; installed with --no-deps like there
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl/speculators \
+    speculators==0.9.0 hs-connectors==0.9.0 openai==3.57.0 sniffio==1.3.1 datasets==5.1.0 \
+    multiprocess==0.70.19 dill==0.4.1 pandas==3.1.1 loguru==0.7.3
   mkdir -p .benchdata
   cp -r ../shared/data/tokenizers/qwen3 .benchdata/tokenizer
   cp ../shared/data/chat/fastchat/dummy_conversation.json .benchdata/chat.json
@@ -53,7 +61,9 @@ fi
 
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site-spec .whl/speculators/*.whl || echo "speculators wheels: not installed"
+export PYTHONPATH=/tmp/site:/tmp/site-spec:$PWD/src PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
@@ -97,4 +107,11 @@ python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bflo
 python3 benchmarks/verifiers.py --device cuda --hidden 1024 --layers 8 --vocab 32000 \
   --rows 4 --seq-len 4096 --json "$OUT/verifiers-gpu.json" 2>&1 \
   | grep -v "it/s\]" | tee "$OUT/verifiers-gpu.log"
+# every family's train step at DFlash's recipe shape (T 3072, 512 anchors, block 16, 5
+# layers) at a Qwen3-8B width: dense masked vs block-sparse draft attention vs speculators
+# 0.9.0's (its simple_flex_attention), time and peak CUDA memory (issue #44)
+python3 benchmarks/draft_attention.py --device cuda --hidden 4096 --heads 32 --kv-heads 8 \
+  --head-dim 128 --intermediate 12288 --vocab 32000 --draft-layers 5 --threads 8 \
+  --out /tmp/draft_attention --json "$OUT/draft_attention-gpu.json" 2>&1 \
+  | tee "$OUT/draft_attention-gpu.log"
 ls -la "$OUT"

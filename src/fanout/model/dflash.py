@@ -18,7 +18,8 @@ Architecture (DFlash paper; speculators `DFlashDraftModel`; SpecForge `OnlineDFl
   (optionally restricted to a draft vocabulary, `d2t`/`t2d` as in speculators);
 - RoPE positions come from the row's `position_ids` (restart per packed document):
   context t at `position_ids[t]`, block slot k at `position_ids[anchor] + k`;
-- anchors and the attention mask: see `fanout.model.anchors`.
+- anchors and the attention mask: see `fanout.model.anchors`; the attention computes only
+  the scores that mask allows (fanout.model.draft_attention, shared by every family).
 
 Loss (`DFlashDraft.loss`): slot k >= 1 of the block at anchor a predicts token a+k; its
 label is `target_ids[a+k-1]` (the verifier's greedy prediction of token a+k) or, with
@@ -39,22 +40,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Self
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from fanout.contract import DraftLayerIds
 from fanout.errors import ConfigError
-from fanout.flags import flag_options
-from fanout.model.anchors import (
-    block_attention_mask,
-    block_positions,
-    select_anchors,
-    slot_supervision,
-)
+from fanout.model.anchors import block_positions, select_anchors, slot_supervision
+from fanout.model.draft_attention import DraftAttention, PrefixMask, Rope
+from fanout.model.draft_config import DFlashConfig, DraftRecipe, default_target_layer_ids
 from fanout.model.verifier_dir import read_text_tensors, read_verifier_config
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
 from fanout.ops.linear_kl import linear_kl_div_and_argmax
@@ -67,103 +62,6 @@ from fanout.rows import (
     POSITION_IDS,
     TARGET_IDS,
 )
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss-decay gamma by block size: 4 for 8, 5 for 10, 7 for 16 (DFlash paper's values).
-    Other sizes: `bs / 2` up to 10, then `5 + (bs - 10) / 3` — the piecewise-linear
-    interpolation through those three points."""
-    return block_size / 2 if block_size <= 10 else 5 + (block_size - 10) / 3
-
-
-class DraftRecipe(BaseModel):
-    """What a user chooses about a draft: its depth, block, anchors and loss. Declared
-    once here; DFlashConfig (a draft's full config) and `fanout train`'s TrainConfig
-    (its flags) inherit these fields. The defaults are the recipe that works on a real
-    verifier (DFlash's released drafts and speculators: 5 layers, block 16, 512
-    anchors; docs/training.md says why); demos and tests set their own small values."""
-
-    num_layers: int = Field(5, ge=1, description="draft decoder layers")
-    block_size: int = Field(16, ge=2, description="tokens per draft block (anchor + masks)")
-    max_anchors: int = Field(512, ge=1, description="anchors drawn per row per step")
-    draft_vocab_size: int | None = Field(
-        None,
-        gt=0,
-        description="reduced draft vocabulary: the N tokens the run's data uses most "
-        "(token_counts.safetensors, written by the producer); default: the full vocab",
-    )
-    gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
-    # Speculators' trainer calls it per_position_loss_weight (the flag); checkpoints have
-    # always said loss_weighting (the field), so both names are accepted.
-    loss_weighting: Literal["exp", "dpace"] = Field(
-        "exp",
-        validation_alias=AliasChoices("loss_weighting", "per_position_loss_weight"),
-        description="per-slot loss weights",
-        json_schema_extra=flag_options(
-            flag="--per-position-loss-weight", aliases=("--loss-weighting",)
-        ),
-    )
-    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE confidence smoothing")
-    label_source: Literal["target_ids", "input_ids"] = Field(
-        "target_ids", description="labels: verifier greedy predictions or the data tokens"
-    )
-    loss_type: Literal["ce", "kl"] = Field(
-        "ce",
-        description="ce: cross-entropy against the labels; kl: KL from the verifier's full "
-        "next-token distribution (the run must be captured with --store-last-hidden-states)",
-    )
-
-    @model_validator(mode="after")
-    def _check_loss(self) -> DraftRecipe:
-        if self.loss_type == "kl" and self.loss_weighting == "dpace":
-            # D-PACE turns each slot's CE into an acceptance estimate; a KL is not one.
-            raise ValueError(
-                "loss_weighting (--per-position-loss-weight) 'dpace' needs loss_type 'ce'"
-            )
-        return self
-
-
-class DFlashConfig(DraftRecipe):
-    """Shape and training semantics of one DFlash draft: the DraftRecipe plus what the
-    verifier and the run fix (shapes, vocabulary, mask id, layers). Validated at
-    construction."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    hidden_size: int = Field(gt=0, description="H: verifier (and draft) hidden size")
-    intermediate_size: int = Field(gt=0, description="SwiGLU MLP width of each draft layer")
-    num_attention_heads: int = Field(gt=0, description="query heads")
-    num_key_value_heads: int = Field(gt=0, description="key/value heads (GQA)")
-    head_dim: int = Field(gt=0, description="per-head width")
-    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
-    rope_theta: float = Field(1e6, gt=0, description="RoPE base")
-    max_position_embeddings: int = Field(40960, gt=0, description="verifier's max positions")
-    vocab_size: int = Field(gt=0, description="verifier vocabulary size")
-    mask_token_id: int = Field(ge=0, description="token id of the noise/mask slots")
-    # a draft's layers (--draft-layer-ids); the name speculators / DFlash / vLLM read, kept
-    target_layer_ids: DraftLayerIds = Field(
-        min_length=1, description="verifier layers whose hidden states form the context (ascending)"
-    )
-    tie_word_embeddings: bool = Field(False, description="verifier ties lm_head to embeddings")
-
-    @model_validator(mode="after")
-    def _check(self) -> DFlashConfig:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.mask_token_id >= self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} >= vocab_size {self.vocab_size}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size")
-        return self
-
-    @property
-    def resolved_gamma(self) -> float:
-        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
 
 
 @dataclass
@@ -192,64 +90,11 @@ class LossOutput:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Rope(nn.Module):
-    """Qwen3/Llama "rotate half" RoPE from explicit positions."""
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
-
-    def forward(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        f = pos.float()[..., None] * self.inv_freq  # [B, L, hd/2]
-        emb = torch.cat((f, f), dim=-1)  # [B, L, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, h, L, hd]; cos/sin [B, L, hd]
-    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
-
-
-class Attention(nn.Module):
+class Attention(DraftAttention):
     """Queries from the block; keys/values from [context ; block] (context injected)."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
-        super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.nh * hd, bias=False)
-        self.k_proj = nn.Linear(h, self.nkv * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.nkv * hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
-
-    def kv(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (k-normed, rotated) and values of `x` `[B, L, H]`: `[B, nkv, L, hd]` each."""
-        b, n, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, n, self.nkv, self.hd)).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2)
-        return _apply_rope(k, *rope), v
-
-    def attend(
-        self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_q: Any, mask: Any
-    ) -> torch.Tensor:
-        """Queries of the block states `x` `[B, Q, H]` over `k`, `v` -> `[B, Q, H]`."""
-        b, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, q_len, self.nh, self.hd)).transpose(1, 2)
-        q = _apply_rope(q, *rope_q)  # [B, nh, Q, hd]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
-        return self.o_proj(o.transpose(1, 2).reshape(b, q_len, self.nh * self.hd))
+        super().__init__(cfg, qk_norm=True)
 
     def forward(
         self,
@@ -257,7 +102,7 @@ class Attention(nn.Module):
         ctx: torch.Tensor,  # [B, T, H] injected context
         rope_q: tuple[torch.Tensor, torch.Tensor],  # [B, Q, hd] x2
         rope_k: tuple[torch.Tensor, torch.Tensor],  # [B, T+Q, hd] x2
-        mask: torch.Tensor,  # [B, 1, Q, T+Q] bool
+        mask: PrefixMask | torch.Tensor,  # PrefixMask.blocks, or its dense [B, 1, Q, T+Q]
     ) -> torch.Tensor:
         k, v = self.kv(torch.cat([ctx, x], dim=1), rope_k)  # [B, nkv, T+Q, hd]
         return self.attend(x, k, v, rope_q, mask)
@@ -461,7 +306,7 @@ class DFlashDraft(nn.Module):
         pos_q = pos_q.view(b, a * bs)  # [B, A·bs] block slot k at anchor_pos + k
         rope_q = self.rope(pos_q, dt)
         rope_k = self.rope(torch.cat([pos_ids, pos_q], dim=1), dt)  # [B, T+A·bs, hd]
-        mask = block_attention_mask(batch[DOCUMENT_IDS], anchors, valid, bs)
+        mask = PrefixMask.blocks(batch[DOCUMENT_IDS], anchors, valid, bs)  # only what it allows
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask)
         return self.norm(x).view(b, a, bs, -1)  # [B, A, bs, H]
@@ -586,37 +431,6 @@ def _check_batch(batch: dict[str, torch.Tensor], width: int, kl: bool = False) -
         )
 
 
-def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash rule: one target layer per draft layer, spaced evenly over [1, L − 3].
-
-    One draft layer takes the middle layer `L // 2`. Same rule (and Python's `round`,
-    half to even) as `build_target_layer_ids` in the DFlash reference code, SGLang's
-    `python/sglang/srt/speculative/dflash_utils.py` and speculators' DFlash utils.
-
-    >>> default_target_layer_ids(36, 5)
-    [1, 9, 17, 25, 33]
-
-    Raises ConfigError when the verifier is too shallow to give distinct layers
-    (then pass `target_layer_ids` explicitly or fewer draft layers).
-    """
-    if num_verifier_layers <= 0:
-        raise ConfigError(f"num_verifier_layers must be > 0, got {num_verifier_layers}")
-    if num_draft_layers <= 0:
-        raise ConfigError(f"num_draft_layers must be > 0, got {num_draft_layers}")
-    if num_draft_layers == 1:
-        return [num_verifier_layers // 2]
-    start, end = 1, num_verifier_layers - 3
-    span = end - start
-    ids = [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-    if span < 0 or len(set(ids)) != len(ids):
-        raise ConfigError(
-            f"the DFlash layer rule gives {ids} for a {num_verifier_layers}-layer verifier and "
-            f"{num_draft_layers} draft layers (not distinct); pass target_layer_ids explicitly "
-            "or use fewer draft layers"
-        )
-    return ids
-
-
 def count_parameters(model: nn.Module) -> int:
     """Trainable parameter count."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -624,10 +438,7 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "Blocks",
-    "DFlashConfig",
     "DFlashDraft",
     "LossOutput",
     "count_parameters",
-    "default_gamma",
-    "default_target_layer_ids",
 ]

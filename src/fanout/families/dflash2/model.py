@@ -53,7 +53,8 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.dflash2.config import DFlash2Config
 from fanout.model.anchors import block_positions
-from fanout.model.dflash import DecoderLayer, DFlashConfig, DFlashDraft, LossOutput
+from fanout.model.dflash import DecoderLayer, DFlashDraft, LossOutput
+from fanout.model.draft_config import DFlashConfig
 from fanout.rows import INPUT_IDS
 
 # Rows per chunk are sized so one chunk's temporary ([chunk, V] logits for the top-k,

@@ -78,7 +78,8 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.dspark.config import DSparkConfig
 from fanout.model.anchors import block_positions, slot_supervision
-from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput, _check_batch
+from fanout.model.dflash import DFlashDraft, LossOutput, _check_batch
+from fanout.model.draft_config import DFlashConfig
 from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
 from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax, two_head_kl_div_and_argmax
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, TARGET_IDS

@@ -61,7 +61,9 @@ from torch import nn
 
 from fanout.errors import ConfigError
 from fanout.families.eagle3.config import Eagle3Config
-from fanout.model.dflash import MLP, DFlashConfig, DFlashDraft, LossOutput, _apply_rope
+from fanout.model.dflash import MLP, DFlashDraft, LossOutput
+from fanout.model.draft_attention import DraftAttention, PrefixMask
+from fanout.model.draft_config import DFlashConfig
 from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
 from fanout.rows import (
     DOCUMENT_IDS,
@@ -75,42 +77,14 @@ from fanout.rows import (
 Attend = Callable[[torch.Tensor], torch.Tensor]  # normed layer input -> attention output
 
 
-class Eagle3Attention(nn.Module):
+class Eagle3Attention(DraftAttention):
     """Llama attention whose projections read `in_features` (2H in the first layer:
     `[embedding ; hidden]`); with `qk_norm`, Qwen3's per-head `q_norm`/`k_norm` before
-    RoPE (a `qwen3` draft layer, P-EAGLE's reference)."""
+    RoPE (a `qwen3` draft layer, P-EAGLE's reference). The shared draft attention
+    (fanout.model.draft_attention)."""
 
     def __init__(self, cfg: DFlashConfig, in_features: int, *, qk_norm: bool = False) -> None:
-        super().__init__()
-        h, hd = cfg.hidden_size, cfg.head_dim
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(in_features, self.nh * hd, bias=False)
-        self.k_proj = nn.Linear(in_features, self.nkv * hd, bias=False)
-        self.v_proj = nn.Linear(in_features, self.nkv * hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
-        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps) if qk_norm else None
-
-    def kv(self, x: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated keys and values of `x` `[B, L, in]`: `[B, nkv, L, hd]` each."""
-        b, n, _ = x.shape
-        k = self.k_proj(x).view(b, n, self.nkv, self.hd)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        v = self.v_proj(x).view(b, n, self.nkv, self.hd).transpose(1, 2)
-        return _apply_rope(k.transpose(1, 2), *rope), v
-
-    def attend(
-        self, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Any, mask: Any
-    ) -> torch.Tensor:
-        """Queries of `x` `[B, Q, in]` over `k`, `v` `[B, nkv, K, hd]` -> `[B, Q, H]`."""
-        b, q_len, _ = x.shape
-        q = self.q_proj(x).view(b, q_len, self.nh, self.hd)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = _apply_rope(q.transpose(1, 2), *rope)  # [B, nh, Q, hd]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
-        return cast("torch.Tensor", self.o_proj(o.transpose(1, 2).reshape(b, q_len, -1)))
+        super().__init__(cfg, in_features, qk_norm=qk_norm)
 
 
 class Eagle3FirstLayer(nn.Module):
@@ -154,12 +128,11 @@ class Eagle3Layer(nn.Module):
 class Unroll:
     """The state of one TTT unroll over rows `[B, R]` (training, or the uncached
     drafting reference): each layer's keys/values of every step so far, the hidden
-    state fed to the next step, the rows' positions and the step-0 mask."""
+    state fed to the next step, the rows' positions and documents (the mask)."""
 
     hidden: torch.Tensor  # [B, R, H]
     pos: torch.Tensor  # [B, R] step-0 positions
-    mask0: torch.Tensor  # [B, 1, R, R] bool: document-causal, and each row itself
-    eye: torch.Tensor  # [B, 1, R, R] bool: the diagonal (a row's own later steps)
+    row_doc: torch.Tensor  # [B, R] documents (-1: padding, which sees only itself)
     keys: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][step] [B, nkv, R, hd]
     values: list[list[torch.Tensor]] = field(default_factory=list)
     step: int = 0
@@ -225,15 +198,9 @@ class Eagle3Draft(DFlashDraft):
     def start(self, hs: torch.Tensor, pos: torch.Tensor, row_doc: torch.Tensor) -> Unroll:
         """An unroll over rows with auxiliary states `hs` `[B, R, n·H]`, step-0 positions
         `pos` `[B, R]` and documents `row_doc` `[B, R]` (-1: padding)."""
-        r = row_doc.shape[1]
-        dev = row_doc.device
-        eye = torch.eye(r, dtype=torch.bool, device=dev)  # [R, R]
-        causal = torch.ones(r, r, dtype=torch.bool, device=dev).tril()
-        same = (row_doc[:, :, None] == row_doc[:, None, :]) & (row_doc[:, :, None] >= 0)
-        mask0 = ((same & causal) | eye)[:, None]  # [B, 1, R, R]
         n_layers = len(self.layers)
         return Unroll(
-            self.fuse(hs), pos, mask0, eye.expand_as(mask0),
+            self.fuse(hs), pos, row_doc,
             [[] for _ in range(n_layers)], [[] for _ in range(n_layers)],
         )  # fmt: skip
 
@@ -243,7 +210,8 @@ class Eagle3Draft(DFlashDraft):
         dt = self.fc.weight.dtype
         emb = F.embedding(tokens, self.embed_weight).to(dt)  # [B, R, H]
         rope = self.rope(u.pos + u.step, dt)
-        mask = torch.cat([u.mask0] + [u.eye] * u.step, dim=-1)  # [B, 1, R, (s+1)·R]
+        # step 0's rows <= r of its document, and row r's own steps 1..s: [B, 1, R, (s+1)·R]
+        mask = PrefixMask.causal(u.row_doc, steps=u.step + 1)
         x = u.hidden
         for i, layer in enumerate(self.layers):
             attend = functools.partial(self._ttt_attend, u, i, layer, rope, mask)
@@ -255,7 +223,7 @@ class Eagle3Draft(DFlashDraft):
 
     @staticmethod
     def _ttt_attend(
-        u: Unroll, i: int, layer: Any, rope: Any, mask: torch.Tensor, h: torch.Tensor
+        u: Unroll, i: int, layer: Any, rope: Any, mask: PrefixMask, h: torch.Tensor
     ) -> torch.Tensor:
         a = layer.self_attn
         k, v = a.kv(h, rope)  # [B, nkv, R, hd]

@@ -11,7 +11,10 @@ shared recipe, with its defaults (`speculators/models/mtp/core.py`
 FastMTP step-weight decay `step_weight_beta` 0.6 (step k weighs
 beta**k / sum_j beta**j).
 
-`MTPConfig` is `DFlashConfig` plus those fields. speculators' MTP has one layer
+`MTPConfig` is `DFlashConfig` plus those fields and `layer_config`: for a Qwen3-Next /
+Qwen3.5 / Qwen3.5-MoE verifier, its text config (what speculators writes as
+`transformer_layer_config` and builds the layer from; fanout.families.mtp.layers), None
+for the dense Qwen3 layer every other verifier gets. speculators' MTP has one layer
 (`num_nextn_predict_layers` 1, the only value it accepts), the verifier's whole
 vocabulary (no draft vocabulary) and the verifier's final hidden states as input (its
 `target_layer_ids` is `[num_hidden_layers]` in HF numbering: fanout's last decoder
@@ -31,7 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.dflash import DFlashConfig
+from fanout.model.draft_config import DFlashConfig
 
 
 class MTPRecipe(BaseModel):
@@ -49,12 +52,19 @@ class MTPRecipe(BaseModel):
 
 
 class MTPConfig(MTPRecipe, DFlashConfig):
-    """One MTP draft: one MTP layer (a Qwen3 decoder layer over `input_proj([norm(embed)
-    ; norm(hidden)])`, then `final_layernorm`) and its step recipe."""
+    """One MTP draft: one MTP layer (a decoder layer over `input_proj([norm(embed) ;
+    norm(hidden)])`, then `final_layernorm`: Qwen3's, or with `layer_config` the hybrid
+    verifier's own full-attention layer) and its step recipe."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     num_layers: int = Field(1, ge=1, le=1, description="MTP layers (speculators: exactly one)")
+    layer_config: dict[str, Any] | None = Field(
+        None,
+        description="a hybrid verifier's text config (speculators' transformer_layer_config: "
+        "Qwen3-Next / Qwen3.5 / Qwen3.5-MoE, fanout.families.mtp.layers); None: a dense "
+        "Qwen3 layer",
+    )
     label_source: Literal["target_ids", "input_ids"] = Field(
         "input_ids", description="labels: the data tokens (speculators) or target_ids"
     )

@@ -7,7 +7,9 @@ on its own output.
     out = draft.loss(batch, None)   # batch: window rows (the last layer's states)
     out.loss.backward(); print(out.per_slot_acc, out.eal)
 
-Architecture (speculators 0.9.0 `MTPDraftModel` with a Qwen3 layer,
+Architecture (speculators 0.9.0 `MTPDraftModel` with a Qwen3 layer; a Qwen3-Next /
+Qwen3.5 / Qwen3.5-MoE verifier's own full-attention layer with `cfg.layer_config`,
+fanout.families.mtp.layers;
 `speculators/models/mtp/model_definitions.py` `MTPLayerMixin`; vLLM's `mtp` models;
 same parameter names, so `trainable_state()` keys are speculators'
 `mtp_layers.0.*`): `input_proj` (2H -> H, bias-free) over
@@ -53,7 +55,10 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.eagle3.model import Attend, Eagle3Layer
 from fanout.families.mtp.config import MTPConfig
-from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput
+from fanout.families.mtp.layers import HybridMTPLayer, layer_rope
+from fanout.model.dflash import DFlashDraft, LossOutput
+from fanout.model.draft_attention import PrefixMask
+from fanout.model.draft_config import DFlashConfig
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, INPUT_IDS, LOSS_MASK, POSITION_IDS, TARGET_IDS
 
@@ -99,6 +104,8 @@ class MTPDraft(DFlashDraft):
         self.mtp_layers = cast("nn.ModuleList", self._modules.pop("layers"))
         for name in ("fc", "hidden_norm", "norm"):
             self._modules.pop(name)
+        if self.cfg.layer_config is not None:  # the hybrid layer's partial RoPE
+            self.rope = layer_rope(self.cfg.layer_config)  # type: ignore[assignment]
 
     @property
     def layers(self) -> nn.ModuleList:  # type: ignore[override]
@@ -111,7 +118,8 @@ class MTPDraft(DFlashDraft):
         return cast("MTPLayer", self.mtp_layers[0]).input_proj
 
     def make_layer(self, cfg: DFlashConfig, index: int) -> nn.Module:
-        return MTPLayer(cfg)
+        assert isinstance(cfg, MTPConfig)
+        return MTPLayer(cfg) if cfg.layer_config is None else HybridMTPLayer(cfg.layer_config)
 
     def fuse(self, hs: torch.Tensor) -> torch.Tensor:
         """The last decoder layer's output `[.., H]` -> the verifier's final-normed state."""
@@ -126,7 +134,7 @@ class MTPDraft(DFlashDraft):
         hidden: torch.Tensor,  # [B, R, H] final-normed hidden state of each row
         tokens: torch.Tensor,  # [B, R] fed tokens
         pos: torch.Tensor,  # [B, R] positions
-        mask: torch.Tensor,  # [B, 1, R, R] bool
+        mask: PrefixMask | torch.Tensor,  # PrefixMask.causal, or a [B, 1, R, R] bool
     ) -> torch.Tensor:
         """One pass of the MTP layer over rows: outputs `[B, R, H]` (final-normed)."""
         dt = self.fc.weight.dtype
@@ -148,10 +156,7 @@ class MTPDraft(DFlashDraft):
         ids, doc = batch[INPUT_IDS].long(), batch[DOCUMENT_IDS].long()
         r = ids.shape[1] - cfg.mtp_steps - 1  # speculators' valid_len
         row_doc, pos = doc[:, :r], batch[POSITION_IDS].long()[:, :r]
-        eye = torch.eye(r, dtype=torch.bool, device=ids.device)
-        causal = torch.ones(r, r, dtype=torch.bool, device=ids.device).tril()
-        same = (row_doc[:, :, None] == row_doc[:, None, :]) & (row_doc[:, :, None] >= 0)
-        mask = ((same & causal) | eye)[:, None]  # [B, 1, R, R]
+        mask = PrefixMask.causal(row_doc)  # rows <= t of its document; padding only itself
         hidden = self.fuse(batch[HIDDEN_STATES][:, :r])  # [B, R, H]
         outs = []
         for k in range(cfg.mtp_steps):

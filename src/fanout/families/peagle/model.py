@@ -63,7 +63,9 @@ from fanout.families.eagle3.model import (
     ttt_head,
 )
 from fanout.families.peagle.config import PEagleConfig
-from fanout.model.dflash import DFlashConfig, LossOutput
+from fanout.model.dflash import LossOutput
+from fanout.model.draft_attention import PrefixMask
+from fanout.model.draft_config import DFlashConfig
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, LAST_HIDDEN_STATES, POSITION_IDS
 
 
@@ -189,7 +191,7 @@ class PEagleDraft(Eagle3Draft):
         x = self.fuse(hid)  # [B, S, H]
         emb = F.embedding(tok, self.embed_tokens.weight).to(dt)  # [B, S, H]
         rope = self.rope(pos.gather(1, s.anchor) + s.depth, dt)  # [B, S, hd] x2
-        mask = chain_mask(s, row_doc)  # [B, 1, S, S]
+        mask = PrefixMask.chains(s.anchor, s.depth, s.valid, row_doc, self.cfg.num_depths)
         for layer in self.layers:
             a = cast("Eagle3Layer", layer).self_attn
 
@@ -255,7 +257,9 @@ class PEagleDraft(Eagle3Draft):
 
 def chain_mask(s: Samples, row_doc: torch.Tensor) -> torch.Tensor:
     """Boolean SDPA mask `[B, 1, S, S]` of sampled positions `s` (module docstring):
-    depth-0 rows <= the anchor in its document, and the chain's own depths <= its."""
+    depth-0 rows <= the anchor in its document, and the chain's own depths <= its. The
+    training forward computes only what it allows (`PrefixMask.chains`, the same mask;
+    tests/test_draft_attention.py compares the two)."""
     doc = row_doc.gather(1, s.anchor)  # [B, S] the chain's document
     ok = s.valid & (doc >= 0)
     aq, ak = s.anchor[:, :, None], s.anchor[:, None, :]  # [B, S, 1], [B, 1, S]

@@ -60,7 +60,8 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.xpress.config import XPressConfig
 from fanout.model.anchors import block_positions
-from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput
+from fanout.model.dflash import DFlashDraft, LossOutput
+from fanout.model.draft_config import DFlashConfig
 from fanout.ops.two_head_ce import TwoHeadOut, two_head_ce_tv_and_argmax
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES
 
