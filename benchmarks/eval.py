@@ -66,7 +66,8 @@ from fanout.decode.eval import (
 )
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import DecodeResult
-from fanout.model.dflash import DFlashDraft, DraftRecipe
+from fanout.model.dflash import DFlashDraft
+from fanout.model.draft_config import DraftRecipe
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

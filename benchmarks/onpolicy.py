@@ -45,7 +45,8 @@ from fanout.bench.bench import run_bench
 from fanout.bench.config import AssetsSpec, BenchConfig, ConsumerSpec, ProducerSpec
 from fanout.bench.demo import heldout_prompts
 from fanout.data.chat import load_conversations
-from fanout.decode.eval import EvalConfig, evaluate
+from fanout.decode.config import EvalConfig
+from fanout.decode.eval import evaluate
 from fanout.regen.engine import RegenOptions, Request
 from fanout.regen.hf import HFEngine
 from fanout.regen.regenerate import RegenerateConfig, regenerate

@@ -14,9 +14,11 @@ optimizer ..., ...)"); the table gives the median (min) of each part and of the 
 command, with the load average (`os.getloadavg`) before and after. docs/operations.md,
 "Trainer start-up", quotes it.
 
-A second row per tree: how long a flag-only error takes to come back (`fanout produce
---replica-rank 2 --replicas 2 ...`, exit 1: fanout.cli.early_check refuses it before
-torch is imported), over `--flag-errors` runs; `--no-trainers` times only that.
+Then per tree and command (produce, train, eval, promote): how long a flag-only error
+takes to come back (`fanout produce --replica-rank 2 --replicas 2 ...`, `fanout train
+... --block-size 1`, `fanout eval ... --temperature -1`, `fanout promote --margin -1`:
+one line, exit 1; fanout.cli.early_check refuses them before torch is imported), over
+`--flag-errors` runs each, goal < 1 s; `--no-trainers` times only those.
 """
 
 from __future__ import annotations
@@ -103,19 +105,32 @@ def one_trainer(root: Path, src: str, name: str) -> dict[str, Any]:
     return out
 
 
-FLAG_ERROR = ["produce", "--replica-rank", "2", "--replicas", "2", "--run-dir", "r",
-              "--verifier-name-or-path", "v", "--data", "d"]  # fmt: skip
+# command -> (argv, what its one line must say): a flag-only error per command whose
+# configs fanout.cli.EARLY checks before the command's module (and torch) is imported
+FLAG_ERRORS: dict[str, tuple[list[str], str]] = {
+    "produce": (["produce", "--replica-rank", "2", "--replicas", "2", "--run-dir", "r",
+                 "--verifier-name-or-path", "v", "--data", "d"],
+                "--replica-rank 2 must be below --replicas 2"),
+    "train": (["train", "--run-dir", "r", "--consumer-id", "c", "--verifier-name-or-path", "v",
+               "--save-path", "s", "--block-size", "1"], "--block-size"),
+    "eval": (["eval", "--verifier-name-or-path", "v", "--data", "d", "--tokenizer", "t",
+              "--draft", "x", "--temperature", "-1"], "temperatures must be >= 0"),
+    "promote": (["promote", "--margin", "-1"], "--margin"),
+}  # fmt: skip
+FLAG_ERROR_GOAL_S = 1.0  # issue #45: a flag-only error back in under a second
 
 
-def one_flag_error(src: str) -> float:
-    """Seconds from launch to the exit of a `fanout produce` refused for its flags."""
+def one_flag_error(src: str, command: str) -> float:
+    """Seconds from launch to the exit of `fanout COMMAND` refused for its flags."""
+    argv, says = FLAG_ERRORS[command]
     env = {**os.environ, "PYTHONPATH": src}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "fanout.cli", *FLAG_ERROR], env=env,
+    r = subprocess.run([sys.executable, "-m", "fanout.cli", *argv], env=env,
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     took = time.perf_counter() - t0
-    if r.returncode != 1 or "--replica-rank 2 must be below --replicas 2" not in r.stderr:
-        raise SystemExit(f"the flag error did not come back as expected: {r.stderr[-2000:]}")
+    if r.returncode != 1 or says not in r.stderr or r.stderr.count("\n") != 1:
+        raise SystemExit(f"{command}: the flag error did not come back as expected: "
+                         f"{r.stderr[-2000:]}")  # fmt: skip
     return took
 
 
@@ -149,11 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             build_run(root)
         load_before = os.getloadavg()
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in trees}
-        flag_errors: dict[str, list[float]] = {k: [] for k in trees}
+        flag_errors: dict[str, dict[str, list[float]]] = {
+            k: {c: [] for c in FLAG_ERRORS} for k in trees
+        }
         for i in range(max(args.flag_errors, 0 if args.no_trainers else args.pairs)):
             for k, src in trees.items():
                 if i < args.flag_errors:
-                    flag_errors[k].append(one_flag_error(src))
+                    for c in FLAG_ERRORS:
+                        flag_errors[k][c].append(one_flag_error(src, c))
                 if not args.no_trainers and i < args.pairs:
                     runs[k].append(one_trainer(root, src, f"{k}-{os.getpid()}-{i}"))
         load_after = os.getloadavg()
@@ -184,16 +202,19 @@ def main(argv: list[str] | None = None) -> int:
                         what=f"trainer launch → first step ({k} tree)", result=statistics.median(xs),
                         unit="s", spread=spread(xs), n=len(xs), n_of="trainers",
                         conditions=f"tiny run (hidden 32 × 4 layers, block 4); median s by part: {parts}"))  # fmt: skip
-    print("| tree | flag error, s (median (min)) |\n|---|---|")
-    for k, xs in flag_errors.items():
-        if not xs:
-            continue
-        print(f"| {k} | {statistics.median(xs):.2f} ({min(xs):.2f}) |")
-        rows.append(Row(stage="start-up", name=f"flag_error_s.{k}",
-                        what=f"a flag-only error (`fanout produce --replica-rank 2 --replicas 2`) "
-                        f"→ exit 1 ({k} tree)", result=statistics.median(xs), unit="s",
-                        spread=spread(xs), n=len(xs), n_of="commands",
-                        conditions="checked before torch is imported (fanout.cli.early_check)"))  # fmt: skip
+    print("| tree | command | flag error, s (median (min)) |\n|---|---|---|")
+    for k, by_cmd in flag_errors.items():
+        for c, xs in by_cmd.items():
+            if not xs:
+                continue
+            med = statistics.median(xs)
+            print(f"| {k} | {c} | {med:.2f} ({min(xs):.2f}) |")
+            rows.append(Row(stage="start-up", name=f"flag_error_s.{c}.{k}",
+                            what=f"a flag-only error of `fanout {c}` ({' '.join(FLAG_ERRORS[c][0][1:])}) "
+                            f"→ one line, exit 1 ({k} tree)", result=med, unit="s",
+                            spread=spread(xs), n=len(xs), n_of="commands",
+                            goal=f"< {FLAG_ERROR_GOAL_S:g}", met=med < FLAG_ERROR_GOAL_S,
+                            conditions="checked before torch is imported (fanout.cli.EARLY)"))  # fmt: skip
     out = {"trees": trees, "load": [load_before, load_after], "runs": runs,
            "flag_errors": flag_errors}  # fmt: skip
     rec.write(args.json, rows, raw=out | {"summary": summary})

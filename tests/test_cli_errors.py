@@ -411,6 +411,39 @@ def test_failed_start_after_the_database_drops_it_and_a_retry_starts_clean(
     assert summary["windows"] == 1
 
 
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["train", "--run-dir", "r", "--consumer-id", "c", "--verifier-name-or-path", "v",
+          "--save-path", "s", "--block-size", "1"], "--block-size: Input should be greater"),
+        (["train", "--draft-family", "dflash", "--markov-rank", "4"],
+         "--markov-rank: dspark option(s), but --draft-family is dflash"),
+        (["train", "--draft-family", "nope"], "--draft-family: Input should be 'dflash'"),
+        (["eval", "--verifier-name-or-path", "v", "--data", "d", "--tokenizer", "t",
+          "--temperature", "-1"], "temperatures must be >= 0"),
+        (["promote", "--margin", "-1"], "--margin: Input should be greater than or equal to 0"),
+    ],
+    ids=["train-bound", "train-other-family", "train-unknown-family", "eval", "promote"],
+)  # fmt: skip
+def test_flag_errors_of_train_eval_promote_come_back_before_torch(
+    tmp_path: Path, argv: list[str], says: str
+) -> None:
+    """Issue 45.5 for the other commands: their configs (fanout.model.draft_config,
+    fanout.families.registry with each family's model imported on first use,
+    fanout.decode.config) load without torch, so fanout.cli.EARLY checks them first: one
+    line, exit 1, and neither torch nor transformers imported."""
+    code = (
+        "import sys\nfrom fanout.cli import main\n"
+        f"rc = main({argv!r})\n"
+        "print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)  # fmt: skip
+    assert r.stdout.split("\n")[0] == "1 []", (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert f"fanout {argv[0]}: error:" in r.stderr and says in r.stderr, r.stderr
+
+
 def test_a_flag_only_error_comes_back_before_torch_is_imported(tmp_path: Path) -> None:
     """Issue 45.5: `--replica-rank 2 --replicas 2` is refused by fanout.cli.early_check,
     one line and exit 1, before the producer's module (and torch) is imported (its time:

@@ -37,7 +37,7 @@ from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat, ReadOptions
 from fanout.data.prepare import DataOptions, PrepareConfig
 from fanout.decode import eval as eval_mod
-from fanout.decode.eval import EvalConfig
+from fanout.decode.config import EvalConfig
 from fanout.errors import ConfigError
 from fanout.families.registry import FAMILIES
 from fanout.flags import (
@@ -50,7 +50,7 @@ from fanout.flags import (
     to_flags,
 )
 from fanout.model.capture_layers import CaptureLayers
-from fanout.model.dflash import DFlashConfig, DraftRecipe
+from fanout.model.draft_config import DFlashConfig, DraftRecipe
 from fanout.model.verifier import VerifierConfig, VerifierOptions
 from fanout.produce import producer as produce_mod
 from fanout.produce.config import ProducerConfig

@@ -11,7 +11,8 @@ import torch
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.errors import ConfigError
 from fanout.model.anchors import select_anchors, slot_supervision
-from fanout.model.dflash import DFlashConfig, DFlashDraft, default_gamma
+from fanout.model.dflash import DFlashDraft
+from fanout.model.draft_config import DFlashConfig, default_gamma
 from fanout.ops.adamw import make_optimizer
 
 N_CTX = 2  # captured layers
@@ -335,7 +336,7 @@ def test_one_layer_rule_for_producer_and_trainer(tmp_path: Path) -> None:
     layer)."""
     from fanout.bench.assets import tiny_qwen3_verifier
     from fanout.model.capture_layers import resolve_capture_layer_ids
-    from fanout.model.dflash import default_target_layer_ids
+    from fanout.model.draft_config import default_target_layer_ids
 
     assert default_target_layer_ids(36, 1) == [18]
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]

@@ -25,8 +25,8 @@ import torch
 import fanout.model.sampling as sampling
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder
-from fanout.model.dflash import DFlashConfig
 from fanout.model.draft_cache import IndependentSlots
+from fanout.model.draft_config import DFlashConfig
 from fanout.model.sampling import Sampling, accept_or_resample, one_hot, probabilities
 from fanout.model.verifier import load_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse)

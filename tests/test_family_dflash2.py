@@ -49,8 +49,9 @@ from safetensors.torch import load_file, save_file
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
-from fanout.families.dflash2 import FAMILY, DFlash2Config, DFlash2Draft, SelectorContext
-from fanout.families.dflash2.model import DFlash2Layer
+from fanout.families.dflash2 import FAMILY, DFlash2Config
+from fanout.families.dflash2.model import DFlash2Draft, DFlash2Layer
+from fanout.families.dflash2.propose import SelectorContext
 from fanout.families.registry import family, family_of
 from fanout.families.serving import load_draft
 from fanout.model.anchors import slot_supervision

@@ -54,8 +54,8 @@ from safetensors.torch import load_file, save_file
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
-from fanout.families.eagle3 import Eagle3Draft, vllm_default_layers
-from fanout.families.eagle3.model import ttt_head
+from fanout.families.eagle3 import vllm_default_layers
+from fanout.families.eagle3.model import Eagle3Draft, ttt_head
 from fanout.families.eagle3.propose import Eagle3Context
 from fanout.families.registry import family, family_of
 from fanout.model.verifier import load_verifier

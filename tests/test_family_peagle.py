@@ -43,8 +43,7 @@ from safetensors.torch import load_file
 
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import CheckpointError, ConfigError
-from fanout.families.peagle import PEagleDraft
-from fanout.families.peagle.model import cod_sample
+from fanout.families.peagle.model import PEagleDraft, cod_sample
 from fanout.families.peagle.propose import PEagleContext
 from fanout.families.registry import family, family_of
 from fanout.families.serving import load_draft

@@ -49,7 +49,7 @@ from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.registry import family, family_of
 from fanout.families.serving import load_draft
-from fanout.families.xpress import XPressDraft
+from fanout.families.xpress.model import XPressDraft
 from fanout.families.xpress.propose import XPressContext
 from fanout.model import dflash as fanout_dflash
 from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits

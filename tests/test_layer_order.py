@@ -32,11 +32,13 @@ from fanout.bench.report import eval_markdown
 from fanout.contract import ascending_layer_ids
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.status import snapshot
-from fanout.decode.eval import EvalConfig, EvalSession, evaluate
+from fanout.decode.config import EvalConfig
+from fanout.decode.eval import EvalSession, evaluate
 from fanout.errors import CheckpointError
 from fanout.families.serving import latest_checkpoint, load_draft, read_config, upgrade_checkpoint
-from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import IndependentSlots, UncachedDraft
+from fanout.model.draft_config import DFlashConfig
 from fanout.produce.producer import Producer
 from fanout.train.checkpoint import load_checkpoint
 from fanout.train.config import TrainConfig

@@ -138,7 +138,8 @@ def test_loss_decreases_and_eal_rises(run: Run) -> None:
     assert spec["fanout"]["train_eal"] == pytest.approx(_mean(log[-50:], "eal"), abs=1e-3)
     # serve it: real speculative decoding on held-out prompts from the checkpoint alone
     from fanout.bench.assets import write_jsonl
-    from fanout.decode.eval import EvalConfig, evaluate
+    from fanout.decode.config import EvalConfig
+    from fanout.decode.eval import evaluate
 
     held = write_jsonl(run.root / "held.jsonl", repetitive_corpus(6, seed=77))
     rep = evaluate(

@@ -17,7 +17,7 @@ from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.contract import CaptureContract
 from fanout.errors import ConfigError
 from fanout.model.capture_layers import resolve_capture_layer_ids
-from fanout.model.dflash import default_target_layer_ids
+from fanout.model.draft_config import default_target_layer_ids
 from fanout.model.verifier import (
     Verifier,
     config_hash,

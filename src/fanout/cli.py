@@ -34,7 +34,15 @@ INFO_LOGGING = ("produce", "train")
 # (benchmarks/startup.py measures it). The command's own config checks them again.
 EARLY: dict[str, tuple[str, ...]] = {
     "produce": ("fanout.produce.replicas:ReplicaOptions",),
+    # the family, its own options and the shared recipe: the registry and every
+    # family's config load without torch (Family.model_ref: models on first use)
+    "train": ("fanout.families.registry:FamilyOptions", "fanout.model.draft_config:DraftRecipe"),
+    "eval": ("fanout.decode.config:EvalConfig",),
+    "promote": ("fanout.decode.config:PromoteConfig",),
 }
+# flags that put a command in a mode needing less than its whole config (the command
+# checks that mode itself): no early check then
+EARLY_UNLESS: dict[str, tuple[str, ...]] = {"promote": ("--rollback",)}
 
 
 class _Quiet(argparse.ArgumentParser):
@@ -48,7 +56,7 @@ def early_check(argv: list[str]) -> None:
     """Raise ConfigError if `argv`'s command breaks a flag-only rule of its EARLY
     components; anything else (help, a flag the full parser rejects) is left to it."""
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command not in EARLY or {"-h", "--help"} & set(argv):
+    if command not in EARLY or {"-h", "--help", *EARLY_UNLESS.get(command, ())} & set(argv):
         return
     rest = argv[argv.index(command) + 1 :]
     for ref in EARLY[command]:

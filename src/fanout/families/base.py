@@ -7,7 +7,8 @@ and decoding code and one family's folder.
     ctx = fam.context(draft, cached=True)  # the drafting step fanout eval runs
 
 A family is a `Family` subclass with one instance in `fanout.families.registry`. It
-names its model (`draft_class`, whose `config_class` is its validated config), its
+names its model (`model_ref`, imported on first use of `draft_class`: the registry and
+the configs load without torch) and its validated config (`config_class`), its
 own flags (`recipe`, a pydantic model mixed into `fanout train`'s config; its field
 names are unique across families), the shared recipe fields whose reference value
 differs from DFlash's (`recipe_defaults`), what its checkpoint writes beyond the DFlash
@@ -17,14 +18,18 @@ its drafting step (`context`).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.model.dflash import DFlashConfig, DFlashDraft, DraftRecipe, default_target_layer_ids
-from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+from fanout.model.draft_config import DFlashConfig, DraftRecipe, default_target_layer_ids
+
+if TYPE_CHECKING:  # the model side imports torch: loaded on first use (`draft_class`)
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
 
 
 class NoOptions(BaseModel):
@@ -35,7 +40,11 @@ class Family:
     """One draft family (see the module docstring); subclasses set the class vars."""
 
     name: ClassVar[str]  # --draft-family value
-    draft_class: ClassVar[type[DFlashDraft]]
+    # its model, "module:Class", imported (with torch) on first use of `draft_class`, so
+    # that the registry and every config (flags, checks) load without torch
+    model_ref: ClassVar[str]
+    # its validated config (the model's `config_class`; tests/test_families.py checks)
+    config_class: ClassVar[type[DFlashConfig]] = DFlashConfig
     recipe: ClassVar[type[BaseModel]] = NoOptions
     # shared DraftRecipe fields (block_size, max_anchors, ...) whose reference value
     # for this family differs from the DraftRecipe default
@@ -60,6 +69,13 @@ class Family:
     # tensors its model.safetensors holds that training never changes: the verifier's
     # head rows and the draft-vocabulary maps (what a parameter count leaves out)
     frozen_tensors: ClassVar[frozenset[str]] = frozenset({"lm_head.weight", "d2t", "t2d"})
+
+    @property
+    def draft_class(self) -> type[DFlashDraft]:
+        """Its model class (`model_ref`), imported on first use."""
+        module, cls = self.model_ref.split(":")
+        draft_class: type[DFlashDraft] = getattr(importlib.import_module(module), cls)
+        return draft_class
 
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         """The verifier layers its reference recipe reads (fanout's decoder-layer ids),
@@ -204,6 +220,8 @@ class Family:
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
         """The drafting step `fanout eval` runs (fanout.decode.spec_decode)."""
+        from fanout.model.draft_cache import DraftCache, UncachedDraft
+
         return DraftCache(draft) if cached else UncachedDraft(draft)
 
     def drafting_context(

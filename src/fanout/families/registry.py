@@ -11,7 +11,10 @@ from fanout.errors import ConfigError
 from fanout.families import dflash, dflash2, dspark, eagle3, mtp, peagle, xpress
 from fanout.families.base import Family
 from fanout.flags import field_flag, flag_options
-from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.draft_config import DFlashConfig
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -105,7 +108,7 @@ def family_of(draft: DFlashDraft) -> Family:
 def family_of_config(cfg: DFlashConfig) -> Family:
     """The family whose validated config `cfg` is (its exact class)."""
     for f in FAMILIES.values():
-        if type(cfg) is f.draft_class.config_class:
+        if type(cfg) is f.config_class:
             return f
     raise ConfigError(f"{type(cfg).__name__} is no registered family's config")
 

@@ -31,7 +31,8 @@ from fanout.families.numbering import (
 )
 from fanout.families.registry import family_of_config, family_of_model_type
 from fanout.filesystem import FileSystem
-from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.dflash import DFlashDraft
+from fanout.model.draft_config import DFlashConfig
 from fanout.model.verifier_dir import read_verifier_config
 
 # Written last into a checkpoint directory (fanout.train.checkpoint); one without it is
@@ -342,7 +343,7 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
     own = [k for k in fam.options() if k not in serving]
     training = {k: saved[k] for k in (*_TRAINING_ONLY, *own) if k in saved}
     try:
-        return fam.draft_class.config_class(
+        return fam.config_class(
             **training,
             **{k: cfg[k] for k in serving},
             hidden_size=tl["hidden_size"],

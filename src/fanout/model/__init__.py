@@ -15,6 +15,22 @@ fanout.families'.
 May import: ops and the core.
 """
 
-from fanout.model.dflash import DFlashConfig, DFlashDraft, LossOutput, default_gamma
+from typing import TYPE_CHECKING, Any
+
+from fanout.model.draft_config import DFlashConfig, default_gamma
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft, LossOutput
+
+
+def __getattr__(name: str) -> Any:
+    """The draft model's classes, imported (with torch) on first use: a config alone
+    (fanout.model.draft_config) must not import torch."""
+    if name in ("DFlashDraft", "LossOutput"):
+        from fanout.model import dflash
+
+        return getattr(dflash, name)
+    raise AttributeError(name)
+
 
 __all__ = ["DFlashConfig", "DFlashDraft", "LossOutput", "default_gamma"]

@@ -24,7 +24,7 @@ from fanout.errors import ConfigError
 from fanout.flags import flag_options
 
 # the DFlash layer rule lives with the draft (one rule for producer and trainer)
-from fanout.model.dflash import default_target_layer_ids
+from fanout.model.draft_config import default_target_layer_ids
 
 NEW, OLD = "capture_layer_ids", "target_layer_ids"
 _BOTH = object()  # both names given: the field validator refuses it, under the field's name

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from fanout.families.registry import FamilyOptions
-from fanout.model.dflash import DraftRecipe
+from fanout.model.draft_config import DraftRecipe
 from fanout.tracking import TrackingOptions, wandb_missing
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
 
@@ -28,7 +28,7 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
     ConsumerOptions', declared once in fanout.train.consumer; the draft's recipe
     (num_layers, block_size, max_anchors, draft_vocab_size, gamma, loss weighting,
     dpace_alpha, label_source, loss_type) is DraftRecipe's, declared once in
-    fanout.model.dflash with the defaults that work on a real verifier; the family
+    fanout.model.draft_config with the defaults that work on a real verifier; the family
     (--draft-family) and each family's own options are FamilyOptions'
     (fanout.families.registry); where --logger wandb logs TrackingOptions'
     (fanout.tracking); these are the trainer's."""

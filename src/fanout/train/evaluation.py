@@ -29,7 +29,8 @@ class PeriodicEval:
         self.session: Any = None  # fanout.decode.eval.EvalSession
 
     def __call__(self, draft: DFlashDraft) -> dict[str, Any]:
-        from fanout.decode.eval import EvalConfig, EvalSession
+        from fanout.decode.config import EvalConfig
+        from fanout.decode.eval import EvalSession
 
         cfg = self.cfg
         t0 = time.perf_counter()

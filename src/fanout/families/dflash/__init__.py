@@ -10,12 +10,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from fanout.families.base import Family
-from fanout.model.dflash import DFlashDraft
 
 
 class DFlash(Family):
     name: ClassVar[str] = "dflash"
-    draft_class: ClassVar[type[DFlashDraft]] = DFlashDraft
+    model_ref: ClassVar[str] = "fanout.model.dflash:DFlashDraft"
     speculators_model_type: ClassVar[str] = "dflash"
     architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
     serving_method: ClassVar[str] = "dflash"

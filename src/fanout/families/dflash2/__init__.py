@@ -17,22 +17,24 @@ architecture).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
 from fanout.errors import ConfigError
 from fanout.families.base import Family
 from fanout.families.dflash2.config import DFlash2Config, DFlash2Recipe
-from fanout.families.dflash2.model import DFlash2Draft
-from fanout.families.dflash2.propose import SelectorContext
-from fanout.model.dflash import DFlashDraft
-from fanout.model.draft_cache import DraftContext
+from fanout.model.draft_config import DFlashConfig
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
 
 
 class DFlash2(Family):
     name: ClassVar[str] = "dflash2"
-    draft_class: ClassVar[type[DFlashDraft]] = DFlash2Draft
+    model_ref: ClassVar[str] = "fanout.families.dflash2.model:DFlash2Draft"
+    config_class: ClassVar[type[DFlashConfig]] = DFlash2Config
     recipe: ClassVar[type[BaseModel]] = DFlash2Recipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
     speculators_model_type: ClassVar[str] = "dflash2"
@@ -47,6 +49,9 @@ class DFlash2(Family):
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
         """The selector's drafting step (fanout.families.dflash2.propose)."""
+        from fanout.families.dflash2.model import DFlash2Draft
+        from fanout.families.dflash2.propose import SelectorContext
+
         if not isinstance(draft, DFlash2Draft):
             raise ConfigError(
                 f"the dflash2 family drafts with a DFlash2Draft, got {type(draft).__name__}"
@@ -56,4 +61,4 @@ class DFlash2(Family):
 
 FAMILY = DFlash2()
 
-__all__ = ["FAMILY", "DFlash2", "DFlash2Config", "DFlash2Draft", "DFlash2Recipe", "SelectorContext"]
+__all__ = ["FAMILY", "DFlash2", "DFlash2Config", "DFlash2Recipe"]

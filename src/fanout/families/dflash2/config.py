@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.dflash import DFlashConfig
+from fanout.model.draft_config import DFlashConfig
 
 
 class DFlash2Recipe(BaseModel):

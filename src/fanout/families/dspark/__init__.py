@@ -13,21 +13,23 @@ anchors (speculators' trainer CLI default). Served by vLLM under method `dspark`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
 from fanout.families.base import Family
-from fanout.families.dspark.config import DSparkRecipe
-from fanout.families.dspark.model import DSparkDraft
-from fanout.families.dspark.propose import DSparkContext
-from fanout.model.dflash import DFlashDraft
-from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
+from fanout.model.draft_config import DFlashConfig
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
 
 
 class DSpark(Family):
     name: ClassVar[str] = "dspark"
-    draft_class: ClassVar[type[DFlashDraft]] = DSparkDraft
+    model_ref: ClassVar[str] = "fanout.families.dspark.model:DSparkDraft"
+    config_class: ClassVar[type[DFlashConfig]] = DSparkConfig
     recipe: ClassVar[type[BaseModel]] = DSparkRecipe
     # speculators' DSpark recipe: block 8 (its config default), 512 anchors (its CLI
     # default, as DFlash's; 3072 is only DSparkDraftModel's fallback without the CLI)
@@ -53,6 +55,10 @@ class DSpark(Family):
         return bool(conf) or super().needs_last_hidden_states(recipe)
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+        from fanout.families.dspark.model import DSparkDraft
+        from fanout.families.dspark.propose import DSparkContext
+        from fanout.model.draft_cache import DraftCache, UncachedDraft
+
         if not isinstance(draft, DSparkDraft):
             raise TypeError(f"DSpark drafts with a DSparkDraft, got {type(draft).__name__}")
         return DSparkContext(draft, DraftCache(draft) if cached else UncachedDraft(draft))

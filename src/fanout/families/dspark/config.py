@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fanout.model.dflash import DFlashConfig
+from fanout.model.draft_config import DFlashConfig
 
 # Markov head variants speculators declares; fanout trains (and serves) the first.
 IMPLEMENTED_HEADS = ("vanilla",)

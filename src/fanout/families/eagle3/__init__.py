@@ -18,18 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
 from fanout.errors import ConfigError
 from fanout.families.base import Family
 from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe, shared_field_problem
-from fanout.families.eagle3.model import Eagle3Draft
-from fanout.families.eagle3.propose import Eagle3Context
-from fanout.model.dflash import DFlashConfig, DFlashDraft, DraftRecipe
-from fanout.model.draft_cache import DraftContext
+from fanout.model.draft_config import DFlashConfig, DraftRecipe
 from fanout.rows import TARGET_IDS
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
 
 # speculators' and vLLM's default draft vocabulary
 DRAFT_VOCAB_SIZE = 32000
@@ -54,7 +55,8 @@ def vllm_default_layers(num_verifier_layers: int) -> list[int]:
 
 class Eagle3(Family):
     name: ClassVar[str] = "eagle3"
-    draft_class: ClassVar[type[DFlashDraft]] = Eagle3Draft
+    model_ref: ClassVar[str] = "fanout.families.eagle3.model:Eagle3Draft"
+    config_class: ClassVar[type[DFlashConfig]] = Eagle3Config
     recipe: ClassVar[type[BaseModel]] = Eagle3Recipe
     # speculators' eagle3 trainer: one layer, kl_div
     recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "loss_type": "kl"}
@@ -186,6 +188,9 @@ class Eagle3(Family):
         self, draft: DFlashDraft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
         """Chain drafting of `num_speculative_tokens` (default: the draft's ttt_steps)."""
+        from fanout.families.eagle3.model import Eagle3Draft
+        from fanout.families.eagle3.propose import Eagle3Context
+
         if not isinstance(draft, Eagle3Draft):
             raise ConfigError(
                 f"the eagle3 family drafts with an Eagle3Draft, got {type(draft).__name__}"
@@ -200,6 +205,5 @@ __all__ = [
     "FAMILY",
     "Eagle3",
     "Eagle3Config",
-    "Eagle3Draft",
     "vllm_default_layers",
 ]

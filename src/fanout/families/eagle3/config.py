@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.dflash import DFlashConfig
+from fanout.model.draft_config import DFlashConfig
 from fanout.rows import TARGET_IDS
 
 

@@ -1,110 +1,64 @@
 """MTP: one multi-token-prediction layer (attention + MLP) over the verifier's final
 hidden state and the next token's embedding, with the verifier's whole vocabulary
-(fanout.families.mtp.model: the model and loss; .propose: the drafting step; .config:
-its flags).
+(fanout.families.mtp.model: the model and loss; .layers: a hybrid verifier's own layer;
+.propose: the drafting step; .config: its flags).
 
     fanout produce --capture-for mtp ...                 # the last decoder layer
     fanout train --draft-family mtp --mtp-steps 3 ...    # reference recipe by default
     fanout eval --draft out/mtp/checkpoint-... --num-speculative-tokens 3
 
 Reference recipe (speculators 0.9.0's `MTPDraftModel.from_training_args` and
-`get_trainer_kwargs`): one Qwen3 MTP layer, 3 steps, cross-entropy against the data
-tokens weighted per step by FastMTP's normalised 0.6**k, the embedding and head the
+`get_trainer_kwargs`): one MTP layer, 3 steps, cross-entropy against the data tokens
+weighted per step by FastMTP's normalised 0.6**k, the embedding and head the
 verifier's (frozen, not written). Its checkpoint is speculators' `mtp` (`MTPDraftModel`,
 `num_nextn_predict_layers` 1); vLLM serves it under method `mtp`, drafting a chain
 (`fanout.families.mtp.propose`), which is how `fanout eval` decodes it.
 
-Start: a verifier that ships its own MTP weights (Qwen3.5 / Qwen3-Next / DeepSeek-V3
-style `mtp.*` tensors, which transformers drops at load) starts the draft from them,
-read with safetensors' `safe_open` and renamed as speculators' `MTPConverter` does
-(`verifier_mtp_state`); weights that do not fit the layer the verifier's config
-describes are refused in one line. Otherwise speculators' initialisation (normal(0,
-0.02) linears, unit norms). `MTP.build` logs which.
+The layer is the one speculators builds for the verifier's model type: for
+`qwen3_next`, `qwen3_5_text` and `qwen3_5_moe_text` (Qwen3-Next, Qwen3.5, Qwen3.5-MoE)
+the architecture's own full-attention decoder layer (gated attention, partial RoPE,
+its MLP or sparse MoE, zero-centred norms; fanout.families.mtp.layers), its config the
+verifier's text config (`MTPConfig.layer_config`, written as speculators'
+`transformer_layer_config`); for any other verifier a dense Qwen3 layer of its shapes.
+A DeepSeek-V3 / GLM-4.5 style MTP layer in the checkpoint is refused in one line:
+speculators 0.9.0 has no MTP layer for it.
+
+Start: a verifier that ships its own MTP weights (Qwen3.5 / Qwen3-Next style `mtp.*`
+tensors, which transformers drops at load) starts the draft from them, read with
+safetensors' `safe_open`, renamed and their per-expert tensors fused as speculators'
+`MTPConverter` does (`verifier_mtp_state`); weights that do not fit the layer the
+verifier's config describes are refused in one line. Otherwise speculators'
+initialisation (normal(0, 0.02) linears, unit norms; fanout.families.mtp.layers for
+the hybrid layer's router and experts). `MTP.build` logs which layer and which start.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from pydantic import BaseModel
 
 from fanout.errors import ConfigError
 from fanout.families.base import Family
 from fanout.families.mtp.config import MTPConfig, MTPRecipe, shared_field_problem
-from fanout.families.mtp.model import MTPDraft
-from fanout.families.mtp.propose import MTPContext
-from fanout.model.dflash import DFlashConfig, DFlashDraft, DraftRecipe
-from fanout.model.draft_cache import DraftContext
+from fanout.model.draft_config import DFlashConfig, DraftRecipe
 from fanout.rows import INPUT_IDS
 
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
+
 log = logging.getLogger(__name__)
-
-# speculators' MTPConverter renames (verifier checkpoint -> MTPDraftModel)
-_EXACT = {
-    "mtp.fc.weight": "mtp_layers.0.input_proj.weight",
-    "mtp.norm.weight": "mtp_layers.0.final_layernorm.weight",
-}
-_PREFIX = (
-    ("mtp.pre_fc_norm_hidden.", "mtp_layers.0.hidden_layernorm."),
-    ("mtp.pre_fc_norm_embedding.", "mtp_layers.0.token_layernorm."),
-    ("mtp.layers.0.", "mtp_layers.0."),
-)
-
-
-def _renamed(key: str) -> str:
-    if key in _EXACT:
-        return _EXACT[key]
-    for src, dst in _PREFIX:
-        if key.startswith(src):
-            return dst + key[len(src) :]
-    return key
-
-
-def verifier_mtp_state(
-    verifier_dir: Path, shapes: dict[str, torch.Size]
-) -> dict[str, torch.Tensor] | None:
-    """The verifier's own MTP weights under the draft's names (None: it ships none), its
-    norm gains as the draft's norms multiply by (a zero-centred norm's w + 1). Raises
-    ConfigError in one line when they do not fit `shapes` (the draft's tensors)."""
-    from fanout.model.verifier_dir import _tensor_names, read_verifier_tensors, text_tensors
-
-    names = sorted(n for n in _tensor_names(verifier_dir) if n.startswith("mtp."))
-    if not names:
-        return None
-    offset = text_tensors(verifier_dir).norm_offset
-    by_name = {_renamed(n): n for n in names}
-    where = f"verifier {verifier_dir}'s mtp.* weights"
-    unexpected = sorted(k for k in by_name if k not in shapes)
-    missing = sorted(k for k in shapes if k not in by_name)
-    if unexpected or missing:
-        bad = [by_name[k] for k in unexpected[:3]] + missing[:3]
-        raise ConfigError(
-            f"--draft-family mtp: {where} do not match the dense Qwen3 MTP layer its config "
-            f"describes ({len(unexpected)} unexpected, {len(missing)} missing: "
-            f"{', '.join(bad)}); a gated-attention / MoE / MLA MTP layer is not one fanout's "
-            "mtp trains"
-        )
-    tensors = read_verifier_tensors(verifier_dir, names)
-    out = {}
-    for k, n in by_name.items():
-        t = tensors[n]
-        if t.shape != shapes[k]:
-            raise ConfigError(
-                f"--draft-family mtp: {where}: {n} is {list(t.shape)}, but the verifier's "
-                f"config gives {list(shapes[k])}"
-            )
-        out[k] = t.float() + offset if (offset and "norm" in k) else t
-    return out
 
 
 class MTP(Family):
     """One MTP layer drafting a chain; the verifier's last layer its only input."""
 
     name: ClassVar[str] = "mtp"
-    draft_class: ClassVar[type[DFlashDraft]] = MTPDraft
+    model_ref: ClassVar[str] = "fanout.families.mtp.model:MTPDraft"
+    config_class: ClassVar[type[DFlashConfig]] = MTPConfig
     recipe: ClassVar[type[BaseModel]] = MTPRecipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "label_source": INPUT_IDS}
     speculators_model_type: ClassVar[str] = "mtp"
@@ -139,6 +93,8 @@ class MTP(Family):
         """A fresh draft (`block_size` mapped to `mtp_steps + 1`, the verifier's last
         layer its input), started from the verifier's own MTP weights where it ships
         them."""
+        from fanout.families.mtp.layers import verifier_layer_config
+        from fanout.families.mtp.weights import verifier_mtp_state
         from fanout.model.verifier_dir import read_verifier_config
 
         vdir = Path(verifier_dir)
@@ -154,17 +110,27 @@ class MTP(Family):
                 f"--draft-layer-ids {fields['target_layer_ids']}: MTP reads the verifier's "
                 f"last layer only ({last}); drop it"
             )
+        layer_config = verifier_layer_config(vdir)
+        kind = "qwen3" if layer_config is None else layer_config["model_type"]
         draft = super().build(
-            vdir, **(fields | {"block_size": steps + 1, "target_layer_ids": last})
+            vdir,
+            **(fields | {"block_size": steps + 1, "target_layer_ids": last})
+            | {"layer_config": layer_config},
         )
         shapes = {k: v.shape for k, v in draft.trainable_state().items()}
-        own = verifier_mtp_state(vdir, shapes)
+        own = verifier_mtp_state(vdir, shapes, zero_centred=layer_config is not None)
         if own is None:
-            log.info("mtp: %s ships no mtp.* weights; speculators' initialisation", vdir)
+            log.info(
+                "mtp: a %s MTP layer; %s ships no mtp.* weights: speculators' "
+                "initialisation", kind, vdir,
+            )  # fmt: skip
         else:
             dt = draft.fc.weight.dtype
             draft.load_state_dict({k: v.to(dt) for k, v in own.items()}, strict=False)
-            log.info("mtp: starting from %s's own MTP weights (%d tensors)", vdir, len(own))
+            log.info(
+                "mtp: a %s MTP layer, starting from %s's own MTP weights (%d tensors, "
+                "renamed as speculators' MTPConverter)", kind, vdir, len(own),
+            )  # fmt: skip
         return draft
 
     def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
@@ -183,20 +149,32 @@ class MTP(Family):
         return cfg.mtp_steps
 
     def speculators_fields(self, cfg: DFlashConfig, verifier: dict[str, Any]) -> dict[str, Any]:
-        """speculators 0.9.0's `MTPSpeculatorConfig`: the verifier's (Qwen3) layer config
-        (its depth as `num_hidden_layers`), `num_nextn_predict_layers` 1, and fanout's
-        layer field (the last layer, speculators' `target_layer_ids`)."""
+        """speculators 0.9.0's `MTPSpeculatorConfig`: the verifier's layer config (a
+        Qwen3 one of its shapes, its depth as `num_hidden_layers`; a hybrid verifier's
+        own text config), `num_nextn_predict_layers` 1, and fanout's layer field (the
+        last layer, speculators' `target_layer_ids`)."""
         out = super().speculators_fields(cfg, verifier)
+        assert isinstance(cfg, MTPConfig)
         layer = out["transformer_layer_config"]
         depth = cfg.target_layer_ids[0] + 1
         layer |= {"num_hidden_layers": depth, "layer_types": ["full_attention"] * depth}
+        if cfg.layer_config is not None:  # the hybrid verifier's own text config
+            out["transformer_layer_config"] = dict(cfg.layer_config)
         drop = ("block_size", "target_hidden_size", "mask_token_id", "sample_from_anchor",
                 "sliding_window_non_causal", "draft_vocab_size")  # fmt: skip
         return {k: v for k, v in out.items() if k not in drop} | {"num_nextn_predict_layers": 1}
 
     def layout_fields(self, cfg: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
         steps = int(saved.get("mtp_steps", MTPRecipe().mtp_steps))
-        return {"block_size": steps + 1, "mask_token_id": saved["mask_token_id"]}
+        from fanout.families.mtp.layers import HYBRID_MODEL_TYPES
+
+        tl = cfg.get("transformer_layer_config") or {}
+        hybrid = tl.get("model_type") in HYBRID_MODEL_TYPES
+        return {
+            "block_size": steps + 1,
+            "mask_token_id": saved["mask_token_id"],
+            "layer_config": tl if hybrid else None,  # the layer an engine builds
+        }
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
         return self.drafting_context(draft, cached=cached)
@@ -205,6 +183,9 @@ class MTP(Family):
         self, draft: DFlashDraft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
         """Chain drafting of `num_speculative_tokens` (default: the draft's mtp_steps)."""
+        from fanout.families.mtp.model import MTPDraft
+        from fanout.families.mtp.propose import MTPContext
+
         if not isinstance(draft, MTPDraft):
             raise ConfigError(f"the mtp family drafts with an MTPDraft, got {type(draft).__name__}")
         return MTPContext(draft, num_speculative_tokens=num_speculative_tokens, cached=cached)
@@ -212,4 +193,4 @@ class MTP(Family):
 
 FAMILY = MTP()
 
-__all__ = ["FAMILY", "MTP", "MTPConfig", "MTPDraft", "verifier_mtp_state"]
+__all__ = ["FAMILY", "MTP", "MTPConfig"]

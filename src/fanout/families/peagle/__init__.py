@@ -20,7 +20,7 @@ how `fanout eval` decodes it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -28,11 +28,12 @@ from fanout.errors import ConfigError
 from fanout.families.base import Family
 from fanout.families.eagle3 import Eagle3
 from fanout.families.peagle.config import PEagleConfig, PEagleRecipe, shared_field_problem
-from fanout.families.peagle.model import PEagleDraft
-from fanout.families.peagle.propose import PEagleContext
-from fanout.model.dflash import DFlashConfig, DFlashDraft, DraftRecipe
-from fanout.model.draft_cache import DraftContext
+from fanout.model.draft_config import DFlashConfig, DraftRecipe
 from fanout.rows import TARGET_IDS
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
 
 
 class PEagle(Eagle3):
@@ -40,7 +41,8 @@ class PEagle(Eagle3):
     depths in place of TTT steps."""
 
     name: ClassVar[str] = "peagle"
-    draft_class: ClassVar[type[DFlashDraft]] = PEagleDraft
+    model_ref: ClassVar[str] = "fanout.families.peagle.model:PEagleDraft"
+    config_class: ClassVar[type[DFlashConfig]] = PEagleConfig
     recipe: ClassVar[type[BaseModel]] = PEagleRecipe
     speculators_model_type: ClassVar[str] = "peagle"
     architectures: ClassVar[tuple[str, ...]] = ("PEagleDraftModel",)
@@ -103,6 +105,9 @@ class PEagle(Eagle3):
         self, draft: DFlashDraft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
         """Parallel drafting of `num_speculative_tokens` (default: the draft's depths)."""
+        from fanout.families.peagle.model import PEagleDraft
+        from fanout.families.peagle.propose import PEagleContext
+
         if not isinstance(draft, PEagleDraft):
             raise ConfigError(
                 f"the peagle family drafts with a PEagleDraft, got {type(draft).__name__}"
@@ -112,4 +117,4 @@ class PEagle(Eagle3):
 
 FAMILY = PEagle()
 
-__all__ = ["FAMILY", "PEagle", "PEagleConfig", "PEagleDraft"]
+__all__ = ["FAMILY", "PEagle", "PEagleConfig"]

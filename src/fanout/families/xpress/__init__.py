@@ -20,21 +20,23 @@ forward, then the Jacobi refine passes (`fanout.families.xpress.propose`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
 from fanout.families.base import Family
 from fanout.families.xpress.config import XPressConfig, XPressRecipe, shared_problem
-from fanout.families.xpress.model import XPressDraft
-from fanout.families.xpress.propose import XPressContext
-from fanout.model.dflash import DFlashDraft
-from fanout.model.draft_cache import DraftCache, DraftContext, UncachedDraft
+from fanout.model.draft_config import DFlashConfig
+
+if TYPE_CHECKING:
+    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft_cache import DraftContext
 
 
 class XPress(Family):
     name: ClassVar[str] = "xpress"
-    draft_class: ClassVar[type[DFlashDraft]] = XPressDraft
+    model_ref: ClassVar[str] = "fanout.families.xpress.model:XPressDraft"
+    config_class: ClassVar[type[DFlashConfig]] = XPressConfig
     recipe: ClassVar[type[BaseModel]] = XPressRecipe
     # speculators' XPress recipe: block 16 (DraftRecipe's too), 512 anchors, gamma 4.0
     # (its trainer's dflash_decay_gamma default, not fanout's block-16 value 7)
@@ -58,6 +60,10 @@ class XPress(Family):
         return True  # every loss term has a TV part (and the accept rates need p)
 
     def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+        from fanout.families.xpress.model import XPressDraft
+        from fanout.families.xpress.propose import XPressContext
+        from fanout.model.draft_cache import DraftCache, UncachedDraft
+
         if not isinstance(draft, XPressDraft):
             raise TypeError(f"XPress drafts with an XPressDraft, got {type(draft).__name__}")
         return XPressContext(draft, DraftCache(draft) if cached else UncachedDraft(draft))
@@ -65,4 +71,4 @@ class XPress(Family):
 
 FAMILY = XPress()
 
-__all__ = ["FAMILY", "XPress", "XPressConfig", "XPressDraft"]
+__all__ = ["FAMILY", "XPress", "XPressConfig"]

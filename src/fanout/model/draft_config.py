@@ -1,0 +1,149 @@
+"""A draft's config without torch: what a user chooses (DraftRecipe) and a whole DFlash
+draft's shapes and semantics (DFlashConfig), with the DFlash layer rule.
+
+    from fanout.model.draft_config import DFlashConfig, DraftRecipe, default_target_layer_ids
+    DraftRecipe().block_size                       # 16: the reference recipe
+    default_target_layer_ids(36, 5)                # [1, 9, 17, 25, 33]
+
+Kept apart from the model (fanout.model.dflash) so that every config a command's flags
+build imports no torch: `fanout train`'s flag errors come back before torch is
+imported (fanout.cli.EARLY; benchmarks/startup.py measures it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from fanout.contract import DraftLayerIds
+from fanout.errors import ConfigError
+from fanout.flags import flag_options
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss-decay gamma by block size: 4 for 8, 5 for 10, 7 for 16 (DFlash paper's values).
+    Other sizes: `bs / 2` up to 10, then `5 + (bs - 10) / 3` — the piecewise-linear
+    interpolation through those three points."""
+    return block_size / 2 if block_size <= 10 else 5 + (block_size - 10) / 3
+
+
+class DraftRecipe(BaseModel):
+    """What a user chooses about a draft: its depth, block, anchors and loss. Declared
+    once here; DFlashConfig (a draft's full config) and `fanout train`'s TrainConfig
+    (its flags) inherit these fields. The defaults are the recipe that works on a real
+    verifier (DFlash's released drafts and speculators: 5 layers, block 16, 512
+    anchors; docs/training.md says why); demos and tests set their own small values."""
+
+    num_layers: int = Field(5, ge=1, description="draft decoder layers")
+    block_size: int = Field(16, ge=2, description="tokens per draft block (anchor + masks)")
+    max_anchors: int = Field(512, ge=1, description="anchors drawn per row per step")
+    draft_vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="reduced draft vocabulary: the N tokens the run's data uses most "
+        "(token_counts.safetensors, written by the producer); default: the full vocab",
+    )
+    gamma: float | None = Field(None, gt=0, description="exp loss decay; default by block size")
+    # Speculators' trainer calls it per_position_loss_weight (the flag); checkpoints have
+    # always said loss_weighting (the field), so both names are accepted.
+    loss_weighting: Literal["exp", "dpace"] = Field(
+        "exp",
+        validation_alias=AliasChoices("loss_weighting", "per_position_loss_weight"),
+        description="per-slot loss weights",
+        json_schema_extra=flag_options(
+            flag="--per-position-loss-weight", aliases=("--loss-weighting",)
+        ),
+    )
+    dpace_alpha: float = Field(0.5, ge=0, le=1, description="D-PACE confidence smoothing")
+    label_source: Literal["target_ids", "input_ids"] = Field(
+        "target_ids", description="labels: verifier greedy predictions or the data tokens"
+    )
+    loss_type: Literal["ce", "kl"] = Field(
+        "ce",
+        description="ce: cross-entropy against the labels; kl: KL from the verifier's full "
+        "next-token distribution (the run must be captured with --store-last-hidden-states)",
+    )
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> DraftRecipe:
+        if self.loss_type == "kl" and self.loss_weighting == "dpace":
+            # D-PACE turns each slot's CE into an acceptance estimate; a KL is not one.
+            raise ValueError(
+                "loss_weighting (--per-position-loss-weight) 'dpace' needs loss_type 'ce'"
+            )
+        return self
+
+
+class DFlashConfig(DraftRecipe):
+    """Shape and training semantics of one DFlash draft: the DraftRecipe plus what the
+    verifier and the run fix (shapes, vocabulary, mask id, layers). Validated at
+    construction."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden_size: int = Field(gt=0, description="H: verifier (and draft) hidden size")
+    intermediate_size: int = Field(gt=0, description="SwiGLU MLP width of each draft layer")
+    num_attention_heads: int = Field(gt=0, description="query heads")
+    num_key_value_heads: int = Field(gt=0, description="key/value heads (GQA)")
+    head_dim: int = Field(gt=0, description="per-head width")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon")
+    rope_theta: float = Field(1e6, gt=0, description="RoPE base")
+    max_position_embeddings: int = Field(40960, gt=0, description="verifier's max positions")
+    vocab_size: int = Field(gt=0, description="verifier vocabulary size")
+    mask_token_id: int = Field(ge=0, description="token id of the noise/mask slots")
+    # a draft's layers (--draft-layer-ids); the name speculators / DFlash / vLLM read, kept
+    target_layer_ids: DraftLayerIds = Field(
+        min_length=1, description="verifier layers whose hidden states form the context (ascending)"
+    )
+    tie_word_embeddings: bool = Field(False, description="verifier ties lm_head to embeddings")
+
+    @model_validator(mode="after")
+    def _check(self) -> DFlashConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.mask_token_id >= self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} >= vocab_size {self.vocab_size}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size")
+        return self
+
+    @property
+    def resolved_gamma(self) -> float:
+        return self.gamma if self.gamma is not None else default_gamma(self.block_size)
+
+
+def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) -> list[int]:
+    """The DFlash rule: one target layer per draft layer, spaced evenly over [1, L − 3].
+
+    One draft layer takes the middle layer `L // 2`. Same rule (and Python's `round`,
+    half to even) as `build_target_layer_ids` in the DFlash reference code, SGLang's
+    `python/sglang/srt/speculative/dflash_utils.py` and speculators' DFlash utils.
+
+    >>> default_target_layer_ids(36, 5)
+    [1, 9, 17, 25, 33]
+
+    Raises ConfigError when the verifier is too shallow to give distinct layers
+    (then pass `target_layer_ids` explicitly or fewer draft layers).
+    """
+    if num_verifier_layers <= 0:
+        raise ConfigError(f"num_verifier_layers must be > 0, got {num_verifier_layers}")
+    if num_draft_layers <= 0:
+        raise ConfigError(f"num_draft_layers must be > 0, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_verifier_layers // 2]
+    start, end = 1, num_verifier_layers - 3
+    span = end - start
+    ids = [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    if span < 0 or len(set(ids)) != len(ids):
+        raise ConfigError(
+            f"the DFlash layer rule gives {ids} for a {num_verifier_layers}-layer verifier and "
+            f"{num_draft_layers} draft layers (not distinct); pass target_layer_ids explicitly "
+            "or use fewer draft layers"
+        )
+    return ids
