@@ -1,55 +1,73 @@
-"""Four draft families from one capture: τ ranked, fan-out rows/s, train step vs speculators.
+"""Every registered draft family from one capture: τ ranked, fan-out rows/s, step vs speculators.
 
     .venv/bin/python benchmarks/families.py --json benchmarks/results/families.json  # all
     .venv/bin/python benchmarks/families.py --only step --json /tmp/step.json        # part 3
     .venv/bin/python benchmarks/families.py --only ranking --steps 20 --temperatures 0 1
     .venv/bin/python benchmarks/families.py --config my-bench.json --out runs/fam2  # other assets
 
-Run from the repository root. Time measured on a shared 2-vCPU AMD EPYC (load average
-3-7): `--only step` ≈ 40 s; everything ≈ 7.5 min = the two scenarios ≈ 3 min (including
-the first build of the assets, cached in `runs/assets` after it), the eval ≈ 4 min, the
-step ≈ 35 s.
+Run from the repository root. The families are `fanout.families.registry.FAMILIES`
+(seven: dflash, dflash2, dspark, eagle3, mtp, peagle, xpress). Time measured with the
+seven on a shared 2-vCPU machine (load average 1.5-3): everything ≈ 9 min = the two
+scenarios ≈ 3 min (the first build of the assets included, cached in `runs/assets`
+after it), the eval ≈ 5 min, `--only step` ≈ 1 min; the demo-verifier ranking of
+benchmarks/results/families-demo-verifier.json (its `command`) ≈ 12 min, most of it
+the producer's 50 epochs.
 
 1. τ per family, same stream, same steps. The bench harness (fanout.bench.bench
-   `run_bench`) with one block-8 consumer per family (`--draft-family` dflash, dflash2,
-   dspark; `--anchors` anchors a row, `--steps` steps each) and the producer capturing
-   for all three (`--capture-for`), scenarios `1p3c` (one producer, one stream, the
-   three drafts) and `unshared` (one producer per draft). Assets, producer and role
-   threads come from `--config` (default benchmarks/fanout/cpu-tiny.json: a random h512
-   × 8-layer Qwen3 verifier, so that capture costs what it does next to a real
-   verifier; its greedy text is hard to imitate, so τ stays near 1 in a short run —
-   give a config with `"use_demo_verifier": true` for drafts that learn). Then
-   `fanout eval` (fanout.decode.eval) of the 1p3c drafts on `--prompts` generated
-   conversations that are not in the training data (`fanout.bench.demo.heldout_prompts`)
-   at T = 0 (and `--temperatures`), lossless checked against greedy, and the drafts
-   ranked (fanout.bench.ranking: τ with its 95% interval, train EAL, median train step,
-   parameters, checkpoint size; `<out>/tau.png`).
+   `run_bench`) with one consumer per family (`--draft-family` each registered family,
+   its block size `Family.block_size_for(8)`: 8 for the DFlash families, 4 = EAGLE-3's
+   TTT steps + 1 and MTP's steps + 1, 9 = P-EAGLE's depths + 1; `--anchors` anchors a
+   row, `--steps` steps each) and the producer capturing for all of them
+   (`--capture-for`), scenarios `1p3c` (the harness's one-producer scenario: one
+   producer, one stream, every draft) and `unshared` (one producer per draft). Assets,
+   producer and role threads come from `--config` (default
+   benchmarks/fanout/cpu-tiny.json: a random h512 × 8-layer Qwen3 verifier, so that
+   capture costs what it does next to a real verifier; its greedy text is hard to
+   imitate, so τ stays near 1 in a short run — give a config with
+   `"use_demo_verifier": true` for drafts that learn, e.g.
+   benchmarks/fanout/cpu-demo-families.json). Then `fanout eval` (fanout.decode.eval)
+   of the 1p3c drafts on `--prompts` generated conversations that are not in the
+   training data (`fanout.bench.demo.heldout_prompts`) at T = 0 (and `--temperatures`),
+   lossless checked against greedy, and the drafts ranked (fanout.bench.ranking: τ with
+   its 95% interval, train EAL, median train step, parameters, checkpoint size;
+   `<out>/tau.png`).
 2. Rows/s of the one multi-family run against single-family runs: the harness report's
    aggregate rows/s per scenario (all trainers together, over the window where every
    one is past its warm-up) and `aggregate_speedup_vs_unshared` = 1p3c / unshared
-   (goal ≥ 2.0: one verifier pass feeds three drafts).
+   (goal ≥ 3.0 with seven families: one verifier pass feeds every draft; four gave 2.04).
+   The trainers and producers share the machine's cores, so the ratio is bounded by how
+   much of the unshared run's CPU time capture took.
 3. Each family's train step against speculators 0.9.0's model of it, same config and
    rows. A tiny random Qwen3 verifier (`--step-hidden` × `--step-layers`, vocab
-   `--step-vocab`), one fanout draft per family (`Family.build`: 1 layer, block 8,
-   `--step-anchors` anchors, 3 target layers; EAGLE-3: 1 layer, 3 TTT steps, every
-   position), saved with `save_checkpoint` and loaded by speculators'
-   `DFlashDraftModel` / `DFlash2DraftModel` / `DSparkDraftModel` / `Eagle3DraftModel`
-   (`from_pretrained`, eager attention: its flex attention compiles a block mask for
-   CUDA). One packed row of `--step-rows` tokens, every token supervised, one document;
-   random context states, the verifier's greedy tokens of random final states as labels
-   (fanout's `target_ids`; speculators recomputes them from the pre-norm states it is
-   given). Loss: `--step-loss` (ce: fanout's default, speculators `--loss-fn ce`; kl:
-   `kl_div`), exp decay with fanout's gamma on both, speculators' "eager" losses (its
-   fused ones are Triton kernels) as `get_trainer_kwargs` resolves them. One step =
-   forward + loss, backward, `torch.optim.AdamW(fused=True)` step on both sides (the
-   kernel fanout's trainer picks on CPU; no clipping on either). `--warmup` untimed
-   steps each, then `--repeats` rounds, fanout and speculators alternating (order
-   swapped every round, so drifting load hits both); median, min and max per side, the
-   ratio of medians fanout / speculators (goal ≤ 1.0) and its per-round min-max. The
-   anchors are drawn at random on both sides (same count; positions do not change the
-   work). EAGLE-3's speculators side gets the row as its `shift_batch` makes it (state t,
-   token t+1, target t+1) with fanout's step-0 mask. Without speculators installed this
-   part is skipped and says so.
+   `--step-vocab`), one fanout draft per family (`Family.build`: 1 layer, the block size
+   of part 1, `--step-anchors` anchors, the family's layers of 3 captured ones
+   (`Family.draft_layers`: MTP reads the last)), saved with `save_checkpoint` and loaded
+   by speculators' class of the family (`speculators.models.<speculators_model_type>`,
+   the checkpoint's `architectures`: DFlashDraftModel, DFlash2DraftModel,
+   DSparkDraftModel, Eagle3DraftModel, MTPDraftModel, PEagleDraftModel,
+   XPressDraftModel; `from_pretrained`, eager attention: its flex attention compiles a
+   block mask for CUDA; XPress's unset `causal_tril` buffer filled as
+   tests/test_family_xpress.py does). One packed row of `--step-rows` tokens, every
+   token supervised, one document; random context states, the verifier's greedy tokens
+   of random final states as labels (fanout's `target_ids`; speculators recomputes them
+   from the pre-norm states it is given). Loss: `--step-loss` (ce: fanout's default,
+   speculators `--loss-fn ce`; kl: `kl_div`), exp decay with fanout's gamma on both,
+   speculators' "eager" losses (its fused ones are Triton kernels) as
+   `get_trainer_kwargs` resolves them from the draft's recipe (TTT steps, MTP steps and
+   step weights, P-EAGLE depths and COD ratios, XPress's CE/TV weights, consistency
+   rounds and base anchor). XPress and MTP train their own loss whatever `--step-loss`
+   says (XPress CE + TV, MTP step-weighted CE on the data tokens). One step = forward +
+   loss, backward, `torch.optim.AdamW(fused=True)` step on both sides (the kernel
+   fanout's trainer picks on CPU; no clipping on either). `--warmup` untimed steps
+   each, then `--repeats` rounds, fanout and speculators alternating (order swapped
+   every round, so drifting load hits both); median, min and max per side, the ratio
+   of medians fanout / speculators (goal ≤ 1.0) and its per-round min-max. The anchors
+   (P-EAGLE: COD samples) are drawn at random on both sides (same count; positions do
+   not change the work). EAGLE-3's and P-EAGLE's speculators side gets the row as its
+   `shift_batch` makes it (state t, token t+1, target t+1) with fanout's step-0 mask;
+   MTP's gets the last layer's states final-normed (its data pipeline's), fanout's the
+   states before the norm (the capture's). Without speculators installed this part is
+   skipped and says so.
 
 `--json OUT` holds every figure: commit (and whether the tree differs from it), date,
 hardware, versions, torch threads, load average (`os.getloadavg`) before and after each
@@ -57,8 +75,8 @@ part, the sizes, sample sizes and spreads. Keys: `ranking.rows` (fanout.bench.ra
 rows), `ranking.lossless`, `throughput.aggregate_rows_per_s.<scenario>`,
 `throughput.aggregate_speedup_vs_unshared`, `throughput.goal_met`,
 `step.families.<name>.{fanout,speculators}.{median_ms,min_ms,max_ms,fwd_ms,bwd_ms,
-opt_ms,runs}`, `.ratio`, `.ratio_min_max`, `.goal_met`; `step.skipped` (why) without
-speculators.
+opt_ms,runs}`, `.ratio`, `.ratio_min_max`, `.goal_met`, `.block_size`,
+`.target_layer_ids`; `step.skipped` (why) without speculators.
 """
 
 from __future__ import annotations
@@ -89,21 +107,15 @@ REPO = Path(__file__).resolve().parents[1]
 FAMILY_NAMES = tuple(FAMILIES)  # every registered family
 SCENARIOS = ["1p3c", "unshared"]
 BLOCK = 8
-SPEEDUP_GOAL = 2.0  # aggregate rows/s, 1p3c over unshared
+SPEEDUP_GOAL = 3.0  # aggregate rows/s, 1p3c over unshared, seven families (#44)
 STEP_GOAL = 1.0  # fanout step time / speculators'
-# speculators 0.9.0's model and config class of each family
-SPEC_CLASSES = {
-    "dflash": ("speculators.models.dflash", "DFlashDraftModel", "DFlashSpeculatorConfig"),
-    "dflash2": ("speculators.models.dflash2", "DFlash2DraftModel", "DFlash2SpeculatorConfig"),
-    "dspark": ("speculators.models.dspark", "DSparkDraftModel", "DSparkSpeculatorConfig"),
-    "eagle3": ("speculators.models.eagle3", "Eagle3DraftModel", "Eagle3SpeculatorConfig"),
-    "peagle": ("speculators.models.peagle", "PEagleDraftModel", "PEagleSpeculatorConfig"),
-    "xpress": ("speculators.models.xpress", "XPressDraftModel", "XPressSpeculatorConfig"),
-}
 SPEC_LOSS = {"ce": "ce", "kl": "kl_div"}  # fanout loss_type -> speculators --loss-fn
 # a family whose loss is its own compound (trained as fanout's loss_type ce whatever
 # --step-loss says): speculators' --loss-fn for it, its trainer's default
-SPEC_OWN_LOSS = {"xpress": '{"ce": 0.1, "tv": 0.9}'}
+# A family whose loss is its own (trained with fanout's loss_type ce whatever --step-loss
+# says): speculators' --loss-fn for it, its trainer's default (MTP: none, its step
+# weights are its loss)
+SPEC_OWN_LOSS: dict[str, str | None] = {"xpress": '{"ce": 0.1, "tv": 0.9}', "mtp": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,7 +134,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=SCENARIOS,
         default=SCENARIOS,
-        help="harness scenarios: 1p3c alone ranks the drafts without the rows/s comparison",
+        help="harness scenarios (1p3c: one producer feeding every family's draft; unshared: "
+        "one producer per draft); 1p3c alone ranks the drafts without the rows/s comparison",
+    )
+    ap.add_argument(
+        "--scenario-timeout-s",
+        type=float,
+        help="kill a harness scenario after this many seconds (default: the config's; seven "
+        "trainers on two cores take longer than the config's consumers did)",
     )
     ap.add_argument("--steps", type=int, default=40, help="train steps per draft (ranking)")
     ap.add_argument("--anchors", type=int, default=8, help="anchors per row (ranking drafts)")
@@ -141,7 +160,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-hidden", type=int, default=256, help="step verifier hidden size")
     ap.add_argument("--step-layers", type=int, default=8, help="step verifier layers")
     ap.add_argument("--step-vocab", type=int, default=8192, help="step verifier vocabulary")
-    ap.add_argument("--step-loss", choices=["ce", "kl"], default="ce", help="loss of the step")
+    ap.add_argument(
+        "--step-loss",
+        choices=["ce", "kl"],
+        default="ce",
+        help="loss of the step (MTP, XPress: their own)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     ap.add_argument("--repeats", type=int, default=9, help="timed steps per side")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the step and the eval")
@@ -184,6 +208,7 @@ def families_config(a: argparse.Namespace) -> BenchConfig:
             "consumers": consumers,
             "scenarios": a.scenarios,
             "unshared_producer_devices": None,
+            "scenario_timeout_s": a.scenario_timeout_s or base.scenario_timeout_s,
         }
     )
 
@@ -255,7 +280,8 @@ def eval_and_rank(cfg: BenchConfig, out: Path, a: argparse.Namespace) -> dict[st
     from fanout.bench.bench import resolve_assets
     from fanout.bench.demo import heldout_prompts
     from fanout.bench.ranking import plot_tau, rank_drafts, ranking_lines
-    from fanout.decode.eval import EvalConfig, evaluate, resolve_draft_dir
+    from fanout.decode.config import EvalConfig
+    from fanout.decode.eval import evaluate, resolve_draft_dir
 
     assets = resolve_assets(cfg.assets, out)  # cached by the harness: returns at once
     drafts_dir = out / "1p3c" / "drafts"
@@ -351,15 +377,18 @@ def run_ranking(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def _speculators() -> dict[str, Any] | None:
-    """speculators' model and config class per family, None when it is not installed."""
+    """speculators' model and config class per family (the module of the family's
+    `speculators_model_type`, the class its checkpoint's `architectures` name), None when
+    speculators is not installed."""
     if package_version("speculators") is None:
         return None
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time deprecations (torch.compile's import)
-        for name, (mod, model, config) in SPEC_CLASSES.items():
-            m = importlib.import_module(mod)
-            out[name] = (getattr(m, model), getattr(m, config))
+        for name, fam in FAMILIES.items():
+            m = importlib.import_module(f"speculators.models.{fam.speculators_model_type}")
+            model_cls = getattr(m, fam.architectures[0])
+            out[name] = (model_cls, model_cls.config_class)
     from loguru import logger  # speculators' logger: its INFO lines per verifier file read
 
     logger.remove()
@@ -427,18 +456,94 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
 
 
+def spec_model(spec: tuple[Any, Any], ckpt: Path) -> torch.nn.Module:
+    """speculators' model of a fanout checkpoint, fp32, eager attention, in train mode."""
+    model_cls, config_cls = spec
+    scfg = config_cls.from_pretrained(str(ckpt))
+    scfg.transformer_layer_config._attn_implementation = "eager"  # plain PyTorch on CPU
+    model = model_cls.from_pretrained(str(ckpt), config=scfg, dtype=torch.float32)
+    for key, buf in model.named_buffers():  # speculators 0.9.0's XPress from_pretrained
+        if key.endswith("causal_tril"):  # leaves this non-persistent buffer unset
+            buf.copy_(torch.tril(torch.ones_like(buf)))
+    model.train()
+    return model
+
+
+# speculators' get_trainer_kwargs keyword <- the fanout draft config field it is read from
+SPEC_RECIPE = {
+    "ttt_steps": "ttt_steps", "ttt_step_loss_decay": "ttt_step_loss_decay",
+    "num_speculative_steps": "mtp_steps", "step_weight_beta": "mtp_step_weight_beta",
+    "num_depths": "num_depths", "down_sample_ratio": "down_sample_ratio",
+    "down_sample_ratio_min": "down_sample_ratio_min",
+    "consistency_weight": "consistency_weight", "consistency_passes": "consistency_passes",
+    "base_anchor_weight": "base_anchor_weight",
+    "base_anchor_full_weight": "base_anchor_full_weight",
+}  # fmt: skip
+
+
+def step_batches(
+    name: str, draft: Any, model: Any, rows: dict[str, torch.Tensor], a: argparse.Namespace
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+    """The one row as fanout's draft reads it, as speculators' model reads it (after its
+    data pipeline), and speculators' training kwargs of the draft's recipe
+    (`get_trainer_kwargs`, the eager losses)."""
+    c = draft.cfg.model_dump()
+    loss_fn = SPEC_OWN_LOSS.get(name, SPEC_LOSS[a.step_loss])
+    if name == "xpress":  # its compound loss at the draft's weights
+        loss_fn = json.dumps({"ce": c["xpress_ce_weight"], "tv": c["xpress_tv_weight"]})
+    eagle = "ttt_steps" in c or "num_depths" in c  # EAGLE-3's rows (EAGLE-3, P-EAGLE)
+    kw, _ = model.get_trainer_kwargs(
+        loss_fn=loss_fn,
+        loss_implementation="eager",  # the fused losses are Triton kernels
+        max_anchors=a.step_anchors,
+        dflash_decay_gamma=None if eagle else draft.cfg.resolved_gamma,
+        per_position_loss_weight="fixed-exp-decay",
+        ce_from_data=c.get("label_source") == "input_ids",
+        **{k: c[f] for k, f in SPEC_RECIPE.items() if f in c},
+    )
+    batch = {k: v for k, v in rows.items() if k != "pre"}
+    if not FAMILIES[name].needs_last_hidden_states(c):
+        batch.pop("last_hidden_states")
+    spec_rows = {
+        "hidden_states": rows["hidden_states"],
+        "input_ids": rows["input_ids"],
+        "loss_mask": rows["loss_mask"],
+        "verifier_last_hidden_states": rows["pre"],
+        "document_ids": rows["document_ids"],
+        "position_ids": rows["position_ids"],
+    }
+    if name == "mtp":
+        # MTP reads one layer, the verifier's last (before its final norm: `pre`);
+        # speculators' MTP is given it final-normed (its data pipeline's hidden states)
+        batch["hidden_states"] = rows["pre"]
+        spec_rows = {k: spec_rows[k] for k in ("input_ids", "loss_mask", "position_ids")}
+        with torch.no_grad():
+            spec_rows["hidden_states"] = draft.fuse(rows["pre"])
+    elif eagle:
+        # EAGLE-3 (speculators' shift_batch): row t = state t, token t+1, target t+1;
+        # the mask fanout's step 0 reads (the predicted token t+2, all supervised here)
+        spec_rows = {
+            "hidden_states": rows["hidden_states"][:, :-1],
+            "input_ids": rows["input_ids"][:, 1:],
+            "loss_mask": torch.cat([rows["loss_mask"][:, 2:], rows["loss_mask"][:, :1] * 0], 1),
+            "verifier_last_hidden_states": rows["pre"][:, 1:],
+            "document_ids": rows["document_ids"][:, 1:],
+            "position_ids": rows["position_ids"][:, 1:],
+        }
+    return batch, spec_rows, kw
+
+
 def family_step(
     name: str, spec: tuple[Any, Any], vdir: Path, rows: dict[str, torch.Tensor],
     layers: list[int], a: argparse.Namespace,
 ) -> dict[str, Any]:  # fmt: skip
     """Time one family's fanout draft against speculators' model of the same checkpoint."""
-    from fanout.families.registry import family
     from fanout.train.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
-    eagle = name in ("eagle3", "peagle")  # EAGLE-3's rows (speculators' shift_batch)
-    draft = family(name).build(vdir, target_layer_ids=layers,
-                               block_size=FAMILIES[name].block_size_for(BLOCK),
+    fam = FAMILIES[name]
+    draft = fam.build(vdir, target_layer_ids=fam.draft_layers(layers, vdir),
+                               block_size=fam.block_size_for(BLOCK),
                                max_anchors=a.step_anchors, num_layers=1,
                                loss_type="ce" if name in SPEC_OWN_LOSS else a.step_loss)  # fmt: skip
     # Weights rounded to bf16 first: model.safetensors is bf16, so both hold the same numbers.
@@ -448,46 +553,9 @@ def family_step(
     fopt = _adamw(draft)
     ckpt = save_checkpoint(a.out / "step" / name, draft, fopt, {"step": 0},
                            verifier_name_or_path=str(vdir))  # fmt: skip
-    model_cls, config_cls = spec
-    scfg = config_cls.from_pretrained(str(ckpt))
-    scfg.transformer_layer_config._attn_implementation = "eager"  # plain PyTorch on CPU
-    model = model_cls.from_pretrained(str(ckpt), config=scfg, dtype=torch.float32)
-    for key, buf in model.named_buffers():  # speculators 0.9.0's XPress from_pretrained
-        if key.endswith("causal_tril"):  # leaves this non-persistent buffer unset
-            buf.copy_(torch.tril(torch.ones_like(buf)))
-    model.train()
+    model = spec_model(spec, ckpt)
     sopt = _adamw(model)
-    kw, _ = model.get_trainer_kwargs(
-        loss_fn=SPEC_OWN_LOSS.get(name, SPEC_LOSS[a.step_loss]),
-        loss_implementation="eager",  # the fused losses are Triton kernels
-        max_anchors=a.step_anchors,
-        dflash_decay_gamma=None if eagle else draft.cfg.resolved_gamma,
-        per_position_loss_weight="fixed-exp-decay",
-        ttt_steps=getattr(draft.cfg, "ttt_steps", 3),
-        ttt_step_loss_decay=getattr(draft.cfg, "ttt_step_loss_decay", 1.0),
-    )
-    # EAGLE-3 (speculators' shift_batch): row t = state t, token t+1, target t+1;
-    # the mask fanout's step 0 reads (the predicted token t+2, all supervised here)
-    spec_rows = {
-        "hidden_states": rows["hidden_states"],
-        "input_ids": rows["input_ids"],
-        "loss_mask": rows["loss_mask"],
-        "verifier_last_hidden_states": rows["pre"],
-        "document_ids": rows["document_ids"],
-        "position_ids": rows["position_ids"],
-    }
-    if eagle:
-        spec_rows = {
-            "hidden_states": rows["hidden_states"][:, :-1],
-            "input_ids": rows["input_ids"][:, 1:],
-            "loss_mask": torch.cat([rows["loss_mask"][:, 2:], rows["loss_mask"][:, :1] * 0], 1),
-            "verifier_last_hidden_states": rows["pre"][:, 1:],
-            "document_ids": rows["document_ids"][:, 1:],
-            "position_ids": rows["position_ids"][:, 1:],
-        }
-    batch = {k: v for k, v in rows.items() if k != "pre"}
-    if not family(name).needs_last_hidden_states(draft.cfg.model_dump()):
-        batch.pop("last_hidden_states")
+    batch, spec_rows, kw = step_batches(name, draft, model, rows, a)
     gen = torch.Generator().manual_seed(0)
 
     def spec_forward() -> torch.Tensor:
@@ -539,8 +607,11 @@ def family_step(
         "ratio": round(ratio, 3),
         "ratio_min_max": [round(min(per_round), 3), round(max(per_round), 3)],
         "goal_met": ratio <= STEP_GOAL,
-        "speculators_class": model_cls.__name__,
-        "gamma": None if eagle else draft.cfg.resolved_gamma,
+        "speculators_class": type(model).__name__,
+        "block_size": draft.cfg.block_size,
+        "target_layer_ids": list(draft.cfg.target_layer_ids),
+        "speculators_loss_fn": kw.get("loss_config") and sorted(kw["loss_config"]),
+        "gamma": kw.get("gamma", kw.get("dflash_decay_gamma")),
     }
     return res
 
@@ -550,7 +621,7 @@ def run_step(a: argparse.Namespace) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from fanout.bench.assets import torch_threads
-    from fanout.model.dflash import default_target_layer_ids
+    from fanout.model.draft_config import default_target_layer_ids
 
     hf_logging.disable_progress_bar()  # its weight loading/writing bars, per checkpoint
     base: dict[str, Any] = {"load_avg_before": load_avg()}
@@ -565,8 +636,10 @@ def run_step(a: argparse.Namespace) -> dict[str, Any]:
         "verifier": {"hidden_size": a.step_hidden, "num_layers": a.step_layers,
                      "vocab_size": a.step_vocab, "heads": 4, "kv_heads": 2,
                      "head_dim": a.step_hidden // 4},
-        "draft": {"num_layers": 1, "block_size": BLOCK, "max_anchors": a.step_anchors,
-                  "target_layer_ids": layers, "loss": a.step_loss, "weighting": "exp"},
+        "draft": {"num_layers": 1, "block_size": f"Family.block_size_for({BLOCK})",
+                  "max_anchors": a.step_anchors, "captured_layer_ids": layers,
+                  "target_layer_ids": "Family.draft_layers(captured)", "loss": a.step_loss,
+                  "own_loss": sorted(SPEC_OWN_LOSS), "weighting": "exp"},
         "rows": {"T": a.step_rows, "batch": 1, "documents": 1, "supervised": "all"},
         "dtype": "float32",
         "optimizer": "torch.optim.AdamW(fused=True, lr=1e-4, weight_decay=0.01) on both sides",
@@ -598,19 +671,22 @@ def step_lines(st: dict[str, Any]) -> list[str]:
     lines = [
         f"train step vs speculators {_spec_version()}: verifier h{v['hidden_size']} × "
         f"{v['num_layers']} layers, vocab {v['vocab_size']}; draft {d['num_layers']} layer, "
-        f"block {d['block_size']}, {d['max_anchors']} anchors, target layers "
-        f"{d['target_layer_ids']}, {d['loss']} + exp decay; one row T={s['rows']['T']}, all "
+        f"{d['max_anchors']} anchors, layers {d['captured_layer_ids']} captured, "
+        f"{d['loss']} + exp decay ({', '.join(d['own_loss'])}: their own loss); one row "
+        f"T={s['rows']['T']}, all "
         f"supervised; fp32, {st['threads']} thread(s); AdamW(fused) both sides; "
         f"{st['warmup']} warm-up + {st['repeats']} interleaved runs each; load "
         f"{st['load_avg_before']} → {st['load_avg_after']}",
-        f"{'family':<8} {'params':>9} {'fanout ms med (min–max)':>25} {'fwd/bwd/opt':>17} "
+        f"{'family':<8} {'block':>5} {'layers':>9} {'params':>9} "
+        f"{'fanout ms med (min–max)':>25} {'fwd/bwd/opt':>17} "
         f"{'speculators ms med (min–max)':>30} {'fwd/bwd/opt':>17} {'ratio (per-run)':>20} goal",
     ]
     for name, r in st["families"].items():
         f, p = r["fanout"], r["speculators"]
         lo, hi = r["ratio_min_max"]
         lines.append(
-            f"{name:<8} {f['trainable_parameters']:>9,} {_ms(f):>25} {_split(f):>17} "
+            f"{name:<8} {r['block_size']:>5} {','.join(map(str, r['target_layer_ids'])):>9} "
+            f"{f['trainable_parameters']:>9,} {_ms(f):>25} {_split(f):>17} "
             f"{_ms(p):>30} {_split(p):>17} {r['ratio']:>7.2f} ({lo:.2f}–{hi:.2f}) "
             f"{'met' if r['goal_met'] else 'NOT met'}"
         )
@@ -685,7 +761,7 @@ def record_rows(result: dict[str, Any], a: argparse.Namespace) -> list[Row]:
         z, v = t["sizes"], t["sizes"]["verifier"]
         size = (f"{Path(a.config).name}: verifier h {v['hidden_size']} × "
                 f"{v['num_hidden_layers']} layers, T {z['seq_len']}, R {z['window_rows']}; one "
-                f"block-{BLOCK} draft per family ({', '.join(t['consumer_rows_per_s']['1p3c'])}), "
+                f"draft per family ({', '.join(t['consumer_rows_per_s']['1p3c'])}), "
                 f"{a.steps} steps each; {'valid' if t['valid'] else 'INVALID'}")  # fmt: skip
         s = t["aggregate_speedup_vs_unshared"]
         if s is not None:
@@ -726,9 +802,10 @@ def record_rows(result: dict[str, Any], a: argparse.Namespace) -> list[Row]:
                        spread=tuple(r["ratio_min_max"]), n=st["repeats"], n_of="rounds",
                        goal=f"<= {STEP_GOAL}", met=bool(r["goal_met"]),
                        conditions=f"h {z['verifier']['hidden_size']}, vocab "
-                       f"{z['verifier']['vocab_size']:,}, 1 layer, block {BLOCK}, "
+                       f"{z['verifier']['vocab_size']:,}, 1 layer, block {r['block_size']}, "
                        f"{z['draft']['max_anchors']} anchors, T {z['rows']['T']}, "
-                       f"{z['draft']['loss']}, AdamW, {st['threads']} thread; "
+                       f"{'own loss' if name in SPEC_OWN_LOSS else z['draft']['loss']}, "
+                       f"AdamW, {st['threads']} thread; "
                        f"{f['median_ms']:.0f} vs {p['median_ms']:.0f} ms"))  # fmt: skip
     return out
 

@@ -126,3 +126,24 @@ def db(request: pytest.FixtureRequest) -> str | None:
     if request.param == "sqlite":
         return None
     return str(request.getfixturevalue("pg_url"))
+
+
+# ---- what skipped, and why ---------------------------------------------------------------
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Skipped tests grouped by their reason, counted (a fresh clone skips the tests
+    that need ../shared/data, speculators, PostgreSQL or Chromium; README says which)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    reasons: dict[str, int] = {}
+    for rep in skipped:
+        longrepr = getattr(rep, "longrepr", None)
+        # a skip's longrepr is (file, line, "Skipped: reason")
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else "?"
+        reason = str(reason).removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if not reasons:
+        return
+    terminalreporter.write_sep("-", f"{len(skipped)} skipped, by reason")
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:5d} × {reason}")

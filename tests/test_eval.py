@@ -23,8 +23,9 @@ from fanout.decode.eval import tau_interval
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.errors import CheckpointError
-from fanout.model.dflash import DFlashConfig, DFlashDraft
+from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import DraftCache, IndependentSlots, UncachedDraft
+from fanout.model.draft_config import DFlashConfig
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
@@ -356,7 +357,8 @@ def test_tau_half_width_decodes_until_every_interval_is_that_narrow(
     exactly, an interval of width 0)."""
     import random
 
-    from fanout.decode.eval import EvalConfig, EvalSession, Job, load_drafts
+    from fanout.decode.config import EvalConfig
+    from fanout.decode.eval import EvalSession, Job, load_drafts
 
     def fake(self: EvalSession, job: Job, p: Any, drafts: dict) -> DecodeResult:
         name, t, rule = job
@@ -461,7 +463,8 @@ def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> N
 def test_every_eval_field_has_a_flag(tmp_path: Path) -> None:
     import argparse
 
-    from fanout.decode.eval import EvalConfig, add_arguments
+    from fanout.decode.config import EvalConfig
+    from fanout.decode.eval import add_arguments
     from fanout.flags import flag_name, model_from_args
 
     p = argparse.ArgumentParser()
@@ -522,6 +525,29 @@ def test_speedup_beyond_tau_is_flagged() -> None:
     assert not any(line.startswith("verdict") for line in lines)  # one draft: nothing to compare
     honest = _summary({(0.0, "served"): [_result([1, 1, 1, 1], 6.0)]}, greedy, None, "dflash")
     assert honest["speedup_exceeds_tau"] is False
+
+
+def test_table_says_why_a_draft_decodes_slower_than_greedy() -> None:
+    """Issue 45 (demo): at T = 1 every demo draft decoded slower than greedy and nothing
+    said why; the table now says it once per temperature where any speed-up is below 1,
+    and not where none is."""
+    from fanout.decode.eval import _summary
+
+    greedy = [_result([], 10.0, bs=0)]
+    greedy[0].tokens = list(range(9))  # 8 decoded tokens in 10 s
+    rep = {"drafts": {}, "greedy_tokens_per_s": 0.8, "hardware": "cpu", "lossless": True,
+           "mismatches": [], "generated_tokens": [9], "config": {"max_new_tokens": 32}}  # fmt: skip
+    fast, slow_run = _result([1, 1], 2.0), _result([1, 1, 1, 1], 20.0)
+    slow = _summary({(0.0, "served"): [fast], (1.0, "served"): [slow_run]}, greedy, None,
+                    "dflash")  # fmt: skip
+    assert slow["at_temperature"]["1.0"]["speedup_vs_greedy"] < 1
+    rep["drafts"] = {"b4": slow}
+    notes = [x for x in table(rep) if "speed-up below 1" in x]
+    assert len(notes) == 1 and "T=1.0" in notes[0] and "T=0.0" not in notes[0]
+    assert "verify step" in notes[0]
+    rep["drafts"] = {"b4": _summary({(0.0, "served"): [fast], (1.0, "served"): [fast]},
+                                    greedy, None, "dflash")}  # fmt: skip
+    assert not any("speed-up below 1" in x for x in table(rep))
 
 
 def test_table_bs_is_the_trained_block_and_verify_the_verify_width() -> None:

@@ -6,11 +6,12 @@
 Needs nothing but Python and this repo: it builds its own tiny assets (a BPE
 tokenizer, a briefly trained tiny Qwen3 verifier, a generated chat corpus; cached
 under `<run-dir>/assets`, so the second run starts at once), then runs the `1p3c`
-scenario of the benchmark harness (fanout.bench.bench) with one block-8 draft of each
-family (every registered one: DFlash, DFlash2, DSpark, EAGLE-3, P-EAGLE, XPress;
-`DEMO_FAMILIES`) on the one stream for `--minutes`
-on-policy (the producer runs with `--regenerate`: the verifier rewrites
-the corpus's answers chunk by chunk and the drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
+scenario of the benchmark harness (fanout.bench.bench) with one draft of each
+registered family (DFlash, DFlash2, DSpark, EAGLE-3, MTP, P-EAGLE, XPress;
+`DEMO_FAMILIES`; block 8, a chain family at its own verify width:
+Family.block_size_for) on the one stream for `--minutes` on-policy (the producer runs
+with `--regenerate`: the verifier rewrites the corpus's answers chunk by chunk and the
+drafts learn from its own text), stops the trainers, and prints: per-draft loss and expected
 acceptance length (first → last), windows captured once and read by every draft, the
 disk high-water mark against what storing every window would take, and where the
 full report and plots are. It ends with `fanout eval` of the drafts at T = 0 and
@@ -82,12 +83,24 @@ class DemoConfig(BaseModel):
 
 
 def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
+    consumers = [
+        ConsumerSpec(
+            id=f,
+            draft_family=f,
+            block_size=FAMILIES[f].block_size_for(DEMO_BLOCK),
+            max_anchors=16,
+            lr=2e-3,
+            seed=i,
+        )
+        for i, f in enumerate(DEMO_FAMILIES)
+    ]
+    blocks = ", ".join(f"{c.draft_family} {c.block_size}" for c in consumers)
     return BenchConfig(
         name="demo",
         description=(
-            "fanout demo: one producer (tiny trained Qwen3 verifier) feeding one block-8 draft "
-            f"of each family ({', '.join(DEMO_FAMILIES)}) through one shared, bounded window "
-            "stream on CPU."
+            "fanout demo: one producer (tiny trained Qwen3 verifier) feeding one draft of each "
+            f"family through one shared, bounded window stream on CPU; block sizes ({blocks}): "
+            f"block {DEMO_BLOCK}, a chain family at its own verify width."
         ),
         assets=AssetsSpec(cache_dir=str(run_dir / "assets"), use_demo_verifier=True),
         # On-policy (issue #21): the producer regenerates the corpus's assistant turns with
@@ -102,17 +115,7 @@ def demo_config(run_dir: Path, minutes: float) -> BenchConfig:
             capture_for=list(DEMO_FAMILIES),
             extra_args=["--regenerate", "--turns", "all", "--max-new-tokens", "64"],
         ),
-        consumers=[
-            ConsumerSpec(
-                id=f,
-                draft_family=f,
-                block_size=FAMILIES[f].block_size_for(DEMO_BLOCK),
-                max_anchors=16,
-                lr=2e-3,
-                seed=i,
-            )
-            for i, f in enumerate(DEMO_FAMILIES)
-        ],
+        consumers=consumers,
         scenarios=["1p3c"],
         warmup_steps=2,
         scenario_timeout_s=minutes * 60 + 600,  # + asset-free startup and shutdown slack
@@ -183,7 +186,10 @@ def summary_lines(rep: dict[str, Any], out: Path) -> list[str]:
         whole = (
             f"{wb * total / 2**20:.0f} MiB for the whole {total}-window stream"
             if total
-            else "the whole stream's length not known yet (still regenerating)"
+            # --regenerate rewrites the corpus chunk by chunk as it is captured; the
+            # demo stops its trainers before the last chunk exists
+            else "the whole stream's length not known: an on-policy stream is regenerated "
+            "while it is captured, and its length is known only with its last chunk"
         )
         lines.append(
             f"disk: high-water {d['high_water_bytes'] / 2**20:.1f} MiB "
@@ -217,7 +223,8 @@ def eval_drafts(cfg: BenchConfig, out: Path) -> list[str]:
     from fanout.bench.bench import resolve_assets
     from fanout.bench.ranking import plot_tau, rank_drafts, ranking_lines
     from fanout.bench.report import add_eval
-    from fanout.decode.eval import EvalConfig, evaluate, resolve_draft_dir
+    from fanout.decode.config import EvalConfig
+    from fanout.decode.eval import evaluate, resolve_draft_dir
     from fanout.decode.eval_table import table
 
     assets = resolve_assets(cfg.assets, out)  # cached: returns at once

@@ -230,12 +230,20 @@ def format_table(rep: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"aggregate_speedup_vs_unshared = {_f(rep['aggregate_speedup_vs_unshared'], 3)}   "
+        f"aggregate_speedup_vs_unshared = {_f(rep['aggregate_speedup_vs_unshared'], 3)}"
+        f"{'' if rep['aggregate_speedup_vs_unshared'] else NO_UNSHARED}   "
         f"captures_per_window_1p3c = {_f(rep['captures_per_window_1p3c'])}   "
         f"peak_live_windows = {rep['peak_live_windows']} (K = {rep['max_live_windows']})",
     ]
     lines += [f"INVALID: {r}" for r in rep["reasons"]] + [f"flag: {f}" for f in rep["flags"]]
     return "\n".join(lines)
+
+
+# Why the aggregate speed-up is "-": it needs the `unshared` scenario in the same run
+NO_UNSHARED = (
+    " (no `unshared` scenario in this run to compare with: `fanout bench` with scenario "
+    "unshared, or benchmarks/families.py, measures it)"
+)
 
 
 # Three figures of one draft's acceptance, said once (the demo prints the first and the

@@ -76,6 +76,7 @@ def table(report: dict[str, Any]) -> list[str]:
         f"{'steps':>6} {'train EAL':>9} {'speedup':>8}  acceptance at drafted token 1, 2, …"
     ]
     notes = []
+    slow: list[str] = []  # temperatures where some draft decoded slower than greedy
     differ = False
     for name, d in report["drafts"].items():
         eal = f"{d['train_eal']:.2f}" if d["train_eal"] is not None else "—"
@@ -103,12 +104,21 @@ def table(report: dict[str, Any]) -> list[str]:
                     f"{f['acceptance_length_sampled_draft']:>6.2f} {'':>13} {'':>6} {'':>9} "
                     f"{f['speedup_vs_greedy_sampled_draft']:>7.2f}×  (min(1, p/q) rule)"
                 )
+            if f["speedup_vs_greedy"] < 1 and t not in slow:
+                slow.append(t)
             if f["speedup_exceeds_tau"]:
                 notes.append(
                     f"note: {name} at T={t}: speed-up {f['speedup_vs_greedy']:.2f}× exceeds "
                     f"τ {f['acceptance_length']:.2f} — impossible for a real gain (a verify "
                     "forward costs at least a one-token one): a timing artefact"
                 )
+    if slow:
+        notes.append(
+            f"note: speed-up below 1 at T={', '.join(slow)}: each verify step here costs about "
+            "what a draft step does (a tiny verifier on a CPU), so drafting cannot pay; on a "
+            "real verifier on a GPU a verify forward over a block costs about one over a single "
+            "token and the speed-up follows τ (docs/eval.md, Speed)"
+        )
     if differ:
         lines.append(
             "bs: the block size each draft was trained with; verify: the tokens one verify "
