@@ -52,6 +52,7 @@ def test_quick_sets_small_sizes_and_flags_still_win() -> None:
     assert q.a_conversations < full.a_conversations and q.verifier_steps < full.verifier_steps
 
 
+@pytest.mark.slow  # the whole live loop (~45 s); the benchmark itself is the record
 @pytest.mark.skipif(
     not (REPO.parent / "shared" / "data" / "chat").is_dir(), reason="no shared data"
 )

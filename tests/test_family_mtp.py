@@ -166,13 +166,10 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_logits_and_loss_match_speculators(
-    seed: int, spec: SimpleNamespace, saved: tuple[MTPDraft, Path]
-) -> None:
-    draft, path = saved
-    model, _, _ = _load(spec, path)
-    batch = _batch(seed)
+def assert_matches_speculators(model: Any, draft: MTPDraft, batch: dict[str, Any]) -> None:
+    """speculators' MTPDraftModel `model` and fanout's `draft` on one batch: the same
+    logits per step, loss and per-step losses in fp32 (tests/test_mtp_hybrid.py too)."""
+    steps = len(draft.cfg.step_weights())
     with torch.no_grad(), warnings.catch_warnings():
         # speculators 0.9.0 calls create_causal_mask(past_key_values=...), deprecated
         warnings.simplefilter("ignore", FutureWarning)
@@ -184,13 +181,23 @@ def test_logits_and_loss_match_speculators(
         )  # fmt: skip
         outs = draft.unroll(batch)
         out = draft.loss(batch, None)
-    assert len(logits) == len(outs) == STEPS
+    assert len(logits) == len(outs) == steps
     for theirs, mine in zip(logits, outs):
         torch.testing.assert_close(mine @ draft.lm_head_weight.t(), theirs, atol=2e-5, rtol=0)
     torch.testing.assert_close(out.loss, loss.float(), atol=0, rtol=2e-5)
-    for k in range(STEPS):
+    for k in range(steps):
         w = draft.cfg.step_weights()[k]
         assert out.extra[f"loss_{k}"] == pytest.approx(float(metrics[f"loss_step_{k}"]) / w, 2e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logits_and_loss_match_speculators(
+    seed: int, spec: SimpleNamespace, saved: tuple[MTPDraft, Path]
+) -> None:
+    draft, path = saved
+    model, _, _ = _load(spec, path)
+    batch = _batch(seed)
+    assert_matches_speculators(model, draft, batch)
 
 
 def test_step_weights_are_speculators(spec: SimpleNamespace, saved: tuple[MTPDraft, Path]) -> None:

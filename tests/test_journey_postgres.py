@@ -33,7 +33,6 @@ snapshot does not see half of it.
 from __future__ import annotations
 
 import contextlib
-import html
 import itertools
 import json
 import os
@@ -61,6 +60,7 @@ from fanout.coord.status_schema import StatusSnapshot
 from fanout.errors import FanoutError
 from test_coordinator import new_run, produce, publish
 from test_replicas import ENV
+from test_status_serve import assert_cells_match, page_cells
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config, wait_for
 
 K = 4  # live windows at most
@@ -308,22 +308,6 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
-def _page_cells(page: str) -> dict[str, str]:
-    """The page's table cells by their data-key (totals.X, replicas.<rank>.X, consumers.<id>.X)."""
-    cells = re.findall(r'<td data-key="([^"]+)">([^<]*)</td>', page)
-    return {html.unescape(k): html.unescape(v) for k, v in cells}
-
-
-def _json_value(s: dict[str, Any], key: str) -> Any:
-    part, _, rest = key.partition(".")
-    if part == "totals":
-        return s["totals"][rest]
-    who, _, field = rest.rpartition(".")
-    rows = s[part]
-    (row,) = [r for r in rows if str(r["rank" if part == "replicas" else "id"]) == who]
-    return row[field]
-
-
 def _three_views_agree(run: Path, url: str) -> dict[str, Any]:
     """At a moment the run stands still: /status.json, the page and /metrics say what
     `fanout status --json` says (ages and rates aside, which move with the clock)."""
@@ -332,13 +316,9 @@ def _three_views_agree(run: Path, url: str) -> dict[str, Any]:
     assert _strip(served) == _strip(want)
     StatusSnapshot.model_validate(served)
 
-    cells = _page_cells(_get(url))
+    cells = page_cells(_get(url))
     assert len(cells) > 20, cells
-    for key, text in cells.items():
-        if key.rpartition(".")[2] in MOVING:
-            continue
-        v = _json_value(want, key)
-        assert text == ("-" if v is None else str(v)), (key, text, v)
+    assert_cells_match(cells, want, tuple(MOVING))
     assert cells["replicas.1.state"] == "stopped" and cells["consumers.d2:dp0.family"] == "dflash2"
 
     fams = {f.name: f for f in text_string_to_metric_families(_get(url + "metrics"))}

@@ -48,6 +48,7 @@ from fanout.families.serving import load_draft
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
 from fanout.train.checkpoint import save_checkpoint
+from test_family_mtp import assert_matches_speculators
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from verifier_zoo import _COMMON, _LINEAR, _MOE, VOCAB, add_mtp, build
 
@@ -276,23 +277,7 @@ def test_logits_and_loss_match_speculators(
 ) -> None:
     d, path, _ = saved[arch]
     model, _ = _load(spec, path)
-    batch = _batch(seed)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logits, loss, metrics = model(
-            input_ids=batch["input_ids"], hidden_states=d.fuse(batch["hidden_states"]),
-            loss_mask=batch["loss_mask"], position_ids=batch["position_ids"],
-            step_weights=d.cfg.step_weights(),
-        )  # fmt: skip
-        outs = d.unroll(batch)
-        out = d.loss(batch, None)
-    assert len(logits) == len(outs) == STEPS
-    for theirs, mine in zip(logits, outs):
-        torch.testing.assert_close(mine @ d.lm_head_weight.t(), theirs, atol=2e-5, rtol=0)
-    torch.testing.assert_close(out.loss, loss.float(), atol=0, rtol=2e-5)
-    for k in range(STEPS):
-        w = d.cfg.step_weights()[k]
-        assert out.extra[f"loss_{k}"] == pytest.approx(float(metrics[f"loss_step_{k}"]) / w, 2e-5)
+    assert_matches_speculators(model, d, _batch(seed))
 
 
 # ---- (d) decoding ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from fanout.coord.coordinator import ProducerPlan
 from fanout.coord.status_page import COLOURS, DASHES, Sample, nice_ticks, plots_html
 from fanout.coord.status_serve import StatusServer
 from test_coordinator import new_run, produce
-from test_status_serve import AGES, _get, serving
+from test_status_serve import AGES, _get, assert_cells_match, page_cells, serving
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROUNDS = 8
@@ -111,20 +111,8 @@ def test_the_page_renders_in_chromium_with_the_numbers_of_status_json(
         assert n > 600, f"{n} pixels of {colour}: the plots' lines are not drawn"
 
     # the DOM: every cell's number is /status.json's (ages and the time taken move)
-    cells = {html.unescape(k): html.unescape(v)
-             for k, v in re.findall(r'<td data-key="([^"]+)">([^<]*)</td>', dom)}  # fmt: skip
-    flat = {f"totals.{k}": v for k, v in want["totals"].items()}
-    for r in want["replicas"]:
-        flat |= {f"replicas.{r['rank']}.{k}": v for k, v in r.items()}
-    for c in want["consumers"]:
-        flat |= {f"consumers.{c['id']}.{k}": v for k, v in c.items()}
-    checked = 0
-    for key, shown in cells.items():
-        if key.rsplit(".", 1)[1] in AGES:
-            continue
-        v = flat[key]
-        assert shown == ("-" if v is None else str(v)), (key, shown, v)
-        checked += 1
+    cells = page_cells(dom)
+    checked = assert_cells_match(cells, want, AGES)
     assert checked == 9 + 2 * 7 + 3 * 12, sorted(cells)  # every cell but the ages
     assert cells["totals.windows_made"] == str(ROUNDS) == str(want["totals"]["windows_made"])
     assert [cells[f"replicas.{r}.windows"] for r in (0, 1)] == ["4", "4"]

@@ -9,6 +9,7 @@ a run dir that is not a run), one line and exit 1 each.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import pty
@@ -35,6 +36,31 @@ from fanout.coord.status_serve import StatusServer
 from test_coordinator import new_run, produce
 
 AGES = ("heartbeat_age_s", "taken_wall")  # the wall clock moves between two requests
+
+
+def page_cells(page: str) -> dict[str, str]:
+    """The status page's table cells by their data-key (totals.X, replicas.<rank>.X,
+    consumers.<id>.X): what tests/test_status_page.py and test_journey_postgres.py read."""
+    cells = re.findall(r'<td data-key="([^"]+)">([^<]*)</td>', page)
+    return {html.unescape(k): html.unescape(v) for k, v in cells}
+
+
+def assert_cells_match(cells: dict[str, str], want: dict[str, Any], skip: tuple[str, ...]) -> int:
+    """Every cell shows its field of `want` (`status --json`; "-" for none), the fields
+    in `skip` aside (they move with the clock); returns how many were compared."""
+    flat = {f"totals.{k}": v for k, v in want["totals"].items()}
+    for r in want["replicas"]:
+        flat |= {f"replicas.{r['rank']}.{k}": v for k, v in r.items()}
+    for c in want["consumers"]:
+        flat |= {f"consumers.{c['id']}.{k}": v for k, v in c.items()}
+    checked = 0
+    for key, shown in cells.items():
+        if key.rsplit(".", 1)[1] in skip:
+            continue
+        v = flat[key]
+        assert shown == ("-" if v is None else str(v)), (key, shown, v)
+        checked += 1
+    return checked
 
 
 @pytest.fixture
@@ -159,18 +185,9 @@ def test_metrics_page_and_json_agree_with_status_json(
 
     page, kind = _get(server.url)
     assert kind.startswith("text/html") and 'http-equiv="refresh"' in page
-    cells = dict(re.findall(r'<td data-key="([^"]+)">([^<]*)</td>', page))
+    cells = page_cells(page)
     assert cells, page
-    flat = {f"totals.{k}": v for k, v in t.items()}
-    flat |= {f"consumers.d:dp0.{k}": v for k, v in c.items()}
-    flat |= {f"replicas.0.{k}": v for k, v in r.items()}
-    checked = 0
-    for key, shown in cells.items():
-        if key.rsplit(".", 1)[1] in AGES:
-            continue
-        v = flat[key]
-        assert shown == ("-" if v is None else str(v)), (key, shown, v)
-        checked += 1
+    checked = assert_cells_match(cells, want, AGES)
     assert checked >= 20 and cells["consumers.d:dp0.family"] == "dspark"
     time.sleep(0.3)  # a few samples: the plot is drawn
     page, _ = _get(server.url)
