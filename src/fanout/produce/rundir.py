@@ -230,10 +230,17 @@ def check_producer_role(
     root: Path, db_path: str | None, takeover: bool, rank: int = 0, replicas: int = 1
 ) -> None:
     """RoleHeld now, before minutes of data preparation and verifier loading, if the run
-    exists and a live producer holds replica `rank` (and not `takeover`)."""
-    if takeover or not Coordinator.exists(root, db_path):
+    exists and a live producer holds replica `rank` (and not `takeover`). Reads the run
+    without clearing what looks like an interrupted create (never Coordinator.exists
+    here): the caller holds only its own rank's start lock, and another replica may be
+    creating the database under the join lock this very moment (seen under load: its
+    half-made file removed, its registration lost)."""
+    if takeover:
         return
-    with Coordinator.open(root, db_path=db_path) as coord:
+    coord = Coordinator.open_if_created(root, db_path=db_path)
+    if coord is None:
+        return
+    with coord:
         coord.check_producer_role(takeover, rank, replicas)
 
 
