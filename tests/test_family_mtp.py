@@ -208,6 +208,20 @@ def test_step_weights_are_speculators(spec: SimpleNamespace, saved: tuple[MTPDra
 # ---- (c) decoding -------------------------------------------------------------------
 
 
+def fit(draft: MTPDraft, batch: dict[str, Any], steps: int) -> MTPDraft:
+    """`steps` AdamW steps on one batch; its loss must fall (tests/test_mtp_hybrid.py too)."""
+    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
+    first = None
+    for _ in range(steps):
+        out = draft.loss(batch, None)
+        first = first if first is not None else float(out.loss.detach())
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    assert first is not None and float(out.loss.detach()) < first
+    return draft.eval()
+
+
 @pytest.fixture(scope="module")
 def trained(verifier_dir: Path, decoder: Decoder) -> MTPDraft:
     """An MTP draft trained briefly on the verifier's own greedy continuations."""
@@ -238,16 +252,7 @@ def trained(verifier_dir: Path, decoder: Decoder) -> MTPDraft:
         "hidden_states": hs[-1].float(), "input_ids": ids, "target_ids": cap.target_ids.long(),
         "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc, "position_ids": pos,
     }  # fmt: skip
-    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
-    first = None
-    for _ in range(60):
-        out = draft.loss(batch, None)
-        first = first if first is not None else float(out.loss.detach())
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    assert first is not None and float(out.loss.detach()) < first
-    return draft.eval()
+    return fit(draft, batch, steps=60)
 
 
 @pytest.mark.parametrize("k", [None, 1, 5])

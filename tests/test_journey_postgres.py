@@ -60,7 +60,7 @@ from fanout.coord.status_schema import StatusSnapshot
 from fanout.errors import FanoutError
 from test_coordinator import new_run, produce, publish
 from test_replicas import ENV
-from test_status_serve import assert_cells_match, page_cells
+from test_status_serve import assert_cells_match, page_cells, strip
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config, wait_for
 
 K = 4  # live windows at most
@@ -295,14 +295,6 @@ def _check_rates(a: StatusSnapshot, b: StatusSnapshot) -> tuple[int, int]:
 # ---- one instant, three views ---------------------------------------------------------------
 
 
-def _strip(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items() if k not in MOVING}
-    if isinstance(x, list):
-        return [_strip(v) for v in x]
-    return x
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=60) as r:
         return str(r.read().decode())
@@ -313,7 +305,7 @@ def _three_views_agree(run: Path, url: str) -> dict[str, Any]:
     `fanout status --json` says (ages and rates aside, which move with the clock)."""
     want = status_json(run)
     served = json.loads(_get(url + "status.json"))
-    assert _strip(served) == _strip(want)
+    assert strip(served, MOVING) == strip(want, MOVING)
     StatusSnapshot.model_validate(served)
 
     cells = page_cells(_get(url))

@@ -46,9 +46,8 @@ from fanout.families.mtp.model import MTPDraft
 from fanout.families.registry import family
 from fanout.families.serving import load_draft
 from fanout.model.verifier import load_verifier
-from fanout.ops.adamw import make_optimizer
 from fanout.train.checkpoint import save_checkpoint
-from test_family_mtp import assert_matches_speculators
+from test_family_mtp import assert_matches_speculators, fit
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from verifier_zoo import _COMMON, _LINEAR, _MOE, VOCAB, add_mtp, build
 
@@ -306,16 +305,7 @@ def test_trained_draft_decodes_losslessly(arch: str, root: Path, tmp_path: Path)
         "target_ids": cap.target_ids.long(), "loss_mask": torch.ones(b, t, dtype=torch.uint8),
         "document_ids": doc, "position_ids": pos,
     }  # fmt: skip
-    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
-    first = None
-    for _ in range(30):
-        out = draft.loss(batch, None)
-        first = first if first is not None else float(out.loss.detach())
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    assert first is not None and float(out.loss.detach()) < first
-    draft.eval()
+    fit(draft, batch, steps=30)
     fam = family("mtp")
     taus = []
     for n, seed in ((6, 100), (3, 0), (11, 1)):
