@@ -66,7 +66,8 @@ from fanout.decode.eval import (
 )
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import DecodeResult
-from fanout.model.dflash import DFlashDraft
+from fanout.families.dflash.model import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.model.draft_config import DraftRecipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -539,7 +540,7 @@ def timed_draft(clock: list[float]) -> Iterator[None]:
         yield
 
 
-def recipe_depth_draft(like: DFlashDraft) -> DFlashDraft:
+def recipe_depth_draft(like: Draft) -> DFlashDraft:
     """A draft of DraftRecipe's default depth (5 layers) on `like`'s verifier shapes, full
     vocabulary, random weights: what a block costs at the real recipe's depth."""
     cfg = like.cfg.model_copy(
@@ -547,7 +548,7 @@ def recipe_depth_draft(like: DFlashDraft) -> DFlashDraft:
     )
     d = DFlashDraft(cfg, like.embed_weight, like.embed_weight if like.d2t is not None else like.lm_head_weight,
                     like.verifier_norm_weight)  # fmt: skip
-    return d.to(like.fc.weight.dtype).eval()
+    return d.to(like.embed_weight.dtype).eval()
 
 
 def draft_step_ms(draft, hidden: int, lengths=(64, 320, 1024, 4096), reps: int = 10) -> dict:

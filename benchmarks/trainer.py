@@ -137,11 +137,11 @@ def bench_adamw(n_layers: int = 48, width: int = 1024, steps: int = 10) -> dict[
 
 
 def bench_dflash(steps: int = 5) -> dict[str, Any]:
-    from fanout.model.dflash import DFlashDraft
-    from fanout.model.draft_config import DFlashConfig
+    from fanout.families.dflash.model import DFlashDraft
+    from fanout.model.draft_config import DraftConfig
     from fanout.ops.adamw import make_optimizer
 
-    cfg = DFlashConfig(
+    cfg = DraftConfig(
         hidden_size=256,
         intermediate_size=768,
         num_layers=1,

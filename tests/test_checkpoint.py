@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.errors import CheckpointError, ConfigError
+from fanout.families.dflash.model import DFlashDraft
 from fanout.families.serving import (
     FORMAT_VERSION,
     MARKER,
@@ -20,7 +21,6 @@ from fanout.families.serving import (
     load_draft,
     upgrade_checkpoint,
 )
-from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import ClippedAdamW, make_optimizer
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from faults import Recording, after_rename, fail_each_call
@@ -133,7 +133,7 @@ def test_layout_is_speculators_dflash(verifier_dir: Path, tmp_path: Path) -> Non
     assert cfg["speculators_model_type"] == "dflash"
     # serving numbering: HF hidden_states indices = decoder-layer ids + 1
     assert cfg["aux_hidden_state_layer_ids"] == [2, 3]
-    assert cfg["fanout"]["dflash_config"]["target_layer_ids"] == [1, 2]
+    assert cfg["fanout"]["draft_config"]["target_layer_ids"] == [1, 2]
     assert cfg["fanout"]["format_version"] == FORMAT_VERSION == 2
     assert cfg["speculators_version"] == "0.9.0"
     assert cfg["dtype"] == "bfloat16" and "torch_dtype" not in cfg
@@ -258,7 +258,7 @@ def test_verifier_identity_is_absolute_with_architectures(
 def _as_format_1(path: Path) -> None:
     """What fanout wrote before format 2: the decoder-layer ids unchanged, format 1."""
     cfg = json.loads((path / "config.json").read_text())
-    cfg["aux_hidden_state_layer_ids"] = cfg["fanout"]["dflash_config"]["target_layer_ids"]
+    cfg["aux_hidden_state_layer_ids"] = cfg["fanout"]["draft_config"]["target_layer_ids"]
     cfg["fanout"]["format_version"] = 1
     (path / "config.json").write_text(json.dumps(cfg))
 
@@ -316,7 +316,7 @@ def test_inconsistent_layer_ids_refused(verifier_dir: Path, tmp_path: Path) -> N
     cfg = json.loads((path / "config.json").read_text())
     cfg["aux_hidden_state_layer_ids"] = [1, 2]  # hand-edited to the old numbering
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match=r"is not fanout.dflash_config.target_layer_ids"):
+    with pytest.raises(CheckpointError, match=r"is not fanout.draft_config.target_layer_ids"):
         load_draft(path, verifier_dir)
 
 
@@ -405,3 +405,21 @@ def test_upgrade_rewrites_config_atomically_and_durably(verifier_dir: Path, tmp_
     upgrade_checkpoint(path, fs)
     assert fs.ops == ["open_new", "write", "fsync", "close", "rename", "fsync_dir"]
     assert load_draft(path, verifier_dir).cfg.target_layer_ids == [1, 2]
+
+
+def test_a_checkpoint_from_before_the_family_seam_loads_and_resumes(
+    verifier_dir: Path, tmp_path: Path
+) -> None:
+    """fanout wrote the draft's config under `fanout.dflash_config` until the family seam
+    (now `fanout.draft_config`): such a checkpoint still loads, resumes and upgrades."""
+    d = _draft(verifier_dir, max_anchors=5)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, d, opt, {"step": 1}, verifier_name_or_path=str(verifier_dir))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["fanout"]["dflash_config"] = cfg["fanout"].pop("draft_config")
+    (path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_draft(path, verifier_dir)
+    assert loaded.cfg.max_anchors == 5  # a training-only field: read from the old key
+    load_checkpoint(path, _draft(verifier_dir, max_anchors=5), None)
+    with pytest.raises(ConfigError, match="max_anchors: checkpoint 5, draft 6"):
+        load_checkpoint(path, _draft(verifier_dir, max_anchors=6), None)

@@ -50,7 +50,7 @@ from fanout.flags import (
     to_flags,
 )
 from fanout.model.capture_layers import CaptureLayers
-from fanout.model.draft_config import DFlashConfig, DraftRecipe
+from fanout.model.draft_config import DraftConfig, DraftRecipe
 from fanout.model.verifier import VerifierConfig, VerifierOptions
 from fanout.produce import producer as produce_mod
 from fanout.produce.config import ProducerConfig
@@ -110,7 +110,7 @@ PAIRS: dict[tuple[type[BaseModel], type[BaseModel]], set[str]] = {
     (ProducerConfig, ConsumerOptions): {"run_dir", "db_path", "takeover"},
     # the trainer's mask id is a choice (None: the verifier's last id), the draft's the id
     # it resolved to
-    (TrainConfig, DFlashConfig): {"mask_token_id"},
+    (TrainConfig, DraftConfig): {"mask_token_id"},
     (EvalConfig, ChatFormat): set(),
     (PrepareConfig, ChatFormat): set(),
     # regenerate reads chat data but does not pack it; its device/dtype run only the hf engine
@@ -417,7 +417,7 @@ def test_train_options_reach_the_consumer_config(paths: dict[str, str]) -> None:
 
 
 def test_train_recipe_reaches_the_draft_config(paths: dict[str, str]) -> None:
-    """Each DraftRecipe field the trainer is given arrives in the draft's DFlashConfig,
+    """Each DraftRecipe field the trainer is given arrives in the draft's DraftConfig,
     and the model and the trainer have one default: the real-verifier recipe."""
     base = _base("train", paths)
     chosen = {"num_layers": 2, "block_size": 8, "max_anchors": 7, "draft_vocab_size": 100,
@@ -429,13 +429,13 @@ def test_train_recipe_reaches_the_draft_config(paths: dict[str, str]) -> None:
     # dpace needs ce: loss_type's other value goes with the default weighting
     for over in ({}, {"loss_type": "kl", "loss_weighting": "exp"}):
         want = chosen | over
-        dcfg = DFlashConfig(**TrainConfig.model_validate(base | want).draft_recipe(),
+        dcfg = DraftConfig(**TrainConfig.model_validate(base | want).draft_recipe(),
                             **shape, target_layer_ids=[1])  # fmt: skip
         assert {k: getattr(dcfg, k) for k in want} == want
     for name, v in (chosen | {"loss_type": "kl"}).items():  # each tried off its default
         assert v != DraftRecipe.model_fields[name].default, name
     defaults = TrainConfig.model_validate(base)
-    model = DFlashConfig(**shape, target_layer_ids=[1])
+    model = DraftConfig(**shape, target_layer_ids=[1])
     assert defaults.draft_recipe() == {k: getattr(model, k) for k in chosen}
     assert (model.num_layers, model.block_size, model.max_anchors) == (5, 16, 512)
 

@@ -10,9 +10,9 @@ import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.errors import ConfigError
+from fanout.families.dflash.model import DFlashDraft
 from fanout.model.anchors import select_anchors, slot_supervision
-from fanout.model.dflash import DFlashDraft
-from fanout.model.draft_config import DFlashConfig, default_gamma
+from fanout.model.draft_config import DraftConfig, default_gamma
 from fanout.ops.adamw import make_optimizer
 
 N_CTX = 2  # captured layers
@@ -83,7 +83,7 @@ def test_from_verifier_reads_shapes_and_frozen_tensors(verifier_dir: Path) -> No
 
 def test_config_validation_names_field() -> None:
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        DFlashConfig(
+        DraftConfig(
             hidden_size=64,
             intermediate_size=8,
             num_attention_heads=4,

@@ -385,7 +385,7 @@ NOT_IMPORTABLE = {
     ("architecture.md", "fanout.assets"): "module path before the 2026-12 layout",
     ("architecture.md", "fanout.telemetry"): "module path before the 2026-12 layout",
     # a key path inside a checkpoint's config.json, not a Python name
-    ("training.md", "fanout.dflash_config.target_layer_ids"): "config.json key path",
+    ("training.md", "fanout.draft_config.target_layer_ids"): "config.json key path",
 }
 
 

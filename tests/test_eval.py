@@ -23,9 +23,9 @@ from fanout.decode.eval import tau_interval
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, first_mismatch
 from fanout.errors import CheckpointError
-from fanout.model.dflash import DFlashDraft
+from fanout.families.dflash.model import DFlashDraft
 from fanout.model.draft_cache import DraftCache, IndependentSlots, UncachedDraft
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
@@ -58,7 +58,7 @@ class ScriptedDraft(IndependentSlots):
     its own draft context (`context=`): it records the context length at every block."""
 
     def __init__(self, greedy: list[int], prompt_len: int, block_size: int, right: int) -> None:
-        self.cfg = DFlashConfig(
+        self.cfg = DraftConfig(
             hidden_size=32, intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=256, mask_token_id=EOS,
             target_layer_ids=[1, 3], block_size=block_size,

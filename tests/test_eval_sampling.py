@@ -26,7 +26,7 @@ import fanout.model.sampling as sampling
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder
 from fanout.model.draft_cache import IndependentSlots
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 from fanout.model.sampling import Sampling, accept_or_resample, one_hot, probabilities
 from fanout.model.verifier import load_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse)
@@ -136,7 +136,7 @@ class EchoDraft(IndependentSlots):
 
     def __init__(self, decoder: Decoder) -> None:
         self.model = decoder.model
-        self.cfg = DFlashConfig(
+        self.cfg = DraftConfig(
             hidden_size=32, intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=256, mask_token_id=255,
             target_layer_ids=[1, 3], block_size=BS,

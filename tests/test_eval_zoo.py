@@ -25,7 +25,7 @@ import torch
 from fanout.decode.rollback import Rollback
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
-from fanout.model.dflash import DFlashDraft
+from fanout.families.dflash.model import DFlashDraft
 from fanout.model.draft_cache import IndependentSlots
 from fanout.model.verifier import load_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)

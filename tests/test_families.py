@@ -87,11 +87,14 @@ def test_a_shared_flag_eagle3_cannot_use_is_refused_when_parsed(
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_family_declares_its_config_and_model_once(name: str) -> None:
     """The registry names each family's model by reference (imported with torch on first
-    use) and its config class directly: the two must agree, and the model's module must
-    be the family's own or the DFlash backbone."""
+    use) and its config class directly: the two must agree, the model's module is the
+    family's own folder, and the model is a `Draft`."""
+    from fanout.model.draft import Draft
+
     fam = FAMILIES[name]
     assert fam.draft_class.config_class is fam.config_class
-    assert fam.model_ref.split(":")[0] in (f"fanout.families.{name}.model", "fanout.model.dflash")
+    assert fam.model_ref.split(":")[0] == f"fanout.families.{name}.model"
+    assert issubclass(fam.draft_class, Draft)
 
 
 def test_unknown_family_is_refused_naming_the_known_ones() -> None:

@@ -49,13 +49,13 @@ from safetensors.torch import load_file, save_file
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
+from fanout.families.dflash.model import DFlashDraft
 from fanout.families.dflash2 import FAMILY, DFlash2Config
 from fanout.families.dflash2.model import DFlash2Draft, DFlash2Layer
 from fanout.families.dflash2.propose import SelectorContext
 from fanout.families.registry import family, family_of
 from fanout.families.serving import load_draft
 from fanout.model.anchors import slot_supervision
-from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import head_logits
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
@@ -623,6 +623,7 @@ def test_selector_loss_trains(vdir: Path) -> None:
     d = family("dflash2").build(vdir, target_layer_ids=[1, 3], block_size=4, mask_token_id=EOS,
                                 num_layers=1, conv_group_size=8, selector_rank=8,
                                 selector_top_k=4, max_anchors=8)  # fmt: skip
+    assert isinstance(d, DFlash2Draft)
     g = torch.Generator().manual_seed(2)
     t = 32
     batch = {

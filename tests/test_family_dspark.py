@@ -65,6 +65,7 @@ from safetensors.torch import load_file, save_file
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
+from fanout.families.dflash.model import DFlashDraft
 from fanout.families.dspark.config import DSparkConfig
 from fanout.families.dspark.model import (
     DSparkDraft,
@@ -73,8 +74,7 @@ from fanout.families.dspark.model import (
 )
 from fanout.families.dspark.propose import DSparkContext, confident_length
 from fanout.families.registry import family, family_of
-from fanout.model import dflash as fanout_dflash
-from fanout.model.dflash import DFlashDraft
+from fanout.model import block_draft
 from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
 from fanout.model.verifier import load_verifier
 from fanout.model.verifier_dir import read_verifier_tensors
@@ -291,7 +291,7 @@ def test_config_fields_as_fanout_means_them(
         if k != "architectures":
             assert getattr(model.config, k) == v, k
     assert raw["fanout"]["family"] == "dspark"
-    assert raw["fanout"]["dflash_config"]["confidence_head_alpha"] == c.confidence_head_alpha
+    assert raw["fanout"]["draft_config"]["confidence_head_alpha"] == c.confidence_head_alpha
     proposal = model.config.speculators_config.proposal_methods[0]
     assert proposal.speculative_tokens == BS == fam.speculative_tokens(c)
     assert model.config.speculators_config.algorithm == "dspark"
@@ -424,7 +424,7 @@ def _patch_anchors(
 ) -> None:
     """Both sides use exactly these anchors (speculators' DSpark inherits DFlash's
     `_backbone_forward`, which calls the dflash core module's select_anchors)."""
-    monkeypatch.setattr(fanout_dflash, "select_anchors", lambda *a, **k: (anchors, valid))
+    monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
     monkeypatch.setattr(
         spec.core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
     )
@@ -649,7 +649,7 @@ def test_anchor_candidates_predict_a_supervised_token(verifier_dir: Path) -> Non
     every supervised token a candidate's slot 0 could predict is drawn."""
     draft = _draft(verifier_dir, max_anchors=T)
     layout = _layout()
-    anchors, valid = fanout_dflash.select_anchors(
+    anchors, valid = block_draft.select_anchors(
         layout["loss_mask"], layout["document_ids"], T, BS, None
     )
     sup = draft.supervision(layout, anchors, valid)
@@ -706,7 +706,7 @@ def test_loss_without_markov_head_and_supervised_slot_counts(
     layout = _layout()
     anchors, valid = _anchors(6, 19, 30)
     batch = _rows_plain(layout, seed=4)
-    monkeypatch.setattr(fanout_dflash, "select_anchors", lambda *a, **k: (anchors, valid))
+    monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
     out = draft.loss(batch, None)
     # 6: slot 3 predicts the hole; 19: slots 2, 3 predict doc 1's prompt; 30: all four
     assert out.per_slot_count.tolist() == [3, 3, 2, 1]

@@ -55,11 +55,13 @@ from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.eagle3 import vllm_default_layers
-from fanout.families.eagle3.model import Eagle3Draft, ttt_head
+from fanout.families.eagle3.model import Eagle3Draft
 from fanout.families.eagle3.propose import Eagle3Context
 from fanout.families.registry import family, family_of
+from fanout.model.chain_draft import ChainDraft
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
+from fanout.ops.teacher_head import teacher_head
 from fanout.train.checkpoint import save_checkpoint
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
@@ -252,7 +254,7 @@ def test_config_fields_as_fanout_means_them(
     assert proposal.speculative_tokens == c.ttt_steps == family("eagle3").speculative_tokens(c)
     assert model.config.speculators_config.verifier.name_or_path == str(verifier_dir.resolve())
     assert raw["fanout"]["family"] == "eagle3"
-    assert raw["fanout"]["dflash_config"]["ttt_steps"] == c.ttt_steps
+    assert raw["fanout"]["draft_config"]["ttt_steps"] == c.ttt_steps
     assert drafts["reduced"][0].cfg.draft_vocab_size == 200
     assert json.loads((drafts["reduced"][1] / "config.json").read_text())["draft_vocab_size"] == 200
 
@@ -268,7 +270,7 @@ def test_default_layers_are_vllms() -> None:
 # ---- (b) the same logits and TTT loss on the same rows ---------------------------------
 
 
-def _rows(seed: int, draft: Eagle3Draft, norm: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _rows(seed: int, draft: ChainDraft, norm: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Two rows [2, T]: row 0 one document, row 1 two (the second from 13); every
     document's first 5 tokens and a hole unsupervised. Returns fanout's batch and the
     pre-norm last states (speculators')."""
@@ -461,7 +463,7 @@ def test_fused_head_equals_plain_autograd(verifier_dir: Path) -> None:
     w = torch.randn(VOCAB, H, generator=g)
     wt = torch.rand(37, generator=g)
     for kl in (True, False):
-        loss, pred, label = ttt_head(x, teacher, w, kl=kl, chunk_rows=5)
+        loss, pred, label = teacher_head(x, teacher, w, kl=kl, chunk_rows=5)
         (loss * wt).sum().backward()
         assert x.grad is not None
         gx = x.grad.clone()

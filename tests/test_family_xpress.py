@@ -51,7 +51,7 @@ from fanout.families.registry import family, family_of
 from fanout.families.serving import load_draft
 from fanout.families.xpress.model import XPressDraft
 from fanout.families.xpress.propose import XPressContext
-from fanout.model import dflash as fanout_dflash
+from fanout.model import block_draft
 from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
 from fanout.model.verifier_dir import read_verifier_tensors
 from fanout.ops.adamw import make_optimizer
@@ -233,7 +233,7 @@ def test_config_fields_as_fanout_means_them(
             assert getattr(model.config, k) == v, k
     assert raw["sample_from_anchor"] is False and model.config.sample_from_anchor is False
     assert raw["fanout"]["family"] == "xpress"
-    assert raw["fanout"]["dflash_config"]["consistency_weight"] == c.consistency_weight
+    assert raw["fanout"]["draft_config"]["consistency_weight"] == c.consistency_weight
     proposal = model.config.speculators_config.proposal_methods[0]
     assert proposal.speculative_tokens == BS - 1 == fam.speculative_tokens(c)
     assert model.config.speculators_config.algorithm == "xpress"
@@ -318,7 +318,7 @@ def _patch_anchors(
 ) -> None:  # fmt: skip
     """Both sides use exactly these anchors (speculators' XPress inherits DFlash's
     `_backbone_forward`, which calls the dflash core module's select_anchors)."""
-    monkeypatch.setattr(fanout_dflash, "select_anchors", lambda *a, **k: (anchors, valid))
+    monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
     monkeypatch.setattr(
         spec.core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
     )

@@ -61,7 +61,7 @@ def test_bf16_capture_packed_equals_unpacked(tmp_path: Path) -> None:
 
 def test_bf16_dflash_step_on_cuda(tmp_path: Path) -> None:
     from fanout.bench.assets import tiny_qwen3_verifier
-    from fanout.model.dflash import DFlashDraft
+    from fanout.families.dflash.model import DFlashDraft
     from fanout.ops.adamw import make_optimizer
 
     vdir = tiny_qwen3_verifier(tmp_path / "v", 512, hidden_size=64, num_layers=6)

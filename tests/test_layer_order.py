@@ -35,10 +35,10 @@ from fanout.coord.status import snapshot
 from fanout.decode.config import EvalConfig
 from fanout.decode.eval import EvalSession, evaluate
 from fanout.errors import CheckpointError
+from fanout.families.dflash.model import DFlashDraft
 from fanout.families.serving import latest_checkpoint, load_draft, read_config, upgrade_checkpoint
-from fanout.model.dflash import DFlashDraft
 from fanout.model.draft_cache import IndependentSlots, UncachedDraft
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 from fanout.produce.producer import Producer
 from fanout.train.checkpoint import load_checkpoint
 from fanout.train.config import TrainConfig
@@ -101,10 +101,10 @@ def test_the_order_is_decided_once_at_the_config_boundary(
     # what is built past the boundary refuses any other order rather than carry it
     shape = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=8, vocab_size=64, mask_token_id=1)  # fmt: skip
-    assert DFlashConfig(**shape, target_layer_ids=[2, 5]).target_layer_ids == [2, 5]
+    assert DraftConfig(**shape, target_layer_ids=[2, 5]).target_layer_ids == [2, 5]
     for bad in ([5, 2], [2, 2]):
         with pytest.raises(ValueError, match="ascending"):
-            DFlashConfig(**shape, target_layer_ids=bad)
+            DraftConfig(**shape, target_layer_ids=bad)
 
 
 def test_an_unsorted_request_trains_the_sorted_draft(env: dict[str, Any]) -> None:
@@ -115,7 +115,7 @@ def test_an_unsorted_request_trains_the_sorted_draft(env: dict[str, Any]) -> Non
     for name in ("sorted", "unsorted"):
         spec = json.loads((_ckpt(env, name) / "config.json").read_text())
         assert spec["aux_hidden_state_layer_ids"] == [1, 3]
-        assert spec["fanout"]["dflash_config"]["target_layer_ids"] == SORTED
+        assert spec["fanout"]["draft_config"]["target_layer_ids"] == SORTED
     a, b = (load_file(str(_ckpt(env, n) / "model.safetensors")) for n in ("sorted", "unsorted"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the default (every captured layer) is ascending too, though captured as [2, 1, 0]
@@ -206,6 +206,7 @@ def test_tau_of_the_unsorted_request_matches_an_independent_ascending_decode(
         assert f"| 4 | {taus[0]:.2f} | {d['train_eal']:.2f} |" in row and pos in row, md
     session = EvalSession(ecfg, SORTED)
     draft = load_draft(paths["unsorted"], env["ver"])
+    assert isinstance(draft, DFlashDraft)
     model, eos = session.verifier.model, set(session.decoder.eos)
     steps = 0
     for p in session.prompts:
@@ -250,7 +251,7 @@ def _as_written_before(src: Path, dst: Path) -> Path:
         save_file(t, str(dst / name), metadata={"format": "pt"})
     cfg = json.loads((dst / "config.json").read_text())
     cfg["aux_hidden_state_layer_ids"] = [3, 1]
-    cfg["fanout"]["dflash_config"]["target_layer_ids"] = UNSORTED
+    cfg["fanout"]["draft_config"]["target_layer_ids"] = UNSORTED
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
 

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.families.dflash.model import DFlashDraft
 from fanout.families.serving import latest_checkpoint
-from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import ClippedAdamW
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.optim import (
@@ -203,7 +203,7 @@ def test_trainer_path_never_imports_dynamo(tmp_path: Path) -> None:
     code = f"""
 import sys, torch
 import fanout.train.trainer
-from fanout.model.dflash import DFlashDraft
+from fanout.families.dflash.model import DFlashDraft
 from fanout.train.optim import build_optimizer
 from fanout.families.serving import latest_checkpoint
 from fanout.train.checkpoint import load_checkpoint, save_checkpoint

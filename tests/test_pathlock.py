@@ -176,7 +176,7 @@ def test_processes_started_in_one_clock_tick_are_two_processes() -> None:
 
 def test_checkpoint_clean_up_never_removes_a_live_processs_temp_dir(tmp_path: Path) -> None:
     from fanout.bench.assets import tiny_qwen3_verifier
-    from fanout.model.dflash import DFlashDraft
+    from fanout.families.dflash.model import DFlashDraft
     from fanout.ops.adamw import make_optimizer
     from fanout.train.checkpoint import save_checkpoint
 

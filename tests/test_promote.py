@@ -26,9 +26,9 @@ from fanout.decode.eval import EvalSession
 from fanout.decode.promote import CURRENT, DECISIONS, Served, decide
 from fanout.decode.spec_decode import Decoder
 from fanout.errors import ConfigError
+from fanout.families.dflash.model import DFlashDraft
 from fanout.families.serving import load_draft
 from fanout.filesystem import FaultyFileSystem
-from fanout.model.dflash import DFlashDraft
 from fanout.ops.adamw import make_optimizer
 from fanout.train.checkpoint import save_checkpoint
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)

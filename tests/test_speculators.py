@@ -95,9 +95,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fanout.bench.assets import tiny_qwen3_verifier
-from fanout.model import dflash as fanout_dflash
+from fanout.families.dflash.model import DFlashDraft
+from fanout.model import block_draft as fanout_dflash
 from fanout.model.anchors import select_anchors, slot_supervision
-from fanout.model.dflash import DFlashDraft
 from fanout.model.verifier_dir import read_verifier_tensors
 from fanout.train.checkpoint import save_checkpoint
 

@@ -432,7 +432,7 @@ def test_kl_loss_trains_from_last_hidden_states_and_needs_them(run: Run) -> None
     assert _mean(log[-10:], "eal") > _mean(log[:3], "eal")
     ckpt = latest_checkpoint(cfg.save_path)
     assert ckpt is not None
-    saved = json.loads((ckpt / "config.json").read_text())["fanout"]["dflash_config"]
+    saved = json.loads((ckpt / "config.json").read_text())["fanout"]["draft_config"]
     assert saved["loss_type"] == "kl"
 
 

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from fanout.families.numbering import to_serving_layer_ids
 from fanout.families.registry import FAMILIES
 from fanout.families.serving import load_draft
-from fanout.model.dflash import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.model.verifier import Verifier, load_verifier, text_model
 from fanout.model.verifier_dir import text_tensors
 from fanout.ops.adamw import make_optimizer
@@ -90,7 +90,7 @@ def _verifier(arch: str, root: Path) -> tuple[Path, Verifier, Any]:
     return _LOADED[arch]
 
 
-def _build(fam_name: str, path: Path, v: Verifier) -> DFlashDraft:
+def _build(fam_name: str, path: Path, v: Verifier) -> Draft:
     """A small fresh draft of the family for `v`, on the family's own layers."""
     fam = FAMILIES[fam_name]
     layers = fam.draft_layers(fam.default_layers(v.num_layers), path)
@@ -101,7 +101,7 @@ def _build(fam_name: str, path: Path, v: Verifier) -> DFlashDraft:
     )  # fmt: skip
 
 
-def _train(draft: DFlashDraft, v: Verifier, rows: dict[str, Any]) -> None:
+def _train(draft: Draft, v: Verifier, rows: dict[str, Any]) -> None:
     """Train `draft` STEPS steps on its own layers of the capture."""
     layers = draft.cfg.target_layer_ids
     cap = rows["cap"]

@@ -68,7 +68,7 @@ def _strictly_ascending(v: list[int]) -> list[int]:
     return v
 
 
-# A draft's layers (DFlashConfig.target_layer_ids): refused unless strictly ascending,
+# A draft's layers (DraftConfig.target_layer_ids): refused unless strictly ascending,
 # so an order that reached a draft without passing `ascending_layer_ids` fails loudly.
 DraftLayerIds = Annotated[list[int], AfterValidator(_strictly_ascending)]
 

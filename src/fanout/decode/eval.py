@@ -38,7 +38,7 @@ from fanout.errors import BadRow, CheckpointError, ConfigError
 from fanout.families.registry import family_of
 from fanout.families.serving import latest_checkpoint, load_draft, read_config
 from fanout.flags import add_model_flags, model_from_args
-from fanout.model.dflash import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.model.sampling import Sampling
 from fanout.tracking import WandbRun, check_available
 
@@ -240,7 +240,7 @@ class EvalSession:
         self.decoder = Decoder(self.verifier, eos_ids(vdir, cfg.eos_token_id))
         self._warm = False
 
-    def _jobs(self, drafts: dict[str, DFlashDraft]) -> list[Job]:
+    def _jobs(self, drafts: dict[str, Draft]) -> list[Job]:
         jobs: list[Job] = [("", 0.0, "greedy")]
         for name in drafts:
             for t in self.cfg.temperature:
@@ -249,7 +249,7 @@ class EvalSession:
                     jobs.append((name, t, "sampled_draft"))
         return jobs
 
-    def _decode(self, job: Job, p: Prompt, drafts: dict[str, DFlashDraft]) -> DecodeResult:
+    def _decode(self, job: Job, p: Prompt, drafts: dict[str, Draft]) -> DecodeResult:
         cfg, dec = self.cfg, self.decoder
         name, t, rule = job
         if rule == "greedy":
@@ -272,7 +272,7 @@ class EvalSession:
             return None
         return self.decoder.tie([*p.ids, *greedy[:at]], greedy[at], spec[at])
 
-    def warm(self, drafts: dict[str, DFlashDraft]) -> None:
+    def warm(self, drafts: dict[str, Draft]) -> None:
         """Untimed: every mode once on the first prompt (first-call allocations, kernel
         choices); `run` does it at its first call."""
         for job in self._jobs(drafts):
@@ -281,7 +281,7 @@ class EvalSession:
 
     def run(
         self,
-        drafts: dict[str, DFlashDraft],
+        drafts: dict[str, Draft],
         train_eals: dict[str, float | None],
         *,
         progress: bool = False,
@@ -377,7 +377,7 @@ class EvalSession:
         }
 
 
-def load_drafts(cfg: EvalConfig) -> tuple[list[Path], dict[str, DFlashDraft], dict[str, Any]]:
+def load_drafts(cfg: EvalConfig) -> tuple[list[Path], dict[str, Draft], dict[str, Any]]:
     """Every `--draft` from its checkpoint files: (checkpoint dirs, drafts by name, their
     train-time EAL by name)."""
     if not cfg.draft:
@@ -385,7 +385,7 @@ def load_drafts(cfg: EvalConfig) -> tuple[list[Path], dict[str, DFlashDraft], di
     vdir = Path(cfg.verifier_name_or_path)
     dirs = [resolve_draft_dir(d) for d in cfg.draft]
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
-    drafts: dict[str, DFlashDraft] = {}
+    drafts: dict[str, Draft] = {}
     train_eals: dict[str, float | None] = {}
     for name, d in zip(draft_names(dirs), dirs):
         drafts[name] = load_draft(d, vdir, device=cfg.device, dtype=dtype)

@@ -15,7 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fanout.families.serving import checkpoint_family, read_config, to_serving_layer_ids
+from fanout.families.serving import (
+    checkpoint_family,
+    read_config,
+    saved_config,
+    to_serving_layer_ids,
+)
 
 
 def _row(t: str, f: dict[str, Any], suffix: str = "") -> str:
@@ -41,7 +46,7 @@ def model_card(ckpt: Path, name: str, report: dict[str, Any]) -> str:
     cfg = read_config(ckpt)
     fam = checkpoint_family(ckpt, cfg)
     fan = cfg.get("fanout", {})
-    dcfg = fan.get("dflash_config", {})
+    dcfg = saved_config(fan)
     verifier = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "?")
     layers = to_serving_layer_ids(dcfg.get("target_layer_ids", []))
     d = report["drafts"][name]

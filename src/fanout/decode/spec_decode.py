@@ -17,7 +17,7 @@ batching and paged KV), written plainly so it can be checked token for token:
 2. Draft: the block `[x_p, MASK, ..., MASK]` anchored at the last accepted token `x_p`
    (position p) attends to the context at positions `< p` (`fanout.model.anchors`: the
    anchor's own hidden state does not exist yet — it is the verifier's bonus token) and
-   proposes `block_size - 1` tokens in one forward (`DFlashDraft.propose`).
+   proposes `block_size - 1` tokens in one forward (the family's drafting step).
 3. Verify: the verifier runs `[x_p, d_1, ..., d_{bs-1}]` at positions p.. in one forward
    on top of its cache. Its argmax `y_k` at slot k is its own choice for position p+k+1.
    The drafts are accepted while `d_{k+1} == y_k`; with n accepted, the tokens
@@ -56,7 +56,7 @@ import torch
 
 from fanout.decode.rollback import Rollback
 from fanout.families.registry import family_of
-from fanout.model.dflash import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.model.draft_cache import DraftContext
 from fanout.model.sampling import Sampling, one_hot, probabilities, sample, verify_block
 
@@ -238,7 +238,7 @@ class Decoder:
     def speculative(
         self,
         prompt: list[int],
-        draft: DFlashDraft,
+        draft: Draft,
         max_new_tokens: int,
         sampling: Sampling = GREEDY,
         gen: torch.Generator | None = None,

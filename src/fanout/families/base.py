@@ -6,14 +6,23 @@ and decoding code and one family's folder.
     draft = fam.build("models/qwen3-8b", target_layer_ids=[1, 9, 17, 25, 33])
     ctx = fam.context(draft, cached=True)  # the drafting step fanout eval runs
 
-A family is a `Family` subclass with one instance in `fanout.families.registry`. It
-names its model (`model_ref`, imported on first use of `draft_class`: the registry and
-the configs load without torch) and its validated config (`config_class`), its
-own flags (`recipe`, a pydantic model mixed into `fanout train`'s config; its field
-names are unique across families), the shared recipe fields whose reference value
-differs from DFlash's (`recipe_defaults`), what its checkpoint writes beyond the DFlash
-fields (`config_fields`), what the capture must hold (`needs_last_hidden_states`) and
-its drafting step (`context`).
+A family is a set of parts in its folder `fanout/families/<name>/`, registered once (its
+name in `fanout.families.registry.FAMILY_FOLDERS`); no part needs another family's class:
+- its config: `config_class` (a `DraftConfig` subclass: the speculators fields it
+  writes, validated) and its own flags `recipe` (a pydantic model mixed into
+  `fanout train`'s config; field names unique across families), with the shared recipe
+  fields whose reference value differs (`recipe_defaults`);
+- its draft module and its loss: `model_ref` ("module:Class", a
+  `fanout.model.draft.Draft` subclass imported on first use of `draft_class`, so the
+  registry and the configs load without torch), built from the shared parts (the block
+  or chain backbone, the draft attention, the loss parts of fanout.model.slot_loss);
+- its proposer: `context`, the drafting step `fanout eval` runs as its server drafts;
+- its export adapter: `speculators_fields` / `serving_fields` / `layout_fields` (config)
+  and the model's `trainable_state` (state dict), in speculators 0.9.0's names;
+- what it needs from a capture: `default_layers`, `draft_layers`,
+  `needs_last_hidden_states` (`fanout produce --capture-for`).
+docs/training.md ("Adding a family") walks through one; tests/test_family_newcomer.py
+adds one in a copy of the package and counts the files it touched.
 """
 
 from __future__ import annotations
@@ -25,11 +34,44 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.model.draft_config import DFlashConfig, DraftRecipe, default_target_layer_ids
+from fanout.errors import ConfigError
+from fanout.model.draft_config import DraftConfig, DraftRecipe, default_target_layer_ids
 
 if TYPE_CHECKING:  # the model side imports torch: loaded on first use (`draft_class`)
-    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft import Draft
     from fanout.model.draft_cache import DraftContext
+
+
+def transformer_layer_config(
+    cfg: DraftConfig, *, model_type: str = "qwen3", architecture: str = "Qwen3ForCausalLM"
+) -> dict[str, Any]:
+    """speculators' `transformer_layer_config` of a draft of shape `cfg`: a decoder layer
+    config of `model_type` (qwen3 for the block drafters, llama for EAGLE-3's) with the
+    draft's shapes, full attention in every layer (speculators' trainer defaults to a
+    2048-token sliding window), one place for every family's `speculators_fields`."""
+    c = cfg
+    layer_cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        # transformers >= 5 (and speculators 0.9.0) keep RoPE under rope_parameters
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "layer_types": ["full_attention"] * c.num_layers,
+        "tie_word_embeddings": c.tie_word_embeddings,
+    }
+    if model_type == "llama":
+        layer_cfg["mlp_bias"] = False  # LlamaConfig's field (a Qwen3 config has none)
+    return layer_cfg
 
 
 class NoOptions(BaseModel):
@@ -44,7 +86,7 @@ class Family:
     # that the registry and every config (flags, checks) load without torch
     model_ref: ClassVar[str]
     # its validated config (the model's `config_class`; tests/test_families.py checks)
-    config_class: ClassVar[type[DFlashConfig]] = DFlashConfig
+    config_class: ClassVar[type[DraftConfig]] = DraftConfig
     recipe: ClassVar[type[BaseModel]] = NoOptions
     # shared DraftRecipe fields (block_size, max_anchors, ...) whose reference value
     # for this family differs from the DraftRecipe default
@@ -71,10 +113,10 @@ class Family:
     frozen_tensors: ClassVar[frozenset[str]] = frozenset({"lm_head.weight", "d2t", "t2d"})
 
     @property
-    def draft_class(self) -> type[DFlashDraft]:
+    def draft_class(self) -> type[Draft]:
         """Its model class (`model_ref`), imported on first use."""
         module, cls = self.model_ref.split(":")
-        draft_class: type[DFlashDraft] = getattr(importlib.import_module(module), cls)
+        draft_class: type[Draft] = getattr(importlib.import_module(module), cls)
         return draft_class
 
     def default_layers(self, num_verifier_layers: int) -> list[int]:
@@ -124,7 +166,7 @@ class Family:
         family, as one line naming the flag; None when they do (every DFlash family)."""
         return None
 
-    def build(self, verifier_dir: Any, **fields: Any) -> DFlashDraft:
+    def build(self, verifier_dir: Any, **fields: Any) -> Draft:
         """A fresh draft of this family for the verifier at `verifier_dir`."""
         return self.draft_class.from_verifier(verifier_dir, **fields)
 
@@ -132,11 +174,11 @@ class Family:
         """The names of this family's own flags (fields of `recipe`)."""
         return list(self.recipe.model_fields)
 
-    def speculative_tokens(self, cfg: DFlashConfig) -> int:
+    def speculative_tokens(self, cfg: DraftConfig) -> int:
         """Tokens one drafting step proposes (the verified block minus its anchor)."""
         return cfg.block_size if self.sample_from_anchor else cfg.block_size - 1
 
-    def config_fields(self, cfg: DFlashConfig) -> dict[str, Any]:
+    def config_fields(self, cfg: DraftConfig) -> dict[str, Any]:
         """Top-level `config.json` fields this family's speculators config adds (the
         family's own config fields, by speculators' names)."""
         return {k: getattr(cfg, k) for k in self.serving_fields()}
@@ -145,32 +187,14 @@ class Family:
         """The family's own fields speculators' config declares (read back on load)."""
         return []
 
-    def speculators_fields(self, cfg: DFlashConfig, verifier: dict[str, Any]) -> dict[str, Any]:
+    def speculators_fields(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
         """The speculators 0.9.0 `config.json` of a draft of this family (all but fanout's
         own section): the DFlash layout, the family's names and own fields
         (`config_fields`); `verifier` is `speculators_config.verifier`."""
         from fanout.families.numbering import SPECULATORS_VERSION, to_serving_layer_ids
 
         c = cfg
-        layer_cfg = {
-            "model_type": "qwen3",
-            "architectures": ["Qwen3ForCausalLM"],
-            "hidden_size": c.hidden_size,
-            "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "head_dim": c.head_dim,
-            "rms_norm_eps": c.rms_norm_eps,
-            # transformers >= 5 (and speculators 0.9.0) keep RoPE under rope_parameters
-            "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
-            "max_position_embeddings": c.max_position_embeddings,
-            "vocab_size": c.vocab_size,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "layer_types": ["full_attention"] * c.num_layers,
-            "tie_word_embeddings": c.tie_word_embeddings,
-        }
+        layer_cfg = transformer_layer_config(c)
         return {
             "speculators_model_type": self.speculators_model_type,
             # what speculators' save_pretrained of the family's draft writes (the model class)
@@ -191,7 +215,7 @@ class Family:
             "tie_word_embeddings": False,
         }
 
-    def proposal_config(self, cfg: DFlashConfig, verifier: dict[str, Any]) -> dict[str, Any]:
+    def proposal_config(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
         """`speculators_config`: the greedy proposal of `speculative_tokens` tokens."""
         return {
             "algorithm": self.speculators_model_type,
@@ -218,18 +242,178 @@ class Family:
         states: `loss_type kl`, which every family may choose, or the family's own need."""
         return recipe.get("loss_type") == "kl"
 
-    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
         """The drafting step `fanout eval` runs (fanout.decode.spec_decode)."""
+        from fanout.model.block_draft import BlockDraft
         from fanout.model.draft_cache import DraftCache, UncachedDraft
 
+        if not isinstance(draft, BlockDraft):  # a chain family names its own step
+            raise ConfigError(
+                f"{self.name} drafts blocks: {type(draft).__name__} is no block draft"
+            )
         return DraftCache(draft) if cached else UncachedDraft(draft)
 
     def drafting_context(
-        self, draft: DFlashDraft, *, cached: bool = True, num_speculative_tokens: int | None = None
+        self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
         """The drafting step with `fanout eval --num-speculative-tokens` applied where the
         family drafts a chain of any length (EAGLE-3); a block family's block fixes it."""
         return self.context(draft, cached=cached)
 
 
-__all__ = ["Family", "NoOptions"]
+# ---- the chain drafters' family parts (EAGLE-3, P-EAGLE, MTP) -----------------------
+
+# speculators' and vLLM's default draft vocabulary of an EAGLE draft
+EAGLE_DRAFT_VOCAB_SIZE = 32000
+
+
+def vllm_default_layers(num_verifier_layers: int) -> list[int]:
+    """vLLM's (and speculators') default EAGLE-3 auxiliary layers, (2, n//2, n-3) in HF
+    `hidden_states` numbering, as fanout decoder-layer ids (HF - 1), distinct and
+    ascending (a verifier of fewer than 8 layers repeats some).
+
+    >>> vllm_default_layers(36)
+    [1, 17, 32]
+    """
+    from fanout.families.numbering import from_serving_layer_ids
+
+    n = num_verifier_layers
+    hf = sorted({2, n // 2, n - 3} & set(range(1, n + 1)))
+    if not hf:
+        raise ConfigError(f"a {n}-layer verifier has none of EAGLE-3's default layers")
+    return from_serving_layer_ids(hf)
+
+
+class ChainFamily(Family):
+    """A family that drafts a chain, not a block (EAGLE-3, P-EAGLE, MTP): its verify
+    width is its steps + 1 (`steps_field`, its own flag), written as the draft's
+    `block_size` by `chain_fields`; the shared flags that mean nothing to it are refused
+    by its one rule `field_problem`; it reads its own layers, not every captured one;
+    `fanout eval --num-speculative-tokens` sets the chain's length."""
+
+    # its own flag: the tokens one drafting step proposes (ttt_steps, num_depths, ...)
+    steps_field: ClassVar[str]
+
+    def steps(self, recipe: Mapping[str, Any]) -> int:
+        """`steps_field` of `recipe` (field -> value), its flag's default where absent."""
+        default = self.recipe.model_fields[self.steps_field].default
+        return int(recipe.get(self.steps_field, default))
+
+    def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
+        """Why the shared recipe values `values` do not apply to this family (None: they
+        do); `block_size` None: not given (it follows the steps)."""
+        raise NotImplementedError
+
+    def chain_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """`build`'s `fields` with `block_size` mapped to the verify width; a value other
+        than that or DraftRecipe's default is refused (ConfigError)."""
+        steps = self.steps(fields)
+        bs = fields.get("block_size")
+        given = None if bs == DraftRecipe().block_size else bs  # the shared default: unset
+        if problem := self.field_problem({self.steps_field: steps}, given):
+            raise ConfigError(problem)
+        return fields | {"block_size": steps + 1}
+
+    def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
+        """The shared recipe flags that mean nothing to a chain draft (`field_problem`),
+        refused when `fanout train` parses its flags."""
+        bs = values["block_size"] if "block_size" in given else None
+        if bs == DraftRecipe().block_size:
+            bs = None  # a whole config written back carries the shared default
+        return self.field_problem(values, bs)
+
+    def draft_layers(self, captured: list[int], verifier_dir: Path) -> list[int]:
+        """Its own layers (not every captured one): what serving feeds it."""
+        from fanout.model.verifier_dir import read_verifier_config
+
+        return self.default_layers(read_verifier_config(verifier_dir)["_num_hidden_layers"])
+
+    def block_size_for(self, width: int) -> int:
+        return self.verify_width({})  # its reference chain: its steps + the anchor
+
+    def verify_width(self, recipe: dict[str, Any]) -> int:
+        return self.steps(recipe) + 1
+
+    def speculative_tokens(self, cfg: DraftConfig) -> int:
+        """speculators writes its steps as the greedy proposal's tokens."""
+        return int(getattr(cfg, self.steps_field))
+
+    def layout_fields(self, cfg: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+        """Its config has no block or mask token: the verify width follows its steps, the
+        (unused) mask id is fanout's record."""
+        return {"block_size": self.steps(saved) + 1, "mask_token_id": saved["mask_token_id"]}
+
+    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
+        return self.drafting_context(draft, cached=cached)
+
+
+class EagleFamily(ChainFamily):
+    """The EAGLE layout (EAGLE-3's; P-EAGLE's too, which vLLM serves under method
+    `eagle3`): one layer over `[embedding ; fc(aux states)]` (speculators' recipe: KL
+    against the verifier's distribution, so the capture holds its last hidden states),
+    vLLM's default auxiliary layers, a 32,000-token draft vocabulary, the norm flags,
+    speculators' `Eagle3SpeculatorConfig` layout (a Llama layer config)."""
+
+    recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "loss_type": "kl"}
+    serving_method: ClassVar[str] = "eagle3"
+    captures_last_hidden_states: ClassVar[bool] = True  # its targets
+    layer_ids_field: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
+
+    def default_layers(self, num_verifier_layers: int) -> list[int]:
+        return vllm_default_layers(num_verifier_layers)
+
+    def default_draft_vocab_size(self, vocab_size: int) -> int | None:
+        return EAGLE_DRAFT_VOCAB_SIZE if vocab_size > EAGLE_DRAFT_VOCAB_SIZE else None
+
+    def build(self, verifier_dir: Any, **fields: Any) -> Draft:
+        """A fresh draft; `block_size` is mapped to its verify width (`chain_fields`),
+        the layers vLLM's default where not given."""
+        fields = self.chain_fields(fields)
+        if fields.get("target_layer_ids") is None:
+            from fanout.model.verifier_dir import read_verifier_config
+
+            n = read_verifier_config(Path(verifier_dir))["_num_hidden_layers"]
+            fields["target_layer_ids"] = self.default_layers(n)
+        return super().build(verifier_dir, **fields)
+
+    def serving_fields(self) -> list[str]:
+        return ["norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"]
+
+    def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
+        return True  # the targets are the verifier's distribution
+
+    def speculators_fields(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
+        """speculators 0.9.0's `Eagle3SpeculatorConfig` layout: a Llama layer config, the
+        aux layers under `eagle_aux_hidden_state_layer_ids`, the norm flags."""
+        from fanout.families.numbering import SPECULATORS_VERSION, to_serving_layer_ids
+        from fanout.model.draft_config import ChainConfig
+
+        assert isinstance(cfg, ChainConfig)
+        c = cfg
+        return {
+            "speculators_model_type": self.speculators_model_type,
+            "architectures": list(self.architectures),
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": transformer_layer_config(
+                c, model_type="llama", architecture="LlamaForCausalLM"
+            ),
+            "draft_vocab_size": c.draft_vocab_size or c.vocab_size,
+            "target_hidden_size": c.hidden_size,
+            self.layer_ids_field: to_serving_layer_ids(c.target_layer_ids),
+            "embed_requires_grad": c.embed_requires_grad,
+            **self.config_fields(c),
+            "speculators_config": self.proposal_config(c, verifier),
+            "dtype": "bfloat16",
+            "tie_word_embeddings": False,
+        }
+
+
+__all__ = [
+    "EAGLE_DRAFT_VOCAB_SIZE",
+    "ChainFamily",
+    "EagleFamily",
+    "Family",
+    "NoOptions",
+    "transformer_layer_config",
+    "vllm_default_layers",
+]

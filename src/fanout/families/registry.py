@@ -1,33 +1,39 @@
 """The one list of draft families (`--draft-family`): adding a family is its folder
-and one line here."""
+and its name in `FAMILY_FOLDERS`.
+
+    from fanout.families.registry import FAMILIES, family
+    family("mtp").speculators_model_type   # 'mtp'; an unknown name: ConfigError
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
 from fanout.errors import ConfigError
-from fanout.families import dflash, dflash2, dspark, eagle3, mtp, peagle, xpress
 from fanout.families.base import Family
 from fanout.flags import field_flag, flag_options
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 if TYPE_CHECKING:
-    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft import Draft
 
-FAMILIES: dict[str, Family] = {
-    f.name: f
-    for f in [
-        dflash.FAMILY,
-        dflash2.FAMILY,
-        dspark.FAMILY,
-        eagle3.FAMILY,
-        mtp.FAMILY,
-        peagle.FAMILY,
-        xpress.FAMILY,
-    ]
-}
+# The families, in the order every table lists them: adding one is its folder
+# (`fanout/families/<name>/`, whose `FAMILY` is its `Family`) and its name here.
+FAMILY_FOLDERS = ("dflash", "dflash2", "dspark", "eagle3", "mtp", "peagle", "xpress")
+
+
+def _load(folder: str) -> Family:
+    """The `FAMILY` of `fanout.families.<folder>` (imported without torch)."""
+    fam = importlib.import_module(f"fanout.families.{folder}").FAMILY
+    if not isinstance(fam, Family) or fam.name != folder:
+        raise TypeError(f"fanout.families.{folder}.FAMILY must be a Family named {folder!r}")
+    return fam
+
+
+FAMILIES: dict[str, Family] = {name: _load(name) for name in FAMILY_FOLDERS}
 
 # The names `--draft-family` and `--capture-for` accept (choices in --help).
 if TYPE_CHECKING:
@@ -97,7 +103,7 @@ def family(name: str, *, where: str = "--draft-family") -> Family:
         raise ConfigError(f"{where} {name!r}: unknown draft family (known: {known})") from None
 
 
-def family_of(draft: DFlashDraft) -> Family:
+def family_of(draft: Draft) -> Family:
     """The family whose model `draft` is (its exact class)."""
     for f in FAMILIES.values():
         if type(draft) is f.draft_class:
@@ -105,7 +111,7 @@ def family_of(draft: DFlashDraft) -> Family:
     raise ConfigError(f"{type(draft).__name__} is no registered family's draft")
 
 
-def family_of_config(cfg: DFlashConfig) -> Family:
+def family_of_config(cfg: DraftConfig) -> Family:
     """The family whose validated config `cfg` is (its exact class)."""
     for f in FAMILIES.values():
         if type(cfg) is f.config_class:
@@ -127,6 +133,7 @@ def family_of_model_type(model_type: object, *, where: str) -> Family:
 
 __all__ = [
     "FAMILIES",
+    "FAMILY_FOLDERS",
     "FamilyOptions",
     "family",
     "family_of",

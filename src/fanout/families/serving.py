@@ -31,8 +31,8 @@ from fanout.families.numbering import (
 )
 from fanout.families.registry import family_of_config, family_of_model_type
 from fanout.filesystem import FileSystem
-from fanout.model.dflash import DFlashDraft
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft import Draft
+from fanout.model.draft_config import DraftConfig
 from fanout.model.verifier_dir import read_verifier_config
 
 # Written last into a checkpoint directory (fanout.train.checkpoint); one without it is
@@ -82,7 +82,7 @@ def _verifier_identity(verifier_name_or_path: str, serving_name: str | None) -> 
 
 
 def speculators_config(
-    draft: DFlashDraft,
+    draft: Draft,
     verifier_name_or_path: str = "",
     *,
     verifier_serving_name: str | None = None,
@@ -104,10 +104,23 @@ def speculators_config(
             "family": fam.name,
             # fanout numbering (decoder-layer outputs); the family's layer field above
             # (aux_hidden_state_layer_ids, EAGLE-3's eagle_aux_...) is the same list + 1
-            "dflash_config": c.model_dump(),
+            CONFIG_KEY: c.model_dump(),
             **(extra or {}),
         },
     }
+
+
+# The key of fanout's section holding the draft's whole config (fanout numbering);
+# checkpoints written before the family seam hold it under OLD_CONFIG_KEY.
+CONFIG_KEY = "draft_config"
+OLD_CONFIG_KEY = "dflash_config"
+
+
+def saved_config(fan: dict[str, Any]) -> dict[str, Any]:
+    """The draft config a checkpoint's `fanout` section `fan` records (field -> value;
+    {} where none): the one reader of both keys."""
+    saved = fan.get(CONFIG_KEY, fan.get(OLD_CONFIG_KEY))
+    return dict(saved) if isinstance(saved, dict) else {}
 
 
 def check_format(path: Path, cfg: dict[str, Any]) -> None:
@@ -131,13 +144,13 @@ def check_format(path: Path, cfg: dict[str, Any]) -> None:
             f"{path / 'config.json'}: fanout checkpoint format {version!r}; this fanout reads "
             f"format {FORMAT_VERSION}"
         )
-    fan_ids = fan.get("dflash_config", {}).get("target_layer_ids")
+    fan_ids = saved_config(fan).get("target_layer_ids")
     field = _layer_ids_field(cfg)
     aux = cfg.get(field)
     if not isinstance(aux, list) or from_serving_layer_ids(aux) != fan_ids:
         raise CheckpointError(
             f"{path / 'config.json'}: {field} {aux} is not "
-            f"fanout.dflash_config.target_layer_ids {fan_ids} + 1; the file was edited "
+            f"fanout.{CONFIG_KEY}.target_layer_ids {fan_ids} + 1; the file was edited "
             "inconsistently"
         )
     if aux != sorted(set(aux)):
@@ -187,7 +200,7 @@ def upgrade_checkpoint(path: str | Path, fs: FileSystem | None = None) -> Path:
     fs = fs or FileSystem()
     cfg = json.loads((p / "config.json").read_text())
     fan = dict(cfg.get("fanout") or {})
-    saved = dict(fan.get("dflash_config") or {})
+    saved = saved_config(fan)
     ids = [int(i) for i in saved.get("target_layer_ids") or []]
     version = fan.get("format_version")
     kind = cfg.get("speculators_model_type", "dflash")
@@ -205,14 +218,15 @@ def upgrade_checkpoint(path: str | Path, fs: FileSystem | None = None) -> Path:
     if order != list(range(len(ids))):
         for name in ("model.safetensors", "resume.safetensors"):
             _permute_fc(p / name, order, fs)
-    dcfg = DFlashConfig(**(saved | {"target_layer_ids": sorted(ids)}))
+    dcfg = DraftConfig(**(saved | {"target_layer_ids": sorted(ids)}))
     if version == 1:
         verifier = cfg.get("speculators_config", {}).get("verifier", {}).get("name_or_path", "")
         new = speculators_config(_ConfigOnly(dcfg), verifier)  # type: ignore[arg-type]
         new["fanout"] = fan | new["fanout"]  # keeps what the trainer added (train_eal, ...)
     else:
         new = cfg | {"aux_hidden_state_layer_ids": to_serving_layer_ids(dcfg.target_layer_ids)}
-        new["fanout"] = fan | {"dflash_config": dcfg.model_dump()}
+        new["fanout"] = {k: v for k, v in fan.items() if k != OLD_CONFIG_KEY}
+        new["fanout"][CONFIG_KEY] = dcfg.model_dump()
     fs.write_atomic(p / "config.json", json_bytes(new))
     return p
 
@@ -247,7 +261,7 @@ def _permute_fc(path: Path, order: list[int], fs: FileSystem) -> None:
 class _ConfigOnly:
     """What speculators_config reads of a draft: its `cfg` (no weights needed)."""
 
-    def __init__(self, cfg: DFlashConfig) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         self.cfg = cfg
 
 
@@ -267,7 +281,7 @@ def load_draft(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
-) -> DFlashDraft:
+) -> Draft:
     """Build a draft for inference from a checkpoint's speculators files alone
     (`config.json` + `model.safetensors`, what an engine loads) and the verifier's frozen
     embedding/head/norm. Layer ids are read back from `aux_hidden_state_layer_ids` (-1).
@@ -313,7 +327,7 @@ def checkpoint_family(path: Path, cfg: dict[str, Any]) -> Family:
     return fam
 
 
-def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Path) -> DFlashConfig:
+def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Path) -> DraftConfig:
     """The config (the family's `config_class`) a checkpoint's speculators `config.json`
     describes, checked against the verifier it will run beside (hidden size, vocabulary,
     layer ids within its depth)."""
@@ -336,7 +350,7 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
     rope = tl.get("rope_parameters") or {}
     # Training-only semantics (anchors, loss weights, label source) do not change what the
     # draft proposes; take them from the fanout section so `loss` matches training too.
-    saved = cfg["fanout"].get("dflash_config", {})
+    saved = saved_config(cfg["fanout"])
     # the family's training-only options (e.g. a loss weight) likewise; its serving
     # fields come from the speculators config, as an engine reads them
     serving = fam.serving_fields()
@@ -373,7 +387,7 @@ def draft_config(path: Path, cfg: dict[str, Any], vcfg: dict[str, Any], vdir: Pa
 
 
 def _load_weights(
-    draft: DFlashDraft, w: dict[str, torch.Tensor], weights_file: Path, dtype: torch.dtype
+    draft: Draft, w: dict[str, torch.Tensor], weights_file: Path, dtype: torch.dtype
 ) -> None:
     """Load `model.safetensors` tensors into `draft`: exactly its trainable tensors, each
     of the draft's shape, plus a reduced `lm_head.weight` when the checkpoint has one."""

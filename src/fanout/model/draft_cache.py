@@ -29,11 +29,12 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from fanout.model.dflash import DecoderLayer, DFlashDraft
+from fanout.model.block_draft import BlockDraft, DecoderLayer
+from fanout.model.draft import Draft
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, INPUT_IDS, POSITION_IDS
 
 
-def _layers(draft: DFlashDraft) -> list[DecoderLayer]:
+def _layers(draft: BlockDraft) -> list[DecoderLayer]:
     return cast("list[DecoderLayer]", list(draft.layers))
 
 
@@ -68,13 +69,13 @@ class IndependentSlots:
         return [choose(row) for row in rows], rows
 
 
-def head_logits(draft: DFlashDraft, hid: torch.Tensor) -> torch.Tensor:
+def head_logits(draft: Draft, hid: torch.Tensor) -> torch.Tensor:
     """Final-norm states `[n, H]` -> logits `[n, V]` over the verifier's vocabulary."""
     logits = hid.to(draft.lm_head_weight.dtype) @ draft.lm_head_weight.t()  # [n, V or Vd]
     return verifier_vocab(draft, logits)
 
 
-def verifier_vocab(draft: DFlashDraft, logits: torch.Tensor) -> torch.Tensor:
+def verifier_vocab(draft: Draft, logits: torch.Tensor) -> torch.Tensor:
     """Draft-vocab logits `[n, Vd]` -> fp32 verifier-vocab logits `[n, V]` (-inf outside
     a reduced draft vocabulary: probability 0 there)."""
     if draft.d2t is None:
@@ -88,7 +89,7 @@ def verifier_vocab(draft: DFlashDraft, logits: torch.Tensor) -> torch.Tensor:
 class UncachedDraft(IndependentSlots):
     """The reference: the whole context re-projected for every block (`block_hidden`)."""
 
-    def __init__(self, draft: DFlashDraft) -> None:
+    def __init__(self, draft: BlockDraft) -> None:
         self.draft = draft
         self.ctx: list[torch.Tensor] = []  # [n, k·H] pieces, positions 0..p-1
 
@@ -132,7 +133,7 @@ class DraftCache(IndependentSlots):
     first p + bs rows. The scratch rows lie beyond `length`, so nothing accepted is ever
     overwritten; the next `extend` writes its accepted rows over them."""
 
-    def __init__(self, draft: DFlashDraft, capacity: int = 256) -> None:
+    def __init__(self, draft: BlockDraft, capacity: int = 256) -> None:
         self.draft = draft
         self.k: list[torch.Tensor] = []  # per layer [1, nkv, capacity, hd]
         self.v: list[torch.Tensor] = []

@@ -1,11 +1,12 @@
-"""A draft's config without torch: what a user chooses (DraftRecipe) and a whole DFlash
-draft's shapes and semantics (DFlashConfig), with the DFlash layer rule.
+"""A draft's config without torch: what a user chooses (DraftRecipe) and a whole
+draft's shapes and semantics (DraftConfig, which every family's config extends and
+DFlash's is), with the DFlash layer rule.
 
-    from fanout.model.draft_config import DFlashConfig, DraftRecipe, default_target_layer_ids
+    from fanout.model.draft_config import DraftConfig, DraftRecipe, default_target_layer_ids
     DraftRecipe().block_size                       # 16: the reference recipe
     default_target_layer_ids(36, 5)                # [1, 9, 17, 25, 33]
 
-Kept apart from the model (fanout.model.dflash) so that every config a command's flags
+Kept apart from the models (fanout.model.draft and each family's) so that every config a command's flags
 build imports no torch: `fanout train`'s flag errors come back before torch is
 imported (fanout.cli.EARLY; benchmarks/startup.py measures it).
 """
@@ -30,7 +31,7 @@ def default_gamma(block_size: int) -> float:
 
 class DraftRecipe(BaseModel):
     """What a user chooses about a draft: its depth, block, anchors and loss. Declared
-    once here; DFlashConfig (a draft's full config) and `fanout train`'s TrainConfig
+    once here; DraftConfig (a draft's full config) and `fanout train`'s TrainConfig
     (its flags) inherit these fields. The defaults are the recipe that works on a real
     verifier (DFlash's released drafts and speculators: 5 layers, block 16, 512
     anchors; docs/training.md says why); demos and tests set their own small values."""
@@ -75,8 +76,8 @@ class DraftRecipe(BaseModel):
         return self
 
 
-class DFlashConfig(DraftRecipe):
-    """Shape and training semantics of one DFlash draft: the DraftRecipe plus what the
+class DraftConfig(DraftRecipe):
+    """Shape and training semantics of one draft: the DraftRecipe plus what the
     verifier and the run fix (shapes, vocabulary, mask id, layers). Validated at
     construction."""
 
@@ -99,7 +100,7 @@ class DFlashConfig(DraftRecipe):
     tie_word_embeddings: bool = Field(False, description="verifier ties lm_head to embeddings")
 
     @model_validator(mode="after")
-    def _check(self) -> DFlashConfig:
+    def _check(self) -> DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -147,3 +148,53 @@ def default_target_layer_ids(num_verifier_layers: int, num_draft_layers: int) ->
             "or use fewer draft layers"
         )
     return ids
+
+
+# ---- the chain drafters' shared fields (EAGLE-3, P-EAGLE) ---------------------------
+
+
+def fc_norm_problem(norm_before_fc: bool | None, fc_norm: bool) -> str | None:
+    """Why the two norms before a chain draft's `fc` cannot both be on (None: they can
+    be): one norm over the concatenated states, or one per state."""
+    if norm_before_fc and fc_norm:
+        return (
+            "fc_norm and norm_before_fc are exclusive (one norm over the concatenated "
+            "states, or one per state): drop --norm-before-fc"
+        )
+    return None
+
+
+class ChainConfig(DraftConfig):
+    """What the EAGLE-style chain drafters (EAGLE-3, P-EAGLE; fanout.model.chain_draft)
+    share beyond DraftConfig: one draft layer by default, the first over `[embedding ;
+    fc(auxiliary states)]`, the norms around `fc` and the hidden state fed back, trained
+    against the verifier's distribution. The norm flags default off, as speculators'
+    `Eagle3SpeculatorConfig` (drafts converted from elsewhere); each family's config
+    sets what its trainer resolves."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # the reference recipe where a draft is built directly (`fanout train` passes them)
+    num_layers: int = Field(1, ge=1, description="draft decoder layers (EAGLE-3: one)")
+    loss_type: Literal["ce", "kl"] = Field(
+        "kl", description="kl: KL from the verifier's distribution; ce: CE against its argmax"
+    )
+    norm_before_fc: bool = Field(
+        False, description="one RMSNorm over the concatenated auxiliary states before fc"
+    )
+    fc_norm: bool = Field(
+        False, description="one RMSNorm per auxiliary state before fc (instead of norm_before_fc)"
+    )
+    norm_output: bool = Field(
+        False, description="feed the final-normed hidden state back to the next step"
+    )
+    norm_before_residual: bool = Field(
+        False, description="the first layer's residual is the normed hidden state"
+    )
+    embed_requires_grad: bool = Field(False, description="train the embedding")
+
+    @model_validator(mode="after")
+    def _check_fc_norms(self) -> ChainConfig:
+        if problem := fc_norm_problem(self.norm_before_fc, self.fc_norm):
+            raise ValueError(problem)
+        return self

@@ -6,7 +6,7 @@ the directory must hold, and its identity (config hash, weights fingerprint).
     python -c "from pathlib import Path; from fanout.model.verifier_dir import text_tensors; print(text_tensors(Path('VERIFIER_DIR')))"
 
 The draft takes its shapes and its frozen embedding / head / norm from here
-(fanout.model.dflash.DFlashDraft.from_verifier); `fanout eval` and `load_draft` read
+(fanout.model.draft.Draft.from_verifier); `fanout eval` and `load_draft` read
 the config the same way (fanout.families.serving). A multimodal checkpoint
 (`…ForConditionalGeneration`) is read as its text model: shapes from its
 `text_config`, tensors by the names its layout gives them (`text_tensors`: plain
@@ -35,7 +35,7 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 
 def read_verifier_config(vdir: Path) -> dict[str, Any]:
-    """DFlashConfig fields from a HF `config.json` (+ `_num_hidden_layers`): the text
+    """DraftConfig fields from a HF `config.json` (+ `_num_hidden_layers`): the text
     model's (a multimodal config's `text_config`), with the head's tie flag as the
     checkpoint's top level declares it (`tied_head`)."""
     path = vdir / "config.json"

@@ -49,7 +49,10 @@ Backend = Literal["auto", "chunked", "torch", "liger", "naive"]
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
-def _chunk_rows(n_rows: int, vocab: int, chunk_rows: int | None) -> int:
+def rows_per_chunk(n_rows: int, vocab: int, chunk_rows: int | None) -> int:
+    """Rows per chunk of a fused op over `n_rows` rows and a `vocab`-wide head: the
+    caller's `chunk_rows` when given, else as many as keep one `[chunk, vocab]` fp32
+    block near DEFAULT_CHUNK_BYTES."""
     if chunk_rows is not None:
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
@@ -59,13 +62,13 @@ def _chunk_rows(n_rows: int, vocab: int, chunk_rows: int | None) -> int:
 
 def _own_precision(dev: torch.device) -> torch.autocast:
     """Autocast off inside the fused ops: they pick every matmul's precision themselves
-    (fp32 logits and accumulators, `_mm_fp32`). Under a caller's bf16 autocast an fp32
+    (fp32 logits and accumulators, `mm_fp32`). Under a caller's bf16 autocast an fp32
     matmul would come back bf16 — bf16 logits, and a dtype error where it meets an fp32
     accumulator (`addmm_`)."""
     return torch.autocast(dev.type, enabled=False)
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a @ b` with an fp32 result (fp32 accumulation on every backend)."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return a @ b
@@ -83,7 +86,7 @@ def _softmax_grad_chunk(
     keep: torch.Tensor,  # [c] bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row losses, argmax and d(loss_row)/d(logits) for one chunk, in place on one block."""
-    z = _mm_fp32(xc, weight.t())  # [c, V] fp32 logits
+    z = mm_fp32(xc, weight.t())  # [c, V] fp32 logits
     safe_t = torch.where(keep, tc, torch.zeros_like(tc))
     z_t = z.gather(1, safe_t[:, None]).squeeze(1)  # [c]
     m, pred = z.max(dim=1)  # [c], [c]; the max doubles as the argmax
@@ -109,7 +112,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, h = x.shape
         vocab = weight.shape[0]
-        c = _chunk_rows(n, vocab, chunk_rows)
+        c = rows_per_chunk(n, vocab, chunk_rows)
         need_gx, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Per-row output grads are unknown until backward, so with a trainable head and
         # reduction="none" grad_W cannot be accumulated now: recompute in backward.
@@ -134,9 +137,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 losses[s:e] = loss
                 preds[s:e] = pred
                 if gx is not None:
-                    gx[s:e] = _mm_fp32(p, weight)  # [c, H]
+                    gx[s:e] = mm_fp32(p, weight)  # [c, H]
                 if gw is not None:
-                    gw += _mm_fp32(p.t(), x[s:e])  # [V, H]
+                    gw += mm_fp32(p.t(), x[s:e])  # [V, H]
                 del p
         n_keep = keep.sum()
         ctx.reduction = reduction
@@ -183,8 +186,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 e = min(s + ctx.chunk, n)
                 _, _, p = _softmax_grad_chunk(x[s:e], weight, target[s:e], keep[s:e])
                 p.mul_(g[s:e, None])  # [c, V] scaled by each row's output grad
-                grad_x[s:e] = _mm_fp32(p, weight)
-                grad_w += _mm_fp32(p.t(), x[s:e])
+                grad_x[s:e] = mm_fp32(p, weight)
+                grad_w += mm_fp32(p.t(), x[s:e])
                 del p
         gx_out = grad_x.to(x.dtype) if ctx.needs_input_grad[0] else None
         return gx_out, grad_w.to(weight.dtype), None, None, None, None

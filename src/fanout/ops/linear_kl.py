@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fanout.ops.linear_ce import _chunk_rows, _mm_fp32, _own_precision
+from fanout.ops.linear_ce import _own_precision, mm_fp32, rows_per_chunk
 
 
 class _ChunkedLinearKL(torch.autograd.Function):
@@ -33,19 +33,19 @@ class _ChunkedLinearKL(torch.autograd.Function):
         chunk_rows: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n, h = x.shape
-        c = _chunk_rows(n, 2 * weight.shape[0], chunk_rows)  # two [c, V] blocks live
+        c = rows_per_chunk(n, 2 * weight.shape[0], chunk_rows)  # two [c, V] blocks live
         kl = torch.empty(n, dtype=torch.float32, device=x.device)
         preds = torch.empty(n, dtype=torch.long, device=x.device)
         gx = torch.empty(n, h, dtype=torch.float32, device=x.device)
         with torch.no_grad(), _own_precision(x.device):
             for s in range(0, n, c):
                 e = min(s + c, n)
-                log_pd = torch.log_softmax(_mm_fp32(x[s:e], weight.t()), dim=-1)  # [c, V]
-                log_pt = torch.log_softmax(_mm_fp32(teacher[s:e], weight.t()), dim=-1)
+                log_pd = torch.log_softmax(mm_fp32(x[s:e], weight.t()), dim=-1)  # [c, V]
+                log_pt = torch.log_softmax(mm_fp32(teacher[s:e], weight.t()), dim=-1)
                 pt = log_pt.exp()
                 kl[s:e] = (pt * (log_pt - log_pd)).sum(dim=-1)
                 preds[s:e] = log_pd.argmax(dim=-1)
-                gx[s:e] = _mm_fp32(log_pd.exp_().sub_(pt), weight)  # (p_d − p_t) @ W
+                gx[s:e] = mm_fp32(log_pd.exp_().sub_(pt), weight)  # (p_d − p_t) @ W
                 del log_pd, log_pt, pt
         ctx.save_for_backward(gx)
         ctx.x_dtype = x.dtype

@@ -32,7 +32,7 @@ backward. Here A (`a`) never gets a gradient, and:
 `e` and `b` may both be None (one frozen head only: the op is then the DFlash linear CE
 plus the teacher agreement). No `[N, V]` logits exist at once: chunks of about 256 MiB
 of fp32 per live `[chunk, V]` block. Logits, log-sum-exp, softmaxes and gradient
-accumulation are fp32 whatever the input dtype (`_mm_fp32`, as the linear CE). Rows whose
+accumulation are fp32 whatever the input dtype (`mm_fp32`, as the linear CE). Rows whose
 target is `ignore_index` have CE 0 and no gradient. Tested against materialised logits +
 autograd in tests/test_two_head_ce.py.
 """
@@ -44,7 +44,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from fanout.ops.argmax import row_argmax
-from fanout.ops.linear_ce import _chunk_rows, _mm_fp32, _own_precision
+from fanout.ops.linear_ce import _own_precision, mm_fp32, rows_per_chunk
 
 Kind = Literal["ce", "kl", "cetv"]
 
@@ -65,12 +65,12 @@ def _logits(
     x: torch.Tensor, e: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor | None
 ) -> torch.Tensor:
     """fp32 `x @ a^T (+ e @ b^T)` `[c, V]` of one chunk."""
-    z = _mm_fp32(x, a.t())  # [c, V]
+    z = mm_fp32(x, a.t())  # [c, V]
     if e is not None and b is not None:
         if z.dtype == e.dtype == b.dtype:
             z.addmm_(e, b.t())  # fp32: accumulate in place, no second [c, V] block
         else:
-            z += _mm_fp32(e, b.t())
+            z += mm_fp32(e, b.t())
     return z
 
 
@@ -160,7 +160,7 @@ class _TwoHeadLinear(torch.autograd.Function):
         need_b = grad_on and b is not None and need[3]
         fold = row_weight is not None  # the caller's loss is sum_i w_i l_i: fold grads now
         blocks = 1 + (teacher is not None) + (kind == "kl")  # live [c, V] fp32 blocks
-        c = _chunk_rows(n, blocks * vocab, chunk_rows)
+        c = rows_per_chunk(n, blocks * vocab, chunk_rows)
         dev = x.device
         vals = torch.empty(n, dtype=torch.float32, device=dev)
         preds = torch.empty(n, dtype=torch.long, device=dev)
@@ -183,7 +183,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 t = min(s + c, n)
                 ec = None if e is None else e[s:t]
                 z = _logits(x[s:t], ec, a, b)  # [c, V]
-                tz = None if teacher is None else _mm_fp32(teacher[s:t], a.t())  # [c, V]
+                tz = None if teacher is None else mm_fp32(teacher[s:t], a.t())  # [c, V]
                 tc = None if target is None else target[s:t]
                 grads = gx is not None or ge is not None or gb is not None
                 scale = w[s:t] if w is not None and grads else None  # d(sum_i w_i l_i)/d(l_i)
@@ -239,7 +239,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 t = min(s + ctx.chunk, n)
                 ec = None if e is None else e[s:t]
                 z = _logits(x[s:t], ec, a, b)
-                tz = None if teacher is None or ctx.kind == "ce" else _mm_fp32(teacher[s:t], a.t())
+                tz = None if teacher is None or ctx.kind == "ce" else mm_fp32(teacher[s:t], a.t())
                 tc = None if target is None else target[s:t]
                 # [c, V] d(loss)/d(logits): scaled by each row's output gradient
                 _, _, _, dz = _chunk(ctx.kind, z, tc, ctx.ignore_index, tz, g[s:t], ctx.mix)
@@ -265,14 +265,14 @@ def _grads(
     """The chunk's input gradients `dz @ A`, `dz @ B` and its share `dz^T @ e` of B's
     (no `dz^T @ x`: A is frozen)."""
     if gx is not None:
-        gx[s:t] = _mm_fp32(dz, a)
+        gx[s:t] = mm_fp32(dz, a)
     if ge is not None and b is not None:
-        ge[s:t] = _mm_fp32(dz, b)
+        ge[s:t] = mm_fp32(dz, b)
     if gb is not None and ec is not None:
         if ec.dtype == torch.float32:
             gb.addmm_(dz.t(), ec)  # in place, no [V, r] temporary
         else:
-            gb += _mm_fp32(dz.t(), ec)
+            gb += mm_fp32(dz.t(), ec)
 
 
 def _check(

@@ -21,7 +21,7 @@ Layout of `<save_dir>/checkpoint-<step:08d>/`:
 - `config.json`         speculators DFlash config (`speculators_model_type: "dflash"`,
                         `transformer_layer_config`, `aux_hidden_state_layer_ids`,
                         `block_size`, `mask_token_id`, `draft_vocab_size`, ...) plus a
-                        `fanout` section with the training-only fields of DFlashConfig;
+                        `fanout` section with the training-only fields of DraftConfig;
 - `model.safetensors`   trainable weights in bf16 under speculators keys (`fc.weight`,
                         `layers.{i}.self_attn.q_proj.weight`, ..., `norm.weight`), and
                         `lm_head.weight`/`d2t`/`t2d` for a reduced draft vocabulary — what
@@ -65,10 +65,11 @@ from fanout.families.serving import (
     committed_checkpoints,
     json_bytes,
     read_config,
+    saved_config,
     speculators_config,
 )
 from fanout.filesystem import FileSystem
-from fanout.model.dflash import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.train.ema import WeightEMA
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def _rng_tensors(generators: dict[str, torch.Generator] | None) -> dict[str, tor
 
 def save_checkpoint(
     save_dir: str | Path,
-    draft: DFlashDraft,
+    draft: Draft,
     optimizer: Optimizer,
     training_state: dict[str, Any],
     *,
@@ -194,7 +195,7 @@ def save_checkpoint(
 def _write_files(
     fs: FileSystem,
     tmp: Path,
-    draft: DFlashDraft,
+    draft: Draft,
     optimizer: Optimizer,
     training_state: dict[str, Any],
     generators: dict[str, torch.Generator] | None,
@@ -250,7 +251,7 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _resumed_keys(draft: DFlashDraft) -> set[str]:
+def _resumed_keys(draft: Draft) -> set[str]:
     """The serving tensors a resume file carries: those the draft's state_dict holds."""
     return set(draft.trainable_state()) & set(draft.state_dict())
 
@@ -265,7 +266,7 @@ def _writer_gone(name: str) -> bool:
 
 def load_checkpoint(
     path: str | Path,
-    draft: DFlashDraft,
+    draft: Draft,
     optimizer: Optimizer | None,
     *,
     states: Mapping[str, Stateful] | None = None,
@@ -286,7 +287,7 @@ def load_checkpoint(
             f"draft (--draft-family {ours.name}): resume with --draft-family {theirs.name}, "
             "or give this draft another --save-path"
         )
-    saved = cfg["fanout"].get("dflash_config", {})
+    saved = saved_config(cfg["fanout"])
     mine = draft.cfg.model_dump()
     diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
     if diff:

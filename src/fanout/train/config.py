@@ -39,7 +39,7 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
         description="verifier name written into checkpoints for serving (e.g. Qwen/Qwen3-8B); "
         "default: the absolute path of --verifier-name-or-path",
     )
-    # Not DFlashConfig's: a choice here (None: the verifier's last id); the draft's is the
+    # Not DraftConfig's: a choice here (None: the verifier's last id); the draft's is the
     # id it resolved to.
     mask_token_id: int | None = Field(None, description="mask token id; default: vocab_size - 1")
     lr: float = Field(3e-4, gt=0, description="peak learning rate")

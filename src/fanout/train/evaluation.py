@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fanout.model.dflash import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.train.config import TrainConfig
 
 
@@ -28,7 +28,7 @@ class PeriodicEval:
         self.cfg, self.device = cfg, device
         self.session: Any = None  # fanout.decode.eval.EvalSession
 
-    def __call__(self, draft: DFlashDraft) -> dict[str, Any]:
+    def __call__(self, draft: Draft) -> dict[str, Any]:
         from fanout.decode.config import EvalConfig
         from fanout.decode.eval import EvalSession
 

@@ -23,7 +23,7 @@ from fanout.contract import CaptureContract, ascending_layer_ids
 from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
 from fanout.errors import ConfigError
 from fanout.families.registry import family
-from fanout.model.dflash import DFlashDraft
+from fanout.model.draft import Draft
 from fanout.model.verifier_dir import read_verifier_config
 from fanout.store.rundir import RunDir
 from fanout.train.config import TrainConfig
@@ -75,7 +75,7 @@ def check_run(cfg: TrainConfig, contract: CaptureContract, world: int) -> list[i
 
 def build_draft(
     cfg: TrainConfig, contract: CaptureContract, layers: list[int], device: torch.device
-) -> DFlashDraft:
+) -> Draft:
     """The draft on `device`: shapes and frozen embedding/head from the verifier,
     the rest from the flags; with --draft-vocab-size, the run's most used tokens."""
     overrides: dict[str, Any] = cfg.draft_recipe() | {"target_layer_ids": layers}

@@ -24,17 +24,17 @@ from pydantic import BaseModel
 from fanout.errors import ConfigError
 from fanout.families.base import Family
 from fanout.families.dflash2.config import DFlash2Config, DFlash2Recipe
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 if TYPE_CHECKING:
-    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft import Draft
     from fanout.model.draft_cache import DraftContext
 
 
 class DFlash2(Family):
     name: ClassVar[str] = "dflash2"
     model_ref: ClassVar[str] = "fanout.families.dflash2.model:DFlash2Draft"
-    config_class: ClassVar[type[DFlashConfig]] = DFlash2Config
+    config_class: ClassVar[type[DraftConfig]] = DFlash2Config
     recipe: ClassVar[type[BaseModel]] = DFlash2Recipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
     speculators_model_type: ClassVar[str] = "dflash2"
@@ -47,7 +47,7 @@ class DFlash2(Family):
         training flag: speculators' config has no such field)."""
         return ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"]
 
-    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
         """The selector's drafting step (fanout.families.dflash2.propose)."""
         from fanout.families.dflash2.model import DFlash2Draft
         from fanout.families.dflash2.propose import SelectorContext

@@ -5,7 +5,7 @@
     cfg = DFlash2Config(**dflash_fields, conv_group_size=16)  # ValueError when they disagree
 
 `DFlash2Recipe` holds what a user chooses beyond the shared DraftRecipe (mixed into
-`fanout train`'s flags); `DFlash2Config` is a whole DFlash2 draft: DFlashConfig plus
+`fanout train`'s flags); `DFlash2Config` is a whole DFlash2 draft: DraftConfig plus
 those fields, checked against each other. Field names, defaults and bounds are
 speculators 0.9.0's (`DFlash2SpeculatorConfig`, and its trainer's `DFlash2Args` for
 `selector_loss_alpha`).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 
 class DFlash2Recipe(BaseModel):
@@ -37,7 +37,7 @@ class DFlash2Recipe(BaseModel):
     )
 
 
-class DFlash2Config(DFlash2Recipe, DFlashConfig):
+class DFlash2Config(DFlash2Recipe, DraftConfig):
     """A DFlash2 draft's shape and training semantics. Validated at construction: the
     group size divides the hidden size, the kernel fits in a block, the selector's k fits
     in the vocabulary, and the vocabulary is the verifier's own (speculators' DFlash2 and

@@ -20,9 +20,9 @@ Architecture (speculators 0.9.0 `DFlash2DraftModel`, after Z Lab's DFlash2):
   slot's final-norm state). Serving walks the block greedily: slot 1's predecessor is
   the anchor, slot k's the token chosen at slot k-1 (fanout.families.dflash2.propose).
 
-Loss (`DFlash2Draft.loss`): on one `DFlashDraft.blocks` pass, `DFlashDraft.block_loss`
-unchanged (the unary loss: fanout's CE
-or KL, its supervision rule, its per-slot weights and normalisation) plus
+Loss (`DFlash2Draft.loss`): on one `BlockDraft.blocks` pass, `BlockDraft.block_loss`
+unchanged (the unary loss: fanout's CE or KL, its supervision rule, its per-slot weights
+and normalisation) plus
 `selector_loss_alpha` x the selector's K-way cross-entropy over the training candidates
 (the unary top-k with the label written over rank K when the top-k misses it,
 speculators' `selector_training_candidates`), teacher-forced (slot k's predecessor is
@@ -31,7 +31,8 @@ normalised like the unary loss. The top-k runs over the vocabulary in row chunks
 no_grad, and the candidates' unary logits are gathered from the k head rows with a
 chunked autograd op, so no `[slots, V]` logits are kept.
 
-Metrics: `per_slot_acc` / `eal` follow the realised greedy selector path, as
+Metrics (`fanout.model.slot_loss.acceptance`): `per_slot_acc` / `eal` follow the
+realised greedy selector path, as
 speculators' DFlash2 `eal`: slot k counts as right when the selector's argmax over the
 training candidates is the label *and* the label is in the unary top-k (training may
 inject it; serving cannot). `extra`: `unary_loss`, `selector_loss`, `unary_acc` and
@@ -53,8 +54,10 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.dflash2.config import DFlash2Config
 from fanout.model.anchors import block_positions
-from fanout.model.dflash import DecoderLayer, DFlashDraft, LossOutput
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.block_draft import BlockDraft, DecoderLayer
+from fanout.model.draft import LossOutput
+from fanout.model.draft_config import DraftConfig
+from fanout.model.slot_loss import acceptance, slot_index
 from fanout.rows import INPUT_IDS
 
 # Rows per chunk are sized so one chunk's temporary ([chunk, V] logits for the top-k,
@@ -234,29 +237,29 @@ def candidate_logits(rows: torch.Tensor, head: torch.Tensor, cand: torch.Tensor)
     return cast("torch.Tensor", _CandidateLogits.apply(rows, head, cand))
 
 
-class DFlash2Draft(DFlashDraft):
-    """DFlashDraft with `DFlash2Layer`s and a `candidate_selector` (trainable, saved in
+class DFlash2Draft(BlockDraft):
+    """The block draft with `DFlash2Layer`s and a `candidate_selector` (trainable, saved in
     speculators' DFlash2 key names by `trainable_state()`)."""
 
-    config_class: ClassVar[type[DFlashConfig]] = DFlash2Config
+    config_class: ClassVar[type[DraftConfig]] = DFlash2Config
     cfg: DFlash2Config
     candidate_selector: CandidateSelector
 
     def __init__(
         self,
-        cfg: DFlashConfig,
+        cfg: DraftConfig,
         embed_weight: torch.Tensor,  # [V, H]
         lm_head_weight: torch.Tensor,  # [V, H]
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,
     ) -> None:
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
-        cfg = self.cfg  # its own config class (DFlashDraft checked it)
+        cfg = self.cfg  # its own config class (Draft checked it)
         self.candidate_selector = CandidateSelector(
             cfg.vocab_size, cfg.hidden_size, cfg.selector_rank
         )
 
-    def make_layer(self, cfg: DFlashConfig, index: int) -> nn.Module:
+    def make_layer(self, cfg: DraftConfig, index: int) -> nn.Module:
         return DFlash2Layer(cast("DFlash2Config", cfg))
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -265,7 +268,7 @@ class DFlash2Draft(DFlashDraft):
         for layer in self.layers:
             cast("DFlash2Layer", layer).attention_conv.reset_parameters()
             cast("DFlash2Layer", layer).mlp_conv.reset_parameters()
-        if "candidate_selector" in self._modules:  # absent while DFlashDraft.__init__ runs
+        if "candidate_selector" in self._modules:  # absent while BlockDraft.__init__ runs
             self.candidate_selector.reset_parameters(std)
 
     @classmethod
@@ -278,7 +281,7 @@ class DFlash2Draft(DFlashDraft):
         device: str | torch.device = "cpu",
         **overrides: Any,
     ) -> Self:
-        """DFlashDraft.from_verifier, with a config error told in one line."""
+        """Draft.from_verifier, with a config error told in one line."""
         try:
             return super().from_verifier(
                 verifier_dir,
@@ -309,41 +312,38 @@ class DFlash2Draft(DFlashDraft):
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
         """DFlash's loss on one block pass (`blocks`, anchors drawn from `generator`) plus
         `selector_loss_alpha` x the selector loss; metrics as the module docstring says."""
-        cfg, bs = self.cfg, self.cfg.block_size
+        cfg = self.cfg
         b = self.blocks(batch, generator)  # one block pass for both losses
         unary = self.block_loss(batch, b)
         sup = b.sup  # [B, A, bs] (full vocabulary: no slot cut)
         rows = b.hid[sup]  # [M, H] supervised slots, as the unary loss
         target = b.label[sup]  # [M] verifier ids (= draft ids: full vocab)
         prev = self.predecessors(batch, b.anchors)[sup]  # [M]
-        slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M]
+        slot = slot_index(sup)  # [M] slot index k
         top = unary_top_k(rows.detach(), self.lm_head_weight, cfg.selector_top_k)  # [M, K]
         cand, rank, present = training_candidates(top, target)  # [M, K], [M], [M]
         scores = candidate_logits(rows, self.lm_head_weight, cand)  # [M, K] fp32
         scores = scores + self.candidate_selector.transitions(rows, prev, cand).to(scores.dtype)
         ce = F.cross_entropy(scores, rank, reduction="none")  # [M]
         n_tok = unary.n_tokens
-        selector_loss = (ce * self._slot_weights(ce.detach(), sup, slot)).sum() / max(n_tok, 1)
+        selector_loss = (ce * self.slot_weights(ce.detach(), sup, slot)).sum() / max(n_tok, 1)
         with torch.no_grad():
             pick = cand.gather(1, scores.argmax(dim=1, keepdim=True))[:, 0]  # [M]
             correct = torch.zeros_like(sup)
             correct[sup] = (pick == target) & present  # a served selector never sees the label
-            cnt = unary.per_slot_count  # [bs-1]
-            acc = correct[:, :, 1:].sum(dim=(0, 1)) / cnt.clamp(min=1)
-            run = torch.cumprod(correct[:, :, 1:].long(), dim=2).sum(dim=2)  # [B, A]
-            has = b.has  # [B, A] blocks that count (DFlashDraft.blocks' rule)
-            eal = (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
-            n = max(n_tok, 1)
-            extra = {
-                "unary_loss": float(unary.loss.detach()),
-                "selector_loss": float(selector_loss.detach()),
-                "unary_acc": float((unary.per_slot_acc * cnt).sum()) / n,
-                "unary_eal": float(unary.eal),
-                "selector_acc": float(correct.sum()) / n,
-                "candidate_recall": float(present.sum()) / n,
-            }
+        # the realised greedy path's metrics, over the blocks that count (BlockDraft.blocks)
+        acc, cnt, eal = acceptance(correct[:, :, 1:], sup[:, :, 1:], b.has)  # [bs-1] x2, []
+        n = max(n_tok, 1)
+        extra = {
+            "unary_loss": float(unary.loss.detach()),
+            "selector_loss": float(selector_loss.detach()),
+            "unary_acc": float((unary.per_slot_acc * unary.per_slot_count).sum()) / n,
+            "unary_eal": float(unary.eal),
+            "selector_acc": float(correct.sum()) / n,
+            "candidate_recall": float(present.sum()) / n,
+        }
         loss = unary.loss + cfg.selector_loss_alpha * selector_loss
-        return LossOutput(loss, acc.float(), cnt, eal, n_tok, unary.n_blocks, extra)
+        return LossOutput(loss, acc, cnt, eal, n_tok, unary.n_blocks, extra)
 
 
 __all__ = [

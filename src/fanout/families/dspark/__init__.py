@@ -19,17 +19,17 @@ from pydantic import BaseModel
 
 from fanout.families.base import Family
 from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 if TYPE_CHECKING:
-    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft import Draft
     from fanout.model.draft_cache import DraftContext
 
 
 class DSpark(Family):
     name: ClassVar[str] = "dspark"
     model_ref: ClassVar[str] = "fanout.families.dspark.model:DSparkDraft"
-    config_class: ClassVar[type[DFlashConfig]] = DSparkConfig
+    config_class: ClassVar[type[DraftConfig]] = DSparkConfig
     recipe: ClassVar[type[BaseModel]] = DSparkRecipe
     # speculators' DSpark recipe: block 8 (its config default), 512 anchors (its CLI
     # default, as DFlash's; 3072 is only DSparkDraftModel's fallback without the CLI)
@@ -54,7 +54,7 @@ class DSpark(Family):
         conf = recipe.get("enable_confidence_head", DSparkRecipe().enable_confidence_head)
         return bool(conf) or super().needs_last_hidden_states(recipe)
 
-    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
         from fanout.families.dspark.model import DSparkDraft
         from fanout.families.dspark.propose import DSparkContext
         from fanout.model.draft_cache import DraftCache, UncachedDraft

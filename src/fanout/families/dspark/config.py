@@ -8,7 +8,7 @@
 (`markov_rank`, `markov_head_type`, `enable_confidence_head`,
 `confidence_head_with_markov`: written top-level into `config.json`) and its trainer's
 `confidence_head_alpha` (training only), with speculators' defaults. `DSparkConfig` is
-`DFlashConfig` plus those, frozen and validated at construction.
+`DraftConfig` plus those, frozen and validated at construction.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 # Markov head variants speculators declares; fanout trains (and serves) the first.
 IMPLEMENTED_HEADS = ("vanilla",)
@@ -61,7 +61,7 @@ class DSparkRecipe(BaseModel):
         return self
 
 
-class DSparkConfig(DSparkRecipe, DFlashConfig):
+class DSparkConfig(DSparkRecipe, DraftConfig):
     """One DSpark draft: the DFlash backbone's shape and recipe plus DSpark's heads."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -55,11 +55,13 @@ speculators):
 
 Loss: `sum_k w_k CE_k / n + alpha * sum_k exp(-k/gamma) BCE_k / n` over the n supervised
 slots; `w_k = exp(-k/gamma)` (speculators' `dflash_loss_decay` with
-`sample_from_anchor`: slot 0 weight 1) or D-PACE; the BCE always uses the exp decay
+`sample_from_anchor`: slot 0 weight 1; fanout.model.slot_loss's weights counted from
+`first_drafted_slot` 0) or D-PACE; the BCE always uses the exp decay
 (speculators: D-PACE expects a token CE). `loss_type="kl"` replaces the CE with
 KL(p || q). TV comes from the CE's / KL's own row chunks (no `[slots, V]` fp32 at once).
 
-Metrics (`LossOutput`): `per_slot_acc[k]` greedy accuracy of slot k = 0..bs-1; `eal` =
+Metrics (`LossOutput`, fanout.model.slot_loss's `acceptance` over every slot):
+`per_slot_acc[k]` greedy accuracy of slot k = 0..bs-1; `eal` =
 1 + the exact-match prefix of slots 0, 1, ... averaged over blocks whose slot 0 is
 supervised (speculators' dspark `eal`); `extra`: `accept_len` (1 + sum over slots of
 the running product of the per-slot acceptance rates: speculators' analytical
@@ -78,9 +80,11 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.dspark.config import DSparkConfig
 from fanout.model.anchors import block_positions, slot_supervision
-from fanout.model.dflash import DFlashDraft, LossOutput, _check_batch
-from fanout.model.draft_config import DFlashConfig
-from fanout.ops.linear_ce import _chunk_rows, _mm_fp32
+from fanout.model.block_draft import BlockDraft
+from fanout.model.draft import LossOutput
+from fanout.model.draft_config import DraftConfig
+from fanout.model.slot_loss import acceptance, exp_decay, slot_index
+from fanout.ops.linear_ce import mm_fp32, rows_per_chunk
 from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax, two_head_kl_div_and_argmax
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, TARGET_IDS
 
@@ -111,24 +115,24 @@ class ConfidenceHead(nn.Module):
         return cast("torch.Tensor", self.proj(features)).squeeze(-1)
 
 
-class DSparkDraft(DFlashDraft):
+class DSparkDraft(BlockDraft):
     """Trainable beyond DFlash's: `markov_head` (when `markov_rank > 0`) and
     `confidence_head` (when `enable_confidence_head`); see the module docstring."""
 
-    config_class: ClassVar[type[DFlashConfig]] = DSparkConfig
+    config_class: ClassVar[type[DraftConfig]] = DSparkConfig
     first_drafted_slot: ClassVar[int] = 0  # slot 0 (the anchor) predicts the next token
     cfg: DSparkConfig
 
     def __init__(
         self,
-        cfg: DFlashConfig,
+        cfg: DraftConfig,
         embed_weight: torch.Tensor,  # [V, H]
         lm_head_weight: torch.Tensor,  # [V, H]
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
     ) -> None:
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
-        cfg = self.cfg  # its own config class (DFlashDraft checked it)
+        cfg = self.cfg  # its own config class (Draft checked it)
         h, rank = cfg.hidden_size, cfg.markov_rank
         draft_v = cfg.draft_vocab_size or cfg.vocab_size
         self.markov_head: MarkovHead | None
@@ -216,30 +220,30 @@ class DSparkDraft(DFlashDraft):
         """Draw anchors from `generator`, run the blocks, return loss and metrics (module
         docstring). `batch` as DFlash's, plus `last_hidden_states` [B, T, H] for the
         confidence head or `loss_type kl`."""
-        cfg, bs = self.cfg, self.cfg.block_size
+        cfg = self.cfg
         conf_on = self.confidence_head is not None
-        _check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size, cfg.loss_type == "kl")
         if conf_on and LAST_HIDDEN_STATES not in batch:
             raise ConfigError(
                 "DSpark's confidence head needs last_hidden_states in the batch (its target "
                 "is the verifier's distribution): capture the run with "
                 "--store-last-hidden-states, or train with --no-enable-confidence-head"
             )
-        # DFlash's draw with DSpark's supervision; blocks that count in EAL / accept_len:
-        # slot 0 supervised (first_drafted_slot), before the vocabulary cut
+        # the backbone's draw with DSpark's supervision and labels; blocks that count in
+        # EAL / accept_len: slot 0 supervised (first_drafted_slot), before the vocab cut
         b = self.blocks(batch, generator)
-        anchors, valid, sup, label, has, hid = b.anchors, b.valid, b.sup, b.label, b.has, b.hid
-        rows = hid[sup]  # [M, H] only supervised slots reach the heads
-        emb, w2 = self.markov_inputs(self.prev_tokens(batch, anchors)[sup], rows.dtype)
+        sup, label = b.sup, b.label  # [B, A, bs]
+        rows = b.hid[sup]  # [M, H] only supervised slots reach the heads
+        emb, w2 = self.markov_inputs(self.prev_tokens(batch, b.anchors)[sup], rows.dtype)
         teacher = (
-            self.verifier_rows(batch, anchors)[sup] if LAST_HIDDEN_STATES in batch else None
+            self.verifier_rows(batch, b.anchors)[sup] if LAST_HIDDEN_STATES in batch else None
         )  # [M, H]
-        slot = torch.arange(bs, device=sup.device).expand_as(sup)[sup]  # [M] slot index k
+        slot = slot_index(sup)  # [M] slot index k
+        decay = exp_decay(slot, cfg.resolved_gamma, first=self.first_drafted_slot)  # [M]
         n_tok = int(sup.sum())
         # The exp decay is known before the loss: the op folds every gradient into its
         # forward pass (sum_i w_i CE_i). D-PACE weighs by the CE itself: per-row CE, and
         # backward recomputes the logits.
-        row_w = self._exp_weights(slot) if cfg.loss_weighting == "exp" else None  # [M]
+        row_w = decay if cfg.loss_weighting == "exp" else None  # [M]
         head = self.lm_head_weight
         if cfg.loss_type == "kl":
             assert teacher is not None
@@ -248,9 +252,8 @@ class DSparkDraft(DFlashDraft):
             out = two_head_cross_entropy_and_argmax(
                 rows, emb, head, w2, label[sup], teacher=teacher, row_weight=row_w
             )
-        pred = out.pred  # [M]
-        if row_w is None:
-            ce_sum = (out.loss * self._slot_weights(out.rows, sup, slot)).sum()
+        if row_w is None:  # D-PACE (the backbone's slot weights) of the detached CE
+            ce_sum = (out.loss * self.slot_weights(out.rows, sup, slot)).sum()
         else:
             ce_sum = out.loss  # sum_i w_i CE_i
         loss = ce_sum / max(n_tok, 1)
@@ -260,35 +263,31 @@ class DSparkDraft(DFlashDraft):
             assert accept is not None
             logit = self.confidence_logits(rows, emb).float()  # [M]
             bce = F.binary_cross_entropy_with_logits(logit, accept, reduction="none")  # [M]
-            conf_loss = (bce * self._exp_weights(slot)).sum() / max(n_tok, 1)
+            conf_loss = (bce * decay).sum() / max(n_tok, 1)  # always the exp decay
             loss = loss + cfg.confidence_head_alpha * conf_loss
             extra["confidence_loss"] = float(conf_loss.detach())
             err = (logit.detach().sigmoid() - accept).abs()
             extra["confidence_abs_error"] = float(err.mean()) if n_tok else 0.0
-        with torch.no_grad():
-            correct = torch.zeros_like(sup)
-            correct[sup] = pred == label[sup]
-            cnt = sup.sum(dim=(0, 1))  # [bs]
-            acc = correct.sum(dim=(0, 1)) / cnt.clamp(min=1)
-            run = torch.cumprod(correct.long(), dim=2).sum(dim=2)  # [B, A]
-            eal = (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
-            if accept is not None:
-                rate = torch.zeros(sup.shape, dtype=torch.float32, device=sup.device)
-                rate[sup] = accept
-                length = 1.0 + torch.cumprod(rate, dim=2).sum(dim=2)  # [B, A]
-                extra["accept_len"] = float(length[has].mean()) if has.any() else 1.0
-        return LossOutput(loss, acc.float(), cnt, eal, n_tok, int(valid.sum()), extra)
+        correct = torch.zeros_like(sup)
+        correct[sup] = out.pred == label[sup]
+        acc, cnt, eal = acceptance(correct, sup, b.has)  # every slot drafts (slot 0 too)
+        if accept is not None:
+            extra["accept_len"] = accept_length(accept, sup, b.has)
+        return LossOutput(loss, acc, cnt, eal, n_tok, int(b.valid.sum()), extra)
 
-    def _exp_weights(self, slot: torch.Tensor) -> torch.Tensor:
-        # slot 0 predicts a real token here: weight 1 there, exp(-k/gamma) after
-        return torch.exp(-slot.float() / self.cfg.resolved_gamma)
 
-    def _slot_weights(
-        self, ce: torch.Tensor, sup: torch.Tensor, slot: torch.Tensor
-    ) -> torch.Tensor:
-        if self.cfg.loss_weighting == "exp":
-            return self._exp_weights(slot)
-        return super()._slot_weights(ce, sup, slot)  # D-PACE: no slot index in it
+@torch.no_grad()
+def accept_length(
+    accept: torch.Tensor,  # [M] per supervised slot acceptance rate 1 - TV(q, p)
+    sup: torch.Tensor,  # [B, A, bs] supervised slots
+    has: torch.Tensor,  # [B, A] blocks that count
+) -> float:
+    """speculators' analytical acceptance length: 1 + the sum over slots of the running
+    product of the slots' acceptance rates (0 off supervision), averaged over `has`."""
+    rate = torch.zeros(sup.shape, dtype=torch.float32, device=sup.device)
+    rate[sup] = accept
+    length = 1.0 + torch.cumprod(rate, dim=2).sum(dim=2)  # [B, A]
+    return float(length[has].mean()) if has.any() else 1.0
 
 
 # ---- the corrected distribution without [rows, vocab] logits ----------------------------
@@ -298,9 +297,9 @@ def _corrected_logits(
     h: torch.Tensor, emb: torch.Tensor | None, head: torch.Tensor, w2: torch.Tensor | None
 ) -> torch.Tensor:
     """fp32 logits `h @ head^T (+ emb @ w2^T)` of one chunk `[c, V]`."""
-    z = _mm_fp32(h, head.t())  # [c, V]
+    z = mm_fp32(h, head.t())  # [c, V]
     if emb is not None and w2 is not None:
-        z += _mm_fp32(emb, w2.t())
+        z += mm_fp32(emb, w2.t())
     return z
 
 
@@ -320,12 +319,12 @@ def acceptance_rate(
     w2 = None if draft.markov_head is None else draft.markov_head.markov_w2.weight.to(head.dtype)
     n = rows.shape[0]
     out = torch.empty(n, dtype=torch.float32, device=rows.device)
-    c = _chunk_rows(n, 2 * head.shape[0], chunk_rows)
+    c = rows_per_chunk(n, 2 * head.shape[0], chunk_rows)
     for s in range(0, n, c):
         e = min(s + c, n)
         q = _corrected_logits(rows[s:e], None if emb is None else emb[s:e], head, w2)
         q = q.softmax(dim=-1)  # [c, V]
-        p = _mm_fp32(teacher[s:e], head.t()).softmax(dim=-1)  # [c, V]
+        p = mm_fp32(teacher[s:e], head.t()).softmax(dim=-1)  # [c, V]
         out[s:e] = torch.minimum(q, p).sum(dim=-1)
         del q, p
     return out
@@ -354,6 +353,7 @@ __all__ = [
     "ConfidenceHead",
     "DSparkDraft",
     "MarkovHead",
+    "accept_length",
     "acceptance_rate",
     "markov_kl_div_and_argmax",
 ]

@@ -2,7 +2,7 @@
 
     from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe
     Eagle3Recipe(ttt_steps=4)                      # the family's flags (fanout train)
-    cfg = Eagle3Config(**dflash_fields, ttt_steps=3, block_size=4)  # a draft's config
+    cfg = Eagle3Config(**draft_fields, ttt_steps=3, block_size=4)  # a draft's config
 
 `Eagle3Recipe` holds what speculators 0.9.0's EAGLE-3 trainer lets a user choose beyond
 the shared recipe, with the values its trainer resolves for `--speculator-type eagle3`
@@ -12,8 +12,9 @@ the shared recipe, with the values its trainer resolves for `--speculator-type e
 config class's own defaults, `Eagle3SpeculatorConfig`, are all False: they describe
 drafts converted from elsewhere, not the recipe its trainer runs.)
 
-`Eagle3Config` is `DFlashConfig` plus those fields. Of the shared DFlash-family fields
-an EAGLE-3 draft:
+`Eagle3Config` is `ChainConfig` (fanout.model.draft_config: the fields the chain
+drafters share, e.g. the norms, one layer, `loss_type kl`; the embedding frozen, which
+is refused otherwise) plus those fields. Of the shared recipe fields an EAGLE-3 draft:
 - maps `block_size` to its verify width, `ttt_steps + 1` (the chain it drafts at the
   reference k plus the anchor); `Eagle3.build` sets it, any other value is refused;
 - refuses `gamma`, `loss_weighting dpace` and `label_source input_ids` (its per-step
@@ -26,11 +27,11 @@ an EAGLE-3 draft:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import ChainConfig, fc_norm_problem
 from fanout.rows import TARGET_IDS
 
 
@@ -66,25 +67,17 @@ class Eagle3Recipe(BaseModel):
 
     @model_validator(mode="after")
     def _check_eagle3(self) -> Eagle3Recipe:
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError(
-                "fc_norm and norm_before_fc are exclusive (one norm over the concatenated "
-                "states, or one per state): drop --norm-before-fc"
-            )
+        if problem := fc_norm_problem(self.norm_before_fc, self.fc_norm):
+            raise ValueError(problem)
         return self
 
 
-class Eagle3Config(Eagle3Recipe, DFlashConfig):
+class Eagle3Config(Eagle3Recipe, ChainConfig):
     """One EAGLE-3 draft: its shape (one Llama-style layer by default, the first over
-    `[embedding ; hidden]`), the verifier's layers it fuses, and its TTT recipe."""
+    `[embedding ; hidden]`; the chain drafters' shared fields, `ChainConfig`), the
+    verifier's layers it fuses, and its TTT recipe."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-    # the reference recipe where a draft is built directly (`fanout train` passes them)
-    num_layers: int = Field(1, ge=1, description="draft decoder layers (EAGLE-3: one)")
-    loss_type: Literal["ce", "kl"] = Field(
-        "kl", description="kl: KL from the verifier's distribution; ce: CE against its argmax"
-    )
 
     norm_before_fc: bool = Field(
         True, description="one RMSNorm over the concatenated auxiliary states before fc"
@@ -97,12 +90,6 @@ class Eagle3Config(Eagle3Recipe, DFlashConfig):
         if isinstance(data, dict) and data.get("norm_before_fc") is None:
             return {**data, "norm_before_fc": not data.get("fc_norm", False)}
         return data
-
-    # Written into config.json as speculators declares it; fanout never trains the
-    # embedding (it is the verifier's, frozen, as in speculators' recipe).
-    embed_requires_grad: bool = Field(
-        False, description="train the embedding (fanout keeps it frozen)"
-    )
 
     @model_validator(mode="after")
     def _check_shared(self) -> Eagle3Config:
@@ -123,10 +110,10 @@ def shared_field_problem(
     loss_weighting: str,
     label_source: str,
 ) -> str | None:
-    """Why shared DFlash-family recipe values do not apply to an EAGLE-3 draft (None:
-    they do): the one rule `Eagle3Config` and `fanout train --draft-family eagle3`'s
-    flag check (fanout.families.eagle3.Eagle3.shared_conflict) both apply. `block_size`
-    None: not given (it follows ttt_steps)."""
+    """Why shared recipe values do not apply to an EAGLE-3 draft (None: they do): the
+    one rule `Eagle3Config` and `fanout train --draft-family eagle3`'s flag check
+    (fanout.families.eagle3.Eagle3.field_problem) both apply. `block_size` None: not
+    given (it follows ttt_steps)."""
     if block_size is not None and block_size != ttt_steps + 1:
         return (
             f"--block-size {block_size}: EAGLE-3 drafts a chain, not a block; its verify "

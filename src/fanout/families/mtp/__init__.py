@@ -35,31 +35,35 @@ the hybrid layer's router and experts). `MTP.build` logs which layer and which s
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from pydantic import BaseModel
 
 from fanout.errors import ConfigError
-from fanout.families.base import Family
+from fanout.families.base import ChainFamily
 from fanout.families.mtp.config import MTPConfig, MTPRecipe, shared_field_problem
-from fanout.model.draft_config import DFlashConfig, DraftRecipe
+from fanout.model.draft_config import DraftConfig
 from fanout.rows import INPUT_IDS
 
 if TYPE_CHECKING:
-    from fanout.model.dflash import DFlashDraft
+    from fanout.families.mtp.model import MTPDraft
+    from fanout.model.draft import Draft
     from fanout.model.draft_cache import DraftContext
 
 log = logging.getLogger(__name__)
 
 
-class MTP(Family):
-    """One MTP layer drafting a chain; the verifier's last layer its only input."""
+class MTP(ChainFamily):
+    """One MTP layer drafting a chain (`--mtp-steps` long); the verifier's last layer its
+    only input."""
 
     name: ClassVar[str] = "mtp"
     model_ref: ClassVar[str] = "fanout.families.mtp.model:MTPDraft"
-    config_class: ClassVar[type[DFlashConfig]] = MTPConfig
+    config_class: ClassVar[type[DraftConfig]] = MTPConfig
     recipe: ClassVar[type[BaseModel]] = MTPRecipe
+    steps_field: ClassVar[str] = "mtp_steps"
     recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "label_source": INPUT_IDS}
     speculators_model_type: ClassVar[str] = "mtp"
     architectures: ClassVar[tuple[str, ...]] = ("MTPDraftModel",)
@@ -68,17 +72,6 @@ class MTP(Family):
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         """The verifier's last decoder layer (speculators' `[num_hidden_layers]`)."""
         return [num_verifier_layers - 1]
-
-    def draft_layers(self, captured: list[int], verifier_dir: Path) -> list[int]:
-        from fanout.model.verifier_dir import read_verifier_config
-
-        return self.default_layers(read_verifier_config(verifier_dir)["_num_hidden_layers"])
-
-    def block_size_for(self, width: int) -> int:
-        return self.verify_width({})
-
-    def verify_width(self, recipe: dict[str, Any]) -> int:
-        return int(recipe.get("mtp_steps", MTPRecipe().mtp_steps)) + 1
 
     def row_length_error(self, recipe: dict[str, Any], seq_len: int, where: str) -> str | None:
         need = self.verify_width(recipe) + 1  # step K-1 of row 0 predicts token K+1
@@ -89,7 +82,7 @@ class MTP(Family):
             f"its last step predicts token mtp_steps + 1, so T must be >= {need}"
         )
 
-    def build(self, verifier_dir: Any, **fields: Any) -> DFlashDraft:
+    def build(self, verifier_dir: Any, **fields: Any) -> Draft:
         """A fresh draft (`block_size` mapped to `mtp_steps + 1`, the verifier's last
         layer its input), started from the verifier's own MTP weights where it ships
         them."""
@@ -98,12 +91,7 @@ class MTP(Family):
         from fanout.model.verifier_dir import read_verifier_config
 
         vdir = Path(verifier_dir)
-        steps = int(fields.get("mtp_steps", MTPRecipe().mtp_steps))
-        bs = fields.get("block_size")
-        given = None if bs == DraftRecipe().block_size else bs
-        problem = shared_field_problem(steps, given, None, "exp", "ce", None)
-        if problem:
-            raise ConfigError(problem)
+        fields = self.chain_fields(fields)  # block_size: mtp_steps + 1
         last = self.default_layers(read_verifier_config(vdir)["_num_hidden_layers"])
         if fields.get("target_layer_ids") not in (None, last):
             raise ConfigError(
@@ -112,11 +100,8 @@ class MTP(Family):
             )
         layer_config = verifier_layer_config(vdir)
         kind = "qwen3" if layer_config is None else layer_config["model_type"]
-        draft = super().build(
-            vdir,
-            **(fields | {"block_size": steps + 1, "target_layer_ids": last})
-            | {"layer_config": layer_config},
-        )
+        fields |= {"target_layer_ids": last, "layer_config": layer_config}
+        draft = cast("MTPDraft", super().build(vdir, **fields))
         shapes = {k: v.shape for k, v in draft.trainable_state().items()}
         own = verifier_mtp_state(vdir, shapes, zero_centred=layer_config is not None)
         if own is None:
@@ -125,7 +110,7 @@ class MTP(Family):
                 "initialisation", kind, vdir,
             )  # fmt: skip
         else:
-            dt = draft.fc.weight.dtype
+            dt = draft.compute_dtype
             draft.load_state_dict({k: v.to(dt) for k, v in own.items()}, strict=False)
             log.info(
                 "mtp: a %s MTP layer, starting from %s's own MTP weights (%d tensors, "
@@ -133,26 +118,20 @@ class MTP(Family):
             )  # fmt: skip
         return draft
 
-    def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
-        bs = values["block_size"] if "block_size" in given else None
-        if bs == DraftRecipe().block_size:
-            bs = None  # a whole config written back carries the shared default
+    def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
+        """The one rule `MTPConfig` applies too (`shared_field_problem`)."""
         return shared_field_problem(
-            int(values.get("mtp_steps", MTPRecipe().mtp_steps)), bs, values.get("gamma"),
+            self.steps(values), block_size, values.get("gamma"),
             values.get("loss_weighting", "exp"), values.get("loss_type", "ce"),
             values.get("draft_vocab_size"),
         )  # fmt: skip
 
-    def speculative_tokens(self, cfg: DFlashConfig) -> int:
-        """speculators writes its steps as the greedy proposal's tokens."""
-        assert isinstance(cfg, MTPConfig)
-        return cfg.mtp_steps
-
-    def speculators_fields(self, cfg: DFlashConfig, verifier: dict[str, Any]) -> dict[str, Any]:
+    def speculators_fields(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
         """speculators 0.9.0's `MTPSpeculatorConfig`: the verifier's layer config (a
         Qwen3 one of its shapes, its depth as `num_hidden_layers`; a hybrid verifier's
         own text config), `num_nextn_predict_layers` 1, and fanout's layer field (the
-        last layer, speculators' `target_layer_ids`)."""
+        last layer, speculators' `target_layer_ids`): the block drafters' layout, less
+        what a chain has not."""
         out = super().speculators_fields(cfg, verifier)
         assert isinstance(cfg, MTPConfig)
         layer = out["transformer_layer_config"]
@@ -165,22 +144,15 @@ class MTP(Family):
         return {k: v for k, v in out.items() if k not in drop} | {"num_nextn_predict_layers": 1}
 
     def layout_fields(self, cfg: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-        steps = int(saved.get("mtp_steps", MTPRecipe().mtp_steps))
         from fanout.families.mtp.layers import HYBRID_MODEL_TYPES
 
         tl = cfg.get("transformer_layer_config") or {}
         hybrid = tl.get("model_type") in HYBRID_MODEL_TYPES
-        return {
-            "block_size": steps + 1,
-            "mask_token_id": saved["mask_token_id"],
-            "layer_config": tl if hybrid else None,  # the layer an engine builds
-        }
-
-    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
-        return self.drafting_context(draft, cached=cached)
+        # the layer an engine builds
+        return super().layout_fields(cfg, saved) | {"layer_config": tl if hybrid else None}
 
     def drafting_context(
-        self, draft: DFlashDraft, *, cached: bool = True, num_speculative_tokens: int | None = None
+        self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
         """Chain drafting of `num_speculative_tokens` (default: the draft's mtp_steps)."""
         from fanout.families.mtp.model import MTPDraft

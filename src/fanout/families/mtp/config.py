@@ -2,7 +2,7 @@
 
     from fanout.families.mtp.config import MTPConfig, MTPRecipe
     MTPRecipe(mtp_steps=3)                               # the family's flags (fanout train)
-    cfg = MTPConfig(**dflash_fields, mtp_steps=3, block_size=4)  # a draft's config
+    cfg = MTPConfig(**draft_fields, mtp_steps=3, block_size=4)  # a draft's config
 
 `MTPRecipe` holds what speculators 0.9.0's MTP trainer lets a user choose beyond the
 shared recipe, with its defaults (`speculators/models/mtp/core.py`
@@ -11,7 +11,7 @@ shared recipe, with its defaults (`speculators/models/mtp/core.py`
 FastMTP step-weight decay `step_weight_beta` 0.6 (step k weighs
 beta**k / sum_j beta**j).
 
-`MTPConfig` is `DFlashConfig` plus those fields and `layer_config`: for a Qwen3-Next /
+`MTPConfig` is `DraftConfig` plus those fields and `layer_config`: for a Qwen3-Next /
 Qwen3.5 / Qwen3.5-MoE verifier, its text config (what speculators writes as
 `transformer_layer_config` and builds the layer from; fanout.families.mtp.layers), None
 for the dense Qwen3 layer every other verifier gets. speculators' MTP has one layer
@@ -19,7 +19,7 @@ for the dense Qwen3 layer every other verifier gets. speculators' MTP has one la
 vocabulary (no draft vocabulary) and the verifier's final hidden states as input (its
 `target_layer_ids` is `[num_hidden_layers]` in HF numbering: fanout's last decoder
 layer, normed by the verifier's final norm as the verifier's head sees it). Of the
-shared DFlash-family fields an MTP draft:
+shared recipe fields an MTP draft:
 - maps `block_size` to its verify width, `mtp_steps + 1`; `MTP.build` sets it, any other
   value is refused;
 - refuses `gamma`, `loss_weighting dpace`, `loss_type kl` and a draft vocabulary
@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 
 class MTPRecipe(BaseModel):
@@ -51,7 +51,7 @@ class MTPRecipe(BaseModel):
     )
 
 
-class MTPConfig(MTPRecipe, DFlashConfig):
+class MTPConfig(MTPRecipe, DraftConfig):
     """One MTP draft: one MTP layer (a decoder layer over `input_proj([norm(embed) ;
     norm(hidden)])`, then `final_layernorm`: Qwen3's, or with `layer_config` the hybrid
     verifier's own full-attention layer) and its step recipe."""

@@ -53,22 +53,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from fanout.errors import ConfigError
-from fanout.families.eagle3.model import Attend, Eagle3Layer
 from fanout.families.mtp.config import MTPConfig
 from fanout.families.mtp.layers import HybridMTPLayer, layer_rope
-from fanout.model.dflash import DFlashDraft, LossOutput
-from fanout.model.draft_attention import PrefixMask
-from fanout.model.draft_config import DFlashConfig
-from fanout.ops.linear_ce import linear_cross_entropy_and_argmax
+from fanout.model.chain_draft import Attend, ChainLayer
+from fanout.model.draft import Draft, LossOutput
+from fanout.model.draft_attention import PrefixMask, Rope
+from fanout.model.draft_config import DraftConfig
+from fanout.model.slot_loss import acceptance, head_loss
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, INPUT_IDS, LOSS_MASK, POSITION_IDS, TARGET_IDS
 
 IGNORE = -100
 
 
-class MTPLayer(Eagle3Layer):
-    """speculators' `MTPLayerMixin` over a Qwen3 decoder layer (q/k norm)."""
+class MTPLayer(ChainLayer):
+    """speculators' `MTPLayerMixin` over a Qwen3 decoder layer (the chain drafters' plain
+    layer with q/k norm)."""
 
-    def __init__(self, cfg: DFlashConfig) -> None:
+    def __init__(self, cfg: DraftConfig) -> None:
         super().__init__(cfg, qk_norm=True)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.hidden_layernorm = nn.RMSNorm(h, eps=eps)
@@ -84,46 +85,50 @@ class MTPLayer(Eagle3Layer):
         return cast("torch.Tensor", self.final_layernorm(x))
 
 
-class MTPDraft(DFlashDraft):
+class MTPDraft(Draft):
     """Trainable: `mtp_layers.0` (speculators' names); frozen buffers: the verifier's
     embedding, head and final norm (`fuse`)."""
 
-    config_class: ClassVar[type[DFlashConfig]] = MTPConfig
+    config_class: ClassVar[type[DraftConfig]] = MTPConfig
     cfg: MTPConfig
 
     def __init__(
         self,
-        cfg: DFlashConfig,
+        cfg: DraftConfig,
         embed_weight: torch.Tensor,  # [V, H]
         lm_head_weight: torch.Tensor,  # [V, H]
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,
     ) -> None:
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
-        # speculators' module names: one `mtp_layers` entry, no fc / context norm / norm
-        self.mtp_layers = cast("nn.ModuleList", self._modules.pop("layers"))
-        for name in ("fc", "hidden_norm", "norm"):
-            self._modules.pop(name)
-        if self.cfg.layer_config is not None:  # the hybrid layer's partial RoPE
-            self.rope = layer_rope(self.cfg.layer_config)  # type: ignore[assignment]
+        cfg = self.cfg  # its own config class (Draft checked it)
+        # speculators' module names: one `mtp_layers` entry (no fc, context norm or norm)
+        self.mtp_layers = nn.ModuleList([self.make_layer(cfg)])
+        # the hybrid layer's partial RoPE, or the draft's
+        self.rope: nn.Module = (
+            Rope(cfg.head_dim, cfg.rope_theta)
+            if cfg.layer_config is None
+            else layer_rope(cfg.layer_config)
+        )
+        self.reset_parameters()
 
     @property
-    def layers(self) -> nn.ModuleList:  # type: ignore[override]
+    def layers(self) -> nn.ModuleList:
         """The MTP layer (as speculators' `layers` property), what the drafting step runs."""
         return self.mtp_layers
 
     @property
-    def fc(self) -> nn.Linear:  # type: ignore[override]
-        """`input_proj`: the weight whose dtype and device the drafting step follows."""
-        return cast("MTPLayer", self.mtp_layers[0]).input_proj
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the draft computes in (its `input_proj`'s; the drafting step's)."""
+        return cast("MTPLayer", self.mtp_layers[0]).input_proj.weight.dtype
 
-    def make_layer(self, cfg: DFlashConfig, index: int) -> nn.Module:
-        assert isinstance(cfg, MTPConfig)
+    def make_layer(self, cfg: MTPConfig) -> nn.Module:
+        """speculators' MTP layer for the verifier: Qwen3's, or the hybrid one."""
         return MTPLayer(cfg) if cfg.layer_config is None else HybridMTPLayer(cfg.layer_config)
 
     def fuse(self, hs: torch.Tensor) -> torch.Tensor:
         """The last decoder layer's output `[.., H]` -> the verifier's final-normed state."""
-        dt = self.fc.weight.dtype
+        dt = self.compute_dtype
         w = self.verifier_norm_weight
         return F.rms_norm(hs.to(dt), (w.shape[0],), w.to(dt), self.cfg.rms_norm_eps)
 
@@ -137,7 +142,7 @@ class MTPDraft(DFlashDraft):
         mask: PrefixMask | torch.Tensor,  # PrefixMask.causal, or a [B, 1, R, R] bool
     ) -> torch.Tensor:
         """One pass of the MTP layer over rows: outputs `[B, R, H]` (final-normed)."""
-        dt = self.fc.weight.dtype
+        dt = self.compute_dtype
         emb = F.embedding(tokens, self.embed_weight).to(dt)
         rope = self.rope(pos, dt)
         layer = cast("MTPLayer", self.mtp_layers[0])
@@ -186,23 +191,17 @@ class MTPDraft(DFlashDraft):
             n = int(sup.sum())
             right = torch.zeros_like(sup)
             if n:
-                per_row, pred = linear_cross_entropy_and_argmax(
-                    out[sup], self.lm_head_weight, label[sup], reduction="none"
-                )
+                per_row, pred = head_loss(out[sup], self.lm_head_weight, labels=label[sup])
                 step_loss = per_row.float().sum() / n
                 loss = loss + weights[k] * step_loss
                 right[sup] = pred == label[sup]
                 extra[f"loss_{k}"] = float(step_loss.detach())
             sups.append(sup)
             rights.append(right)
-        with torch.no_grad():
-            sup_all, right_all = torch.stack(sups, -1), torch.stack(rights, -1)  # [B, R, K]
-            cnt = sup_all.sum(dim=(0, 1))
-            acc = right_all.sum(dim=(0, 1)) / cnt.clamp(min=1)
-            run = torch.cumprod(right_all.long(), dim=-1)
-            has = sup_all[:, :, 0]
-            eal = (1.0 + run.sum(-1)[has].float()).mean() if has.any() else torch.tensor(1.0)
-        return LossOutput(loss, acc.float(), cnt, eal, int(cnt.sum()), int(has.sum()), extra)
+        sup_all, right_all = torch.stack(sups, -1), torch.stack(rights, -1)  # [B, R, K]
+        has = sup_all[:, :, 0]  # rows whose step 0 is supervised
+        acc, cnt, eal = acceptance(right_all, sup_all, has)
+        return LossOutput(loss, acc, cnt, eal, int(cnt.sum()), int(has.sum()), extra)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """`mtp_layers.0.*` under speculators' names (it writes no embedding or head)."""

@@ -6,8 +6,8 @@
     ctx.extend(hidden)                                    # [n, H] last-layer states
     tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))  # k tokens, [k, V]
 
-EAGLE-3's chain (fanout.families.eagle3.propose, whose cache this reuses) with vLLM's
-MTP positions: draft row t (the verifier's final-normed state at t and the token t+1)
+The chain drafters' kept rows and chain (fanout.model.chain_cache) with vLLM's MTP
+positions: draft row t (the verifier's final-normed state at t and the token t+1)
 runs at position t, the position of its hidden state, and is kept for good; row p-1
 (p = len(seq) - 1) gives the first token. Chain entry j = 1..k-1 feeds the token just
 chosen and the MTP layer's previous output (already `final_layernorm`-ed: vLLM's MTP
@@ -21,28 +21,27 @@ of the layer (`MTPDraft.states`) per token: the reference the cache is tested ag
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar, cast
+from typing import ClassVar
 
 import torch
 
-from fanout.families.eagle3.model import Eagle3Draft
-from fanout.families.eagle3.propose import Eagle3Context
 from fanout.families.mtp.model import MTPDraft
+from fanout.model.chain_cache import ChainContext
 from fanout.model.draft_cache import head_logits
 
 
-class MTPContext(Eagle3Context):
+class MTPContext(ChainContext):
     """MTP's `DraftContext` (module docstring): `num_speculative_tokens` drafted a step
     (default: the draft's `mtp_steps`, its checkpoint's proposal)."""
 
     row_offset: ClassVar[int] = 0
-    draft: MTPDraft  # type: ignore[assignment]
+    draft: MTPDraft
 
     def __init__(
         self, draft: MTPDraft, *, num_speculative_tokens: int | None = None, cached: bool = True
     ) -> None:
         k = num_speculative_tokens or draft.cfg.mtp_steps
-        super().__init__(cast("Eagle3Draft", draft), num_speculative_tokens=k, cached=cached)
+        super().__init__(draft, k, cached=cached)
 
     def _out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, x  # the layer's output is final-normed: head input and next hidden

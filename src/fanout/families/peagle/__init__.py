@@ -19,90 +19,62 @@ how `fanout eval` decodes it.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
 from fanout.errors import ConfigError
-from fanout.families.base import Family
-from fanout.families.eagle3 import Eagle3
+from fanout.families.base import EagleFamily, transformer_layer_config
 from fanout.families.peagle.config import PEagleConfig, PEagleRecipe, shared_field_problem
-from fanout.model.draft_config import DFlashConfig, DraftRecipe
+from fanout.model.draft_config import DraftConfig
 from fanout.rows import TARGET_IDS
 
 if TYPE_CHECKING:
-    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft import Draft
     from fanout.model.draft_cache import DraftContext
 
 
-class PEagle(Eagle3):
-    """EAGLE-3's family parts (layers, capture, vocabulary, config layout) with P-EAGLE's
-    depths in place of TTT steps."""
+class PEagle(EagleFamily):
+    """The EAGLE layout (fanout.families.base.EagleFamily: layers, capture, vocabulary,
+    config layout) with P-EAGLE's depths as its chain, its embedding trained."""
 
     name: ClassVar[str] = "peagle"
     model_ref: ClassVar[str] = "fanout.families.peagle.model:PEagleDraft"
-    config_class: ClassVar[type[DFlashConfig]] = PEagleConfig
+    config_class: ClassVar[type[DraftConfig]] = PEagleConfig
     recipe: ClassVar[type[BaseModel]] = PEagleRecipe
+    steps_field: ClassVar[str] = "num_depths"
     speculators_model_type: ClassVar[str] = "peagle"
     architectures: ClassVar[tuple[str, ...]] = ("PEagleDraftModel",)
     serving_method: ClassVar[str] = "eagle3"  # with parallel drafting
-    frozen_tensors: ClassVar[frozenset[str]] = Family.frozen_tensors  # the embedding trains
-
-    def verify_width(self, recipe: dict[str, Any]) -> int:
-        return int(recipe.get("num_depths", PEagleRecipe().num_depths)) + 1
 
     def row_length_error(self, recipe: dict[str, Any], seq_len: int, where: str) -> str | None:
         if seq_len >= 3:  # row 0 predicts token 2; deeper positions are sampled where they fit
             return None
         return f"P-EAGLE needs rows of at least 3 tokens; {where}'s are T = {seq_len}"
 
-    def build(self, verifier_dir: Any, **fields: Any) -> DFlashDraft:
-        """A fresh draft; `block_size` is mapped to `num_depths + 1` (a value other than
-        that or DraftRecipe's default is refused)."""
-        depths = int(fields.get("num_depths", PEagleRecipe().num_depths))
-        bs = fields.get("block_size")
-        given = None if bs == DraftRecipe().block_size else bs
-        if problem := shared_field_problem(depths, given, None, "exp", TARGET_IDS):
-            raise ConfigError(problem)
-        if fields.get("target_layer_ids") is None:
-            from fanout.model.verifier_dir import read_verifier_config
-
-            n = read_verifier_config(Path(verifier_dir))["_num_hidden_layers"]
-            fields["target_layer_ids"] = self.default_layers(n)
-        return Family.build(self, verifier_dir, **(fields | {"block_size": depths + 1}))
-
-    def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
-        bs = values["block_size"] if "block_size" in given else None
-        if bs == DraftRecipe().block_size:
-            bs = None  # a whole config written back carries the shared default
+    def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
+        """The one rule `PEagleConfig` applies too (`shared_field_problem`)."""
         return shared_field_problem(
-            int(values.get("num_depths", PEagleRecipe().num_depths)), bs, values.get("gamma"),
+            self.steps(values), block_size, values.get("gamma"),
             values.get("loss_weighting", "exp"), values.get("label_source", TARGET_IDS),
         )  # fmt: skip
 
-    def speculative_tokens(self, cfg: DFlashConfig) -> int:
-        """speculators writes its depths as the greedy proposal's tokens."""
-        assert isinstance(cfg, PEagleConfig)
-        return cfg.num_depths
-
-    def speculators_fields(self, cfg: DFlashConfig, verifier: dict[str, Any]) -> dict[str, Any]:
-        """speculators 0.9.0's `PEagleSpeculatorConfig`: EAGLE-3's layout, the layer a
+    def speculators_fields(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
+        """speculators 0.9.0's `PEagleSpeculatorConfig`: the EAGLE layout, the layer a
         Qwen3 one with `--draft-arch qwen3`, and `mask_token_id`."""
         assert isinstance(cfg, PEagleConfig)
         out = super().speculators_fields(cfg, verifier)
         if cfg.draft_arch == "qwen3":
-            layer = out["transformer_layer_config"]
-            layer.pop("mlp_bias")
-            layer |= {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+            out["transformer_layer_config"] = transformer_layer_config(cfg)
         return out | {"mask_token_id": cfg.mask_token_id}
 
     def layout_fields(self, cfg: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-        depths = int(saved.get("num_depths", PEagleRecipe().num_depths))
-        return {"block_size": depths + 1, "mask_token_id": cfg["mask_token_id"]}
+        """Its config has its mask token (speculators' `PEagleSpeculatorConfig`)."""
+        return {"block_size": self.steps(saved) + 1, "mask_token_id": cfg["mask_token_id"]}
 
     def drafting_context(
-        self, draft: DFlashDraft, *, cached: bool = True, num_speculative_tokens: int | None = None
+        self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
         """Parallel drafting of `num_speculative_tokens` (default: the draft's depths)."""
         from fanout.families.peagle.model import PEagleDraft

@@ -2,7 +2,7 @@
 
     from fanout.families.peagle.config import PEagleConfig, PEagleRecipe
     PEagleRecipe(num_depths=6)                           # the family's flags (fanout train)
-    cfg = PEagleConfig(**dflash_fields, num_depths=8, block_size=9)  # a draft's config
+    cfg = PEagleConfig(**draft_fields, num_depths=8, block_size=9)  # a draft's config
 
 `PEagleRecipe` holds what speculators 0.9.0's P-EAGLE trainer lets a user choose beyond
 the shared recipe, with its defaults (`speculators/train/config/schema.py`
@@ -10,12 +10,12 @@ the shared recipe, with its defaults (`speculators/train/config/schema.py`
 and the draft layer's architecture (`--draft-arch`, `qwen3` for every speculator type
 but eagle3).
 
-`PEagleConfig` is EAGLE-3's config (`Eagle3Config`: the layer, fc and norm fields
-the EAGLE-3 model reads) with those fields and the values speculators' trainer resolves
-for `--speculator-type peagle`: `norm_before_fc` off, `fc_norm` off, `norm_output` off,
-`norm_before_residual` on, the embedding trained (`embed_requires_grad`, the
-`PEagleSpeculatorConfig` default). EAGLE-3's TTT fields it inherits are unused. Of the
-shared DFlash-family fields a P-EAGLE draft:
+`PEagleConfig` is the chain drafters' config (`ChainConfig`, fanout.model.draft_config:
+the layer, fc and norm fields the chain backbone reads) with those fields and the
+values speculators' trainer resolves for `--speculator-type peagle`: `norm_before_fc`
+off, `fc_norm` off, `norm_output` off, `norm_before_residual` on, the embedding trained
+(`embed_requires_grad`, the `PEagleSpeculatorConfig` default). Of the shared recipe
+fields a P-EAGLE draft:
 - maps `block_size` to its verify width, `num_depths + 1` (the depths it drafts in one
   forward plus the anchor); `PEagle.build` sets it, any other value is refused;
 - refuses `gamma`, `loss_weighting dpace` and `label_source input_ids` (every sampled
@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.families.eagle3.config import Eagle3Config
+from fanout.model.draft_config import ChainConfig
 from fanout.rows import TARGET_IDS
 
 
@@ -57,7 +57,7 @@ class PEagleRecipe(BaseModel):
     )
 
 
-class PEagleConfig(PEagleRecipe, Eagle3Config):
+class PEagleConfig(PEagleRecipe, ChainConfig):
     """One P-EAGLE draft: EAGLE-3's layer over `[embedding ; fused hidden]` (one by
     default), the learned `mask_hidden` for depths >= 1, and its COD recipe."""
 
@@ -67,6 +67,9 @@ class PEagleConfig(PEagleRecipe, Eagle3Config):
         False, description="one RMSNorm over the concatenated auxiliary states before fc"
     )
     norm_output: bool = Field(False, description="unused by P-EAGLE (no TTT feedback)")
+    norm_before_residual: bool = Field(
+        True, description="the first layer's residual is the normed hidden state"
+    )
     embed_requires_grad: bool = Field(
         True, description="train the embedding (speculators' P-EAGLE does; the mask token's row)"
     )
@@ -74,7 +77,7 @@ class PEagleConfig(PEagleRecipe, Eagle3Config):
     @model_validator(mode="before")
     @classmethod
     def _resolve_norm_before_fc(cls, data: Any) -> Any:
-        # replaces EAGLE-3's rule (unset: on): P-EAGLE's trainer resolves it off
+        # unset (the EAGLE-3 flag's None): P-EAGLE's trainer resolves it off
         if isinstance(data, dict) and data.get("norm_before_fc") is None:
             return {**data, "norm_before_fc": False}
         return data
@@ -98,7 +101,7 @@ def shared_field_problem(
 ) -> str | None:
     """Why shared recipe values do not apply to a P-EAGLE draft (None: they do): the
     one rule `PEagleConfig` and `fanout train --draft-family peagle`'s flag check
-    (`PEagle.shared_conflict`) apply. `block_size` None: not given."""
+    (`PEagle.field_problem`) apply. `block_size` None: not given."""
     if block_size is not None and block_size != num_depths + 1:
         return (
             f"--block-size {block_size}: P-EAGLE's verify width is --num-depths + 1 = "

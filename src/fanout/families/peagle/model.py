@@ -1,4 +1,4 @@
-"""The P-EAGLE draft: EAGLE-3's layer drafting every depth of a chain in one forward,
+"""The P-EAGLE draft: the chain backbone drafting every depth of a chain in one forward,
 trained on COD-sampled chains.
 
     from fanout.families.peagle.model import PEagleDraft
@@ -8,13 +8,14 @@ trained on COD-sampled chains.
     out.loss.backward(); print(out.per_slot_acc, out.eal)
 
 Architecture (speculators 0.9.0 `PEagleDraftModel`, an `Eagle3DraftModel`; same
-parameter names, so `trainable_state()` keys are speculators'): EAGLE-3's (fanout.
-families.eagle3.model: `fc` over the auxiliary states, the first layer over
-`[embed(token) ; hidden]`, final `norm`, the verifier's head rows) with a Qwen3 layer
-(per-head q/k norm) by default, the embedding trained, and `mask_hidden` `[1, 1, n·H]`:
-the auxiliary states every depth >= 1 position is fed, with the token `mask_token_id`.
+parameter names, so `trainable_state()` keys are speculators'): the chain drafters'
+backbone (fanout.model.chain_draft, EAGLE-3's: `fc` over the auxiliary states, the
+first layer over `[embed(token) ; hidden]`, final `norm`, the verifier's head rows)
+with a Qwen3 layer (per-head q/k norm) by default, the embedding trained, and
+`mask_hidden` `[1, 1, n·H]`: the auxiliary states every depth >= 1 position is fed,
+with the token `mask_token_id`.
 
-Rows: as EAGLE-3's (`Eagle3Draft.rows`): draft row t (t = 0..T-2) reads the verifier
+Rows: the chain drafters' (`ChainDraft.rows`): draft row t (t = 0..T-2) reads the verifier
 state at t and the token t+1, at position `position_ids[t+1]`, and predicts token t+2.
 A chain anchored at row a has depth 0 = row a itself and depth d = 1..K-1 a mask
 position at `position_ids[a+1] + d` predicting token a+d+2: what one drafting step
@@ -29,7 +30,7 @@ padding row (document -1) sees only itself.
 
 Loss: KL from the verifier's distribution (the frozen head on `last_hidden_states[p+1]`
 for a position predicting token p+2), or with `loss_type ce` CE against its argmax,
-over the draft vocabulary, summed over supervised positions of every depth and divided
+over the draft vocabulary (fanout.ops.teacher_head), summed over supervised positions of every depth and divided
 by their count (speculators adds 1e-5 to it). No per-depth weight.
 
 Semantics decided here (`tests/test_family_peagle.py` pins them against speculators):
@@ -55,17 +56,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fanout.families.eagle3.model import (
-    Eagle3Draft,
-    Eagle3FirstLayer,
-    Eagle3Layer,
-    _check_eagle3_batch,
-    ttt_head,
-)
 from fanout.families.peagle.config import PEagleConfig
-from fanout.model.dflash import LossOutput
+from fanout.model.chain_draft import ChainDraft, ChainFirstLayer, ChainLayer
+from fanout.model.draft import LossOutput
 from fanout.model.draft_attention import PrefixMask
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
+from fanout.ops.teacher_head import teacher_head
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, LAST_HIDDEN_STATES, POSITION_IDS
 
 
@@ -130,23 +126,25 @@ def cod_sample(
     return torch.cat(anchors), torch.cat(depths)
 
 
-class PEagleDraft(Eagle3Draft):
-    """Trainable: EAGLE-3's (`fc`, norms, `layers`) plus `embed_tokens` (with
+class PEagleDraft(ChainDraft):
+    """Trainable: the chain backbone's (`fc`, norms, `layers`) plus `embed_tokens` (with
     `embed_requires_grad`) and `mask_hidden`; frozen: the head rows, `d2t`/`t2d`."""
 
-    config_class: ClassVar[type[DFlashConfig]] = PEagleConfig
+    config_class: ClassVar[type[DraftConfig]] = PEagleConfig
+    family_label: ClassVar[str] = "P-EAGLE"
+    capture_for: ClassVar[str] = "peagle"
     cfg: PEagleConfig
 
     def __init__(
         self,
-        cfg: DFlashConfig,
+        cfg: DraftConfig,
         embed_weight: torch.Tensor,  # [V, H]
         lm_head_weight: torch.Tensor,  # [V, H]
         verifier_norm_weight: torch.Tensor,  # [H]
         draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
     ) -> None:
         super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
-        cfg = self.cfg  # its own config class (DFlashDraft checked it)
+        cfg = self.cfg  # its own config class (Draft checked it)
         # the embedding is a parameter under speculators' name (trained by default)
         del self._buffers["embed_weight"]
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # [V, H]
@@ -166,10 +164,10 @@ class PEagleDraft(Eagle3Draft):
         with torch.no_grad():  # a checkpoint's copy (fanout.families.serving)
             self.embed_tokens.weight.copy_(value)
 
-    def make_layer(self, cfg: DFlashConfig, index: int) -> nn.Module:
+    def make_layer(self, cfg: DraftConfig, index: int) -> nn.Module:
         assert isinstance(cfg, PEagleConfig)
         qk = cfg.draft_arch == "qwen3"
-        return Eagle3FirstLayer(cfg, qk_norm=qk) if index == 0 else Eagle3Layer(cfg, qk_norm=qk)
+        return ChainFirstLayer(cfg, qk_norm=qk) if index == 0 else ChainLayer(cfg, qk_norm=qk)
 
     # ---- the forward ---------------------------------------------------------------
 
@@ -193,13 +191,13 @@ class PEagleDraft(Eagle3Draft):
         rope = self.rope(pos.gather(1, s.anchor) + s.depth, dt)  # [B, S, hd] x2
         mask = PrefixMask.chains(s.anchor, s.depth, s.valid, row_doc, self.cfg.num_depths)
         for layer in self.layers:
-            a = cast("Eagle3Layer", layer).self_attn
+            a = cast("ChainLayer", layer).self_attn
 
             def attend(h: torch.Tensor, a: Any = a) -> torch.Tensor:
                 k, v = a.kv(h, rope)  # [B, nkv, S, hd]
                 return cast("torch.Tensor", a.attend(h, k, v, rope, mask))
 
-            x = cast("Eagle3Layer", layer).run(emb, x, attend)
+            x = cast("ChainLayer", layer).run(emb, x, attend)
         return cast("torch.Tensor", self.norm(x))
 
     def sample(self, row_mask: torch.Tensor, generator: torch.Generator | None) -> Samples:
@@ -215,8 +213,7 @@ class PEagleDraft(Eagle3Draft):
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
         """COD-sample the chains from `generator`, return the loss and metrics (module
         docstring). `batch` needs `last_hidden_states` `[B, T, H]`."""
-        cfg = self.cfg
-        _check_eagle3_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size)
+        self.check_rows(batch)
         rows = self.rows(batch)
         _, row_mask, _ = self.step_inputs(batch, rows[DOCUMENT_IDS], 0)  # [B, R]
         return self.sampled_loss(batch, self.sample(row_mask, generator))
@@ -241,7 +238,7 @@ class PEagleDraft(Eagle3Draft):
         if n:
             teacher = last.gather(1, (at + 1)[:, :, None].expand(-1, -1, last.shape[2]))
             x, t_rows = out[sup], teacher[sup].to(head.dtype)  # [M, H] each
-            per_row, pred, label = ttt_head(x, t_rows, head, kl=cfg.loss_type == "kl")
+            per_row, pred, label = teacher_head(x, t_rows, head, kl=cfg.loss_type == "kl")
             loss = per_row.sum() / n
             right[sup] = pred == label
         with torch.no_grad():

@@ -6,8 +6,8 @@ with parallel drafting (method `eagle3`, a P-EAGLE checkpoint).
     ctx.extend(hidden)                             # [n, k·H] accepted positions
     tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))  # k tokens, [k, V]
 
-As EAGLE-3's step (fanout.families.eagle3.propose, whose cache this one reuses), draft
-row t needs the verifier's state at t and the token t+1, so the rows not yet run (the
+As every chain drafter's step (the kept rows of fanout.model.chain_cache), draft row t
+needs the verifier's state at t and the token t+1, so the rows not yet run (the
 prompt at first, then the anchor and the accepted drafts) run when `propose(seq)`
 knows their tokens, their keys/values kept for good. In the same forward, k - 1 mask
 positions follow row p-1 (p = len(seq) - 1): the token `mask_token_id` and the learned
@@ -28,12 +28,12 @@ from collections.abc import Callable
 import torch
 
 from fanout.errors import ConfigError
-from fanout.families.eagle3.propose import Eagle3Context
 from fanout.families.peagle.model import PEagleDraft, Samples
+from fanout.model.chain_cache import ChainCache
 from fanout.model.draft_cache import head_logits
 
 
-class PEagleContext(Eagle3Context):
+class PEagleContext(ChainCache):
     """P-EAGLE's `DraftContext` (module docstring): `num_speculative_tokens` drafted a
     step, at most the draft's `num_depths` (default: all of them)."""
 
@@ -52,7 +52,7 @@ class PEagleContext(Eagle3Context):
                 f"--num-speculative-tokens {k}: this P-EAGLE draft trained "
                 f"{draft.cfg.num_depths} depths (its --num-depths); draft at most that many"
             )
-        super().__init__(draft, num_speculative_tokens=k, cached=cached)
+        super().__init__(draft, k, cached=cached)
 
     @torch.no_grad()
     def propose(
@@ -66,10 +66,8 @@ class PEagleContext(Eagle3Context):
     def _cached_rows(self, seq: list[int]) -> torch.Tensor:
         d = self.draft
         p, at, m = len(seq) - 1, self.length, self.k - 1
-        new = torch.cat(self.pending)  # [p - at, k·H]
-        self.pending = []
-        assert new.shape[0] == p - at, (new.shape, p, at)
-        dt = d.fc.weight.dtype
+        new = self._take_pending(p)  # [p - at, k·H]
+        dt = d.compute_dtype
         hid = torch.cat([new, d.mask_hidden[0].to(dt).expand(m, -1)])  # [p - at + m, k·H]
         tokens = [*seq[at + 1 : p + 1], *[d.cfg.mask_token_id] * m]
         positions = torch.arange(at + 1, p + m + 1, device=new.device)

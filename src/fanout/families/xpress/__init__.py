@@ -26,17 +26,17 @@ from pydantic import BaseModel
 
 from fanout.families.base import Family
 from fanout.families.xpress.config import XPressConfig, XPressRecipe, shared_problem
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 if TYPE_CHECKING:
-    from fanout.model.dflash import DFlashDraft
+    from fanout.model.draft import Draft
     from fanout.model.draft_cache import DraftContext
 
 
 class XPress(Family):
     name: ClassVar[str] = "xpress"
     model_ref: ClassVar[str] = "fanout.families.xpress.model:XPressDraft"
-    config_class: ClassVar[type[DFlashConfig]] = XPressConfig
+    config_class: ClassVar[type[DraftConfig]] = XPressConfig
     recipe: ClassVar[type[BaseModel]] = XPressRecipe
     # speculators' XPress recipe: block 16 (DraftRecipe's too), 512 anchors, gamma 4.0
     # (its trainer's dflash_decay_gamma default, not fanout's block-16 value 7)
@@ -59,7 +59,7 @@ class XPress(Family):
     def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
         return True  # every loss term has a TV part (and the accept rates need p)
 
-    def context(self, draft: DFlashDraft, *, cached: bool = True) -> DraftContext:
+    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
         from fanout.families.xpress.model import XPressDraft
         from fanout.families.xpress.propose import XPressContext
         from fanout.model.draft_cache import DraftCache, UncachedDraft

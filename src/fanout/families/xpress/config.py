@@ -11,7 +11,7 @@
 `consistency_passes`, `base_anchor_weight`, `base_anchor_full_weight`), with
 speculators' defaults, plus the weights of its compound loss (speculators'
 `--loss-fn '{"ce": 0.1, "tv": 0.9}'`, XPress's default). speculators' `ce_from_data` is
-the shared `--label-source input_ids`. `XPressConfig` is `DFlashConfig` plus those, frozen
+the shared `--label-source input_ids`. `XPressConfig` is `DraftConfig` plus those, frozen
 and validated at construction.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.draft_config import DraftConfig
 
 
 class XPressRecipe(BaseModel):
@@ -77,7 +77,7 @@ class XPressRecipe(BaseModel):
         return self
 
 
-class XPressConfig(XPressRecipe, DFlashConfig):
+class XPressConfig(XPressRecipe, DraftConfig):
     """One XPress draft: the DFlash backbone's shape and recipe plus the refiner."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -33,7 +33,7 @@ their number n:
   passes run (`fanout.families.xpress.propose`);
 - `base_anchor_weight` x the backbone's own logits (the Jacobi seed; without the decay
   when `base_anchor_full_weight`).
-Labels, supervised slots and the teacher are DFlash's (`DFlashDraft.labels`,
+Labels, supervised slots and the teacher are DFlash's (`BlockDraft.labels`,
 `anchors.slot_supervision`, `verifier_rows`): label `target_ids[a+k-1]` (or
 `input_ids[a+k]`, speculators' `ce_from_data`), p the verifier's distribution from
 `last_hidden_states[a+k-1]` through the frozen head. Semantics differ from speculators
@@ -41,12 +41,13 @@ exactly where DFlash's do (`tests/test_speculators.py`): slots past the anchor's
 document carry no loss, a slot whose token is outside a reduced draft vocabulary
 neither; speculators divides by n + 1e-5.
 
-Metrics (`LossOutput`): `per_slot_acc` / `eal` of the teacher-forced refined argmax
-(the sequential greedy chain's acceptance); `extra`: `jacobi_eal` (EAL of the last
-free-running round: what `consistency_passes` Jacobi passes would propose),
-`base_eal` (the backbone alone, K = 0), `tf_loss`, `consistency_loss`,
-`base_anchor_loss` (each term before its weight), `accept_rate` / `base_accept_rate`
-(mean `1 - TV(q, p)` of the teacher-forced refined / the backbone's slots).
+Metrics (`LossOutput`, fanout.model.slot_loss's `acceptance`): `per_slot_acc` / `eal`
+of the teacher-forced refined argmax (the sequential greedy chain's acceptance);
+`extra`: `jacobi_eal` (EAL of the last free-running round: what `consistency_passes`
+Jacobi passes would propose), `base_eal` (the backbone alone, K = 0), `tf_loss`,
+`consistency_loss`, `base_anchor_loss` (each term before its weight), `accept_rate` /
+`base_accept_rate` (mean `1 - TV(q, p)` of the teacher-forced refined / the backbone's
+slots).
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.families.xpress.config import XPressConfig
 from fanout.model.anchors import block_positions
-from fanout.model.dflash import DFlashDraft, LossOutput
-from fanout.model.draft_config import DFlashConfig
+from fanout.model.block_draft import BlockDraft
+from fanout.model.draft import LossOutput
+from fanout.model.draft_config import DraftConfig
+from fanout.model.slot_loss import acceptance, exp_decay
 from fanout.ops.two_head_ce import TwoHeadOut, two_head_ce_tv_and_argmax
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES
 
@@ -118,16 +121,16 @@ class XPressRefinerHead(nn.Module):
         return cast("torch.Tensor", self.readout(self.features(prev, hcache)))
 
 
-class XPressDraft(DFlashDraft):
+class XPressDraft(BlockDraft):
     """Trainable beyond DFlash's: `refiner_head` (see the module docstring)."""
 
-    config_class: ClassVar[type[DFlashConfig]] = XPressConfig
+    config_class: ClassVar[type[DraftConfig]] = XPressConfig
     cfg: XPressConfig
 
-    def __init__(self, cfg: DFlashConfig, *verifier_tensors: Any, **kw: Any) -> None:
-        """DFlashDraft's arguments (the verifier's frozen tensors after `cfg`)."""
+    def __init__(self, cfg: DraftConfig, *verifier_tensors: Any, **kw: Any) -> None:
+        """BlockDraft's arguments (the verifier's frozen tensors after `cfg`)."""
         super().__init__(cfg, *verifier_tensors, **kw)
-        cfg = self.cfg  # its own config class (DFlashDraft checked it)
+        cfg = self.cfg  # its own config class (Draft checked it)
         self.refiner_head = XPressRefinerHead(
             cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, cfg.hidden_size,
             cfg.block_size, cfg.xpress_rank, cfg.xpress_mlp_ratio,
@@ -188,7 +191,7 @@ class XPressDraft(DFlashDraft):
         teacher = self.verifier_rows(batch, b.anchors)[v].reshape(-1, h)  # [N·bs, H]
         target = torch.where(sup, label, -100).reshape(-1)  # [N·bs] draft ids
         slot = torch.arange(bs, device=sup.device).expand_as(sup)  # [N, bs] slot index k
-        decay = torch.exp(-(slot - 1).clamp(min=0).float() / cfg.resolved_gamma)  # [N, bs]
+        decay = exp_decay(slot, cfg.resolved_gamma, first=self.first_drafted_slot)  # [N, bs]
         decayed = (decay * sup).reshape(-1)  # [N·bs] DFlash's exp decay, 0 off supervision
         n_tok = int(sup.sum())
         denom = max(n_tok, 1)
@@ -232,30 +235,25 @@ class XPressDraft(DFlashDraft):
             consistency = torch.stack(terms).mean()
             loss = loss + cfg.consistency_weight * consistency
             extra["consistency_loss"] = float(consistency.detach())
-        with torch.no_grad():
-            has = b.has[v]  # [N] blocks that count in EAL
+        has = b.has[v]  # [N] blocks that count in EAL
 
-            def hits(out: TwoHeadOut) -> torch.Tensor:  # [N, bs] correct supervised slots
-                return (out.pred.view(n_blk, bs) == label) & sup
+        def greedy(out: TwoHeadOut) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """Per-slot accuracy, counts [bs-1] and EAL of a pass's argmax (drafted slots)."""
+            correct = out.pred.view(n_blk, bs) == label  # [N, bs]
+            return acceptance(correct[:, 1:], sup[:, 1:], has)
 
-            def eal(correct: torch.Tensor) -> torch.Tensor:
-                run = torch.cumprod(correct[:, 1:].long(), dim=1).sum(dim=1)  # [N]
-                return (1.0 + run[has].float()).mean() if has.any() else torch.tensor(1.0)
+        def accept(out: TwoHeadOut) -> float:
+            assert out.accept is not None
+            return float(out.accept[sup.reshape(-1)].mean()) if n_tok else 0.0
 
-            def accept(out: TwoHeadOut) -> float:
-                assert out.accept is not None
-                return float(out.accept[sup.reshape(-1)].mean()) if n_tok else 0.0
-
-            correct = hits(tf)
-            cnt = sup[:, 1:].sum(dim=0)  # [bs-1]
-            acc = correct[:, 1:].sum(dim=0) / cnt.clamp(min=1)
-            extra["accept_rate"] = accept(tf)
-            if base is not None:
-                extra["base_eal"] = float(eal(hits(base)))
-                extra["base_accept_rate"] = accept(base)
-            if last is not None:
-                extra["jacobi_eal"] = float(eal(hits(last)))
-        return LossOutput(loss, acc.float(), cnt, eal(correct), n_tok, int(v.sum()), extra)
+        acc, cnt, eal = greedy(tf)
+        extra["accept_rate"] = accept(tf)
+        if base is not None:
+            extra["base_eal"] = float(greedy(base)[2])
+            extra["base_accept_rate"] = accept(base)
+        if last is not None:
+            extra["jacobi_eal"] = float(greedy(last)[2])
+        return LossOutput(loss, acc, cnt, eal, n_tok, int(v.sum()), extra)
 
 
 __all__ = ["XPressDraft", "XPressRefinerHead"]
