@@ -9,7 +9,9 @@ stands for (`dense`) equals the mask the family built before it existed (anchors
 attention (`prefix_attention`) gives the dense SDPA's output and q/k/v gradients in
 fp32, with GQA, several documents and padding, random anchors with duplicates and the
 edge positions, and chunks small enough that every case spans many of them; and
-every family's loss and gradients are those it gets under its dense mask.
+every family's loss and gradients are those it gets under its dense mask. The chunk
+plan is made once per mask however often it is used, bounds each group's context as
+its dense mask does, and holds each key once a chunk (P-EAGLE's chains share theirs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fanout.model.draft_attention as draft_attention
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.families.peagle.model import Samples, chain_mask, cod_sample
 from fanout.families.registry import FAMILIES
@@ -143,6 +146,77 @@ def test_chains_match_peagle_chain_mask(seed: int) -> None:
     n = s.anchor.shape[1]
     assert torch.equal(m.dense(n), chain_mask(s, row_doc))
     _compare(m, n, n, 16, seed)
+
+
+def test_bounds_are_the_first_and_last_allowed_context_key() -> None:
+    """`bounds` (sorted keys, no [B, G, C] mask) = the first and last + 1 of each group's
+    `context_ok` row, with documents scattered over the keys (not runs), any ids,
+    limits past the keys, groups of a document no key has, and groups that see none."""
+    g = torch.Generator().manual_seed(5)
+    b, c, n_groups = 3, 50, 40
+    key_doc = torch.tensor([-7, 0, 3, 1_000_000])[torch.randint(0, 4, (b, c), generator=g)]
+    doc = torch.tensor([-7, 0, 3, 1_000_000, 5])[torch.randint(0, 5, (b, n_groups), generator=g)]
+    limit = torch.randint(0, c + 5, (b, n_groups), generator=g)
+    sees = torch.rand(b, n_groups, generator=g) < 0.8
+    own = torch.zeros(b, n_groups, 1, dtype=torch.long)
+    m = PrefixMask(limit, doc, key_doc, sees, own, None, 1)
+    ok = m.context_ok()  # [B, G, C]
+    t = torch.arange(c)
+    want_lo = torch.where(ok, t, c).amin(2)
+    want_hi = torch.where(ok, t + 1, 0).amax(2)
+    lo, hi = m.bounds()
+    assert ok.any(2).any() and not ok.any(2).all()
+    assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+
+
+def test_the_plan_is_made_once_per_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's attention of a forward, and the backward, use the mask's one plan
+    (and its one set of SDPA masks); a new mask makes its own."""
+    made = []
+    make = draft_attention._make_plan
+
+    def counted(*args: object) -> object:
+        made.append(args)
+        return make(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(draft_attention, "_make_plan", counted)
+    g = torch.Generator().manual_seed(6)
+    row_doc = _docs(1, 40, g)
+    m = PrefixMask.causal(row_doc, steps=2)
+    q = torch.randn(1, NH, 40, HD, generator=g, requires_grad=True)
+    k, v = torch.randn(2, 1, NKV, 80, HD, generator=g)
+    outs = [attention(q, k, v, m, chunk=16) for _ in range(3)]  # three layers
+    torch.stack(outs).sum().backward()
+    assert len(made) == 1
+    p = m.plan(16, 80)
+    assert p.sdpa_masks(NH // NKV, q.dtype) is p.sdpa_masks(NH // NKV, q.dtype)
+    attention(q, k, v, PrefixMask.causal(row_doc, steps=2), chunk=16)
+    assert len(made) == 2
+
+
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_a_chunk_holds_each_key_once(chunk: int) -> None:
+    """The plan's keys are distinct in every chunk: P-EAGLE's depths of a chain see the
+    same own keys (taken once, not once a position), a causal row's step-0 own key is
+    a context key of its chunk (one column, not two); each later step adds one key a
+    row. The chunks still give the dense answer."""
+    g = torch.Generator().manual_seed(7)
+    r, depths = 120, 6
+    row_doc = _docs(1, r, g)
+    sup = (torch.rand(r, generator=g) < 0.9) & (row_doc[0] >= 0)
+    s = Samples.stack([cod_sample(sup, depths, 0.9, 0.5, 40, g)], "cpu")
+    n = s.anchor.shape[1]
+    m = PrefixMask.chains(s.anchor, s.depth, s.valid, row_doc, depths)
+    p = m.plan(chunk, n)
+    for keys in p.k_index.split(p.k_sizes):
+        assert keys.unique().numel() == keys.numel()
+    causal = PrefixMask.causal(row_doc, steps=3)
+    pc = causal.plan(chunk, 3 * r)
+    for keys, rows in zip(pc.k_index.split(pc.k_sizes), pc.q_sizes):
+        ctx = int((keys < r).sum())
+        assert keys.numel() == ctx + 2 * rows  # steps 1 and 2: one key a row each
+        assert keys.unique().numel() == keys.numel()
+    _compare(m, n, n, chunk)
 
 
 def test_attention_dispatch_and_dense_reference() -> None:

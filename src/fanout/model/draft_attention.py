@@ -26,14 +26,22 @@ Every query sees at least one own key (itself or its block), so no softmax row i
 
 How it computes (`prefix_attention`): groups sorted by the end of their allowed context,
 taken `chunk` queries at a time; each chunk runs one SDPA over the context range its
-groups need, `[first allowed, last allowed]` over the chunk, followed by the chunk's own
-keys, under the chunk's slice of the mask. A softmax over a superset of the allowed
-keys, the rest masked, is the same softmax, so it matches the dense masked SDPA (the
-reference: `PrefixMask.dense`, `dense_reference`; tests/test_draft_attention.py, fp32,
-gradients too) while computing about the allowed scores. At DFlash's recipe (T = 3072,
-512 anchors, block 16) the dense SDPA scores 7.3× the allowed; the chunks of
-`CHUNK_QUERIES` = 256 score 1.19× (128: 1.09×, 512: 1.39×); EAGLE-3's third TTT step
-(R = 3071): 6.0× dense, 1.58× chunked. Why this and not the alternatives (measured on
+groups need, `[first allowed, last allowed]` over the chunk, followed by the own keys
+its queries see that lie outside that range, each once (the positions of a chain are
+the own keys of all of them; a causal row's step-0 key is a context key), under the
+chunk's slice of the mask. A softmax over a superset of the allowed keys, the rest
+masked, is the same softmax, so it matches the dense masked SDPA (the reference:
+`PrefixMask.dense`, `dense_reference`; tests/test_draft_attention.py, fp32, gradients
+too) while computing about the allowed scores. The chunk plan (`PrefixMask.plan`) is
+made once per mask, on first use, and shared by every layer and both passes; its
+masks are handed to SDPA additive (0 / -inf) and GQA-repeated, made once per plan
+(SDPA would convert a boolean mask at every call, forward and backward). Scores
+computed over the allowed ones at the benchmark shape (benchmarks/draft_attention.py:
+T = 3072, 512 anchors, block 16), dense / chunks of `CHUNK_QUERIES` = 256:
+DFlash's blocks 7.3× / 1.19× (chunks of 128: 1.09×, 512: 1.39×); EAGLE-3's third TTT
+step (R = 3071) 6.0× / 1.41×; P-EAGLE's chains (4275 positions, 8 depths) 2.7× /
+1.10× (2.35× before the own keys were taken once a chunk: every position's chain,
+depths × the chunk's queries). Why this and not the alternatives (measured on
 the shared 2-vCPU machine, torch 2.13, that DFlash shape at h 256, 4 heads of 64, 2 KV
 heads: one attention's forward + backward):
 - chunked SDPA 0.6-1.0 s against 3.0 s for the dense masked SDPA, the peak process
@@ -47,6 +55,12 @@ heads: one attention's forward + backward):
 - a split into a context part and a block part merged by log-sum-exp needs the
   log-sum-exp's gradient, which torch's fused kernels do not give: it would keep the
   scores (memory O(Q·K));
+- a plan carried across EAGLE-3's TTT steps (one `causal` mask a step, the same rows,
+  one more step): all they share is the bounds and the order (0.3 ms at R = 3071);
+  every chunk gains a step's columns, so its mask is written anew either way. A step's
+  plan costs 7-9 ms there (one thread; 50 ms, and 0.25-0.6 s on the first calls of a
+  process, when the bounds came from the `[B, G, C]` mask), so no cache outlives its
+  mask;
 - `flex_attention` (speculators' choice on CUDA): in torch 2.13 it has no backward on
   the CPU ("FlexAttention does not support backward on CPU"); on CUDA the GPU check
   (benchmarks/gpu/checks.sh) runs this module against speculators' flex attention.
@@ -195,11 +209,34 @@ class PrefixMask:
         m.scatter_reduce_(2, own, self.own_visible().reshape(b, -1, n), "amax")
         return m[:, None]
 
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, G]` long each: a group's first allowed context key and its last + 1 (C
+        and 0 where it sees none), in O((C + G) log C): the keys sorted by (document,
+        position), a group's allowed keys are its document's run up to its limit (no
+        `[B, G, C]` mask; `context_ok` is what they bound)."""
+        b, c = self.key_doc.shape
+        g = self.doc.shape[1]
+        dev = self.key_doc.device
+        if c == 0:
+            return torch.zeros(b, g, dtype=torch.long, device=dev), self.limit.new_zeros(b, g)
+        # documents as ranks shared by keys and groups: (rank, position) -> one int64
+        _, rank = torch.unique(torch.cat([self.key_doc, self.doc], 1), return_inverse=True)
+        t = torch.arange(c, device=dev)
+        code = (rank[:, :c] * (c + 1) + t).sort(dim=1).values  # [B, C]
+        pos = code % (c + 1)  # [B, C] key positions, by document then position
+        base = rank[:, c:] * (c + 1)  # [B, G] the group's document's first code
+        first = torch.searchsorted(code, base)  # [B, G] its document's first key
+        past = torch.searchsorted(code, base + self.limit.clamp(0, c))  # first at/after limit
+        seen = (past > first) & self.sees_context
+        lo = torch.where(seen, pos.gather(1, first.clamp(max=c - 1)), c)
+        hi = torch.where(seen, pos.gather(1, (past - 1).clamp(min=0)) + 1, 0)
+        return lo, hi
+
     def plan(self, chunk: int, num_keys: int) -> _Plan:
         """The chunks of `prefix_attention` (module docstring): groups ordered by their
         allowed context's end, `chunk` queries a chunk, each with its query and key
-        indices and its slice of the mask. Computed once per mask and key count (every
-        layer of a forward shares it)."""
+        indices and its slice of the mask. Computed once per mask and key count, on
+        first use (every layer of a forward, and both passes, share it)."""
         key = (chunk, num_keys)
         if key not in self._plans:
             self._plans[key] = _make_plan(self, chunk, num_keys)
@@ -218,44 +255,91 @@ class _Plan:
     k_sizes: list[int]
     masks: list[torch.Tensor]  # [q_sizes[i], k_sizes[i]] bool each
     inverse: torch.Tensor  # [B·Q] long: position of each query's output row
+    _sdpa: dict[tuple[int, torch.dtype], list[torch.Tensor]] = field(default_factory=dict)
+
+    def sdpa_masks(self, rep: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """`masks` as SDPA takes them with `rep` query heads a KV head folded into the
+        queries: additive (0 / -inf) `[rep·q_sizes[i], k_sizes[i]]` of `dtype`, made once
+        per plan. SDPA would turn a boolean mask into this itself at every call, forward
+        and backward (~20% of a CPU chunk's time), and save it for the backward anyway."""
+        key = (rep, dtype)
+        if key not in self._sdpa:
+            self._sdpa[key] = [
+                torch.zeros(m.shape, dtype=dtype, device=m.device)
+                .masked_fill_(~m, float("-inf"))
+                .repeat(rep, 1)
+                for m in self.masks
+            ]
+        return self._sdpa[key]
 
 
 def _make_plan(m: PrefixMask, chunk: int, num_keys: int) -> _Plan:
-    """`PrefixMask.plan`. Indices are built on the CPU and moved once; the masks are
-    sliced on the mask's device (one device-to-host copy of the bounds, per mask)."""
-    ok = m.context_ok()  # [B, G, C]
-    own_ok = m.own_visible()  # [B, G, g, n]
-    b, n_groups, c = ok.shape
-    g, n = m.group, own_ok.shape[3]
-    dev = ok.device
-    # argmax of a byte row: its first 1 (no [B, G, C] int64 temporaries)
-    seen = ok.any(2)  # [B, G]
-    lo = torch.where(seen, ok.view(torch.uint8).argmax(2), c).cpu()  # [B, G] first allowed
-    hi = torch.where(seen, c - ok.flip(2).view(torch.uint8).argmax(2), 0).cpu()  # last + 1
-    own_cpu = m.own.cpu()  # [B, G, n]
+    """`PrefixMask.plan`. A chunk's keys are its context range `[start, end)` and, after
+    it, the own keys its queries see that lie outside it, each once: every depth of a
+    chain sees the chain's positions (P-EAGLE: up to `depths` times fewer keys than one
+    set a position), and a causal row's step-0 key is already a context key. The indices are built on
+    the CPU from the bounds and the own keys (one device-to-host copy of each, a few
+    ops per batch row) and moved once; the masks are built on the mask's device in one
+    buffer (each chunk's context slice, then one scatter of every chunk's own keys)."""
+    b, n_groups, _ = m.own.shape
+    g, c, dev = m.group, m.key_doc.shape[1], m.own.device
+    lo, hi = (x.cpu() for x in m.bounds())  # [B, G] each
+    own, sees = m.own.cpu(), m.own_visible().cpu()  # [B, G, n], [B, G, g, n]
     per = max(1, chunk // g)  # groups a chunk
-    slots = torch.arange(g)
-    q_idx, k_idx, q_sizes, k_sizes, masks = [], [], [], [], []
+    n_ch = -(-n_groups // per)  # chunks a batch row
+    pad = n_ch * per - n_groups
+    row = torch.arange(n_groups * g).view(n_groups, g, 1) % (per * g)  # a query's chunk row
+    ch = torch.arange(n_groups) // per  # [G] a sorted group's chunk
+    q_idx, k_idx, on, chunks = [], [], [], []
+    size = 0  # bool cells of the masks so far
     for r in range(b):
-        order = torch.argsort(hi[r], stable=True)  # [G]
+        order = torch.argsort(hi[r], stable=True)  # [G] groups by their context's end
+        end = F.pad(hi[r, order], (0, pad)).view(n_ch, per).amax(1)  # [n_ch]
+        start = torch.minimum(F.pad(lo[r, order], (0, pad), value=c).view(n_ch, per).amin(1), end)
+        vis = sees[r, order]  # [G, g, n] which own keys each query sees
+        keys = own[r, order]  # [G, n]
+        inside = (keys >= start[ch, None]) & (keys < end[ch, None])  # a context column already
+        code = ch[:, None] * num_keys + keys  # [G, n] (chunk, key) as one int64
+        extra = torch.unique(code[vis.any(1) & ~inside])  # [E] each chunk's outside keys, once
+        n_extra = torch.bincount(extra // num_keys, minlength=n_ch)  # [n_ch]
+        first = n_extra.cumsum(0) - n_extra  # [n_ch] a chunk's first in `extra`
+        span = end - start  # [n_ch]
+        col = torch.where(  # [G, n] each own key's column in its chunk
+            inside, keys - start[ch, None],
+            (span - first)[ch, None] + torch.searchsorted(extra, code),
+        )  # fmt: skip
+        width = span + n_extra  # [n_ch] keys a chunk
+        rows_n = torch.full((n_ch,), per * g)
+        rows_n[-1] = (n_groups - (n_ch - 1) * per) * g
+        cells = rows_n * width
+        off = size + cells.cumsum(0) - cells  # [n_ch] a chunk's first cell
+        at = (off[ch, None] + col)[:, None, :] + row * width[ch, None, None]  # [G, g, n]
+        on.append(at[vis])
+        size += int(cells.sum())
+        q_idx.append(r * n_groups * g + (order[:, None] * g + torch.arange(g)).flatten())
+        extra = extra % num_keys
         order_dev = order.to(dev)
-        for i in range(0, order.numel(), per):
-            gs_cpu, gs = order[i : i + per], order_dev[i : i + per]
-            end = int(hi[r, gs_cpu].max())
-            start = min(int(lo[r, gs_cpu].min()), end)
-            cg = gs_cpu.numel()
-            own = own_cpu[r, gs_cpu].flatten()  # [cg·n] key indices
-            q_idx.append(r * n_groups * g + (gs_cpu[:, None] * g + slots).flatten())  # [cg·g]
-            k_idx.append(r * num_keys + torch.cat([torch.arange(start, end), own]))
-            eye = torch.eye(cg, dtype=torch.bool, device=dev)[:, None, :, None]
-            blk = eye & own_ok[r].index_select(0, gs)[:, :, None, :]  # [cg, g, cg, n]
-            ctx = ok[r, :, start:end].index_select(0, gs).repeat_interleave(g, 0)
-            masks.append(torch.cat([ctx, blk.reshape(cg * g, cg * n)], 1))  # [cg·g, L + cg·n]
-            q_sizes.append(cg * g)
-            k_sizes.append(end - start + cg * n)
+        for i, (s, e, f, ne, w, qn) in enumerate(
+            zip(*(x.tolist() for x in (start, end, first, n_extra, width, rows_n)))
+        ):
+            k_idx.append(r * num_keys + torch.cat([torch.arange(s, e), extra[f : f + ne]]))
+            chunks.append((r, order_dev[i * per : (i + 1) * per], s, e, qn, w))
+    flat = torch.zeros(size, dtype=torch.bool, device=dev)
+    lim = torch.where(m.sees_context, m.limit, 0)  # [B, G] none seen: limit 0
+    t = torch.arange(c, device=dev)
+    masks, off_ = [], 0
+    for r, gs, s, e, qn, w in chunks:
+        mask = flat[off_ : off_ + qn * w].view(qn, w)
+        ctx = (t[s:e] < lim[r, gs, None]) & (m.key_doc[r, None, s:e] == m.doc[r, gs, None])
+        mask[:, : e - s].view(qn // g, g, e - s).copy_(ctx[:, None])  # [cg, L] -> [cg·g, L]
+        masks.append(mask)
+        off_ += qn * w
+    flat[torch.cat(on).to(dev)] = True  # every chunk's own keys, one scatter
     q_index = torch.cat(q_idx)
     inverse = torch.empty_like(q_index)
     inverse[q_index] = torch.arange(q_index.numel())
+    q_sizes = [x[4] for x in chunks]
+    k_sizes = [x[5] for x in chunks]
     return _Plan(
         q_index.to(dev), torch.cat(k_idx).to(dev), q_sizes, k_sizes, masks, inverse.to(dev)
     )
@@ -315,15 +399,13 @@ def prefix_attention(
     ks = k.transpose(1, 2).reshape(b * k_len, nkv, hd).index_select(0, p.k_index)
     vs = v.transpose(1, 2).reshape(b * k_len, nkv, hd).index_select(0, p.k_index)
     outs = []
-    for qc, kc, vc, m in zip(
-        qs.split(p.q_sizes), ks.split(p.k_sizes), vs.split(p.k_sizes), p.masks
-    ):
+    masks = p.sdpa_masks(rep, q.dtype)  # [rep·c, L] each
+    for qc, kc, vc, mf in zip(qs.split(p.q_sizes), ks.split(p.k_sizes), vs.split(p.k_sizes), masks):
         # GQA folded into the sequence: the rep query heads of a KV head one after the
         # other ([nkv, rep·c, hd]), the mask repeated, so no kernel needs enable_gqa
         # (CUDA's memory-efficient kernel, the one that takes a mask, has none)
         c = qc.shape[0]
         qf = qc.view(c, nkv, rep, hd).permute(1, 2, 0, 3).reshape(1, nkv, rep * c, hd)
-        mf = m.repeat(rep, 1) if rep > 1 else m  # [rep·c, L]
         o = F.scaled_dot_product_attention(
             qf, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], attn_mask=mf
         )  # [1, nkv, rep·c, hd]
