@@ -133,6 +133,28 @@ def test_a_lost_connection_is_replaced_where_nothing_had_run(pg_url: str, tmp_pa
     co.close()
 
 
+def test_a_dropped_socket_psycopg_has_not_marked_broken_is_replaced_too(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server can drop a connection between two statements so that the next one
+    fails with a client-side "connection socket closed" (no SQLSTATE) before psycopg
+    marks the connection broken (seen once in a full suite run). Nothing had run: the
+    BEGIN is begun again on a new connection, as for a marked one."""
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=pg_url)
+    db = co.conn
+    assert isinstance(db, PostgresDatabase)
+    reg = co.register_consumer("a")
+    _terminate(pg_url, db.raw.info.backend_pid)
+    # the connection as psycopg may still describe it: neither closed nor broken
+    monkeypatch.setattr(type(db.raw), "broken", property(lambda self: False))
+    monkeypatch.setattr(type(db.raw), "closed", property(lambda self: False))
+    co.heartbeat(reg)  # a write whose BEGIN met the dead socket: begun again
+    assert db.reconnects == 1
+    monkeypatch.undo()
+    co.close()
+
+
 def test_trainer_side_calls_wait_out_a_server_restart(
     pg_url: str, tmp_path: Path, postgres_control: PostgresControl
 ) -> None:

@@ -158,8 +158,15 @@ class PostgresDatabase:
         )
         self.raw.execute(f"SET lock_timeout = {int(self._lock_timeout_s * 1000)}")
 
-    def _lost(self) -> bool:
-        return bool(self.raw.closed or self.raw.broken)
+    def _lost(self, e: Exception | None = None) -> bool:
+        """Whether the connection is gone (error `e` said so, or psycopg marked it). A
+        client-side error (no SQLSTATE: "connection socket closed" when the server
+        dropped it between two statements, which psycopg does not always mark broken)
+        or a connection / shutdown class (08, 57P) means lost; a lock timeout does not."""
+        if self.raw.closed or self.raw.broken:
+            return True
+        state = getattr(e, "sqlstate", "") if e is not None else ""
+        return e is not None and (state is None or state.startswith(("08", "57P")))
 
     def _reconnect(self, cause: Exception) -> None:
         """Replace a lost connection, retrying for up to `reconnect_s`."""
@@ -198,7 +205,7 @@ class PostgresDatabase:
         try:
             return call()
         except self._errors.OperationalError as e:
-            if self._in_write or not self._lost():
+            if self._in_write or not self._lost(e):
                 raise self._typed(e) from None
             self._reconnect(e)
         try:
@@ -226,7 +233,7 @@ class PostgresDatabase:
                 self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
                 return
             except self._errors.OperationalError as e:
-                if attempt or not self._lost():
+                if attempt or not self._lost(e):
                     self._rollback()
                     raise self._typed(e) from None
                 self._reconnect(e)
