@@ -128,15 +128,9 @@ class BlockDraft(Draft):
     A family's block draft subclasses this and defines `loss` (`blocks` then
     `block_loss`, plus its own terms); one whose layers differ overrides `make_layer`."""
 
-    def __init__(
-        self,
-        cfg: DraftConfig,
-        embed_weight: torch.Tensor,  # [V, H]
-        lm_head_weight: torch.Tensor,  # [V, H]
-        verifier_norm_weight: torch.Tensor,  # [H]
-        draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
-    ) -> None:
-        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)

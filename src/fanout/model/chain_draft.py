@@ -146,15 +146,9 @@ class ChainDraft(Draft):
     input_norm: nn.RMSNorm | None
     fc_norm: nn.ModuleList | None
 
-    def __init__(
-        self,
-        cfg: DraftConfig,
-        embed_weight: torch.Tensor,  # [V, H]
-        lm_head_weight: torch.Tensor,  # [V, H]
-        verifier_norm_weight: torch.Tensor,  # [H]
-        draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
-    ) -> None:
-        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg  # its own config class (Draft checked it)
         h, n = cfg.hidden_size, len(cfg.target_layer_ids)
         # registered in this order (the parameters' order: an optimizer's state ids)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from fanout.errors import ConfigError
@@ -160,10 +161,14 @@ class Draft(nn.Module):
         fields.pop("_num_hidden_layers")
         try:
             cfg = cls.config_class(**fields)
-        except ValueError as e:
-            raise ConfigError(
-                f"{cls.config_class.__name__} from {vdir / 'config.json'} + overrides: {e}"
-            ) from e
+        except ValidationError as e:  # one line: each field and why
+            why = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) + ': ' if err['loc'] else ''}"
+                f"{err['msg'].removeprefix('Value error, ')}"
+                for err in e.errors()
+            )
+            where = vdir / "config.json"
+            raise ConfigError(f"{cls.config_class.__name__} from {where} + overrides: {why}") from e
         return cls.with_verifier_tensors(cfg, vdir, draft_vocab_ids, dtype, device=device)
 
     @classmethod

@@ -43,15 +43,12 @@ inject it; serving cannot). `extra`: `unary_loss`, `selector_loss`, `unary_acc` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 from torch import nn
 
-from fanout.errors import ConfigError
 from fanout.families.dflash2.config import DFlash2Config
 from fanout.model.anchors import block_positions
 from fanout.model.block_draft import BlockDraft, DecoderLayer
@@ -245,15 +242,9 @@ class DFlash2Draft(BlockDraft):
     cfg: DFlash2Config
     candidate_selector: CandidateSelector
 
-    def __init__(
-        self,
-        cfg: DraftConfig,
-        embed_weight: torch.Tensor,  # [V, H]
-        lm_head_weight: torch.Tensor,  # [V, H]
-        verifier_norm_weight: torch.Tensor,  # [H]
-        draft_vocab_ids: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg  # its own config class (Draft checked it)
         self.candidate_selector = CandidateSelector(
             cfg.vocab_size, cfg.hidden_size, cfg.selector_rank
@@ -270,37 +261,6 @@ class DFlash2Draft(BlockDraft):
             cast("DFlash2Layer", layer).mlp_conv.reset_parameters()
         if "candidate_selector" in self._modules:  # absent while BlockDraft.__init__ runs
             self.candidate_selector.reset_parameters(std)
-
-    @classmethod
-    def from_verifier(
-        cls,
-        verifier_dir: str | Path,
-        *,
-        draft_vocab_ids: torch.Tensor | None = None,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
-        **overrides: Any,
-    ) -> Self:
-        """Draft.from_verifier, with a config error told in one line."""
-        try:
-            return super().from_verifier(
-                verifier_dir,
-                draft_vocab_ids=draft_vocab_ids,
-                dtype=dtype,
-                device=device,
-                **overrides,
-            )
-        except ConfigError as e:
-            cause = e.__cause__
-            if not isinstance(cause, ValidationError):
-                raise
-            why = "; ".join(
-                f"{'.'.join(map(str, err['loc'])) + ': ' if err['loc'] else ''}"
-                f"{err['msg'].removeprefix('Value error, ')}"
-                for err in cause.errors()
-            )
-            where = Path(verifier_dir) / "config.json"
-            raise ConfigError(f"DFlash2Config from {where} + overrides: {why}") from None
 
     def predecessors(self, batch: dict[str, torch.Tensor], anchors: torch.Tensor) -> torch.Tensor:
         """The token before each slot `[B, A, bs]`: the row's token at a+k-1 (slot 1's is

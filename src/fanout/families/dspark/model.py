@@ -71,7 +71,7 @@ unweighted by alpha) and `confidence_abs_error` (mean |sigmoid(c) - acceptance r
 
 from __future__ import annotations
 
-from typing import ClassVar, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -123,15 +123,9 @@ class DSparkDraft(BlockDraft):
     first_drafted_slot: ClassVar[int] = 0  # slot 0 (the anchor) predicts the next token
     cfg: DSparkConfig
 
-    def __init__(
-        self,
-        cfg: DraftConfig,
-        embed_weight: torch.Tensor,  # [V, H]
-        lm_head_weight: torch.Tensor,  # [V, H]
-        verifier_norm_weight: torch.Tensor,  # [H]
-        draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
-    ) -> None:
-        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg  # its own config class (Draft checked it)
         h, rank = cfg.hidden_size, cfg.markov_rank
         draft_v = cfg.draft_vocab_size or cfg.vocab_size

@@ -92,15 +92,9 @@ class MTPDraft(Draft):
     config_class: ClassVar[type[DraftConfig]] = MTPConfig
     cfg: MTPConfig
 
-    def __init__(
-        self,
-        cfg: DraftConfig,
-        embed_weight: torch.Tensor,  # [V, H]
-        lm_head_weight: torch.Tensor,  # [V, H]
-        verifier_norm_weight: torch.Tensor,  # [H]
-        draft_vocab_ids: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg  # its own config class (Draft checked it)
         # speculators' module names: one `mtp_layers` entry (no fc, context norm or norm)
         self.mtp_layers = nn.ModuleList([self.make_layer(cfg)])

@@ -135,18 +135,13 @@ class PEagleDraft(ChainDraft):
     capture_for: ClassVar[str] = "peagle"
     cfg: PEagleConfig
 
-    def __init__(
-        self,
-        cfg: DraftConfig,
-        embed_weight: torch.Tensor,  # [V, H]
-        lm_head_weight: torch.Tensor,  # [V, H]
-        verifier_norm_weight: torch.Tensor,  # [H]
-        draft_vocab_ids: torch.Tensor | None = None,  # [draft V] sorted verifier ids
-    ) -> None:
-        super().__init__(cfg, embed_weight, lm_head_weight, verifier_norm_weight, draft_vocab_ids)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg  # its own config class (Draft checked it)
         # the embedding is a parameter under speculators' name (trained by default)
-        del self._buffers["embed_weight"]
+        embed_weight = self._buffers.pop("embed_weight")
+        assert embed_weight is not None  # Draft registered it
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # [V, H]
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed_weight)

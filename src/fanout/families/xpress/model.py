@@ -127,9 +127,9 @@ class XPressDraft(BlockDraft):
     config_class: ClassVar[type[DraftConfig]] = XPressConfig
     cfg: XPressConfig
 
-    def __init__(self, cfg: DraftConfig, *verifier_tensors: Any, **kw: Any) -> None:
-        """BlockDraft's arguments (the verifier's frozen tensors after `cfg`)."""
-        super().__init__(cfg, *verifier_tensors, **kw)
+    def __init__(self, cfg: DraftConfig, *verifier: Any) -> None:
+        """`Draft`'s arguments: the config, then the verifier's frozen tensors."""
+        super().__init__(cfg, *verifier)
         cfg = self.cfg  # its own config class (Draft checked it)
         self.refiner_head = XPressRefinerHead(
             cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, cfg.hidden_size,
