@@ -36,7 +36,10 @@ the producer's 50 epochs.
    one is past its warm-up) and `aggregate_speedup_vs_unshared` = 1p3c / unshared
    (goal ≥ 3.0 with seven families: one verifier pass feeds every draft; four gave 2.04).
    The trainers and producers share the machine's cores, so the ratio is bounded by how
-   much of the unshared run's CPU time capture took.
+   much of the unshared run's CPU time capture took: (7c + 7t) / (c + 7t) for capture c
+   and train step t a row. The recorded run uses benchmarks/fanout/cpu-deep.json (a
+   32-layer verifier: a real verifier's depth beside 1-layer drafts); cpu-tiny's 8
+   layers make c ≈ 1.4 t (1.98×).
 3. Each family's train step against speculators 0.9.0's model of it, same config and
    rows. A tiny random Qwen3 verifier (`--step-hidden` × `--step-layers`, vocab
    `--step-vocab`), one fanout draft per family (`Family.build`: 1 layer, the block size
