@@ -200,12 +200,15 @@ def _replicas_kill9(work: Path, chaos_root: Path, assets_root: Path, **kw: Any) 
     return rep
 
 
-def test_kill9_replicas_and_consumers(chaos_root: Path, assets_root: Path) -> None:
+@pytest.mark.parametrize(
+    "kills", [12, pytest.param(30, marks=pytest.mark.slow)], ids=lambda k: f"{k}-kills"
+)
+def test_kill9_replicas_and_consumers(chaos_root: Path, assets_root: Path, kills: int) -> None:
     rep = _replicas_kill9(
-        chaos_root / "replicas", chaos_root, assets_root, conversations=700, epochs=2, kills=30,
-        timeout_s=540.0,
+        chaos_root / f"replicas-{kills}", chaos_root, assets_root, conversations=700,
+        epochs=2, kills=kills, timeout_s=540.0,
     )  # fmt: skip
-    assert rep.total_kills >= 30 and rep.total("files_verified") >= 50
+    assert rep.total_kills >= kills and rep.total("files_verified") >= 50
 
 
 @pytest.mark.slow
