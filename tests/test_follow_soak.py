@@ -418,9 +418,13 @@ def check(got: dict[str, Any], assets: Path, kills_each: int) -> None:
           f"{watch.loads} times; at most {watch.most} window files")  # fmt: skip
 
 
+# SQLite's short run is slow-marked: its minutes-long soak below and test_follow.py's
+# kill test cover SQLite in the default run's place (suite time)
+@pytest.mark.parametrize("backend", [pytest.param("sqlite", marks=pytest.mark.slow), "postgres"])
 def test_the_live_loop_keeps_every_promise_through_kills(
-    assets: Path, tmp_path: Path, db: str | None
+    assets: Path, tmp_path: Path, backend: str, request: pytest.FixtureRequest
 ) -> None:
+    db = None if backend == "sqlite" else str(request.getfixturevalue("pg_url"))
     got = live_loop(assets, tmp_path, db, kills_each=2, minutes=0, seed=46)
     check(got, assets, kills_each=2)
 
