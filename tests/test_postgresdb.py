@@ -111,12 +111,16 @@ def _terminate(url: str, pid: int) -> None:
         other.close()
 
 
-def test_a_lost_connection_is_replaced_where_nothing_had_run(pg_url: str, tmp_path: Path) -> None:
+def _run_with_a_consumer(pg_url: str, tmp_path: Path) -> tuple[Coordinator, PostgresDatabase, Any]:
+    """A run on PostgreSQL, its connection and one registered consumer."""
     rd = RunDir(tmp_path / "run").create()
     co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=pg_url)
-    db = co.conn
-    assert isinstance(db, PostgresDatabase)
-    reg = co.register_consumer("a")
+    assert isinstance(co.conn, PostgresDatabase)
+    return co, co.conn, co.register_consumer("a")
+
+
+def test_a_lost_connection_is_replaced_where_nothing_had_run(pg_url: str, tmp_path: Path) -> None:
+    co, db, reg = _run_with_a_consumer(pg_url, tmp_path)
     _terminate(pg_url, db.raw.info.backend_pid)
     assert co.meta("next_token") == 1  # a read: reconnected, then answered
     _terminate(pg_url, db.raw.info.backend_pid)
@@ -140,11 +144,7 @@ def test_a_dropped_socket_psycopg_has_not_marked_broken_is_replaced_too(
     fails with a client-side "connection socket closed" (no SQLSTATE) before psycopg
     marks the connection broken (seen once in a full suite run). Nothing had run: the
     BEGIN is begun again on a new connection, as for a marked one."""
-    rd = RunDir(tmp_path / "run").create()
-    co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=pg_url)
-    db = co.conn
-    assert isinstance(db, PostgresDatabase)
-    reg = co.register_consumer("a")
+    co, db, reg = _run_with_a_consumer(pg_url, tmp_path)
     _terminate(pg_url, db.raw.info.backend_pid)
     # the connection as psycopg may still describe it: neither closed nor broken
     monkeypatch.setattr(type(db.raw), "broken", property(lambda self: False))
