@@ -47,6 +47,15 @@ cmd=${1:-help}; shift || true
 case "$cmd" in
   demo) exec "$VENV/bin/fanout" demo "$@" ;;
   test)
+    # tests/test_hosts.py: a run dir over sshfs needs sshfs and sshd. Best effort, as
+    # root with apt only (skipped and said by those tests otherwise).
+    if ! { command -v sshfs && [ -x /usr/sbin/sshd ]; } >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+      && command -v apt-get >/dev/null; then
+      echo "dev.sh: installing sshfs and openssh-server for tests/test_hosts.py …" >&2
+      { DEBIAN_FRONTEND=noninteractive apt-get install -y sshfs openssh-server \
+        || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y sshfs openssh-server; }; } \
+        >/dev/null 2>&1 || echo "dev.sh: sshfs/sshd not installed: the hosts tests will skip" >&2
+    fi
     # --loaded: the suite beside one busy-looping process per core, as a shared machine
     # runs it (a test that passes only idle is a bug); the hogs end with the run.
     if [ "${1:-}" = --loaded ]; then

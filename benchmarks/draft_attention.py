@@ -45,7 +45,6 @@ sizes; rows `draft_attention.time_vs_speculators.<name>`,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import subprocess
@@ -58,7 +57,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families import _adamw, _speculators, _timed, spec_model, step_batches, step_rows
+from families import Peak, _adamw, _speculators, _timed, spec_model, step_batches, step_rows
 from fanout import package_version
 from fanout.families.registry import FAMILIES
 from record import Recorder, Row
@@ -111,36 +110,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ one side (a subprocess)
-
-
-def _status_mb(key: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-class Peak:
-    """Peak memory of what runs between `start()` and `stop()`, above the level at start."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated() / 2**20
-        else:
-            with contextlib.suppress(OSError):  # resets VmHWM to VmRSS (Linux >= 4.0)
-                Path("/proc/self/clear_refs").write_text("5")
-            self.base = _status_mb("VmRSS")
-
-    def stop(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() / 2**20 - self.base
-        return _status_mb("VmHWM") - self.base
 
 
 def _verifier(a: argparse.Namespace) -> Path:
@@ -234,7 +203,7 @@ def _speculators_side(
 ) -> tuple[Any, torch.optim.Optimizer]:
     """speculators' model of `draft`'s checkpoint and its forward, as benchmarks/families.py
     builds them (`spec_model`, `step_batches`), with `--spec-attention`."""
-    from fanout.train.checkpoint import save_checkpoint
+    from fanout.checkpoints.save import save_checkpoint
 
     spec = _speculators()
     assert spec is not None, "speculators is not installed (scripts/install_speculators.sh)"

@@ -62,9 +62,10 @@ from typing import Any
 import torch
 
 from fanout.bench.assets import MASK_TOKEN, build_tokenizer, build_verifier, write_jsonl
+from fanout.checkpoints.layout import MARKER, committed_checkpoints
+from fanout.checkpoints.load import load_draft
 from fanout.decode.config import EvalConfig
 from fanout.decode.eval import EvalSession
-from fanout.families.serving import MARKER, committed_checkpoints, load_draft
 from fanout.flags import to_flags
 from fanout.produce.config import ProducerConfig
 from fanout.regen.regenerate import RegenerateConfig, regenerate

@@ -452,10 +452,10 @@ class _Wrapped:
 def drafting_contexts(wrap: Any) -> Iterator[None]:
     """Within: every drafting context `fanout eval` makes — whatever family made it,
     through the one seam it is made by (`Family.drafting_context`, reached through
-    `family_of` in fanout.decode.eval) — is `wrap(context, draft)`."""
+    `family_of_draft` in fanout.decode.eval) — is `wrap(context, draft)`."""
     import fanout.decode.eval as ev
 
-    saved = ev.family_of
+    saved = ev.family_of_draft
 
     class Seam:
         def __init__(self, fam: Any) -> None:
@@ -467,11 +467,11 @@ def drafting_contexts(wrap: Any) -> Iterator[None]:
         def drafting_context(self, draft: DFlashDraft, **kw: Any) -> Any:
             return wrap(self.fam.drafting_context(draft, **kw), draft)
 
-    ev.family_of = lambda draft: Seam(saved(draft))  # type: ignore[assignment, return-value]
+    ev.family_of_draft = lambda draft: Seam(saved(draft))  # type: ignore[assignment, return-value]
     try:
         yield
     finally:
-        ev.family_of = saved
+        ev.family_of_draft = saved
 
 
 def _key(draft: DFlashDraft, seq: list[int]) -> tuple:

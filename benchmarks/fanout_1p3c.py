@@ -44,11 +44,11 @@ def rows(rep: dict[str, Any], config: str) -> list[Row]:
                        result=rep["captures_per_window_1p3c"], goal="1.0",
                        met=rep["captures_per_window_1p3c"] == 1.0,
                        conditions=f"unshared {rep['captures_per_window_unshared']}; {size}"))  # fmt: skip
-    if rep.get("peak_live_windows") is not None:
+    if rep.get("peak_ready_windows") is not None:
         k = rep["max_live_windows"]
-        out.append(Row(stage="fan-out", name="peak_live_windows",
-                       what="peak live windows on disk, 1P3C", result=rep["peak_live_windows"],
-                       goal=f"<= K = {k}", met=rep["peak_live_windows"] <= k, conditions=size))  # fmt: skip
+        out.append(Row(stage="fan-out", name="peak_ready_windows",
+                       what="peak ready windows on disk, 1P3C", result=rep["peak_ready_windows"],
+                       goal=f"<= K = {k}", met=rep["peak_ready_windows"] <= k, conditions=size))  # fmt: skip
     return out
 
 

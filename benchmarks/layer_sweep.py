@@ -48,6 +48,7 @@ from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))  # window_files (imported where used: it loads torch)
 from record import Recorder, Row  # noqa: E402  (a sibling script)
 
 DEFAULT_SETS = "1,4,7 2,5 1,2,3,4,5,6,7"
@@ -223,6 +224,7 @@ def bytes_read(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict
     from fanout.store.store import RunDir, Store
     from fanout.store.windowfile import HIDDEN, WindowReader, hidden_name
     from fanout.train.consumer import ConsumerConfig, ConsumerStream
+    from window_files import tensor_byte_range, window_names
 
     cfg = _bench_config(a, sets)
     assets = resolve_assets(cfg.assets, work)
@@ -248,11 +250,11 @@ def bytes_read(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict
     )
     Producer(pcfg).run()
     store = Store(RunDir(run))
-    files = [store.path(n) for n in store.list_windows()]
+    files = [store.path(n) for n in window_names(store)]
     ranges: dict[Path, dict[str, tuple[int, int]]] = {}
     for f in files:
         with WindowReader(f, verify=False) as r:
-            ranges[f] = {k: r.byte_range(k) for k in r.names()}
+            ranges[f] = {k: tensor_byte_range(f, k) for k in r.names()}
     hidden_total = sum(
         b - a_ for f in files for k, (a_, b) in ranges[f].items() if k.startswith(HIDDEN + ".")
     )

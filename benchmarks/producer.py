@@ -16,8 +16,13 @@ with the Qwen3 tokenizer (cached, not timed); then
 `producer_vs_forward` = producer tokens/s ÷ forward tokens/s (goal ≥ 0.9). Tokens
 are row tokens (R·T per window, padding included) on both sides. The producer's
 own split (capture vs publish seconds) says where its time goes.
+`check_vs_capture`: what the capture check (fanout.produce.capture_check) costs, as a
+share of the producer's capture seconds in the same run (goal ≤ 2 %): the hooks'
+`token_stats` of every captured layer output ([B, T, H] at the compute dtype, on the
+verifier's device) into its stats buffer, plus `check_window` on each window's stats,
+timed alone over the same windows.
 
-Tensor parallelism (`--tp N`, under torchrun; fanout.produce.tp):
+Tensor parallelism (`--tp N`, under torchrun; fanout.produce.tp_capture):
 
     torchrun --nproc-per-node 2 benchmarks/producer.py --tp 2 --json /tmp/tp.json
 
@@ -50,7 +55,9 @@ from typing import Any
 import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
-from fanout.model.verifier import packed_attention_mask
+from fanout.model.layer_types import FULL, PackingRule
+from fanout.model.verifier import token_stats
+from fanout.produce.capture_check import check_window
 from fanout.produce.config import ProducerConfig
 from fanout.produce.producer import Producer
 from fanout.produce.stream import stream_rows
@@ -58,7 +65,9 @@ from fanout.produce.stream import stream_rows
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
 from record import Recorder, Row, spread  # noqa: E402  (a sibling script)
+from window_files import window_names  # noqa: E402  (the tests' helper: fanout needs none)
 
 
 def _sync(dev: torch.device) -> None:
@@ -88,7 +97,7 @@ def forward_loop(p: Producer, windows: int) -> tuple[float, int]:
     def run(bs: list[tuple[torch.Tensor, ...]]) -> None:
         for ids, pos, doc in bs:
             ids, pos, doc = ids.to(dev, torch.long), pos.to(dev, torch.long), doc.to(dev)
-            mask = packed_attention_mask(doc)  # [B, 1, T, T]
+            mask = PackingRule((FULL,)).masks(doc, doc)  # [B, 1, T, T]: full attention
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
             out.logits[:, -1, :1].cpu()  # wait for it, as a consumer of the logits would
 
@@ -98,6 +107,33 @@ def forward_loop(p: Producer, windows: int) -> tuple[float, int]:
     run(batches)
     _sync(dev)
     return time.perf_counter() - t0, tokens
+
+
+def check_cost(p: Producer, windows: int) -> float:
+    """Seconds the capture check takes over the producer's first `windows` windows (see
+    the module doc): per batch and captured layer `token_stats` into a stats buffer, per
+    window `check_window`; layer outputs are random at the verifier's dtype and device."""
+    cfg, v = p.cfg, p.verifier
+    n, b, dev = len(v.capture_layer_ids), cfg.capture_batch_rows, v.device
+    x = torch.randn(b, cfg.seq_len, v.hidden_size, dtype=v.dtype, device=dev)  # [B, T, H]
+    seconds = 0.0
+    for w in range(windows):
+        idx, _ = stream_rows(w, cfg.window_rows, p.dataset.num_rows, cfg.epochs, cfg.seed)
+        rows = p.dataset.rows(idx)
+        docs = torch.from_numpy(rows["document_ids"]).long()  # [R, T]
+        targets = torch.from_numpy(rows["input_ids"]).long()  # [R, T]: ids that vary
+        r = docs.shape[0]
+        stats = torch.empty(n, r, cfg.seq_len, 3, dtype=torch.float32, device=dev)
+        _sync(dev)
+        t0 = time.perf_counter()
+        for s in range(0, r, b):
+            for j in range(n):
+                k = min(b, r - s)
+                stats[j, s : s + k].copy_(token_stats(x[:k]))
+        host = stats.cpu()
+        check_window(host, docs, targets, v.capture_layer_ids)
+        seconds += time.perf_counter() - t0
+    return seconds
 
 
 @contextmanager
@@ -197,6 +233,7 @@ def main() -> None:
     rec = Recorder("producer")
     fwds: list[float] = []
     prods: list[float] = []
+    checks: list[float] = []  # capture check seconds ÷ the run's capture seconds
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         ver = _verifier(a, tmp)
         for i in range(a.repeats):  # forward, then producer, `--repeats` times
@@ -213,8 +250,10 @@ def main() -> None:
                 _sync(p.verifier.device)
                 t_prod = time.perf_counter() - t0
             assert summary["windows"] == a.windows, summary
+            assert summary["bad_captures"] == 0, summary
             fwds.append(t_fwd)
             prods.append(t_prod)
+            checks.append(check_cost(p, a.windows) / summary["capture_s"])
         t_fwd, t_prod = statistics.median(fwds), statistics.median(prods)
         dev = p.verifier.device
         hw = (
@@ -249,6 +288,8 @@ def main() -> None:
             "producer_vs_forward": t_fwd / t_prod,
             "producer_capture_s": summary["capture_s"],
             "producer_publish_s": summary["publish_s"],
+            "check_vs_capture": statistics.median(checks),
+            "check_vs_capture_all": checks,
         }
     print(f"hardware: {res['hardware']}, torch {res['torch']}")
     print(f"sizes:    {res['sizes']}")
@@ -261,8 +302,9 @@ def main() -> None:
         f"producer split: capture {res['producer_capture_s']:.3f} s, publish {res['producer_publish_s']:.3f} s"
     )
     print(f"producer_vs_forward = {res['producer_vs_forward']:.3f}  (goal >= 0.9)")
+    print(f"check_vs_capture = {100 * res['check_vs_capture']:.2f} %  (goal <= 2 %)")
     if a.profile is None:  # profiled numbers are inflated: never a record
-        rec.write(a.json, [_row(res, dev.type)], raw=res)
+        rec.write(a.json, [_row(res, dev.type), _check_row(res, dev.type)], raw=res)
 
 
 def _sizes(res: dict[str, Any], device: str) -> str:
@@ -280,6 +322,15 @@ def _row(res: dict[str, Any], device: str) -> Row:
                n=res["repeats"], goal=">= 0.9", met=res["producer_vs_forward"] >= 0.9,
                conditions=f"{_sizes(res, device)}; {res['tokens_per_s']:,.0f} tok/s, "
                f"{res['bytes_per_s'] / 1e6:,.1f} MB/s written")  # fmt: skip
+
+
+def _check_row(res: dict[str, Any], device: str) -> Row:
+    share = res["check_vs_capture"]
+    return Row(stage="producer", name="check_vs_capture",
+               what="capture check's cost, share of capture time",
+               result=100 * share, unit="%", spread=spread([100 * c for c in res["check_vs_capture_all"]]),
+               n=res["repeats"], goal="<= 2 %", met=share <= 0.02,
+               conditions=_sizes(res, device))  # fmt: skip
 
 
 def _timed_run(p: Producer) -> tuple[float, dict[str, Any]]:
@@ -301,7 +352,7 @@ def _match(a: Path, b: Path) -> dict[str, Any]:
 
     sa, sb = Store(RunDir(a)), Store(RunDir(b))
     worst, ok, windows = 0.0, True, 0
-    for na, nb in zip(sa.list_windows(), sb.list_windows(), strict=True):
+    for na, nb in zip(window_names(sa), window_names(sb), strict=True):
         with sa.open(na) as ra, sb.open(nb) as rb:
             windows += 1
             ok &= ra.meta.window == rb.meta.window and ra.names() == rb.names()
@@ -323,7 +374,7 @@ def tp_main(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from fanout.model.verifier import load_verifier
-    from fanout.produce.tp import Leader, follow, start_process_group
+    from fanout.produce.tp_capture import Leader, follow, start_process_group
 
     rank, control = start_process_group(a.device, timeout_s=3600)  # rank 0 runs TP 1 alone
     rec = Recorder("producer", launcher=f"torchrun --nproc-per-node {a.tp}")

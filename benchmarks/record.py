@@ -130,17 +130,21 @@ class Recorder:
         rows: Sequence[Row],
         raw: Any = None,
         plots: Sequence[dict[str, Any]] = (),
+        notes: Sequence[str] = (),
     ) -> dict[str, Any]:
         """The whole record (load after taken now); written to `path` unless it is None.
         `plots`: what report.py draws (see its `write_plots`): {name, stage, title, kind:
         "line" with series {label: [[x, y], ...]}, or "bar" with bars [{label, y,
-        interval}], xlabel, ylabel}."""
+        interval}], xlabel, ylabel}. `notes`: paragraphs docs/numbers.md prints under
+        the run's line (made by the benchmark from what it measured, never typed)."""
         rec = self.head | {
             "load": self.head["load"] | {"after": _load()},
             "rows": [dataclasses.asdict(r) for r in rows],
             "plots": list(plots),
             "raw": raw,
         }
+        if notes:
+            rec["notes"] = list(notes)
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(rec, indent=2, default=str) + "\n")

@@ -130,10 +130,32 @@ def _hardware(rec: dict[str, Any]) -> str:
     hw = rec.get("hardware") or {}
     if not isinstance(hw, dict):
         return str(hw)
-    parts = [str(hw.get("cpu", "?")), f"{hw.get('usable_cpus') or hw.get('logical_cpus')} CPUs"]
+    parts = [
+        f"{machine(rec)} ({_vector(hw)})",
+        f"{hw.get('usable_cpus') or hw.get('logical_cpus')} CPUs",
+    ]
     if hw.get("gpus"):
         parts.append(", ".join(hw["gpus"]))
     return ", ".join(parts)
+
+
+def machine(rec: dict[str, Any]) -> str:
+    """The CPU model a record ran on (every figure of docs/numbers.md names it: a
+    figure measured on one CPU kind is not one of another's)."""
+    hw = rec.get("hardware")
+    return str(hw.get("cpu") or "?") if isinstance(hw, dict) else str(hw or "?")
+
+
+def _vector(hw: dict[str, Any]) -> str:
+    """Its vector extensions and torch's CPU kernels, as the record has them (records
+    written before issue #56 do not)."""
+    flags = hw.get("cpu_vector_extensions")
+    if flags is None:
+        return "vector extensions not recorded"
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    amx = "AMX" if any(f.startswith("amx") for f in flags) else "no AMX"
+    cap = hw.get("torch_cpu_capability")
+    return f"{simd}, {amx}" + (f"; torch {hw.get('torch')} kernels {cap}" if cap else "")
 
 
 def _load(rec: dict[str, Any]) -> str:
@@ -201,9 +223,15 @@ def numbers_md(records: list[tuple[str, dict[str, Any]]]) -> str:
             for r in rows:
                 lines.append(
                     f"| {_cell(r['what'])} | {_cell(result_cell(r))} | {_cell(goal_cell(r))} "
-                    f"| {_cell(r.get('conditions') or '')} | [{len(sources)}] |"
+                    f"| {_cell(r.get('conditions') or '')} | [{len(sources)}] "
+                    f"{_cell(machine(rec))} |"
                 )
         lines += ["", *(source_line(i, f, rec) for i, (f, rec) in enumerate(sources, 1)), ""]
+        for i, (fname, rec) in enumerate(sources, 1):  # notes: under the record's first stage
+            first = min((r["stage"] for r in rec["rows"]), key=stage_order)
+            if rec.get("notes") and stage == first:
+                lines += [f"Notes on [{i}] (`benchmarks/results/{fname}`):", ""]
+                lines += [x for note in rec["notes"] for x in (str(note), "")]
         for fname, rec, p in plots:
             if p.get("stage") == stage:
                 lines += [f"![{p['title']}](numbers/{plot_name(rec, p)})", "",

@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
-from fanout.model.verifier import Verifier, load_verifier, packed_attention_mask
+from fanout.model.layer_types import FULL, PackingRule
+from fanout.model.verifier import Verifier, load_verifier
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from record import Recorder, Row
@@ -94,7 +95,7 @@ def main() -> None:
 
     @torch.inference_mode()
     def forward() -> None:
-        mask = packed_attention_mask(doc)
+        mask = PackingRule((FULL,)).masks(doc, doc)  # [B, 1, T, T]: full attention
         out = v.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         assert out.logits.shape[-1] == a.vocab  # the full [B, T, vocab] logits exist
 

@@ -29,10 +29,10 @@ from fanout.cli import build_parser
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.postgresdb import parse_url
-from fanout.coord.status import snapshot
 from fanout.errors import ConfigError
 from fanout.produce import producer
 from fanout.produce.config import ProducerConfig
+from fanout.status.snapshot import snapshot
 from fanout.store.store import Published, RunDir, window_name
 from fanout.train import trainer
 from fanout.train.config import TrainConfig
@@ -211,7 +211,7 @@ def test_metrics_and_probe_read_the_coordinator_on_either_database(
     probe = _coordinator_probe([root])
     assert probe() == {}  # not created yet
     _shared_run(root, db, windows=3)
-    assert probe() == {str(root): {"ready_windows": 0, "live_bytes": 0, "produced": 3}}
+    assert probe() == {str(root): {"ready_windows": 0, "ready_bytes": 0, "produced": 3}}
     spec = ConsumerSpec(id="b4")
     roles = [
         Role("producer", "producer", [], tmp_path / "p.log", root, "cpu", rc=0),
@@ -224,7 +224,7 @@ def test_metrics_and_probe_read_the_coordinator_on_either_database(
     assert m["valid"], m["reasons"]
     assert (m["unique_windows"], m["captures"], m["captures_per_window"]) == (3, 3, 1.0)
     assert m["producers"]["producer"]["produced_windows"] == 3
-    assert m["peak_live_windows"] >= 1 and m["peak_live_bytes"] >= 100
+    assert m["peak_ready_windows"] >= 1 and m["peak_ready_bytes"] >= 100
     assert m["consumers"]["b4"]["windows_acked"] == 3 and m["consumers"]["b4"]["steps"] == 3
     assert m["aggregate"]["rows_per_s"] > 0
 
@@ -234,7 +234,7 @@ def test_a_run_with_replicas_reports_a_row_per_replica_and_their_total(tmp_path:
     per replica (its own windows and windows/s, from its summary) and one for both
     (windows/s summed, the stream's windows, captures per window)."""
     from fanout.bench.report import producers_markdown
-    from fanout.coord.leases import ProducerPlan
+    from fanout.coord.grants import ProducerPlan
 
     root = tmp_path / "1p1c" / "run"
     rd = RunDir(root).create()
@@ -335,7 +335,7 @@ def _check_valid_report(rep: dict[str, Any], out: Path) -> None:
     assert rep["captures_per_window_1p3c"] == 1.0
     assert rep["captures_per_window_unshared"] == 3.0
     assert rep["scenarios"]["1p1c"]["captures_per_window"] == 1.0
-    assert rep["peak_live_windows"] <= rep["max_live_windows"]
+    assert rep["peak_ready_windows"] <= rep["max_live_windows"]
     assert rep["aggregate_speedup_vs_unshared"] and rep["aggregate_speedup_vs_unshared"] > 0
     sc = rep["scenarios"]["1p3c"]
     windows = sc["unique_windows"]

@@ -10,9 +10,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fanout.data.cache import PackedDataset, ShardWriter
-from fanout.errors import StorageError
+from fanout.errors import CorruptPreparedData, CorruptWindow, StorageError
 from fanout.filesystem import FileSystem
 from fanout.rows import PACKED_ROW
 from faults import after_rename, fail_each_call
@@ -48,3 +49,21 @@ def test_a_failed_shard_write_leaves_no_entry(tmp_path: Path) -> None:
 
     ds, failures = fail_each_call(build, check)
     assert ds.num_rows == 5 and failures > 10
+
+
+def test_a_damaged_entry_is_named_a_prepared_dataset_not_a_window(tmp_path: Path) -> None:
+    """A truncated shard or a missing manifest raises CorruptPreparedData naming the file,
+    never CorruptWindow: that one means a window file, which a trainer reports to the
+    coordinator to have it recaptured (fanout.train.consumer)."""
+    w = ShardWriter(tmp_path / "ds", 8, rows_per_shard=2)
+    rows = np.arange(40, dtype=np.int32).reshape(5, 8)
+    w.write({k: rows.astype(np.uint8 if k == "loss_mask" else np.int32) for k in PACKED_ROW})
+    w.commit({"fingerprint": "f", "tokenizer_fingerprint": "t", "pad_token_id": 0, "summary": {}})
+    shard = tmp_path / "ds" / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:4])
+    with pytest.raises(CorruptPreparedData, match="truncated header") as e:
+        PackedDataset(tmp_path / "ds")
+    assert not isinstance(e.value, CorruptWindow) and str(shard) in str(e.value)
+    (tmp_path / "ds" / "manifest.json").unlink()
+    with pytest.raises(CorruptPreparedData, match=r"no manifest\.json"):
+        PackedDataset(tmp_path / "ds")

@@ -12,17 +12,15 @@ import torch
 from safetensors import safe_open
 
 from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.checkpoints.format import FORMAT_VERSION
+from fanout.checkpoints.layout import MARKER, latest_checkpoint
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.save import save_checkpoint
+from fanout.checkpoints.upgrade import upgrade_checkpoint
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.dflash.model import DFlashDraft
-from fanout.families.serving import (
-    FORMAT_VERSION,
-    MARKER,
-    latest_checkpoint,
-    load_draft,
-    upgrade_checkpoint,
-)
 from fanout.ops.adamw import ClippedAdamW, make_optimizer
-from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from faults import Recording, after_rename, fail_each_call
 
 
@@ -171,6 +169,22 @@ def test_keep_two_and_uncommitted_is_ignored(verifier_dir: Path, tmp_path: Path)
     with pytest.raises(ConfigError, match="not a committed"):
         load_checkpoint(tmp_path / "checkpoint-00000004", d, opt)
     assert latest_checkpoint(tmp_path / "nope") is None
+
+
+def test_pruning_never_deletes_the_checkpoint_just_written(
+    verifier_dir: Path, tmp_path: Path
+) -> None:
+    """Pruning keeps the newest `keep` by step name; a checkpoint of a lower step written
+    beside higher ones (a trainer started from 0 on a used save path) was deleted the
+    moment it was committed. It stays, and so do the newest `keep - 1` others."""
+    d = _draft(verifier_dir)
+    opt, _ = make_optimizer(d.parameters(), lr=1e-3)
+    for s in (8, 12):
+        save_checkpoint(tmp_path, d, opt, {"step": s})
+    path = save_checkpoint(tmp_path, d, opt, {"step": 6})
+    assert (path / MARKER).is_file(), "the checkpoint just written was pruned"
+    names = sorted(p.name for p in tmp_path.glob("checkpoint-*"))
+    assert names == ["checkpoint-00000006", "checkpoint-00000012"]
 
 
 def test_load_refuses_other_shape(verifier_dir: Path, tmp_path: Path) -> None:

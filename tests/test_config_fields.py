@@ -29,10 +29,8 @@ from pydantic.fields import FieldInfo
 from fanout import cli
 from fanout.bench import demo as demo_mod
 from fanout.bench.demo import DemoConfig
-from fanout.coord import status as status_mod
 from fanout.coord.heartbeat import HeartbeatOptions
 from fanout.coord.retention import RunConfig, RunOptions
-from fanout.coord.status import DetachConfig, RunDirOptions, StatusConfig, SweepConfig
 from fanout.data import prepare as prepare_mod
 from fanout.data.chat import ChatFormat, ReadOptions
 from fanout.data.prepare import DataOptions, PrepareConfig
@@ -57,6 +55,8 @@ from fanout.produce.config import ProducerConfig
 from fanout.regen import regenerate as regen_mod
 from fanout.regen.engine import RegenOptions
 from fanout.regen.regenerate import RegenerateConfig
+from fanout.status import commands as status_mod
+from fanout.status.commands import DetachConfig, RunDirOptions, StatusConfig, SweepConfig
 from fanout.train import trainer as train_mod
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions

@@ -33,6 +33,7 @@ from fanout.store.windowfile import hidden_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.train.trainlog import read_train_log
 from tiny_run import RECORDER, build_tiny_assets, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
+from window_files import window_names
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -64,7 +65,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
     p.run()
     store = Store(RunDir(root / "run"))
     rows = []
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r:
             rows.append(r.rows)
     (root / "recorder.py").write_text(RECORDER)

@@ -7,6 +7,7 @@ lag policies, liveness on an injected clock, corrupt windows, schema, filesystem
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -21,8 +22,8 @@ from fanout.cli import main as cli_main
 from fanout.contract import CaptureContract
 from fanout.coord import retention, schema, sqlitedb, waits
 from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.grants import Claim, ProducerReg
 from fanout.coord.heartbeat import Heartbeat
-from fanout.coord.leases import Claim, ProducerReg
 from fanout.coord.liveness import Reclaimer
 from fanout.errors import (
     AcquireCancelled,
@@ -38,6 +39,7 @@ from fanout.errors import (
     UnsupportedFilesystem,
 )
 from fanout.store.store import Published, RunDir, Store, WindowMeta, window_name
+from window_files import window_names
 
 
 def make_contract(**kw: object) -> CaptureContract:
@@ -93,7 +95,7 @@ def publish(co: Coordinator, store: Store, c: CaptureContract, cl: Claim) -> Cla
 
 
 def files(store: Store) -> list[str]:
-    return store.list_windows()
+    return window_names(store)
 
 
 # ---- transactions, schema, filesystems -------------------------------------------------
@@ -710,7 +712,8 @@ def test_every_recapture_is_counted_and_logged_once(
     import re
     from collections import Counter
 
-    from fanout.coord.status import format_table, snapshot
+    from fanout.status.snapshot import snapshot
+    from fanout.status.table import format_table
 
     total = 90
     co, store, c = new_run(
@@ -885,6 +888,41 @@ def test_reclaimer_forgets_what_it_saw_while_not_watching() -> None:
     assert rec.observe([("a", 1, 5), ("b", 2, 0)], exclude=["a"]) == []
 
 
+def test_a_heartbeat_that_cannot_connect_keeps_trying_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The heartbeat thread opened its connection outside its error handling: one
+    failed connect (a database under 256 clients) killed the thread with a traceback,
+    `check()` stayed silent and the process beat nothing until it was declared lost.
+    Now it says so and tries again."""
+    from fanout.coord import heartbeat
+    from fanout.errors import CoordinatorUnavailable
+
+    co, _, _ = new_run(tmp_path)
+    reg = co.register_consumer("a")
+    real = heartbeat.Coordinator.open
+    fails = [2]
+
+    def flaky(*a: Any, **kw: Any) -> Coordinator:
+        if fails[0] > 0:
+            fails[0] -= 1
+            raise CoordinatorUnavailable("connection refused (injected)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(heartbeat.Coordinator, "open", flaky)
+    with (
+        caplog.at_level(logging.WARNING, logger="fanout"),
+        Heartbeat(tmp_path / "run", reg, interval_s=0.01) as hb,
+    ):
+        for _ in range(500):
+            if hb.beats >= 2:
+                break
+            co.run.wait_change(None, 0.01)
+        assert hb.beats >= 2 and hb._thread.is_alive()
+        hb.check()  # no error: the connect failures were transient
+    assert any("cannot reach the coordinator" in r.getMessage() for r in caplog.records)
+
+
 def test_heartbeat_thread_beats_and_reports_fencing(db: str | None, tmp_path: Path) -> None:
     co, _, _ = new_run(tmp_path, db)
     reg = co.register_consumer("a")
@@ -920,7 +958,7 @@ def test_status_json_and_sweep_cli(
     run = str(tmp_path / "run")
     assert cli_main(["status", "--run-dir", run, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["windows"]["ready"] == 2 and s["live_bytes"] > 0
+    assert s["windows"]["ready"] == 2 and s["ready_bytes"] > 0
     assert s["high_water"]["windows"] == 2
     assert s["consumers"][0]["id"] == "a:dp0" and s["consumers"][0]["lag_windows"] == 2
     assert s["leases"][0]["window"] == 0

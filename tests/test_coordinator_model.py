@@ -38,7 +38,7 @@ from hypothesis.stateful import (
 from fanout.contract import CaptureContract
 from fanout.coord import retention
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.leases import Claim, ConsumerReg, Lease, ProducerPlan, ProducerReg
+from fanout.coord.grants import Claim, ConsumerReg, Lease, ProducerPlan, ProducerReg
 from fanout.errors import AcquireTimeout, StaleLease
 from fanout.store.store import Published, RunDir, window_name
 

@@ -185,12 +185,9 @@ def _section(text: str, heading: str) -> str:
     return body[: stop.start()] if stop else body
 
 
-def test_importing_a_folder_never_imports_torch_but_model_ops_and_the_family_folders() -> None:
-    """docs/architecture.md: importing a folder is free; `fanout status` and the data
-    workers never pay for torch. Each folder imported alone, in a fresh interpreter."""
-    allowed = {"fanout.model", "fanout.ops"} | {
-        f"fanout.families.{p.name}" for p in (SRC / "families").iterdir() if (p / "__init__.py").is_file()
-    }  # fmt: skip
+def _folders_whose_import_pulls_torch() -> list[str]:
+    """Every package under fanout, each imported alone in a fresh interpreter: the ones
+    after whose import `torch` is in `sys.modules`, as folder paths (`ops/`)."""
     names = ["fanout"] + [
         m.name for m in pkgutil.walk_packages(fanout.__path__, "fanout.") if m.ispkg
     ]
@@ -198,15 +195,23 @@ def test_importing_a_folder_never_imports_torch_but_model_ops_and_the_family_fol
     code += "    importlib.import_module(n)\n    print(n, 'torch' in sys.modules)\n"
     pulled = []
     for name in names:
-        if name in allowed:
-            continue
         out = subprocess.run([sys.executable, "-c", code, name], capture_output=True,
                              text=True, check=True).stdout.split()  # fmt: skip
         if out[-1] == "True":
-            pulled.append(name)
-    assert pulled == [], f"importing {pulled} imports torch"
+            pulled.append(name.removeprefix("fanout.").replace(".", "/") + "/")
+    return sorted(pulled)
+
+
+def test_the_folders_whose_import_pulls_torch_are_the_ones_the_architecture_page_names() -> None:
+    """docs/architecture.md: importing a folder is free but for the folders it names;
+    `fanout status` and the data workers never pay for torch. The claim is read from the
+    page and compared with a real import of every package, so a folder that starts (or
+    stops) importing torch fails here until the page says so."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    assert "no `__init__` imports torch except `model/`, `ops/` and each family's folder" in text
+    claim = re.search(r"no `__init__` imports torch except ((?:`[a-z_/]+`(?:, | and )?)+)", text)
+    assert claim, "docs/architecture.md lost its sentence on which folders import torch"
+    named = sorted(re.findall(r"`([a-z_/]+)`", claim.group(1)))
+    assert _folders_whose_import_pulls_torch() == named
 
 
 def test_each_folder_docstring_says_what_it_may_import_and_it_imports_no_more() -> None:
@@ -242,17 +247,35 @@ def test_each_folder_docstring_says_what_it_may_import_and_it_imports_no_more() 
     assert bad == []
 
 
+def _scripts_docs() -> Any:
+    """scripts/docs.py, the docs' block generator, as a module."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return importlib.import_module("docs")
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+
+
 def test_the_docs_list_each_command_configs_make_up_as_the_classes_have_it() -> None:
     """README and docs/architecture.md carry the block scripts/docs.py generates from the
     config classes' bases (ProducerConfig's eight components, ...)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        docs = importlib.import_module("docs")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    docs = _scripts_docs()
     block = docs.block()
     assert "`ProducerConfig` = `DataOptions` (with `ChatFormat`, `ReadOptions`)" in block
     for path in docs.DOCS:
+        assert block in path.read_text(), f"{path}: stale; run python scripts/docs.py"
+
+
+def test_each_document_lists_the_families_once_from_the_registry() -> None:
+    """#54: families were listed in 15 places across 9 files, 3 of them stale. README and
+    docs/training.md carry the block scripts/docs.py generates from the registry, with a
+    row per registered family; a family added to FAMILY_FOLDERS makes it stale."""
+    from fanout.families.registry import FAMILY_FOLDERS
+
+    docs = _scripts_docs()
+    block = docs.families_block()
+    assert [f"| `{f}` |" in block for f in FAMILY_FOLDERS] == [True] * len(FAMILY_FOLDERS)
+    for path in (REPO / "README.md", REPO / "docs" / "training.md"):
         assert block in path.read_text(), f"{path}: stale; run python scripts/docs.py"
 
 
@@ -384,8 +407,6 @@ NOT_IMPORTABLE = {
     ("architecture.md", "fanout.checkpoint"): "module path before the 2026-12 layout",
     ("architecture.md", "fanout.assets"): "module path before the 2026-12 layout",
     ("architecture.md", "fanout.telemetry"): "module path before the 2026-12 layout",
-    # a key path inside a checkpoint's config.json, not a Python name
-    ("training.md", "fanout.draft_config.target_layer_ids"): "config.json key path",
 }
 
 
@@ -519,3 +540,91 @@ def test_the_readme_and_pyproject_name_every_draft_family() -> None:
         words = re.findall(r"[A-Z]-[A-Z]{2,}|[A-Za-z]+(?:-?\d+)?", text)
         named = {w.lower().replace("-", "") for w in words}
         assert set(FAMILIES) - named == set(), text
+
+
+# ---- issue 54: the reading guide ----------------------------------------------------------
+
+GUIDE_MAX_FILES = 6  # source files per question (issue 54: "answered from <= 6 source files")
+_FILE_SUFFIXES = {"py", "json", "jsonl", "md", "safetensors", "toml", "sqlite3", "lock"}
+
+
+def _guide() -> dict[str, str]:
+    """docs/architecture.md's "## Reading guide": question heading -> its text."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    parts = re.split(r"^### (.+)\n", _section(text, "## Reading guide"), flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts), 2)}
+
+
+def _guide_paths(body: str) -> tuple[list[str], list[str]]:
+    """(source files under src/fanout, other repository files) a question names, in
+    order, once each: `coord/claims.py` is a source file, `tests/...` one of the others."""
+    src: list[str] = []
+    other: list[str] = []
+    for p in re.findall(r"`((?:[\w<>.-]+/)*[\w<>-]+\.py)`", body):
+        ours = p.split("/")[0] in {*_packages(), "fanout"} or "/" not in p
+        (src if ours else other).append(p)
+    return list(dict.fromkeys(src)), list(dict.fromkeys(other))
+
+
+def _module_of(path: str) -> str:
+    """`families/dflash/__init__.py` -> fanout.families.dflash."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[0] == "fanout":
+        parts = parts[1:]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["fanout", *parts])
+
+
+def _pydantic_field(ref: str) -> tuple[object, object] | None:
+    """(the model class, the field) for `Model.field` naming a pydantic field (not a
+    class attribute, so `_lookup` misses it); None otherwise."""
+    owner, _, name = ref.rpartition(".")
+    found = _lookup(owner)
+    fields = getattr(found[1], "model_fields", None) if found else None
+    return (found[1], fields[name]) if found and fields and name in fields else None
+
+
+def _guide_name_resolves(ref: str, modules: list[str]) -> str | None:
+    """Where dotted name `ref` (`Claims.claim`, `retention.claimable`) lives among
+    `modules`, checked to be defined in the module that names it; None if nowhere."""
+    for mod in modules:
+        head, _, rest = ref.partition(".")
+        tries = [f"{mod}.{ref}"] + ([f"{mod}.{rest}"] if head == mod.rsplit(".", 1)[1] else [])
+        for full in tries:
+            found = _lookup(full) or _pydantic_field(full)
+            if found is None:
+                continue
+            owner, obj = found
+            defined = inspect.isclass(obj) or inspect.isfunction(obj)
+            if inspect.ismodule(owner) and defined and obj.__module__ != owner.__name__:
+                continue  # re-exported: named in the module that does not define it
+            return full
+    return None
+
+
+def test_the_reading_guide_answers_each_question_from_six_files_that_hold_its_names() -> None:
+    """#54: docs/architecture.md's reading guide: six questions, each naming at most six
+    source files that exist, and every `module.name` / `Class.method` it gives in
+    backticks resolves in one of the files its question names (so the files do hold the
+    answer, and a rename or move that breaks the guide fails here)."""
+    guide = _guide()
+    assert len(guide) == 6, list(guide)
+    bad = []
+    for question, body in guide.items():
+        src, other = _guide_paths(body)
+        assert 1 <= len(src) <= GUIDE_MAX_FILES, f"{question}: {len(src)} source files: {src}"
+        for p in src:
+            if not (SRC / p).is_file() and not (SRC.parent / p).is_file():
+                bad.append(f"{question}: {p} does not exist")
+        for p in other:
+            if not any(REPO.glob(re.sub(r"<[^>/]+>", "*", p))):
+                bad.append(f"{question}: {p} does not exist")
+        modules = [_module_of(p) for p in src]
+        for ref in dict.fromkeys(re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`", body)):
+            if ref.rsplit(".", 1)[1] in _FILE_SUFFIXES:
+                continue  # a file name (`config.json`), not a Python name
+            if _guide_name_resolves(ref, modules) is None:
+                bad.append(f"{question}: `{ref}` is in none of {src}")
+        assert "Read: " in body, f"{question}: no reading order"
+    assert bad == [], "\n".join(bad)

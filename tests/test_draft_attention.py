@@ -283,3 +283,83 @@ def test_every_family_trains_the_same_as_under_the_dense_mask(
     assert grads.keys() == ref_grads.keys() and grads
     for k, want in ref_grads.items():
         torch.testing.assert_close(grads[k], want, rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_a_causal_mask_of_more_steps_serves_the_first_ones(chunk: int) -> None:
+    """A `causal` mask of S steps used with the keys of s < S steps is the s-step mask:
+    the same dense mask, the same plan (cut from the S-step one: `first_keys`, no new
+    plan) and the dense answer."""
+    g = torch.Generator().manual_seed(8)
+    b, r, steps = 2, 70, 4
+    row_doc = _docs(b, r, g)
+    m = PrefixMask.causal(row_doc, steps)
+    for s in range(1, steps + 1):
+        own = PrefixMask.causal(row_doc, s)
+        assert torch.equal(m.dense(s * r), own.dense(s * r))
+        cut, fresh = m.plan(chunk, s * r), own.plan(chunk, s * r)
+        assert torch.equal(cut.q_index, fresh.q_index) and torch.equal(cut.k_index, fresh.k_index)
+        assert (cut.q_sizes, cut.k_sizes) == (fresh.q_sizes, fresh.k_sizes)
+        for got, want in zip(cut.masks, fresh.masks):
+            assert torch.equal(got, want)
+        for got, want in zip(cut.sdpa_masks(2, torch.float32), fresh.sdpa_masks(2, torch.float32)):
+            assert torch.equal(got, want)
+        _compare(m, r, s * r, chunk, seed=s)
+    with pytest.raises(ValueError, match="context keys"):
+        m.plan(chunk, r - 1)
+
+
+def test_eagle3_makes_one_plan_a_batch_for_all_its_steps(
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EAGLE-3's TTT steps share one mask and one chunk plan a batch (its unroll's,
+    `ChainDraft.start(.., steps)`), not one a step, and train exactly as when each step
+    made its own (issue #56: ≈ 0.15-0.3 s a step on CPU at T 3072)."""
+    from fanout.model.chain_draft import ChainDraft
+
+    made = []
+    make = draft_attention._make_plan
+
+    def counted(*args: object) -> object:
+        made.append(args)
+        return make(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(draft_attention, "_make_plan", counted)
+    torch.manual_seed(0)
+    draft = FAMILIES["eagle3"].build(verifier_dir, target_layer_ids=[1, 2, 3], num_layers=2,
+                                     block_size=4, loss_type="ce")  # fmt: skip
+    steps = draft.cfg.ttt_steps  # type: ignore[attr-defined]  # an Eagle3Config
+    assert steps >= 3
+    g = torch.Generator().manual_seed(1)
+    t, h = 50, 32
+    doc = torch.tensor([0] * 30 + [1] * 20)[None]
+    batch = {
+        HIDDEN_STATES: torch.randn(1, t, 3 * h, generator=g),
+        INPUT_IDS: torch.randint(0, 95, (1, t), generator=g),
+        TARGET_IDS: torch.randint(0, 95, (1, t), generator=g),
+        LOSS_MASK: torch.ones(1, t, dtype=torch.long),
+        DOCUMENT_IDS: doc,
+        POSITION_IDS: torch.arange(t)[None],
+        LAST_HIDDEN_STATES: torch.randn(1, t, h, generator=g),
+    }
+
+    def step() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        draft.zero_grad(set_to_none=True)
+        loss = draft.loss(batch, None).loss
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in draft.named_parameters()
+                               if p.grad is not None}  # fmt: skip
+
+    loss, grads = step()
+    assert len(made) == 1  # every step, every layer, forward and backward
+    start = ChainDraft.start
+    monkeypatch.setattr(
+        ChainDraft, "start", lambda self, hs, pos, doc, steps=1: start(self, hs, pos, doc)
+    )
+    made.clear()
+    ref_loss, ref_grads = step()  # a mask and a plan a step, as before
+    assert len(made) == steps
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+    assert grads.keys() == ref_grads.keys() and grads
+    for k, want in ref_grads.items():
+        torch.testing.assert_close(grads[k], want, rtol=1e-5, atol=1e-7, msg=k)

@@ -30,13 +30,14 @@ from typing import Any
 import pytest
 
 from fanout.bench.assets import generate_corpus
+from fanout.checkpoints.layout import latest_checkpoint
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.status import format_table, snapshot
 from fanout.coord.waits import WaitState
 from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, Detached
-from fanout.families.serving import latest_checkpoint
 from fanout.produce.backpressure import BlockedNotice
+from fanout.status.snapshot import snapshot
+from fanout.status.table import format_table
 from fanout.train.trainlog import read_train_log
 from test_coordinator import new_run, produce
 from test_roles import ENV, Cli, _row, _status, wait_for

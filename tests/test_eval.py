@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.eval import tau_interval
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, first_mismatch
@@ -29,7 +30,6 @@ from fanout.model.draft_config import DraftConfig
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import save_checkpoint
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
 
 EOS = 255
@@ -453,7 +453,7 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
 
 
 def test_layer_mismatch_is_named(chat_run: dict[str, Path], tmp_path: Path) -> None:
-    from fanout.families.serving import load_draft
+    from fanout.checkpoints.load import load_draft
 
     shallow = tiny_qwen3_verifier(tmp_path / "v2", 512, hidden_size=32, num_layers=2, head_dim=8)
     with pytest.raises(CheckpointError, match=r"decoder layers \[1, 2\]\) do not exist"):

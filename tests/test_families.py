@@ -25,13 +25,16 @@ import torch
 from safetensors.torch import load_file
 
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
+from fanout.checkpoints.format import read_config
+from fanout.checkpoints.layout import latest_checkpoint
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.save import save_checkpoint
 from fanout.cli import build_parser
 from fanout.errors import CheckpointError, ConfigError
-from fanout.families.registry import FAMILIES, family, family_of
-from fanout.families.serving import latest_checkpoint, load_draft, read_config
+from fanout.families.registry import FAMILIES, family, family_of_draft
 from fanout.produce.capture_for import capture_fields
 from fanout.produce.config import ProducerConfig
-from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.config import TrainConfig
 from fanout.train.trainer import config_from_args
 from fanout.train.trainlog import read_train_log
@@ -158,6 +161,53 @@ def test_capture_for_takes_the_union_and_the_tensors(tmp_path: Path) -> None:
         ProducerConfig(**base, capture_for=["dflash", "medusa"])
 
 
+def test_one_declaration_of_the_last_states_decides_capture_and_trainer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A family that declares it trains on the verifier's final hidden states (only
+    `needs_last_hidden_states`, nothing else) gets them captured by `--capture-for` and is
+    accepted by the trainer on that capture; a capture without them is refused with
+    advice that fixes it."""
+    from fanout.contract import CaptureContract
+    from fanout.families.dflash import DFlash
+    from fanout.train.setup import check_run
+
+    class Needy(DFlash):
+        def needs_last_hidden_states(self, recipe: Any) -> bool:
+            return True
+
+    monkeypatch.setitem(FAMILIES, "dflash", Needy())
+    ver = tiny_qwen3_verifier(tmp_path / "v", 64, hidden_size=32, num_layers=6)
+    base: dict[str, Any] = {
+        "run_dir": str(tmp_path / "r"), "verifier_name_or_path": str(ver), "data": ["d.jsonl"],
+    }  # fmt: skip
+    got = capture_fields(ProducerConfig(**base, capture_for=["dflash"]))
+    assert got == {"capture_layer_ids": [1, 2, 3], "store_last_hidden_states": True}
+
+    def contract(last: bool) -> CaptureContract:
+        return CaptureContract(
+            verifier_config_hash="c", verifier_weights_fingerprint="w", verifier_num_layers=6,
+            hidden_size=32, vocab_size=64, target_layer_ids=tuple(got["capture_layer_ids"]),
+            store_last_hidden_states=last, dataset_fingerprint="d", tokenizer_fingerprint="t",
+            seq_len=64, window_rows=4, shuffle_seed=0,
+        )  # fmt: skip
+
+    cfg = _train_cfg("--verifier-name-or-path", str(ver), "--run-dir", str(tmp_path / "r"))
+    assert check_run(cfg, contract(got["store_last_hidden_states"]), world=1) == [1, 2, 3]
+    with pytest.raises(ConfigError, match="--capture-for dflash"):
+        check_run(cfg, contract(False), world=1)
+    # a recipe that needs them where the family's reference does not (--loss-type kl):
+    # --capture-for would not capture them, so the advice is the flag that does
+    monkeypatch.setitem(FAMILIES, "dflash", DFlash())
+    kl = _train_cfg(
+        "--verifier-name-or-path", str(ver), "--run-dir", str(tmp_path / "r"), "--loss-type", "kl"
+    )
+    with pytest.raises(ConfigError) as e:
+        check_run(kl, contract(False), world=1)
+    assert "--store-last-hidden-states" in str(e.value)
+    assert "--capture-for" not in str(e.value)
+
+
 @pytest.fixture(scope="module")
 def ver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_qwen3_verifier(
@@ -203,7 +253,7 @@ def test_every_family_decodes_what_hf_generate_decodes(ver: Path) -> None:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_round_trips_its_checkpoint(name: str, ver: Path, tmp_path: Path) -> None:
     d = _draft(name, ver)
-    assert family_of(d) is FAMILIES[name]
+    assert family_of_draft(d) is FAMILIES[name]
     opt = torch.optim.SGD(d.parameters(), lr=0.1)
     path = save_checkpoint(tmp_path, d, opt, {"step": 0}, verifier_name_or_path=str(ver))
     cfg = read_config(path)
@@ -230,6 +280,18 @@ def test_every_family_round_trips_its_checkpoint(name: str, ver: Path, tmp_path:
     load_checkpoint(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
     for k, v in d.state_dict().items():
         torch.testing.assert_close(fresh.state_dict()[k], v, msg=k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_drafting_step_refuses_another_familys_draft_in_one_line(name: str, ver: Path) -> None:
+    """Every family's drafting step makes the one check (`families.base.drafts_with`):
+    a draft of another family is a ConfigError naming the family and both classes."""
+    other = _draft("eagle3" if name == "dflash" else "dflash", ver)  # never its own class
+    fam = FAMILIES[name]
+    for step in (fam.context, fam.drafting_context):
+        with pytest.raises(ConfigError, match=f"the {name} family drafts with .*, got ") as e:
+            step(other)
+        assert type(other).__name__ in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_checkpoint_of_another_family_is_refused(ver: Path, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """The DFlash2 family: conformance with speculators 0.9.0's `DFlash2DraftModel` (skipped
 without speculators), its drafting step, and its refusals.
 
-1. Loading: a fanout checkpoint (`save_checkpoint`) loads with speculators'
+1. Loading (DFlash2's `PARITY` case of tests/test_speculators_parity.py): a fanout
+   checkpoint (`save_checkpoint`) loads with speculators'
    `DFlash2DraftModel.from_pretrained` with no missing/unexpected keys and no warning,
    every tensor equal, every field `DFlash2SpeculatorConfig` adds to DFlash's present at
    the top of `config.json` with fanout's value, and the config equal to the one
@@ -38,28 +39,35 @@ source, pre/post-norm last hidden states):
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.dflash.model import DFlashDraft
 from fanout.families.dflash2 import FAMILY, DFlash2Config
 from fanout.families.dflash2.model import DFlash2Draft, DFlash2Layer
 from fanout.families.dflash2.propose import SelectorContext
-from fanout.families.registry import family, family_of
-from fanout.families.serving import load_draft
+from fanout.families.registry import family, family_of_draft
 from fanout.model.anchors import slot_supervision
 from fanout.model.draft_cache import head_logits
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
-from fanout.train.checkpoint import save_checkpoint
+from speculators_parity import (
+    Parity,
+    anchor_rows,
+    packed_row,
+    patch_anchors,
+    save_draft,
+    speculators_verifier,
+)
 from tiny_run import one_thread  # noqa: F401 (autouse)
 
 # test_speculators' row layout: vocab 256, H 32, block 4, mask 255, target layers [1, 2]
@@ -121,54 +129,29 @@ def spec(ts: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def spec_vdir(ts: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """test_speculators' verifier: RoPE theta 1e6 and eps 1e-5 under rope_parameters, a
-    non-unit final norm, bf16-representable weights, a safetensors index."""
-    vdir = tiny_qwen3_verifier(
-        tmp_path_factory.mktemp("dflash2") / "verifier",
-        ts.VOCAB,
-        hidden_size=ts.H,
-        num_layers=ts.V_LAYERS,
-        head_dim=8,
-        intermediate_size=64,
-    )
-    cfg = json.loads((vdir / "config.json").read_text())
-    cfg.pop("rope_theta", None)
-    cfg["rope_parameters"] = {"rope_theta": ts.ROPE_THETA, "rope_type": "default"}
-    cfg["rms_norm_eps"] = ts.RMS_EPS
-    (vdir / "config.json").write_text(json.dumps(cfg, indent=2))
-    t = load_file(str(vdir / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    t["model.norm.weight"] = 1.0 + 0.5 * torch.rand(ts.H, generator=g)
-    t = {k: v.bfloat16().float() for k, v in t.items()}
-    save_file(t, str(vdir / "model.safetensors"), metadata={"format": "pt"})
-    size = sum(v.numel() * v.element_size() for v in t.values())
-    index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(t, "model.safetensors")}
-    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
-    return vdir
+    """test_speculators' verifier (`speculators_verifier`, its shapes)."""
+    assert (ts.VOCAB, ts.H, ts.V_LAYERS, ts.ROPE_THETA, ts.RMS_EPS) == (256, 32, 4, 1e6, 1e-5)
+    return speculators_verifier(tmp_path_factory.mktemp("dflash2"))
+
+
+def _built(vdir: Path) -> DFlash2Draft:
+    torch.manual_seed(1)
+    d = family("dflash2").build(vdir, **KW)
+    assert isinstance(d, DFlash2Draft)
+    return _perturbed(d, seed=2)
 
 
 @pytest.fixture(scope="module")
 def draft(ts: Any, spec_vdir: Path) -> DFlash2Draft:
     assert (KW["block_size"], KW["mask_token_id"], [1, 2]) == (ts.BS, ts.MASK, ts.TARGET_LAYERS)
-    torch.manual_seed(1)
-    d = family("dflash2").build(spec_vdir, **KW)
-    assert isinstance(d, DFlash2Draft)
-    return _perturbed(d, seed=2)
+    return _built(spec_vdir)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(
     draft: DFlash2Draft, spec_vdir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
-    opt = torch.optim.SGD(draft.parameters(), lr=0.1)
-    root = tmp_path_factory.mktemp("ckpt-dflash2")
-    return save_checkpoint(root, draft, opt, {"step": 0}, verifier_name_or_path=str(spec_vdir))
-
-
-def _spec_config(spec: Any, path: Path) -> Any:
-    cfg = spec.dflash2.DFlash2SpeculatorConfig.from_pretrained(str(path))
-    cfg.transformer_layer_config._attn_implementation = "eager"  # plain PyTorch, CPU
-    return cfg
+    return save_draft(draft, spec_vdir, tmp_path_factory.mktemp("ckpt-dflash2"))[1]
 
 
 @pytest.fixture(scope="module")
@@ -217,70 +200,49 @@ def spec_model(spec: Any, draft: DFlash2Draft, spec_vdir: Path) -> Any:
     return model.float()
 
 
-# ---- 1. loading ------------------------------------------------------------------------
+# ---- 1. loading: DFlash2's case of tests/test_speculators_parity.py ---------------------
 
 
-def test_checkpoint_loads_in_speculators(
-    ts: Any, spec: Any, draft: DFlash2Draft, checkpoint: Path, spec_vdir: Path
-) -> None:
-    with ts._notes() as notes:
-        model, info = spec.dflash2.DFlash2DraftModel.from_pretrained(
-            str(checkpoint),
-            config=_spec_config(spec, checkpoint),
-            dtype=torch.float32,
-            output_loading_info=True,
-        )
-    assert notes == []
-    assert type(model).__name__ == "DFlash2DraftModel"
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
-    saved = load_file(str(checkpoint / "model.safetensors"))
-    model.load_verifier_weights()  # the verifier-owned tensors: frozen, not in the file
+def _check_loaded(name: str, draft: DFlash2Draft, model: Any, path: Path, vdir: Path) -> None:
+    saved = load_file(str(path / "model.safetensors"))
     trainable = {k for k, p in model.named_parameters() if p.requires_grad}
     assert trainable == set(saved) == set(draft.trainable_state())
-    sd = model.state_dict()
     for k, v in draft.trainable_state().items():
-        assert torch.equal(sd[k], v), k
         assert torch.equal(saved[k].float(), v), k
     assert not torch.equal(
-        sd["layers.0.attention_conv.base_kernel"][:, 1:], torch.zeros(2, 2, ts.H)
+        model.state_dict()["layers.0.attention_conv.base_kernel"][:, 1:], torch.zeros(2, 2, 32)
     )
-    # the config as fanout means it: the fields DFlash2 adds to DFlash, and the ones it
-    # sets differently
-    raw = json.loads((checkpoint / "config.json").read_text())
-    own = set(spec.dflash2.DFlash2SpeculatorConfig.model_fields) - set(
-        ts.spec_dflash.DFlashSpeculatorConfig.model_fields
-    )
-    assert own == set(FAMILY.serving_fields()) == set(SERVING_FIELDS)
-    for k in SERVING_FIELDS:
-        assert raw[k] == getattr(draft.cfg, k) == getattr(model.config, k), k
-    assert raw["speculators_model_type"] == model.config.speculators_model_type == "dflash2"
-    assert raw["architectures"] == ["DFlash2DraftModel"]
-    assert raw["sliding_window_non_causal"] is True and raw["sample_from_anchor"] is False
-    assert raw["draft_vocab_size"] == ts.VOCAB
-    assert model.config.speculators_config.proposal_methods[0].speculative_tokens == 3
     assert model.config.aux_hidden_state_layer_ids == [2, 3]
     assert model.layers[0].attention_conv.kernel_size == KW["conv_kernel_size"]
     assert model.candidate_selector.top_k == KW["selector_top_k"]
 
 
-def test_config_matches_what_speculators_writes(
-    ts: Any, spec: Any, checkpoint: Path, tmp_path: Path
-) -> None:
-    model = spec.dflash2.DFlash2DraftModel.from_pretrained(
-        str(checkpoint), config=_spec_config(spec, checkpoint), dtype=torch.float32
-    )
-    resaved = tmp_path / "resaved"
-    model.save_pretrained(resaved)
-    read = spec.dflash2.DFlash2SpeculatorConfig.from_pretrained
-    ours, theirs = ts._flat(read(str(checkpoint)).to_dict()), ts._flat(read(str(resaved)).to_dict())
-    keys = {k for k in ours.keys() | theirs.keys() if k.split(".")[0] not in ts._WRITER_ONLY}
-    keys -= {k for k in keys if k.endswith(".transformers_version")}
-    diff = {k: (ours.get(k), theirs.get(k)) for k in sorted(keys) if ours.get(k) != theirs.get(k)}
-    assert diff == {}, f"fanout vs speculators-written config (ours, theirs): {diff}"
-    raw_ours = json.loads((checkpoint / "config.json").read_text())
-    raw_theirs = json.loads((resaved / "config.json").read_text())
-    assert sorted(set(raw_theirs) - set(raw_ours) - ts._WRITER_ONLY) == []
+def _meant(draft: DFlash2Draft) -> dict[str, Any]:
+    """The config as fanout means it: the fields DFlash2 adds to DFlash, and the ones it
+    sets differently."""
+    return {
+        **{k: getattr(draft.cfg, k) for k in SERVING_FIELDS},
+        "speculators_model_type": "dflash2",
+        "architectures": ["DFlash2DraftModel"],
+        "sliding_window_non_causal": True,
+    }
+
+
+def _check_config(draft: DFlash2Draft, model: Any, raw: dict[str, Any], vdir: Path) -> None:
+    assert set(FAMILY.serving_fields()) == set(SERVING_FIELDS)
+    assert raw["sample_from_anchor"] is False and raw["draft_vocab_size"] == 256
+    assert model.config.speculators_config.proposal_methods[0].speculative_tokens == 3
+
+
+PARITY = Parity(
+    family="dflash2", module="speculators.models.dflash2",
+    config_class="DFlash2SpeculatorConfig", model_class="DFlash2DraftModel",
+    verifier=speculators_verifier,
+    drafts=lambda vdir, tmp: {"default": save_draft(_built(vdir), vdir, tmp.mktemp("ckpt"))},
+    loads=("default",), check_loaded=_check_loaded, resaves=("default",),
+    config_base="speculators.models.dflash:DFlashSpeculatorConfig", config_draft="default",
+    meant=_meant, own_are_serving_fields=True, check_config=_check_config,
+)  # fmt: skip
 
 
 # ---- 2. the same loss, metrics and gradients -------------------------------------------
@@ -340,11 +302,11 @@ def test_loss_metrics_and_grads_equal_speculators(
     )
     model = spec_model
     model.zero_grad(set_to_none=True)
-    layout = ts._layout()
-    anchors, valid = ts._anchors(3, 8, 13, 17, 25, 30, 35)  # inside their documents, 1 pad
+    layout = packed_row()
+    anchors, valid = anchor_rows(3, 8, 13, 17, 25, 30, 35)  # inside their documents, 1 pad
     batch, pre = ts._rows(d, spec_vdir, layout, anchors, valid, seed=11)
     sup = slot_supervision(layout["loss_mask"], layout["document_ids"], anchors, valid, ts.BS)
-    ts._patch_anchors(monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
 
     fan = d.loss(batch, None)
     fan.loss.backward()
@@ -417,10 +379,10 @@ def test_unary_logits_equal_speculators(
     teacher-forced picks in test_loss_metrics_and_grads_equal_speculators."""
     from fanout.model.draft_cache import head_logits
 
-    layout = ts._layout()
-    anchors, valid = ts._anchors(3, 8, 13, 17, 25, 30, 35)
+    layout = packed_row()
+    anchors, valid = anchor_rows(3, 8, 13, 17, 25, 30, 35)
     batch, pre = ts._rows(draft, spec_vdir, layout, anchors, valid, seed=11)
-    ts._patch_anchors(monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
     with torch.no_grad():
         _, unary, _, _, _ = spec_model._backbone_forward(
             batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
@@ -475,7 +437,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def test_family_is_registered(vdir: Path) -> None:
     d = _serving_draft(vdir, 4)
-    assert family_of(d) is FAMILY and FAMILY.name == "dflash2"
+    assert family_of_draft(d) is FAMILY and FAMILY.name == "dflash2"
     assert isinstance(FAMILY.context(d, cached=True), SelectorContext)
     assert FAMILY.speculative_tokens(d.cfg) == 3
     assert (FAMILY.serving_method, FAMILY.sliding_window_non_causal) == ("dflash", True)

@@ -4,7 +4,8 @@ drafting step against plain greedy decoding.
 speculators' `DSparkDraftModel` is the oracle where it is installed (those tests skip
 without it; the rest never need it):
 
-(a) a fanout checkpoint (`save_checkpoint`) loads with `DSparkDraftModel.from_pretrained`
+(a) (its `PARITY` case of tests/test_speculators_parity.py)
+    a fanout checkpoint (`save_checkpoint`) loads with `DSparkDraftModel.from_pretrained`
     with no missing/unexpected keys, no warning from any channel, every tensor the file's
     and the draft's, every config field speculators' DSpark declares beyond DFlash's
     (and those whose default it changes) present in `config.json` with fanout's meaning,
@@ -51,8 +52,6 @@ pinned in `test_supervision_differences`:
 from __future__ import annotations
 
 import copy
-import json
-import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,9 +59,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
-from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.dflash.model import DFlashDraft
@@ -73,13 +70,26 @@ from fanout.families.dspark.model import (
     markov_kl_div_and_argmax,
 )
 from fanout.families.dspark.propose import DSparkContext, confident_length
-from fanout.families.registry import family, family_of
+from fanout.families.registry import family, family_of_draft
 from fanout.model import block_draft
 from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
 from fanout.model.verifier import load_verifier
 from fanout.model.verifier_dir import read_verifier_tensors
-from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import save_checkpoint
+from greedy_training import fit, greedy_batch
+from speculators_parity import (
+    Drafts,
+    Loaded,
+    Parity,
+    anchor_rows,
+    load_all,
+    packed_row,
+    patch_anchors,
+    perturbed,
+    save_drafts,
+    speculators_modules,
+    speculators_verifier,
+    with_fields,
+)
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 VOCAB, H, V_LAYERS, BS, MASK, RANK = 256, 32, 4, 4, 255, 16
@@ -93,30 +103,12 @@ T = 40
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen3 as in test_speculators.py: non-unit final norm, RoPE theta 1e6, eps
-    1e-5, bf16-representable weights, a sharded-style safetensors index."""
-    vdir = tiny_qwen3_verifier(
-        tmp_path_factory.mktemp("dspark") / "verifier",
-        VOCAB,
-        hidden_size=H,
-        num_layers=V_LAYERS,
-        head_dim=8,
-        intermediate_size=64,
-    )
-    cfg = json.loads((vdir / "config.json").read_text())
-    cfg.pop("rope_theta", None)
-    cfg["rope_parameters"] = {"rope_theta": ROPE_THETA, "rope_type": "default"}
-    cfg["rms_norm_eps"] = RMS_EPS
-    (vdir / "config.json").write_text(json.dumps(cfg, indent=2))
-    t = load_file(str(vdir / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    t["model.norm.weight"] = 1.0 + 0.5 * torch.rand(H, generator=g)
-    t = {k: v.bfloat16().float() for k, v in t.items()}
-    save_file(t, str(vdir / "model.safetensors"), metadata={"format": "pt"})
-    size = sum(v.numel() * v.element_size() for v in t.values())
-    index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(t, "model.safetensors")}
-    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
-    return vdir
+    """Tiny Qwen3 speculators loads without a warning (`speculators_verifier`)."""
+    return _verifier(tmp_path_factory.mktemp("dspark"))
+
+
+def _verifier(root: Path) -> Path:
+    return speculators_verifier(root, VOCAB, H, V_LAYERS, ROPE_THETA, RMS_EPS)
 
 
 def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -> DSparkDraft:
@@ -135,106 +127,42 @@ def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -
     if draft_vocab_ids is not None:
         fields["draft_vocab_size"] = int(draft_vocab_ids.numel())
     d = DSparkDraft.from_verifier(vdir, draft_vocab_ids=draft_vocab_ids, **fields)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if p.ndim == 1 and "confidence" not in name:  # norms: away from their 1s
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            elif "markov" in name:
-                p.add_(0.6 * torch.randn(p.shape, generator=g))
-            elif "confidence" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-            p.copy_(p.bfloat16().float())  # exact in the bf16 model.safetensors
-    return d
+    scales = {"markov": 0.6, "confidence": 0.3}  # far enough that the heads matter
+    return perturbed(
+        d, lambda n: next((v for k, v in scales.items() if k in n), 0.05),
+        norm=lambda n: "confidence" not in n,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def drafts(
-    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[DSparkDraft, Path]]:
+def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
     """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
-    g = torch.Generator().manual_seed(5)
-    reduced_ids = torch.randperm(VOCAB, generator=g)[:200].sort().values
-    out: dict[str, tuple[DSparkDraft, Path]] = {}
-    for name, ids in (("full", None), ("reduced", reduced_ids)):
-        d = _draft(verifier_dir, ids)
-        opt = torch.optim.SGD(d.parameters(), lr=0.1)
-        root = tmp_path_factory.mktemp(f"dspark-ckpt-{name}")
-        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
-        out[name] = (d, path)
-    return out
+    return save_drafts(_draft, verifier_dir, tmp_path_factory, "dspark-ckpt")
 
 
 @pytest.fixture(scope="module")
 def spec() -> SimpleNamespace:
     """speculators' DSpark (skipped without speculators) and test_speculators' helpers."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # import-time deprecations of torch.compile & co.
-        dspark: Any = pytest.importorskip("speculators.models.dspark")
-        dflash: Any = pytest.importorskip("speculators.models.dflash")
-        core: Any = pytest.importorskip("speculators.models.dflash.core")
-        eager: Any = pytest.importorskip("speculators.losses.eager")
-        metrics: Any = pytest.importorskip("speculators.models.dspark.metrics")
-        import test_speculators as helpers  # needs speculators and loguru itself
-    return SimpleNamespace(
-        dspark=dspark, dflash=dflash, core=core, eager=eager, metrics=metrics, h=helpers
+    return speculators_modules(
+        dspark="speculators.models.dspark",
+        dflash="speculators.models.dflash",
+        core="speculators.models.dflash.core",
+        eager="speculators.losses.eager",
+        metrics="speculators.models.dspark.metrics",
     )
 
 
-def _spec_config(spec: SimpleNamespace, path: Path) -> Any:
-    cfg = spec.dspark.DSparkSpeculatorConfig.from_pretrained(str(path))
-    cfg.transformer_layer_config._attn_implementation = "eager"  # CPU, no compiled mask
-    return cfg
-
-
 @pytest.fixture(scope="module")
-def loaded(
-    spec: SimpleNamespace, drafts: dict[str, tuple[DSparkDraft, Path]]
-) -> dict[str, tuple[Any, dict[str, Any], list[str]]]:
-    """name -> (speculators DSparkDraftModel from fanout's checkpoint, loading info, notes)."""
-    out = {}
-    for name, (_, path) in drafts.items():
-        with spec.h._notes() as notes:
-            model, info = spec.dspark.DSparkDraftModel.from_pretrained(
-                str(path),
-                config=_spec_config(spec, path),
-                dtype=torch.float32,
-                output_loading_info=True,
-            )
-        # the verifier-owned tensors (embedding, head, final norm) are not in the file:
-        # speculators reloads them from the verifier, as it does before training (every
-        # test reads the model whole, whichever runs first)
-        model.load_verifier_weights()
-        out[name] = (model, info, notes)
-    return out
+def loaded(spec: SimpleNamespace, drafts: Drafts) -> Loaded:
+    return load_all(PARITY, drafts)
 
 
-# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+# ---- (a) speculators loads a fanout checkpoint: DSpark's case of
+# tests/test_speculators_parity.py
 
 
-@pytest.mark.parametrize("name", ["full", "reduced"])
-def test_checkpoint_loads_in_speculators(
-    name: str,
-    drafts: dict[str, tuple[DSparkDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-) -> None:
-    draft, path = drafts[name]
-    model, info, notes = loaded[name]
-    assert type(model).__name__ == "DSparkDraftModel"
-    assert notes == []
-    assert info["missing_keys"] == set()
-    assert info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set()
-    assert info["error_msgs"] == []
-    saved = load_file(str(path / "model.safetensors"))
-    sd = model.state_dict()
-    for k, v in saved.items():
-        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
+def _check_loaded(name: str, draft: DSparkDraft, model: Any, path: Path, vdir: Path) -> None:
     mine = draft.trainable_state()
-    for k, v in mine.items():
-        assert torch.equal(sd[k], v), k
     heads = {
         "markov_head.markov_w1.weight",
         "markov_head.markov_w2.weight",
@@ -242,38 +170,18 @@ def test_checkpoint_loads_in_speculators(
         "confidence_head.proj.bias",
     }
     assert heads <= set(mine)
-    # every trainable parameter of speculators' model comes from the file (the frozen,
-    # verifier-owned ones it reloads itself; load_verifier_weights re-freezes them)
-    model.load_verifier_weights()
     trainable = {k for k, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(mine) == set(saved) - {"lm_head.weight", "d2t", "t2d"}
+    assert trainable == set(mine)
     assert model.markov_head.markov_w1.weight.shape == (VOCAB, RANK)
     vd = draft.cfg.draft_vocab_size or VOCAB
     assert model.markov_head.markov_w2.weight.shape == (vd, RANK)
 
 
-def test_config_fields_as_fanout_means_them(
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[DSparkDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-) -> None:
-    """Every field speculators' DSpark config declares beyond DFlash's, or whose default
-    it changes, is written top-level with fanout's value (a new one fails here)."""
-    draft, path = drafts["full"]
-    model, _, _ = loaded["full"]
-    ds, df = spec.dspark.DSparkSpeculatorConfig, spec.dflash.DFlashSpeculatorConfig
-    own = set(ds.model_fields) - set(df.model_fields)
-
-    def default(cls: Any, k: str) -> Any:
-        f = cls.model_fields[k]
-        return f.default_factory() if f.default_factory is not None else f.default
-
-    changed = {
-        k for k in df.model_fields if k in ds.model_fields and default(ds, k) != default(df, k)
-    }
-    fam = family("dspark")
+def _meant(draft: DSparkDraft) -> dict[str, Any]:
+    """The fields speculators' DSpark config declares beyond DFlash's, or whose default
+    it changes, as fanout means them."""
     c = draft.cfg
-    meant = {
+    return {
         "markov_rank": c.markov_rank,
         "markov_head_type": c.markov_head_type,
         "enable_confidence_head": c.enable_confidence_head,
@@ -283,80 +191,31 @@ def test_config_fields_as_fanout_means_them(
         # save_pretrained writes the model class (the config's default says DSparkSpeculator)
         "architectures": ["DSparkDraftModel"],
     }
-    assert own | changed == set(meant)
-    assert set(fam.serving_fields()) == own
-    raw = json.loads((path / "config.json").read_text())
-    for k, v in meant.items():
-        assert raw[k] == v, k
-        if k != "architectures":
-            assert getattr(model.config, k) == v, k
-    assert raw["fanout"]["family"] == "dspark"
-    assert raw["fanout"]["draft_config"]["confidence_head_alpha"] == c.confidence_head_alpha
-    proposal = model.config.speculators_config.proposal_methods[0]
-    assert proposal.speculative_tokens == BS == fam.speculative_tokens(c)
-    assert model.config.speculators_config.algorithm == "dspark"
+
+
+def _check_config(draft: DSparkDraft, model: Any, raw: dict[str, Any], vdir: Path) -> None:
+    assert raw["fanout"]["draft_config"]["confidence_head_alpha"] == draft.cfg.confidence_head_alpha
+    assert model.config.speculators_config.proposal_methods[0].speculative_tokens == BS
     assert model.markov_head.head_type == "vanilla"
     assert model.confidence_head.proj.in_features == H + RANK
 
 
-@pytest.mark.parametrize("name", ["full", "reduced"])
-def test_config_matches_what_speculators_writes(
-    name: str,
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[DSparkDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-    tmp_path: Path,
-) -> None:
-    _, path = drafts[name]
-    model, _, _ = loaded[name]
-    resaved = tmp_path / "resaved"
-    model.save_pretrained(resaved)
-    read = spec.dspark.DSparkSpeculatorConfig.from_pretrained
-    ours, theirs = (
-        spec.h._flat(read(str(path)).to_dict()),
-        spec.h._flat(read(str(resaved)).to_dict()),
-    )
-    writer_only = spec.h._WRITER_ONLY
-    keys = {
-        k
-        for k in ours.keys() | theirs.keys()
-        if k.split(".")[0] not in writer_only and not k.endswith(".transformers_version")
-    }
-    diff = {k: (ours.get(k), theirs.get(k)) for k in sorted(keys) if ours.get(k) != theirs.get(k)}
-    assert diff == {}, f"fanout vs speculators-written config.json (ours, theirs): {diff}"
-    raw_ours = json.loads((path / "config.json").read_text())
-    raw_theirs = json.loads((resaved / "config.json").read_text())
-    assert sorted(set(raw_theirs) - set(raw_ours) - writer_only) == []
-    assert raw_theirs["architectures"] == raw_ours["architectures"]
-    mine, re = (
-        load_file(str(path / "model.safetensors")),
-        load_file(str(resaved / "model.safetensors")),
-    )
-    assert set(mine) == set(re)
-    for k in mine:
-        assert torch.equal(mine[k].to(re[k].dtype), re[k]), k
+PARITY = Parity(
+    family="dspark", module="speculators.models.dspark", config_class="DSparkSpeculatorConfig",
+    model_class="DSparkDraftModel", verifier=_verifier,
+    drafts=lambda vdir, tmp: save_drafts(_draft, vdir, tmp, "dspark-ckpt"),
+    loads=("full", "reduced"),
+    # the verifier-owned tensors (embedding, head, final norm) are not in the file:
+    # speculators reloads them from the verifier, as it does before training (every
+    # test reads the model whole, whichever runs first)
+    after_load=lambda model: model.load_verifier_weights(),
+    check_loaded=_check_loaded, resaves=("full", "reduced"),
+    config_base="speculators.models.dflash:DFlashSpeculatorConfig", meant=_meant,
+    own_are_serving_fields=True, check_config=_check_config,
+)  # fmt: skip
 
 
 # ---- (b) the same loss on the same rows ------------------------------------------------
-
-
-def _layout(first_doc: int = 22, prompt: int = 3, hole: int | None = 10) -> dict[str, torch.Tensor]:
-    """One packed row [1, T]: document 0 = [0, first_doc), document 1 = the rest; each
-    document's first `prompt` tokens unsupervised, plus an unsupervised `hole`."""
-    doc = torch.tensor([0] * first_doc + [1] * (T - first_doc))[None]
-    pos = torch.cat([torch.arange(first_doc), torch.arange(T - first_doc)])[None]
-    lm = torch.ones(1, T, dtype=torch.long)
-    lm[0, :prompt] = 0
-    lm[0, first_doc : first_doc + prompt] = 0
-    if hole is not None:
-        lm[0, hole] = 0
-    return {"document_ids": doc, "position_ids": pos, "loss_mask": lm}
-
-
-def _anchors(*valid_anchors: int, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    a = torch.tensor([[*valid_anchors] + [0] * pad])  # [1, A]: padding is anchor 0
-    v = torch.tensor([[True] * len(valid_anchors) + [False] * pad])
-    return a, v
 
 
 def _corrected_argmax(
@@ -408,26 +267,6 @@ def _rows(
     batch["target_ids"] = (post @ head.t()).argmax(-1)
     batch["last_hidden_states"] = post
     return batch, pre
-
-
-def _with(draft: DSparkDraft, **update: Any) -> DSparkDraft:
-    d = copy.deepcopy(draft)
-    d.cfg = draft.cfg.model_copy(update=update)
-    return d
-
-
-def _patch_anchors(
-    spec: SimpleNamespace,
-    monkeypatch: pytest.MonkeyPatch,
-    anchors: torch.Tensor,
-    valid: torch.Tensor,
-) -> None:
-    """Both sides use exactly these anchors (speculators' DSpark inherits DFlash's
-    `_backbone_forward`, which calls the dflash core module's select_anchors)."""
-    monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
-    monkeypatch.setattr(
-        spec.core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
-    )
 
 
 def _compare(
@@ -498,18 +337,18 @@ def test_loss_metrics_and_grads_equal_speculators(
 ) -> None:
     update, loss_name, weighting = CASES[case]
     alpha = 0.7
-    draft = _with(
+    draft = with_fields(
         drafts["full"][0], gamma=2.5, dpace_alpha=0.3, confidence_head_alpha=alpha, **update
     )
     model, _, _ = loaded["full"]
     model.zero_grad(set_to_none=True)
-    layout = _layout()
+    layout = packed_row()
     # every block and the token after it inside one supervised span of one document
     # (3..9, 11..21, 25..39), where fanout's and speculators' slot masks agree; the
     # block at 35 is the last the row allows (a < T - bs); one padding block
-    anchors, valid = _anchors(3, 5, 11, 14, 17, 25, 29, 35)
+    anchors, valid = anchor_rows(3, 5, 11, 14, 17, 25, 29, 35)
     batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
-    _patch_anchors(spec, monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
 
     fan = draft.loss(batch, None)
     fan.loss.backward()
@@ -551,9 +390,9 @@ def test_logits_and_confidence_equal_speculators(
 
     draft = drafts["full"][0]
     model, _, _ = loaded["full"]
-    anchors, valid = _anchors(3, 5, 11, 14, 17, 25, 29, 35)
-    batch, pre = _rows(draft, verifier_dir, _layout(), anchors, valid, seed=11)
-    _patch_anchors(spec, monkeypatch, anchors, valid)
+    anchors, valid = anchor_rows(3, 5, 11, 14, 17, 25, 29, 35)
+    batch, pre = _rows(draft, verifier_dir, packed_row(), anchors, valid, seed=11)
+    patch_anchors(monkeypatch, anchors, valid)
     with torch.no_grad():
         theirs = _spec_pieces(model, batch, pre, anchors.shape[1])
         b = draft.blocks(batch, None)
@@ -605,14 +444,14 @@ def test_supervision_differences(
     fanout's slot mask, speculators' loss and per-slot accuracies are fanout's."""
     draft = copy.deepcopy(drafts["full"][0])
     model, _, _ = loaded["full"]
-    layout = _layout()  # doc 0 = [0, 22) supervised from 3 but 10; doc 1 from 25
+    layout = packed_row()  # doc 0 = [0, 22) supervised from 3 but 10; doc 1 from 25
     lm, doc = layout["loss_mask"], layout["document_ids"]
     # 6: slot 3 predicts the hole; 8, 9: around it (9 is no fanout anchor: its slot 0
     # predicts the hole); 19, 20: cross into doc 1's prompt; 21: doc 0's last token (no
     # fanout anchor: speculators trains its slot 0 on doc 1's first token); 30: agrees
-    anchors, valid = _anchors(6, 8, 9, 19, 20, 21, 30)
+    anchors, valid = anchor_rows(6, 8, 9, 19, 20, 21, 30)
     batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=31)
-    _patch_anchors(spec, monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
     fan = draft.loss(batch, None)
     with torch.no_grad():
         r = _spec_pieces(model, batch, pre, anchors.shape[1])
@@ -648,7 +487,7 @@ def test_anchor_candidates_predict_a_supervised_token(verifier_dir: Path) -> Non
     """Every anchor DSpark draws has its slot 0 supervised (fanout's DFlash rule), and
     every supervised token a candidate's slot 0 could predict is drawn."""
     draft = _draft(verifier_dir, max_anchors=T)
-    layout = _layout()
+    layout = packed_row()
     anchors, valid = block_draft.select_anchors(
         layout["loss_mask"], layout["document_ids"], T, BS, None
     )
@@ -703,8 +542,8 @@ def test_loss_without_markov_head_and_supervised_slot_counts(
     fused CE on the slot states alone, and slot k is counted on the predicted token."""
     draft = _draft(verifier_dir, markov_rank=0, confidence_head_with_markov=False)
     assert draft.markov_head is None and draft.confidence_head is not None
-    layout = _layout()
-    anchors, valid = _anchors(6, 19, 30)
+    layout = packed_row()
+    anchors, valid = anchor_rows(6, 19, 30)
     batch = _rows_plain(layout, seed=4)
     monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
     out = draft.loss(batch, None)
@@ -754,34 +593,8 @@ def trained(verifier_dir: Path, decoder: Decoder) -> DSparkDraft:
         verifier_dir, target_layer_ids=TARGET_LAYERS, block_size=BS, mask_token_id=MASK,
         max_anchors=32, num_layers=1, markov_rank=RANK,
     )  # fmt: skip
-    v = decoder.verifier
-    rows = []
-    for seed in range(8):
-        prompt = _prompt(6, 100 + seed)
-        rows.append(prompt + Decoder(v, set()).greedy(prompt, 42).tokens)
-    ids = torch.tensor(rows)  # [8, 48]
-    b, t = ids.shape
-    pos = torch.arange(t).expand(b, t)
-    doc = torch.zeros(b, t, dtype=torch.long)
-    cap = v.capture(ids, pos, doc)
-    assert cap.last_hidden_states is not None
-    batch = {
-        "hidden_states": cap.hidden_states.float(),
-        "input_ids": ids,
-        "target_ids": cap.target_ids.long(),
-        "last_hidden_states": cap.last_hidden_states.float(),
-        "loss_mask": torch.ones(b, t, dtype=torch.uint8),
-        "document_ids": doc,
-        "position_ids": pos,
-    }
-    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(40):
-        out = draft.loss(batch, gen)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return draft.eval()
+    fit(draft, greedy_batch(decoder), lr=3e-3, steps=40, generator=torch.Generator().manual_seed(0))
+    return draft
 
 
 class _Recording:
@@ -810,7 +623,7 @@ def test_greedy_lossless_and_bs_tokens_a_step(
     which: str, trained: DSparkDraft, decoder: Decoder, verifier_dir: Path
 ) -> None:
     draft = trained if which == "trained" else _draft(verifier_dir).eval()
-    fam = family_of(draft)
+    fam = family_of_draft(draft)
     assert fam.name == "dspark"
     taus = []
     # the trained draft on prompts it trained on (acceptance must show), the other on any
@@ -970,7 +783,7 @@ def test_good_variants_build(verifier_dir: Path) -> None:
 
 def test_missing_last_hidden_states_and_wrong_config(verifier_dir: Path) -> None:
     draft = _draft(verifier_dir)
-    batch = _rows_plain(_layout(), seed=1)
+    batch = _rows_plain(packed_row(), seed=1)
     del batch["last_hidden_states"]
     with pytest.raises(ConfigError, match="--store-last-hidden-states"):
         draft.loss(batch, torch.Generator().manual_seed(0))
@@ -985,5 +798,5 @@ def test_missing_last_hidden_states_and_wrong_config(verifier_dir: Path) -> None
         DSparkDraft(
             dflash.cfg, dflash.embed_weight, dflash.embed_weight, dflash.verifier_norm_weight
         )
-    with pytest.raises(TypeError, match="DSpark drafts with a DSparkDraft"):
+    with pytest.raises(ConfigError, match="the dspark family drafts with DSparkDraft"):
         family("dspark").context(dflash)

@@ -4,7 +4,8 @@ chain drafting against plain greedy decoding.
 speculators' `Eagle3DraftModel` is the oracle where it is installed (those tests skip
 without it):
 
-(a) a fanout checkpoint (`save_checkpoint`) loads with `Eagle3DraftModel.from_pretrained`
+(a) (its `PARITY` case of tests/test_speculators_parity.py)
+    a fanout checkpoint (`save_checkpoint`) loads with `Eagle3DraftModel.from_pretrained`
     with no missing/unexpected keys (read through `PreTrainedModel.from_pretrained`:
     speculators' own override breaks on `output_loading_info`), no warning from any
     channel, every tensor the file's and the draft's, and every config field
@@ -49,20 +50,27 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.eagle3 import vllm_default_layers
 from fanout.families.eagle3.model import Eagle3Draft
 from fanout.families.eagle3.propose import Eagle3Context
-from fanout.families.registry import family, family_of
+from fanout.families.registry import family, family_of_draft
 from fanout.model.chain_draft import ChainDraft
 from fanout.model.verifier import load_verifier
-from fanout.ops.adamw import make_optimizer
 from fanout.ops.teacher_head import teacher_head
-from fanout.train.checkpoint import save_checkpoint
+from greedy_training import fit, greedy_batch
+from speculators_parity import (
+    Drafts,
+    Loaded,
+    Parity,
+    load_all,
+    perturbed,
+    save_drafts,
+    speculators_modules,
+    speculators_verifier,
+)
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 VOCAB, H, V_LAYERS = 256, 32, 4
@@ -78,27 +86,9 @@ def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def eagle_verifier(root: Path) -> Path:
-    """Tiny Qwen3 as in test_speculators.py: non-unit final norm, RoPE theta 1e6, eps
-    1e-5, bf16-representable weights, a sharded-style safetensors index (P-EAGLE's
-    tests use it too)."""
-    vdir = tiny_qwen3_verifier(
-        root / "verifier", VOCAB, hidden_size=H,
-        num_layers=V_LAYERS, head_dim=8, intermediate_size=64,
-    )  # fmt: skip
-    cfg = json.loads((vdir / "config.json").read_text())
-    cfg.pop("rope_theta", None)
-    cfg["rope_parameters"] = {"rope_theta": ROPE_THETA, "rope_type": "default"}
-    cfg["rms_norm_eps"] = RMS_EPS
-    (vdir / "config.json").write_text(json.dumps(cfg, indent=2))
-    t = load_file(str(vdir / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    t["model.norm.weight"] = 1.0 + 0.5 * torch.rand(H, generator=g)
-    t = {k: v.bfloat16().float() for k, v in t.items()}
-    save_file(t, str(vdir / "model.safetensors"), metadata={"format": "pt"})
-    size = sum(v.numel() * v.element_size() for v in t.values())
-    index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(t, "model.safetensors")}
-    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
-    return vdir
+    """Tiny Qwen3 speculators loads without a warning (`speculators_verifier`; P-EAGLE's
+    and MTP's tests use it too)."""
+    return speculators_verifier(root, VOCAB, H, V_LAYERS, ROPE_THETA, RMS_EPS)
 
 
 def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -> Eagle3Draft:
@@ -109,122 +99,51 @@ def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -
         fields["draft_vocab_size"] = int(draft_vocab_ids.numel())
     d = family("eagle3").build(vdir, draft_vocab_ids=draft_vocab_ids, **fields)
     assert isinstance(d, Eagle3Draft)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for _, p in d.named_parameters():
-            if p.ndim == 1:  # norms: away from their 1s
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            p.copy_(p.bfloat16().float())  # exact in the bf16 model.safetensors
-    return d
+    return perturbed(d, 0.1)
 
 
 @pytest.fixture(scope="module")
-def drafts(
-    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[Eagle3Draft, Path]]:
+def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
     """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
-    g = torch.Generator().manual_seed(5)
-    reduced_ids = torch.randperm(VOCAB, generator=g)[:200].sort().values
-    out: dict[str, tuple[Eagle3Draft, Path]] = {}
-    for name, ids in (("full", None), ("reduced", reduced_ids)):
-        d = _draft(verifier_dir, ids)
-        opt = torch.optim.SGD(d.parameters(), lr=0.1)
-        root = tmp_path_factory.mktemp(f"eagle3-ckpt-{name}")
-        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
-        out[name] = (d, path)
-    return out
+    return save_drafts(_draft, verifier_dir, tmp_path_factory, "eagle3-ckpt")
 
 
 @pytest.fixture(scope="module")
 def spec() -> SimpleNamespace:
     """speculators' EAGLE-3 (skipped without speculators) and test_speculators' helpers."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # import-time deprecations of torch.compile & co.
-        eagle3: Any = pytest.importorskip("speculators.models.eagle3")
-        eager: Any = pytest.importorskip("speculators.losses.eager")
-        base: Any = pytest.importorskip("speculators.config")
-        import test_speculators as helpers  # needs speculators and loguru itself
-    return SimpleNamespace(eagle3=eagle3, eager=eager, base=base, h=helpers)
-
-
-def _spec_config(spec: SimpleNamespace, path: Path) -> Any:
-    cfg = spec.eagle3.Eagle3SpeculatorConfig.from_pretrained(str(path))
-    cfg.transformer_layer_config._attn_implementation = "eager"  # CPU, no compiled mask
-    return cfg
+    return speculators_modules(
+        eagle3="speculators.models.eagle3",
+        eager="speculators.losses.eager",
+        base="speculators.config",
+    )
 
 
 @pytest.fixture(scope="module")
-def loaded(
-    spec: SimpleNamespace, drafts: dict[str, tuple[Eagle3Draft, Path]]
-) -> dict[str, tuple[Any, dict[str, Any], list[str]]]:
-    """name -> (speculators Eagle3DraftModel from fanout's checkpoint, loading info, notes)."""
-    model_cls = spec.eagle3.Eagle3DraftModel
-    out = {}
-    for name, (_, path) in drafts.items():
-        with spec.h._notes() as notes:
-            model = model_cls.from_pretrained(
-                str(path), config=_spec_config(spec, path), dtype=torch.float32
-            )
-        # the loading report (speculators' override returns the model alone)
-        _, info = super(model_cls, model_cls).from_pretrained(
-            str(path), config=_spec_config(spec, path), dtype=torch.float32,
-            output_loading_info=True,
-        )  # fmt: skip
-        out[name] = (model, info, notes)
-    return out
+def loaded(spec: SimpleNamespace, drafts: Drafts) -> Loaded:
+    return load_all(PARITY, drafts)
 
 
-# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+# ---- (a) speculators loads a fanout checkpoint: EAGLE-3's case of
+# tests/test_speculators_parity.py
 
 
-@pytest.mark.parametrize("name", ["full", "reduced"])
-def test_checkpoint_loads_in_speculators(
-    name: str,
-    drafts: dict[str, tuple[Eagle3Draft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-) -> None:
-    draft, path = drafts[name]
-    model, info, notes = loaded[name]
-    assert type(model).__name__ == "Eagle3DraftModel"
-    assert notes == []
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
-    saved = load_file(str(path / "model.safetensors"))
-    sd = model.state_dict()
-    for k, v in saved.items():
-        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
-    mine = draft.trainable_state()
-    for k, v in mine.items():
-        assert torch.equal(sd[k], v), k
-    model.load_verifier_weights()
+def _check_loaded(name: str, draft: Eagle3Draft, model: Any, path: Path, vdir: Path) -> None:
     trainable = {k for k, p in model.named_parameters() if p.requires_grad}
-    frozen = {"lm_head.weight", "embed_tokens.weight"}
-    assert trainable == set(mine) - frozen == set(saved) - frozen - {"d2t", "t2d"}
     assert {"input_norm.weight", "layers.0.hidden_norm.weight", "fc.weight"} <= trainable
     assert torch.equal(model.lm_head.weight, draft.lm_head_weight)  # the verifier's rows
     assert torch.equal(model.embed_tokens.weight, draft.embed_weight)
     if name == "reduced":
         assert draft.d2t is not None and torch.equal(model.d2t, draft.d2t)
+        assert draft.cfg.draft_vocab_size == 200
+        assert json.loads((path / "config.json").read_text())["draft_vocab_size"] == 200
 
 
-def test_config_fields_as_fanout_means_them(
-    spec: SimpleNamespace,
-    verifier_dir: Path,
-    drafts: dict[str, tuple[Eagle3Draft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-) -> None:
-    """Every field speculators' EAGLE-3 config declares beyond its base is in config.json
-    with fanout's value (a new one fails here)."""
-    draft, path = drafts["full"]
-    model, _, _ = loaded["full"]
-    own = set(spec.eagle3.Eagle3SpeculatorConfig.model_fields) - set(
-        spec.base.SpeculatorModelConfig.model_fields
-    )
+def _meant(draft: Eagle3Draft) -> dict[str, Any]:
+    """The fields speculators' EAGLE-3 config declares beyond its base, or whose default
+    it changes, as fanout means them."""
     c = draft.cfg
-    meant = {
-        "transformer_layer_config": None,  # checked below
+    return {
+        "transformer_layer_config": None,  # checked in _check_config
         "draft_vocab_size": VOCAB,
         "norm_before_residual": c.norm_before_residual,
         "target_hidden_size": H,
@@ -233,13 +152,13 @@ def test_config_fields_as_fanout_means_them(
         "fc_norm": c.fc_norm,
         "norm_output": c.norm_output,
         "embed_requires_grad": False,
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3DraftModel"],
     }
-    assert own == set(meant)
-    raw = json.loads((path / "config.json").read_text())
-    for k, v in meant.items():
-        if v is not None:
-            assert raw[k] == v, k
-            assert getattr(model.config, k) == v, k
+
+
+def _check_config(draft: Eagle3Draft, model: Any, raw: dict[str, Any], vdir: Path) -> None:
+    c = draft.cfg
     assert (c.norm_before_fc, c.norm_output, c.norm_before_residual, c.fc_norm) == (
         True, True, True, False,
     )  # speculators' trainer recipe  # fmt: skip
@@ -247,16 +166,19 @@ def test_config_fields_as_fanout_means_them(
     assert (tl.model_type, tl.num_hidden_layers, tl.hidden_size) == ("llama", 2, H)
     assert tl.rope_parameters["rope_theta"] == ROPE_THETA and tl.rms_norm_eps == RMS_EPS
     assert model.sliding_window_indices == []  # full attention
-    assert raw["speculators_model_type"] == "eagle3" and raw["architectures"] == [
-        "Eagle3DraftModel"
-    ]
-    proposal = model.config.speculators_config.proposal_methods[0]
-    assert proposal.speculative_tokens == c.ttt_steps == family("eagle3").speculative_tokens(c)
-    assert model.config.speculators_config.verifier.name_or_path == str(verifier_dir.resolve())
-    assert raw["fanout"]["family"] == "eagle3"
+    assert model.config.speculators_config.proposal_methods[0].speculative_tokens == c.ttt_steps
+    assert model.config.speculators_config.verifier.name_or_path == str(vdir.resolve())
     assert raw["fanout"]["draft_config"]["ttt_steps"] == c.ttt_steps
-    assert drafts["reduced"][0].cfg.draft_vocab_size == 200
-    assert json.loads((drafts["reduced"][1] / "config.json").read_text())["draft_vocab_size"] == 200
+
+
+PARITY = Parity(
+    family="eagle3", module="speculators.models.eagle3", config_class="Eagle3SpeculatorConfig",
+    model_class="Eagle3DraftModel", verifier=eagle_verifier,
+    drafts=lambda vdir, tmp: save_drafts(_draft, vdir, tmp, "eagle3-ckpt"),
+    loads=("full", "reduced"), info_past=1,  # its from_pretrained returns the model alone
+    check_loaded=_check_loaded, config_base="speculators.config:SpeculatorModelConfig",
+    meant=_meant, check_config=_check_config,
+)  # fmt: skip
 
 
 def test_default_layers_are_vllms() -> None:
@@ -264,7 +186,7 @@ def test_default_layers_are_vllms() -> None:
     assert vllm_default_layers(36) == [1, 17, 32]  # HF (2, 18, 33) - 1
     assert fam.default_layers(32) == [1, 15, 28]
     assert fam.default_layers(4) == [0, 1]  # HF {2, 2, 1}: the distinct ones
-    assert fam.captures_last_hidden_states and fam.serving_method == "eagle3"
+    assert fam.needs_last_hidden_states(fam.reference_recipe()) and fam.serving_method == "eagle3"
 
 
 # ---- (b) the same logits and TTT loss on the same rows ---------------------------------
@@ -506,29 +428,8 @@ def trained(verifier_dir: Path, decoder: Decoder) -> Eagle3Draft:
     torch.manual_seed(0)
     draft = family("eagle3").build(verifier_dir, target_layer_ids=TARGET_LAYERS)
     assert isinstance(draft, Eagle3Draft) and draft.cfg.num_layers == 1
-    v = decoder.verifier
-    rows = []
-    for seed in range(8):
-        prompt = _prompt(6, 100 + seed)
-        rows.append(prompt + Decoder(v, set()).greedy(prompt, 42).tokens)
-    ids = torch.tensor(rows)  # [8, 48]
-    b, t = ids.shape
-    pos = torch.arange(t).expand(b, t)
-    doc = torch.zeros(b, t, dtype=torch.long)
-    cap = v.capture(ids, pos, doc)
-    assert cap.last_hidden_states is not None
-    batch = {
-        "hidden_states": cap.hidden_states.float(), "input_ids": ids,
-        "target_ids": cap.target_ids.long(), "last_hidden_states": cap.last_hidden_states.float(),
-        "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc, "position_ids": pos,
-    }  # fmt: skip
-    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
-    for _ in range(60):
-        out = draft.loss(batch, None)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-    return draft.eval()
+    fit(draft, greedy_batch(decoder), lr=3e-3, steps=60, generator=None)
+    return draft
 
 
 class _Recording:
@@ -552,7 +453,7 @@ class _Recording:
 def test_greedy_lossless_k_tokens_a_step(
     k: int | None, trained: Eagle3Draft, decoder: Decoder
 ) -> None:
-    fam = family_of(trained)
+    fam = family_of_draft(trained)
     assert fam.name == "eagle3"
     taus = []
     for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
@@ -568,18 +469,27 @@ def test_greedy_lossless_k_tokens_a_step(
         assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
 
 
-def test_cached_equals_uncached(trained: Eagle3Draft, decoder: Decoder) -> None:
-    fam = family("eagle3")
+def assert_cached_equals_uncached(
+    name: str, draft: Any, decoder: Decoder, context: type, k: int | None = None
+) -> None:
+    """A chain family's cached drafting step decodes what its uncached one does (the same
+    tokens, acceptances and proposal rows) on three prompts, `k` tokens a step; its
+    `context` is the class `context`. P-EAGLE's and MTP's tests use it too."""
+    fam = family(name)
     for n, seed in ((5, 3), (21, 4), (6, 102)):
         prompt = _prompt(n, seed)
-        a = _Recording(fam.drafting_context(trained, cached=True, num_speculative_tokens=4))
-        b = _Recording(fam.drafting_context(trained, cached=False, num_speculative_tokens=4))
-        sa = decoder.speculative(prompt, trained, 30, context=a)
-        sb = decoder.speculative(prompt, trained, 30, context=b)
+        a = _Recording(fam.drafting_context(draft, cached=True, num_speculative_tokens=k))
+        b = _Recording(fam.drafting_context(draft, cached=False, num_speculative_tokens=k))
+        sa = decoder.speculative(prompt, draft, 30, context=a)
+        sb = decoder.speculative(prompt, draft, 30, context=b)
         assert sa.tokens == sb.tokens and sa.accepted == sb.accepted
         for x, y in zip(a.rows, b.rows):
             torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-5)
-    assert isinstance(fam.context(trained), Eagle3Context)
+    assert isinstance(fam.context(draft), context)
+
+
+def test_cached_equals_uncached(trained: Eagle3Draft, decoder: Decoder) -> None:
+    assert_cached_equals_uncached("eagle3", trained, decoder, Eagle3Context, k=4)
 
 
 # ---- (d) bad input ---------------------------------------------------------------------

@@ -34,20 +34,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.mtp.model import MTPDraft
 from fanout.families.mtp.propose import MTPContext
-from fanout.families.registry import family, family_of
-from fanout.families.serving import load_draft
+from fanout.families.registry import family, family_of_draft
 from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import save_checkpoint
+from greedy_training import greedy_rows
+from speculators_parity import Drafts, Parity, load, perturbed, save_draft, speculators_modules
 from test_family_eagle3 import (
     V_LAYERS,
     VOCAB,
     H,
     _prompt,
     _Recording,
+    assert_cached_equals_uncached,
     eagle_decoder,
     eagle_verifier,
 )
@@ -72,69 +75,40 @@ def _draft(vdir: Path, **kw: Any) -> MTPDraft:
     torch.manual_seed(1)
     d = family("mtp").build(vdir, mtp_steps=STEPS, **kw)
     assert isinstance(d, MTPDraft)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for _, p in d.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            p.copy_(p.bfloat16().float())
-    return d
+    return perturbed(d, 0.1)
+
+
+def _saved(vdir: Path, tmp: pytest.TempPathFactory) -> Drafts:
+    return {"default": save_draft(_draft(vdir), vdir, tmp.mktemp("mtp-ckpt"))}
 
 
 @pytest.fixture(scope="module")
 def saved(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[MTPDraft, Path]:
-    d = _draft(verifier_dir)
-    opt = torch.optim.SGD(d.parameters(), lr=0.1)
-    root = tmp_path_factory.mktemp("mtp-ckpt")
-    path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
-    return d, path
+    return _saved(verifier_dir, tmp_path_factory)["default"]
 
 
 @pytest.fixture(scope="module")
 def spec() -> SimpleNamespace:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mtp: Any = pytest.importorskip("speculators.models.mtp")
-        import test_speculators as helpers
-    return SimpleNamespace(mtp=mtp, h=helpers)
+    """speculators' MTP (skipped without speculators) and test_speculators' helpers."""
+    return speculators_modules(
+        mtp="speculators.models.mtp",
+    )
 
 
 def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
     """speculators' model from a fanout checkpoint (eager attention, fp32), its loading
-    report and every warning said while loading."""
-    cls = spec.mtp.MTPDraftModel
-
-    def config() -> Any:
-        cfg = spec.mtp.MTPSpeculatorConfig.from_pretrained(str(path))
-        cfg.transformer_layer_config._attn_implementation = "eager"
-        return cfg
-
-    with spec.h._notes() as notes:
-        model = cls.from_pretrained(str(path), config=config(), dtype=torch.float32)
-    _, info = super(cls.__mro__[1], cls).from_pretrained(  # past both overrides
-        str(path), config=config(), dtype=torch.float32, output_loading_info=True
-    )
-    return model, info, notes
+    report and every warning said while loading (`spec`: skipped without speculators)."""
+    return load(PARITY, path)
 
 
-# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+# ---- (a) speculators loads a fanout checkpoint: MTP's case of
+# tests/test_speculators_parity.py
 
 
-def test_checkpoint_loads_in_speculators(
-    spec: SimpleNamespace, saved: tuple[MTPDraft, Path], verifier_dir: Path
-) -> None:
-    draft, path = saved
-    model, info, notes = _load(spec, path)
-    assert type(model).__name__ == "MTPDraftModel" and notes == []
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
+def _check_loaded(name: str, draft: MTPDraft, model: Any, path: Path, vdir: Path) -> None:
     file = load_file(str(path / "model.safetensors"))
     assert set(file) == set(draft.trainable_state())
     sd = model.state_dict()
-    for k, v in draft.trainable_state().items():
-        assert torch.equal(sd[k], v) and torch.equal(file[k].float(), v), k
     # the verifier's embedding and head, loaded by speculators itself
     assert torch.equal(sd["embed_tokens.weight"], draft.embed_weight)
     assert torch.equal(sd["lm_head.weight"], draft.lm_head_weight)
@@ -143,9 +117,18 @@ def test_checkpoint_loads_in_speculators(
     assert c.num_nextn_predict_layers == 1 and c.num_speculative_steps == STEPS
     assert c.transformer_layer_config.model_type == "qwen3"
     assert model.target_layer_ids == [V_LAYERS]  # speculators' numbering: the last layer
-    assert c.speculators_config.verifier.name_or_path == str(verifier_dir)
+    assert c.speculators_config.verifier.name_or_path == str(vdir)
     raw = json.loads((path / "config.json").read_text())
     assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == STEPS
+
+
+PARITY = Parity(
+    family="mtp", module="speculators.models.mtp", config_class="MTPSpeculatorConfig",
+    model_class="MTPDraftModel", verifier=eagle_verifier, drafts=_saved, loads=("default",),
+    info_past=2,  # past both overrides
+    reloads_verifier=False,  # the embedding and head are the verifier's, loaded by it
+    check_loaded=_check_loaded,
+)  # fmt: skip
 
 
 # ---- (b) the same logits and loss as speculators' forward ------------------------------
@@ -229,14 +212,9 @@ def trained(verifier_dir: Path, decoder: Decoder) -> MTPDraft:
     draft = family("mtp").build(verifier_dir)
     assert isinstance(draft, MTPDraft) and draft.cfg.target_layer_ids == [V_LAYERS - 1]
     v = decoder.verifier
-    rows = []
-    for seed in range(8):
-        prompt = _prompt(6, 100 + seed)
-        rows.append(prompt + Decoder(v, set()).greedy(prompt, 42).tokens)
-    ids = torch.tensor(rows)  # [8, 48]
+    ids = greedy_rows(decoder)  # [8, 48]
     b, t = ids.shape
-    pos = torch.arange(t).expand(b, t)
-    doc = torch.zeros(b, t, dtype=torch.long)
+    pos, doc = torch.arange(t).expand(b, t), torch.zeros(b, t, dtype=torch.long)
     hs = []
 
     def hook(_m: Any, _a: Any, out: Any) -> None:
@@ -257,7 +235,7 @@ def trained(verifier_dir: Path, decoder: Decoder) -> MTPDraft:
 
 @pytest.mark.parametrize("k", [None, 1, 5])
 def test_greedy_lossless_chained(k: int | None, trained: MTPDraft, decoder: Decoder) -> None:
-    fam = family_of(trained)
+    fam = family_of_draft(trained)
     assert fam.name == "mtp" and fam.serving_method == "mtp"
     taus = []
     for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
@@ -273,17 +251,7 @@ def test_greedy_lossless_chained(k: int | None, trained: MTPDraft, decoder: Deco
 
 
 def test_cached_equals_uncached(trained: MTPDraft, decoder: Decoder) -> None:
-    fam = family("mtp")
-    for n, seed in ((5, 3), (21, 4), (6, 102)):
-        prompt = _prompt(n, seed)
-        a = _Recording(fam.drafting_context(trained, cached=True, num_speculative_tokens=4))
-        b = _Recording(fam.drafting_context(trained, cached=False, num_speculative_tokens=4))
-        sa = decoder.speculative(prompt, trained, 30, context=a)
-        sb = decoder.speculative(prompt, trained, 30, context=b)
-        assert sa.tokens == sb.tokens and sa.accepted == sb.accepted
-        for x, y in zip(a.rows, b.rows):
-            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-5)
-    assert isinstance(fam.context(trained), MTPContext)
+    assert_cached_equals_uncached("mtp", trained, decoder, MTPContext, k=4)
 
 
 def test_checkpoint_round_trip_decodes(

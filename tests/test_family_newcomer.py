@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from fanout.bench.assets import generate_corpus, write_jsonl
-from fanout.families.serving import latest_checkpoint
+from fanout.checkpoints.layout import latest_checkpoint
 from test_roles import ENV
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (autouse)
 

@@ -4,7 +4,8 @@ its parallel drafting against plain greedy decoding.
 speculators' `PEagleDraftModel` is the oracle where it is installed (those tests skip
 without it):
 
-(a) a fanout checkpoint loads with `PEagleDraftModel.from_pretrained` with no
+(a) (its `PARITY` case of tests/test_speculators_parity.py)
+    a fanout checkpoint loads with `PEagleDraftModel.from_pretrained` with no
     missing/unexpected keys, no warning, every tensor the file's and the draft's
     (the trained embedding and `mask_hidden` included), and every field speculators'
     P-EAGLE config declares beyond its base written with fanout's meaning;
@@ -31,7 +32,6 @@ no chain hangs from a boundary.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,16 +39,17 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.peagle.model import PEagleDraft, cod_sample
 from fanout.families.peagle.propose import PEagleContext
-from fanout.families.registry import family, family_of
-from fanout.families.serving import load_draft
-from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import load_checkpoint, save_checkpoint
+from fanout.families.registry import family, family_of_draft
+from greedy_training import fit, greedy_batch
+from speculators_parity import Drafts, Parity, load, perturbed, save_draft, speculators_modules
 from test_family_eagle3 import (
     EPS_DEN,
     TARGET_LAYERS,
@@ -57,6 +58,7 @@ from test_family_eagle3 import (
     _prompt,
     _Recording,
     _rows,
+    assert_cached_equals_uncached,
     eagle_decoder,
     eagle_verifier,
 )
@@ -86,17 +88,8 @@ def _draft(vdir: Path, ids: torch.Tensor | None = None, **kw: Any) -> PEagleDraf
         fields["draft_vocab_size"] = int(ids.numel())
     d = family("peagle").build(vdir, draft_vocab_ids=ids, **fields)
     assert isinstance(d, PEagleDraft)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for k, p in d.named_parameters():
-            if k == "embed_tokens.weight":
-                continue  # the verifier's (bf16), trained from there
-            if p.ndim == 1:
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            p.copy_(p.bfloat16().float())
-    return d
+    # the embedding is the verifier's (bf16), trained from there
+    return perturbed(d, 0.1, skip=frozenset({"embed_tokens.weight"}))
 
 
 CASES: dict[str, dict[str, Any]] = {
@@ -107,72 +100,45 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def drafts(
-    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[PEagleDraft, Path]]:
+def _saved(vdir: Path, tmp: pytest.TempPathFactory) -> Drafts:
     """One draft per case, each saved with save_checkpoint."""
     g = torch.Generator().manual_seed(5)
     reduced = torch.randperm(VOCAB, generator=g)[:200].sort().values
-    out = {}
+    out: Drafts = {}
     for name, kw in CASES.items():
-        d = _draft(verifier_dir, reduced if name.startswith("reduced") else None, **kw)
-        opt = torch.optim.SGD(d.parameters(), lr=0.1)
-        root = tmp_path_factory.mktemp(f"peagle-{name}")
-        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
-        out[name] = (d, path)
+        d = _draft(vdir, reduced if name.startswith("reduced") else None, **kw)
+        out[name] = save_draft(d, vdir, tmp.mktemp(f"peagle-{name}"))
     return out
 
 
 @pytest.fixture(scope="module")
+def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
+    return _saved(verifier_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def spec() -> SimpleNamespace:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        peagle: Any = pytest.importorskip("speculators.models.peagle")
-        data: Any = pytest.importorskip("speculators.models.peagle.data")
-        eager: Any = pytest.importorskip("speculators.losses.eager")
-        base: Any = pytest.importorskip("speculators.config")
-        import test_speculators as helpers
-    return SimpleNamespace(peagle=peagle, data=data, eager=eager, base=base, h=helpers)
+    """speculators' P-EAGLE (skipped without speculators) and test_speculators' helpers."""
+    return speculators_modules(
+        peagle="speculators.models.peagle",
+        data="speculators.models.peagle.data",
+        eager="speculators.losses.eager",
+        base="speculators.config",
+    )
 
 
 def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
     """speculators' model from a fanout checkpoint (eager attention, fp32), its loading
-    report and every warning said while loading."""
-    cls = spec.peagle.PEagleDraftModel
-
-    def config() -> Any:
-        cfg = spec.peagle.PEagleSpeculatorConfig.from_pretrained(str(path))
-        cfg.transformer_layer_config._attn_implementation = "eager"
-        return cfg
-
-    with spec.h._notes() as notes:
-        model = cls.from_pretrained(str(path), config=config(), dtype=torch.float32)
-    _, info = super(cls.__mro__[1], cls).from_pretrained(  # past both overrides
-        str(path), config=config(), dtype=torch.float32, output_loading_info=True
-    )
-    return model, info, notes
+    report and every warning said while loading (`spec`: skipped without speculators)."""
+    return load(PARITY, path)
 
 
-# ---- (a) speculators loads a fanout checkpoint -------------------------------------------
+# ---- (a) speculators loads a fanout checkpoint: P-EAGLE's case of
+# tests/test_speculators_parity.py
 
 
-@pytest.mark.parametrize("name", ["qwen3-kl", "reduced-kl", "llama-kl"])
-def test_checkpoint_loads_in_speculators(
-    name: str, spec: SimpleNamespace, drafts: dict[str, tuple[PEagleDraft, Path]]
-) -> None:
-    draft, path = drafts[name]
-    model, info, notes = _load(spec, path)
-    assert type(model).__name__ == "PEagleDraftModel" and notes == []
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set() and info["error_msgs"] == []
-    saved = load_file(str(path / "model.safetensors"))
-    sd = model.state_dict()
-    for k, v in saved.items():
-        assert torch.equal(sd[k], v.to(sd[k].dtype)), k
-    for k, v in draft.trainable_state().items():
-        assert torch.equal(sd[k], v), k
-    model.load_verifier_weights()  # the checkpoint's (trained) embedding is kept
+def _check_loaded(name: str, draft: PEagleDraft, model: Any, path: Path, vdir: Path) -> None:
+    # the checkpoint's (trained) embedding is kept by load_verifier_weights
     assert torch.equal(model.embed_tokens.weight, draft.embed_tokens.weight)
     trainable = {k for k, p in model.named_parameters() if p.requires_grad}
     assert trainable == {k for k, p in draft.named_parameters() if p.requires_grad}
@@ -180,17 +146,11 @@ def test_checkpoint_loads_in_speculators(
     assert ("layers.0.self_attn.q_norm.weight" in trainable) == (name != "llama-kl")
 
 
-def test_config_fields_as_fanout_means_them(
-    spec: SimpleNamespace, verifier_dir: Path, drafts: dict[str, tuple[PEagleDraft, Path]]
-) -> None:
-    draft, path = drafts["qwen3-kl"]
-    model, _, _ = _load(spec, path)
-    own = set(spec.peagle.PEagleSpeculatorConfig.model_fields) - set(
-        spec.base.SpeculatorModelConfig.model_fields
-    )
-    c = draft.cfg
-    meant = {
-        "transformer_layer_config": None,
+def _meant(draft: PEagleDraft) -> dict[str, Any]:
+    """speculators' trainer recipe for --speculator-type peagle: the fields its config
+    declares beyond its base, or whose default it changes."""
+    return {
+        "transformer_layer_config": None,  # checked in _check_config
         "draft_vocab_size": VOCAB,
         "norm_before_residual": True,
         "target_hidden_size": H,
@@ -199,21 +159,27 @@ def test_config_fields_as_fanout_means_them(
         "fc_norm": False,
         "norm_output": False,
         "embed_requires_grad": True,
-        "mask_token_id": c.mask_token_id,
-    }  # speculators' trainer recipe for --speculator-type peagle
-    assert own == set(meant)
-    raw = json.loads((path / "config.json").read_text())
-    for k, v in meant.items():
-        if v is not None:
-            assert raw[k] == v and getattr(model.config, k) == v, k
+        "mask_token_id": draft.cfg.mask_token_id,
+        "speculators_model_type": "peagle",
+        "architectures": ["PEagleDraftModel"],
+    }
+
+
+def _check_config(draft: PEagleDraft, model: Any, raw: dict[str, Any], vdir: Path) -> None:
     tl = model.config.transformer_layer_config
     assert (tl.model_type, tl.num_hidden_layers, tl.hidden_size) == ("qwen3", 2, H)
-    assert raw["speculators_model_type"] == "peagle"
-    assert raw["architectures"] == ["PEagleDraftModel"]
-    proposal = model.config.speculators_config.proposal_methods[0]
-    assert proposal.speculative_tokens == DEPTHS == family("peagle").speculative_tokens(c)
-    assert raw["fanout"]["family"] == "peagle" and c.block_size == DEPTHS + 1
+    assert model.config.speculators_config.proposal_methods[0].speculative_tokens == DEPTHS
+    assert draft.cfg.block_size == DEPTHS + 1
     assert family("peagle").serving_method == "eagle3"
+
+
+PARITY = Parity(
+    family="peagle", module="speculators.models.peagle", config_class="PEagleSpeculatorConfig",
+    model_class="PEagleDraftModel", verifier=eagle_verifier, drafts=_saved,
+    loads=("qwen3-kl", "reduced-kl", "llama-kl"), info_past=2,  # past both overrides
+    check_loaded=_check_loaded, config_base="speculators.config:SpeculatorModelConfig",
+    config_draft="qwen3-kl", meant=_meant, check_config=_check_config,
+)  # fmt: skip
 
 
 # ---- (b) the same samples, logits, loss and gradients ------------------------------------
@@ -321,29 +287,8 @@ def trained(verifier_dir: Path, decoder: Decoder) -> tuple[PEagleDraft, list[flo
     torch.manual_seed(0)
     draft = family("peagle").build(verifier_dir, target_layer_ids=TARGET_LAYERS, num_depths=4)
     assert isinstance(draft, PEagleDraft) and draft.cfg.num_layers == 1
-    v = decoder.verifier
-    rows = [_prompt(6, 100 + s) + Decoder(v, set()).greedy(_prompt(6, 100 + s), 42).tokens
-            for s in range(8)]  # fmt: skip
-    ids = torch.tensor(rows)  # [8, 48]
-    b, t = ids.shape
-    pos, doc = torch.arange(t).expand(b, t), torch.zeros(b, t, dtype=torch.long)
-    cap = v.capture(ids, pos, doc)
-    assert cap.last_hidden_states is not None
-    batch = {
-        "hidden_states": cap.hidden_states.float(), "input_ids": ids,
-        "target_ids": cap.target_ids.long(), "last_hidden_states": cap.last_hidden_states.float(),
-        "loss_mask": torch.ones(b, t, dtype=torch.uint8), "document_ids": doc, "position_ids": pos,
-    }  # fmt: skip
-    opt, _ = make_optimizer(draft.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(60):
-        out = draft.loss(batch, gen)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(float(out.loss.detach()))
-    return draft.eval(), losses
+    return draft, fit(draft, greedy_batch(decoder), lr=3e-3, steps=60, generator=gen)
 
 
 def test_training_lowers_the_loss_and_speculators_loads_it(
@@ -367,7 +312,7 @@ def test_greedy_lossless_all_depths_in_one_forward(
     k: int | None, trained: tuple[PEagleDraft, list[float]], decoder: Decoder
 ) -> None:
     draft = trained[0]
-    fam = family_of(draft)
+    fam = family_of_draft(draft)
     assert fam.name == "peagle"
     taus = []
     for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
@@ -383,18 +328,7 @@ def test_greedy_lossless_all_depths_in_one_forward(
 
 
 def test_cached_equals_uncached(trained: tuple[PEagleDraft, list[float]], decoder: Decoder) -> None:
-    draft = trained[0]
-    fam = family("peagle")
-    for n, seed in ((5, 3), (21, 4), (6, 102)):
-        prompt = _prompt(n, seed)
-        a = _Recording(fam.drafting_context(draft, cached=True))
-        b = _Recording(fam.drafting_context(draft, cached=False))
-        sa = decoder.speculative(prompt, draft, 30, context=a)
-        sb = decoder.speculative(prompt, draft, 30, context=b)
-        assert sa.tokens == sb.tokens and sa.accepted == sb.accepted
-        for x, y in zip(a.rows, b.rows):
-            torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-5)
-    assert isinstance(fam.context(draft), PEagleContext)
+    assert_cached_equals_uncached("peagle", trained[0], decoder, PEagleContext)
 
 
 # ---- (d) bad input -----------------------------------------------------------------------

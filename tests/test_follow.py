@@ -14,6 +14,7 @@ reaches the consumer exactly once, and the window files never exceed K.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -28,10 +29,11 @@ import pytest
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.follow_log import FollowChunk
-from fanout.coord.status import format_table, snapshot
 from fanout.errors import ConfigError, StaleLease
 from fanout.produce.config import ProducerConfig, check_inputs
 from fanout.produce.follow import FollowStream, chunk_name, openai_pair
+from fanout.status.snapshot import snapshot
+from fanout.status.table import format_table
 from fanout.store.rundir import RunDir
 from test_coordinator import make_contract, new_run
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
@@ -179,6 +181,8 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
                 p.wait(30)
     text = log.read_text()
     assert "not a chat record, skipped" in text and "byte " in text
+    skips = [x for x in text.splitlines() if "not a chat record" in x]
+    assert not [x for x in skips if ":0: field" in x], skips  # a byte offset, not line 0
     # every conversation once: in exactly one committed chunk, or held out
     chunks = committed(run)
     assert sorted((run / "follow").glob("chunk-*.jsonl")) == [_chunk(run, c) for c in chunks]
@@ -395,3 +399,30 @@ def test_rotation_races_neither_repeat_nor_skip_a_record(
     assert s._read() == 2
     got = [d["messages"][0]["content"] for d in s.pending]
     assert got == [r["messages"][0]["content"] for r in recs]
+
+
+def test_an_over_length_record_is_counted_and_named_by_its_place_in_the_source(
+    assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#52: a record longer than --seq-len was split across rows silently. Now each split
+    is counted (the chunk's committed counts, so status and /metrics) and warned about
+    with the source file and the record's byte offset."""
+    src, run = tmp_path / "log.jsonl", tmp_path / "run"
+    recs = _source_records(3)
+    recs[1]["messages"][-1]["content"] = " ".join(["many words"] * 400)  # >> seq_len 96
+    lines = [json.dumps(r) + "\n" for r in recs]
+    src.write_text("".join(lines))
+    cfg = tiny_producer_config(
+        assets, run, follow=str(src), data=[], follow_flush_s=0.05, follow_chunk_records=100,
+        cache_dir=str(assets / "cache"), holdout_fraction=0.0,
+    )  # fmt: skip
+    cache = str(assets / "cache")
+    with caplog.at_level(logging.WARNING, logger="fanout"):
+        s = FollowStream.open(lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg,
+                              RunDir(run).create())  # fmt: skip
+    assert s.counts["split"] == 1 and s.counts["records"] == 3, s.counts
+    said = [r.getMessage() for r in caplog.records if "split across rows" in r.getMessage()]
+    assert said == [
+        f"--follow: {src}: byte {len(lines[0].encode())}: longer than --seq-len 96 tokens, "
+        "split across rows (--over-length split)"
+    ], said

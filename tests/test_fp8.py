@@ -21,6 +21,7 @@ from fanout.store.windowfile import hidden_name, scale_name
 from fanout.train.consumer import Batch
 from fanout.train.trainlog import read_train_log
 from tiny_run import build_tiny_assets, tiny_producer_config
+from window_files import window_names
 
 LAYERS = (1, 2)  # tiny_producer_config's captured layers
 
@@ -119,7 +120,7 @@ def test_fp8_windows_hold_the_quantised_capture_at_about_half_the_bytes(
     assert p8.contract.storage_dtype == "float8_e4m3fn"
     assert p8.contract.stream_id != p32.contract.stream_id  # another contract, another run
     s8, s32 = Store(p8.run_dir), Store(p32.run_dir)
-    for a, b in zip(s8.list_windows(), s32.list_windows(), strict=True):
+    for a, b in zip(window_names(s8), window_names(s32), strict=True):
         with s8.open(a) as r8, s32.open(b) as r32:
             q, scale = _side_by_side(r8, fp8=True)
             assert scale is not None
@@ -164,7 +165,7 @@ def test_a_trainer_learns_from_fp8_windows(assets: dict[str, Any]) -> None:
     )
     t = Trainer(cfg)
     # What the draft sees of an fp8 window: float32, dequantised with the scales.
-    with p.store.open(p.store.list_windows()[0]) as r:
+    with p.store.open(window_names(p.store)[0]) as r:
         q, scale = _side_by_side(r, fp8=True)
         assert scale is not None
         ids = r.get("input_ids")

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from fanout.bench.assets import generate_corpus, write_jsonl
-from fanout.coord.status_schema import StatusSnapshot
-from fanout.families.serving import latest_checkpoint
+from fanout.checkpoints.layout import latest_checkpoint
+from fanout.status.schema import StatusSnapshot
 from fanout.train.trainlog import read_train_log
 from test_endings import Procs, _alive, _summary
 from test_roles import ENV, _row, _status, wait_for

@@ -52,12 +52,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fanout.bench.assets import generate_corpus
-from fanout.coord import records
+from fanout.coord import reads
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.heartbeat import Heartbeat
-from fanout.coord.status import build
-from fanout.coord.status_schema import StatusSnapshot
 from fanout.errors import FanoutError
+from fanout.status.schema import StatusSnapshot
+from fanout.status.snapshot import build
 from test_coordinator import new_run, produce, publish
 from test_replicas import ENV
 from test_status_serve import assert_cells_match, page_cells, strip
@@ -509,14 +509,14 @@ def test_a_snapshot_reads_one_instant(
         produce(co, p, store, c)
     claim = co.claim(p)
     assert claim is not None
-    exits, published = records.producer_exits, list[Any]()
+    exits, published = reads.producer_exits, list[Any]()
 
     def publish_between(cur: Any) -> dict[int, int | None]:
         if not published:  # another connection commits, once, mid-snapshot
             published.append(publish(co, store, c, claim))
         return exits(cur)
 
-    monkeypatch.setattr(records, "producer_exits", publish_between)
+    monkeypatch.setattr(reads, "producer_exits", publish_between)  # what status calls
     with Coordinator.open(co.root, db_path=db) as reader:
         s = build(reader)
     assert published  # the write happened inside the snapshot's reads

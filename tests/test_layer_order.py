@@ -29,18 +29,21 @@ from safetensors.torch import load_file, save_file
 
 from fanout.bench.assets import generate_corpus
 from fanout.bench.report import eval_markdown
+from fanout.checkpoints.format import read_config
+from fanout.checkpoints.layout import latest_checkpoint
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.upgrade import upgrade_checkpoint
 from fanout.contract import ascending_layer_ids
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.status import snapshot
 from fanout.decode.config import EvalConfig
 from fanout.decode.eval import EvalSession, evaluate
 from fanout.errors import CheckpointError
 from fanout.families.dflash.model import DFlashDraft
-from fanout.families.serving import latest_checkpoint, load_draft, read_config, upgrade_checkpoint
 from fanout.model.draft_cache import IndependentSlots, UncachedDraft
 from fanout.model.draft_config import DraftConfig
 from fanout.produce.producer import Producer
-from fanout.train.checkpoint import load_checkpoint
+from fanout.status.snapshot import snapshot
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig
 from fanout.train.trainer import Trainer

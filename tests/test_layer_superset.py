@@ -36,10 +36,11 @@ from fanout.bench.assets import (
 )
 from fanout.contract import CaptureContract, LayersNotCaptured
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.status import format_table, snapshot
 from fanout.errors import AcquireTimeout, ConfigError, CorruptWindow
 from fanout.produce.config import ProducerConfig
 from fanout.produce.producer import Producer
+from fanout.status.snapshot import snapshot
+from fanout.status.table import format_table
 from fanout.store.store import RunDir, Store, WindowReader, verify_file
 from fanout.store.windowfile import WindowFormatError, hidden_name, scale_name
 from fanout.train.config import TrainConfig
@@ -47,6 +48,7 @@ from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
 from tiny_run import RECORDER, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
+from window_files import tensor_byte_range, window_names
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -132,7 +134,7 @@ def test_the_contract_records_the_captured_set_and_windows_one_tensor_per_layer(
         e = CaptureContract.load(env.exact[k] / "contract.json")
         assert set(c.diff(e)) <= {"target_layer_ids"} and list(e.target_layer_ids) == layers
     store, exact = Store(RunDir(env.superset)), Store(RunDir(env.exact["b"]))
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r, exact.open(name) as x:
             hidden = [n for n in r.names() if n.startswith("hidden_states")]
             assert hidden == [hidden_name(i) for i in UNION]  # in layer order in the file
@@ -261,13 +263,13 @@ def test_subset_reads_verify_only_their_tensors_and_a_flip_is_caught_by_its_read
     env: Env, tmp_path: Path
 ) -> None:
     store = Store(RunDir(env.superset))
-    src = store.path(store.list_windows()[0])
+    src = store.path(window_names(store)[0])
     path = tmp_path / src.name
     path.write_bytes(src.read_bytes())
     wanted = [hidden_name(1), hidden_name(4)]
     with WindowReader(path, tensors=wanted) as r:
         assert r.verified == set(wanted)  # the header, and only these tensors' bytes
-        lo, hi = r.byte_range(hidden_name(3))
+        lo, hi = tensor_byte_range(path, hidden_name(3))
         r.get("input_ids")  # anything else is verified when first read
         assert r.verified == {*wanted, "input_ids"}
     _flip(path, (lo + hi) // 2)  # inside layer 3, which that reader never read
@@ -295,9 +297,9 @@ def test_a_consumer_of_other_layers_reads_past_a_flip_the_layers_reader_reports_
     cfg = _producer_cfg(env.root, run, capture_layer_ids=[1, 2, 3, 4], max_windows=2)
     Producer(cfg).run()
     store = Store(RunDir(run))
-    name = store.list_windows()[0]
+    name = window_names(store)[0]
     with store.open(name) as r:
-        lo, _ = r.byte_range(hidden_name(3))
+        lo, _ = tensor_byte_range(store.path(name), hidden_name(3))
         want = _layers_of(r, [1, 4]).clone()  # asked [4, 1]: read ascending
     _flip(store.path(name), lo + 7)
 
@@ -337,7 +339,7 @@ def test_fp8_subset_reads_their_scales(env: Env, tmp_path: Path) -> None:
     cfg = ConsumerConfig(run_dir=str(run), consumer_id="fp8", target_layer_ids=[3, 1],
                          max_windows=1, prefetch=False)  # fmt: skip
     store = Store(RunDir(run))
-    with ConsumerStream(cfg) as s, store.open(store.list_windows()[0]) as r:
+    with ConsumerStream(cfg) as s, store.open(window_names(store)[0]) as r:
         assert set(s.read_names) >= {hidden_name(3), scale_name(3), hidden_name(1), scale_name(1)}
         assert hidden_name(2) not in s.read_names and scale_name(2) not in s.read_names
         b = next(s.batches(4))
@@ -356,7 +358,7 @@ def test_old_window_format_and_old_runs_are_refused_clearly(env: Env, tmp_path: 
     from safetensors.torch import save_file
 
     store = Store(RunDir(env.superset))
-    with store.open(store.list_windows()[0]) as r:
+    with store.open(window_names(store)[0]) as r:
         meta = r.meta
         tensors = {"hidden_states": _layers_of(r, UNION).clone()}
     old = tmp_path / "00000000.g0.safetensors"
@@ -376,7 +378,7 @@ def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None
     layers = [6, 3]  # asked unsorted; read as 3 then 6
     store = Store(RunDir(env.superset))
     want = []  # (window, row, hash of that row's layers 3 then 6), in consumption order
-    for w, name in enumerate(store.list_windows()):
+    for w, name in enumerate(window_names(store)):
         with store.open(name) as r:
             hidden = _layers_of(r, sorted(layers))
             for i in row_order(w, r.rows, 0):
@@ -388,7 +390,7 @@ def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None
     cfg = {
         "consumer_id": "sub",
         "target_layer_ids": layers,
-        "max_windows": len(store.list_windows()),
+        "max_windows": len(window_names(store)),
     }
     args = {"run_dir": str(env.superset), "out": str(out), "ckpt": str(ckpt), "cfg": cfg}
 

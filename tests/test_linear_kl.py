@@ -42,7 +42,11 @@ def test_values_and_gradients_match_the_naive_kl(
     ref = _naive(x, t, w)
     (ref * row_w).sum().backward()
     torch.testing.assert_close(kl, ref.detach(), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got_grad, x.grad, rtol=1e-4, atol=1e-5)
+    # fp32 sums of softmax differences: an element near 0 carries the rounding of the
+    # row's largest terms, so the absolute bound scales with the gradient's size
+    # (hypothesis found n 36, h 23, v 103, chunk 1: one element 1.3e-5 off)
+    atol = 1e-5 * max(1.0, float(got_grad.abs().max()))
+    torch.testing.assert_close(got_grad, x.grad, rtol=1e-4, atol=atol)
     assert torch.equal(pred, (x.detach() @ w.t()).argmax(-1))
     assert (kl >= -1e-5).all()
 

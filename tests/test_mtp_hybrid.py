@@ -39,14 +39,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.mtp.layers import HybridMTPLayer
 from fanout.families.mtp.model import MTPDraft
 from fanout.families.registry import family
-from fanout.families.serving import load_draft
 from fanout.model.verifier import load_verifier
-from fanout.train.checkpoint import save_checkpoint
 from test_family_mtp import assert_matches_speculators, fit
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from verifier_zoo import _COMMON, _LINEAR, _MOE, VOCAB, add_mtp, build

@@ -125,3 +125,33 @@ def test_a_record_without_a_commit_is_refused(tmp_path: Path) -> None:
     assert any("y.json: not written by record.Recorder" in p for p in problems), problems
     y = dict(report.load(tmp_path))["y.json"]  # the fallback still shows it, flagged
     assert y["not_a_record"] and [(r["name"], r["result"]) for r in y["rows"]] == [("speedup", 2.0)]
+
+
+def test_every_figure_names_the_cpu_it_came_from() -> None:
+    """Each row of docs/numbers.md names its run's CPU (issue #56: a ratio measured on a
+    Xeon did not hold on an EPYC, so no figure may read as another CPU kind's)."""
+    report = _report()
+    records = report.load()
+    table = [
+        line
+        for line in report.numbers_md(records).splitlines()
+        if line.startswith("| ") and not line.startswith(("| what", "|---"))
+    ]
+    assert table
+    for line in table:
+        run = line.rstrip(" |").rsplit(" | ", 1)[1]
+        assert re.fullmatch(r"\[\d+\] .+", run), line
+        assert any(run.endswith(report.machine(rec)) for _, rec in records), line
+
+
+def test_a_record_names_the_cpu_its_vector_extensions_and_the_torch_build() -> None:
+    from fanout.bench.report import hardware
+
+    hw = hardware()
+    assert hw["cpu"] and isinstance(hw["cpu_vector_extensions"], list)
+    assert hw["torch"] and hw["torch_cpu_capability"]
+    report = _report()
+    assert "vector extensions not recorded" in report._hardware({"hardware": {"cpu": "X"}})
+    full = {"cpu": "X", "cpu_vector_extensions": ["avx2", "avx512f", "amx_tile"],
+            "torch": "2.13.0", "torch_cpu_capability": "AVX512"}  # fmt: skip
+    assert "X (AVX-512, AMX; torch 2.13.0 kernels AVX512)" in report._hardware({"hardware": full})

@@ -22,10 +22,11 @@ import pytest
 import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
+from fanout.checkpoints.layout import latest_checkpoint
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.save import save_checkpoint
 from fanout.families.dflash.model import DFlashDraft
-from fanout.families.serving import latest_checkpoint
 from fanout.ops.adamw import ClippedAdamW
-from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.optim import (
     WARMUP_STEPS_WITHOUT_TOTAL,
     LRCurve,
@@ -205,8 +206,9 @@ import sys, torch
 import fanout.train.trainer
 from fanout.families.dflash.model import DFlashDraft
 from fanout.train.optim import build_optimizer
-from fanout.families.serving import latest_checkpoint
-from fanout.train.checkpoint import load_checkpoint, save_checkpoint
+from fanout.checkpoints.layout import latest_checkpoint
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.save import save_checkpoint
 d = DFlashDraft.from_verifier({str(vdir)!r}, block_size=4, max_anchors=8, target_layer_ids=[0, 1])
 opt, _, sched = build_optimizer(d.parameters(), lr=1e-3, weight_decay=0.0, backend="auto",
     max_grad_norm=1.0, warmup_ratio=0.1, scheduler_type="cosine", total_steps=10)

@@ -10,8 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fanout.data.packing import Doc, Packer, concat_batches, shuffled
+from fanout.data.packing import Doc, Packer, shuffled
 from fanout.errors import BadRow, ConfigError
+from fanout.rows import PACKED_ROW
+
+
+def concat_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Packed-row batches joined into one (what the tests compare whole)."""
+    return {k: np.concatenate([b[k] for b in batches]) for k in PACKED_ROW}
 
 
 def make_docs(lengths: list[int], seed: int = 0) -> list[Doc]:

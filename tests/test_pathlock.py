@@ -176,9 +176,9 @@ def test_processes_started_in_one_clock_tick_are_two_processes() -> None:
 
 def test_checkpoint_clean_up_never_removes_a_live_processs_temp_dir(tmp_path: Path) -> None:
     from fanout.bench.assets import tiny_qwen3_verifier
+    from fanout.checkpoints.save import save_checkpoint
     from fanout.families.dflash.model import DFlashDraft
     from fanout.ops.adamw import make_optimizer
-    from fanout.train.checkpoint import save_checkpoint
 
     live = CTX.Process(target=time.sleep, args=(600,))
     live.start()

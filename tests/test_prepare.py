@@ -19,12 +19,12 @@ from fanout.cli import main as cli_main
 from fanout.data import masks
 from fanout.data.chat import load_conversations
 from fanout.data.masks import MaskPathName
-from fanout.data.packing import concat_batches
 from fanout.data.prepare import PrepareConfig, iter_packed_rows, open_packed, prepare
 from fanout.data.template import ChatEncoder, load_chat_spec
 from fanout.data.workers import WorkerPool, resolve_workers, start_method, usable_cpus
 from fanout.errors import BadRow, ConfigError
 from fanout.rows import PACKED_ROW
+from test_packing import concat_batches
 
 FASTCHAT = "chat/fastchat/dummy_conversation.json"
 GLAIVE = "chat/llama-factory/glaive_toolcall_en_demo.json"

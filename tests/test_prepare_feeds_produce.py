@@ -30,6 +30,7 @@ from fanout.errors import ConfigError
 from fanout.produce.config import ProducerConfig, check_inputs, prepared_data
 from fanout.store.store import RunDir, Store, parse_window_name
 from tiny_run import build_tiny_assets
+from window_files import window_names
 
 
 def _fanout(env: dict[str, str], *argv: str | Path) -> subprocess.CompletedProcess[str]:
@@ -88,7 +89,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
 def _windows(run: Path) -> dict[int, dict[str, torch.Tensor]]:
     store = Store(RunDir(run))
     out: dict[int, dict[str, torch.Tensor]] = {}
-    for name in store.list_windows():
+    for name in window_names(store):
         parsed = parse_window_name(name)
         assert parsed is not None
         with store.open(name) as r:

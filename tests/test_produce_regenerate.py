@@ -33,6 +33,7 @@ from tiny_run import (  # noqa: F401
     tiny_producer_config,
     wait_for,
 )
+from window_files import window_names
 
 REGEN = dict(regenerate=True, temperature=1.0, keep_truncated=True, max_new_tokens=6)
 
@@ -68,7 +69,7 @@ def test_producer_captures_its_own_answers_and_restarts_on_them(tmp_path: Path) 
     tok = load_tokenizer(str(root / "tok"))
     store = Store(RunDir(run))
     texts = []
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r:
             ids, docs = r.get("input_ids"), r.get("document_ids")
             texts += [tok.decode(ids[i][docs[i] >= 0].tolist()) for i in range(r.rows)]
@@ -102,7 +103,7 @@ STREAM = REGEN | dict(regen_chunk_records=2, max_live_windows=64, epochs=2, seq_
 def _windows(run: Path) -> dict[int, dict[str, Any]]:
     """Every window file of `run` by window number: all its tensors."""
     store, out = Store(RunDir(run)), {}
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r:
             out[int(name.split(".")[0])] = {k: r.get(k).clone() for k in r.names()}
     return out
@@ -197,7 +198,8 @@ def test_a_signal_while_the_stream_is_open_prints_its_length_as_null(
     stream is still open (held at K = 3, nobody reading, regeneration not done). Its
     summary says `"total_windows": null`, never the OPEN sentinel, nor does its log;
     `fanout status` says `produced 2/∞` and that a signal stopped it."""
-    from fanout.coord.status import format_table, snapshot
+    from fanout.status.snapshot import snapshot
+    from fanout.status.table import format_table
 
     run = tmp_path / "run"
     cfg = tiny_producer_config(stream_assets, run, **(STREAM | {"max_live_windows": 3}))

@@ -47,6 +47,7 @@ from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     tiny_producer_config,
     wait_for,
 )
+from window_files import window_names
 
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -204,7 +205,7 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
     summary = p.run()
     assert summary["windows"] == 3 and summary["tokens"] > 0 and summary["bytes"] > 0
     store = Store(RunDir(tmp_path / "run"))
-    names = store.list_windows()
+    names = window_names(store)
     assert [parse_window_name(n)[0] for n in names] == [0, 1, 2]  # type: ignore[index]
 
     # contract.json and stream.json describe the run
@@ -253,9 +254,9 @@ def test_overlapped_publish_writes_the_same_windows(tiny: Tiny, tmp_path: Path) 
         summary = p.run()
         assert summary["windows"] == 5 and summary["failures"] == 0
         mib = summary["bytes"] / 2**20
-        assert p._progress_line().startswith(f"live 5 ({mib:.0f} MiB) | "), p._progress_line()
+        assert p._progress_line().startswith(f"ready 5 ({mib:.0f} MiB) | "), p._progress_line()
         store = Store(RunDir(run))
-        names = store.list_windows()
+        names = window_names(store)
         assert [parse_window_name(n)[0] for n in names] == [0, 1, 2, 3, 4]  # type: ignore[index]
         captures = _rows_of(run, "SELECT window, captures, state FROM windows ORDER BY window")
         assert captures == [(w, 1, "ready") for w in range(5)]
@@ -459,17 +460,17 @@ def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
 
     cfg = _cfg(tiny, tmp_path / "run", max_windows=2, storage_dtype=storage,
                store_last_hidden_states=True)  # fmt: skip
-    with caplog.at_level("WARNING", logger="fanout.produce.rundir"):
+    with caplog.at_level("WARNING", logger="fanout.produce.run_start"):
         p = Producer(cfg, fs=SmallDisk())
     warned = [r.getMessage() for r in caplog.records if "will wait on a full disk" in r.message]
     assert len(warned) == 1 and "only 0.0 GiB are free" in warned[0], caplog.text
     p.run()
     store = Store(RunDir(tmp_path / "run"))
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r:  # the arithmetic equals the bytes a window holds
             data = sum(r.get(k).numel() * r.get(k).element_size() for k in r.names())
             assert data == p.window_bytes(), (storage, data, p.window_bytes())
     caplog.clear()
-    with caplog.at_level("WARNING", logger="fanout.produce.rundir"):
+    with caplog.at_level("WARNING", logger="fanout.produce.run_start"):
         Producer(cfg)  # the real disk has room: no warning
     assert "full disk" not in caplog.text

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +22,16 @@ import pytest
 import torch
 
 from fanout.bench.assets import generate_corpus, write_jsonl
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.config import PromoteConfig
 from fanout.decode.eval import EvalSession
 from fanout.decode.promote import CURRENT, DECISIONS, Served, decide
 from fanout.decode.spec_decode import Decoder
 from fanout.errors import ConfigError
 from fanout.families.dflash.model import DFlashDraft
-from fanout.families.serving import load_draft
 from fanout.filesystem import FaultyFileSystem
 from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import save_checkpoint
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
 
 LAYERS = [1, 2]
@@ -235,3 +236,30 @@ def test_a_candidate_pruned_while_it_is_copied_is_never_served(
     assert [v.name for v in served.versions()] == ["v0001"]
     assert (tmp_path / "served" / CURRENT).resolve().name == "v0001"
     assert sorted(p.name for p in (tmp_path / "served" / "versions").iterdir()) == ["v0001"]
+
+
+def test_a_rollback_sticks_until_a_later_step_exists(world: dict[str, Any], tmp_path: Path) -> None:
+    """#52: the next look after `--rollback` re-promoted the rolled-back checkpoint as a
+    new version. Now it is barred (one decision line saying why) until a checkpoint of a
+    later step of the same save path exists."""
+    served, session = tmp_path / "served", world["session"]
+    assert decide(_cfg(world, world["bad"], served), session)["promoted"]
+    assert decide(_cfg(world, world["good"], served), session)["promoted"]  # v0002
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "promote", "--served", str(served), "--rollback"],
+        capture_output=True, text=True, env=ENV, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rolled = _decisions(served)[-1]
+    assert rolled["from_candidate"] == str(world["good"].resolve())
+    assert rolled["from_step"] == 120
+    again = decide(_cfg(world, world["good"], served), session)
+    assert not again["promoted"] and "rolled back" in again["why"], again
+    assert (served / CURRENT).resolve().name == "v0001"
+    # a later step of the same save path is a candidate again
+    later = world["good"].with_name(world["good"].name + "-later")
+    shutil.copytree(world["good"], later)
+    state = json.loads((later / "training_state.json").read_text())
+    (later / "training_state.json").write_text(json.dumps(state | {"step": 121}))
+    assert decide(_cfg(world, later, served), session)["promoted"]
+    assert (served / CURRENT).resolve().name == "v0003"

@@ -10,8 +10,8 @@ import torch
 
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.bench.ranking import checkpoint_params, plot_tau, rank_drafts, ranking_lines, step_ms
+from fanout.checkpoints.save import save_checkpoint
 from fanout.families.registry import FAMILIES, family
-from fanout.train.checkpoint import save_checkpoint
 from fanout.train.trainlog import MetricsLog
 from tiny_run import one_thread  # noqa: F401 (autouse)
 

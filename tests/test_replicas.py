@@ -35,9 +35,8 @@ import torch
 
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.grants import ProducerPlan, ProducerReg
 from fanout.coord.heartbeat import Heartbeat
-from fanout.coord.leases import ProducerPlan, ProducerReg
-from fanout.coord.status import format_table, snapshot
 from fanout.errors import (
     AcquireTimeout,
     ConfigError,
@@ -48,7 +47,9 @@ from fanout.errors import (
     StaleLease,
 )
 from fanout.produce.replicas import rank_of
-from fanout.produce.rundir import take_start_lock
+from fanout.produce.run_start import take_start_lock
+from fanout.status.snapshot import snapshot
+from fanout.status.table import format_table
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowReader
 from fanout.store.streaminfo import StreamInfo
@@ -60,6 +61,7 @@ from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     tiny_producer_config,
     wait_for,
 )
+from window_files import window_names
 
 CTX = mp.get_context("spawn")
 HOST = socket.gethostname()
@@ -157,7 +159,7 @@ def test_a_lost_replicas_claim_goes_to_another_and_it_rejoins(
     with pytest.raises(StaleLease):
         publish(conns[1], store, c, lost)
     co.sweep()  # its file (the publisher removes it too) is nobody's: swept
-    assert store.list_windows() == []
+    assert window_names(store) == []
     publish(conns[0], store, c, again)
     s = snapshot(co)
     assert [(r["rank"], r["recorded_state"]) for r in s["replicas"]] == [(0, "active"), (1, "lost")]
@@ -519,7 +521,7 @@ def test_regenerate_splits_its_chunks_among_replicas(tmp_path: Path) -> None:
 def test_a_starting_replica_says_what_it_waits_for_every_few_seconds() -> None:
     """A restarted replica is not silent until it registers (issue #45): from the 5th
     second on, one line every 5 s naming its current step (fake clock)."""
-    from fanout.produce.rundir import StartNotice
+    from fanout.produce.run_start import StartNotice
 
     now, said = [0.0], list[str]()
     notice = StartNotice(5.0, clock=lambda: now[0], say=said.append)

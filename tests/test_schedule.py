@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 
 from fanout.bench.assets import generate_corpus
+from fanout.checkpoints.layout import latest_checkpoint
 from fanout.contract import LayersNotCaptured
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.reads import consumer_states
 from fanout.errors import TrainerStopped
-from fanout.families.serving import latest_checkpoint
 from fanout.produce.producer import Producer
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig, ConsumerStream

@@ -4,8 +4,9 @@
 `FANOUT_SPECULATORS=1 ./dev.sh ...` run it). speculators' own `DFlashDraftModel` is the
 oracle here:
 
-1. a fanout checkpoint (`fanout.train.checkpoint.save_checkpoint`) loads with
-   `DFlashDraftModel.from_pretrained` with no missing/unexpected keys, no warning from
+1. (DFlash's `PARITY` case of tests/test_speculators_parity.py: loading and re-saving;
+   the tensor and config checks here) a fanout checkpoint (`save_checkpoint`) loads
+   with `DFlashDraftModel.from_pretrained` with no missing/unexpected keys, no warning from
    any channel (Python warnings, stdlib logging incl. transformers' load report,
    loguru), every tensor equal to `model.safetensors`, and the config fields it
    reads (`aux_hidden_state_layer_ids` = fanout's target_layer_ids + 1, RoPE theta,
@@ -94,12 +95,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.families.dflash.model import DFlashDraft
-from fanout.model import block_draft as fanout_dflash
 from fanout.model.anchors import select_anchors, slot_supervision
 from fanout.model.verifier_dir import read_verifier_tensors
-from fanout.train.checkpoint import save_checkpoint
+from speculators_parity import (
+    Drafts,
+    Parity,
+    anchor_rows,
+    packed_row,
+    patch_anchors,
+    perturbed,
+    save_drafts,
+    speculators_verifier,
+    with_fields,
+)
 
 with warnings.catch_warnings():
     # import-time DeprecationWarnings from torch.compile's first import and friends
@@ -132,33 +141,12 @@ _WRITER_ONLY = {"transformers_version", "dtype", "torch_dtype", "auto_map"}
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen3 with a non-unit final norm (so a forgotten verifier_norm shows),
-    RoPE theta 1e6 and eps 1e-5, bf16-representable weights, and a safetensors index
-    like a real (sharded) one: speculators' loader warns (loguru) on single-file
-    verifiers, whoever wrote the draft."""
-    vdir = tiny_qwen3_verifier(
-        tmp_path_factory.mktemp("speculators") / "verifier",
-        VOCAB,
-        hidden_size=H,
-        num_layers=V_LAYERS,
-        head_dim=8,
-        intermediate_size=64,
-    )
-    cfg = json.loads((vdir / "config.json").read_text())
-    cfg.pop("rope_theta", None)
-    cfg["rope_parameters"] = {"rope_theta": ROPE_THETA, "rope_type": "default"}
-    cfg["rms_norm_eps"] = RMS_EPS
-    (vdir / "config.json").write_text(json.dumps(cfg, indent=2))
-    t = load_file(str(vdir / "model.safetensors"))
-    g = torch.Generator().manual_seed(7)
-    t["model.norm.weight"] = 1.0 + 0.5 * torch.rand(H, generator=g)  # positive, non-unit
-    # bf16 values like a real verifier's: the reduced head fanout saves (bf16) is exact
-    t = {k: v.bfloat16().float() for k, v in t.items()}
-    save_file(t, str(vdir / "model.safetensors"), metadata={"format": "pt"})
-    size = sum(v.numel() * v.element_size() for v in t.values())
-    index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(t, "model.safetensors")}
-    (vdir / "model.safetensors.index.json").write_text(json.dumps(index))
-    return vdir
+    """Tiny Qwen3 speculators loads without a warning (`speculators_verifier`)."""
+    return _verifier(tmp_path_factory.mktemp("speculators"))
+
+
+def _verifier(root: Path) -> Path:
+    return speculators_verifier(root, VOCAB, H, V_LAYERS, ROPE_THETA, RMS_EPS)
 
 
 def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None) -> DFlashDraft:
@@ -173,33 +161,23 @@ def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None) -> DFlashDra
     if draft_vocab_ids is not None:
         kw["draft_vocab_size"] = int(draft_vocab_ids.numel())
     d = DFlashDraft.from_verifier(vdir, draft_vocab_ids=draft_vocab_ids, **kw)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.ndim == 1:  # norms: away from their init 1s so a swapped norm shows
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.add_(0.05 * torch.randn(p.shape, generator=g))
-            p.copy_(p.bfloat16().float())  # exact in the bf16 model.safetensors
-    return d
+    return perturbed(d, 0.05)
 
 
 @pytest.fixture(scope="module")
-def drafts(
-    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[DFlashDraft, Path]]:
+def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
     """'full' (verifier vocabulary) and 'reduced' (200 of 256 tokens) drafts, each saved
     with save_checkpoint; name -> (draft, checkpoint dir)."""
-    g = torch.Generator().manual_seed(5)
-    reduced_ids = torch.randperm(VOCAB, generator=g)[:200].sort().values
-    out: dict[str, tuple[DFlashDraft, Path]] = {}
-    for name, ids in (("full", None), ("reduced", reduced_ids)):
-        d = _draft(verifier_dir, ids)
-        opt = torch.optim.SGD(d.parameters(), lr=0.1)
-        root = tmp_path_factory.mktemp(f"ckpt-{name}")
-        path = save_checkpoint(root, d, opt, {"step": 0}, verifier_name_or_path=str(verifier_dir))
-        out[name] = (d, path)
-    return out
+    return save_drafts(_draft, verifier_dir, tmp_path_factory, "ckpt")
+
+
+# DFlash's case of tests/test_speculators_parity.py (loading, re-saving)
+PARITY = Parity(
+    family="dflash", module="speculators.models.dflash", config_class="DFlashSpeculatorConfig",
+    model_class="DFlashDraftModel", verifier=_verifier,
+    drafts=lambda vdir, tmp: save_drafts(_draft, vdir, tmp, "dflash-ckpt"),
+    loads=("full", "reduced"), resaves=("full", "reduced"),
+)  # fmt: skip
 
 
 @contextmanager
@@ -263,46 +241,12 @@ def loaded(drafts: dict[str, tuple[DFlashDraft, Path]]) -> dict[str, tuple[Any, 
 # ---- 1. loading --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["full", "reduced"])
-def test_checkpoint_loads_without_warnings(
-    name: str, loaded: dict[str, tuple[Any, list[str]]]
-) -> None:
-    model, notes = loaded[name]
-    assert type(model).__name__ == "DFlashDraftModel"
-    assert notes == []
-
-
-@pytest.mark.parametrize("name", ["full", "reduced"])
-def test_checkpoint_has_no_missing_or_unexpected_keys(
-    name: str, drafts: dict[str, tuple[DFlashDraft, Path]]
-) -> None:
-    _, path = drafts[name]
-    with _notes() as notes:
-        model, info = spec_dflash.DFlashDraftModel.from_pretrained(
-            str(path),
-            config=_speculators_config(path),
-            dtype=torch.float32,
-            output_loading_info=True,
-        )
-    assert notes == []
-    assert info["missing_keys"] == set()
-    assert info["unexpected_keys"] == set()
-    assert info["mismatched_keys"] == set()
-    assert info["error_msgs"] == []
-    # every trainable parameter of speculators' model comes from the file (none left
-    # at its init): the verifier-owned ones are the frozen ones it reloads itself
-    model.load_verifier_weights()
-    trainable = {k for k, p in model.named_parameters() if p.requires_grad}
-    saved = set(load_file(str(path / "model.safetensors")))
-    assert trainable == saved - {"lm_head.weight", "d2t", "t2d"}
-
-
 def test_the_capture_sees_a_bad_checkpoint(
     drafts: dict[str, tuple[DFlashDraft, Path]], tmp_path: Path
 ) -> None:
-    """Control for the two tests above: a file with a missing and an unexpected tensor
-    is reported both by the loading info and by transformers' load report (a WARNING
-    the capture must see)."""
+    """Control for tests/test_speculators_parity.py's loading test: a file with a
+    missing and an unexpected tensor is reported both by the loading info and by
+    transformers' load report (a WARNING the capture must see)."""
     _, path = drafts["full"]
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -399,65 +343,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("name", ["full", "reduced"])
-def test_config_matches_what_speculators_writes(
-    name: str,
-    drafts: dict[str, tuple[DFlashDraft, Path]],
-    loaded: dict[str, tuple[Any, list[str]]],
-    tmp_path: Path,
-) -> None:
-    """speculators re-saves the loaded draft; both config.json files, read back through
-    speculators' config class (so fields fanout leaves to their defaults compare as the
-    defaults), must agree except for `_WRITER_ONLY`, and the re-saved weights must be
-    fanout's file."""
-    _, path = drafts[name]
-    model, _ = loaded[name]
-    resaved = tmp_path / "resaved"
-    model.save_pretrained(resaved)
-    ours = _flat(spec_dflash.DFlashSpeculatorConfig.from_pretrained(str(path)).to_dict())
-    theirs = _flat(spec_dflash.DFlashSpeculatorConfig.from_pretrained(str(resaved)).to_dict())
-    ignored = {k for k in ours.keys() | theirs.keys() if k.split(".")[0] in _WRITER_ONLY}
-    ignored |= {k for k in ours.keys() | theirs.keys() if k.endswith(".transformers_version")}
-    diff = {
-        k: (ours.get(k, "<absent>"), theirs.get(k, "<absent>"))
-        for k in sorted((ours.keys() | theirs.keys()) - ignored)
-        if ours.get(k, "<absent>") != theirs.get(k, "<absent>")
-    }
-    assert diff == {}, f"fanout vs speculators-written config.json (ours, theirs): {diff}"
-    # the top-level fields a non-speculators reader (vLLM) sees without defaults
-    raw_ours = json.loads((path / "config.json").read_text())
-    raw_theirs = json.loads((resaved / "config.json").read_text())
-    missing = sorted(set(raw_theirs) - set(raw_ours) - _WRITER_ONLY)
-    assert missing == [], f"speculators writes top-level {missing}, fanout does not"
-    mine, re = (
-        load_file(str(path / "model.safetensors")),
-        load_file(str(resaved / "model.safetensors")),
-    )
-    assert set(mine) == set(re)
-    for k in mine:
-        assert torch.equal(mine[k].to(re[k].dtype), re[k]), k
-
-
 # ---- 2. the same loss on the same rows -----------------------------------------------
-
-
-def _layout(first_doc: int = 22, prompt: int = 3, hole: int | None = 10) -> dict[str, torch.Tensor]:
-    """One packed row [1, T]: document 0 = [0, first_doc), document 1 = the rest; each
-    document's first `prompt` tokens unsupervised, plus an unsupervised `hole`."""
-    doc = torch.tensor([0] * first_doc + [1] * (T - first_doc))[None]
-    pos = torch.cat([torch.arange(first_doc), torch.arange(T - first_doc)])[None]
-    lm = torch.ones(1, T, dtype=torch.long)
-    lm[0, :prompt] = 0
-    lm[0, first_doc : first_doc + prompt] = 0
-    if hole is not None:
-        lm[0, hole] = 0
-    return {"document_ids": doc, "position_ids": pos, "loss_mask": lm}
-
-
-def _anchors(*valid_anchors: int, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    a = torch.tensor([[*valid_anchors] + [0] * pad])  # [1, A]: fanout pads with anchor 0
-    v = torch.tensor([[True] * len(valid_anchors) + [False] * pad])
-    return a, v
 
 
 def _rows(
@@ -500,24 +386,6 @@ def _rows(
     batch["target_ids"] = (post @ head.t()).argmax(-1)
     batch["last_hidden_states"] = post
     return batch, pre
-
-
-def _with(draft: DFlashDraft, **update: Any) -> DFlashDraft:
-    d = copy.deepcopy(draft)
-    d.cfg = draft.cfg.model_copy(update=update)
-    return d
-
-
-def _patch_anchors(
-    monkeypatch: pytest.MonkeyPatch, anchors: torch.Tensor, valid: torch.Tensor
-) -> None:
-    """Both sides use exactly these anchors: fanout's select_anchors (as DFlashDraft.loss
-    imports it) returns them [B, A]; speculators' (as its core imports it) gets them as
-    one packed row [A]."""
-    monkeypatch.setattr(fanout_dflash, "select_anchors", lambda *a, **k: (anchors, valid))
-    monkeypatch.setattr(
-        spec_core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
-    )
 
 
 def _spec_loss(
@@ -583,16 +451,16 @@ def test_loss_metrics_and_grads_equal_speculators(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     update, loss_name, weighting = CASES[case]
-    draft = _with(drafts["full"][0], gamma=2.5, dpace_alpha=0.3, **update)
+    draft = with_fields(drafts["full"][0], gamma=2.5, dpace_alpha=0.3, **update)
     model, _ = loaded["full"]
     model.zero_grad(set_to_none=True)
-    layout = _layout()
+    layout = packed_row()
     # blocks inside their documents; slot 2 of the block at 8 hits the hole at 10;
     # the block at 35 is the last the row allows (anchors < T - block_size); 1 padding
-    anchors, valid = _anchors(3, 8, 13, 17, 25, 30, 35)
+    anchors, valid = anchor_rows(3, 8, 13, 17, 25, 30, 35)
     batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
     sup = slot_supervision(layout["loss_mask"], layout["document_ids"], anchors, valid, BS)
-    _patch_anchors(monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
 
     fan = draft.loss(batch, None)
     fan.loss.backward()
@@ -626,14 +494,14 @@ def test_two_rows_equal_one_packed_row(
     speculators on the rows packed into one [1, 2T] row (documents renumbered)."""
     draft = copy.deepcopy(drafts["full"][0])
     model, _ = loaded["full"]
-    la, lb = _layout(), _layout(first_doc=18, prompt=2, hole=None)
-    a0, v0 = _anchors(3, 8, 14, 25, 31)  # 5 valid + 1 padding
-    a1, v1 = _anchors(2, 6, 12, 20, 26, 34, pad=0)  # 6 valid
+    la, lb = packed_row(), packed_row(first_doc=18, prompt=2, hole=None)
+    a0, v0 = anchor_rows(3, 8, 14, 25, 31)  # 5 valid + 1 padding
+    a1, v1 = anchor_rows(2, 6, 12, 20, 26, 34, pad=0)  # 6 valid
     r0, p0 = _rows(draft, verifier_dir, la, a0, v0, seed=21)
     r1, p1 = _rows(draft, verifier_dir, lb, a1, v1, seed=22)
     two = {k: torch.cat([r0[k], r1[k]]) for k in r0}  # [2, T]
     anchors, valid = torch.cat([a0, a1]), torch.cat([v0, v1])  # [2, 6]
-    _patch_anchors(monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
     fan = draft.loss(two, None)
 
     packed = {k: torch.cat([r0[k], r1[k]], dim=1) for k in r0}  # [1, 2T]
@@ -641,7 +509,7 @@ def test_two_rows_equal_one_packed_row(
     pre = torch.cat([p0, p1], dim=1)
     flat_a = torch.cat([a0, a1 + T], dim=1)
     flat_v = torch.cat([v0, v1], dim=1)
-    _patch_anchors(monkeypatch, flat_a, flat_v)
+    patch_anchors(monkeypatch, flat_a, flat_v)
     with torch.no_grad():
         spec_loss, metrics = _spec_loss(
             model,
@@ -670,10 +538,10 @@ def _reduced_crossing(
     draft = copy.deepcopy(drafts["reduced"][0])
     model, _ = loaded["reduced"]
     assert draft.t2d is not None and draft.d2t is not None
-    layout = _layout(prompt=0, hole=None)
-    anchors, valid = _anchors(2, 7, 12, 19, 21, 26, 31)
+    layout = packed_row(prompt=0, hole=None)
+    anchors, valid = anchor_rows(2, 7, 12, 19, 21, 26, 31)
     batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=31)
-    _patch_anchors(monkeypatch, anchors, valid)
+    patch_anchors(monkeypatch, anchors, valid)
     fan = draft.loss(batch, None)
     with torch.no_grad():
         _, logits, targets, spec_mask, idx = model._backbone_forward(
@@ -764,7 +632,7 @@ def test_eal_counts_blocks_whose_first_token_is_outside_the_draft_vocab(
 def test_anchor_candidates(verifier_dir: Path) -> None:
     """fanout's anchor candidates are speculators' minus the positions whose next slot
     is unsupervised or in another document."""
-    layout = _layout(hole=10)
+    layout = packed_row(hole=10)
     lm, doc = layout["loss_mask"], layout["document_ids"]
     fa, fv = select_anchors(lm, doc, T, BS, None)
     ours = set(fa[fv].tolist())

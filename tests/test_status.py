@@ -25,7 +25,8 @@ import pytest
 
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.status import format_table, snapshot
+from fanout.status.snapshot import snapshot
+from fanout.status.table import format_table
 from fanout.store.store import RunDir
 from test_coordinator import make_contract
 
@@ -162,7 +163,7 @@ def test_an_age_is_never_negative_even_when_the_heartbeat_is_ahead(tmp_path: Pat
     clock runs ahead) showed as `heartbeat -0.0s ago`; every age is clamped at 0."""
     import math
 
-    from fanout.coord.status import age_s
+    from fanout.status.snapshot import age_s
 
     assert age_s(100.0, 100.0004) == 0.0 and math.copysign(1, age_s(100.0, 100.0004)) == 1
     assert age_s(100.0, 130.0, 1) == 0.0 and age_s(130.0, 100.0, 1) == 30.0
@@ -197,13 +198,13 @@ def test_drift_records_of_a_live_run_are_in_the_snapshot_and_the_table(tmp_path:
     table = format_table(s)
     assert "served   v0002 τ 2.00 (1.80–2.20) on the newest 32 held-out" in table, table
     assert "drift: below the 2.80–3.20 it was promoted with" in table, table
-    from fanout.coord.status import build
-    from fanout.coord.status_serve import metrics_text
+    from fanout.status.serve import metrics_text
+    from fanout.status.snapshot import build
 
     text = metrics_text(build(co))
     assert "fanout_served_tau 2.0" in text and "fanout_served_drift 1" in text, text
     # the page: the newest look, the warning, and a plot once the times are real ones
-    from fanout.coord.status_page import page_html
+    from fanout.status.page import page_html
 
     page = page_html(build(co), [], 5)
     assert 'data-key="drift.tau">2.00<' in page and 'class="warn" data-key="drift.below"' in page
@@ -214,3 +215,32 @@ def test_drift_records_of_a_live_run_are_in_the_snapshot_and_the_table(tmp_path:
     assert 'id="plot-drift"' in page and page.count("<polyline") == 5, page
     rd.drift.write_text(json.dumps(ok) + "\n")  # back within its interval: no warning
     assert "drift.below" not in page_html(build(co), [], 5)
+
+
+def test_the_served_version_is_read_from_the_served_dir_a_drift_record_names(
+    tmp_path: Path,
+) -> None:
+    """#52: status named the served version from the newest drift record, which did not
+    say which served dir it measured: after a rollback it showed the rolled-back version.
+    Now a record names its served dir and status reads that dir's `current`; a record
+    that names none says the version is unknown."""
+    rd = RunDir(tmp_path / "run").create()
+    co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=600))
+    served = tmp_path / "served"
+    for v in ("v0001", "v0002"):
+        (served / "versions" / v).mkdir(parents=True)
+    (served / "current").symlink_to("versions/v0002")
+    rd.drift.parent.mkdir(parents=True)
+    rec = {"time": "t1", "version": "v0002", "tau": 3.1, "ci95": [2.9, 3.3], "prompts": 32,
+           "heldout_seen": 40, "baseline_ci95": None, "below": False}  # fmt: skip
+    rd.drift.write_text(json.dumps(rec) + "\n")
+    assert "served now: unknown (the newest drift record names no served dir)" in format_table(
+        snapshot(co)
+    )
+    rd.drift.write_text(json.dumps(rec | {"served": str(served)}) + "\n")
+    assert f"served now: v0002 ({served})" in format_table(snapshot(co))
+    (served / "current").unlink()
+    (served / "current").symlink_to("versions/v0001")  # a rollback after the look
+    s = snapshot(co)
+    assert s["drift"][-1]["serving_now"] == "v0001"
+    assert f"served now: v0001 ({served}; the look above measured v0002)" in format_table(s)

@@ -22,8 +22,8 @@ import pytest
 from PIL import Image
 
 from fanout.coord.coordinator import ProducerPlan
-from fanout.coord.status_page import COLOURS, DASHES, Sample, nice_ticks, plots_html
-from fanout.coord.status_serve import StatusServer
+from fanout.status.page import COLOURS, DASHES, Sample, nice_ticks, plots_html
+from fanout.status.serve import StatusServer
 from test_coordinator import new_run, produce
 from test_status_serve import AGES, _get, assert_cells_match, page_cells, serving
 

@@ -1,4 +1,4 @@
-"""`fanout status --json`'s versioned schema (fanout.coord.status_schema) and what it adds:
+"""`fanout status --json`'s versioned schema (fanout.status.schema) and what it adds:
 totals, a replica stopped by a signal told from one that finished, each consumer's
 family, data-parallel group, rate, ETA and why it waits (issue 45.1-3).
 
@@ -17,9 +17,11 @@ import pytest
 
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.leases import ProducerPlan
-from fanout.coord.status import build, format_table, snapshot
-from fanout.coord.status_schema import BEGIN, END, StatusSnapshot
+from fanout.coord.grants import ProducerPlan
+from fanout.status import commands as status_commands
+from fanout.status.schema import BEGIN, END, StatusSnapshot
+from fanout.status.snapshot import build, snapshot
+from fanout.status.table import format_table
 from test_coordinator import make_contract, new_run, produce
 
 DOCS = Path(__file__).parents[1] / "docs" / "operations.md"
@@ -31,7 +33,40 @@ def test_the_docs_schema_is_the_models() -> None:
     block = text[text.index(BEGIN) : text.index(END)]
     (body,) = re.findall(r"```json\n(.*?)```", block, re.S)
     assert json.loads(body) == StatusSnapshot.model_json_schema()
-    assert StatusSnapshot.model_json_schema()["properties"]["schema_version"]["const"] == 1
+    assert StatusSnapshot.model_json_schema()["properties"]["schema_version"]["const"] == 2
+
+
+def test_status_reads_the_coordinator_without_sql_of_its_own() -> None:
+    """fanout.status asks coord's read API (fanout.coord.reads, the Coordinator): no
+    statement of its own, which its import-linter contract cannot see (a
+    `co.conn.execute` needs no import). The SQL stays in coord/, written once."""
+    pkg = Path(status_commands.__file__).parent
+    sql = re.compile(r"\.execute\(|\b(SELECT|INSERT|UPDATE|DELETE)\s")
+    bad = [
+        f"{f.name}:{i}: {line.strip()}"
+        for f in sorted(pkg.glob("*.py"))
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if sql.search(line)
+    ]
+    assert bad == []
+
+
+def test_live_is_what_k_bounds_and_the_bytes_are_the_ready_ones(
+    db: str | None, tmp_path: Path
+) -> None:
+    """`live` means one thing: the windows K bounds (ready + capturing + evicting).
+    The bytes on disk are the ready windows' only, and say so (`ready_bytes`, schema 2;
+    the table's `bytes    ready`)."""
+    co, store, c = new_run(tmp_path, db, max_live_windows=4)
+    p = co.register_producer(c)
+    produce(co, p, store, c)  # window 0: ready
+    assert co.claim(p) is not None  # window 1: capturing, live but not ready
+    s = snapshot(co)
+    assert (s["totals"]["windows_live"], s["totals"]["windows_ready"]) == (2, 1)
+    assert s["ready_bytes"] == co.ready_windows()[1] > 0 and "live_bytes" not in s
+    table = format_table(s)
+    assert "totals   live 2/K=4 " in table, table
+    assert f"bytes    ready {s['ready_bytes'] / 2**20:.1f} MiB " in table, table
 
 
 def test_a_signal_stop_shows_stopped_until_the_replica_rejoins(
@@ -133,7 +168,7 @@ def test_consumers_carry_family_group_rate_eta_and_why_they_wait(
     assert "  d:dp1: waiting: the producer is capturing" in table
     assert cli_main([*run, "--json"]) == 0
     out = StatusSnapshot.model_validate_json(capsys.readouterr().out)
-    assert out.schema_version == 1 and out.consumers[0].cursor == 3
+    assert out.schema_version == 2 and out.consumers[0].cursor == 3
 
     co.finish(reg)
     (d,) = build(co).consumers

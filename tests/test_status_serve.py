@@ -31,8 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fanout.cli import main as cli_main
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.status import build
-from fanout.coord.status_serve import StatusServer
+from fanout.status.serve import StatusServer
 from test_coordinator import new_run, produce
 
 AGES = ("heartbeat_age_s", "taken_wall")  # the wall clock moves between two requests
@@ -96,7 +95,7 @@ def serving(run_dir: Path, interval_s: float = 0.1) -> Iterator[StatusServer]:
     def serve() -> None:
         try:
             with Coordinator.open(run_dir) as co:
-                srv = StatusServer(build, co, "127.0.0.1", 0, interval_s)
+                srv = StatusServer(co, "127.0.0.1", 0, interval_s)
                 ready.put(srv)
                 srv.run()
         except BaseException as e:  # surfaced by the test
@@ -167,6 +166,7 @@ def test_metrics_page_and_json_agree_with_status_json(
     assert value("fanout_windows_made_total") == t["windows_made"] == 3
     assert value("fanout_windows_live") == t["windows_live"]
     assert value("fanout_windows_ready") == t["windows_ready"]
+    assert value("fanout_ready_bytes") == want["ready_bytes"]
     assert value("fanout_max_live_windows") == t["max_live_windows"] == 4
     assert value("fanout_producer_windows_per_second") == t["producer_windows_per_s"]
     assert value("fanout_stream_length_windows") == want["stream"]["length_windows"] == 6
@@ -214,7 +214,7 @@ def test_a_port_in_use_a_run_that_is_not_one_and_watch_without_a_terminal(
     (tmp_path / "a-file").write_text("not a run\n")
     for not_a_run in ("empty", "a-file", "missing"):  # a folder, a file, nothing there
         where = str(tmp_path / not_a_run)
-        code = cli_main(["status", "--run-dir", where, "--serve", "0"])
+        code = cli_main(["status", "--run-dir", where, "--serve", "0", "--wait-s", "0"])
         err = capsys.readouterr().err
         assert code == 1 and err.count("\n") == 1, err
         assert f"{where}: no coordinator database" in err and "Traceback" not in err, err
@@ -249,3 +249,51 @@ def test_watch_redraws_in_a_terminal_and_ctrl_c_exits_0(settled_run: Path) -> No
     assert text.count("Ctrl-C to stop") >= 3, text[-2000:]
     assert "d:dp0" in text and "producer finished" in text
     assert "\x1b[2J" not in text  # never cleared: redrawn in place
+
+
+def test_serve_started_before_the_run_waits_for_it(tmp_path: Path) -> None:
+    """#52: `status --serve` started before the producer created the run exited 1; a
+    monitor waits for it, as trainers do (saying so), then serves it."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fanout.cli", "status", "--run-dir", str(run), "--serve", "0",
+         "--wait-s", "120", "--interval-s", "0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None and proc.stdout is not None
+        first = proc.stderr.readline()
+        assert "waiting for a producer to create the run" in first, first
+        assert proc.poll() is None  # still waiting, not refused
+        co, _, _ = new_run(tmp_path)
+        co.close()
+        line = proc.stdout.readline()
+        url = re.search(r"serving (http://\S+/)", line)
+        assert url, line
+        metrics, _ = _get(url.group(1) + "metrics")
+        assert "fanout_windows_live" in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)  # waits, and closes both pipes
+
+
+def test_metrics_count_what_a_followed_source_gave(settled_run: Path) -> None:
+    """#52: /metrics had no follow counters; an operator alerts on bad traffic (records
+    skipped or split) from them. Checked with prometheus_client's parser."""
+    from fanout.status.schema import FollowPosition
+    from fanout.status.serve import metrics_text
+    from fanout.status.snapshot import build
+
+    with Coordinator.open(settled_run) as co:
+        s = build(co)
+    assert "fanout_follow_" not in metrics_text(s)  # not a live run: no such family
+    f = FollowPosition(chunks=3, records=40, heldout=4, skipped=2, split=1, committed_wall=1.0)
+    text = metrics_text(s.model_copy(update={"follow": f}))
+    got = {
+        fam.name: fam.samples[0].value
+        for fam in text_string_to_metric_families(text)
+        if fam.name.startswith("fanout_follow_")
+    }
+    assert got == {"fanout_follow_chunks": 3, "fanout_follow_records": 40,
+                   "fanout_follow_heldout": 4, "fanout_follow_skipped": 2,
+                   "fanout_follow_split": 1}, got  # fmt: skip

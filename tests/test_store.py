@@ -38,6 +38,7 @@ from fanout.store.store import (
     window_name,
 )
 from fanout.store.windowfile import TENSOR_CHECKSUM, hidden_name
+from window_files import window_names
 
 CONTRACT = "c0ffee" * 4
 
@@ -323,10 +324,10 @@ def test_quarantine_and_remove(run: RunDir) -> None:
     assert q.parent == run.quarantine and q.name.startswith(a.name) and q.exists()
     assert not a.path.exists()
     assert not store.quarantine(a.name).exists()  # already gone: fine, nothing moved
-    assert store.list_windows() == [b.name]
+    assert window_names(store) == [b.name]
     assert store.remove(b.name) is True
     assert store.remove(b.name) is False
-    assert store.list_windows() == []
+    assert window_names(store) == []
 
 
 # -- publish under I/O errors --------------------------------------------------------

@@ -38,6 +38,7 @@ from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     tiny_producer_config,
     wait_for,
 )
+from window_files import window_names
 
 pytest.importorskip("accelerate")  # transformers' TP loading needs it (the `tp` extra)
 
@@ -49,7 +50,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 REPLICAS = """
 import json, sys, torch, torch.distributed as dist
 from fanout.model.verifier import load_verifier
-from fanout.produce.tp import start_process_group
+from fanout.produce.tp_capture import start_process_group
 
 
 def main():
@@ -150,7 +151,7 @@ def _windows(run_dir: Path) -> dict[int, dict[str, torch.Tensor]]:
     """Every published window's tensors, by window index."""
     store = Store(RunDir(run_dir))
     got = {}
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r:
             got[r.meta.window] = {k: r.get(k).clone() for k in r.names()}
     return got
@@ -223,7 +224,7 @@ def test_a_plan_that_splits_no_decoder_layer_is_refused(tmp_path: Path) -> None:
     sinks and the experts are outside it), refused in one line naming it; every other
     zoo architecture (MLA, linear attention, sliding, chunked, multimodal) passes."""
     from fanout.errors import ConfigError
-    from fanout.model.tp import check_tp_model
+    from fanout.model.tp_shard import check_tp_model
     from verifier_zoo import ZOO
 
     for arch, a in ZOO.items():

@@ -12,6 +12,7 @@ data the draft's targets are learnable within a few dozen steps.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -28,8 +29,8 @@ import pytest
 import torch
 
 from fanout.bench.assets import generate_corpus
+from fanout.checkpoints.layout import latest_checkpoint
 from fanout.errors import ConfigError
-from fanout.families.serving import latest_checkpoint
 from fanout.flags import flag_name
 from fanout.produce.config import ProducerConfig
 from fanout.produce.producer import Producer
@@ -43,6 +44,7 @@ from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     one_thread,
     tiny_producer_config,
 )
+from window_files import window_names
 
 
 @dataclass(frozen=True)
@@ -357,7 +359,7 @@ def test_draft_vocab_size_trains_a_head_over_the_runs_most_used_tokens(run: Run)
     # the window files (stream position < num_rows is epoch 0: every row exactly once).
     slow = torch.zeros(len(counts), dtype=torch.int64)
     store = Store(RunDir(run.run_dir))
-    for name in store.list_windows():
+    for name in window_names(store):
         with store.open(name) as r:
             for i in range(r.rows):
                 if r.meta.window * window_rows + i < stream["num_rows"]:
@@ -492,3 +494,68 @@ def test_ema_is_served_resumed_exactly_and_checkpoints_kept_by_time(run: Run) ->
     Trainer(timed).run()
     kept = sorted(p.name for p in Path(timed.save_path).glob("checkpoint-*"))
     assert kept == [f"checkpoint-{s:08d}" for s in (3, 4, 5)], kept
+
+
+def test_a_used_save_path_is_resumed_or_refused_never_pruned_away(
+    run: Run, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A trainer restarted without --resume on a --save-path that holds checkpoints 8 and
+    12 used to train from step 0, log "saved a checkpoint at step 6", exit 0 — and that
+    checkpoint was already gone (pruning keeps the highest step names). Now it is refused
+    at start in one line naming both ways out, and nothing there changes; --resume on a
+    first start (no checkpoint yet) is a fresh start."""
+    from fanout.train import trainer as train
+
+    first = _cfg(run, "reuse", max_steps=12, checkpoint_every=4)
+    Trainer(first).run()
+    save = Path(first.save_path)
+    before = sorted(p.name for p in save.glob("checkpoint-*"))
+    assert before == ["checkpoint-00000008", "checkpoint-00000012"]
+    capsys.readouterr()
+    rc = train.main(config_flags(first.model_copy(update={"max_steps": 6})))
+    out, err = capsys.readouterr()
+    after = sorted(p.name for p in save.glob("checkpoint-*"))
+    assert rc == 1, f"trained from step 0 on a used --save-path: {out[-300:]!r}; kept {after}"
+    (line,) = [x for x in err.splitlines() if "error" in x]
+    assert f"--save-path {save}" in line and "checkpoint-00000012" in line, line
+    assert "--resume" in line and "another --save-path" in line, line
+    assert after == before
+    fresh = _cfg(run, "resume-first", max_steps=2, resume=True)
+    assert Trainer(fresh).run()["steps"] == 2  # nothing to resume: from the start
+
+
+def test_a_resume_is_checked_against_the_checkpoints_training_config(
+    run: Run, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint records the trainer's whole validated config (training_config.json).
+    A resume that would not continue it exactly (another --seed, --lr) is refused before
+    anything is built, naming each differing flag with both values; a longer --max-steps
+    is named in a log line and resumes; a checkpoint written before the config was
+    recorded resumes unchecked, with a warning."""
+    cfg = _cfg(run, "recorded", max_steps=3, seed=5)
+    Trainer(cfg).run()
+    ckpt = latest_checkpoint(cfg.save_path)
+    assert ckpt is not None
+    rec = json.loads((ckpt / "training_config.json").read_text())
+    assert (rec["seed"], rec["rows_per_step"], rec["lr"]) == (5, 2, 1e-2)
+    assert TrainConfig.model_validate(rec).recorded() == rec == cfg.recorded()
+    again = cfg.model_copy(update={"resume": True, "max_steps": 4})
+    with pytest.raises(ConfigError) as e:
+        Trainer(again.model_copy(update={"seed": 6, "lr": 0.02}))
+    msg = str(e.value)
+    assert "--seed 6 (the checkpoint's: 5)" in msg and "--lr 0.02 (the checkpoint's: 0.01)" in msg
+    assert "--max-steps" not in msg and "another --save-path" in msg and "\n" not in msg
+    assert latest_checkpoint(cfg.save_path) == ckpt  # nothing was trained or written
+    with caplog.at_level(logging.INFO):
+        t = Trainer(again)
+    assert t.state["step"] == 3 and t.run()["steps"] == 4
+    assert any("--max-steps 4 (the checkpoint's: 3)" in r.getMessage() for r in caplog.records)
+    # a checkpoint from before training_config.json: resumed, with a warning saying so
+    old = latest_checkpoint(cfg.save_path)
+    assert old is not None and old.name == "checkpoint-00000004"
+    (old / "training_config.json").unlink()
+    caplog.clear()
+    t = Trainer(again.model_copy(update={"max_steps": 5, "seed": 6}))
+    assert t.state["step"] == 4 and t.run()["steps"] == 5
+    (warned,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "records no training config" in warned.getMessage()

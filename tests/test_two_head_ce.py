@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fanout.ops.two_head_ce import (
     TwoHeadOut,
+    TwoHeadTerms,
     two_head_ce_tv_and_argmax,
     two_head_cross_entropy_and_argmax,
     two_head_kl_div_and_argmax,
@@ -234,3 +235,94 @@ def test_fused_ops_keep_their_precision_under_a_bf16_autocast() -> None:
     for got, want in zip(run(True), run(False)):
         assert got.dtype == want.dtype == torch.float32
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ---- TwoHeadTerms: several CE + TV terms sharing rows, head and teacher (XPress's)
+
+
+def _terms_inputs(seed: int, n: int) -> dict[str, torch.Tensor]:
+    d = _inputs(seed, n)
+    g = torch.Generator().manual_seed(seed + 100)
+    d["e2"] = torch.randn(n, d["e"].shape[1], generator=g)
+    d["w2"] = torch.rand(n, generator=g)
+    return d
+
+
+# (features, row weight, term weight) of each term: the backbone alone, two with the
+# second head, one without a loss (values only), as XPress's base / rounds / seed
+TERMS = [(None, "w", 0.6), ("e", "w", 1.0), ("e2", "w2", 0.1), ("e", None, 1.0)]
+
+
+@pytest.mark.parametrize("n", [37, 1, 0])
+def test_terms_equal_one_op_call_a_term(n: int) -> None:
+    """`TwoHeadTerms` (head logits and teacher softmax once, x's gradient one matmul) gives
+    each term's values, argmax and accept and the weighted sum's gradients to x, b and
+    every term's features as `two_head_ce_tv_and_argmax` a term with autograd does."""
+    d = _terms_inputs(7, n)
+
+    def leaves() -> dict[str, torch.Tensor]:
+        return {k: d[k].clone().requires_grad_(True) for k in ("x", "b", "e", "e2")}
+
+    old, new = leaves(), leaves()
+    want, total = [], torch.zeros(())
+    for e, w, k in TERMS:
+        out = two_head_ce_tv_and_argmax(
+            old["x"], None if e is None else old[e], d["a"], None if e is None else old["b"],
+            d["target"], d["teacher"], ce_weight=CE_TV[0], tv_weight=CE_TV[1],
+            row_weight=None if w is None else d[w],
+        )  # fmt: skip
+        want.append(out)
+        if w is not None:
+            total = total + k * out.loss
+    total.backward()
+    terms = TwoHeadTerms(
+        new["x"], d["a"], new["b"], d["target"], d["teacher"], ce_weight=CE_TV[0],
+        tv_weight=CE_TV[1],
+    )  # fmt: skip
+    got = [
+        terms.add(None if e is None else new[e], row_weight=None if w is None else d[w], weight=k)
+        for e, w, k in TERMS
+    ]
+    loss = terms.loss()
+    torch.testing.assert_close(loss, total.detach(), **VALUE_TOL)
+    loss.backward()
+    for g, w_out, (_, w, _) in zip(got, want, TERMS):
+        torch.testing.assert_close(g.rows, w_out.rows, **VALUE_TOL)
+        assert torch.equal(g.pred, w_out.pred)
+        assert g.accept is not None and w_out.accept is not None
+        torch.testing.assert_close(g.accept, w_out.accept, **VALUE_TOL)
+        if w is not None:
+            torch.testing.assert_close(g.loss, w_out.loss.detach(), **VALUE_TOL)
+    for key in ("x", "b", "e", "e2"):
+        a, b = new[key].grad, old[key].grad
+        assert a is not None and b is not None, key
+        torch.testing.assert_close(a, b, **GRAD_TOL)
+    if n > 1:  # the test sees the gradients it compares (n = 1: its row is ignored)
+        gx, ge2 = new["x"].grad, new["e2"].grad
+        assert gx is not None and ge2 is not None
+        assert float(gx.abs().max()) > 0 and float(ge2.abs().max()) > 0
+
+
+def test_terms_scale_with_the_output_gradient_and_skip_grads_without_autograd() -> None:
+    d = _terms_inputs(8, 19)
+    x, b, e = (d[k].clone().requires_grad_(True) for k in ("x", "b", "e"))
+    terms = TwoHeadTerms(x, d["a"], b, d["target"], d["teacher"], ce_weight=0.1, tv_weight=0.9)
+    terms.add(e, row_weight=d["w"])
+    (3.0 * terms.loss()).backward()
+    ref = [t.detach().clone().requires_grad_(True) for t in (x, b, e)]
+    out = two_head_ce_tv_and_argmax(
+        ref[0], ref[2], d["a"], ref[1], d["target"], d["teacher"], ce_weight=0.1,
+        tv_weight=0.9, row_weight=d["w"],
+    )  # fmt: skip
+    (3.0 * out.loss).backward()
+    for got, want in zip((x, b, e), ref):
+        assert got.grad is not None and want.grad is not None
+        torch.testing.assert_close(got.grad, want.grad, **GRAD_TOL)
+    with torch.no_grad():
+        terms = TwoHeadTerms(x, d["a"], b, d["target"], d["teacher"], ce_weight=0.1, tv_weight=0.9)
+        again = terms.add(e, row_weight=d["w"])
+        assert terms.dz_sum is None and terms.gb is None and not terms.es
+        loss = terms.loss()
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, out.loss.detach(), **VALUE_TOL)
+    torch.testing.assert_close(again.rows, out.rows, **VALUE_TOL)

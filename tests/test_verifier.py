@@ -18,13 +18,8 @@ from fanout.contract import CaptureContract
 from fanout.errors import ConfigError
 from fanout.model.capture_layers import resolve_capture_layer_ids
 from fanout.model.draft_config import default_target_layer_ids
-from fanout.model.verifier import (
-    Verifier,
-    config_hash,
-    load_verifier,
-    packed_attention_mask,
-    weights_fingerprint,
-)
+from fanout.model.layer_types import FULL, PackingRule
+from fanout.model.verifier import Verifier, config_hash, load_verifier, weights_fingerprint
 
 VOCAB = 1000
 H = 64
@@ -180,11 +175,13 @@ def test_packed_check_can_fail_without_document_mask(verifier: Verifier) -> None
     assert (leaky.hidden_states[:, s:e] - alone.hidden_states).abs().max() > 1e-3
 
 
-def test_packed_attention_mask_against_loop_reference() -> None:
+def test_full_attention_packed_mask_against_loop_reference() -> None:
+    """The full-attention rule's mask keeps attention causal inside each document; −1
+    (padding) attends only to itself, so no query row is empty (NaN in softmax)."""
     g = torch.Generator().manual_seed(0)
     doc = torch.randint(-1, 3, (2, 12), generator=g).sort(dim=1).values.flip(1)  # runs + padding
-    mask = packed_attention_mask(doc)
-    assert mask.shape == (2, 1, 12, 12)
+    mask = PackingRule((FULL,)).masks(doc, doc)
+    assert isinstance(mask, torch.Tensor) and mask.shape == (2, 1, 12, 12)
     for b in range(2):
         for q in range(12):
             for k in range(12):

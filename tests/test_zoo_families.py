@@ -35,14 +35,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.save import save_checkpoint
 from fanout.families.numbering import to_serving_layer_ids
 from fanout.families.registry import FAMILIES
-from fanout.families.serving import load_draft
 from fanout.model.draft import Draft
 from fanout.model.verifier import Verifier, load_verifier, text_model
 from fanout.model.verifier_dir import text_tensors
 from fanout.ops.adamw import make_optimizer
-from fanout.train.checkpoint import save_checkpoint
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 from verifier_zoo import VOCAB, WINDOW, ZOO, build, load_oracle
 

@@ -3,12 +3,21 @@
     from verifier_zoo import ZOO, build, load_oracle   # tests/ is on sys.path under pytest
     path = build("gemma3_text", tmp_dir)      # save_pretrained dir: config.json + weights
     model = load_oracle("gemma3_text", path)  # the same weights in plain transformers
+    build("falcon_h1", tmp_dir)               # UNRULED: a layer type without a packing rule
 
 Each entry builds a seeded, random-init model from transformers' own config class
 (hidden 32, 2-4 layers, vocab 160, a few experts) and `save_pretrained`s it: no
 download. Sliding windows and attention chunks are 8 tokens, so documents of 10-30
 tokens cross them. Nothing here imports fanout: the test compares fanout's capture
 against these models run by transformers alone.
+
+ZOO holds the architectures whose every layer type has a packing rule
+(fanout.model.layer_types); UNRULED those with a type that has none (Falcon-H1's
+`hybrid`, LFM2's `conv`, DeepSeek-V3.2's `indexed_attention`; Nemotron-H's Mamba,
+`mlp` and `moe` blocks beside attention), which fanout captures by running each
+document alone. They are apart because the zoo's other users (speculative decoding's
+rollback, the families) do not handle their caches yet; `build` and `load_oracle`
+take either.
 """
 
 from __future__ import annotations
@@ -195,13 +204,77 @@ ZOO: dict[str, Arch] = {
 }
 
 
+# Architectures with a layer type that has no packing rule (see the module doc).
+UNRULED: dict[str, Arch] = {
+    "nemotron_h": Arch(  # Mamba-2, attention-free MLP and MoE blocks, attention
+        _cfg(
+            "NemotronHConfig",
+            layers_block_type=["linear_attention", "mlp", "full_attention", "moe"],
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+            mamba_num_heads=4,
+            mamba_head_dim=8,
+            ssm_state_size=8,
+            n_groups=2,
+            chunk_size=8,
+        ),
+        "NemotronHForCausalLM",
+    ),
+    "falcon_h1": Arch(  # attention and Mamba-2 in parallel in every layer (`hybrid`)
+        _cfg(
+            "FalconH1Config",
+            num_hidden_layers=2,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_n_groups=2,
+            mamba_chunk_size=8,
+        ),
+        "FalconH1ForCausalLM",
+    ),
+    "lfm2": Arch(  # short causal convolutions (`conv`) around one attention layer
+        _cfg("Lfm2Config", num_hidden_layers=3, full_attn_idxs=[1], conv_L_cache=3),
+        "Lfm2ForCausalLM",
+    ),
+    "deepseek_v32": Arch(  # MLA with a lightning indexer's top-k (`indexed_attention`)
+        _cfg(
+            "DeepseekV32Config",
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            index_topk=WINDOW,  # fewer keys than a document has: the top-k chooses
+            index_n_heads=16,  # the ReLU scores of few heads tie at 0 (top-k: any order)
+            index_head_dim=16,
+        ),
+        "DeepseekV32ForCausalLM",
+    ),
+}
+
+
+def _arch(name: str) -> Arch:
+    return ZOO[name] if name in ZOO else UNRULED[name]
+
+
 def build(arch: str, out_dir: Path, *, seed: int = 0, **overrides: Any) -> Path:
     """Build zoo entry `arch` with random weights (seeded) and save it to `out_dir`;
     `overrides`: config fields instead of the zoo's (text-only entries; the
     benchmarks' larger sizes)."""
     import transformers
 
-    a = ZOO[arch]
+    a = _arch(arch)
     cfg = a.config(**overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, a.model_class)(cfg)
@@ -214,7 +287,7 @@ def load_oracle(arch: str, path: Path, *, attn_implementation: str | None = None
     with; attention as given, else as transformers picks it for that class."""
     import transformers
 
-    cls = getattr(transformers, ZOO[arch].model_class)
+    cls = getattr(transformers, _arch(arch).model_class)
     model = cls.from_pretrained(
         path, dtype=torch.float32, local_files_only=True, attn_implementation=attn_implementation
     )

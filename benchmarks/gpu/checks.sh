@@ -16,7 +16,9 @@
 # greedy and at T = 1, and the draft cache against the uncached loop and a free draft
 # at a 1.5k-token context; then every zoo verifier's capture and long rows on CUDA
 # (benchmarks/verifiers.py), and every family's train step at DFlash's recipe shape,
-# dense vs block-sparse draft attention vs speculators (benchmarks/draft_attention.py).
+# dense vs block-sparse draft attention vs speculators (benchmarks/draft_attention.py),
+# and at the CPU step comparison's config against speculators, time and peak CUDA memory
+# (benchmarks/families.py --only step --device cuda; issue #56's goal: <= 0.8x, <= 1.0x).
 # The copy there has no .git: give the commit it is of, FANOUT_COMMIT=$(git rev-parse HEAD)
 # (run here), so the JSONs (benchmarks/record.py) name it; copy the producer JSONs into
 # benchmarks/results/ (e.g. producer-h200-16.json) and run `python benchmarks/report.py`.
@@ -77,7 +79,7 @@ done
 "${bench[@]}" --windows 16 --storage-dtype float8_e4m3fn --json "$OUT/producer-fp8.json" 2>&1 \
   | grep -v "it/s\]" | tee "$OUT/producer-fp8.log"
 "${bench[@]}" --windows 8 --profile "$OUT/profile" 2>&1 | grep -v "it/s\]" > "$OUT/profile.log"
-# tensor-parallel capture (fanout.produce.tp, NCCL): TP 2 vs 1 on the same windows, which
+# tensor-parallel capture (fanout.produce.tp_capture, NCCL): TP 2 vs 1 on the same windows, which
 # must match; needs two GPUs
 ngpu=$(nvidia-smi --list-gpus | wc -l)
 if [ "$ngpu" -ge 2 ]; then
@@ -114,4 +116,10 @@ python3 benchmarks/draft_attention.py --device cuda --hidden 4096 --heads 32 --k
   --head-dim 128 --intermediate 12288 --vocab 32000 --draft-layers 5 --threads 8 \
   --out /tmp/draft_attention --json "$OUT/draft_attention-gpu.json" 2>&1 \
   | tee "$OUT/draft_attention-gpu.log"
+# every family's train step against speculators 0.9.0's model on the same config and rows
+# as the CPU record (benchmarks/results/families-step-*.json), on CUDA: time (each part
+# synchronized) and peak CUDA memory, 9 interleaved rounds (issue #56)
+python3 benchmarks/families.py --only step --device cuda --out /tmp/families \
+  --json "$OUT/families-step-gpu.json" 2>&1 | grep -v "Loading weights\|Writing model" \
+  | tee "$OUT/families-step-gpu.log"
 ls -la "$OUT"

@@ -15,7 +15,6 @@ its metadata so a file from another contract is never served.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from fanout.errors import ConfigError, ContractMismatch
 from fanout.filesystem import FileSystem
+from fanout.hashing import identity_digest
 
 # 2: one tensor per captured layer, a checksum per tensor (fanout-window-2); 1 is refused.
 CONTRACT_FORMAT_VERSION = 2
@@ -141,8 +141,7 @@ class CaptureContract(BaseModel):
     @property
     def stream_id(self) -> str:
         """Short hash naming the stream (16 hex chars of sha256 of the canonical JSON)."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return identity_digest(self.model_dump(mode="json"))[:16]
 
     def diff(self, other: CaptureContract) -> dict[str, tuple[Any, Any]]:
         """Fields whose values differ: {field: (self's value, other's value)}."""

@@ -89,7 +89,7 @@ class CoordinatorFull(StorageFull):
 
 class RankLost(FanoutError):
     """A tensor-parallel rank of `fanout produce --tp N` died or stopped answering
-    within --tp-timeout-s (fanout.produce.tp). Every other rank stops with this: rank 0
+    within --tp-timeout-s (fanout.produce.tp_capture). Every other rank stops with this: rank 0
     after failing its claim in flight, so a restart recaptures that window."""
 
 
@@ -105,6 +105,17 @@ class CorruptWindow(FanoutError):
         self.path = path
         self.reason = reason
         super().__init__(f"corrupt window {path}: {reason}")
+
+
+class CorruptPreparedData(FanoutError):
+    """A prepared dataset (`fanout prepare`'s packed-row cache, fanout.data.cache) is
+    damaged: a truncated shard, a bad header, no manifest. Not a CorruptWindow, which a
+    trainer reports to the coordinator to have that window recaptured."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"corrupt prepared dataset {path}: {reason}")
 
 
 class BadRow(FanoutError):
@@ -196,3 +207,30 @@ class NoSupervisedTokens(ConfigError):
     """A trainer's steps had no supervised token for too long in a row (the draft's
     anchors fit nowhere in the rows: a block near the rows' length, or data whose
     loss mask leaves no room); the message names the steps and what to change."""
+
+
+class CaptureCheckFailed(FanoutError):
+    """A captured window failed the producer's content check (fanout.produce.capture_check):
+    a captured layer holds non-finite values, or a row of it is all zero, or the same
+    for every token while the verifier's own greedy ids differ. Such a window is never
+    published; it is captured again once, and a second failure in a row stops the
+    producer with this error (a verifier loaded wrongly must not feed drafts for hours).
+    The message names the window, the layer and the row."""
+
+    def __init__(self, layer: int, row: int, reason: str, window: int | None = None) -> None:
+        self.layer = layer
+        self.row = row
+        self.reason = reason
+        self.window = window
+        where = "" if window is None else f"window {window}: "
+        super().__init__(f"{where}captured layer {layer}, row {row}: {reason}")
+
+    def in_window(self, window: int) -> CaptureCheckFailed:
+        """The same failure, its message naming `window`."""
+        return CaptureCheckFailed(self.layer, self.row, self.reason, window)
+
+
+class NonFiniteLoss(FanoutError):
+    """A trainer's loss was not finite (NaN or inf) for --max-nonfinite-steps steps in a
+    row: each was skipped (no optimizer update), and the draft is not learning; the
+    message names the steps and what to check."""

@@ -37,15 +37,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
+import hashlib  # 8 or 16 hex digits of a name (fanout.hashing is for file checksums)
+import logging
 import os
+import re
 import secrets
 import shutil
+import socket
 import sys
+import tempfile
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, overload
+
+log = logging.getLogger(__name__)
 
 StrPath = str | os.PathLike[str]
 # What write() accepts: anything exposing the buffer protocol, passed as a memoryview
@@ -72,6 +81,12 @@ OPS = frozenset(
 )
 
 FILE_MODE = 0o644
+# A temp of another host (or pid space) is removed as debris only once nothing in it
+# changed for this long: its writer's pid cannot be checked from here.
+TEMP_STALE_S = 3600.0
+# What a rename onto another writer's new directory fails with: ENOTEMPTY/EEXIST
+# locally, EPERM/EACCES through sshfs (SFTP's generic failure).
+_RENAME_LOST = frozenset({errno.ENOTEMPTY, errno.EEXIST, errno.EPERM, errno.EACCES})
 T = TypeVar("T")
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
 
@@ -103,6 +118,213 @@ def _sync_file_range(fd: int, offset: int, nbytes: int) -> None:
         # A hint the kernel or a sandbox (gVisor) refuses; the fsync that follows
         # makes the data durable either way. Do not ask again in this process.
         _SYNC_FILE_RANGE = None
+
+
+# Network filesystems: another host's view of a file may lag, lock and rename
+# semantics vary, and a file removed on another host may vanish under an mmap (SIGBUS).
+# SQLite refuses to live on them (fanout.coord.sqlitedb); window reads copy from them
+# instead of mapping (fanout.store.windowfile).
+NETWORK_FS_TYPES = frozenset(
+    {
+        "nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "fuse.sshfs", "sshfs",
+        "lustre", "gpfs", "ceph", "fuse.ceph", "fuse.cephfs", "glusterfs",
+        "fuse.glusterfs", "beegfs", "fuse.beegfs", "panfs", "afs", "ocfs2", "gfs2",
+        "orangefs", "pvfs2", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs",
+        "wekafs", "9p", "fuse.weka",
+    }
+)  # fmt: skip
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str]]:
+    """(mount point, fs type) per line of /proc/self/mountinfo (octal escapes decoded).
+
+    Format (proc(5)): `id parent major:minor root MOUNTPOINT opts [optional...] - FSTYPE src sopts`.
+    """
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields = left.split()
+        if not sep or len(fields) < 5 or not right.split():
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # "\040" -> " "
+        out.append((point, right.split()[0]))
+    return out
+
+
+def filesystem_type(path: Path, mountinfo: str | None = None) -> tuple[str, str]:
+    """(fs type, mount point) of the filesystem holding `path` (longest mount prefix)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return ("unknown", "/")
+    target = os.path.realpath(path)
+    best = ("unknown", "/")
+    best_len = -1
+    for point, fstype in parse_mountinfo(mountinfo):
+        p = point.rstrip("/") or "/"
+        inside = target == p or p == "/" or target.startswith(p + "/")
+        # ">=" so that a later mount stacked on the same point wins, as the kernel does.
+        if inside and len(p) >= best_len:
+            best, best_len = (fstype, p), len(p)
+    return best
+
+
+def is_network_filesystem(fstype: str) -> bool:
+    """Is `fstype` (a /proc/self/mountinfo type) a network filesystem?"""
+    return fstype in NETWORK_FS_TYPES or fstype.startswith(("nfs", "fuse.ceph"))
+
+
+def on_network_filesystem(path: StrPath) -> bool:
+    """Is `path` on a network filesystem (per /proc/self/mountinfo)? Answered once per
+    filesystem (device) for the life of the process; False where /proc cannot tell."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return False
+    cached = _NETWORK_BY_DEV.get(dev)
+    if cached is None:
+        cached = _NETWORK_BY_DEV[dev] = is_network_filesystem(filesystem_type(Path(path))[0])
+    return cached
+
+
+_NETWORK_BY_DEV: dict[int, bool] = {}
+
+
+def stale_view_s(path: StrPath) -> float:
+    """How long a reader under `path` waits for a name another host made to show up
+    (NFS attribute and directory caches, or sshfs's, can hide a new name from another
+    host for a while): `FANOUT_STALE_VIEW_S` if set, else 5 s on a network filesystem
+    and 0 on a local one (its view is never stale). One rule for every such wait."""
+    raw = os.environ.get("FANOUT_STALE_VIEW_S", "").strip()
+    if raw:
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            pass
+    return 5.0 if on_network_filesystem(path) else 0.0
+
+
+@functools.cache
+def _pid_space() -> str:
+    """8 hex digits naming this kernel boot and pid namespace (where a pid names one
+    process), "x" where /proc cannot tell."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "x"
+    return hashlib.blake2s(f"{boot}/{ns}".encode(), digest_size=4).hexdigest()
+
+
+def _host() -> str:
+    """This host's name as a temp name can carry it: letters, digits, '-', '_'."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname())[:40] or "host"
+
+
+_TAG_RE = re.compile(r"@([A-Za-z0-9_-]+)\.([0-9a-f]{8}|x)\.(\d+)\.([0-9a-f]{8})")
+# A name from before tags: a pid after the last '-' or '.' (`.tmp-x-<pid>`,
+# `x.tmp-<pid>`, `.x.<pid>-<hex>.tmp`).
+_LEGACY_PID_RE = re.compile(r"[-.](\d+)$|\.(\d+)-[0-9a-f]+\.tmp$")
+
+
+def temp_tag() -> str:
+    """`@<host>.<pid space>.<pid>.<random>`: the part of every temp name that makes it
+    unique across hosts, containers, processes and calls. Put it in a name as it is
+    (`f".{name}.{temp_tag()}.tmp"`); `temp_writer_gone` finds it anywhere in the name."""
+    return f"@{_host()}.{_pid_space()}.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def _pid_gone(pid: int) -> bool:
+    """Has `pid` of this pid space exited (no such process, or a zombie)? A reused pid
+    reads as live: the safe side for "may I remove its files"."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:
+        return False
+    return bool(fields) and fields[0] in ("Z", "X", "x")
+
+
+def _newest_mtime(path: Path) -> float | None:
+    """The newest mtime of `path` and, for a directory, of its direct entries."""
+    try:
+        newest = path.lstat().st_mtime
+    except FileNotFoundError:
+        return None
+    if path.is_dir() and not path.is_symlink():
+        with contextlib.suppress(OSError), os.scandir(path) as it:
+            for e in it:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def temp_writer_gone(path: StrPath, stale_s: float = TEMP_STALE_S) -> bool:
+    """May the temp file or directory `path` be removed as debris?
+
+    Tagged (`temp_tag`) by this pid space: when its pid has exited (never this
+    process's). Tagged by another host or container: only once nothing in it changed
+    for `stale_s` seconds, since its pid cannot be checked from here. An untagged name
+    of an older fanout: by the pid it ends with. A name with neither: debris."""
+    p = Path(path)
+    m = _TAG_RE.search(p.name)
+    if m is not None:
+        space, pid = m[2], int(m[3])
+        if space == _pid_space() and space != "x":
+            return pid != os.getpid() and _pid_gone(pid)
+        newest = _newest_mtime(p)
+        return newest is None or time.time() - newest >= stale_s
+    legacy = _LEGACY_PID_RE.search(p.name)
+    if legacy is None:
+        return True
+    pid = int(legacy[1] or legacy[2])
+    return pid != os.getpid() and _pid_gone(pid)
+
+
+@contextlib.contextmanager
+def host_build_lock(entry: StrPath, on_wait: Callable[[], None] | None = None) -> Iterator[bool]:
+    """Best effort: one process of this host at a time builds `entry` (M producer
+    replicas started together on one host prepare the same rows once, not M times on
+    the same cores). Yields whether the lock is held.
+
+    Never a lock across hosts and never one that correctness rests on: the lock file
+    lives in this host's temp dir (`$TMPDIR/fanout-locks`), never beside `entry` on a
+    shared filesystem, where `flock` is per host, granted to everyone (Lustre, GPFS)
+    or refused (`PermissionError` through sshfs). A lock that cannot be taken is
+    logged in one line and the build goes on without it: builders write unique temps
+    and `commit_dir_once` keeps the first complete entry. `on_wait` is called once if
+    another process of this host holds it (then this one waits for it). filelock's
+    flock: released when its holder dies, kill -9 included."""
+    from filelock import FileLock, Timeout
+
+    path = Path(entry).absolute()
+    key = hashlib.blake2s(str(path).encode(), digest_size=8).hexdigest()
+    locks = Path(tempfile.gettempdir()) / "fanout-locks"
+    lock: Any = None
+    try:
+        with contextlib.suppress(FileExistsError):
+            locks.mkdir()
+            locks.chmod(0o1777)  # every user's builds share it, as /tmp (umask aside)
+        # 4096 files at most, ever: lock files stay (removing one a waiter holds open
+        # would let a third process in); two entries sharing one just wait in turn
+        lock = FileLock(str(locks / f"{key[:3]}.lock"), mode=0o666)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            if on_wait is not None:
+                on_wait()
+            lock.acquire()
+    except OSError as e:
+        log.warning("building %s without a lock (%s): any writer's complete copy wins", path, e)
+        lock = None
+    try:
+        yield lock is not None
+    finally:
+        if lock is not None:
+            with contextlib.suppress(OSError):
+                lock.release()
 
 
 class AtomicWriteError(OSError):
@@ -252,11 +474,9 @@ class FileSystem:
         (a new symlink beside it, renamed over it, the directory fsynced). Raises
         AtomicWriteError naming the step; the old link is intact on failure."""
         link = Path(link)
-        tmp = link.with_name(f".{link.name}.new-{os.getpid()}")
+        tmp = link.with_name(f".{link.name}.new{temp_tag()}")
         step = "symlink"
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)  # debris of a killed flip
             self._before("symlink", tmp)
             os.symlink(target, tmp)
             self._after("symlink", tmp)
@@ -378,7 +598,7 @@ class FileSystem:
         Args:
             path: the final name.
             data: bytes, or a writer called with the TempFile (its result is returned).
-            tmp: the temp file's name; default `.<name>.<pid>-<random>.tmp` beside
+            tmp: the temp file's name; default `.<name>.<temp_tag()>.tmp` beside
                 `path`. One on another directory of the same filesystem (the store's
                 tmp/) is fine: only `path`'s directory is fsynced.
             overwrite: replace an existing `path` (rename) or refuse to (link).
@@ -391,7 +611,7 @@ class FileSystem:
         """
         path = Path(path)
         if tmp is None:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+            tmp = path.with_name(f".{path.name}.{temp_tag()}.tmp")
         tmp = Path(tmp)
         out = self.write_new(tmp, data)
         step, where, linked, tmp_left = "rename", path, False, True
@@ -419,21 +639,10 @@ class FileSystem:
             raise named from e
         return out
 
-    def commit_dir(self, tmp: StrPath, final: StrPath) -> None:
-        """Move a fully written directory `tmp` into place as `final`, whole or not at all.
-
-        Steps: fsync every file (`open_existing` → fsync → close) and directory under
-        `tmp` (cheap for files already written with write_new) → rename an existing
-        `final` aside to `.<name>.old-<pid>` → rename `tmp` to `final` → fsync the
-        parent → remove the old one. `tmp` and `final` must be siblings. A reader
-        sees the old directory, none (only between the two renames) or the new one,
-        never a partial one. On failure before the rename `tmp` is left for the
-        caller to remove and the old `final` is put back; raises AtomicWriteError.
-        """
-        tmp, final = Path(tmp), Path(final)
+    def _sync_tree(self, tmp: Path) -> None:
+        """fsync every file (`open_existing` → fsync → close) and directory under `tmp`;
+        AtomicWriteError naming the step and the path."""
         step, where = "fsync", tmp
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        moved = False
         try:
             for dirpath, _, files in os.walk(tmp):
                 for f in files:
@@ -448,9 +657,31 @@ class FileSystem:
                 step, where = "fsync directory", Path(dirpath)
                 self.fsync_dir(dirpath)
                 step = "fsync"
+        except BaseException as e:
+            named = _named(e, step, where)
+            if named is None:
+                raise
+            raise named from e
+
+    def commit_dir(self, tmp: StrPath, final: StrPath) -> None:
+        """Move a fully written directory `tmp` into place as `final`, whole or not at all.
+
+        Steps: fsync every file (`open_existing` → fsync → close) and directory under
+        `tmp` (cheap for files already written with write_new) → rename an existing
+        `final` aside to `.<name>.old-<temp_tag()>` → rename `tmp` to `final` → fsync the
+        parent → remove the old one. `tmp` and `final` must be siblings. A reader
+        sees the old directory, none (only between the two renames) or the new one,
+        never a partial one. On failure before the rename `tmp` is left for the
+        caller to remove and the old `final` is put back; raises AtomicWriteError.
+        For an entry several hosts may build at once, `commit_dir_once`.
+        """
+        tmp, final = Path(tmp), Path(final)
+        self._sync_tree(tmp)
+        old = final.with_name(f".{final.name}.old-{temp_tag()}")
+        moved = False
+        step, where = "rename aside", final
+        try:
             if os.path.lexists(final):
-                step, where = "rename aside", final
-                shutil.rmtree(old, ignore_errors=True)
                 self.rename(final, old)
                 moved = True
             step, where = "rename", final
@@ -469,6 +700,56 @@ class FileSystem:
         finally:
             if not moved:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def commit_dir_once(
+        self, tmp: StrPath, final: StrPath, complete: Callable[[Path], bool]
+    ) -> bool:
+        """Commit `tmp` as `final` unless a complete `final` is there: for an entry that
+        several processes, on several hosts, may build at once (a shared cache).
+
+        Returns True when `tmp` became `final`; False when another writer's complete
+        entry (`complete(final)`) was there first or won the rename, in which case `tmp`
+        is removed and the caller uses the winner's. Never removes or replaces a
+        complete entry, so a reader of the winner's files never loses them; an
+        incomplete or outdated `final` (`complete` is False) is set aside and replaced.
+        A rename that fails because `final` appeared meanwhile is a loss, judged by
+        `complete(final)` for up to `stale_view_s` (another host's new name may show
+        up late here); any other failure raises AtomicWriteError, `tmp` left for the
+        caller to remove. No lock: correct wherever rename(2) onto a non-empty directory
+        fails, whatever errno a network filesystem turns that into.
+        """
+        tmp, final = Path(tmp), Path(final)
+        if complete(final):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        self._sync_tree(tmp)
+        if os.path.lexists(final):  # outdated or incomplete: set aside, never reused
+            old = final.with_name(f".{final.name}.old-{temp_tag()}")
+            with contextlib.suppress(FileNotFoundError):
+                self.rename(final, old)
+                if complete(old):  # another writer's, committed since we looked: put it back
+                    with contextlib.suppress(OSError):
+                        self.rename(old, final)
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
+        try:
+            self.rename(tmp, final)
+        except OSError as e:
+            if e.errno not in _RENAME_LOST and not os.path.lexists(final):
+                raise AtomicWriteError("rename", final, e) from e  # EIO, ENOSPC: not a race
+            deadline = time.monotonic() + stale_view_s(final.parent)
+            while True:
+                if complete(final):
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return False
+                if time.monotonic() >= deadline:
+                    raise AtomicWriteError("rename", final, e) from e
+                time.sleep(0.1)
+        try:
+            self.fsync_dir(final.parent)
+        except OSError as e:
+            raise AtomicWriteError("fsync directory", final.parent, e) from e
+        return True
 
 
 class FaultyFileSystem(FileSystem):

@@ -248,7 +248,13 @@ def add_model_flags(
             default = field.default_factory()  # type: ignore[call-arg]
         required = field.is_required()
         help_text = (field.description or "").rstrip(".")
-        help_text += " (required)" if required else f" (default: {_shown(default)})"
+        # a field a before-validator fills from another flag (the model's
+        # `required_unless`, e.g. produce's --data from --follow) is not required then
+        unless = getattr(model, "required_unless", {}).get(name)
+        if required:
+            help_text += f" (required unless {unless})" if unless else " (required)"
+        else:
+            help_text += f" (default: {_shown(default)})"
         kind = flag_kind(field)
         if kind == "bool":
             kwargs["action"] = _Switch

@@ -5,6 +5,6 @@ and validity (metrics), report.json / .md from a run (report) and its plots (plo
 NVML and process telemetry (telemetry), `fanout demo` (demo) and the tiny assets it
 and the tests build (assets).
 
-May import: produce, train, coord, store, decode, data, families, model, ops and the
-core; runs the roles as separate processes (`python -m fanout.cli`), never imports cli.
+May import: produce, train, status, coord, store, decode, data, families, model, ops
+and the core; runs the roles as separate processes (`python -m fanout.cli`), never imports cli.
 """

@@ -21,7 +21,6 @@ download a tokenizer or a verifier. This module makes them:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
@@ -38,6 +37,7 @@ from typing import Any
 from filelock import FileLock
 
 from fanout.filesystem import FileSystem
+from fanout.hashing import identity_digest
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +429,7 @@ class AssetSettings:
             raise ValueError(f"AssetSettings.num_layers must be >= 4, got {self.num_layers}")
 
     def fingerprint(self) -> str:
-        blob = json.dumps({"generator_version": GENERATOR_VERSION, **asdict(self)}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return identity_digest({"generator_version": GENERATOR_VERSION, **asdict(self)})[:16]
 
 
 def ensure_demo_assets(

@@ -11,7 +11,7 @@ Scenarios, run one after another on the same data and models:
 Every role is its own process (`python -m fanout.cli produce|train`, logs under
 `<out>/<scenario>/logs/`); a telemetry sampler (fanout.bench.telemetry) watches them
 and the run dirs. Numbers come from the trainers' `train_log.jsonl`, the
-producer's summary and the coordinator (`fanout.coord.status.snapshot`), over each
+producer's summary and the coordinator (`fanout.status.snapshot.snapshot`), over each
 scenario's steady window (after `warmup_steps`, while every consumer runs).
 The coordinator is SQLite in each run dir, or with `database` set PostgreSQL: the
 producer gets `--db-path URL?schema=NAME`, a new schema per run dir (`schema_name`),
@@ -264,7 +264,7 @@ def _env(cfg: BenchConfig, kind: str) -> dict[str, str]:
 
 
 def _coordinator_probe(run_dirs: list[Path]) -> Callable[[], dict[str, Any]]:
-    """Sampler probe: live windows / bytes per run dir, read-only, each opened once its
+    """Sampler probe: ready windows / bytes per run dir, read-only, each opened once its
     producer has created it (SQLite or PostgreSQL: the run dir records which)."""
     from fanout.coord.coordinator import Coordinator
 
@@ -278,10 +278,10 @@ def _coordinator_probe(run_dirs: list[Path]) -> Callable[[], dict[str, Any]]:
                 if co is None:
                     continue
                 opened[r] = co
-            ready, live = opened[r].ready_windows()
+            ready, ready_bytes = opened[r].ready_windows()
             out[str(r)] = {
                 "ready_windows": ready,
-                "live_bytes": live,
+                "ready_bytes": ready_bytes,
                 "produced": int(opened[r].meta("next_window")),
             }
         return out

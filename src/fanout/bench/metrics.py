@@ -5,7 +5,7 @@
     m["valid"], m["reasons"], m["aggregate"]["rows_per_s"], m["captures_per_window"]
 
 Sources: each trainer's `train_log.jsonl` (step times, acked windows), each
-producer's `--summary-json`, the coordinator (`fanout.coord.status.snapshot`: windows
+producer's `--summary-json`, the coordinator (`fanout.status.snapshot.snapshot`: windows
 produced, recaptures, high-water marks) and the telemetry JSONL, over the scenario's
 steady window (after `warmup_steps`, while every consumer runs). fanout.bench.report
 puts these numbers into report.json / report.md.
@@ -128,7 +128,7 @@ def _snapshot(run_dir: Path) -> dict[str, Any] | None:
     """`fanout status --json` of a run dir (SQLite or PostgreSQL, as the run dir
     records), None if no producer created it."""
     from fanout.coord.coordinator import Coordinator
-    from fanout.coord.status import snapshot
+    from fanout.status.snapshot import snapshot
 
     co = Coordinator.open_if_created(run_dir)
     if co is None:
@@ -175,8 +175,8 @@ def scenario_metrics(cfg: BenchLike, run: RunLike, tel: Path) -> dict[str, Any]:
         "captures": prod["captures"],
         "unique_windows": unique,
         "captures_per_window": cpw,
-        "peak_live_windows": prod["peak_live_windows"],
-        "peak_live_bytes": prod["peak_live_bytes"],
+        "peak_ready_windows": prod["peak_ready_windows"],
+        "peak_ready_bytes": prod["peak_ready_bytes"],
         "telemetry": tel_sum,
     }
 
@@ -260,7 +260,7 @@ def _producer_metrics(
 ) -> dict[str, Any]:
     """Each producer's (each replica's) summary, its run dir's coordinator counts, and
     the totals over all of them (appending to `reasons` what breaks a rule): captures,
-    unique windows, the peak live windows / bytes. `runs`: per run dir, what its
+    unique windows, the peak ready windows / bytes (the coordinator's high water: ready only, a lower bound of what K bounds). `runs`: per run dir, what its
     producers made together (`replicas`, windows/s summed over them, windows, captures
     per window, recaptures, reclaimed claims)."""
     producers: dict[str, Any] = {}
@@ -323,8 +323,8 @@ def _producer_metrics(
         "runs": runs,
         "captures": captures,
         "unique_windows": unique,
-        "peak_live_windows": hw_windows,
-        "peak_live_bytes": hw_bytes,
+        "peak_ready_windows": hw_windows,
+        "peak_ready_bytes": hw_bytes,
     }
 
 

@@ -36,15 +36,45 @@ class AssetsLike(Protocol):
     def data(self) -> Sequence[str]: ...
 
 
-def hardware() -> dict[str, Any]:
-    cpu = "unknown"
+# The CPU's vector extensions a benchmark names (/proc/cpuinfo `flags`): what decides how
+# fast torch's CPU kernels run, so a figure measured with them is not read as holding
+# without them (issue #56: one run, 0.72x on a Xeon, 1.10x on an EPYC)
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """The CPU's model name and which of `VECTOR_FLAGS` it has ("unknown", [] where
+    /proc/cpuinfo cannot be read)."""
+    cpu, flags = "unknown", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return cpu, [f for f in VECTOR_FLAGS if f in flags]
+
+
+def torch_build() -> dict[str, Any]:
+    """torch's version and the vector kernels it dispatches to on this CPU
+    (`torch.backends.cpu.get_cpu_capability()`: e.g. AVX512, AVX2; None without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return {"torch": None, "torch_cpu_capability": None}
+    return {
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def hardware() -> dict[str, Any]:
+    """Where a benchmark ran: the CPU (model, its vector extensions), cores, memory, OS,
+    load, GPUs and the torch build (every record's `hardware`, benchmarks/record.py)."""
+    cpu, vector = cpu_info()
     mem = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -54,6 +84,8 @@ def hardware() -> dict[str, Any]:
         pass
     hw: dict[str, Any] = {
         "cpu": cpu,
+        "cpu_vector_extensions": vector,
+        **torch_build(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "mem_bytes": mem,
@@ -148,14 +180,14 @@ def build_report(
         "captures_per_window_unshared": sc["unshared"]["captures_per_window"]
         if "unshared" in sc
         else None,
-        "peak_live_windows": shared["peak_live_windows"] if shared else None,
+        "peak_ready_windows": shared["peak_ready_windows"] if shared else None,
         "max_live_windows": cfg.producer.max_live_windows,
     }
     if shared and shared["producers"]:
         p = next(iter(shared["producers"].values()))
         wb = p.get("window_bytes", 0)
         rep["disk"] = {
-            "high_water_bytes": shared["peak_live_bytes"],
+            "high_water_bytes": shared["peak_ready_bytes"],
             "all_windows_bytes": wb * shared["unique_windows"],
             "window_bytes": wb,
         }
@@ -165,9 +197,9 @@ def build_report(
                 3,
             )
     reasons = [f"{k}: {r}" for k, v in sc.items() for r in v["reasons"]]
-    peak, k = rep["peak_live_windows"], cfg.producer.max_live_windows
+    peak, k = rep["peak_ready_windows"], cfg.producer.max_live_windows
     if peak is not None and peak > k:
-        reasons.append(f"1p3c: peak live windows {peak} > K = {k}")
+        reasons.append(f"1p3c: peak ready windows {peak} > K = {k}")
     rep["valid"] = not reasons
     rep["reasons"] = reasons
     rep["flags"] = [f"{k}: {f}" for k, v in sc.items() for f in v["flags"]]
@@ -224,8 +256,8 @@ def format_table(rep: dict[str, Any]) -> str:
             )
         lines.append(
             f"{name:<9} {'aggregate':<10} {_f(sc['aggregate'].get('rows_per_s')):>8}   "
-            f"captures/window {_f(sc['captures_per_window'])}  peak live "
-            f"{sc['peak_live_windows']} windows ({_mib(sc['peak_live_bytes'])})  "
+            f"captures/window {_f(sc['captures_per_window'])}  peak ready "
+            f"{sc['peak_ready_windows']} windows ({_mib(sc['peak_ready_bytes'])})  "
             f"{'ok' if sc['valid'] else 'INVALID'}"
         )
     lines += [
@@ -233,7 +265,7 @@ def format_table(rep: dict[str, Any]) -> str:
         f"aggregate_speedup_vs_unshared = {_f(rep['aggregate_speedup_vs_unshared'], 3)}"
         f"{'' if rep['aggregate_speedup_vs_unshared'] else NO_UNSHARED}   "
         f"captures_per_window_1p3c = {_f(rep['captures_per_window_1p3c'])}   "
-        f"peak_live_windows = {rep['peak_live_windows']} (K = {rep['max_live_windows']})",
+        f"peak_ready_windows = {rep['peak_ready_windows']} (K = {rep['max_live_windows']})",
     ]
     lines += [f"INVALID: {r}" for r in rep["reasons"]] + [f"flag: {f}" for f in rep["flags"]]
     return "\n".join(lines)

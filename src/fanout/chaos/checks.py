@@ -125,8 +125,8 @@ class Sampler:
         return self.co
 
     def sample(self) -> None:
-        from fanout.coord.status import snapshot
         from fanout.errors import CorruptWindow
+        from fanout.status.snapshot import snapshot
 
         co = self._open()
         if co is not None:

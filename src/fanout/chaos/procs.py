@@ -35,7 +35,7 @@ PRELOAD = [
     "fanout.data.prepare",
     "fanout.model.verifier",
     "fanout.train.trainer",
-    "fanout.coord.status",
+    "fanout.status.commands",
 ]
 
 

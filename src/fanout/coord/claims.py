@@ -33,7 +33,7 @@ from fanout.coord import reads, retention, schema, states, waits
 from fanout.coord.core import RunDb
 from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
-from fanout.coord.leases import Claim, ProducerReg, PublishedLike, producer_id
+from fanout.coord.grants import Claim, ProducerReg, PublishedLike, producer_id
 from fanout.coord.roles import Roles
 from fanout.coord.states import RoleState, W
 from fanout.errors import StaleLease
@@ -198,6 +198,7 @@ class Claims:
                     (claim.window,),
                 ).fetchone()[0]
             )
+            self.run.bump(cur, "capture_failures")  # status and /metrics count them
             state = W.FAILED if attempts >= self.run.config.max_attempts else W.QUEUED
             states.move(
                 cur, W.CAPTURING, state, "window=?", (claim.window,),

@@ -27,18 +27,19 @@ one part per responsibility, each its own module, sharing only the run
     leasing    the consumers' work: acquire, ack, release, corrupt reports, their end
     retention  what may be evicted and when (rules, RunConfig)
     eviction   eviction's file side and the sweep (Eviction)
-    reads      named read-only questions (status, bench, chaos)
+    reads      named read-only questions: the read API (status, bench, chaos)
     follow_log a followed source's committed chunks (`produce --follow`'s position)
 
 Window states and their legal moves are fanout.coord.states'; liveness rules
-fanout.coord.liveness'; the heartbeat thread fanout.coord.heartbeat's; the tokens'
-value types fanout.coord.leases'. The file side of eviction and quarantine goes
+fanout.coord.liveness'; the heartbeat thread fanout.coord.heartbeat's; what it grants
+(registrations, claims, leases: plain values with their tokens) fanout.coord.grants'. The file side of eviction and quarantine goes
 through fanout.store.store (imported lazily: no torch for `status`). Only
 fanout.coord speaks SQL: everything else calls named methods.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -53,7 +54,7 @@ from fanout.coord.claims import Claims
 from fanout.coord.core import Location, RunDb
 from fanout.coord.eviction import Eviction
 from fanout.coord.follow_log import FollowChunk, FollowLog
-from fanout.coord.leases import (
+from fanout.coord.grants import (
     Claim,
     ConsumerReg,
     Lease,
@@ -118,8 +119,9 @@ class Coordinator:
         """--db-path if given (a path, sqlite:///path or a postgresql:// URL), else what
         create() recorded in the run dir, else root/coordinator.sqlite3."""
         rd = RunDir(root)
-        if db_path is None and rd.db_pointer.is_file():
-            db_path = rd.db_pointer.read_text().strip()
+        if db_path is None:
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                db_path = rd.db_pointer.read_text().strip() or None
         if db_path is None:
             return rd.database
         if postgresdb.is_url(db_path):
@@ -196,7 +198,7 @@ class Coordinator:
         """Drop this run's tables and close, unless something used it beyond producer
         `owner` creating it (reads.run_was_used, asked in the same write transaction as
         the drop: a trainer that joins meanwhile keeps the run). For a producer start
-        that failed (fanout.produce.rundir). On PostgreSQL the schema goes too when
+        that failed (fanout.produce.run_start). On PostgreSQL the schema goes too when
         `create` made it, so a retry with the same URL starts clean; a SQLite file is the
         caller's to remove with the run dir. Returns whether the run was dropped (the
         connection is closed only then)."""
@@ -224,16 +226,17 @@ class Coordinator:
         where = cls.resolve_db_path(root, db_path)
         conn: schema.Database
         if isinstance(where, Path):
-            if not allow_network_fs:
-                sqlitedb.check_local_filesystem(where, mountinfo)
             if not where.is_file() and db_path is None and not pointer.is_file():
                 # Nothing says where the database is: a PostgreSQL run's pointer is
-                # written by the producer that creates it, so do not name a SQLite file.
+                # written by the producer that creates it, so do not name a SQLite file,
+                # nor refuse one on a shared run dir: the run is not made yet (waited on).
                 raise NoCoordinator(
                     f"{root}: no coordinator database yet: no producer has created this "
                     f"run (neither {where.name} nor {pointer.name}, the pointer to a "
                     "--db-path database, is there); start the producer, or pass --db-path"
                 )
+            if not allow_network_fs:
+                sqlitedb.check_local_filesystem(where, mountinfo)
             if not where.is_file():
                 raise NoCoordinator(
                     f"{where}: no coordinator database (has a producer created the run?)"
@@ -362,7 +365,9 @@ class Coordinator:
         self.claims.fail(claim, reason)
 
     def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
-        """Block while K windows are live; apply the lag policy. False on timeout."""
+        """Block while there is no room (K windows live, or K − 1 and the slowest
+        consumer's next needed window cannot be claimed: fanout.coord.retention); apply
+        the lag policy. False on timeout."""
         return self.claims.wait_for_capacity(preg, timeout_s)
 
     def blocked_by(self) -> str:

@@ -9,7 +9,8 @@ The Coordinator is composed of parts, one per responsibility (fanout.coord.roles
 common. It owns the connection, the run's RunConfig and CaptureContract (stored in
 `meta` at create time), the window-file store, the id/token counters and the
 monotonic clock that decisions use; the wall-clock stamps stored for display are
-fanout.coord.liveness.wall's.
+fanout.coord.database.wall's (beside the database seam, the lowest module, so the
+state machine and liveness stamp with the same clock).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from fanout.contract import CaptureContract
 from fanout.coord import schema
-from fanout.coord.leases import WindowFiles
+from fanout.coord.grants import WindowFiles
 from fanout.coord.retention import RunConfig
 from fanout.store.rundir import RunDir
 from fanout.store.streaminfo import window_span
@@ -77,13 +78,19 @@ class RunDb:
         row = cur.execute(
             "UPDATE counters SET value = value + ? WHERE key=? RETURNING value", (n, key)
         ).fetchone()
+        if row is None and key in schema.LATE_COUNTERS:  # a run made before it existed
+            cur.execute("INSERT INTO counters(key, value) VALUES (?, ?)", (key, n))
+            return n
         return int(row[0])
 
     @staticmethod
     def meta(cur: schema.Sql, key: str) -> Any:
         """A counter (schema.COUNTERS, an int) or a stored run setting (text, or None)."""
         if key in schema.COUNTERS:
-            return int(cur.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()[0])
+            got = cur.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()
+            if got is None and key in schema.LATE_COUNTERS:
+                return 0  # a run made before the counter existed, none bumped yet
+            return int(got[0])
         row = cur.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else row[0]
 

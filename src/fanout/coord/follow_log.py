@@ -31,12 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.coord.core import RunDb
 from fanout.coord.database import wall
-from fanout.coord.leases import ProducerReg
+from fanout.coord.grants import ProducerReg
 from fanout.coord.roles import Roles
 from fanout.coord.schema import Sql
 from fanout.errors import StaleLease
 
-COUNTS = ("records", "heldout", "skipped")  # what `counts` holds (fanout.produce.follow)
+# what `counts` holds (fanout.produce.follow): records read, held out, skipped as not
+# chats, and split because longer than --seq-len
+COUNTS = ("records", "heldout", "skipped", "split")
 
 
 class FollowChunk(BaseModel):
@@ -48,7 +50,7 @@ class FollowChunk(BaseModel):
     records: int = Field(ge=0, description="its lines (records that enter windows)")
     digest: str = Field(description="fanout.hashing digest of the chunk file's bytes")
     positions: dict[str, int] = Field(description="bytes read per source file (dev:ino) after it")
-    counts: dict[str, int] = Field(description="records, heldout, skipped read so far")
+    counts: dict[str, int] = Field(description="records, heldout, skipped, split so far")
     stream: str = Field("", description="the run's stream id (filled in at commit)")
     committed_wall: float = Field(0.0, description="when it was committed (display only)")
 

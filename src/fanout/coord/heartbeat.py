@@ -16,15 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.leases import ConsumerReg, ProducerReg
-from fanout.errors import FanoutError
+from fanout.coord.grants import ConsumerReg, ProducerReg
+from fanout.errors import CoordinatorUnavailable, FanoutError
 
 log = logging.getLogger(__name__)
+WARN_EVERY_S = 10.0  # how often a heartbeat that cannot connect says so
 
 
 class HeartbeatOptions(BaseModel):
@@ -85,9 +87,33 @@ class Heartbeat:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _open(self, me: str) -> Coordinator | None:
+        """This thread's connection; while the database cannot be reached, a warning
+        every few seconds and another try each interval (None once stopped). A thread
+        that died here would leave the process beating nothing and `check()` silent
+        until the run declared it lost (seen with 256 clients on one PostgreSQL)."""
+        said = 0.0
+        while not self._stop.is_set():
+            try:
+                return Coordinator.open(self.run_dir, **self.open_kwargs)
+            except CoordinatorUnavailable as e:
+                now = time.monotonic()
+                if now - said >= WARN_EVERY_S:
+                    said = now
+                    log.warning("heartbeat for %s cannot reach the coordinator (%s); "
+                                "trying again every %g s", me, e, self.interval_s)  # fmt: skip
+            except FanoutError as e:  # not a database, a schema it does not know: final
+                log.error("heartbeat for %s stopped: %s", me, e)
+                self.error = e
+                return None
+            self._stop.wait(self.interval_s)
+        return None
+
     def _loop(self) -> None:
-        coord = Coordinator.open(self.run_dir, **self.open_kwargs)
         me = self.reg.role_id if isinstance(self.reg, ProducerReg) else self.reg.consumer_id
+        coord = self._open(me)
+        if coord is None:
+            return
         try:
             while not self._stop.is_set():
                 try:

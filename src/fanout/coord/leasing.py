@@ -24,7 +24,7 @@ from fanout.coord import schema, states, waits
 from fanout.coord.core import RunDb
 from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
-from fanout.coord.leases import ConsumerReg, Lease
+from fanout.coord.grants import ConsumerReg, Lease
 from fanout.coord.roles import Roles
 from fanout.coord.states import RoleState, W
 from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, StaleLease, WindowGone

@@ -3,20 +3,93 @@
     from fanout.coord.reads import ready_windows
     n, nbytes = ready_windows(coord.conn)          # or coord.ready_windows()
 
-The SQL that producers, trainers, `fanout status`, bench reports and the chaos
-harness ask of a run lives here, behind names, so that only fanout.coord speaks
-SQL. Each function takes a connection or a cursor inside a transaction; the
+The SQL that producers, trainers, `fanout status` (fanout.status), bench reports and
+the chaos harness ask of a run lives here, behind names, so that only fanout.coord
+speaks SQL. Each function takes a connection or a cursor inside a transaction; the
 Coordinator's methods of the same names call them on its own connection.
+
+This module is the coordinator's read API for code outside fanout.coord: the reads
+that live beside the writes they mirror (a wait's words in waits, the K count in
+retention, the status records in records) are named here too, so a reader imports
+this module, the Coordinator and the state names (fanout.coord.states), nothing
+else of coord/ (pyproject.toml's import-linter contract holds fanout.status to it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fanout.coord import states
+from fanout.coord.database import wall as wall  # the clock every *_wall stamp is in
+from fanout.coord.liveness import process_gone as process_gone  # for people, not liveness
+from fanout.coord.records import consumer_starts as consumer_starts
+from fanout.coord.records import producer_exits as producer_exits
+from fanout.coord.retention import live_windows as live_windows  # what K bounds
 from fanout.coord.schema import Database, Sql
 from fanout.coord.states import RoleState, W, sql_in
+from fanout.coord.waits import block_text as block_text
+from fanout.coord.waits import blocked_since as blocked_since
+from fanout.coord.waits import consumer_wait as consumer_wait
+from fanout.coord.waits import holders as holders
+from fanout.coord.waits import is_blocked as is_blocked
+from fanout.coord.waits import missing_consumers as missing_consumers
+from fanout.coord.waits import stream_end as stream_end
+from fanout.coord.waits import ways_out as ways_out
+
+
+@contextmanager
+def one_instant(db: Database) -> Iterator[None]:
+    """Every read inside it in one read-only transaction: its numbers are of one instant
+    (totals are the sum of the rows beside them, a window counted as made is published
+    by some replica or still claimed), not of a moving run read in several autocommitted
+    statements. PostgreSQL: REPEATABLE READ (one snapshot for the whole transaction);
+    SQLite (WAL): a deferred transaction reads one snapshot from its first read.
+    Neither blocks a writer."""
+    begin = (
+        "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY" if db.dialect == "postgres" else "BEGIN"
+    )
+    db.execute(begin)
+    try:
+        yield
+    finally:
+        db.execute("COMMIT")  # nothing was written: the end of the snapshot
+
+
+def windows_by_state(cur: Sql) -> dict[str, int]:
+    """{state: window rows in it} for every state (0 where none); evicted rows are
+    compacted away, so `evicted` here is not the files evicted (counters: evictions)."""
+    counts = dict(cur.execute("SELECT state, COUNT(*) FROM windows GROUP BY state").fetchall())
+    return {s.value: int(counts.get(s.value, 0)) for s in W}
+
+
+def window_state(cur: Sql, window: int) -> str | None:
+    """The state of window `window`'s row, None when it has none (not handed out yet)."""
+    row = cur.execute("SELECT state FROM windows WHERE window=?", (window,)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def consumer_rows(cur: Sql) -> list[dict[str, Any]]:
+    """One dict per consumer that joined, by id: id, state, cursor, heartbeats, hb_wall,
+    note, host, pid, proc and expect (its registration's expectations, JSON)."""
+    keys = ("id", "state", "cursor", "heartbeats", "hb_wall", "note", "host", "pid", "proc",
+            "expect")  # fmt: skip
+    rows = cur.execute(
+        "SELECT id, state, cursor, hb_seq, hb_wall, note, host, pid, proc, expect "
+        "FROM consumers ORDER BY id"
+    ).fetchall()
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def lease_rows(cur: Sql) -> list[dict[str, Any]]:
+    """One dict per lease held, by window: consumer, window, generation, token and
+    acquired_wall."""
+    keys = ("consumer", "window", "generation", "token", "acquired_wall")
+    rows = cur.execute(
+        "SELECT consumer, window, generation, token, acquired_wall FROM leases ORDER BY window"
+    ).fetchall()
+    return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
 def ready_windows(cur: Sql) -> tuple[int, int]:

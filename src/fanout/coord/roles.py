@@ -35,7 +35,7 @@ from fanout.coord import records, retention, schema, states, waits
 from fanout.coord.core import RunDb
 from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
-from fanout.coord.leases import ConsumerReg, ProducerPlan, ProducerReg, producer_id
+from fanout.coord.grants import ConsumerReg, ProducerPlan, ProducerReg, producer_id
 from fanout.coord.liveness import (
     HOLDER_COLUMNS,
     Holder,
@@ -57,6 +57,9 @@ from fanout.errors import (
 )
 
 log = logging.getLogger("fanout.coord.coordinator")
+# (role, holder's fencing token) this process has said it replaces: a start looks at a
+# role two or three times (its early check, then its registration) and says it once
+_SAID_REPLACING: set[tuple[str, int]] = set()
 T = TypeVar("T")
 Select = tuple[str, tuple[object, ...]]  # the statement that reads a role's holder
 PLAN = "plan"  # meta key: the data plan of the run's producer replicas (ProducerPlan)
@@ -137,7 +140,7 @@ class Roles:
         whose holder crashed or was lost first (a restarted replica takes its place, so
         no row is left `active` behind a dead process), then one never taken, then a
         finished one. Only an order: `take_role` decides, in its transaction, which
-        rank is free. fanout.produce.rundir.take_start_lock tries the start locks in
+        rank is free. fanout.produce.run_start.take_start_lock tries the start locks in
         this order too: it settles the rank before the registration does."""
         rows = dict(
             self.run.conn.execute(
@@ -287,9 +290,11 @@ class Roles:
                 if pick is not None:
                     holder = holders[pick]
                     if verdicts[pick] == "free" and holder is not None and holder.state == ACTIVE:
-                        log.info(
-                            "%s: replacing %s: %s", roles[pick][0], holder, watches[pick].reason
-                        )
+                        said = (roles[pick][0], holder.token)
+                        if said not in _SAID_REPLACING:  # the start's check, then its register
+                            _SAID_REPLACING.add(said)
+                            log.info("%s: replacing %s: %s",
+                                     roles[pick][0], holder, watches[pick].reason)  # fmt: skip
                     return register(cur, me, labels[pick]), pick
                 if all(v == "held" for v in verdicts):
                     for role, _ in roles:
@@ -408,7 +413,7 @@ class Roles:
     def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
         """Declare lost every process whose heartbeat counter stood still for ttl_s
         on this process's own clock; release its leases/claims and fence it. Producer
-        replicas are `producer:r<rank>` here (leases.producer_id)."""
+        replicas are `producer:r<rank>` here (grants.producer_id)."""
         consumers = self.run.conn.execute(
             "SELECT id, token, hb_seq FROM consumers WHERE state=?", (ACTIVE,)
         ).fetchall()

@@ -40,7 +40,11 @@ SCHEMA_VERSION = 5
 COUNTERS = (
     "next_window", "next_generation", "next_token", "recaptures", "evictions",
     "corrupt", "detaches", "reclaims", "hw_windows", "hw_bytes", "claims_reclaimed",
+    "capture_failures",
 )  # fmt: skip
+# counters added after a schema version shipped: a run created before has no row for
+# them, read as 0 and made on their first bump (fanout.coord.core.RunDb.bump / meta)
+LATE_COUNTERS = frozenset({"capture_failures"})
 
 # Types per dialect. PostgreSQL's INTEGER is 32-bit and its REAL 32-bit float: byte
 # counts and wall-clock seconds need BIGINT and DOUBLE PRECISION there. SQLite's

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import sqlite3
 import time
@@ -39,62 +38,18 @@ from fanout.errors import (
     NotACoordinatorDatabase,
     UnsupportedFilesystem,
 )
+from fanout.filesystem import filesystem_type, is_network_filesystem
 
 log = logging.getLogger("fanout.coord.coordinator")
 
-# Filesystems on which SQLite WAL is unsafe: WAL coordinates writers through a
-# shared-memory file (`-shm`) that must be mmapped by every process on ONE host,
-# and POSIX locks on these are either per-host, emulated, or lied about.
-NETWORK_FS_TYPES = frozenset(
-    {
-        "nfs", "nfs4", "cifs", "smb", "smb3", "smbfs", "fuse.sshfs", "sshfs",
-        "lustre", "gpfs", "ceph", "fuse.ceph", "fuse.cephfs", "glusterfs",
-        "fuse.glusterfs", "beegfs", "fuse.beegfs", "panfs", "afs", "ocfs2", "gfs2",
-        "orangefs", "pvfs2", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "fuse.juicefs",
-        "wekafs", "9p", "fuse.weka",
-    }
-)  # fmt: skip
-
-
-def parse_mountinfo(text: str) -> list[tuple[str, str]]:
-    """(mount point, fs type) per line of /proc/self/mountinfo (octal escapes decoded).
-
-    Format (proc(5)): `id parent major:minor root MOUNTPOINT opts [optional...] - FSTYPE src sopts`.
-    """
-    out = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields = left.split()
-        if not sep or len(fields) < 5 or not right.split():
-            continue
-        point = fields[4].encode().decode("unicode_escape")  # "\040" -> " "
-        out.append((point, right.split()[0]))
-    return out
-
-
-def filesystem_type(path: Path, mountinfo: str | None = None) -> tuple[str, str]:
-    """(fs type, mount point) of the filesystem holding `path` (longest mount prefix)."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return ("unknown", "/")
-    target = os.path.realpath(path)
-    best = ("unknown", "/")
-    best_len = -1
-    for point, fstype in parse_mountinfo(mountinfo):
-        p = point.rstrip("/") or "/"
-        inside = target == p or p == "/" or target.startswith(p + "/")
-        # ">=" so that a later mount stacked on the same point wins, as the kernel does.
-        if inside and len(p) >= best_len:
-            best, best_len = (fstype, p), len(p)
-    return best
-
 
 def check_local_filesystem(db_path: Path, mountinfo: str | None = None) -> None:
-    """Raise UnsupportedFilesystem if the database's directory is on a network filesystem."""
+    """Raise UnsupportedFilesystem if the database's directory is on a network filesystem
+    (fanout.filesystem says which are). SQLite WAL is unsafe there: it coordinates
+    writers through a shared-memory file (`-shm`) that every process must map on ONE
+    host, and POSIX locks on these are per host, emulated, or lied about."""
     fstype, point = filesystem_type(db_path.parent, mountinfo)
-    if fstype in NETWORK_FS_TYPES or fstype.startswith(("nfs", "fuse.ceph")):
+    if is_network_filesystem(fstype):
         raise UnsupportedFilesystem(
             f"coordinator database {db_path} would live on {fstype} (mounted at {point}); "
             "SQLite WAL needs shared memory and locks on one host, so it must be on a "

@@ -9,9 +9,12 @@
 Layout of an entry: `shard-00000.safetensors …` (tensors `input_ids` int32,
 `loss_mask` uint8, `document_ids` int32, `position_ids` int32, each [rows, T]) and
 `manifest.json` (fingerprint, seq_len, shard row counts, summary), written last.
-Everything is built in a sibling `*.tmp-<pid>` directory, each file fsynced
-(`FileSystem.write_new`), then renamed into place (`FileSystem.commit_dir`), so a
-crash leaves only debris and never a partial entry. Reading maps the
+Everything is built in a sibling `<name>.tmp<temp_tag()>` directory (unique across
+hosts: fanout.filesystem), each file fsynced (`FileSystem.write_new`), then renamed
+into place if no other writer's entry is there yet (`FileSystem.commit_dir_once`), so
+a crash leaves only debris and never a partial entry, and two hosts building the same
+entry at once (a cache in a shared run dir) never touch each other's temp: the
+second discards its own and uses the first's. Reading maps the
 safetensors data region with `np.memmap` (the format is an 8-byte header length,
 a JSON header, then raw little-endian tensors), so `rows()` touches only the pages
 it needs.
@@ -20,7 +23,6 @@ it needs.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,8 +31,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from fanout.errors import CorruptWindow, StorageError
-from fanout.filesystem import FileSystem
+from fanout.errors import CorruptPreparedData, StorageError
+from fanout.filesystem import FileSystem, temp_tag
 from fanout.hashing import hasher
 from fanout.rows import INPUT_IDS, LOSS_MASK, PACKED_ROW
 
@@ -61,12 +63,17 @@ class ShardWriter:
         seq_len: int,
         rows_per_shard: int = 1024,
         fs: FileSystem | None = None,
+        *,
+        replace: bool = False,
     ) -> None:
+        # replace: `final` is the user's --out (prepare --no-cache), whose older
+        # contents this build replaces; else a cache entry named by its fingerprint,
+        # which the first complete writer keeps
+        self.replace = replace
         self.fs = fs or FileSystem()
         self.final = Path(final_dir)
         self.fs.makedirs(self.final.parent)
-        self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp = self.final.with_name(f"{self.final.name}.tmp{temp_tag()}")
         self.fs.makedirs(self.tmp)
         self.seq_len = seq_len
         self.rows_per_shard = rows_per_shard
@@ -97,7 +104,9 @@ class ShardWriter:
         self.shards.append({"file": name, "rows": n})
 
     def commit(self, extra: dict[str, Any]) -> Path:
-        """Write remaining rows and the manifest, then rename the entry into place."""
+        """Write remaining rows and the manifest, then rename the entry into place; if
+        another writer's (the same rows: an entry is named by its fingerprint) got there
+        first, this one's is discarded and that one's path returned."""
         if self._pending_rows:
             self._flush(self._pending_rows)
         manifest = {
@@ -108,9 +117,16 @@ class ShardWriter:
             "bytes": self.bytes,
             **extra,
         }
-        self.fs.write_new(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        # an older dataset (or a racing identical entry) is swapped out
-        self.fs.commit_dir(self.tmp, self.final)
+        try:
+            self.fs.write_new(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            # a racing identical entry is kept (its readers keep their files), ours
+            # dropped; a directory without a manifest (an older layout's debris) replaced
+            if self.replace:
+                self.fs.commit_dir(self.tmp, self.final)
+            else:
+                self.fs.commit_dir_once(self.tmp, self.final, lambda p: (p / MANIFEST).is_file())
+        except OSError as e:
+            raise StorageError(f"committing cache entry {self.final}: {e}") from e
         return self.final
 
     def abort(self) -> None:
@@ -121,12 +137,12 @@ def _memmap_safetensors(path: Path) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise CorruptWindow(str(path), "truncated header")
+            raise CorruptPreparedData(str(path), "truncated header")
         n = int.from_bytes(raw, "little")
         try:
             header = json.loads(f.read(n))
         except ValueError as e:
-            raise CorruptWindow(str(path), f"bad header: {e}") from None
+            raise CorruptPreparedData(str(path), f"bad header: {e}") from None
     size = path.stat().st_size
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
@@ -134,7 +150,7 @@ def _memmap_safetensors(path: Path) -> dict[str, np.ndarray]:
             continue
         start, end = info["data_offsets"]
         if 8 + n + end > size:
-            raise CorruptWindow(str(path), f"tensor {name} runs past the end of the file")
+            raise CorruptPreparedData(str(path), f"tensor {name} runs past the end of the file")
         dtype = _DTYPES[info["dtype"]]
         out[name] = np.memmap(
             path, dtype=dtype, mode="r", offset=8 + n + start, shape=tuple(info["shape"])
@@ -149,7 +165,7 @@ class PackedDataset:
         self.dir = Path(directory)
         mpath = self.dir / MANIFEST
         if not mpath.is_file():
-            raise CorruptWindow(str(self.dir), "no manifest.json (not a prepared dataset?)")
+            raise CorruptPreparedData(str(self.dir), "no manifest.json (not a prepared dataset?)")
         self.manifest: dict[str, Any] = json.loads(mpath.read_text())
         self.seq_len: int = self.manifest["seq_len"]
         self.num_rows: int = self.manifest["num_rows"]

@@ -126,7 +126,7 @@ def template_text(spec: ChatSpec) -> str:
     return "\n".join(spec.templates.values())
 
 
-def family_of(spec: ChatSpec) -> str:
+def template_family(spec: ChatSpec) -> str:
     """The template family by its markers (text + the tokenizer's special tokens)."""
     src, special = template_text(spec), set(spec.special_added)
 
@@ -155,7 +155,7 @@ def plan_path(spec: ChatSpec) -> str:
         return forced
     if _GENERATION_TAG.search(template_text(spec)):
         return GENERATION
-    return family_of(spec)
+    return template_family(spec)
 
 
 def stop_tokens(spec: ChatSpec) -> tuple[str, ...]:
@@ -173,7 +173,7 @@ def stop_tokens(spec: ChatSpec) -> tuple[str, ...]:
 def control_tokens(spec: ChatSpec) -> tuple[str, ...]:
     """Special tokens the template writes: message text containing one is a bad row
     (HF encodes it as the control token, which would forge a turn boundary)."""
-    if family_of(spec) == CHATML:
+    if template_family(spec) == CHATML:
         return ("<|im_start|>", "<|im_end|>")  # what the ChatML scan relies on
     src = template_text(spec)
     toks = {t for t in spec.special_added if t in src}

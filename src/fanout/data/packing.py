@@ -27,14 +27,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from fanout.errors import BadRow, ConfigError
-from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LOSS_MASK, PACKED_ROW, POSITION_IDS
+from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LOSS_MASK, POSITION_IDS
 
 OverLength = Literal["split", "drop", "error"]
+SPLIT_SOURCES_KEPT = 32  # split documents whose source a report names (the rest counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,9 @@ class Packer:
         self.masked_tokens = 0
         self.dropped = 0
         self.split = 0
+        # where the first SPLIT_SOURCES_KEPT split documents came from ([file, line]): a
+        # follower names each one's place in its source (fanout.produce.follow)
+        self.split_sources: list[list[str | int]] = []
 
     def add(self, doc: Doc) -> dict[str, np.ndarray] | None:
         """Place one document; returns rows that closed because of it (or None)."""
@@ -98,6 +102,8 @@ class Packer:
                 file, line = doc.source
                 raise BadRow(file, line, "<tokens>", f"{L} tokens > seq_len {T} (--over-length)")
             self.split += 1
+            if len(self.split_sources) < SPLIT_SOURCES_KEPT:
+                self.split_sources.append([doc.source[0], int(doc.source[1])])
             full = L // T * T
             for s in range(0, full, T):  # full pieces are rows of their own
                 row = _Row(T)
@@ -158,7 +164,7 @@ class Packer:
         self.rows += n
         return out
 
-    def report(self) -> dict[str, int | float]:
+    def report(self) -> dict[str, Any]:
         cap = self.rows * self.seq_len
         return {
             "rows": self.rows,
@@ -168,6 +174,7 @@ class Packer:
             "fill": self.tokens / cap if cap else 0.0,
             "dropped_over_length": self.dropped,
             "split_over_length": self.split,
+            "split_sources": self.split_sources,
         }
 
 
@@ -186,7 +193,3 @@ def shuffled(docs: Iterable[Doc], buffer: int, seed: int, epoch: int = 0) -> Ite
             yield buf.pop()
     rng.shuffle(buf)
     yield from buf
-
-
-def concat_batches(batches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.concatenate([b[k] for b in batches]) for k in PACKED_ROW}

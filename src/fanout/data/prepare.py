@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -46,7 +45,7 @@ from fanout.data.template import (
 )
 from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
 from fanout.errors import BadRow, ConfigError
-from fanout.filesystem import FileSystem
+from fanout.filesystem import FileSystem, host_build_lock, temp_tag
 from fanout.flags import add_model_flags, field_flag, flag_options, model_from_args
 
 __all__ = [
@@ -371,8 +370,7 @@ def _materialize(entry: Path, out: Path) -> None:
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: exists and is not a prepared dataset; refusing to replace")
     fs = FileSystem()
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = out.with_name(f"{out.name}.tmp{temp_tag()}")
     fs.makedirs(tmp)
     try:
         for f in entry.iterdir():
@@ -449,28 +447,20 @@ def _use_entry(cfg: PrepareConfig, hit: Path, fp: str, announce: bool) -> Packed
 
 @contextlib.contextmanager
 def _building(entry: Path) -> Iterator[None]:
-    """One process at a time builds a cache entry; another that wants the same rows (M
-    producer replicas started together on one host) waits, then uses them, instead of
-    preparing them again on the same cores and racing for the final rename.
+    """One process of this host at a time builds a cache entry; another that wants the
+    same rows (M producer replicas started together on one host) waits, then uses them,
+    instead of preparing them again on the same cores. Best effort
+    (`fanout.filesystem.host_build_lock`: never a lock file on the shared cache): across
+    hosts, or where no lock can be taken, each builds into its own temp and the first
+    complete entry wins (`ShardWriter.commit`). A forked worker's inherited copy of the
+    lock's descriptor lives at most a second longer than its holder (workers exit with
+    their parent, fanout.data.workers)."""
 
-    filelock's flock: released when its holder dies, kill -9 included (a forked
-    worker's inherited copy of the descriptor for at most a second more: workers exit
-    with their parent, fanout.data.workers)."""
-    from filelock import FileLock, Timeout
-
-    # beside prepared/, not in it: that directory holds entries only
-    locks = entry.parent.parent / "locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(locks / f"prepared-{entry.name}.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
+    def waiting() -> None:
         log.warning("another process is preparing the same rows into %s: waiting for it", entry)
-        lock.acquire()
-    try:
+
+    with host_build_lock(entry, on_wait=waiting):
         yield
-    finally:
-        lock.release()
 
 
 def _build(
@@ -492,7 +482,8 @@ def _build(
     pool = shared_pool(cfg.workers)
     pool.prewarm(spec)
     run = _Run(cfg, spec, pool)
-    writer = ShardWriter(target, cfg.seq_len, cfg.rows_per_shard)
+    # --no-cache writes straight into --out, replacing what an earlier prepare left there
+    writer = ShardWriter(target, cfg.seq_len, cfg.rows_per_shard, replace=cfg.no_cache)
     try:
         for batch in run.batches():
             writer.write(batch)

@@ -34,9 +34,11 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextvars import ContextVar
 from datetime import datetime
 from itertools import chain
@@ -48,8 +50,8 @@ import numpy as np
 from fanout.data import maskers, masks
 from fanout.data.chat import Conversation
 from fanout.data.chatspec import ChatSpec
-from fanout.errors import ConfigError
-from fanout.filesystem import FileSystem
+from fanout.errors import ConfigError, StorageError
+from fanout.filesystem import FileSystem, host_build_lock, temp_tag
 from fanout.hashing import hasher
 
 # Files in an HF tokenizer directory that can change ids or the rendering.
@@ -159,41 +161,22 @@ def load_chat_spec(
     `mask_path`: "auto" (chosen from the template) or a path of masks.PATHS to force
     (`--mask-path`).
     """
-    from filelock import FileLock
-
     tok_dir = Path(tok_dir)
     fp = tokenizer_fingerprint(tok_dir)
     entry = Path(cache_root or default_cache_root()) / "tokenizers" / fp
     meta_path = entry / "chat.json"
 
-    def current() -> bool:
-        if not meta_path.is_file():
-            return False
+    def current(where: Path = entry) -> bool:
         try:
-            return bool(json.loads(meta_path.read_text()).get("v") == SPEC_VERSION)
-        except ValueError:
+            return bool(json.loads((where / "chat.json").read_text()).get("v") == SPEC_VERSION)
+        except (OSError, ValueError):
             return False
 
     if not current():
         entry.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(entry) + ".lock"):
+        with host_build_lock(entry):
             if not current():
-                tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "fanout.data.template",
-                    "build",
-                    str(tok_dir),
-                    str(tmp),
-                ]
-                env = os.environ | {_PARENT_ENV: str(os.getpid())}
-                r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if r.returncode != 0:
-                    raise ConfigError(f"--tokenizer {tok_dir}: cannot load it: {r.stderr[-2000:]}")
-                # fsynced, then renamed: the entry appears whole or not at all (an entry
-                # of an older layout is swapped out)
-                FileSystem().commit_dir(tmp, entry)
+                _build_entry(tok_dir, entry, current)
     meta = json.loads(meta_path.read_text())
     templates = meta["templates"]
     source = "tokenizer"
@@ -217,6 +200,33 @@ def load_chat_spec(
         mask_path=mask_path,
         template_source=source,
     )
+
+
+def _build_entry(tok_dir: Path, entry: Path, current: Callable[[Path], bool]) -> None:
+    """Build the tokenizer cache entry in a subprocess, into a temp dir of this process
+    alone, and commit it unless another process (on this host or another sharing the
+    cache) committed one first: then that one is used and ours dropped
+    (`FileSystem.commit_dir_once`), so a reader never sees a half-built entry or loses
+    the one it read. An entry of an older layout is set aside and replaced."""
+    tmp = entry.with_name(f"{entry.name}.tmp{temp_tag()}")
+    cmd = [sys.executable, "-m", "fanout.data.template", "build", str(tok_dir), str(tmp)]
+    env = os.environ | {_PARENT_ENV: str(os.getpid())}
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            raise ConfigError(f"--tokenizer {tok_dir}: cannot load it: {_last_line(r.stderr)}")
+        FileSystem().commit_dir_once(tmp, entry, current)
+    except OSError as e:
+        raise StorageError(f"--tokenizer {tok_dir}: cannot cache it under {entry}: {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _last_line(stderr: str) -> str:
+    """The error a failed build printed: its last non-empty line (a traceback's
+    `Error: message`), never the traceback, so the caller's error stays one line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    return lines[-1] if lines else "it exited with no message"
 
 
 def _build(tok_dir: str, out: str) -> None:
@@ -368,7 +378,7 @@ class ChatEncoder:
         self._compiled = {name: compile_template(src) for name, src in spec.templates.items()}
         self._by_src = {spec.templates[n]: c for n, c in self._compiled.items()}
         self.turn_text = masks.turn_text_for(spec)
-        self.family = masks.family_of(spec)
+        self.template_family = masks.template_family(spec)
         self.masker, self.mask_note = maskers.build_masker(self)
         self.mask_path: str = self.masker.name
         self._spans = isinstance(self.masker, maskers.RuleMasker)
@@ -376,7 +386,7 @@ class ChatEncoder:
         # Two tokens (ChatML): plain `in` tests, the cheapest per message; more: one regex.
         self._ctl_a, self._ctl_b = (ctl[0], ctl[-1]) if 0 < len(ctl) <= 2 else ("", "")
         self._ctl_re = re.compile("|".join(map(re.escape, ctl))) if len(ctl) > 2 else None
-        label = masks.FAMILY_LABEL.get(self.family, "chat template")
+        label = masks.FAMILY_LABEL.get(self.template_family, "chat template")
         self._ctl_reason = f"contains a {label} control token"
 
     def check(self, conv: Conversation) -> tuple[str, str] | None:

@@ -7,6 +7,6 @@ the model card written beside a checkpoint (model_card). Each family's own draft
 step lives in its folder (fanout.families.<name>); the loop calls it through the
 family registry.
 
-May import: data, families, model, ops and the core. Never a role (train/, produce/,
+May import: data, checkpoints, families, model, ops and the core. Never a role (train/, produce/,
 coord/, store/).
 """

@@ -10,7 +10,7 @@ comes back before torch is imported (fanout.cli.EARLY; benchmarks/startup.py).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -19,6 +19,16 @@ from fanout.flags import flag_options
 from fanout.tracking import TrackingOptions
 
 HELDOUT = "heldout.jsonl"  # a live run's held-out traffic, in RUN_DIR/follow (produce/follow)
+# a served directory's layout (fanout.decode.promote): DIR/current -> versions/vNNNN
+CURRENT, VERSIONS, DECISIONS = "current", "versions", "promotions.jsonl"
+DRIFT = "drift.jsonl"  # in RUN_DIR/follow, beside HELDOUT: promote --run-dir's looks
+
+
+def served_version(served: str | Path) -> str | None:
+    """The version a served directory serves now (`current`'s target, "v0003"); None
+    when nothing is served there (or it is not one). No torch: status reads it."""
+    link = Path(served) / CURRENT
+    return link.resolve().name if link.is_symlink() else None
 
 
 def temperature_key(t: float) -> str:
@@ -147,6 +157,9 @@ class PromoteConfig(EvalConfig):
         "default --data, and the served draft's τ on its newest slice is recorded in "
         "RUN_DIR/follow/drift.jsonl at each look",
     )
+
+    # fields a before-validator fills from another flag: --help says so (fanout.flags)
+    required_unless: ClassVar[dict[str, str]] = {"data": "--run-dir"}
 
     @model_validator(mode="before")
     @classmethod

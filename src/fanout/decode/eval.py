@@ -30,13 +30,15 @@ from typing import Any
 
 import torch
 
+from fanout.checkpoints.format import read_config
+from fanout.checkpoints.layout import latest_checkpoint
+from fanout.checkpoints.load import load_draft
 from fanout.data.chat import ChatFormat, Conversation, load_conversations
 from fanout.decode.config import EvalConfig, temperature_key
 from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, Rule, Tie, first_mismatch
 from fanout.errors import BadRow, CheckpointError, ConfigError
-from fanout.families.registry import family_of
-from fanout.families.serving import latest_checkpoint, load_draft, read_config
+from fanout.families.registry import family_of_draft
 from fanout.flags import add_model_flags, model_from_args
 from fanout.model.draft import Draft
 from fanout.model.sampling import Sampling
@@ -259,7 +261,7 @@ class EvalSession:
         gen = torch.Generator(device=dec.device).manual_seed(cfg.seed * 1_000_003 + p.index)
         r: Rule = "sampled_draft" if rule == "sampled_draft" else "served"
         draft = drafts[name]
-        context = family_of(draft).drafting_context(
+        context = family_of_draft(draft).drafting_context(
             draft, cached=cfg.cache_draft, num_speculative_tokens=cfg.num_speculative_tokens
         )
         return dec.speculative(p.ids, draft, cfg.max_new_tokens, s, gen, r, context=context)
@@ -351,7 +353,7 @@ class EvalSession:
         _, g_tps, _ = _rates(greedy)
         summaries = {
             name: _summary({(t, rule): rs for (n, t, rule), rs in out.items() if n == name},
-                           greedy, train_eals[name], family_of(drafts[name]).name)
+                           greedy, train_eals[name], family_of_draft(drafts[name]).name)
             for name in drafts
         }  # fmt: skip
         used = prompts[: len(records)]

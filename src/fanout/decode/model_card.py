@@ -15,12 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fanout.families.serving import (
-    checkpoint_family,
-    read_config,
-    saved_config,
-    to_serving_layer_ids,
-)
+from fanout.checkpoints.format import checkpoint_family, read_config, saved_config
+from fanout.families.numbering import to_serving_layer_ids
+from fanout.filesystem import FileSystem
 
 
 def _row(t: str, f: dict[str, Any], suffix: str = "") -> str:
@@ -108,7 +105,8 @@ def model_card(ckpt: Path, name: str, report: dict[str, Any]) -> str:
 
 def write_model_card(ckpt: Path, name: str, report: dict[str, Any]) -> Path:
     out = Path(ckpt) / "README.md"
-    out.write_text(model_card(Path(ckpt), name, report))
+    # the card sits in a served checkpoint: a reader never sees half of it
+    FileSystem().write_atomic(out, model_card(Path(ckpt), name, report).encode())
     return out
 
 

@@ -30,8 +30,10 @@ then `current` is flipped to it in one rename (FileSystem.point): an engine that
 partial one, whenever this process is killed. A candidate its trainer pruned while it
 was evaluated or copied (it keeps only its last few) is not promoted: a version lacking
 config.json, model.safetensors or the commit marker is never made. `--rollback` flips
-`current` back to the version before it. Every decision, and every rollback, is one JSON
-line in `promotions.jsonl`.
+`current` back to the version before it, and sticks: the checkpoint it took off serving
+(and any older step of the same `--draft`) is never promoted again, only a checkpoint of
+a later step is a candidate. Every decision, and every rollback (naming the checkpoint
+and step it took off serving), is one JSON line in `promotions.jsonl`.
 
 Drift (`--run-dir R` of a `fanout produce --follow` run): each look also decodes the
 served draft alone on the newest `--num-prompts` conversations of the run's held-out
@@ -55,18 +57,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fanout.decode.config import PromoteConfig, temperature_key
+from fanout.checkpoints.format import read_config
+from fanout.checkpoints.layout import MARKER, latest_checkpoint
+from fanout.checkpoints.load import load_draft
+from fanout.decode.config import (
+    CURRENT,
+    DECISIONS,
+    DRIFT,
+    VERSIONS,
+    PromoteConfig,
+    temperature_key,
+)
 from fanout.decode.eval import EvalSession
 from fanout.decode.eval_table import tau_verdict
 from fanout.errors import CheckpointError, ConfigError
-from fanout.families.serving import MARKER, latest_checkpoint, load_draft, read_config
-from fanout.filesystem import FileSystem
+from fanout.filesystem import FileSystem, temp_tag
 from fanout.flags import add_model_flags, model_from_args
 
 log = logging.getLogger(__name__)
 
-CURRENT, VERSIONS, DECISIONS = "current", "versions", "promotions.jsonl"
-DRIFT = "drift.jsonl"  # in RUN_DIR/follow, beside HELDOUT (fanout.produce.follow)
 SERVED_FILES = ("config.json", "model.safetensors", MARKER, "training_state.json", "README.md")
 REQUIRED = SERVED_FILES[:3]  # a version without them is not a checkpoint an engine loads
 _VERSION = re.compile(r"^v(\d{4,})$")
@@ -109,7 +118,7 @@ class Served:
         vs = self.versions()
         n = int(vs[-1].name[1:]) + 1 if vs else 1
         final = self.root / VERSIONS / f"v{n:04d}"
-        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        tmp = final.with_name(f".{final.name}.tmp-{temp_tag()}")
         self.fs.makedirs(tmp)
         try:
             for name in SERVED_FILES:
@@ -140,6 +149,36 @@ class Served:
             raise ConfigError(f"--served {self.root}: no earlier version to roll back to")
         self.fs.point(self.root / CURRENT, f"{VERSIONS}/{older[-1].name}")
         return now, older[-1]
+
+    def rollback_record(self, was: Path, now: Path) -> dict[str, Any]:
+        """The decision line of a rollback from `was` to `now`: it names the checkpoint
+        (and step) `was` was promoted from, so that `barred` keeps it off serving."""
+        made = [d for d in _jsonl(self.root / DECISIONS)
+                if d.get("promoted") and d.get("version") == was.name]  # fmt: skip
+        return {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rollback": True,
+            "from": was.name, "to": now.name,
+            "from_candidate": made[-1].get("candidate") if made else None,
+            "from_step": made[-1].get("candidate_step") if made else None,
+        }  # fmt: skip
+
+    def barred(self, candidate: Path, step: int | None) -> str | None:
+        """Why `candidate` (at training step `step`) may not be served, or None: a
+        rollback took it, or a later step of the same save path, off serving."""
+        cand = candidate.resolve()
+        for r in _jsonl(self.root / DECISIONS):
+            if not (r.get("rollback") and r.get("from_candidate")):
+                continue  # a rollback older than this rule names no checkpoint
+            was, was_step = Path(r["from_candidate"]), r.get("from_step")
+            older = (was.parent == cand.parent and step is not None
+                     and was_step is not None and step <= was_step)  # fmt: skip
+            if cand == was or older:
+                return (
+                    f"{cand} (step {step}) is not served again: {r['from']} (step "
+                    f"{was_step} of {was.parent}) was rolled back at {r['time']}; only a "
+                    "checkpoint of a later step is a candidate"
+                )
+        return None
 
     def _prune(self, keep: int) -> None:
         """Keep the newest `keep` versions and whatever `current` points at."""
@@ -184,6 +223,10 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
     }
     if now is not None and _same(candidate, now):
         return base | {"promoted": False, "why": "the candidate is what is served"}
+    if (why := served.barred(candidate, base["candidate_step"])) is not None:
+        decision = base | {"promoted": False, "why": why}
+        served.record(decision)
+        return decision
     if now is None:
         decision = base | {"promoted": True, "why": "nothing served yet"}
         return _promote(served, candidate, cfg, decision)
@@ -250,6 +293,7 @@ def drift(cfg: PromoteConfig) -> dict[str, Any] | None:
     below = bool(ci and was and ci[1] < was[0])
     rec = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "version": now.name,
+        "served": str(served.root.resolve()),  # which served dir: status reads its current
         "tau": f["acceptance_length"], "ci95": ci, "prompts": report["prompts"],
         "heldout_seen": seen, "baseline_ci95": was, "below": below,
     }  # fmt: skip
@@ -269,8 +313,10 @@ def newest_slice(cfg: PromoteConfig) -> tuple[PromoteConfig, int]:
     held-out traffic grows at its end), and how many the file holds."""
     held = [x for x in Path(cfg.data).read_text().splitlines() if x.strip()]
     out = Path(cfg.run_dir or Path(cfg.data).parent) / "follow" / ".newest-heldout.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(x + "\n" for x in held[-cfg.num_prompts :]))
+    fs = FileSystem()
+    fs.makedirs(out.parent)
+    # whole or not at all: a second promoter may read it while this one writes
+    fs.write_atomic(out, "".join(x + "\n" for x in held[-cfg.num_prompts :]).encode())
     return cfg.model_copy(update={"data": str(out)}), len(held)
 
 
@@ -313,8 +359,7 @@ def run(args: argparse.Namespace, name: str = "promote") -> int:
             raise ConfigError("--rollback: give --served DIR")
         served = Served(args.served)
         was, now = served.rollback()
-        served.record({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "rollback": True, "from": was.name, "to": now.name})  # fmt: skip
+        served.record(served.rollback_record(was, now))
         print(f"fanout promote: {args.served}/current: {was.name} -> {now.name}")
         return 0
     cfg = model_from_args(PromoteConfig, args)

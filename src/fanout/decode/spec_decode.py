@@ -55,7 +55,7 @@ from typing import Any, Literal
 import torch
 
 from fanout.decode.rollback import Rollback
-from fanout.families.registry import family_of
+from fanout.families.registry import family_of_draft
 from fanout.model.draft import Draft
 from fanout.model.draft_cache import DraftContext
 from fanout.model.sampling import Sampling, one_hot, probabilities, sample, verify_block
@@ -254,7 +254,7 @@ class Decoder:
         layer_ids = list(draft.cfg.target_layer_ids)
         cache = self._new_cache()
         if context is None:  # the family's drafting step
-            context = family_of(draft).context(draft, cached=cache_draft)
+            context = family_of_draft(draft).context(draft, cached=cache_draft)
         rollback = Rollback(cache, self.where)  # refuses a layer it cannot undo
         logits, hid = self._forward(prompt, 0, cache, layer_ids, last_only=True)
         assert hid is not None

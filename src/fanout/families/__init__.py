@@ -11,7 +11,8 @@ parts), its drafting step (`Family.context`, which `fanout eval` calls) and its 
 adapter (what its checkpoint writes in speculators' names). No family's folder imports
 another's (tests/test_family_seam.py). The trainer loop, consumer stream, optimizer,
 fused CE, checkpointing and lifecycle are shared; the checkpoint layout every family
-shares (markers, layer numbering, format check, the reader) is `serving`. Adding a
+shares (markers, format check, save, resume, the reader) is fanout.checkpoints, one
+layer up, and the layer numbering for serving is `numbering`. Adding a
 family is its folder and its name in `registry.FAMILY_FOLDERS`
 (tests/test_family_newcomer.py counts it).
 

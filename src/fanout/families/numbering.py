@@ -1,6 +1,6 @@
 """The layer numbering where fanout's and the serving side's conventions meet, and the
 speculators release the checkpoint layout matches: below every family and the shared
-checkpoint code (fanout.families.serving re-exports them).
+checkpoint code (fanout.checkpoints applies them).
 
     from fanout.families.numbering import to_serving_layer_ids
     to_serving_layer_ids([1, 9, 17])   # [2, 10, 18]

@@ -103,7 +103,7 @@ def family(name: str, *, where: str = "--draft-family") -> Family:
         raise ConfigError(f"{where} {name!r}: unknown draft family (known: {known})") from None
 
 
-def family_of(draft: Draft) -> Family:
+def family_of_draft(draft: Draft) -> Family:
     """The family whose model `draft` is (its exact class)."""
     for f in FAMILIES.values():
         if type(draft) is f.draft_class:
@@ -136,7 +136,7 @@ __all__ = [
     "FAMILY_FOLDERS",
     "FamilyOptions",
     "family",
-    "family_of",
     "family_of_config",
+    "family_of_draft",
     "family_of_model_type",
 ]

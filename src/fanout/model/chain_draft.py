@@ -130,6 +130,9 @@ class Unroll:
     keys: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][step] [B, nkv, R, hd]
     values: list[list[torch.Tensor]] = field(default_factory=list)
     step: int = 0
+    # the TTT mask of every step so far and to come (`PrefixMask.causal` of the steps the
+    # unroll was started for): one chunk plan for all of them (`ChainDraft.step`)
+    mask: PrefixMask | None = None
 
 
 class ChainDraft(Draft):
@@ -198,13 +201,18 @@ class ChainDraft(Draft):
             hs = torch.cat([norm(x) for norm, x in zip(self.fc_norm, parts)], dim=-1)
         return cast("torch.Tensor", self.fc(hs))
 
-    def start(self, hs: torch.Tensor, pos: torch.Tensor, row_doc: torch.Tensor) -> Unroll:
+    def start(
+        self, hs: torch.Tensor, pos: torch.Tensor, row_doc: torch.Tensor, steps: int = 1
+    ) -> Unroll:
         """An unroll over rows with auxiliary states `hs` `[B, R, n·H]`, step-0 positions
-        `pos` `[B, R]` and documents `row_doc` `[B, R]` (-1: padding)."""
+        `pos` `[B, R]` and documents `row_doc` `[B, R]` (-1: padding), for `steps` TTT
+        steps: their mask (and its chunk plan) is made once here, each step reads its
+        first (s+1)·R keys (a step past them makes its own)."""
         n_layers = len(self.layers)
         return Unroll(
             self.fuse(hs), pos, row_doc,
             [[] for _ in range(n_layers)], [[] for _ in range(n_layers)],
+            mask=PrefixMask.causal(row_doc, steps=steps),
         )  # fmt: skip
 
     def step(self, u: Unroll, tokens: torch.Tensor) -> torch.Tensor:
@@ -214,7 +222,10 @@ class ChainDraft(Draft):
         emb = F.embedding(tokens, self.embed_weight).to(dt)  # [B, R, H]
         rope = self.rope(u.pos + u.step, dt)
         # step 0's rows <= r of its document, and row r's own steps 1..s: [B, 1, R, (s+1)·R]
-        mask = PrefixMask.causal(u.row_doc, steps=u.step + 1)
+        # (the unroll's mask of all its steps, cut to the keys so far: one plan a batch)
+        if u.mask is None or u.mask.own.shape[2] <= u.step:
+            u.mask = PrefixMask.causal(u.row_doc, steps=u.step + 1)
+        mask = u.mask
         x = u.hidden
         for i, layer in enumerate(self.layers):
             attend = functools.partial(self._ttt_attend, u, i, layer, rope, mask)

@@ -55,12 +55,13 @@ heads: one attention's forward + backward):
 - a split into a context part and a block part merged by log-sum-exp needs the
   log-sum-exp's gradient, which torch's fused kernels do not give: it would keep the
   scores (memory O(Q·K));
-- a plan carried across EAGLE-3's TTT steps (one `causal` mask a step, the same rows,
-  one more step): all they share is the bounds and the order (0.3 ms at R = 3071);
-  every chunk gains a step's columns, so its mask is written anew either way. A step's
-  plan costs 7-9 ms there (one thread; 50 ms, and 0.25-0.6 s on the first calls of a
-  process, when the bounds came from the `[B, G, C]` mask), so no cache outlives its
-  mask;
+- a plan per EAGLE-3 TTT step: each step is the same rows with one more step's keys, a
+  row's later-step keys come last in its chunk, so the `causal` mask of all S steps is
+  made once a batch (`ChainDraft.start`) and step s runs its plan cut to the first
+  (s+1)·R keys (`PrefixMask.plan` -> `_Plan.first_keys`: the same chunks, each a
+  prefix of its keys and mask columns, the SDPA masks views of the full ones). Made
+  anew every step it cost 5-7 ms a step at R = 511 and 80-100 ms at R = 3071 (one
+  thread, the shared 2-vCPU EPYC under load; 0.15-0.3 s a step in issue #56);
 - `flex_attention` (speculators' choice on CUDA): in torch 2.13 it has no backward on
   the CPU ("FlexAttention does not support backward on CPU"); on CUDA the GPU check
   (benchmarks/gpu/checks.sh) runs this module against speculators' flex attention.
@@ -121,6 +122,7 @@ class PrefixMask:
     own_ok: torch.Tensor | None  # [B, G, group, n] bool, None: every own key
     group: int  # queries per group
     _plans: dict[tuple[int, int], _Plan] = field(default_factory=dict, repr=False)
+    _reach: int | None = field(default=None, repr=False)  # key_count(), once known
 
     @classmethod
     def blocks(
@@ -200,14 +202,23 @@ class PrefixMask:
         return self.own_ok.expand(b, g, self.group, n)
 
     def dense(self, num_keys: int) -> torch.Tensor:
-        """The boolean SDPA mask `[B, 1, G·group, num_keys]` this stands for."""
+        """The boolean SDPA mask `[B, 1, G·group, num_keys]` this stands for (own keys
+        at or past `num_keys` left out: `plan`)."""
         b, g, n = self.own.shape
         ctx = self.context_ok().repeat_interleave(self.group, dim=1)  # [B, Q, C]
         m = torch.zeros(b, g * self.group, num_keys, dtype=torch.bool, device=ctx.device)
         m[:, :, : ctx.shape[2]] = ctx
         own = self.own[:, :, None, :].expand(b, g, self.group, n).reshape(b, -1, n)
-        m.scatter_reduce_(2, own, self.own_visible().reshape(b, -1, n), "amax")
+        seen = self.own_visible().reshape(b, -1, n) & (own < num_keys)
+        m.scatter_reduce_(2, own.clamp(max=num_keys - 1), seen, "amax")
         return m[:, None]
+
+    def key_count(self) -> int:
+        """Keys the mask reaches: its context keys and every own key (one sync, once)."""
+        if self._reach is None:
+            own = int(self.own.max()) + 1 if self.own.numel() else 0
+            self._reach = max(self.key_doc.shape[1], own)
+        return self._reach
 
     def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, G]` long each: a group's first allowed context key and its last + 1 (C
@@ -235,11 +246,23 @@ class PrefixMask:
     def plan(self, chunk: int, num_keys: int) -> _Plan:
         """The chunks of `prefix_attention` (module docstring): groups ordered by their
         allowed context's end, `chunk` queries a chunk, each with its query and key
-        indices and its slice of the mask. Computed once per mask and key count, on
-        first use (every layer of a forward, and both passes, share it)."""
+        indices and its slice of the mask. Computed once per mask, on first use (every
+        layer of a forward, and both passes, share it). Fewer keys than the mask reaches
+        (`key_count`; at least its context keys): the own keys past them are left out,
+        and the plan is the full one's, each chunk's keys cut to those below `num_keys`
+        (`_Plan.first_keys`, no new plan): a `causal` mask of S steps serves every TTT
+        step s < S (`num_keys` (s+1)·R), built once a batch (issue #56)."""
         key = (chunk, num_keys)
         if key not in self._plans:
-            self._plans[key] = _make_plan(self, chunk, num_keys)
+            full = self.key_count()
+            if num_keys >= full:
+                self._plans[key] = _make_plan(self, chunk, num_keys)
+            elif num_keys < self.key_doc.shape[1]:
+                raise ValueError(
+                    f"{num_keys} keys, fewer than the mask's {self.key_doc.shape[1]} context keys"
+                )
+            else:
+                self._plans[key] = self.plan(chunk, full).first_keys(num_keys)
         return self._plans[key]
 
 
@@ -255,7 +278,28 @@ class _Plan:
     k_sizes: list[int]
     masks: list[torch.Tensor]  # [q_sizes[i], k_sizes[i]] bool each
     inverse: torch.Tensor  # [B·Q] long: position of each query's output row
+    num_keys: int  # K: the keys of each batch row (k_index = row·K + key)
     _sdpa: dict[tuple[int, torch.dtype], list[torch.Tensor]] = field(default_factory=dict)
+    _parent: _Plan | None = None  # first_keys' source: its SDPA masks, cut
+
+    def first_keys(self, num_keys: int) -> _Plan:
+        """This plan over the first `num_keys` keys only (at least every chunk's context
+        range): in each chunk the own keys past them are the last columns (its context
+        range comes first, then the own keys outside it in key order), so every chunk
+        keeps a prefix of its keys and its mask's first columns; the SDPA masks are
+        views of this plan's (`sdpa_masks`)."""
+        full = self.num_keys
+        key = self.k_index % full
+        keep = key < num_keys
+        chunk_of = torch.repeat_interleave(
+            torch.arange(len(self.k_sizes), device=key.device),
+            torch.tensor(self.k_sizes, device=key.device),
+        )  # [N] each key's chunk
+        sizes = torch.bincount(chunk_of[keep], minlength=len(self.k_sizes)).tolist()
+        k_index = ((self.k_index // full) * num_keys + key)[keep]
+        masks = [m[:, :w] for m, w in zip(self.masks, sizes)]
+        return _Plan(self.q_index, k_index, self.q_sizes, sizes, masks, self.inverse,
+                     num_keys, _parent=self)  # fmt: skip
 
     def sdpa_masks(self, rep: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """`masks` as SDPA takes them with `rep` query heads a KV head folded into the
@@ -263,6 +307,9 @@ class _Plan:
         per plan. SDPA would turn a boolean mask into this itself at every call, forward
         and backward (~20% of a CPU chunk's time), and save it for the backward anyway."""
         key = (rep, dtype)
+        if key not in self._sdpa and self._parent is not None:  # the first columns of its
+            full = self._parent.sdpa_masks(rep, dtype)  # (SDPA takes the strided view)
+            self._sdpa[key] = [m[:, :w] for m, w in zip(full, self.k_sizes)]
         if key not in self._sdpa:
             self._sdpa[key] = [
                 torch.zeros(m.shape, dtype=dtype, device=m.device)
@@ -341,8 +388,9 @@ def _make_plan(m: PrefixMask, chunk: int, num_keys: int) -> _Plan:
     q_sizes = [x[4] for x in chunks]
     k_sizes = [x[5] for x in chunks]
     return _Plan(
-        q_index.to(dev), torch.cat(k_idx).to(dev), q_sizes, k_sizes, masks, inverse.to(dev)
-    )
+        q_index.to(dev), torch.cat(k_idx).to(dev), q_sizes, k_sizes, masks, inverse.to(dev),
+        num_keys,
+    )  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """What each verifier layer type computes for a document alone: the packing rule.
 
     from fanout.model.layer_types import PackingRule
-    rule = PackingRule.from_config(model.config, "/models/gemma-3-4b")  # ConfigError if unknown
+    rule = PackingRule.from_config(model.config, "/models/gemma-3-4b")  # strict: refuse unknown
     if rule.needs_alone(t):
         ...  # run each document of the rows as its own sequence (fanout.model.verifier)
     else:
@@ -10,7 +10,8 @@
 A packed row (several documents, `document_ids` −1 on padding, `position_ids`
 restarting at 0 per document) is exact only if every decoder layer computes for each
 document what it computes for that document alone. Per layer type (the text config's
-`layer_types`, the names transformers uses; derived when a config has none):
+`layer_types`, the names transformers uses; derived when a config has none, unless
+it has one of UNDECLARED_MIXING_FIELDS: then a type without a rule):
 
 | layer type          | alone it sees                              | packed row keeps it by        |
 |---------------------|--------------------------------------------|-------------------------------|
@@ -19,6 +20,7 @@ document what it computes for that document alone. Per layer type (the text conf
 | `chunked_attention` | those in its `attention_chunk_size` chunk  | the same mask ∧ same chunk    |
 | `linear_attention`  | a recurrent state and a short causal conv  | running each document alone   |
 |                     | that start from zero at the document start |                               |
+| `mlp`, `moe`        | its own token (they mix no tokens)         | nothing: packed as they are   |
 
 Window conventions are transformers' own (masking_utils.sliding_window_overlay:
 `kv_idx > q_idx − sliding_window`; chunked_overlay: `kv_idx // C == q_idx // C` on
@@ -43,9 +45,20 @@ Llama-4 scales the queries of its NoPE layers by a function of the *row index*
 (`attn_temperature_tuning`; identity below `floor_scale` tokens), not of
 `position_ids`, so rows of `floor_scale` tokens or more also run each document alone.
 
-Any other layer type is refused at load in one line naming it and the verifier:
-fanout would rather not capture than capture a layer wrong. The list of what is known
-is the table above, never a list of model names.
+Layers that mix no tokens (`mlp`, `moe`: Nemotron-H's attention-free blocks) need no
+rule: a packed row runs them as they are, and they take no mask.
+
+Any other layer type (`hybrid`: Falcon-H1's attention and Mamba in parallel, `conv`:
+LFM2's short convolutions, `indexed_attention`: DeepSeek-V3.2's indexer, or a type
+newer than this table) has no rule here, and its rows run each document alone, as
+linear attention's do: exact by construction for any causal model (each document's
+forward is the one plain transformers runs for it), only slower (one forward per
+length-batch of documents instead of one per batch of rows), with one warning at load
+naming the type (`unruled_warning`). transformers' own attention and masks run them
+(fanout.model.local_attention is not entered: it knows only the types above).
+`strict` (`--strict-layer-types`) refuses such a verifier at load instead, in one
+line naming the type and the verifier. The list of what is known is the table above,
+never a list of model names.
 """
 
 from __future__ import annotations
@@ -63,7 +76,13 @@ CHUNKED = "chunked_attention"
 LINEAR = "linear_attention"
 MASKED_TYPES = (FULL, SLIDING, CHUNKED)  # exact in a packed row given their mask
 ALONE_TYPES = (LINEAR,)  # exact only with each document run as its own sequence
-KNOWN_TYPES = MASKED_TYPES + ALONE_TYPES
+TOKENWISE_TYPES = ("mlp", "moe")  # mix no tokens: exact in a packed row as they are
+KNOWN_TYPES = MASKED_TYPES + ALONE_TYPES + TOKENWISE_TYPES
+# Config fields that declare a token mixing of their own in a config without
+# `layer_types` (local / LSH attention lists, a dynamic top-k key mask, short
+# convolutions): all-full is not derived for such a config; its layers get a type
+# without a rule, so documents run alone.
+UNDECLARED_MIXING_FIELDS = ("attention_layers", "attn_layers", "keep_window_size", "conv_L_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +93,24 @@ class PackingRule:
     sliding_window: int | None = None  # tokens a sliding layer sees, itself included
     chunk_size: int | None = None  # tokens per chunk of a chunked layer
     row_index_scale_from: int | None = None  # rows this long scale queries by row index
+    unruled: tuple[str, ...] = ()  # layer types without a rule: documents run alone
 
     @classmethod
-    def from_config(cls, config: Any, path: str) -> PackingRule:
+    def from_config(cls, config: Any, path: str, *, strict: bool = False) -> PackingRule:
         """The rule for a transformers config (a multimodal one's text config is used).
 
-        Raises ConfigError (one line, naming `path`) for a layer type without a rule,
-        bidirectional attention, or a local-attention layer whose size is unset.
+        Raises ConfigError (one line, naming `path`) for bidirectional attention, a
+        local-attention layer whose size is unset, or (`strict`) a layer type without
+        a rule; without `strict` such types run each document alone (`unruled`).
         """
         text = config.get_text_config()
         types = getattr(text, "layer_types", None)
         sliding: Any = getattr(text, "sliding_window", None)
         chunk: Any = getattr(text, "attention_chunk_size", None)
-        if types is None:
+        mixing = [f for f in UNDECLARED_MIXING_FIELDS if getattr(text, f, None) is not None]
+        if types is None and mixing:
+            types = [f"undeclared ({mixing[0]})"] * int(text.num_hidden_layers)
+        elif types is None:
             # As the models without `layer_types` build their one mask (e.g. Mistral,
             # Phi-3, Qwen3-MoE: `sliding_window is None` → causal, else sliding).
             n = int(text.num_hidden_layers)
@@ -94,11 +118,12 @@ class PackingRule:
             types = [SLIDING if on else CHUNKED if chunk is not None else FULL] * n
         types = tuple(str(t) for t in types)
         unknown = sorted(set(types) - set(KNOWN_TYPES))
-        if unknown:
+        if unknown and strict:
             where = [i for i, t in enumerate(types) if t in unknown]
             raise ConfigError(
                 f"verifier {path}: layer type(s) {unknown} (layers {where}) have no packing "
-                f"rule in fanout (known: {', '.join(KNOWN_TYPES)}); refusing to capture them"
+                f"rule in fanout (known: {', '.join(KNOWN_TYPES)}); --strict-layer-types "
+                "refuses to capture them (without it, each document would run alone)"
             )
         if getattr(text, "use_bidirectional_attention", False):
             raise ConfigError(
@@ -118,6 +143,21 @@ class PackingRule:
             sliding_window=sliding if SLIDING in types else None,  # checked int above
             chunk_size=chunk if CHUNKED in types else None,
             row_index_scale_from=scale_from,
+            unruled=tuple(unknown),
+        )
+
+    def unruled_warning(self, path: str) -> str | None:
+        """The one warning a verifier with layer types without a rule gets at load
+        (None for one without): which types, which layers, what it costs."""
+        if not self.unruled:
+            return None
+        where = [i for i, t in enumerate(self.layer_types) if t in self.unruled]
+        return (
+            f"verifier {path}: layer type(s) {list(self.unruled)} (layers {where}) have no "
+            "packing rule in fanout: each document of a row runs alone (exact, but one "
+            "forward per batch of equal-length documents instead of one per batch of rows: "
+            "slower where rows hold many short documents); --strict-layer-types refuses "
+            "such a verifier instead"
         )
 
     @property
@@ -125,15 +165,21 @@ class PackingRule:
         """The layer types present, in first-layer order."""
         return tuple(dict.fromkeys(self.layer_types))
 
+    @property
+    def mask_types(self) -> tuple[str, ...]:
+        """The layer types that take a mask of their own: those present that mix tokens
+        (a model of token-wise layers alone, none: it still gets the full mask)."""
+        return tuple(t for t in self.distinct if t not in TOKENWISE_TYPES) or (FULL,)
+
     def needs_alone(self, t: int) -> bool:
         """Whether rows of `t` tokens must run each document alone (no mask can keep them)."""
-        if any(x in ALONE_TYPES for x in self.layer_types):
+        if self.unruled or any(x in ALONE_TYPES for x in self.layer_types):
             return True
         return self.row_index_scale_from is not None and t >= self.row_index_scale_from
 
     def mask_bytes(self, b: int, t: int, element_bytes: int) -> int:
         """Bytes of the dense masks `masks` would build for [B, T] rows."""
-        return len(self.distinct) * b * t * t * element_bytes
+        return len(self.mask_types) * b * t * t * element_bytes
 
     def masks(
         self, document_ids: torch.Tensor, position_ids: torch.Tensor
@@ -141,8 +187,9 @@ class PackingRule:
         """Boolean [B, 1, T, T] masks (True = may attend), one per layer type present:
         one tensor when all layers share a type (every model takes a prepared 4D mask),
         else a dict keyed by layer type (what the models with mixed types index by
-        `config.layer_types[i]`). Padding (document id −1) attends only to itself, so
-        no softmax row is empty."""
+        `config.layer_types[i]`; a token-wise type's key holds the first mask, shared,
+        for the models that look every layer's type up). Padding (document id −1)
+        attends only to itself, so no softmax row is empty."""
         d = document_ids  # [B, T]
         t = d.shape[1]
         ar = torch.arange(t, device=d.device)
@@ -150,7 +197,7 @@ class PackingRule:
         same = (d[:, :, None] == d[:, None, :]) & (d >= 0)[:, :, None]  # [B, T, T]
         eye = torch.eye(t, dtype=torch.bool, device=d.device)  # [T, T]
         out: dict[str, torch.Tensor] = {}
-        for kind in self.distinct:
+        for kind in self.mask_types:
             allowed = same & causal  # [B, T, T]
             if kind == SLIDING:
                 assert self.sliding_window is not None
@@ -160,4 +207,7 @@ class PackingRule:
                 c = position_ids.to(d.device) // self.chunk_size  # [B, T] chunk of each token
                 allowed &= c[:, :, None] == c[:, None, :]  # [B, T, T]
             out[kind] = (allowed | eye)[:, None]  # [B, 1, T, T]
-        return next(iter(out.values())) if len(out) == 1 else out
+        if len(self.distinct) == 1:
+            return next(iter(out.values()))
+        first = next(iter(out.values()))
+        return {kind: out.get(kind, first) for kind in self.distinct}

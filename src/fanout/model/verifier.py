@@ -7,6 +7,7 @@
     cap.layer_scales   # n × [B, T] float32 per-token scales with fp8 storage (fanout.ops.fp8), else None
     cap.target_ids     # [B, T] int32 — argmax of the verifier's logits at every position
     cap.hidden_states  # [B, T, n·H]: the layers side by side (a copy; what a draft's fc takes)
+    cap.layer_stats    # [n, B, T, 3] float32 min, max, sum per token: the capture check's input
 
 CPU-sized example (a random tiny Qwen3, no downloads):
 
@@ -31,16 +32,20 @@ the head ourselves in `chunk_tokens`-row chunks and keep only the argmax, so the
 `position_ids` restart at 0 per document), and each document must be computed exactly
 as if it ran alone, in every layer. fanout.model.layer_types holds that rule per layer
 type (full, sliding, chunked attention: a block-diagonal causal mask per type, passed
-as a dict where layer types are mixed; linear attention: each document run alone) and
-refuses at load any layer type it has no rule for. Rows go one of two ways:
+as a dict where layer types are mixed; linear attention: each document run alone;
+layers that mix no tokens: as they are). A layer type without a rule runs each
+document alone too, with one warning at load; `--strict-layer-types` refuses it at
+load instead. Rows go one of two ways:
 - *masked*: one forward over the rows with the per-type [B, 1, T, T] masks (padding
   attends only to itself); for models whose layers all take a mask, while the masks
   fit `dense_mask_max_bytes`;
 - *alone*: each document as its own sequence without a mask (fanout.model.documents:
   batched by length, right-padded, outputs scattered back into the [B, T, H] buffers;
   each padding token runs as a one-token document, as under the mask). Linear
-  attention needs it; long rows take it so that no T × T mask exists: full layers run
-  SDPA is_causal, sliding / chunked ones fanout.model.local_attention (O(T·w)).
+  attention and layer types without a rule need it; long rows take it so that no
+  T × T mask exists: full layers run SDPA is_causal, sliding / chunked ones
+  fanout.model.local_attention (O(T·w)); with a type without a rule, transformers'
+  own attention and masks run every layer.
 Both are checked against each document run alone through plain transformers for 16
 architectures (tests/test_verifier_zoo.py). Attention implementations: `sdpa` (boolean
 masks) and `eager` (additive); a model class without sdpa (gpt-oss: sinks; Gemma-2:
@@ -49,11 +54,12 @@ is captured through its text model: layers, hidden size and vocabulary are the t
 model's, the head is the top-level one.
 
 **Tensor parallel** (`tp` > 1, one process per rank under torchrun): each rank loads
-its shard with transformers' TP plan (fanout.model.tp) and `capture` runs unchanged.
+its shard with transformers' TP plan (fanout.model.tp_shard) and `capture` runs unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,9 +72,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from fanout.errors import ConfigError
 from fanout.model.capture_layers import CaptureLayers, resolve_capture_layer_ids
 from fanout.model.documents import DocumentBatch, document_batches
-from fanout.model.layer_types import FULL, PackingRule
+from fanout.model.layer_types import PackingRule
 from fanout.model.local_attention import local_attention
-from fanout.model.tp import ShardedHead, check_tp_model, model_device, tp_load_kwargs
+from fanout.model.tp_shard import ShardedHead, check_tp_model, model_device, tp_load_kwargs
 from fanout.model.verifier_dir import (  # noqa: F401 - re-exported: callers import them here
     check_verifier_dir,
     config_hash,
@@ -87,6 +93,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float8_e4m3fn": FP8,  # storage only: per-token scales (fanout.ops.fp8)
 }
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- config
@@ -128,6 +135,12 @@ class VerifierOptions(BaseModel):
         description="tensor-parallel ranks the verifier is split over; > 1 runs under "
         "torchrun --nproc-per-node TP, rank 0 publishes (docs/producer.md)",
     )
+    strict_layer_types: bool = Field(
+        False,
+        description="refuse a verifier with a layer type fanout has no packing rule for "
+        "(hybrid, conv, indexed_attention, ...) instead of running each document of a row "
+        "alone (exact, slower; docs/producer.md)",
+    )
     tp_timeout_s: float = Field(
         300.0,
         gt=0,
@@ -165,6 +178,9 @@ class Capture:
     target_ids: torch.Tensor  # [B, T] int32 — argmax of logits at t (prediction of token t+1)
     last_hidden_states: torch.Tensor | None  # [B, T, H] storage dtype (bf16 for fp8), or None
     layer_scales: tuple[torch.Tensor, ...] | None = None  # n × [B, T] float32 with fp8 storage
+    # [n, B, T, 3] float32: each captured token's min, max and sum over H, taken from the
+    # layer output before storage (fanout.produce.capture_check reads them)
+    layer_stats: torch.Tensor | None = None
 
     @property
     def hidden_states(self) -> torch.Tensor:
@@ -195,18 +211,6 @@ def _out_buffers(
         if tuple(g.shape) != shape or g.dtype != dtype:
             raise ValueError(f"{name} holds {tuple(g.shape)} {g.dtype}; want {shape} {dtype}")
     return tuple(given)
-
-
-def packed_attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean 4D mask (True = may attend) keeping attention inside each document: the
-    full-attention rule of fanout.model.layer_types.
-
-    document_ids [B, T] int; −1 marks padding, which attends only to itself (so no
-    query row is empty, which would give NaN in softmax).
-    """
-    mask = PackingRule((FULL,)).masks(document_ids, document_ids)
-    assert isinstance(mask, torch.Tensor)  # one layer type: one mask
-    return mask  # [B, 1, T, T]
 
 
 def text_model(model: Any) -> Any:
@@ -249,11 +253,18 @@ class Verifier:
         self.layers = layers
         self.lm_head = head
         text_cfg = model.config.get_text_config()
-        # refuses layer types without a rule (also checked before the weights load)
-        self.rule = PackingRule.from_config(model.config, config.path)
+        # --strict-layer-types refuses layer types without a rule (checked before the
+        # weights load too); else their rows run each document alone, said once here
+        self.rule = PackingRule.from_config(
+            model.config, config.path, strict=config.strict_layer_types
+        )
+        if (warning := self.rule.unruled_warning(config.path)) is not None:
+            log.warning("%s", warning)
         self.attn_implementation: str = text_cfg._attn_implementation  # after fallbacks
         self.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
-        self.local_attention = True  # False: transformers' own masks alone (a benchmark's baseline)
+        # False: transformers' own masks alone (a benchmark's baseline; always for layer
+        # types without a rule, whose attention local_attention does not know)
+        self.local_attention = not self.rule.unruled
         self.num_layers: int = len(layers)
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.vocab_size: int = int(head.weight.shape[0])
@@ -301,6 +312,7 @@ class Verifier:
         *,
         hidden_out: Sequence[torch.Tensor] | None = None,
         scale_out: Sequence[torch.Tensor] | None = None,
+        stats_out: torch.Tensor | None = None,
     ) -> Capture:
         """Run the verifier once over packed rows; return captured-layer states and greedy ids.
 
@@ -310,6 +322,7 @@ class Verifier:
         one per captured layer, for the hooks to write into (the CPU producer passes its
         window buffers, which saves a copy of every batch); fresh device buffers otherwise.
         scale_out: the same for the n [B, T] float32 scales of fp8 storage.
+        stats_out: the same for the [n, B, T, 3] float32 `layer_stats`.
 
         Nothing here waits for the device: CPU inputs are staged through pinned memory
         and copied asynchronously on CUDA, so a caller that also copies the results
@@ -336,6 +349,10 @@ class Verifier:
         scales = (
             _out_buffers(scale_out, n, (b, t), torch.float32, dev, "scale_out") if fp8 else None
         )
+        (stats,) = _out_buffers(
+            None if stats_out is None else [stats_out], 1, (n, b, t, 3), torch.float32, dev,
+            "stats_out",
+        )  # fmt: skip
         # Where the running forward's tokens go: None = it runs the [B, T] rows
         # themselves; else the DocumentBatch it runs.
         place: list[DocumentBatch | None] = [None]
@@ -343,18 +360,33 @@ class Verifier:
         for j, layer_id in enumerate(self.capture_layer_ids):
             sl = hidden[j]  # [B, T, H]: this layer's buffer
             sc = scales[j] if scales is not None else None  # [B, T]
+            st = stats[j]  # [B, T, 3]
 
             def hook(
-                _m: Any, _a: Any, out: Any, sl: torch.Tensor = sl, sc: torch.Tensor | None = sc
+                _m: Any,
+                _a: Any,
+                out: Any,
+                sl: torch.Tensor = sl,
+                sc: torch.Tensor | None = sc,
+                st: torch.Tensor = st,
+                layer_id: int = layer_id,
             ) -> None:
                 x = out[0] if isinstance(out, tuple) else out  # [B, T, H] or [k, L, H]
+                if x.dim() != 3 or x.shape[-1] != h:  # e.g. hyper-connections: [B, T, m, H]
+                    raise ConfigError(
+                        f"verifier {self.config.path}: decoder layer {layer_id} outputs "
+                        f"{tuple(x.shape)}, not one hidden state of size {h} per token; "
+                        "fanout cannot capture it"
+                    )
                 _store(x, sl, sc, place[0])
+                _store_stats(x, st, place[0])
 
             handles.append(self.layers[layer_id].register_forward_hook(hook))
         try:
             if self.runs_alone(b, t):
                 last = torch.empty((b, t, h), dtype=self.dtype, device=dev)  # [B, T, H]
-                with local_attention(self.base.config, self.rule, on=self.local_attention):
+                on = self.local_attention and not self.rule.unruled
+                with local_attention(self.base.config, self.rule, on=on):
                     for db in document_batches(ids, pos, document_ids):  # host spans
                         place[0] = db
                         o = self.base(
@@ -377,6 +409,7 @@ class Verifier:
             target_ids=target,
             last_hidden_states=last_store,
             layer_scales=scales,
+            layer_stats=stats,
         )
 
     def runs_alone(self, b: int, t: int) -> bool:
@@ -438,7 +471,7 @@ class Verifier:
         the projection (positive logit scales, tanh soft-capping), so the plain
         projection suffices for them too. A bias-free `nn.Linear` head (every
         Llama/Qwen-style model) multiplies into one reused chunk buffer (under tensor
-        parallelism: its vocabulary shard, fanout.model.tp.ShardedHead); any other
+        parallelism: its vocabulary shard, fanout.model.tp_shard.ShardedHead); any other
         head is called as a module.
         """
         b, t, h = last.shape
@@ -488,6 +521,23 @@ def _store(
     quantize_into(xs, q, s)
     out.view(torch.uint8)[rows, cols] = q.view(torch.uint8)  # fp8 has no index_put
     scale[rows, cols] = s
+
+
+def token_stats(x: torch.Tensor) -> torch.Tensor:
+    """[..., H] → [..., 3] float32: each token's min, max and sum over H (NaN and inf
+    propagate into them). Two passes over the layer output, no copy of it: what the
+    capture check (fanout.produce.capture_check) needs to see non-finite, all-zero and
+    constant rows."""
+    lo, hi = torch.aminmax(x, dim=-1)
+    return torch.stack([lo.float(), hi.float(), x.sum(-1, dtype=torch.float32)], dim=-1)
+
+
+def _store_stats(x: torch.Tensor, out: torch.Tensor, place: DocumentBatch | None) -> None:
+    """Write `token_stats` of a layer output into its [B, T, 3] buffer (as `_store`)."""
+    if place is None:
+        out.copy_(token_stats(x))
+    else:
+        out[place.rows, place.cols] = place.take(token_stats(x))  # [N, 3]
 
 
 def load_verifier(
@@ -547,7 +597,8 @@ def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
         hf_cfg = AutoConfig.from_pretrained(root, local_files_only=True)
     except (*bad, StrictDataclassError) as e:
         raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
-    PackingRule.from_config(hf_cfg, str(root))  # unknown layer types: refused before the weights
+    # --strict-layer-types: unknown layer types refused before the weights load
+    PackingRule.from_config(hf_cfg, str(root), strict=cfg.strict_layer_types)
     cls = _model_class(hf_cfg, root)
     attn = cfg.attn_implementation
     if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):

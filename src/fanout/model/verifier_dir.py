@@ -7,7 +7,7 @@ the directory must hold, and its identity (config hash, weights fingerprint).
 
 The draft takes its shapes and its frozen embedding / head / norm from here
 (fanout.model.draft.Draft.from_verifier); `fanout eval` and `load_draft` read
-the config the same way (fanout.families.serving). A multimodal checkpoint
+the config the same way (fanout.checkpoints.load). A multimodal checkpoint
 (`…ForConditionalGeneration`) is read as its text model: shapes from its
 `text_config`, tensors by the names its layout gives them (`text_tensors`: plain
 `model.*`, `model.language_model.*` or `language_model.model.*`), the head tied or not
@@ -16,7 +16,6 @@ as the top-level config says (Gemma-3: tied at the top, untied in `text_config`)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from fanout.errors import ConfigError
-from fanout.hashing import hasher, labelled
+from fanout.hashing import hasher, identity_digest, labelled
 
 # Files whose bytes are model weights (top level of the directory, like from_pretrained).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -217,8 +216,7 @@ def config_hash(path: str | os.PathLike[str]) -> str:
     cfg = _read_config(Path(path))
     for k in ("transformers_version", "_name_or_path"):
         cfg.pop(k, None)
-    blob = json.dumps(cfg, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()
+    return identity_digest(cfg)
 
 
 def max_position_embeddings(path: str | os.PathLike[str]) -> int | None:

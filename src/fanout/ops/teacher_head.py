@@ -76,15 +76,19 @@ def teacher_head(
     *,
     kl: bool = True,
     chunk_rows: int | None = None,
+    label: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss `[N]` fp32 (KL from the verifier's distribution, or CE against its
     argmax), the draft's argmax `[N]` and the verifier's `[N]` (head-row ids: the draft
-    vocabulary's), without `[N, V]` logits at once; differentiable in `x` only."""
+    vocabulary's), without `[N, V]` logits at once; differentiable in `x` only. CE:
+    `label` `[N]`, when given, is `teacher_argmax(teacher, weight)` made once by the
+    caller (EAGLE-3's steps share their verifier rows), and `teacher` is not read."""
     if not kl:
         # CE needs only the verifier's argmax (of its raw logits, as speculators takes
         # it): one argmax pass, then the fused linear CE — no teacher softmax, no one-hot
         # (0.7x the step of the KL-shaped path for P-EAGLE / EAGLE-3 on CPU).
-        label = teacher_argmax(teacher, weight, chunk_rows)
+        if label is None:
+            label = teacher_argmax(teacher, weight, chunk_rows)
         ce, pred = linear_cross_entropy_and_argmax(
             x, weight, label, reduction="none", chunk_rows=chunk_rows
         )

@@ -28,6 +28,9 @@ backward. Here A (`a`) never gets a gradient, and:
 - `two_head_ce_tv_and_argmax`: the compound `ce_weight * CE + tv_weight * TV(q, p)` per
   row (speculators' `{"ce": .., "tv": ..}` loss, XPress's), TV = 1 - sum_v min(q_v, p_v)
   with `dTV/dz = q (S - 1[q < p])`, S = sum of q where q < p; one pass gives both terms.
+- `TwoHeadTerms`: several such compound terms over the same rows, head and teacher,
+  each with its own second-head features (XPress's teacher-forced pass, backbone and
+  Jacobi rounds): `x @ A^T` and p made once for all, x's gradient one matmul.
 
 `e` and `b` may both be None (one frozen head only: the op is then the DFlash linear CE
 plus the teacher agreement). No `[N, V]` logits exist at once: chunks of about 256 MiB
@@ -88,12 +91,15 @@ def _chunk(
     tz: torch.Tensor | None,  # [c, V] fp32 teacher logits, overwritten (or None)
     scale: torch.Tensor | None,  # [c] fp32 d(loss)/d(value_row), or None: 1
     mix: tuple[float, float] = (1.0, 0.0),  # ce / cetv: (CE weight, TV weight)
+    shared_p: tuple[torch.Tensor, torch.Tensor] | None = None,  # ce / cetv, tz None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Row values `[c]`, argmax `[c]`, accept `[c]` (None without a teacher) and
-    `scale_row * d(value_row)/d(logits)` `[c, V]` (in z's storage) of one chunk."""
+    `scale_row * d(value_row)/d(logits)` `[c, V]` (in z's storage) of one chunk.
+    `shared_p`: the teacher's softmax, already made and left as it is, and a `[c, V]`
+    scratch block for what tz's storage holds otherwise (`TwoHeadTerms`)."""
     pred = row_argmax(z)  # [c], the first maximum, as argmax
     if kind != "kl":  # ce: CE; cetv: mix[0] CE + mix[1] TV
-        assert target is not None and (kind == "ce" or tz is not None)
+        assert target is not None and (kind == "ce" or tz is not None or shared_p is not None)
         ce_w, tv_w = mix
         keep = target != ignore_index  # [c]
         safe_t = torch.where(keep, target, torch.zeros_like(target))
@@ -104,12 +110,17 @@ def _chunk(
         val = ce_w * (m + s.log() - z_t)  # [c]
         q = z.div_(s[:, None])  # [c, V] softmax
         accept = q_below = None
-        if tz is not None:
-            p = _softmax_(tz)  # [c, V]
+        if tz is not None or shared_p is not None:
+            # p's own storage is the scratch block unless p is shared (kept for later terms)
+            if shared_p is None:
+                assert tz is not None
+                p = buf = _softmax_(tz)  # [c, V]
+            else:
+                p, buf = shared_p  # [c, V] each
             below = q < p if tv_w else None  # [c, V] where the draft's mass is the smaller
-            accept = torch.minimum(p, q, out=p).sum(dim=1)  # [c] sum_v min(q_v, p_v)
+            accept = torch.minimum(p, q, out=buf).sum(dim=1)  # [c] sum_v min(q_v, p_v)
             if below is not None:
-                q_below = torch.mul(q, below, out=p)  # [c, V] q where q < p, 0 elsewhere
+                q_below = torch.mul(q, below, out=buf)  # [c, V] q where q < p, 0 elsewhere
                 val += tv_w * (1.0 - accept)
         # d/dz = w_ce (q - onehot) + w_tv q (S - 1[q < p]), S = sum of q where q < p
         if q_below is not None:
@@ -419,8 +430,159 @@ def two_head_ce_tv_and_argmax(
     )
 
 
+class TwoHeadTerms:
+    """Several compound CE + TV terms (`two_head_ce_tv_and_argmax`'s) over the same rows
+    `x`, frozen head `a`, targets and teacher, each with its own second-head features
+    `e_j` `[n, r]` through the same `b` (or none): XPress's teacher-forced pass, its
+    backbone's own logits and its Jacobi rounds, where a round's `e_j` depends on the
+    previous term's argmax, so the terms come one at a time.
+
+        terms = TwoHeadTerms(x, a, b, target, teacher, ce_weight=0.1, tv_weight=0.9)
+        base = terms.add(None, row_weight=w, weight=0.6)   # TwoHeadOut, loss detached
+        tf = terms.add(e_tf, row_weight=w)                 # e_tf from the refiner (autograd)
+        loss = terms.loss()   # sum_j weight_j sum_i w_ji l_ji: grads to x, b and every e_j
+
+    Term by term through `two_head_ce_tv_and_argmax` each term costs six `[n, V]`-sized
+    matmuls (`x @ a^T`, `teacher @ a^T`, `e @ b^T`, `dz @ a`, `dz @ b`, `dz^T @ e`).
+    Here the head's logits `x @ a^T` and the teacher's softmax are made once for all
+    terms, and x's gradient is one `(sum_j weight_j dz_j) @ a` in `loss()`: 2 + 3 per
+    term with features + 1 (XPress's five terms: 15 instead of 27), the same values
+    and gradients up to fp32 summation order (tests/test_two_head_ce.py). The gradients
+    are folded in forward, as the op's with `row_weight`: backward only scales them.
+
+    One chunk of rows, held whole: about five live `[n, V]` fp32 blocks (the head's
+    logits, p, the x-gradient sum, a term's logits, a scratch block), so the caller
+    splits its rows (`chunk_rows_for_terms`; XPress by whole blocks, which its rounds need).
+    `add(e, row_weight=None)`: values, argmax and accept only (no loss, no gradient).
+    Outside autograd (`torch.no_grad`, or nothing requires grad) no gradient is made.
+    """
+
+    def __init__(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
+        teacher: torch.Tensor, *, ce_weight: float, tv_weight: float, ignore_index: int = -100,
+    ) -> None:  # fmt: skip
+        n = x.shape[0]
+        _check(x, None, a, None, teacher, None)
+        if target.shape != (n,):
+            raise ValueError(f"expected target [{n}], got {tuple(target.shape)}")
+        if b is not None and (b.dim() != 2 or b.shape[0] != a.shape[0]):
+            raise ValueError(f"expected b [{a.shape[0]}, r], got {tuple(b.shape)}")
+        self.x, self.a, self.b = x, a, b
+        self.target, self.ignore_index = target.long(), ignore_index
+        self.mix = (float(ce_weight), float(tv_weight))
+        self.grad_on = torch.is_grad_enabled()
+        self.need_x = self.grad_on and x.requires_grad
+        self.need_b = self.grad_on and b is not None and b.requires_grad
+        dev, f32 = x.device, torch.float32
+        with torch.no_grad(), _own_precision(dev):
+            self.za = mm_fp32(x.detach(), a.t())  # [n, V] the head's logits, every term's
+            self.p = _softmax_(mm_fp32(teacher.detach(), a.t()))  # [n, V] teacher softmax
+        self.scratch = torch.empty_like(self.za)
+        self.dz_sum = torch.zeros_like(self.za) if self.need_x else None  # sum_j w_j dz_j
+        self.gb = (
+            torch.zeros(b.shape, dtype=f32, device=dev) if self.need_b and b is not None else None
+        )
+        self.es: list[torch.Tensor] = []  # features of the terms with a loss
+        self.ges: list[torch.Tensor | None] = []  # their gradients (fp32)
+        self.total = torch.zeros((), dtype=f32, device=dev)  # sum_j weight_j loss_j
+
+    def add(
+        self, e: torch.Tensor | None, *, row_weight: torch.Tensor | None = None,
+        weight: float = 1.0,
+    ) -> TwoHeadOut:  # fmt: skip
+        """One term: logits `x @ a^T (+ e @ b^T)`. With `row_weight` `[n]` it joins
+        `loss()` as `weight * sum_i row_weight_i l_i`; `TwoHeadOut.loss` is that sum
+        (before `weight`), detached, `rows` the per-row values, `accept` always given."""
+        n, b = self.x.shape[0], self.b
+        if e is not None and (b is None or e.dim() != 2 or e.shape != (n, b.shape[1])):
+            raise ValueError(
+                f"expected e [{n}, {None if b is None else b.shape[1]}], got {tuple(e.shape)}"
+            )
+        if row_weight is not None and row_weight.shape != (n,):
+            raise ValueError(f"expected row_weight [{n}], got {tuple(row_weight.shape)}")
+        w = None if row_weight is None else row_weight.detach().float()
+        need_e = self.grad_on and w is not None and e is not None and e.requires_grad
+        grads = w is not None and (self.need_x or self.need_b or need_e)
+        ed = None if e is None else e.detach()
+        with torch.no_grad(), _own_precision(self.x.device):
+            if ed is None or b is None:
+                z = self.za.clone()
+            elif self.za.dtype == ed.dtype == b.dtype:
+                z = torch.addmm(self.za, ed, b.t())  # [n, V] fp32, no second block
+            else:
+                z = self.za + mm_fp32(ed, b.t())
+            scale = w * weight if grads and w is not None else None
+            val, pred, accept, dz = _chunk(
+                "cetv", z, self.target, self.ignore_index, None, scale, self.mix,
+                shared_p=(self.p, self.scratch),
+            )  # fmt: skip
+            if grads:
+                if self.dz_sum is not None:
+                    self.dz_sum += dz
+                ge = mm_fp32(dz, b) if need_e and b is not None else None
+                if self.gb is not None and ed is not None:
+                    _grads(dz, ed, self.a, b, None, None, self.gb, 0, n)
+            del z, dz
+        loss = val.sum() if w is None else (val * w).sum()
+        if w is not None:
+            self.total += weight * loss
+            if need_e and e is not None:
+                self.es.append(e)
+                self.ges.append(ge)
+        assert accept is not None
+        return TwoHeadOut(loss, val, pred, accept)
+
+    def loss(self) -> torch.Tensor:
+        """The scalar `sum_j weight_j sum_i w_ji l_ji` of the terms added with a
+        `row_weight`, differentiable in x, b and their features (backward only scales
+        the gradients made in forward). Call it once, after the last `add`."""
+        gx = None
+        if self.dz_sum is not None:
+            with torch.no_grad(), _own_precision(self.x.device):
+                gx = mm_fp32(self.dz_sum, self.a)  # [n, H] one matmul for every term
+            self.dz_sum = None
+        self.za = self.p = self.scratch = None  # type: ignore[assignment]  # freed
+        if gx is None and self.gb is None and not self.es:
+            return self.total
+        x = self.x if gx is not None else self.x.detach()
+        b = self.b if self.gb is not None else None
+        out: torch.Tensor = _TermsLoss.apply(self.total, gx, self.gb, self.ges, x, b, *self.es)
+        return out
+
+
+class _TermsLoss(torch.autograd.Function):
+    """`TwoHeadTerms.loss`: the folded gradients, scaled by the output gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, total: torch.Tensor, gx: torch.Tensor | None, gb: torch.Tensor | None,
+        ges: list[torch.Tensor | None], x: torch.Tensor, b: torch.Tensor | None,
+        *es: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        ctx.grads = (gx, gb, ges)
+        ctx.dtypes = (x.dtype, None if b is None else b.dtype, [e.dtype for e in es])
+        return total.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        (gx, gb, ges), (x_dt, b_dt, e_dts) = ctx.grads, ctx.dtypes
+        g = g.float()
+        out_x = None if gx is None else (gx * g).to(x_dt)
+        out_b = None if gb is None else (gb * g).to(b_dt)
+        out_e = [None if ge is None else (ge * g).to(dt) for ge, dt in zip(ges, e_dts)]
+        return (None, None, None, None, out_x, out_b, *out_e)
+
+
+def chunk_rows_for_terms(n_rows: int, vocab: int, chunk_rows: int | None = None) -> int:
+    """Rows a `TwoHeadTerms` chunk may hold: its five live `[rows, V]` fp32 blocks near
+    the fused ops' chunk size (`rows_per_chunk`), or the caller's `chunk_rows`."""
+    return rows_per_chunk(n_rows, 5 * vocab, chunk_rows)
+
+
 __all__ = [
     "TwoHeadOut",
+    "TwoHeadTerms",
+    "chunk_rows_for_terms",
     "two_head_ce_tv_and_argmax",
     "two_head_cross_entropy_and_argmax",
     "two_head_kl_div_and_argmax",

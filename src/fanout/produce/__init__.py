@@ -4,7 +4,7 @@ Owns: capturing hidden states and greedy targets for a window (capture) and the
 producer process: the loop — backpressure at K live windows, recapture, the role's
 claim (producer); which rows window w holds (stream); publishing and committing
 windows, inline or overlapped (publisher); the run directory it sets up and, after
-a failed start, removes (rundir); stopping on SIGINT/SIGTERM (stopping); its
+a failed start, removes (run_start); stopping on SIGINT/SIGTERM (stopping); its
 counters (stats).
 
 May import: coord, store, regen, data, families, model, ops and the core. Never the trainer side

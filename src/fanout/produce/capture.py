@@ -3,6 +3,7 @@
     capturer = WindowCapturer(verifier, dataset, batch_rows=4)
     window = capturer.capture(idx)      # rows `idx` of the prepared dataset, in window order
     window.wait()                       # CUDA copies are asynchronous: wait before reading
+    window.check()                      # CaptureCheckFailed: not to be published
     publish(window.tensors)
     capturer.flip()                     # the next capture fills the other buffer slot
 
@@ -17,6 +18,10 @@ pinned memory: together ~1.8× the capture cost on an H200 (benchmarks/producer.
 Copies: on CUDA each batch's outputs are copied on a side stream into the pinned
 buffer, without the host waiting (see `_HostCopier`); on CPU the verifier's hooks
 write straight into the buffer, so there is no copy of the hidden states at all.
+
+Check: each batch also yields 3 floats per token and captured layer (min, max, sum:
+`Capture.layer_stats`), gathered per window beside the tensors (not published);
+`CapturedWindow.check()` reads them once the copies landed (fanout.produce.capture_check).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from fanout.data.cache import PackedDataset
 from fanout.model.verifier import Capture, Verifier
 from fanout.ops.fp8 import FP8
+from fanout.produce.capture_check import check_window
 from fanout.rows import (
     DOCUMENT_IDS,
     INPUT_IDS,
@@ -48,6 +54,8 @@ class CapturedWindow:
 
     tensors: dict[str, Any]
     wait: Callable[[], None]
+    # after `wait`: CaptureCheckFailed naming the layer and row if the window is bad
+    check: Callable[[], None] = lambda: None
 
 
 class _HostCopier:
@@ -104,7 +112,7 @@ class WindowCapturer:
         self.verifier = verifier
         self.dataset = dataset
         self.batch_rows = batch_rows
-        # `Verifier.capture`, or under --tp the leader's (fanout.produce.tp), which has
+        # `Verifier.capture`, or under --tp the leader's (fanout.produce.tp_capture), which has
         # every rank run the same forward
         self._forward = forward or verifier.capture
         self._bufs: dict[str, torch.Tensor] = {}
@@ -126,6 +134,17 @@ class WindowCapturer:
             self._bufs[key] = buf
         return buf[: shape[0]]  # the last window may be partial; still contiguous
 
+    def _stats_buffer(self, n: int, r: int, t: int) -> torch.Tensor:
+        """This slot's [n, R, T, 3] float32 host buffer of `Capture.layer_stats` (layers
+        first, as the verifier writes them; reallocated for a partial last window)."""
+        key = f"capture_stats.{self._slot}"
+        buf = self._bufs.get(key)
+        if buf is None or tuple(buf.shape) != (n, r, t, 3):
+            pin = self.verifier.device.type == "cuda"
+            buf = torch.empty((n, r, t, 3), dtype=torch.float32, pin_memory=pin)
+            self._bufs[key] = buf
+        return buf
+
     def capture(self, idx: np.ndarray) -> CapturedWindow:
         """Rows `idx` of the dataset through the verifier: the window's tensors (host).
 
@@ -144,6 +163,7 @@ class WindowCapturer:
         scales = (
             [self._buffer(scale_name(i), (r, t), torch.float32) for i in layers] if fp8 else None
         )  # n × [R, T]
+        stats = self._stats_buffer(len(layers), r, t)  # [n, R, T, 3]
         last = None
         if v.config.store_last_hidden_states:
             last = self._buffer("last", (r, t, h), v.last_hidden_dtype)  # [R, T, H]
@@ -159,8 +179,11 @@ class WindowCapturer:
                 # On CPU the hooks write straight into the window buffers: no copy at all.
                 hidden_out=[x[sl] for x in hidden] if on_cpu else None,
                 scale_out=[x[sl] for x in scales] if on_cpu and scales is not None else None,
+                stats_out=stats[:, sl] if on_cpu else None,
             )
             pairs = [(target[sl], cap.target_ids)]
+            if not on_cpu and cap.layer_stats is not None:
+                pairs.append((stats[:, sl], cap.layer_stats))
             if not on_cpu:
                 pairs += [(x[sl], y) for x, y in zip(hidden, cap.layers, strict=True)]
                 if scales is not None and cap.layer_scales is not None:
@@ -180,4 +203,9 @@ class WindowCapturer:
             tensors |= {scale_name(i): x for i, x in zip(layers, scales, strict=True)}
         if last is not None:
             tensors[LAST_HIDDEN_STATES] = last
-        return CapturedWindow(tensors, self._copier.done())
+        docs = tensors[DOCUMENT_IDS]
+        return CapturedWindow(
+            tensors,
+            self._copier.done(),
+            lambda: check_window(stats, docs, target, layers),
+        )

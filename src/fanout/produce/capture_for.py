@@ -8,7 +8,8 @@ families the DFlash rule at the reference depth, capped at the distinct layers a
 verifier has: the demo's 6 give 1, 2, 3); the capture is their union with any
 `--capture-layer-ids` given.
 A family whose reference recipe trains on the verifier's final hidden states (DSpark's
-confidence head) turns on `--store-last-hidden-states`. What each trainer reads out of
+confidence head; `Family.needs_last_hidden_states`, the declaration the trainer checks
+too) turns on `--store-last-hidden-states`. What each trainer reads out of
 it is its own `--draft-layer-ids` (default: every captured layer).
 """
 
@@ -69,7 +70,7 @@ def capture_fields(cfg: _Capture) -> dict[str, Any]:
     for name in cfg.capture_for:
         fam = family(name, where="--capture-for")
         layers |= set(fam.default_layers(n))
-        last = last or fam.captures_last_hidden_states
+        last = last or fam.needs_last_hidden_states(fam.reference_recipe())
     return {"capture_layer_ids": sorted(layers), "store_last_hidden_states": last}
 
 

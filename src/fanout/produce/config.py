@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -20,7 +20,7 @@ from fanout.coord.heartbeat import HeartbeatOptions
 from fanout.coord.retention import RunOptions
 from fanout.data.cache import PackedDataset
 from fanout.data.prepare import DataOptions, PrepareConfig
-from fanout.errors import ConfigError, CorruptWindow
+from fanout.errors import ConfigError, CorruptPreparedData
 from fanout.flags import problems
 from fanout.model.capture_layers import CaptureLayers
 from fanout.model.verifier import VerifierOptions
@@ -60,6 +60,9 @@ class ProducerConfig(
     --replicas ReplicaOptions' (fanout.produce.replicas); each is declared once there.
     These are the producer's own.
     """
+
+    # fields a before-validator fills from another flag: --help says so (fanout.flags)
+    required_unless: ClassVar[dict[str, str]] = {"data": "--follow"}
 
     @model_validator(mode="before")
     @classmethod
@@ -176,7 +179,7 @@ def prepared_data(cfg: ProducerConfig) -> PackedDataset | None:
         )
     try:
         ds = PackedDataset(dirs[0])
-    except (CorruptWindow, KeyError, ValueError) as e:
+    except (CorruptPreparedData, KeyError, ValueError) as e:
         raise ConfigError(f"{label}: not a readable prepared dataset: {e}") from None
     tok, flag = cfg.tokenizer, "--tokenizer"
     verifier = Path(cfg.verifier_name_or_path)

@@ -77,8 +77,8 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.follow_log import FollowChunk
-from fanout.coord.leases import ProducerReg
+from fanout.coord.follow_log import COUNTS, FollowChunk
+from fanout.coord.grants import ProducerReg
 from fanout.data.cache import PackedDataset
 from fanout.data.chat import ChatFormat, Conversation, detect_format, to_conversation
 from fanout.data.prepare import PrepareConfig, prepare
@@ -184,7 +184,8 @@ class FollowStream:
         self.pending: list[dict[str, Any]] = []  # records read, not yet in a chunk
         self.pending_since: float | None = None
         self.last_record = time.monotonic()
-        self.counts = {"records": 0, "heldout": 0, "skipped": 0}
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.pending_where: list[str] = []  # each pending record's "file: byte N"
         self.heldout: list[dict[str, Any]] = []
         self.ended = False
         self.coord: Coordinator | None = None  # set by attach: where chunks are committed
@@ -368,7 +369,9 @@ class FollowStream:
             conv = to_conversation(chat, detect_format([chat], self.fmt), str(path), 0)
         except (ValueError, BadRow, ConfigError) as e:
             self.counts["skipped"] += 1
-            log.warning("--follow: %s: not a chat record, skipped (%s)", where, e)
+            # a BadRow names a line of a file; here the place is the byte offset above
+            why = f"field {e.field!r}: {e.reason}" if isinstance(e, BadRow) else str(e)
+            log.warning("--follow: %s: not a chat record, skipped (%s)", where, why)
             return 0
         doc = _as_record(conv)
         self.counts["records"] += 1
@@ -378,6 +381,7 @@ class FollowStream:
                 self.heldout = [*self.heldout, doc][-self.opts.holdout_keep :]
         else:
             self.pending.append(doc)
+            self.pending_where.append(where)
         return 1
 
     def _held_out(self, doc: dict[str, Any]) -> bool:
@@ -399,14 +403,27 @@ class FollowStream:
             held = "".join(json.dumps(d) + "\n" for d in self.heldout)
             self.fs.write_atomic(self.heldout_path, held.encode())
         part = self._prepare(data)
+        self._say_splits(part, data)
         chunk = FollowChunk(chunk=c, records=len(self.pending), digest=hexdigest(body),
                             positions=dict(self.positions), counts=dict(self.counts))  # fmt: skip
         self._commit(chunk)  # the commit point (before attach: at attach)
         self.files.append(data)
-        self.pending, self.pending_since = [], None
+        self.pending, self.pending_where, self.pending_since = [], [], None
         self._add(part)
         log.info("--follow: chunk %d: %d records, %d rows so far (%s)",
                  c, chunk.records, self.rows.num_rows, self.counts)  # fmt: skip
+
+    def _say_splits(self, part: PackedDataset, chunk: Path) -> None:
+        """Count the chunk's records longer than --seq-len (split across rows) and name
+        each one's place in its source: a split is not silent (#52)."""
+        s = part.summary
+        self.counts["split"] += int(s.get("split_over_length", 0))
+        for _file, line in s.get("split_sources", []):
+            n = int(line) - 1  # the chunk's line n+1 is pending record n
+            if 0 <= n < len(self.pending_where):  # the chunk is prepared alone
+                log.warning("--follow: %s: longer than --seq-len %d tokens, split across "
+                            "rows (--over-length split)", self.pending_where[n],
+                            part.seq_len)  # fmt: skip
 
     def _prepare(self, chunk: Path) -> PackedDataset:
         fmt = ChatFormat().model_dump()  # chunks hold {"messages", "tools"} records

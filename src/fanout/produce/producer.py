@@ -24,11 +24,11 @@ last window, and a replica with nothing left to claim lingers (serving recapture
 like a lone producer, then exits 0.
 
 Under `torchrun --nproc-per-node N ... --tp N` rank 0 runs this loop and the other
-ranks run each of its verifier forwards with it (fanout.produce.tp).
+ranks run each of its verifier forwards with it (fanout.produce.tp_capture).
 
 Which rows window w holds: fanout.produce.stream. The rest of the producer is
 split by what it does: its flags and the checks of its inputs (config), the run
-directory it sets up and, after a failed start, removes (rundir), which replica it
+directory it sets up and, after a failed start, removes (run_start), which replica it
 is (replicas), publishing and committing windows inline or overlapped (publisher),
 stopping on a signal (stopping), counters (stats).
 """
@@ -46,11 +46,11 @@ from typing import Any, cast
 
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator, RunConfig
+from fanout.coord.grants import Claim, ProducerReg
 from fanout.coord.heartbeat import Heartbeat
-from fanout.coord.leases import Claim, ProducerReg
 from fanout.data.cache import PackedDataset
 from fanout.data.draft_vocab import count_tokens, write_token_counts
-from fanout.errors import ConfigError, StorageError
+from fanout.errors import CaptureCheckFailed, ConfigError, StorageError
 from fanout.filesystem import FileSystem
 from fanout.flags import (
     add_model_flags,
@@ -69,7 +69,7 @@ from fanout.produce.follow import FollowStream
 from fanout.produce.onpolicy import OPEN, OnPolicyStream
 from fanout.produce.publisher import Publisher
 from fanout.produce.replicas import bind_device, plan, rank_of
-from fanout.produce.rundir import (
+from fanout.produce.run_start import (
     CreatedPaths,
     StartNotice,
     check_disk_budget,
@@ -83,7 +83,7 @@ from fanout.produce.rundir import (
 from fanout.produce.stats import ProducerStats
 from fanout.produce.stopping import StopFlag
 from fanout.produce.stream import stream_rows
-from fanout.produce.tp import Leader
+from fanout.produce.tp_capture import Leader
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowMeta
@@ -98,7 +98,7 @@ class Producer:
 
     A start that fails (or is interrupted) before it publishes its first window
     removes what it created in the run directory (`discard_if_unused`,
-    fanout.produce.rundir), so no skeleton of a run that never produced anything is
+    fanout.produce.run_start), so no skeleton of a run that never produced anything is
     left for trainers to find. Publishing is the Publisher's (fanout.produce.publisher),
     stopping on a signal the StopFlag's (fanout.produce.stopping).
     """
@@ -108,13 +108,13 @@ class Producer:
     ) -> None:
         check_inputs(cfg)
         self.cfg = cfg = for_families(cfg)
-        self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp)
+        self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp_capture)
         self.plan = plan(cfg)  # what every replica must share (fanout.produce.replicas)
         root, m = Path(cfg.run_dir), cfg.replicas
         # Until it registers, a start says every few seconds what it waits for
         with StartNotice() as self._notice:
             # One start at a time per replica rank, up to its registration
-            # (fanout.produce.rundir): RoleHeld naming the producer starting there now
+            # (fanout.produce.run_start): RoleHeld naming the producer starting there now
             # (--takeover: wait for it); without a rank, the first free one.
             self._notice.stage("taking a replica rank's start lock")
             self._start_lock, self.rank = take_start_lock(
@@ -187,6 +187,8 @@ class Producer:
             log.info("following %s; its chunks and held-out set in %s/follow",
                      cfg.follow, self.run_dir.root)  # fmt: skip
             cache = str(self.run_dir.cache)
+            # FollowStream.open waits for the first chunk: say so, not the last stage
+            self._notice.stage(f"waiting for the first records of --follow {cfg.follow}")
             self.growing = FollowStream.open(
                 lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, self.run_dir
             )
@@ -232,11 +234,11 @@ class Producer:
             )  # fmt: skip
             self._stream_info().write(self.run_dir, fs)
             write_token_counts(self.run_dir.token_counts, counts, self.contract.stream_id, fs)
-            if existing is None:
-                existing = create_run(
-                    self.run_dir.root, self.contract, self._run_config(), cfg.db_path, self.store
-                )
-                self._created_db = True
+            if existing is None:  # or another host's replica creates it now: then joined
+                existing, self._created_db = create_run(
+                    self.run_dir.root, self.contract, self._run_config(), cfg.db_path, self.store,
+                    cfg.takeover, self.rank, cfg.replicas,
+                )  # fmt: skip
             self.coord = existing
             # Registered under the start lock: a producer started a moment later finds the
             # role held (RoleHeld), never a run it could still register in too.
@@ -459,6 +461,10 @@ class Producer:
                 self.coord.fail(claim, str(e))
                 time.sleep(1.0)
                 continue
+            except CaptureCheckFailed as e:  # the publisher failed that window's claim
+                if e.window != claim.window:
+                    self._release(claim)
+                raise
             except BaseException:
                 self._release(claim)
                 raise
@@ -480,7 +486,7 @@ class Producer:
         return self.growing.ready_windows
 
     def _progress_line(self) -> str:
-        """live windows/bytes on disk, rates since start, backpressure wait so far."""
+        """ready windows/bytes on disk, rates since start, backpressure wait so far."""
         return self.stats.progress_line(*self.coord.ready_windows())
 
     def _release(self, claim: Claim) -> None:
@@ -526,7 +532,7 @@ def run(args: argparse.Namespace, name: str = "produce") -> int:
         bind_device(cfg.device)  # torchrun --replicas: one replica per local GPU
     if cfg.tp > 1:  # every rank loads its shard; rank 0 produces, the others follow it
         from fanout.model.verifier import load_verifier
-        from fanout.produce.tp import run_tensor_parallel
+        from fanout.produce.tp_capture import run_tensor_parallel
 
         return run_tensor_parallel(
             cfg.tp,

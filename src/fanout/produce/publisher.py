@@ -7,8 +7,11 @@
     pub.finish_inflight()        # before the summary: the last window's publish
     pub.shutdown()
 
-Per window: wait for its device→host copies → renew the claim (StaleLease: we were
-superseded, publish nothing) → Store.publish (tmp → fsync → link → dir fsync,
+Per window: wait for its device→host copies → the capture check
+(fanout.produce.capture_check: a window that fails it is not published; its claim is
+failed, so it is captured again, and a second failure in a row stops the producer
+with CaptureCheckFailed; counted in `ProducerStats.bad_captures`) → renew the claim
+(StaleLease: we were superseded, publish nothing) → Store.publish (tmp → fsync → link → dir fsync,
 fanout.filesystem.FileSystem.write_atomic) → coordinator commit (a StaleLease there
 removes the just-published file: it is an orphan). A full disk (StorageFull) is
 waited out with the captured tensors in hand (0.5 → 5 s backoff, renewing the
@@ -32,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.leases import Claim
-from fanout.errors import StaleLease, StorageError, StorageFull
+from fanout.coord.grants import Claim
+from fanout.errors import CaptureCheckFailed, StaleLease, StorageError, StorageFull
 from fanout.produce.capture import CapturedWindow
 from fanout.produce.stats import ProducerStats
 from fanout.produce.stopping import StopFlag
@@ -79,11 +82,7 @@ class Publisher:
         self._pool = ThreadPoolExecutor(1, "fanout-publish") if overlap else None
         self._inflight: tuple[Claim, Future[Committed], int, int] | None = None
         self._thread_state = threading.local()
-
-    @property
-    def in_flight(self) -> bool:
-        """A background publish was submitted and not yet accounted for."""
-        return self._inflight is not None
+        self._bad_in_a_row = 0  # capture-check failures since the last window published
 
     def submit(
         self, claim: Claim, window: CapturedWindow, meta: WindowMeta, *, rows: int, tokens: int
@@ -92,7 +91,12 @@ class Publisher:
         after the previous background publish finished, hand it to the background
         thread and return True; the caller must then capture into the other slot."""
         if self._pool is None:
-            self._count(self._commit(claim, window, meta, self.coord), rows, tokens)
+            try:
+                done = self._commit(claim, window, meta, self.coord)
+            except CaptureCheckFailed as e:
+                self._bad_capture(claim, e)
+                return False
+            self._count(done, rows, tokens)
             return False
         self.finish_inflight()  # its buffers are the other slot's: free after this
         fut = self._pool.submit(self._commit_in_thread, claim, window, meta)
@@ -103,7 +107,8 @@ class Publisher:
         """Wait for (or, with block=False, poll) the background publish and account for it.
 
         A StorageError there fails that window's claim (it is retried under a new
-        generation), as it would inline; anything else (StaleLease) propagates.
+        generation), as it would inline, and so does a failed capture check (the second
+        in a row raises CaptureCheckFailed); anything else (StaleLease) propagates.
         """
         if self._inflight is None:
             return
@@ -118,7 +123,22 @@ class Publisher:
             log.error("window %d: %s; will retry", claim.window, e)
             self.coord.fail(claim, str(e))
             return
+        except CaptureCheckFailed as e:
+            self._bad_capture(claim, e)
+            return
         self._count(done, rows, tokens)
+
+    def _bad_capture(self, claim: Claim, e: CaptureCheckFailed) -> None:
+        """A window that failed the capture check: never published, its claim failed
+        (so it is captured again, first). A second failure in a row (the retry, or the
+        next window) raises CaptureCheckFailed naming the window, layer and row."""
+        e = e.in_window(claim.window)
+        self.stats.bad_captures += 1
+        self._bad_in_a_row += 1
+        self.coord.fail(claim, f"capture check: {e}")
+        if self._bad_in_a_row >= 2:
+            raise e
+        log.error("%s; not published, capturing it again", e)
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -131,6 +151,7 @@ class Publisher:
         t0 = time.monotonic()
         window.wait()
         t1 = time.monotonic()
+        window.check()  # CaptureCheckFailed: publish nothing (see _bad_capture)
         coord.renew(claim)  # StaleLease here: we were superseded; publish nothing
         published = self._publish(window.tensors, meta, claim, coord)
         try:
@@ -171,6 +192,7 @@ class Publisher:
                 coord.renew(claim)  # StaleLease if we were superseded meanwhile
 
     def _count(self, done: Committed, rows: int, tokens: int) -> None:
+        self._bad_in_a_row = 0
         self.stats.capture_s += done.device_wait_s
         self.stats.publish_s += done.publish_s
         self.stats.windows += 1

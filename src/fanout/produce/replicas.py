@@ -29,7 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from fanout.coord.leases import ProducerPlan
+from fanout.coord.grants import ProducerPlan
 from fanout.errors import ConfigError
 
 
@@ -93,7 +93,7 @@ def rank_of(replicas: int, replica_rank: int | None, tp: int) -> int | None:
             f"-m fanout.cli produce --tp {tp} --replicas {replicas} ...` once per replica (a "
             "free --master-port each, or --standalone); each takes a free rank"
         )
-    # (a --tp world of the wrong size with one replica: fanout.produce.tp.check_world says)
+    # (a --tp world of the wrong size with one replica: fanout.produce.tp_capture.check_world says)
     if tp == 1 and world > 1 and replica_rank is None:
         if world != replicas:
             raise ConfigError(

@@ -27,12 +27,11 @@ killed writers. One process per `--out` at a time.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from fanout.errors import ConfigError
-from fanout.filesystem import FileSystem
+from fanout.filesystem import FileSystem, temp_writer_gone
 
 MANIFEST = "manifest.json"
 JOINED = "regenerated.jsonl"
@@ -96,12 +95,12 @@ class OutDir:
         return False
 
     def _remove_dead_temps(self) -> None:
-        """Temp files (`.NAME.PID-HEX.tmp`, FileSystem.write_atomic) of writers killed
-        mid-write; a live writer's are left alone."""
+        """Temp files (`.NAME.<temp_tag()>.tmp`, FileSystem.write_atomic) of writers
+        killed mid-write; a live writer's are left alone (another host's until it is
+        old: fanout.filesystem.temp_writer_gone)."""
         for d in (self.root, self.shards):
             for p in d.glob(".*.tmp"):
-                pid = p.name.rsplit(".", 2)[-2].partition("-")[0]
-                if pid.isdigit() and not _alive(int(pid)):
+                if temp_writer_gone(p):
                     p.unlink(missing_ok=True)
 
     def manifest(self) -> dict[str, Any] | None:
@@ -139,10 +138,6 @@ class OutDir:
         self.fs.write_atomic(self.data_path(shard), data.encode())
         self._write_json(self.summary_path(shard), summary)
 
-    def read_shard(self, shard: int) -> list[dict[str, Any]]:
-        with self.data_path(shard).open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
-
     def finish(self, shards: int, totals: dict[str, Any]) -> Path:
         """Join shards 0..shards-1 into regenerated.jsonl, then mark the manifest complete."""
         joined = self.root / JOINED
@@ -160,13 +155,3 @@ class OutDir:
 
     def _write_json(self, path: Path, obj: dict[str, Any]) -> None:
         self.fs.write_atomic(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True

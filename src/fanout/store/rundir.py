@@ -112,7 +112,7 @@ class RunDir:
 
     def start_lock(self, rank: int = 0) -> Path:
         """Held by a producer (replica `rank`) from its first look at the run dir until it
-        has registered (fanout.produce.rundir). Rank 0's keeps the name of the
+        has registered (fanout.produce.run_start). Rank 0's keeps the name of the
         one-producer runs."""
         return self.root / ("producer.lock" if rank == 0 else f"producer.r{rank}.lock")
 
@@ -120,13 +120,13 @@ class RunDir:
     def join_lock(self) -> Path:
         """Held briefly by a replica that creates or joins the run's database (and by a
         failed start that removes what it made), so that replicas started together find
-        one run (fanout.produce.rundir)."""
+        one run (fanout.produce.run_start)."""
         return self.root / "producer.join.lock"
 
     def producer_names(self) -> tuple[str, ...]:
         """The names a producer may create here: the only ones a producer that failed
         before its first window removes, and only those that were not there before (its
-        lock files aside: fanout.produce.rundir removes those itself; regen/ is kept, a
+        lock files aside: fanout.produce.run_start removes those itself; regen/ is kept, a
         regeneration costs verifier time)."""
         return tuple(
             p.name

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 from fanout.errors import CorruptWindow, StorageError, StorageFull
-from fanout.filesystem import AtomicWriteError, FileSystem, TempFile
+from fanout.filesystem import AtomicWriteError, FileSystem, TempFile, stale_view_s, temp_tag
 from fanout.hashing import hasher, labelled
 from fanout.store.rundir import RunDir
 from fanout.store.windowfile import (
@@ -74,7 +73,7 @@ _INLINE_HASH_BYTES = 256 << 10
 
 
 def _parse_tmp_name(name: str) -> tuple[int, int] | None:
-    """(window, generation) of a publish temp file `<final name>.<pid>-<rand>.tmp`."""
+    """(window, generation) of a publish temp file `<final name>.<temp_tag()>.tmp`."""
     if not name.endswith(".tmp"):
         return None
     cut = name.find(".safetensors.")
@@ -145,11 +144,6 @@ class Store:
     def path(self, name: str) -> Path:
         return self.run_dir.windows / name
 
-    def list_windows(self) -> list[str]:
-        """Final-named window files present now, sorted by (window, generation)."""
-        names = [e.name for e in os.scandir(self.run_dir.windows) if parse_window_name(e.name)]
-        return sorted(names, key=lambda n: parse_window_name(n) or (0, 0))
-
     # -- publish ----------------------------------------------------------------
 
     def publish(self, tensors: Mapping[str, torch.Tensor], meta: WindowMeta) -> Published:
@@ -164,7 +158,7 @@ class Store:
         layout = encode_header(tensors, meta)
         prefix, _ = layout.header()  # checksums zeroed; same length as the real one
         final = self.run_dir.windows / name
-        tmp = self.run_dir.tmp / f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        tmp = self.run_dir.tmp / f"{name}.{temp_tag()}.tmp"
 
         def write(t: TempFile) -> str:
             self.fs.write(t.fd, prefix)
@@ -222,10 +216,15 @@ class Store:
         expect_contract: str | None = None,
         expect_window: int | None = None,
     ) -> WindowReader:
-        """mmap windows/<name>, verifying its header and the tensors named in `tensors`
-        (None: all; others are verified when first read). CorruptWindow on a bad name,
-        missing file, bad header, checksum mismatch or unexpected
-        contract/window/generation; WindowFormatError for a file in an older format."""
+        """Open windows/<name> (mapped; read into memory on a network filesystem),
+        verifying its header and the tensors named in `tensors` (None: all; others are
+        verified when first read). A missing file is retried for
+        fanout.filesystem.stale_view_s (5 s on a network filesystem, 0 on a local one;
+        `FANOUT_STALE_VIEW_S`): a window published on another host may show up late in
+        this host's view of the directory.
+        CorruptWindow on a bad name, a file still missing then, bad header, checksum
+        mismatch or unexpected contract/window/generation; WindowFormatError for a
+        file in an older format."""
         wg = parse_window_name(name)
         if wg is None:
             raise CorruptWindow(str(self.path(name)), "not a window file name")
@@ -240,6 +239,7 @@ class Store:
             expect_contract=expect_contract,
             expect_window=wg[0],
             expect_generation=wg[1],
+            wait_s=stale_view_s(self.run_dir.windows),
         )
 
     def quarantine(self, name: str) -> Path:

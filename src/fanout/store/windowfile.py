@@ -34,17 +34,24 @@ over the whole file) is refused with `WindowFormatError`.
 
 Reads mmap the file copy-on-write (MAP_PRIVATE): tensors are zero-copy views,
 and a consumer that writes into one changes only its private copy, never the
-file. Writing lives in fanout.store.store (the publish protocol); this module only
+file. On a network filesystem (or with `FANOUT_WINDOW_READS=copy`) they read each
+tensor's bytes into memory instead: a file another host removes or truncates under
+a mapping raises SIGBUS at the next fault (NFS, Lustre), a read only a short read,
+which is a CorruptWindow. A file just published on another host may not show up
+here at once (directory caches): `wait_s` retries the open for that long. Writing lives in fanout.store.store (the publish protocol); this module only
 lays out the header (`encode_header`) and reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import re
 import struct
+import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +61,7 @@ import torch
 
 from fanout import __version__
 from fanout.errors import CorruptWindow, WindowFormatError
+from fanout.filesystem import on_network_filesystem
 from fanout.hashing import CHECKSUM_ALGO, HEX_DIGITS, hasher, labelled
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 
@@ -300,10 +308,16 @@ class _Entry:
 
 
 class WindowReader:
-    """A window file mapped copy-on-write; tensors are zero-copy views.
+    """A window file mapped copy-on-write (tensors are zero-copy views), or read into
+    memory tensor by tensor (`copy`; tensors own their bytes).
 
     Use as a context manager. Tensors handed out stay valid after `close()`: the
     mapping lives until the last of them is garbage collected.
+
+    `copy`: None (default) copies on a network filesystem and maps elsewhere
+    (`FANOUT_WINDOW_READS=copy|map` decides instead); `wait_s`: how long a missing
+    file is retried before it is CorruptWindow (another host's new file may show up
+    late here; the store passes fanout.filesystem.stale_view_s: 0 on a local disk).
 
     With `verify` (the default) the header is verified at open, the tensors named in
     `tensors` too (None: all of them; `[]`: none), and any other tensor when `get`
@@ -325,15 +339,15 @@ class WindowReader:
         expect_contract: str | None = None,
         expect_window: int | None = None,
         expect_generation: int | None = None,
+        copy: bool | None = None,
+        wait_s: float = 0.0,
     ) -> None:
         self.path = Path(path)
         where = str(self.path)
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise CorruptWindow(where, "file is missing") from None
-        except OSError as e:
-            raise CorruptWindow(where, f"cannot open: {e.strerror}") from e
+        fd = _open_waiting(self.path, wait_s)
+        self.copy = _reads_copy(self.path) if copy is None else copy
+        self._fd: int | None = None
+        self._mm: mmap.mmap | None = None
         try:
             self.nbytes = os.fstat(fd).st_size
             if self.nbytes < 8:
@@ -348,10 +362,20 @@ class WindowReader:
             self._head = _pread(fd, 8 + n, 0)  # prefix + header JSON
             if len(self._head) != 8 + n:
                 raise CorruptWindow(where, f"file shrank while reading its {n}-byte header")
-            # ACCESS_COPY = MAP_PRIVATE: writes into a tensor stay private to this process.
-            self._mm: mmap.mmap | None = mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_COPY)
+            if self.copy:
+                # read, not mapped: a file removed or truncated under us is a short
+                # read here, never a SIGBUS; readahead stops at each tensor's end
+                self._fd = fd
+                self._closer = weakref.finalize(self, os.close, fd)
+                with contextlib.suppress(OSError, AttributeError):  # a hint
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            else:
+                # ACCESS_COPY = MAP_PRIVATE: writes into a tensor stay private to this
+                # process.
+                self._mm = mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_COPY)
         finally:
-            os.close(fd)
+            if self._fd is None:
+                os.close(fd)
         self._verify_reads = verify
         self.verified: set[str] = set()  # tensors whose bytes matched their checksum
         self._cache: dict[str, torch.Tensor] = {}
@@ -483,6 +507,9 @@ class WindowReader:
         """
         if name in self.verified:
             return
+        if self.copy:
+            self._read(name, verify=True)
+            return
         mm, e = self._mm, self._entries[name]
         assert mm is not None
         start, end = self._data_start + e.begin, self._data_start + e.begin + e.nbytes
@@ -500,7 +527,9 @@ class WindowReader:
                         requested += step
                     h.update(mv[off : min(end, off + _HASH_STEP)])
             mm.madvise(mmap.MADV_NORMAL, first, end - first)
-        got = labelled(h)
+        self._check(name, labelled(h))
+
+    def _check(self, name: str, got: str) -> None:
         if got != self.checksums[name]:
             raise CorruptWindow(
                 str(self.path),
@@ -509,14 +538,54 @@ class WindowReader:
             )
         self.verified.add(name)
 
+    def _read(self, name: str, verify: bool) -> torch.Tensor:
+        """Tensor `name` read into memory (copy mode), hashed while it is read when
+        `verify`; cached. A file that shrank meanwhile is CorruptWindow."""
+        t = self._cache.get(name)
+        if t is not None:
+            return t
+        fd, e = self._fd, self._entries[name]
+        if fd is None:
+            raise ValueError(f"{self.path} is closed")
+        start = self._data_start + e.begin
+        buf = torch.empty(e.nbytes, dtype=torch.uint8)  # [nbytes]
+        h = hasher()
+        if e.nbytes:
+            mv = memoryview(buf.numpy())  # type: ignore[arg-type]
+            requested = 0
+            for off in range(0, e.nbytes, _HASH_STEP):
+                end = min(e.nbytes, off + _HASH_STEP)
+                if requested < end:  # the disk reads ahead of us, this tensor only
+                    ahead = min(e.nbytes, off + _READ_AHEAD) - requested
+                    with contextlib.suppress(OSError, AttributeError):  # a hint
+                        os.posix_fadvise(fd, start + requested, ahead, os.POSIX_FADV_WILLNEED)
+                    requested += ahead
+                got = off
+                while got < end:
+                    try:
+                        n = os.preadv(fd, [mv[got:end]], start + got)
+                    except OSError as err:  # EIO; ESTALE: removed on the server
+                        raise CorruptWindow(
+                            str(self.path), f"cannot read tensor {name!r}: {err.strerror}"
+                        ) from err
+                    if n == 0:
+                        raise CorruptWindow(
+                            str(self.path),
+                            f"file shrank while reading tensor {name!r} (removed or "
+                            "truncated under the reader?)",
+                        )
+                    got += n
+                if verify:
+                    h.update(mv[off:end])
+        if verify:
+            self._check(name, labelled(h))
+        t = buf.view(e.dtype).view(e.shape) if e.nbytes else torch.empty(e.shape, dtype=e.dtype)
+        self._cache[name] = t
+        return t
+
     def names(self) -> list[str]:
         """Tensor names, in file order."""
         return sorted(self._entries, key=lambda k: self._entries[k].begin)
-
-    def byte_range(self, name: str) -> tuple[int, int]:
-        """[start, end) file offsets of tensor `name`'s bytes."""
-        e = self._entries[name]
-        return self._data_start + e.begin, self._data_start + e.begin + e.nbytes
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor `name` ([R, ...]), a view of the mapping; verified against
@@ -525,11 +594,13 @@ class WindowReader:
         t = self._cache.get(name)
         if t is not None:
             return t
-        if self._mm is None:
+        if self._mm is None and self._fd is None:
             raise ValueError(f"{self.path} is closed")
         e = self._entries.get(name)
         if e is None:
             raise KeyError(f"{self.path} has no tensor {name!r}; it has {self.names()}")
+        if self.copy:
+            return self._read(name, verify=self._verify_reads and name not in self.verified)
         if self._verify_reads:
             self._verify_tensor(name)
         if e.nbytes == 0:
@@ -552,15 +623,44 @@ class WindowReader:
     def close(self) -> None:
         """Drop this reader's references. The mapping is unmapped as soon as no tensor
         from `get`/`row` is alive (each holds a reference to it): closing it by hand
-        would leave those tensors pointing at unmapped memory."""
+        would leave those tensors pointing at unmapped memory. A copying reader closes
+        its file now (its tensors own their bytes)."""
         self._cache = {}
         self._mm = None
+        if self._fd is not None:
+            self._fd = None
+            self._closer()
 
     def __enter__(self) -> WindowReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_waiting(path: Path, wait_s: float) -> int:
+    """open(path) read-only, retrying a missing file for up to `wait_s` seconds (a name
+    another host just made may show up late); CorruptWindow when it never does."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                waited = f" (waited {wait_s:g} s for it to show up)" if wait_s else ""
+                raise CorruptWindow(str(path), f"file is missing{waited}") from None
+        except OSError as e:
+            raise CorruptWindow(str(path), f"cannot open: {e.strerror}") from e
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _reads_copy(path: Path) -> bool:
+    """Read `path`'s tensors into memory rather than map them? `FANOUT_WINDOW_READS`
+    (`copy`, `map`) decides, else whether it is on a network filesystem."""
+    how = os.environ.get("FANOUT_WINDOW_READS", "").strip().lower()
+    if how in ("copy", "map"):
+        return how == "copy"
+    return on_network_filesystem(path)
 
 
 def _pread(fd: int, n: int, offset: int) -> bytes:

@@ -7,6 +7,6 @@ bar, start-up line, metrics log (progress), data parallelism (distributed),
 checkpoints and their exact-resume state (checkpoint). The draft itself is its
 family's (fanout.families); `--eval-every` decodes with fanout.decode.
 
-May import: coord, store, regen, decode, data, families, model, ops and the core. Never the producer side
+May import: coord, store, regen, decode, data, checkpoints, families, model, ops and the core. Never the producer side
 (produce/).
 """

@@ -15,10 +15,31 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from fanout.coord.postgresdb import redact
 from fanout.families.registry import FamilyOptions
 from fanout.model.draft_config import DraftRecipe
 from fanout.tracking import TrackingOptions, wandb_missing
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
+
+# The flags a resume may change (a changed one is named in a log line): where the run,
+# the verifier and the checkpoints are, how long it trains (the schedule follows them:
+# docs/training.md "The learning-rate schedule"), what it logs and evaluates, the weight
+# average it serves, and what runs it (--device, --adamw-backend: the same arithmetic,
+# to the last bits of their kernels). Every other field decides what the next step
+# computes (--seed, --rows-per-step, --lr, the draft's recipe, ...): a resume with
+# another value is refused, naming it (fanout.train.setup.check_resume). A new field is
+# checked unless it is added here.
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "run_dir", "db_path", "consumer_id", "dp_rank", "save_path", "verifier_name_or_path",
+        "checkpoint_verifier_name", "acquire_timeout_s", "heartbeat_s", "prefetch", "takeover",
+        "resume", "max_steps", "epochs", "scheduler_type", "checkpoint_every",
+        "checkpoint_every_s", "keep_checkpoints", "ema_decay", "eval_every", "eval_data",
+        "eval_tokenizer", "eval_prompts", "eval_max_new_tokens", "log_every", "logger",
+        "wandb_project", "wandb_group", "progress", "device", "adamw_backend",
+        "max_nonfinite_steps",
+    }
+)  # fmt: skip
 
 
 class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
@@ -100,7 +121,10 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
         return self
 
     rows_per_step: int = Field(2, ge=1, description="window rows per optimizer step")
-    save_path: str = Field(description="checkpoint directory")
+    save_path: str = Field(
+        description="checkpoint directory; one that holds checkpoints is resumed from "
+        "(--resume) or refused, never trained over from step 0"
+    )
     checkpoint_every: int = Field(50, ge=1, description="steps between checkpoints")
     checkpoint_every_s: float | None = Field(
         None,
@@ -109,7 +133,10 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
         "trainer on a live, open-ended stream: fanout produce --follow)",
     )
     keep_checkpoints: int = Field(
-        2, ge=2, description="committed checkpoints kept in --save-path (older ones pruned)"
+        2,
+        ge=2,
+        description="committed checkpoints kept in --save-path (older steps pruned; the one "
+        "just written always stays)",
     )
     ema_decay: float | None = Field(
         None,
@@ -119,8 +146,19 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
         "save it as the checkpoint's served weights (model.safetensors); training resumes "
         "from the raw weights (fanout.train.ema)",
     )
-    resume: bool = Field(False, description="continue from the newest checkpoint in save-path")
+    resume: bool = Field(
+        False,
+        description="continue from the newest checkpoint in --save-path (none yet: start "
+        "fresh), refused if a flag differs that changes what the next step computes (its "
+        "training_config.json). Without it, a --save-path that holds checkpoints is refused",
+    )
     log_every: int = Field(1, ge=1, description="steps between log records")
+    max_nonfinite_steps: int = Field(
+        10,
+        ge=1,
+        description="stop (NonFiniteLoss) after this many steps in a row whose loss is not "
+        "finite; each is skipped (no update) and counted",
+    )
     logger: Literal["jsonl", "tensorboard", "wandb"] = Field(
         "jsonl",
         description="metrics sink beside the JSONL log: tensorboard (<save-path>/tb) or "
@@ -139,6 +177,14 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
         description="per-step progress bar on stderr (step, loss, EAL, rows/s, time waiting "
         "for windows, window, cursor); default: when stderr is a terminal",
     )
+
+    def recorded(self) -> dict[str, Any]:
+        """This config as a checkpoint records it (training_config.json, JSON values; a
+        PostgreSQL --db-path without its password): what a resume is checked against."""
+        out = self.model_dump(mode="json")
+        if self.db_path is not None:
+            out["db_path"] = redact(self.db_path)
+        return out
 
     def draft_recipe(self) -> dict[str, Any]:
         """This config's draft fields: the DraftRecipe fields (the family's reference

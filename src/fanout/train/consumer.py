@@ -21,8 +21,8 @@ A corrupt window is reported (quarantined + recaptured) and waited for again.
 Resume: the stream's position is its state, like a data loader's in torchtitan:
 `state_dict()` is `{"cursor", "rows_done"}` after the last acked batch, and
 `load_state_dict()` (before the stream opens) sets where it registers and skips to.
-fanout.train.checkpoint saves and restores it with the draft and the optimizer, so
-those two modules are the whole answer to "how does a trainer resume?". A stream that
+fanout.checkpoints.save and .resume save and restore it with the draft and the optimizer,
+so those two and this module are the whole answer to "how does a trainer resume?". A stream that
 loads no state registers at the cursor the coordinator keeps for it (0 when new).
 
 Layers: a consumer reads any subset of the layers the run captured
@@ -52,8 +52,8 @@ from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_val
 
 from fanout.contract import ascending_layer_ids
 from fanout.coord.coordinator import Coordinator
+from fanout.coord.grants import ConsumerReg, Lease
 from fanout.coord.heartbeat import Heartbeat, HeartbeatOptions
-from fanout.coord.leases import ConsumerReg, Lease
 from fanout.coord.waits import WaitState
 from fanout.errors import ConfigError, CorruptWindow
 from fanout.filesystem import FileSystem

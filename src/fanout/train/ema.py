@@ -15,7 +15,7 @@ checkpoints). Only trained parameters are averaged (the verifier's frozen tensor
 served as they are). The decay ramps up as min(decay, (1 + n) / (10 + n)) over the
 first updates, so early averages are not dominated by the random initialisation.
 The raw weights and the optimizer still resume training exactly; the average is
-resumed from the checkpoint's resume file (fanout.train.checkpoint).
+resumed from the checkpoint's resume file (fanout.checkpoints.resume).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from typing import Any
 from fanout.contract import CaptureContract
 from fanout.errors import ConfigError, CoordinatorBusy, NoCoordinator
 from fanout.flags import log_role, torchrun_rank
+from fanout.store.rundir import RunDir
 from fanout.train.consumer import Batch
 
 log = logging.getLogger(__name__)
@@ -158,15 +159,21 @@ def wait_for_run(
     saying so on stderr at once and then every few seconds (`WaitNotice`).
 
     Waits only on what a producer that is starting explains: no database yet
-    (NoCoordinator: no file, or its tables not committed yet) or one the create holds
-    locked (CoordinatorBusy). Anything else (not a database, an unknown schema version,
+    (NoCoordinator: no file, or its tables not committed yet; on a run dir on a network
+    filesystem too, while nothing says where the database will be) or one the create
+    holds locked (CoordinatorBusy). Anything else (not a database, an unknown schema version,
     an unreachable server) fails at once: waiting would not fix it.
     """
     from fanout.coord.coordinator import Coordinator
     from fanout.coord.postgresdb import redact
 
     def what() -> str:
-        where = Coordinator.resolve_db_path(run_dir.absolute(), db_path)
+        rd = RunDir(run_dir.absolute())
+        if db_path is None and not rd.db_pointer.exists() and not rd.database.exists():
+            # nothing says yet which database the run will use (a PostgreSQL run's
+            # pointer is written by the producer that creates it): do not name one
+            return f"a producer to create {rd.database} (or {rd.db_pointer.name}, naming another)"
+        where = Coordinator.resolve_db_path(rd.root, db_path)
         return f"a producer to create {redact(where) if isinstance(where, str) else where}"
 
     notice = notice or WaitNotice(timeout_s)

@@ -1,7 +1,9 @@
 """What a trainer checks and builds before its first step: the run against its family's
-recipe, and the draft (fanout.train.trainer calls both).
+recipe, a resume against the checkpoint's training config, and the draft
+(fanout.train.trainer calls all three).
 
     layers = check_run(cfg, contract, world=1)     # ConfigError naming the producer flag
+    ckpt = check_resume(cfg)                       # ConfigError naming the differing flags
     draft = build_draft(cfg, contract, layers, torch.device("cpu"))
 
 `check_run` refuses a run this trainer cannot train on (rows that do not split over the
@@ -19,14 +21,17 @@ from typing import Any
 
 import torch
 
+from fanout.checkpoints.layout import TRAINING_CONFIG, latest_checkpoint, read_training_config
+from fanout.checkpoints.resume import check_family
 from fanout.contract import CaptureContract, ascending_layer_ids
 from fanout.data.draft_vocab import coverage, read_token_counts, select_draft_vocab
 from fanout.errors import ConfigError
-from fanout.families.registry import family
+from fanout.families.registry import FamilyOptions, family
+from fanout.flags import field_flag
 from fanout.model.draft import Draft
 from fanout.model.verifier_dir import read_verifier_config
 from fanout.store.rundir import RunDir
-from fanout.train.config import TrainConfig
+from fanout.train.config import RESUME_MAY_CHANGE, TrainConfig
 from fanout.train.progress import WaitNotice
 
 log = logging.getLogger("fanout.train.trainer")
@@ -46,10 +51,13 @@ def check_run(cfg: TrainConfig, contract: CaptureContract, world: int) -> list[i
     # flags that capture it, before anything is built or read
     if fam.needs_last_hidden_states(cfg.draft_recipe()) and not contract.store_last_hidden_states:
         who = "--loss-type kl" if cfg.loss_type == "kl" else f"--draft-family {fam.name}"
+        # --capture-for captures them only where the family's reference recipe needs them
+        fix = "--store-last-hidden-states"
+        if fam.needs_last_hidden_states(fam.reference_recipe()):
+            fix = f"--capture-for {fam.name} (or {fix})"
         raise ConfigError(
             f"{who} trains on the verifier's final hidden states, but {run_dir} was "
-            f"captured without them: produce the run with --capture-for {fam.name} (or "
-            "--store-last-hidden-states)"
+            f"captured without them: produce the run with {fix}"
         )
     # rows too short for the recipe (DFlash families: the block; EAGLE-3: its TTT steps)
     why = fam.row_length_error(cfg.draft_recipe(), contract.seq_len, str(run_dir))
@@ -71,6 +79,62 @@ def check_run(cfg: TrainConfig, contract: CaptureContract, world: int) -> list[i
         )
     contract.require({"target_layer_ids": layers}, where=f"consumer {cfg.consumer_id}")
     return layers
+
+
+def check_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint to resume from (--resume: the newest in --save-path; None: start
+    fresh), refused now, before anything is built, if this trainer's flags would not
+    continue the run it checkpointed: one line naming each differing flag with both
+    values. Flags a resume may change (RESUME_MAY_CHANGE: --max-steps, --epochs, where
+    things are, ...) are named in a log line; a checkpoint written before checkpoints
+    recorded their training config resumes unchecked, with a warning."""
+    ckpt = latest_checkpoint(cfg.save_path) if cfg.resume else None
+    if ckpt is None:
+        return None
+    fam = family(cfg.draft_family)
+    check_family(ckpt, fam)  # another family's: named as such, not as differing flags
+    saved = read_training_config(ckpt)
+    if saved is None:
+        log.warning(
+            "%s records no training config (written before checkpoints did): resuming "
+            "without checking --seed, --rows-per-step, --lr and the recipe against it; "
+            "keep them as they were",
+            ckpt,
+        )
+        return ckpt
+    mine = cfg.recorded()
+    # other families' options are not this draft's: only the chosen family's count
+    others = set(FamilyOptions.model_fields) - {"draft_family"} - set(fam.options())
+    fields = TrainConfig.model_fields
+    differ = sorted(k for k in (mine.keys() & saved.keys()) - others if mine[k] != saved[k])
+    refused = [k for k in differ if k not in RESUME_MAY_CHANGE]
+
+    def named(keys: list[str]) -> str:
+        return ", ".join(
+            f"{field_flag(k, fields[k])} {_flag_value(mine[k])} (the checkpoint's: "
+            f"{_flag_value(saved[k])})"
+            for k in keys
+        )
+
+    if refused:
+        raise ConfigError(
+            f"{ckpt / TRAINING_CONFIG}: --resume with {named(refused)} would not continue "
+            "the run this checkpoint is from: resume with the checkpoint's values, or "
+            "train from step 0 into another --save-path"
+        )
+    changed = [k for k in differ if k not in ("resume", "takeover")]
+    if changed:
+        log.info("%s: resuming %s with %s", cfg.consumer_id, ckpt.name, named(changed))
+    return ckpt
+
+
+def _flag_value(v: Any) -> str:
+    """A value as its flag takes it (`none`, `a b` for a list)."""
+    if v is None:
+        return "none"
+    if isinstance(v, list):
+        return " ".join(map(str, v))
+    return str(v)
 
 
 def build_draft(

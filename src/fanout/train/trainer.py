@@ -13,7 +13,7 @@ per-slot accuracy, EAL, the family's own metrics, step ms split fetch/fwd/bwd/op
 tokens/s, window wait;
 fanout.train.progress; train_log.jsonl: fanout.train.trainlog) and saves
 speculators-format checkpoints that carry the consumer stream's position, so `--resume`
-continues at the exact next row (how: fanout.train.checkpoint and fanout.train.consumer).
+continues at the exact next row (how: fanout.checkpoints and fanout.train.consumer).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import collections
 import copy
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -32,9 +33,10 @@ from typing import Any
 
 import torch
 
+from fanout.checkpoints.resume import load_checkpoint
+from fanout.checkpoints.save import save_checkpoint
 from fanout.contract import CaptureContract
-from fanout.errors import ConfigError, Detached, FanoutError, NoSupervisedTokens
-from fanout.families.serving import latest_checkpoint
+from fanout.errors import ConfigError, Detached, FanoutError, NonFiniteLoss, NoSupervisedTokens
 from fanout.flags import (
     add_log_level_flag,
     add_model_flags,
@@ -45,7 +47,6 @@ from fanout.flags import (
 from fanout.ops.fp8 import dequantize
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 from fanout.tracking import WandbRun, group_for
-from fanout.train.checkpoint import load_checkpoint, save_checkpoint
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import Batch, ConsumerStream
 from fanout.train.distributed import DataParallel
@@ -61,7 +62,7 @@ from fanout.train.progress import (
     wait_for_run,
 )
 from fanout.train.savepath import hold_save_path
-from fanout.train.setup import build_draft, check_run
+from fanout.train.setup import build_draft, check_resume, check_run
 from fanout.train.trainlog import MetricsLog, train_log_path
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,15 @@ class Trainer:
         layers = check_run(cfg, contract, self.dp.world)
         self.expect = {"target_layer_ids": layers}
         # Refused now, naming the holder, while a live process has this consumer id or
-        # (rank 0) a live trainer holds --save-path (fanout.train.savepath).
+        # (rank 0) a live trainer holds --save-path; without --resume, while it holds
+        # checkpoints (fanout.train.savepath).
         self.save_lock = hold_save_path(
-            cfg, cfg.save_path, self.rank, self.dp.is_main, self.expect, agree=self.dp.agree
-        )
+            cfg, cfg.save_path, self.rank, self.dp.is_main, self.expect,
+            agree=self.dp.agree, resume=cfg.resume,
+        )  # fmt: skip
         try:
+            # --resume: refused now if these flags would not continue the checkpoint's run
+            self.resume_from = check_resume(cfg)
             self._build(contract, layers)
         except BaseException:
             self.save_lock.release()
@@ -170,6 +175,7 @@ class Trainer:
         # steps of this process with a supervised token (on any rank), and the run of
         # steps without one that is going on (NO_TOKEN_STEPS of them end the trainer)
         self.supervised_steps = self.no_token_streak = 0
+        self.nonfinite_steps = self.nonfinite_streak = 0  # skipped: loss NaN or inf
         self._warned_no_tokens = False
         self._in_step = False
         self._stop_requested = False
@@ -228,9 +234,9 @@ class Trainer:
     def _resume(self) -> dict[str, Any]:
         """The training state: from the newest checkpoint with --resume (weights,
         optimizer, the stream's position, schedule and anchor generator restored in
-        place: fanout.train.checkpoint), else fresh."""
-        cfg = self.cfg
-        if not cfg.resume or (ckpt := latest_checkpoint(cfg.save_path)) is None:
+        place: fanout.checkpoints.resume), else fresh."""
+        ckpt = self.resume_from  # setup.check_resume: checked against these flags
+        if ckpt is None:
             # from the start, not "wherever the coordinator has it": a draft without a
             # checkpoint has seen nothing, even if an earlier incarnation acked windows
             self.stream.load_state_dict({"cursor": 0, "rows_done": 0})
@@ -398,13 +404,20 @@ class Trainer:
         self.dp.average_gradients(self.draft)
         t2 = time.perf_counter()
         lr = self.sched.get_last_lr()[0]  # this step's (step() sets the next one's)
-        self.opt.step()
+        # A loss that is not finite (on any rank) would put NaN into every weight: the
+        # update is skipped (the schedule moves on, the rows are acked), counted, and
+        # --max-nonfinite-steps in a row stop the trainer. Checked here, not before
+        # backward, so the GPU queue is not drained one more time per step.
+        finite = not self.dp.agree(not math.isfinite(float(out.loss.detach())))
+        if finite:
+            self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         stream.ack(batch)
         self.state["step"] += 1
         loss, eal, tokens = self.dp.mean([float(out.loss.detach()), float(out.eal), out.n_tokens])
+        self._count_finite(finite)
         if tokens > 0:  # on any rank: every rank counts the same
             self.supervised_steps += 1
             self.no_token_streak = 0
@@ -413,7 +426,9 @@ class Trainer:
         self.recent_eal.append(eal)
         return {
             "step": self.state["step"],
-            "loss": round(loss, 6),
+            "loss": round(loss, 6),  # NaN / inf where skipped
+            **({} if finite else {"skipped": "non-finite loss"}),
+            **({"nonfinite_steps": self.nonfinite_steps} if self.nonfinite_steps else {}),
             "eal": round(eal, 4),
             "acc": [round(float(a), 4) for a in out.per_slot_acc],
             "lr": lr,
@@ -430,6 +445,26 @@ class Trainer:
             # the family's own metrics (rank 0's; e.g. DFlash2's selector loss)
             **{k: round(float(v), 6) for k, v in out.extra.items()},
         }
+
+    def _count_finite(self, finite: bool) -> None:
+        """Count a step skipped for a non-finite loss (a warning each); raise
+        NonFiniteLoss after --max-nonfinite-steps of them in a row."""
+        if finite:
+            self.nonfinite_streak = 0
+            return
+        self.nonfinite_steps += 1
+        self.nonfinite_streak += 1
+        step, bound = self.state["step"], self.cfg.max_nonfinite_steps
+        log.warning(
+            "%s: step %d: loss is not finite; skipped (no update; %d in a row, %d in all)",
+            self.cfg.consumer_id, step, self.nonfinite_streak, self.nonfinite_steps,
+        )  # fmt: skip
+        if self.nonfinite_streak >= bound:
+            raise NonFiniteLoss(
+                f"{bound} steps in a row ({step - bound + 1}-{step}) had a loss that is not "
+                "finite (--max-nonfinite-steps): check the run's windows (the producer's "
+                "capture check), --lr, and the verifier's dtype"
+            )
 
     def _after_step(self, rec: dict[str, Any]) -> None:
         """The weight average moves (--ema-decay); every --eval-every steps an eval (its
@@ -527,6 +562,7 @@ class Trainer:
             config_extra=self._checkpoint_extra(),
             keep=self.cfg.keep_checkpoints,
             ema=self.ema,
+            training_config=self.cfg.recorded(),
         )
 
     def _checkpoint_extra(self) -> dict[str, Any]:

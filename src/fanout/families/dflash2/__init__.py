@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.errors import ConfigError
-from fanout.families.base import Family
+from fanout.families.base import Family, drafts_with
 from fanout.families.dflash2.config import DFlash2Config, DFlash2Recipe
 from fanout.model.draft_config import DraftConfig
 
@@ -52,11 +51,7 @@ class DFlash2(Family):
         from fanout.families.dflash2.model import DFlash2Draft
         from fanout.families.dflash2.propose import SelectorContext
 
-        if not isinstance(draft, DFlash2Draft):
-            raise ConfigError(
-                f"the dflash2 family drafts with a DFlash2Draft, got {type(draft).__name__}"
-            )
-        return SelectorContext(draft, cached=cached)
+        return SelectorContext(drafts_with(draft, DFlash2Draft, self.name), cached=cached)
 
 
 FAMILY = DFlash2()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.families.base import Family
+from fanout.families.base import Family, drafts_with
 from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
 from fanout.model.draft_config import DraftConfig
 
@@ -40,7 +40,6 @@ class DSpark(Family):
     architectures: ClassVar[tuple[str, ...]] = ("DSparkDraftModel",)
     serving_method: ClassVar[str] = "dspark"
     sample_from_anchor: ClassVar[bool] = True
-    captures_last_hidden_states: ClassVar[bool] = True  # the confidence head's target
 
     def serving_fields(self) -> list[str]:
         return [
@@ -51,6 +50,7 @@ class DSpark(Family):
         ]
 
     def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
+        """The confidence head's target is the verifier's distribution."""
         conf = recipe.get("enable_confidence_head", DSparkRecipe().enable_confidence_head)
         return bool(conf) or super().needs_last_hidden_states(recipe)
 
@@ -59,9 +59,8 @@ class DSpark(Family):
         from fanout.families.dspark.propose import DSparkContext
         from fanout.model.draft_cache import DraftCache, UncachedDraft
 
-        if not isinstance(draft, DSparkDraft):
-            raise TypeError(f"DSpark drafts with a DSparkDraft, got {type(draft).__name__}")
-        return DSparkContext(draft, DraftCache(draft) if cached else UncachedDraft(draft))
+        d = drafts_with(draft, DSparkDraft, self.name)
+        return DSparkContext(d, DraftCache(d) if cached else UncachedDraft(d))
 
 
 FAMILY = DSpark()

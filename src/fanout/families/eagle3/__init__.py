@@ -17,35 +17,24 @@ layers vLLM's default (2, n//2, n-3) in HF numbering. Its checkpoint is speculat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.errors import ConfigError
-from fanout.families.base import (
-    EAGLE_DRAFT_VOCAB_SIZE,
-    EagleFamily,
-    Family,
-    vllm_default_layers,
-)
+from fanout.families.base import Family
+from fanout.families.chain import EagleFamily, vllm_default_layers
 from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe, shared_field_problem
 from fanout.model.draft_config import DraftConfig
 from fanout.rows import TARGET_IDS
 
-if TYPE_CHECKING:
-    from fanout.model.draft import Draft
-    from fanout.model.draft_cache import DraftContext
-
-# speculators' and vLLM's default draft vocabulary (the EAGLE layout's)
-DRAFT_VOCAB_SIZE = EAGLE_DRAFT_VOCAB_SIZE
-
 
 class Eagle3(EagleFamily):
-    """The EAGLE layout (fanout.families.base.EagleFamily) with training-time test: its
+    """The EAGLE layout (fanout.families.chain.EagleFamily) with training-time test: its
     chain is `--ttt-steps` long, its embedding the verifier's, frozen."""
 
     name: ClassVar[str] = "eagle3"
     model_ref: ClassVar[str] = "fanout.families.eagle3.model:Eagle3Draft"
+    context_ref: ClassVar[str] = "fanout.families.eagle3.propose:Eagle3Context"
     config_class: ClassVar[type[DraftConfig]] = Eagle3Config
     recipe: ClassVar[type[BaseModel]] = Eagle3Recipe
     steps_field: ClassVar[str] = "ttt_steps"
@@ -55,15 +44,6 @@ class Eagle3(EagleFamily):
     # speculators' EAGLE-3 checkpoint carries the verifier's embedding too (frozen)
     frozen_tensors: ClassVar[frozenset[str]] = Family.frozen_tensors | {"embed_tokens.weight"}
 
-    def row_length_error(self, recipe: dict[str, Any], seq_len: int, where: str) -> str | None:
-        need = self.verify_width(recipe) + 1  # step ttt_steps-1 of row 0 predicts token ttt+1
-        if seq_len >= need:
-            return None
-        return (
-            f"--ttt-steps {need - 2} does not fit {where}'s rows of T = {seq_len} tokens: "
-            f"its last step predicts token ttt_steps + 1, so T must be >= {need}"
-        )
-
     def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
         """The one rule `Eagle3Config` applies too (`shared_field_problem`)."""
         return shared_field_problem(
@@ -71,24 +51,10 @@ class Eagle3(EagleFamily):
             values.get("loss_weighting", "exp"), values.get("label_source", TARGET_IDS),
         )  # fmt: skip
 
-    def drafting_context(
-        self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
-    ) -> DraftContext:
-        """Chain drafting of `num_speculative_tokens` (default: the draft's ttt_steps)."""
-        from fanout.families.eagle3.model import Eagle3Draft
-        from fanout.families.eagle3.propose import Eagle3Context
-
-        if not isinstance(draft, Eagle3Draft):
-            raise ConfigError(
-                f"the eagle3 family drafts with an Eagle3Draft, got {type(draft).__name__}"
-            )
-        return Eagle3Context(draft, num_speculative_tokens=num_speculative_tokens, cached=cached)
-
 
 FAMILY = Eagle3()
 
 __all__ = [
-    "DRAFT_VOCAB_SIZE",
     "FAMILY",
     "Eagle3",
     "Eagle3Config",

@@ -17,7 +17,9 @@ Loss: TTT steps s = 0..ttt_steps-1 (`ChainDraft.step`): step s of row t is fed t
 token t+1+s and its own step s-1 output, and predicts token t+s+2, trained toward the
 verifier's distribution there: the frozen head on `last_hidden_states[t+s+1]`, over the
 draft vocabulary (KL, speculators' `kl_div`; or `loss_type ce`: CE against that
-distribution's argmax; fanout.ops.teacher_head).
+distribution's argmax; fanout.ops.teacher_head). Once a batch, not once a step (issue
+#56): the steps' attention mask and its chunk plan (`ChainDraft.start(.., ttt_steps)`)
+and, with CE, the verifier's argmax at every position (step s reads position t+s+1).
 
 Semantics decided here (`tests/test_family_eagle3.py` pins each against speculators):
 - Last hidden states: fanout captures them after the verifier's final norm; speculators
@@ -49,8 +51,8 @@ from fanout.model.chain_draft import ChainDraft
 from fanout.model.draft import LossOutput
 from fanout.model.draft_config import DraftConfig
 from fanout.model.slot_loss import acceptance
-from fanout.ops.teacher_head import teacher_head
-from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, POSITION_IDS
+from fanout.ops.teacher_head import teacher_argmax, teacher_head
+from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, LAST_HIDDEN_STATES, POSITION_IDS
 
 
 class Eagle3Draft(ChainDraft):
@@ -68,9 +70,15 @@ class Eagle3Draft(ChainDraft):
         cfg = self.cfg
         self.check_rows(batch)
         rows = self.rows(batch)
-        u = self.start(rows[HIDDEN_STATES], rows[POSITION_IDS], rows[DOCUMENT_IDS])
+        u = self.start(rows[HIDDEN_STATES], rows[POSITION_IDS], rows[DOCUMENT_IDS], cfg.ttt_steps)
         head = self.lm_head_weight
         loss = head.new_zeros((), dtype=torch.float32)
+        # CE: the verifier's argmax at every position once, not once a step (step s reads
+        # position t+s+1: the steps share all but s of their rows)
+        labels = None
+        if cfg.loss_type != "kl":
+            last = batch[LAST_HIDDEN_STATES]  # [B, T, H]
+            labels = teacher_argmax(last.flatten(0, 1).to(head.dtype), head).view(last.shape[:2])
         sups: list[torch.Tensor] = []
         rights: list[torch.Tensor] = []
         extra: dict[str, float] = {}
@@ -81,7 +89,14 @@ class Eagle3Draft(ChainDraft):
             right = torch.zeros_like(sup)
             if n:
                 x, t_rows = out[sup], teacher[sup].to(head.dtype)  # [M, H] each
-                per_row, pred, label = teacher_head(x, t_rows, head, kl=cfg.loss_type == "kl")
+                lab = (
+                    None
+                    if labels is None
+                    else labels[:, s + 1 :][sup[:, : labels.shape[1] - s - 1]]
+                )
+                per_row, pred, label = teacher_head(
+                    x, t_rows, head, kl=cfg.loss_type == "kl", label=lab
+                )
                 loss = loss + cfg.ttt_step_loss_decay**s * per_row.sum() / n
                 right[sup] = pred == label
                 extra[f"loss_{s}"] = float(per_row.detach().sum()) / n

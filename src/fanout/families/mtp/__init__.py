@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 from pydantic import BaseModel
 
 from fanout.errors import ConfigError
-from fanout.families.base import ChainFamily
+from fanout.families.chain import ChainFamily
 from fanout.families.mtp.config import MTPConfig, MTPRecipe, shared_field_problem
 from fanout.model.draft_config import DraftConfig
 from fanout.rows import INPUT_IDS
@@ -50,7 +50,6 @@ from fanout.rows import INPUT_IDS
 if TYPE_CHECKING:
     from fanout.families.mtp.model import MTPDraft
     from fanout.model.draft import Draft
-    from fanout.model.draft_cache import DraftContext
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +60,7 @@ class MTP(ChainFamily):
 
     name: ClassVar[str] = "mtp"
     model_ref: ClassVar[str] = "fanout.families.mtp.model:MTPDraft"
+    context_ref: ClassVar[str] = "fanout.families.mtp.propose:MTPContext"
     config_class: ClassVar[type[DraftConfig]] = MTPConfig
     recipe: ClassVar[type[BaseModel]] = MTPRecipe
     steps_field: ClassVar[str] = "mtp_steps"
@@ -72,15 +72,6 @@ class MTP(ChainFamily):
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         """The verifier's last decoder layer (speculators' `[num_hidden_layers]`)."""
         return [num_verifier_layers - 1]
-
-    def row_length_error(self, recipe: dict[str, Any], seq_len: int, where: str) -> str | None:
-        need = self.verify_width(recipe) + 1  # step K-1 of row 0 predicts token K+1
-        if seq_len >= need:
-            return None
-        return (
-            f"--mtp-steps {need - 2} does not fit {where}'s rows of T = {seq_len} tokens: "
-            f"its last step predicts token mtp_steps + 1, so T must be >= {need}"
-        )
 
     def build(self, verifier_dir: Any, **fields: Any) -> Draft:
         """A fresh draft (`block_size` mapped to `mtp_steps + 1`, the verifier's last
@@ -150,17 +141,6 @@ class MTP(ChainFamily):
         hybrid = tl.get("model_type") in HYBRID_MODEL_TYPES
         # the layer an engine builds
         return super().layout_fields(cfg, saved) | {"layer_config": tl if hybrid else None}
-
-    def drafting_context(
-        self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
-    ) -> DraftContext:
-        """Chain drafting of `num_speculative_tokens` (default: the draft's mtp_steps)."""
-        from fanout.families.mtp.model import MTPDraft
-        from fanout.families.mtp.propose import MTPContext
-
-        if not isinstance(draft, MTPDraft):
-            raise ConfigError(f"the mtp family drafts with an MTPDraft, got {type(draft).__name__}")
-        return MTPContext(draft, num_speculative_tokens=num_speculative_tokens, cached=cached)
 
 
 FAMILY = MTP()

@@ -63,7 +63,7 @@ _NO_SPECULATORS_LAYER = {
     "glm4_moe": "MoE",
 }
 # the fields fanout's checkpoint reader takes from `transformer_layer_config`
-# (fanout.families.serving.draft_config), written even where they equal the config
+# (fanout.checkpoints.load.draft_config), written even where they equal the config
 # class's defaults (which speculators' `to_diff_dict` would leave out)
 _READ_BACK = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

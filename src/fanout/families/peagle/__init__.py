@@ -20,27 +20,24 @@ how `fanout eval` decodes it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.errors import ConfigError
-from fanout.families.base import EagleFamily, transformer_layer_config
+from fanout.families.chain import EagleFamily
 from fanout.families.peagle.config import PEagleConfig, PEagleRecipe, shared_field_problem
+from fanout.families.speculators_config import transformer_layer_config
 from fanout.model.draft_config import DraftConfig
 from fanout.rows import TARGET_IDS
 
-if TYPE_CHECKING:
-    from fanout.model.draft import Draft
-    from fanout.model.draft_cache import DraftContext
-
 
 class PEagle(EagleFamily):
-    """The EAGLE layout (fanout.families.base.EagleFamily: layers, capture, vocabulary,
+    """The EAGLE layout (fanout.families.chain.EagleFamily: layers, capture, vocabulary,
     config layout) with P-EAGLE's depths as its chain, its embedding trained."""
 
     name: ClassVar[str] = "peagle"
     model_ref: ClassVar[str] = "fanout.families.peagle.model:PEagleDraft"
+    context_ref: ClassVar[str] = "fanout.families.peagle.propose:PEagleContext"
     config_class: ClassVar[type[DraftConfig]] = PEagleConfig
     recipe: ClassVar[type[BaseModel]] = PEagleRecipe
     steps_field: ClassVar[str] = "num_depths"
@@ -72,19 +69,6 @@ class PEagle(EagleFamily):
     def layout_fields(self, cfg: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
         """Its config has its mask token (speculators' `PEagleSpeculatorConfig`)."""
         return {"block_size": self.steps(saved) + 1, "mask_token_id": cfg["mask_token_id"]}
-
-    def drafting_context(
-        self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
-    ) -> DraftContext:
-        """Parallel drafting of `num_speculative_tokens` (default: the draft's depths)."""
-        from fanout.families.peagle.model import PEagleDraft
-        from fanout.families.peagle.propose import PEagleContext
-
-        if not isinstance(draft, PEagleDraft):
-            raise ConfigError(
-                f"the peagle family drafts with a PEagleDraft, got {type(draft).__name__}"
-            )
-        return PEagleContext(draft, num_speculative_tokens=num_speculative_tokens, cached=cached)
 
 
 FAMILY = PEagle()

@@ -61,7 +61,7 @@ from fanout.model.chain_draft import ChainDraft, ChainFirstLayer, ChainLayer
 from fanout.model.draft import LossOutput
 from fanout.model.draft_attention import PrefixMask
 from fanout.model.draft_config import DraftConfig
-from fanout.ops.teacher_head import teacher_head
+from fanout.ops.teacher_head import teacher_argmax, teacher_head
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, LAST_HIDDEN_STATES, POSITION_IDS
 
 
@@ -156,7 +156,7 @@ class PEagleDraft(ChainDraft):
 
     @embed_weight.setter
     def embed_weight(self, value: torch.Tensor) -> None:
-        with torch.no_grad():  # a checkpoint's copy (fanout.families.serving)
+        with torch.no_grad():  # a checkpoint's copy (fanout.checkpoints.load)
             self.embed_tokens.weight.copy_(value)
 
     def make_layer(self, cfg: DraftConfig, index: int) -> nn.Module:
@@ -180,8 +180,10 @@ class PEagleDraft(ChainDraft):
         width = hs.shape[-1]
         tok = torch.where(d0, tokens.gather(1, s.anchor), self.cfg.mask_token_id)  # [B, S]
         real = hs.gather(1, s.anchor[:, :, None].expand(-1, -1, width)).to(dt)  # [B, S, n·H]
-        hid = torch.where(d0[:, :, None], real, self.mask_hidden.to(dt))  # [B, S, n·H]
-        x = self.fuse(hid)  # [B, S, H]
+        # fused once for every mask position (they all read `mask_hidden`; `fuse` is per
+        # position), and at the depth-0 positions only: `fuse` of all S, the same numbers
+        x = self.fuse(self.mask_hidden.to(dt)).expand(*d0.shape, -1)  # [B, S, H]
+        x = x.masked_scatter(d0[:, :, None], self.fuse(real[d0]))  # [B, S, H]
         emb = F.embedding(tok, self.embed_tokens.weight).to(dt)  # [B, S, H]
         rope = self.rope(pos.gather(1, s.anchor) + s.depth, dt)  # [B, S, hd] x2
         mask = PrefixMask.chains(s.anchor, s.depth, s.valid, row_doc, self.cfg.num_depths)
@@ -233,7 +235,15 @@ class PEagleDraft(ChainDraft):
         if n:
             teacher = last.gather(1, (at + 1)[:, :, None].expand(-1, -1, last.shape[2]))
             x, t_rows = out[sup], teacher[sup].to(head.dtype)  # [M, H] each
-            per_row, pred, label = teacher_head(x, t_rows, head, kl=cfg.loss_type == "kl")
+            lab = None  # CE: the verifier's argmax once a position, not once a sample
+            if cfg.loss_type != "kl":  # (a chain's depth d and the next's d-1 share it)
+                t = last.shape[1]
+                flat = (torch.arange(at.shape[0], device=at.device)[:, None] * t + at + 1)[sup]
+                uniq, inv = torch.unique(flat, return_inverse=True)  # [U] <= [M]
+                lab = teacher_argmax(last.flatten(0, 1)[uniq].to(head.dtype), head)[inv]
+            per_row, pred, label = teacher_head(
+                x, t_rows, head, kl=cfg.loss_type == "kl", label=lab
+            )
             loss = per_row.sum() / n
             right[sup] = pred == label
         with torch.no_grad():

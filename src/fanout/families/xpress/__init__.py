@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.families.base import Family
+from fanout.families.base import Family, drafts_with
 from fanout.families.xpress.config import XPressConfig, XPressRecipe, shared_problem
 from fanout.model.draft_config import DraftConfig
 
@@ -48,7 +48,6 @@ class XPress(Family):
     # no vLLM method: speculators' algorithm name (fanout eval runs its reference decoding)
     serving_method: ClassVar[str] = "xpress"
     served_by_vllm: ClassVar[bool] = False  # speculators' reference decoding in eval
-    captures_last_hidden_states: ClassVar[bool] = True  # the TV term's distribution
 
     def serving_fields(self) -> list[str]:
         return ["xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes"]
@@ -64,9 +63,8 @@ class XPress(Family):
         from fanout.families.xpress.propose import XPressContext
         from fanout.model.draft_cache import DraftCache, UncachedDraft
 
-        if not isinstance(draft, XPressDraft):
-            raise TypeError(f"XPress drafts with an XPressDraft, got {type(draft).__name__}")
-        return XPressContext(draft, DraftCache(draft) if cached else UncachedDraft(draft))
+        d = drafts_with(draft, XPressDraft, self.name)
+        return XPressContext(d, DraftCache(d) if cached else UncachedDraft(d))
 
 
 FAMILY = XPress()

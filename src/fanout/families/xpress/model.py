@@ -15,7 +15,11 @@ per-slot logit bias computed in r-space (r = `xpress_rank`):
   at init so the head starts as a no-op), then `x += mlp_down(silu(mlp_gate(x)) *
   mlp_up(x))`;
 - `readout` (r -> draft V): the bias. Refined logits = `h @ head^T + x @ readout^T`,
-  a two-head linear (`fanout.ops.two_head_ce`): no `[slots, vocab]` logits.
+  a two-head linear (`fanout.ops.two_head_ce`): no `[slots, vocab]` logits beyond a
+  chunk's. Every term below shares the slot states, the frozen head and the teacher
+  (`TwoHeadTerms`: the head's logits and the teacher's softmax once, x's gradient one
+  matmul, 15 `[slots, vocab]` matmuls for the five terms instead of 27: issue #56),
+  so the blocks go in chunks (whole blocks: a round needs its block's last argmax).
 Layout: DFlash's (speculators' `sample_from_anchor` False, XPress's default): slot 0 is
 the anchor, slot k >= 1 predicts token a+k; its previous token prev_k is the token at
 a+k-1 (slot 1: the anchor; slot 0: the token before the anchor when it is in the
@@ -52,6 +56,7 @@ slots).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, cast
 
 import torch
@@ -65,7 +70,7 @@ from fanout.model.block_draft import BlockDraft
 from fanout.model.draft import LossOutput
 from fanout.model.draft_config import DraftConfig
 from fanout.model.slot_loss import acceptance, exp_decay
-from fanout.ops.two_head_ce import TwoHeadOut, two_head_ce_tv_and_argmax
+from fanout.ops.two_head_ce import TwoHeadOut, TwoHeadTerms, chunk_rows_for_terms
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES
 
 
@@ -170,6 +175,17 @@ class XPressDraft(BlockDraft):
 
     # ---- loss ----------------------------------------------------------------------
 
+    def _refined(
+        self, terms: TwoHeadTerms, hcache: torch.Tensor, row_weight: torch.Tensor,
+        prev: torch.Tensor, weight: float,
+    ) -> TwoHeadOut:  # fmt: skip
+        """One refined term of `terms`: the refiner fed previous tokens `prev` `[n, bs]`
+        (verifier ids) over blocks with `hcache` `[n, bs, 2r]`, weighted `row_weight`
+        `[n·bs]` (the slot decay) times `weight`."""
+        e = self.refiner_head.features(prev, hcache)  # [n, bs, r]
+        e = e.reshape(-1, e.shape[-1]).to(terms.x.dtype)  # [n·bs, r]
+        return terms.add(e, row_weight=row_weight, weight=weight)
+
     def loss(self, batch: dict[str, torch.Tensor], generator: torch.Generator | None) -> LossOutput:
         """Draw anchors from `generator`, run the blocks, return loss and metrics (module
         docstring). `batch` as DFlash's plus `last_hidden_states` [B, T, H] (the TV
@@ -199,42 +215,47 @@ class XPressDraft(BlockDraft):
         ref = self.refiner_head
         readout = ref.readout.weight.to(head.dtype)  # [Vd, r]
         hcache = ref.hidden_cache(hid)  # [N, bs, 2r]
-        ce_w, tv_w = cfg.xpress_ce_weight, cfg.xpress_tv_weight
-
-        def refined(prev: torch.Tensor) -> TwoHeadOut:  # prev [N, bs] verifier ids
-            e = ref.features(prev, hcache).reshape(n_blk * bs, -1).to(rows.dtype)  # [N·bs, r]
-            return two_head_ce_tv_and_argmax(
-                rows, e, head, readout, target, teacher,
-                ce_weight=ce_w, tv_weight=tv_w, row_weight=decayed,
-            )  # fmt: skip
-
-        tf = refined(torch.cat([before[:, None], tok[:, :-1]], dim=1))
-        loss = tf.loss / denom
-        extra = {"tf_loss": float(tf.loss.detach()) / denom}
+        tf_prev = torch.cat([before[:, None], tok[:, :-1]], dim=1)  # [N, bs] the data tokens
         rounds = cfg.consistency_passes if cfg.consistency_weight > 0 else 0
-        base: TwoHeadOut | None = None
-        if cfg.base_anchor_weight > 0 or rounds:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.base_anchor_weight > 0):
-                w = sup.reshape(-1).float() if cfg.base_anchor_full_weight else decayed
-                base = two_head_ce_tv_and_argmax(
-                    rows, None, head, None, target, teacher,
-                    ce_weight=ce_w, tv_weight=tv_w, row_weight=w,
-                )  # fmt: skip
-            if cfg.base_anchor_weight > 0:
-                loss = loss + cfg.base_anchor_weight * base.loss / denom
-                extra["base_anchor_loss"] = float(base.loss.detach()) / denom
-        last = None
+        with_base = cfg.base_anchor_weight > 0 or rounds > 0
+        base_w = sup.reshape(-1).float() if cfg.base_anchor_full_weight else decayed  # [N·bs]
+        # Every term shares the rows, the frozen head and the teacher (`TwoHeadTerms`: the
+        # head's and the teacher's logits once, not once a term); a round needs the last
+        # one's argmax over its whole block, so the rows go in chunks of whole blocks.
+        per = max(1, chunk_rows_for_terms(n_blk * bs, head.shape[0]) // bs)  # blocks a chunk
+        outs: dict[str, list[TwoHeadOut]] = {"tf": [], "base": [], "last": []}
+        round_sums = [0.0] * rounds
+        loss = head.new_zeros((), dtype=torch.float32)
+        for lo in range(0, max(n_blk, 1), per):  # one (empty) chunk when no block is real
+            hi = min(lo + per, n_blk)
+            r0, r1 = lo * bs, hi * bs
+            terms = TwoHeadTerms(
+                rows[r0:r1], head, readout, target[r0:r1], teacher[r0:r1],
+                ce_weight=cfg.xpress_ce_weight, tv_weight=cfg.xpress_tv_weight,
+            )  # fmt: skip
+            refine = functools.partial(self._refined, terms, hcache[lo:hi], decayed[r0:r1])
+            outs["tf"].append(refine(tf_prev[lo:hi], 1.0))
+            if with_base:  # the backbone's own logits: its loss term, and the rounds' seed
+                w = base_w[r0:r1] if cfg.base_anchor_weight > 0 else None
+                base = terms.add(None, row_weight=w, weight=cfg.base_anchor_weight)
+                outs["base"].append(base)
+                pred = self.to_verifier_ids(base.pred).view(hi - lo, bs)  # the seed: K = 0
+                for j in range(rounds):  # stop-grad between rounds: pred is an argmax
+                    last = refine(self.jacobi_prev(pred, tok[lo:hi, 0], before[lo:hi]),
+                                  cfg.consistency_weight / rounds)  # fmt: skip
+                    round_sums[j] += float(last.loss)
+                    pred = self.to_verifier_ids(last.pred).view(hi - lo, bs)
+                    if j == rounds - 1:
+                        outs["last"].append(last)
+            loss = loss + terms.loss()
+        loss = loss / denom
+        tf, base_out, final = (_joined(outs[k]) for k in ("tf", "base", "last"))
+        assert tf is not None
+        extra = {"tf_loss": float(tf.loss) / denom}
+        if cfg.base_anchor_weight > 0 and base_out is not None:
+            extra["base_anchor_loss"] = float(base_out.loss) / denom
         if rounds:
-            assert base is not None
-            pred = self.to_verifier_ids(base.pred).view(n_blk, bs)  # the seed: K = 0
-            terms = []
-            for _ in range(rounds):
-                last = refined(self.jacobi_prev(pred, tok[:, 0], before))
-                terms.append(last.loss / denom)
-                pred = self.to_verifier_ids(last.pred).view(n_blk, bs)
-            consistency = torch.stack(terms).mean()
-            loss = loss + cfg.consistency_weight * consistency
-            extra["consistency_loss"] = float(consistency.detach())
+            extra["consistency_loss"] = sum(x / denom for x in round_sums) / rounds
         has = b.has[v]  # [N] blocks that count in EAL
 
         def greedy(out: TwoHeadOut) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,12 +269,25 @@ class XPressDraft(BlockDraft):
 
         acc, cnt, eal = greedy(tf)
         extra["accept_rate"] = accept(tf)
-        if base is not None:
-            extra["base_eal"] = float(greedy(base)[2])
-            extra["base_accept_rate"] = accept(base)
-        if last is not None:
-            extra["jacobi_eal"] = float(greedy(last)[2])
+        if base_out is not None:
+            extra["base_eal"] = float(greedy(base_out)[2])
+            extra["base_accept_rate"] = accept(base_out)
+        if final is not None:
+            extra["jacobi_eal"] = float(greedy(final)[2])
         return LossOutput(loss, acc, cnt, eal, n_tok, int(v.sum()), extra)
+
+
+def _joined(outs: list[TwoHeadOut]) -> TwoHeadOut | None:
+    """One term's outputs over every chunk of rows, in row order (None: no chunk ran it)."""
+    if not outs:
+        return None
+    accept = [o.accept for o in outs if o.accept is not None]
+    return TwoHeadOut(
+        sum((o.loss for o in outs[1:]), outs[0].loss),
+        torch.cat([o.rows for o in outs]),
+        torch.cat([o.pred for o in outs]),
+        torch.cat(accept) if accept else None,
+    )
 
 
 __all__ = ["XPressDraft", "XPressRefinerHead"]

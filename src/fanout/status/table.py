@@ -1,13 +1,13 @@
-"""`fanout status`'s table: the snapshot (fanout.coord.status.snapshot) for people.
+"""`fanout status`'s table: the snapshot (fanout.status.snapshot.snapshot) for people.
 
-    from fanout.coord.status import snapshot
-    from fanout.coord.status_table import format_table
+    from fanout.status.snapshot import snapshot
+    from fanout.status.table import format_table
     print(format_table(snapshot(co)))
 
 The run's lines (its capture, windows, totals, bytes, events), the producer's line and
 its replicas' table, then one row per consumer with notes and why each waits under it.
 docs/operations.md, "Reading `fanout status`", shows it (tests/test_status.py keeps the
-example in the real layout). `--watch` redraws it (fanout.coord.status_watch).
+example in the real layout). `--watch` redraws it (fanout.status.watch).
 """
 
 from __future__ import annotations
@@ -161,11 +161,12 @@ def format_table(s: dict[str, Any]) -> str:
         f"T={s['capture']['seq_len']}  R={s['capture']['window_rows']}",
         _windows_line(s),
         _totals_line(s),
-        f"bytes    live {_mib(s['live_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
+        f"bytes    ready {_mib(s['ready_bytes'])}  high-water {_mib(s['high_water']['bytes'])} "
         f"({s['high_water']['windows']} windows)",
         f"events   recaptures {s['recaptures']} (windows published again)  "
         f"corrupt {s['corrupt']}  detaches {s['detaches']}  reclaims {s['reclaims']}  "
-        f"reclaimed claims {s['claims_reclaimed']}",
+        f"reclaimed claims {s['claims_reclaimed']}  "
+        f"failed captures {s.get('capture_failures', 0)}",
         *_producer_line(s),
         *_replica_lines(s),
         "",
@@ -181,9 +182,22 @@ def format_table(s: dict[str, Any]) -> str:
     lines += [f"  {c['id']}: waiting: {c['waiting']}" for c in s["consumers"] if c["waiting"]]
     if f := s.get("follow"):
         lines += ["", f"follow   {f['chunks']} chunks committed: {f['records']} records read, "
-                  f"{f['heldout']} held out, {f['skipped']} skipped"]  # fmt: skip
+                  f"{f['heldout']} held out, {f['skipped']} skipped, {f['split']} split"]  # fmt: skip
     lines += _drift_lines(s.get("drift") or [])
     return "\n".join(lines)
+
+
+def serving_now_text(d: dict[str, Any]) -> str:
+    """What a drift record's served dir serves now, read from the dir (one wording for the
+    table and the page): the measured version, another one, or "unknown"."""
+    if not d.get("served"):
+        return "served now: unknown (the newest drift record names no served dir)"
+    now = d.get("serving_now")
+    if now is None:
+        return f"served now: unknown ({d['served']}/current points at no version)"
+    if now == d["version"]:
+        return f"served now: {now} ({d['served']})"
+    return f"served now: {now} ({d['served']}; the look above measured {d['version']})"
 
 
 def _drift_lines(points: list[dict[str, Any]]) -> list[str]:
@@ -197,6 +211,7 @@ def _drift_lines(points: list[dict[str, Any]]) -> list[str]:
         "",
         f"served   {d['version']} {shown} on the newest {d['prompts']} held-out "
         f"conversations ({d['time']}; {len(points)} looks)",
+        "  " + serving_now_text(d),
     ]
     if d["below"]:
         b = d["baseline_ci95"]

@@ -2,12 +2,12 @@
 again when a start fails before its first window.
 
     lock, rank = take_start_lock(root, db_path, takeover, rank, replicas)  # RoleHeld: taken
-    created = CreatedPaths.note(root, db_path, lock, replicas)  # under it, before creating
+    created = CreatedPaths.note(root, db_path, lock, rank, replicas)  # under it, before creating
     check_producer_role(root, db_path, takeover, rank, replicas)  # RoleHeld: held live
     with join_lock(root):                     # replicas of one run create or join it in turn
         coord = open_existing_run(root, contract, run_config, db_path, store, takeover, rank)
         StreamInfo(...).write(RunDir(root), fs)  # stream.json, atomically and durably
-        coord = coord or create_run(root, contract, run_config, db_path, store)
+        coord, created_db = (coord, False) if coord else create_run(root, contract, ...)
         coord.register_producer(..., rank=rank, plan=plan)  # still under the start lock
     lock.release()
     created.discard_if_unused(coord, created_db, owner)  # after a start that failed
@@ -22,7 +22,8 @@ fanout.coord.pathlock.PathLock naming its holder): one process at a time goes fr
 then is refused at once with the starting one's identity (with --takeover it waits
 for it); one asking for any rank takes the first whose lock and role are free. The
 replicas of a run start side by side; the short `join_lock` orders their "create the
-run, or join it", so exactly one creates it. A start that fails (or is interrupted)
+run, or join it", so exactly one creates it; on several hosts sharing the run dir
+(where a lock file is no lock) the database decides: a create that loses joins. A start that fails (or is interrupted)
 before it publishes its first window removes exactly what it created, under the join
 lock and only while no other replica is starting — no skeleton of a run that never
 produced anything is left for trainers to find, and an existing run, or another
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.leases import ProducerPlan
+from fanout.coord.grants import ProducerPlan
 from fanout.coord.pathlock import PathLock
 from fanout.errors import ConfigError, ContractMismatch, FanoutError, RoleHeld
 from fanout.filesystem import FileSystem
@@ -289,16 +290,31 @@ def create_run(
     run_config: RunConfig,
     db_path: str | None,
     store: Store,
-) -> Coordinator:
-    """Create the run's coordinator database (and contract.json); ConfigError naming
-    --db-path when its directory cannot be made."""
+    takeover: bool = False,
+    rank: int = 0,
+    replicas: int = 1,
+) -> tuple[Coordinator, bool]:
+    """Create the run's coordinator database (and contract.json), or join the run another
+    replica created first: (coordinator, whether this call created it). The join lock
+    orders replicas on one host; on several hosts sharing the run dir (a lock file there
+    is not a lock across hosts) two may both find no run and both create: the database
+    lets one win, and the other joins it as open_existing_run does (ContractMismatch,
+    RoleHeld). ConfigError naming --db-path when its directory cannot be made."""
     try:
-        return Coordinator.create(root, contract, run_config, db_path=db_path, store=store)
+        return Coordinator.create(root, contract, run_config, db_path=db_path, store=store), True
     except OSError as e:
         raise ConfigError(
             f"--db-path {db_path}: cannot create the coordinator database: "
             f"{e.strerror or e} ({e.filename})"
         ) from None
+    except FanoutError:
+        joined = open_existing_run(
+            root, contract, run_config, db_path, store, takeover, rank, replicas
+        )
+        if joined is None:  # not a lost race: the create failed on its own
+            raise
+        log.info("%s: another replica created the run first; joining it", root)
+        return joined, False
 
 
 def check_disk_budget(root: Path, fs: FileSystem, max_live_windows: int, window_bytes: int) -> None:
@@ -340,6 +356,7 @@ class CreatedPaths:
     new_names: list[str]
     new_db: Path | None  # a SQLite database elsewhere (--db-path) that did not exist
     join_is_new: bool  # the join lock's file was not there
+    db_path: str | None = None  # --db-path
 
     @classmethod
     def note(
@@ -363,6 +380,7 @@ class CreatedPaths:
             new_names=[n for n in rd.producer_names() if not (rd.root / n).exists()],
             new_db=new_db,
             join_is_new=not rd.join_lock.exists(),
+            db_path=db_path,
         )
 
     def discard_if_unused(self, coord: Coordinator | None, created_db: bool, owner: str) -> bool:
@@ -421,6 +439,15 @@ class CreatedPaths:
         return bool(removed)
 
     def _discard(self, coord: Coordinator | None, created_db: bool, owner: str) -> list[str]:
+        if coord is None:
+            other = Coordinator.open_if_created(self.root, db_path=self.db_path)
+            if other is not None:
+                # a run exists now that this start did not make: another replica's,
+                # perhaps on another host, whose start the lock files here did not
+                # order (a lock file is no lock across hosts). What "was missing when
+                # noted" is its.
+                other.close()
+                return []
         if coord is not None:
             if not created_db:
                 return []

@@ -5,11 +5,11 @@
     curl -s localhost:9464/status.json # what `fanout status --json` prints
     open http://localhost:9464/        # one page that refreshes itself, with plots
 
-Every response is built from one fresh snapshot (fanout.coord.status.build), so the
+Every response is built from one fresh snapshot (fanout.status.snapshot.build), so the
 page, /metrics and /status.json agree with `--json` at the instant they were asked.
 The server also samples every --interval-s, and on every request, for the page's plots
 (windows live vs K, each replica's rate, each draft's lag and EAL; the page is
-fanout.coord.status_page), kept in memory (the last MAX_SAMPLES). One thread serves and
+fanout.status.page), kept in memory (the last MAX_SAMPLES). One thread serves and
 samples (`serve_forever`'s idle hook), on the coordinator connection it was given:
 open it in the thread that calls `run()`.
 
@@ -24,13 +24,13 @@ import http.server
 import json
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any, get_args
 
 from fanout.coord.coordinator import Coordinator
-from fanout.coord.status_page import Sample, page_html, sample_of
-from fanout.coord.status_schema import ConsumerState, ReplicaState, StatusSnapshot
 from fanout.errors import ConfigError
+from fanout.status.page import Sample, page_html, sample_of
+from fanout.status.schema import ConsumerState, ReplicaState, StatusSnapshot
+from fanout.status.snapshot import build
 
 MAX_SAMPLES = 720  # the plot's memory: an hour at the default 5 s ... 24 min at 2 s
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -83,7 +83,7 @@ def metrics_text(s: StatusSnapshot) -> str:
           t.max_live_windows)  # fmt: skip
     m.add("fanout_windows", "gauge", "Window rows by state (not evicted: see evictions).",
           [({"state": k}, v) for k, v in s.windows.items() if k != "evicted"])  # fmt: skip
-    m.one("fanout_live_bytes", "gauge", "Bytes of the ready windows.", s.live_bytes)
+    m.one("fanout_ready_bytes", "gauge", "Bytes of the ready windows.", s.ready_bytes)
     m.one("fanout_high_water_bytes", "gauge", "Most ready bytes at once.", s.high_water.bytes)
     for key, what in (
         ("recaptures", "Windows published again."),
@@ -92,6 +92,7 @@ def metrics_text(s: StatusSnapshot) -> str:
         ("detaches", "Consumers detached."),
         ("reclaims", "Processes declared lost."),
         ("claims_reclaimed", "Claims of lost or replaced replicas, released."),
+        ("capture_failures", "Captures that failed (the capture check's bad windows too)."),
     ):
         m.one(f"fanout_{key}_total", "counter", what, getattr(s, key))
     m.one("fanout_producer_windows_per_second", "gauge",
@@ -107,6 +108,16 @@ def metrics_text(s: StatusSnapshot) -> str:
           None if last is None else last.tau)  # fmt: skip
     m.one("fanout_served_drift", "gauge", "1 when that tau fell below its promoted interval.",
           None if last is None else int(last.below))  # fmt: skip
+    f = s.follow  # a live run's source (produce --follow): what an operator alerts on
+    for key, what in (
+        ("chunks", "Chunks of the followed source committed."),
+        ("records", "Chat records read from the followed source, held-out ones included."),
+        ("heldout", "Of those, held out of every window."),
+        ("skipped", "Source lines that were not a chat record."),
+        ("split", "Records longer than --seq-len, split across rows."),
+    ):
+        m.one(f"fanout_follow_{key}_total", "counter", what,
+              None if f is None else getattr(f, key))  # fmt: skip
 
     reps = s.replicas
     states = get_args(ReplicaState)  # the schema's: one home for the states
@@ -154,16 +165,8 @@ class StatusServer:
     """The HTTP server of `fanout status --serve`: bound at construction (a port in use
     is a ConfigError, one line), serving until `shutdown()` or Ctrl-C."""
 
-    def __init__(
-        self,
-        build: Callable[[Coordinator], StatusSnapshot],
-        co: Coordinator,
-        host: str,
-        port: int,
-        interval_s: float,
-    ) -> None:
-        """`build` is fanout.coord.status.build (passed in: status imports this module)."""
-        self.co, self.interval_s, self._build = co, interval_s, build
+    def __init__(self, co: Coordinator, host: str, port: int, interval_s: float) -> None:
+        self.co, self.interval_s = co, interval_s
         self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
         self._next_sample = 0.0
         outer = self
@@ -189,7 +192,7 @@ class StatusServer:
         self.httpd.service_actions = self._sample  # type: ignore[method-assign]
 
     def snapshot(self) -> StatusSnapshot:
-        s = self._build(self.co)
+        s = build(self.co)
         self.samples.append(sample_of(s))
         return s
 

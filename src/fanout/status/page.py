@@ -4,7 +4,7 @@
 
 The tables carry the snapshot's own numbers (each cell's `data-key` names the field of
 `status --json`, e.g. `consumers.d:dp0.lag_windows`); the plots are SVG drawn here, on
-the server, from the samples the server keeps in memory (fanout.coord.status_serve):
+the server, from the samples the server keeps in memory (fanout.status.serve):
 windows live vs K, each replica's rate, each draft's lag and EAL, over time; and, for a
 live run, the served draft's τ on new held-out traffic with a warning when it drifted
 (from the snapshot's durable drift records, so its history outlives the server). No script
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from fanout.coord.status_schema import StatusSnapshot
+from fanout.status.schema import StatusSnapshot
+from fanout.status.table import serving_now_text
 
 # Okabe-Ito's colour-blind-safe colours (its yellow left out: unreadable on white), and
 # dash patterns: series i gets both, so two lines differ even in grey or to one who
@@ -232,6 +233,7 @@ def drift_html(s: StatusSnapshot) -> str:
         f'<span data-key="drift.tau">{d.tau:.2f}</span>{ci} on the newest {d.prompts} '
         f"held-out conversations ({html.escape(d.time)}; {len(s.drift)} looks; promoted "
         f"with {base})</p>"
+        f'<p data-key="drift.serving_now">{html.escape(serving_now_text(d.model_dump()))}</p>'
     )
     walls = [_wall(p.time) for p in s.drift]
     plot = ""

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m fanout.cli produce --tp 2 --run-dir runs/r1 \
         --verifier-name-or-path VERIFIER_DIR --data chat.jsonl ...
 
-Every rank loads its shard of the verifier (fanout.model.tp: transformers' own TP
+Every rank loads its shard of the verifier (fanout.model.tp_shard: transformers' own TP
 plan). Rank 0 alone is the producer: it holds the role in the coordinator, claims,
 captures and publishes. The other ranks (followers) hold no role and never open the
 run directory or the dataset; they only compute. Before each verifier forward rank 0
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from fanout.errors import ConfigError, RankLost
-from fanout.model.tp import check_tp_model
+from fanout.model.tp_shard import check_tp_model
 from fanout.model.verifier import Capture, Verifier
 
 log = logging.getLogger(__name__)

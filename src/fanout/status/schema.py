@@ -1,7 +1,7 @@
 """What `fanout status --json` prints: one versioned pydantic model, the one source for
 dashboards (`--watch`, `--serve`'s page and `/metrics` read the same snapshot).
 
-    from fanout.coord.status_schema import StatusSnapshot
+    from fanout.status.schema import StatusSnapshot
     snap = StatusSnapshot.model_validate_json(text)     # a `fanout status --json` output
     snap.totals.producer_windows_per_s                  # every active replica's rate, summed
     StatusSnapshot.model_json_schema()                  # docs/operations.md prints it
@@ -20,7 +20,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-STATUS_SCHEMA_VERSION = 1
+# 2: live_bytes (of the ready windows only) renamed ready_bytes: "live" is what K
+# bounds (totals.windows_live), everywhere.
+STATUS_SCHEMA_VERSION = 2
 
 ReplicaState = Literal["active", "stopped", "finished", "lost"]
 ConsumerState = Literal["active", "lost", "finished", "stopped", "detached"]
@@ -161,8 +163,10 @@ class Lease(_Model):
 
 
 class HighWater(_Model):
-    windows: int
-    bytes: int
+    """The most ready windows (and bytes) the run had on disk at once."""
+
+    windows: int = Field(description="most ready windows at once")
+    bytes: int = Field(description="most bytes of ready windows at once")
 
 
 class Blocked(_Model):
@@ -180,7 +184,15 @@ class DriftPoint(_Model):
     """The served draft's τ on one recent held-out slice (`fanout promote --run-dir`)."""
 
     time: str
-    version: str = Field(description="the served version (DIR/versions/<version>)")
+    version: str = Field(description="the served version it measured (DIR/versions/<version>)")
+    served: str | None = Field(
+        None, description="the served directory DIR it measured (null: a record older than this)"
+    )
+    serving_now: str | None = Field(
+        None,
+        description="the version DIR/current points at when the snapshot was taken (null: "
+        "unknown, the record names no served dir or it serves nothing)",
+    )
     tau: float
     ci95: list[float] | None
     prompts: int
@@ -197,13 +209,16 @@ class FollowPosition(_Model):
     records: int = Field(description="chat records read up to them, held-out ones included")
     heldout: int = Field(description="of those, held out of every window")
     skipped: int = Field(description="lines that were not a chat record")
+    split: int = Field(
+        0, description="records longer than --seq-len, split across rows (0 before it was counted)"
+    )
     committed_wall: float = Field(description="when the newest chunk was committed (Unix s)")
 
 
 class StatusSnapshot(_Model):
     """Everything `fanout status --json` prints."""
 
-    schema_version: Literal[1] = Field(description="changes when a field's meaning does")
+    schema_version: Literal[2] = Field(description="changes when a field's meaning does")
     taken_wall: float = Field(description="when this snapshot was taken (Unix seconds)")
     run_dir: str
     db_path: str
@@ -216,7 +231,10 @@ class StatusSnapshot(_Model):
     capture: Capture
     windows: dict[str, int] = Field(description="windows by state (evicted: files, cumulative)")
     produced_windows: int = Field(description="= totals.windows_made")
-    live_bytes: int = Field(description="bytes of the ready windows")
+    ready_bytes: int = Field(
+        description="bytes of the ready windows (those being captured or evicted, which "
+        "count toward K too, are not in it)"
+    )
     high_water: HighWater
     recaptures: int
     evictions: int
@@ -224,6 +242,11 @@ class StatusSnapshot(_Model):
     detaches: int
     reclaims: int
     claims_reclaimed: int
+    capture_failures: int = Field(
+        0,
+        description="captures that failed and were retried or failed the window (the "
+        "capture check's bad windows among them: the windows' last_error says which)",
+    )
     producer: Producer
     replicas: list[Replica]
     consumers: list[Consumer]

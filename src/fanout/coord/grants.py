@@ -1,10 +1,14 @@
-"""What the coordinator hands out: registrations, claims and leases, each with its fencing token.
+"""What the coordinator grants: registrations, claims and leases, each with its fencing token.
 
-    from fanout.coord.leases import Lease
+    from fanout.coord.grants import Lease
     lease = coord.acquire(reg); print(lease.window, lease.path, lease.rows)
 
-Plain frozen values: holding one proves nothing by itself; every call that uses
-one re-checks its token inside the coordinator's write transaction.
+Plain frozen values, beside the few things the coordinator's calls take (a producer's
+plan, what a published window and the window files must provide). Holding a grant
+proves nothing by itself; every call that uses one re-checks its token inside the
+coordinator's write transaction. The calls that grant them are the coordinator's
+parts: claims (a Claim, by fanout.coord.claims), leases (a Lease, by
+fanout.coord.leasing), registrations (fanout.coord.roles).
 """
 
 from __future__ import annotations

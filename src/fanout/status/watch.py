@@ -3,9 +3,9 @@
     fanout status --run-dir runs/demo --watch --interval-s 2
 
 rich's Live display rewrites the lines it drew (no clear-screen, so no flicker); the
-table is the one `fanout status` prints (fanout.coord.status.format_table), with the
+table is the one `fanout status` prints (fanout.status.table.format_table), with the
 time it was taken. Ctrl-C ends it with exit 0. Without a terminal on stdout the
-command refuses before opening anything (fanout.coord.status.run).
+command refuses before opening anything (fanout.status.commands.run).
 """
 
 from __future__ import annotations
