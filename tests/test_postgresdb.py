@@ -189,3 +189,20 @@ def test_trainer_side_calls_wait_out_a_server_restart(
         assert hb.beats > beats + 2  # still beating after the restart
     assert len(got) == 1 and getattr(got[0], "window", got) == 0
     co.close()
+
+
+def test_every_connection_has_tcp_timeouts_a_url_may_override(pg_url: str) -> None:
+    """A partition (no RST) must end a call in about half a minute, not TCP's ~15
+    minutes: every connection carries keepalives and tcp_user_timeout (#55), and a
+    URL that sets one keeps its own value."""
+    from fanout.coord.postgresdb import TCP_DEFAULTS, PostgresDatabase
+
+    db = PostgresDatabase(pg_url)
+    got = db.raw.info.get_parameters()
+    assert {k: got.get(k) for k in TCP_DEFAULTS} == TCP_DEFAULTS, got
+    db.raw.close()
+    own = PostgresDatabase(pg_url + "&keepalives_idle=60&tcp_user_timeout=5000")
+    got = own.raw.info.get_parameters()
+    assert (got.get("keepalives_idle"), got.get("tcp_user_timeout")) == ("60", "5000")
+    assert got.get("keepalives_count") == TCP_DEFAULTS["keepalives_count"]
+    own.raw.close()

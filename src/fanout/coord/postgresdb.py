@@ -56,6 +56,29 @@ def is_url(location: object) -> bool:
     return isinstance(location, str) and location.startswith(SCHEMES)
 
 
+# libpq TCP settings every connection gets unless its URL sets them: a partition (a
+# link cut with no RST, DESIGN "PostgreSQL as the lease engine") must end a call in
+# about half a minute, not after TCP's ~15-minute retransmission give-up. An idle
+# connection whose peer vanished is found by keepalives (10 s idle, then 3 probes 5 s
+# apart); a request sent into the void by tcp_user_timeout (30 s unacknowledged).
+TCP_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+
+
+def tcp_settings(conninfo: str) -> dict[str, str]:
+    """TCP_DEFAULTS less what `conninfo` (a URL or key=value string) sets itself: the
+    keyword arguments that complete a connection's TCP settings."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    given = conninfo_to_dict(conninfo)
+    return {k: v for k, v in TCP_DEFAULTS.items() if k not in given}
+
+
 def parse_url(url: str) -> tuple[str, str, str]:
     """(libpq URL without `schema`, schema name, URL for messages and files: no password)."""
     base, _, query = url.partition("?")
@@ -146,8 +169,12 @@ class PostgresDatabase:
             ) from None
 
     def _connect(self) -> None:
+        from psycopg.conninfo import make_conninfo
+
         self.raw = self._psycopg.connect(
-            self._conninfo, autocommit=True, connect_timeout=self._connect_timeout_s
+            make_conninfo(self._conninfo, **tcp_settings(self._conninfo)),
+            autocommit=True,
+            connect_timeout=self._connect_timeout_s,
         )
         # Like a sqlite3 connection, one dropped unclosed closes itself, when collected
         # or at interpreter exit (psycopg would warn; __del__ order at exit is arbitrary).
