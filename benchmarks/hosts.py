@@ -61,7 +61,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import glob
 import json
 import os
 import pwd
@@ -145,14 +144,6 @@ def proxy_main(spec: str) -> int:
 # ---------------------------------------------------------------------------- PostgreSQL
 
 
-def _postgres_bin(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
-    return candidates[-1] if candidates else None
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -166,6 +157,9 @@ class Server:
     def __init__(
         self, base: Path, max_connections: int, fsync: bool, settings: Sequence[str] = ()
     ) -> None:
+        sys.path.insert(0, str(REPO / "tests"))  # where the test suite finds the binaries
+        from conftest import _postgres_bin
+
         initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
         if initdb is None or pg_ctl is None:
             raise SystemExit("hosts.py: PostgreSQL server binaries (initdb, pg_ctl) not found")

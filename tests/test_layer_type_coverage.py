@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+import verifier_zoo
 from fanout.errors import ConfigError
 from fanout.model.layer_types import KNOWN_TYPES, UNDECLARED_MIXING_FIELDS, PackingRule
 
@@ -115,20 +116,9 @@ def test_no_causal_lm_is_refused_for_an_unknown_layer_type(model_type: str, cfg:
 
 # sizes a tiny model of any of these configs takes, where the config has the field
 _TINY: dict[str, Any] = {
-    "vocab_size": 160,
-    "hidden_size": 32,
-    "intermediate_size": 64,
+    **verifier_zoo._COMMON,  # the zoo's tiny sizes, then the fields only some configs have
     "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 16,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 512,
-    "initializer_range": 0.1,
-    "tie_word_embeddings": False,
-    "pad_token_id": 0,
-    "bos_token_id": None,
-    "eos_token_id": None,
     "num_experts": 4,
     "num_local_experts": 4,
     "n_routed_experts": 4,

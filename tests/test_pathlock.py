@@ -26,9 +26,10 @@ from typing import Any
 
 import pytest
 
-from fanout.coord.liveness import Holder, ProcessInfo, pid_gone, this_process
+from fanout.coord.liveness import Holder, ProcessInfo, this_process
 from fanout.coord.pathlock import PathLock
 from fanout.errors import RoleHeld
+from fanout.filesystem import pid_gone
 
 CTX = mp.get_context("spawn")
 HOST = socket.gethostname()

@@ -190,6 +190,40 @@ def test_loss_and_grads_equal_one_op_call_a_term(
     )
 
 
+def _labels_once(
+    module: Any, draft: Any, batch: dict[str, torch.Tensor], mp: pytest.MonkeyPatch
+) -> tuple[list[int], LossOutput, dict[str, torch.Tensor]]:
+    """Run the draft's loss with the family `module`'s shared labels (the rows each
+    `teacher_argmax` call labelled), then with `teacher_head` labelling on its own; assert
+    both give the same loss, metrics and gradients. Returns (rows per call, the output
+    and gradients of the shared-label run)."""
+    made: list[int] = []
+    argmax, head = module.teacher_argmax, module.teacher_head
+
+    def counted(*args: Any, **kw: Any) -> torch.Tensor:
+        made.append(args[0].shape[0])
+        return argmax(*args, **kw)
+
+    mp.setattr(module, "teacher_argmax", counted)
+    got, got_g = _run(draft, batch, type(draft).loss)
+    shared = list(made)  # the calls of the shared-label run alone
+    mp.setattr(module, "teacher_head", lambda *a, label=None, **kw: head(*a, **kw))
+    want, want_g = _run(draft, batch, type(draft).loss)  # teacher_head's own labels
+    torch.testing.assert_close(got.loss.detach(), want.loss.detach(), **VALUE_TOL)
+    assert got.extra == pytest.approx(want.extra, rel=1e-5, abs=1e-6)
+    assert torch.equal(got.per_slot_acc, want.per_slot_acc) and float(got.eal) == float(want.eal)
+    assert got_g.keys() == want_g.keys() and got_g
+    for k, g in want_g.items():
+        torch.testing.assert_close(got_g[k], g, **GRAD_TOL, msg=k)
+    return shared, got, got_g
+
+
+def _chain_batch(vdir: Path) -> dict[str, torch.Tensor]:
+    batch = _batch(vdir)
+    batch["hidden_states"] = torch.randn(1, T, 3 * H, generator=torch.Generator().manual_seed(4))
+    return batch
+
+
 def test_eagle3_labels_once_a_batch_equal_labels_once_a_step(
     vdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,27 +232,8 @@ def test_eagle3_labels_once_a_batch_equal_labels_once_a_step(
     torch.manual_seed(0)
     draft = family("eagle3").build(vdir, target_layer_ids=[1, 2, 3], num_layers=1,
                                    block_size=4, loss_type="ce")  # fmt: skip
-    batch = _batch(vdir)
-    batch["hidden_states"] = torch.randn(1, T, 3 * H, generator=torch.Generator().manual_seed(4))
-    made = []
-    argmax, head = eagle3_model.teacher_argmax, eagle3_model.teacher_head
-
-    def counted(*args: Any, **kw: Any) -> torch.Tensor:
-        made.append(args[0].shape[0])
-        return argmax(*args, **kw)
-
-    monkeypatch.setattr(eagle3_model, "teacher_argmax", counted)
-    got, got_g = _run(draft, batch, type(draft).loss)
+    made, _, _ = _labels_once(eagle3_model, draft, _chain_batch(vdir), monkeypatch)
     assert made == [T]  # every position once
-    monkeypatch.setattr(eagle3_model, "teacher_head",
-                        lambda *a, label=None, **kw: head(*a, **kw))  # fmt: skip
-    want, want_g = _run(draft, batch, type(draft).loss)  # teacher_head's own labels a step
-    torch.testing.assert_close(got.loss.detach(), want.loss.detach(), **VALUE_TOL)
-    assert got.extra == pytest.approx(want.extra, rel=1e-5, abs=1e-6)
-    assert torch.equal(got.per_slot_acc, want.per_slot_acc) and float(got.eal) == float(want.eal)
-    assert got_g.keys() == want_g.keys() and got_g
-    for k, g in want_g.items():
-        torch.testing.assert_close(got_g[k], g, **GRAD_TOL, msg=k)
 
 
 def test_peagle_labels_once_a_position_equal_labels_once_a_sample(
@@ -231,24 +246,5 @@ def test_peagle_labels_once_a_position_equal_labels_once_a_sample(
     torch.manual_seed(0)
     draft = family("peagle").build(vdir, target_layer_ids=[1, 2, 3], num_layers=1,
                                    block_size=9, max_anchors=12, loss_type="ce")  # fmt: skip
-    batch = _batch(vdir)
-    batch["hidden_states"] = torch.randn(1, T, 3 * H, generator=torch.Generator().manual_seed(4))
-    made = []
-    argmax, head = peagle_model.teacher_argmax, peagle_model.teacher_head
-
-    def counted(*args: Any, **kw: Any) -> torch.Tensor:
-        made.append(args[0].shape[0])
-        return argmax(*args, **kw)
-
-    monkeypatch.setattr(peagle_model, "teacher_argmax", counted)
-    got, got_g = _run(draft, batch, type(draft).loss)
+    made, got, _ = _labels_once(peagle_model, draft, _chain_batch(vdir), monkeypatch)
     assert len(made) == 1 and made[0] < got.n_tokens  # fewer rows than supervised samples
-    monkeypatch.setattr(peagle_model, "teacher_head",
-                        lambda *a, label=None, **kw: head(*a, **kw))  # fmt: skip
-    want, want_g = _run(draft, batch, type(draft).loss)  # teacher_head's own, a sample each
-    torch.testing.assert_close(got.loss.detach(), want.loss.detach(), **VALUE_TOL)
-    assert got.extra == pytest.approx(want.extra, rel=1e-5, abs=1e-6)
-    assert torch.equal(got.per_slot_acc, want.per_slot_acc) and float(got.eal) == float(want.eal)
-    assert got_g.keys() == want_g.keys() and got_g
-    for k, g in want_g.items():
-        torch.testing.assert_close(got_g[k], g, **GRAD_TOL, msg=k)

@@ -252,7 +252,6 @@ def test_the_trainer_waits_for_a_half_made_run_on_sshfs(
     """wait_for_run waits through "no database yet" on a network run dir, then finds
     the run once the producer has made it (here: a SQLite database elsewhere, named by
     the pointer, as a PostgreSQL run's would be)."""
-    from fanout.contract import CaptureContract
     from fanout.coord import sqlitedb
     from fanout.coord.coordinator import Coordinator
     from fanout.train.progress import WaitNotice, wait_for_run
@@ -285,16 +284,8 @@ def test_the_trainer_waits_for_a_half_made_run_on_sshfs(
     while not looked.is_set() and t.is_alive():  # its first look found no run, or it failed
         time.sleep(0.01)
     assert errors == [] and t.is_alive()  # waiting, not refused
-    contract = CaptureContract.model_validate(
-        dict(
-            verifier_config_hash="cfg", verifier_weights_fingerprint="w",
-            verifier_num_layers=4, hidden_size=8, vocab_size=32, target_layer_ids=(1, 2),
-            dataset_fingerprint="data", tokenizer_fingerprint="tok", seq_len=4,
-            window_rows=2, shuffle_seed=0,
-        )
-    )  # fmt: skip
     db = tmp_path / "local" / "coordinator.sqlite3"
-    Coordinator.create(run, contract, db_path=str(db)).close()
+    Coordinator.create(run, _contract(), db_path=str(db)).close()
     t.join(30)
     assert errors == [] and len(found) == 1
 

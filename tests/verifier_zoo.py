@@ -48,6 +48,20 @@ _COMMON: dict[str, Any] = {
     "bos_token_id": None,
     "eos_token_id": None,
 }
+# DeepSeek's multi-head latent attention and group-limited MoE, tiny (V3 and V3.2)
+_MLA: dict[str, Any] = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "n_group": 2,
+    "topk_group": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,17 +146,7 @@ ZOO: dict[str, Arch] = {
             "DeepseekV3Config",
             num_hidden_layers=3,
             num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            n_routed_experts=4,
-            n_group=2,
-            topk_group=1,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            first_k_dense_replace=1,
+            **_MLA,
         ),
         "DeepseekV3ForCausalLM",
     ),
@@ -244,17 +248,7 @@ UNRULED: dict[str, Arch] = {
             "DeepseekV32Config",
             num_hidden_layers=2,
             num_key_value_heads=4,
-            kv_lora_rank=16,
-            q_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-            n_routed_experts=4,
-            n_group=2,
-            topk_group=1,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            first_k_dense_replace=1,
+            **_MLA,
             index_topk=WINDOW,  # fewer keys than a document has: the top-k chooses
             index_n_heads=16,  # the ReLU scores of few heads tie at 0 (top-k: any order)
             index_head_dim=16,

@@ -206,15 +206,42 @@ def stale_view_s(path: StrPath) -> float:
 
 
 @functools.cache
-def _pid_space() -> str:
-    """8 hex digits naming this kernel boot and pid namespace (where a pid names one
-    process), "x" where /proc cannot tell."""
+def kernel_identity() -> str:
+    """This boot of this kernel and our pid namespace, "<boot id>/<pid ns>": where a pid
+    means one process ("" where /proc cannot tell). Temp names carry its hash
+    (`_pid_space`); the coordinator's liveness records it whole (fanout.coord.liveness)."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        ns = os.readlink("/proc/self/ns/pid")
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
     except OSError:
-        return "x"
-    return hashlib.blake2s(f"{boot}/{ns}".encode(), digest_size=4).hexdigest()
+        return ""
+
+
+def _pid_space() -> str:
+    """8 hex digits naming this kernel boot and pid namespace, "x" where /proc cannot tell."""
+    kernel = kernel_identity()
+    return hashlib.blake2s(kernel.encode(), digest_size=4).hexdigest() if kernel else "x"
+
+
+def proc_stat(pid: int) -> tuple[str, str] | None:
+    """(state letter, start time in clock ticks) of `pid` in this pid namespace, None if
+    there is no such process; OSError where /proc cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except (FileNotFoundError, ProcessLookupError):  # fields: after "pid (comm)"
+        return None
+    return fields[0], fields[19]  # fields 3 (state) and 22 (starttime) of proc(5)
+
+
+def pid_gone(pid: int) -> bool:
+    """Has process `pid` of this pid namespace exited (no such process, or a zombie)?
+    For names that carry only a pid; False where /proc cannot tell. A reused pid reads
+    as live: the safe side for "may I remove its files"."""
+    try:
+        st = proc_stat(pid)
+    except OSError:
+        return False
+    return st is None or st[0] in ("Z", "X", "x")
 
 
 def _host() -> str:
@@ -233,18 +260,6 @@ def temp_tag() -> str:
     unique across hosts, containers, processes and calls. Put it in a name as it is
     (`f".{name}.{temp_tag()}.tmp"`); `temp_writer_gone` finds it anywhere in the name."""
     return f"@{_host()}.{_pid_space()}.{os.getpid()}.{secrets.token_hex(4)}"
-
-
-def _pid_gone(pid: int) -> bool:
-    """Has `pid` of this pid space exited (no such process, or a zombie)? A reused pid
-    reads as live: the safe side for "may I remove its files"."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    except OSError:
-        return False
-    return bool(fields) and fields[0] in ("Z", "X", "x")
 
 
 def _newest_mtime(path: Path) -> float | None:
@@ -273,14 +288,14 @@ def temp_writer_gone(path: StrPath, stale_s: float = TEMP_STALE_S) -> bool:
     if m is not None:
         space, pid = m[2], int(m[3])
         if space == _pid_space() and space != "x":
-            return pid != os.getpid() and _pid_gone(pid)
+            return pid != os.getpid() and pid_gone(pid)
         newest = _newest_mtime(p)
         return newest is None or time.time() - newest >= stale_s
     legacy = _LEGACY_PID_RE.search(p.name)
     if legacy is None:
         return True
     pid = int(legacy[1] or legacy[2])
-    return pid != os.getpid() and _pid_gone(pid)
+    return pid != os.getpid() and pid_gone(pid)
 
 
 @contextlib.contextmanager

@@ -24,17 +24,16 @@ or whose heartbeat counter stood still for `ttl`, is replaced without asking.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from fanout.coord.database import wall
 from fanout.coord.states import RoleState
+from fanout.filesystem import kernel_identity, proc_stat
 
 
 class Reclaimer:
@@ -90,31 +89,12 @@ class ProcessInfo:
         return f"{self.host} pid {self.pid}"
 
 
-@functools.cache
-def _kernel() -> str:
-    """This boot of this kernel and our pid namespace: where a pid means one process."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state letter, start time in clock ticks) of `pid`, None if there is no such process."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except (FileNotFoundError, ProcessLookupError):  # fields: after "pid (comm)"
-        return None
-    return fields[0], fields[19]  # fields 3 (state) and 22 (starttime) of proc(5)
-
-
 def this_process() -> ProcessInfo:
     """This process (computed each time: a forked child is another process)."""
     pid = os.getpid()
-    kernel = _kernel()
+    kernel = kernel_identity()
     try:
-        st = _stat(pid) if kernel else None
+        st = proc_stat(pid) if kernel else None
     except OSError:
         st = None
     return ProcessInfo(socket.gethostname(), pid, f"{kernel}/{st[1]}" if st else "")
@@ -128,10 +108,10 @@ def process_gone(proc: str | None, pid: int | None) -> bool | None:
     if not proc or pid is None:
         return None
     kernel, _, start = proc.rpartition("/")
-    if not kernel or kernel != _kernel():
+    if not kernel or kernel != kernel_identity():
         return None
     try:
-        st = _stat(pid)
+        st = proc_stat(pid)
     except OSError:
         return None
     return st is None or st[1] != start or st[0] in ("Z", "X", "x")
@@ -148,17 +128,6 @@ def is_same_process(host: str | None, pid: int | None, proc: str | None, me: Pro
     if proc and me.proc:
         return proc == me.proc
     return host == me.host and pid == me.pid
-
-
-def pid_gone(pid: int) -> bool:
-    """Has process `pid` of this pid namespace exited (no such process, or a zombie)?
-    For names that carry only a pid (a checkpoint's temp directory); False where /proc
-    cannot tell. A reused pid reads as live: the safe side for "may I remove its files"."""
-    try:
-        st = _stat(pid)
-    except OSError:
-        return False
-    return st is None or st[0] in ("Z", "X", "x")
 
 
 HOLDER_COLUMNS = "state, token, hb_seq, hb_wall, host, pid, proc"  # Holder's fields, in order

@@ -406,9 +406,12 @@ class Trainer:
         lr = self.sched.get_last_lr()[0]  # this step's (step() sets the next one's)
         # A loss that is not finite (on any rank) would put NaN into every weight: the
         # update is skipped (the schedule moves on, the rows are acked), counted, and
-        # --max-nonfinite-steps in a row stop the trainer. Checked here, not before
-        # backward, so the GPU queue is not drained one more time per step.
-        finite = not self.dp.agree(not math.isfinite(float(out.loss.detach())))
+        # --max-nonfinite-steps in a row stop the trainer. Read from the ranks' mean
+        # loss the step logs anyway (non-finite on one rank: non-finite mean), so the
+        # check costs no extra read of the loss nor collective; after backward, so the
+        # GPU queue is not drained one more time per step.
+        loss, eal, tokens = self.dp.mean([float(out.loss.detach()), float(out.eal), out.n_tokens])
+        finite = math.isfinite(loss)
         if finite:
             self.opt.step()
         self.sched.step()
@@ -416,7 +419,6 @@ class Trainer:
         t3 = time.perf_counter()
         stream.ack(batch)
         self.state["step"] += 1
-        loss, eal, tokens = self.dp.mean([float(out.loss.detach()), float(out.eal), out.n_tokens])
         self._count_finite(finite)
         if tokens > 0:  # on any rank: every rank counts the same
             self.supervised_steps += 1
