@@ -248,6 +248,33 @@ class Coordinator:
         return cls(RunDb(conn, root, where, store=store, clock=clock))
 
     @classmethod
+    def open_when_created(
+        cls,
+        run_dir: str | os.PathLike[str],
+        timeout_s: float,
+        *,
+        db_path: str | os.PathLike[str] | None = None,
+        allow_network_fs: bool = False,
+        on_wait: Callable[[NoCoordinator | CoordinatorBusy], object] | None = None,
+        poll_s: float = 0.2,
+    ) -> Coordinator:
+        """open(), waiting up to `timeout_s` while no producer has created the run yet
+        (what open_if_created reads as None), calling `on_wait` with why after each
+        try that found none; the last NoCoordinator / CoordinatorBusy once the time is
+        up. The one wait for a run that trainers and monitors (`status --serve`) share;
+        anything else that stops open() is raised at once (waiting would not fix it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls.open(run_dir, db_path=db_path, allow_network_fs=allow_network_fs)
+            except (NoCoordinator, CoordinatorBusy) as e:
+                if time.monotonic() > deadline:
+                    raise
+                if on_wait is not None:
+                    on_wait(e)
+            time.sleep(poll_s)
+
+    @classmethod
     def open_if_created(
         cls, run_dir: str | os.PathLike[str], *, db_path: str | os.PathLike[str] | None = None
     ) -> Coordinator | None:

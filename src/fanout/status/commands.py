@@ -21,6 +21,7 @@ Their flags are generated from StatusConfig / SweepConfig / DetachConfig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -193,22 +194,22 @@ def run(args: argparse.Namespace, name: str = "status") -> int:
 
 
 def _wait_for_run(cfg: StatusConfig, say_every_s: float = 10.0) -> None:
-    """Until a producer has created the run (no database yet, its tables not committed
-    or the create holding it), at most --wait-s: a line on stderr at once and every
-    `say_every_s`. Anything else that stops `Coordinator.open`, and a run still missing
-    after --wait-s, is raised by the open that follows (one line)."""
+    """Until a producer has created the run (Coordinator.open_when_created, the wait
+    trainers use too), at most --wait-s: a line on stderr at once and every
+    `say_every_s`. Anything else that stops the open, and a run still missing after
+    --wait-s, is raised by the open that follows (one line)."""
     start = time.monotonic()
-    said = -say_every_s
-    while time.monotonic() - start < cfg.wait_s:
-        try:
-            with Coordinator.open(
-                cfg.run_dir, db_path=cfg.db_path, allow_network_fs=cfg.allow_network_fs
-            ):
-                return
-        except (NoCoordinator, CoordinatorBusy) as e:
-            waited = time.monotonic() - start
-            if waited - said >= say_every_s:
-                said = waited
-                print(f"fanout status: waiting for a producer to create the run "
-                      f"({waited:.0f} s): {e}", file=sys.stderr, flush=True)  # fmt: skip
-        time.sleep(0.5)
+    said = [-say_every_s]
+
+    def say(e: NoCoordinator | CoordinatorBusy) -> None:
+        waited = time.monotonic() - start
+        if waited - said[0] >= say_every_s:
+            said[0] = waited
+            print(f"fanout status: waiting for a producer to create the run "
+                  f"({waited:.0f} s): {e}", file=sys.stderr, flush=True)  # fmt: skip
+
+    with contextlib.suppress(NoCoordinator, CoordinatorBusy):
+        Coordinator.open_when_created(
+            cfg.run_dir, cfg.wait_s, db_path=cfg.db_path,
+            allow_network_fs=cfg.allow_network_fs, on_wait=say,
+        ).close()  # fmt: skip

@@ -177,21 +177,16 @@ def wait_for_run(
         return f"a producer to create {redact(where) if isinstance(where, str) else where}"
 
     notice = notice or WaitNotice(timeout_s)
-    deadline = time.monotonic() + timeout_s
     notice.begin(what)
     try:
-        while True:
-            try:
-                with Coordinator.open(run_dir, db_path=db_path) as coord:
-                    return coord.contract
-            except (NoCoordinator, CoordinatorBusy) as e:
-                if time.monotonic() > deadline:
-                    raise ConfigError(
-                        f"{run_dir}: no run after waiting {_secs(timeout_s)} s "
-                        f"(--acquire-timeout-s): {e}"
-                    ) from None
-            notice.tick()
-            time.sleep(0.2)
+        with Coordinator.open_when_created(
+            run_dir, timeout_s, db_path=db_path, on_wait=lambda _: notice.tick()
+        ) as coord:
+            return coord.contract
+    except (NoCoordinator, CoordinatorBusy) as e:
+        raise ConfigError(
+            f"{run_dir}: no run after waiting {_secs(timeout_s)} s (--acquire-timeout-s): {e}"
+        ) from None
     finally:
         notice.end()
 
