@@ -333,7 +333,10 @@ def live(a: argparse.Namespace, p: dict[str, Path], mask: int) -> dict[str, Any]
                  str(served), "--verifier-name-or-path", str(p["verifier"]), "--tokenizer",
                  str(p["tokenizer"]), "--num-prompts", str(a.promote_prompts),
                  "--max-new-tokens", str(a.max_new_tokens), "--no-sampled-draft",
-                 "--margin", str(a.margin), "--poll-s", str(a.poll_s)]  # fmt: skip
+                 "--margin", str(a.margin), "--poll-s", str(a.poll_s),
+                 # the first checkpoint is served whatever its τ: the run measures drift
+                 # from there (a short run's first draft may sit at the floor, #52)
+                 "--floor-epsilon", "-1"]  # fmt: skip
     promoter = start(promo_cmd, logs / "promoter.log")
     procs["promoter"] = (promoter, logs / "promoter.log")
     watcher = Watcher(save, served)

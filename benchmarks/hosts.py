@@ -5,6 +5,9 @@ PostgreSQL over a link with latency, each making the real coordinator calls.
     .venv/bin/python benchmarks/hosts.py --consumers 1,4,16,64,128,256 --rates 1,3 \
         --latency-ms 1,0 --seconds 25 --warmup-s 8 --json benchmarks/results/hosts.json  # kept
     .venv/bin/python benchmarks/hosts.py --consumers 4 --replicas 2 --seconds 4 --warmup-s 1
+    git archive HEAD src | tar -x -C /tmp/base      # before / after, on one server in one run:
+    .venv/bin/python benchmarks/hosts.py --consumers 1,16,64,256 --seconds 20 --warmup-s 6 \
+        --baseline-src /tmp/base/src --json benchmarks/results/hosts.json
     .venv/bin/python benchmarks/hosts.py --consumers 256 --pg-set deadlock_timeout=60s   # a server setting
 
 Run from the repository root; needs PostgreSQL's server binaries (initdb, pg_ctl; the
@@ -48,6 +51,8 @@ What is reported per point (consumers N, rate R), over `--seconds` after `--warm
   statement's calls), the lock's mean wait (that statement's mean time), the fraction
   of samples with the lock held and the mean queue behind it.
 - `uptime` at the start and the end (the machine is shared: its load is recorded).
+- with `--baseline-src DIR`, every point run first on the fanout package under DIR (the
+  code before a change), then on this one: the notes say each figure before → after.
 
 `--json OUT` writes benchmarks/record.py's record (rows for docs/numbers.md, with the
 notes generated from the measurement) and everything above under `raw`;
@@ -397,6 +402,25 @@ class Clients:
         }
 
 
+def _say(p: dict[str, Any], label: str) -> None:
+    """A point's line on stdout as it finishes."""
+    print(
+        f"L={p['latency_ms']:g} N={p['consumers']:4d} R={p['rate_target']:g}"
+        f"{' (' + label + ')' if label else ''}: {p['windows_per_s']:.2f} win/s, "
+        f"acquire p50/p99 {_fmt(p['acquire']['p50_ms'])}/"
+        f"{_fmt(p['acquire']['p99_ms'])} ms (n {p['acquire']['n']}), ack "
+        f"{_fmt(p['ack']['p50_ms'])}/{_fmt(p['ack']['p99_ms'])}, heartbeat "
+        f"{_fmt(p['heartbeat']['p50_ms'])}/{_fmt(p['heartbeat']['p99_ms'])}; "
+        f"{_fmt(p['statements_per_window'], 0)} statements/window, "
+        f"{_fmt(p['write_tx_per_s'], 0)} writes/s, lock held "
+        f"{100 * (p['write_lock_held_frac'] or 0):.0f}% "
+        f"({_fmt(p['write_lock_hold_ms_mean'])} ms each), queue "
+        f"{_fmt(p['write_lock_queue_mean'])}; workers' CPU "
+        f"{p['worker_cpu_of_one_core']}; errors {p['error_count']}",
+        flush=True,
+    )
+
+
 def worker_main(spec_path: str) -> int:
     """`--worker SPEC.json` (internal): run a share of the clients, write OUT.json."""
     spec = json.loads(Path(spec_path).read_text())
@@ -481,16 +505,28 @@ def _reset_statements(url: str) -> None:
         c.execute("SELECT pg_stat_statements_reset()")
 
 
-def run_point(a: argparse.Namespace, server: Server, proxy_ports: list[int], work: Path,
-              n: int, rate: float) -> dict[str, Any]:  # fmt: skip
-    """One sweep point: a fresh run, N consumers and M replicas for --seconds."""
+def create_main(spec: str) -> int:
+    """`--create ROOT|URL|N|K` (internal): create a sweep point's run, as a producer does,
+    with the fanout package this interpreter imports (the baseline's, under
+    --baseline-src: its schema may be another version)."""
     from fanout.coord.coordinator import Coordinator, RunConfig
 
+    root, url, n, k = spec.split("|")
+    cfg = RunConfig(max_live_windows=int(k), expected_consumers=int(n))
+    Coordinator.create(root, _contract(), cfg, db_path=url).close()
+    return 0
+
+
+def run_point(a: argparse.Namespace, server: Server, proxy_ports: list[int], work: Path,
+              n: int, rate: float, src: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One sweep point: a fresh run, N consumers and M replicas for --seconds; `src`:
+    the fanout package's source dir every process of the point imports (the baseline)."""
     tag = f"hosts_{n}c_{str(rate).replace('.', 'p')}_{uuid.uuid4().hex[:6]}"
     root = work / tag
     direct = f"{server.url}&schema={tag}"
-    cfg = RunConfig(max_live_windows=a.max_live_windows, expected_consumers=n)
-    Coordinator.create(root, _contract(), cfg, db_path=direct).close()
+    env = None if src is None else os.environ | {"PYTHONPATH": src}
+    subprocess.run([sys.executable, __file__, "--create",
+                    f"{root}|{direct}|{n}|{a.max_live_windows}"], check=True, env=env)  # fmt: skip
     w = a.workers
     specs = []
     for k in range(w):
@@ -506,7 +542,9 @@ def run_point(a: argparse.Namespace, server: Server, proxy_ports: list[int], wor
         Path(work / f"{tag}.spec{k}.json").write_text(json.dumps(spec))
         specs.append(spec)
     procs = [
-        subprocess.Popen([sys.executable, __file__, "--worker", str(work / f"{tag}.spec{k}.json")])
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(work / f"{tag}.spec{k}.json")], env=env
+        )
         for k in range(w)
     ]
     t_setup = time.time()
@@ -711,7 +749,9 @@ def notes(points: list[dict[str, Any]], a: argparse.Namespace,
             "statements it ran (all statements ÷ write transactions) and a round trip "
             f"measured beside it: {line}. The server's own mean time per statement (the "
             f"lock's wait aside) was at most {server_ms:.2f} ms (pg_stat_statements, "
-            "`top_statements` in the JSON): the rest of the hold is round trips."
+            "`top_statements` in the JSON): the rest of the hold is round trips (a claim's "
+            "read) and, on a loaded machine, the server's process waiting for a core while it "
+            "holds the lock (the `SELECT 1` beside it says how loaded)."
         )
     for lat in sorted({p["latency_ms"] for p in points if p["latency_ms"] > 0}):
         sat = [p for p in busy if p["latency_ms"] == lat]
@@ -720,17 +760,21 @@ def notes(points: list[dict[str, Any]], a: argparse.Namespace,
         cap = max(p["write_tx_per_s"] for p in sat)
         n, rate = max(p["consumers"] for p in points), max(p["rate_target"] for p in points)
         # the fewest write transactions the calls need: an acquire and an ack per window
-        # per consumer, a heartbeat per client per interval, a claim, renew, publish and
-        # capacity check per window
-        need = 2 * n * rate + (n + a.replicas) / a.heartbeat_s + 4 * rate
+        # per consumer, a claim, a publish and an eviction per window (heartbeats and
+        # renews take no run lock)
+        need = 2 * n * rate + 3 * rate
+        top = max(sat, key=lambda p: p["write_tx_per_s"])
         out.append(
             f"The arithmetic at {lat:g} ms each way: the saturated writer ran at most "
-            f"{cap:.0f} write transactions/s, while N = {n} consumers at {rate:g} "
-            f"windows/s need at least {need:.0f}/s (2 N R + (N + M) ÷ heartbeat interval "
-            f"+ 4 R), {need / cap:.0f} times more. For that each transaction may hold the "
-            f"run's lock for at most {1e3 / need:.2f} ms, less than one round trip "
-            f"({rtts[lat]['proxied_ms']:.2f} ms here): a run-wide lock held across "
-            "round trips cannot meet the goal however the statements are tuned."
+            f"{cap:.0f} write transactions/s (holding the run's lock "
+            f"{_fmt(top['write_lock_hold_ms_mean'])} ms each on average), while N = {n} "
+            f"consumers at {rate:g} windows/s need at least {need:.0f}/s (2 N R + 3 R: an "
+            "acquire and an ack per window per consumer, a claim, a publish and an eviction "
+            f"per window), {need / cap:.1f} times more. For that each may hold the lock for "
+            f"at most {1e3 / need:.2f} ms, less than one round trip "
+            f"({rtts[lat]['proxied_ms']:.2f} ms here): only a write sent with its lock and "
+            "its COMMIT as one message can, and then the server's own time per transaction "
+            "(its statements, its commit) sets the ceiling."
         )
     from fanout.coord.retention import RunOptions
 
@@ -738,7 +782,7 @@ def notes(points: list[dict[str, Any]], a: argparse.Namespace,
     late = [p for p in points if (p["heartbeat"]["p99_ms"] or 0) > 1e3 * ttl / 3]
     if late:
         out.append(
-            f"Heartbeats queue behind the same lock: p99 past a third of ttl_s ({ttl:g} s, "
+            f"Heartbeats were late: p99 past a third of ttl_s ({ttl:g} s, "
             "the margin `--heartbeat-s` asks for) at "
             + "; ".join(
                 f"{p['latency_ms']:g} ms, N = {p['consumers']}, {p['rate_target']:g} windows/s"
@@ -774,29 +818,30 @@ def notes(points: list[dict[str, Any]], a: argparse.Namespace,
 
 
 WHY = (
-    "Why the single writer saturates (from the code, fanout.coord.postgresdb and "
-    "leasing): every coordinator write (acquire, ack, heartbeat, claim, publish, "
-    "register) is one transaction under one advisory lock per run, and each statement "
-    "in it is a round trip (BEGIN, the lock, its statements, NOTIFY, COMMIT), so the "
-    "lock is held for several round trips and the writer's capacity is about one over "
-    "that. A waiting acquire repeats the same write transaction on every wake, every "
-    "commit notifies every waiting connection, and heartbeats alone ask for "
-    "(N + M) ÷ heartbeat interval transactions per second. What would lift it: send a "
-    "write transaction's statements in one round trip (a server-side function per "
-    "call, or psycopg's pipeline mode) so the lock is held for one round trip, not "
-    "several; take heartbeats out of the run lock (a single-row UPDATE needs no "
-    "serialisation with the retention rules); answer an acquire whose window is not "
-    "ready with a read, outside the lock, and NOTIFY only on a publish or an ack that "
-    "frees capacity; lock per window row where the rules allow instead of one lock per "
-    "run. The runs at 0 ms added latency (when the sweep has them) show how much of "
-    "the limit is round trips under the lock. Where hundreds of connections wait for "
-    "the lock, PostgreSQL's deadlock detector adds a collapse of its own: every waiter "
-    "runs it once it has waited `deadlock_timeout` (1 s by default), holding the lock "
-    "manager's partitions, so the writer slows further and new connections time out; "
-    "`--pg-set deadlock_timeout=60s` (the record hosts-deadlock_timeout.json) shows the "
-    "writer back at its rate with fewer waiters. A server for a run this wide should "
-    "raise `deadlock_timeout` (the run lock cannot deadlock: a write transaction takes "
-    "no other lock first)."
+    "How the calls use the run's single write lock (fanout.coord.postgresdb, leasing, "
+    "claims, roles; issue #55): a heartbeat and a renew are one statement that takes no "
+    "run lock (the row's own lock orders it against a registration or a reclaim); an "
+    "acquire reads first, and while its window is not ready it writes nothing and waits, "
+    "listening from before its read so that no commit is missed, and not woken by the "
+    "acks of other trainers; a lease grant, an ack, a publish and an eviction's end are "
+    "each one batch of statements that check their own preconditions in SQL, sent with "
+    "the lock and the COMMIT as one message, so the lock is held for the server's time "
+    "alone, not across round trips (a BEGIN before it, without the lock, finds a lost "
+    "connection while nothing has run); a claim holds the lock for its reads (one, "
+    "unless it takes the last slot) and one message. What stays serial: every grant and ack still passes through the one lock, "
+    "each holding it for its statements and its commit (with fsync on, a WAL flush), so "
+    "the writer's capacity is one over that time on the server, and on a loaded machine "
+    "over however long the server's process waits for a core while it holds the lock. "
+    "What would lift it further: locks per window row and per consumer instead of one "
+    "per run for grants and acks (eviction then needs its own guard), tokens from a "
+    "sequence instead of a counter row every grant updates, and a server with cores of "
+    "its own. Where hundreds of connections wait for the lock, PostgreSQL's deadlock "
+    "detector adds a collapse of its own: every waiter runs it once it has waited "
+    "`deadlock_timeout` (1 s by default), holding the lock manager's partitions; "
+    "`--pg-set deadlock_timeout=60s` (the record hosts-deadlock_timeout.json, measured "
+    "before these changes) shows the writer back at its rate with fewer waiters. A "
+    "server for a run this wide should raise `deadlock_timeout` (the run lock cannot "
+    "deadlock: a write transaction takes no other lock first)."
 )
 
 
@@ -854,9 +899,39 @@ def table(
 
 
 def outcome(points: list[dict[str, Any]], a: argparse.Namespace,
-            rtts: dict[float, dict[str, float]]) -> list[str]:  # fmt: skip
-    """The notes: what the points say, then why (the main sweep's, not a side run's)."""
-    return [*notes(points, a, rtts), *([] if a.pg_set else [WHY])]
+            rtts: dict[float, dict[str, float]],
+            before: list[dict[str, Any]] | None = None) -> list[str]:  # fmt: skip
+    """The notes: what the points say, against the baseline's when there is one, then
+    why (the main sweep's, not a side run's)."""
+    versus = [compare(before, points, a)] if before else []
+    return [*notes(points, a, rtts), *versus, *([] if a.pg_set else [WHY])]
+
+
+def compare(before: list[dict[str, Any]], after: list[dict[str, Any]],
+            a: argparse.Namespace) -> str:  # fmt: skip
+    """One note: each point on the baseline (--baseline-src, run just before it on the
+    same server) against the current code."""
+
+    def ms(p: dict[str, Any], call: str) -> str:
+        x = p[call]["p99_ms"]
+        return "none done" if x is None else f"{_fmt(x)} ms"
+
+    parts = []
+    for b, p in zip(before, after, strict=True):
+        parts.append(
+            f"N = {p['consumers']}, {p['rate_target']:g} windows/s, {p['latency_ms']:g} ms: "
+            f"acquire p99 {ms(b, 'acquire')} → {ms(p, 'acquire')} (n {b['acquire']['n']} → "
+            f"{p['acquire']['n']}), ack p99 {ms(b, 'ack')} → {ms(p, 'ack')}, heartbeat p99 "
+            f"{ms(b, 'heartbeat')} → {ms(p, 'heartbeat')}, {_fmt(b['write_tx_per_s'], 0)} → "
+            f"{_fmt(p['write_tx_per_s'], 0)} write transactions/s holding the lock "
+            f"{_fmt(b['write_lock_hold_ms_mean'])} → {_fmt(p['write_lock_hold_ms_mean'])} ms "
+            f"each, {_fmt(b['windows_per_s'], 2)} → {_fmt(p['windows_per_s'], 2)} windows/s made"
+        )
+    return (
+        f"Before → after, each point run first on the baseline code (--baseline-src "
+        f"{a.baseline_src}: the coordinator before issue #55's one-message writes) and then "
+        "on this code, on the same server in the same run: " + "; ".join(parts) + "."
+    )
 
 
 def redo(path: Path) -> int:
@@ -872,7 +947,7 @@ def redo(path: Path) -> int:
         rows, plots = table(raw["points"], a, raw["postgresql"])
         rec["rows"] = [dataclasses.asdict(r) for r in rows]
         rec["plots"] = plots
-        rec["notes"] = outcome(raw["points"], a, rtts)
+        rec["notes"] = outcome(raw["points"], a, rtts, raw.get("before"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"hosts.py: --redo-from {path}: not a hosts.py record ({e})") from None
     path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
@@ -903,13 +978,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, metavar="OUT", help="write results as JSON")
     ap.add_argument("--redo-from", type=Path, default=None, metavar="JSON",
                     help="only make that record's rows and notes again from its measurement")  # fmt: skip
+    ap.add_argument("--baseline-src", default=None, metavar="DIR",
+                    help="also run each point, just before, on the fanout package under DIR "
+                    "(e.g. `git archive HEAD src | tar -x -C /tmp/base`, DIR /tmp/base/src): "
+                    "before and after in one run, on one server; the notes compare them")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--create", help=argparse.SUPPRESS)
     ap.add_argument("--proxy", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         return worker_main(a.worker)
     if a.proxy:
         return proxy_main(a.proxy)
+    if a.create:
+        return create_main(a.create)
+    if a.baseline_src is not None and not (Path(a.baseline_src) / "fanout").is_dir():
+        raise SystemExit(f"hosts.py: --baseline-src {a.baseline_src}: no fanout package there")
     if a.redo_from:
         return redo(a.redo_from)
     consumers = _floats(a.consumers, "--consumers", int)
@@ -943,6 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
     # each client: its own connection and its heartbeat's; the sampler's; spare
     max_conn = 2 * (max(consumers) + a.replicas) + 40
     points: list[dict[str, Any]] = []
+    before: list[dict[str, Any]] = []  # --baseline-src's points
     rtts: dict[float, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="fanout-hosts-") as d:
         work = Path(d)
@@ -969,22 +1054,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"(direct {rtts[lat]['direct_ms']:.2f} ms)", flush=True)  # fmt: skip
                 for rate in rates:
                     for n in consumers:
-                        p = {"latency_ms": lat} | run_point(a, server, ports, work, n, rate)
-                        points.append(p)
-                        print(
-                            f"L={lat:g} N={n:4d} R={rate:g}: {p['windows_per_s']:.2f} win/s, "
-                            f"acquire p50/p99 {_fmt(p['acquire']['p50_ms'])}/"
-                            f"{_fmt(p['acquire']['p99_ms'])} ms (n {p['acquire']['n']}), ack "
-                            f"{_fmt(p['ack']['p50_ms'])}/{_fmt(p['ack']['p99_ms'])}, heartbeat "
-                            f"{_fmt(p['heartbeat']['p50_ms'])}/{_fmt(p['heartbeat']['p99_ms'])}; "
-                            f"{_fmt(p['statements_per_window'], 0)} statements/window, "
-                            f"{_fmt(p['write_tx_per_s'], 0)} writes/s, lock held "
-                            f"{100 * (p['write_lock_held_frac'] or 0):.0f}% "
-                            f"({_fmt(p['write_lock_hold_ms_mean'])} ms each), queue "
-                            f"{_fmt(p['write_lock_queue_mean'])}; workers' CPU "
-                            f"{p['worker_cpu_of_one_core']}; errors {p['error_count']}",
-                            flush=True,
-                        )
+                        runs = [("before", a.baseline_src)] if a.baseline_src else []
+                        for label, src in [*runs, ("", None)]:
+                            p = {"latency_ms": lat} | run_point(a, server, ports, work, n, rate,
+                                                                src)  # fmt: skip
+                            (before if label else points).append(p)
+                            _say(p, label)
         finally:
             for pr in proxies:
                 pr.terminate()
@@ -1003,8 +1078,9 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()
                      if k not in ("worker", "proxy")},
         "points": points,
+        "before": before,
     }  # fmt: skip
-    rec.write(a.json, rows, raw=raw, plots=plots, notes=outcome(points, a, rtts))
+    rec.write(a.json, rows, raw=raw, plots=plots, notes=outcome(points, a, rtts, before))
     return 0
 
 

@@ -222,7 +222,8 @@ def bytes_read(a: argparse.Namespace, sets: list[list[int]], work: Path) -> dict
     from fanout.produce.config import ProducerConfig
     from fanout.produce.producer import Producer
     from fanout.store.store import RunDir, Store
-    from fanout.store.windowfile import HIDDEN, WindowReader, hidden_name
+    from fanout.store.windowfile import HIDDEN, hidden_name
+    from fanout.store.windowreader import WindowReader
     from fanout.train.consumer import ConsumerConfig, ConsumerStream
     from window_files import tensor_byte_range, window_names
 

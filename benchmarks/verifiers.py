@@ -34,6 +34,19 @@
    Goal: the blocked path's peak memory grows as T does (growth over T's growth
    <= 1.25), where the masks' grow as T².
 
+4. Hybrids (`--hybrid-archs`, default Qwen3.5 text, Qwen3-Next (gated delta rule 3:1 full
+   attention) and LFM2 (short convolutions 2:1 full attention), each tiny: H `--hidden`,
+   heads of 16, the zoo's layer counts, vocab `--vocab`): `--hybrid-rows` rows of
+   `--hybrid-seq-len` tokens made of documents of `--hybrid-doc-tokens` ± 1/3 tokens,
+   captured
+   - `packed`: one forward over the rows, the recurrent layers reset at each document
+     (fanout.model.varlen_layers), attention in document blocks
+     (fanout.model.packed_attention): the default for these verifiers;
+   - `documents`: fanout's per-document path (`dense_mask_max_bytes = 0`: documents
+     batched by length, one forward per batch), what such rows cost before;
+   - `loop`: each document by itself in plain transformers (batch 1), as in part 1.
+   Goal: packed >= 3x the per-document path's tokens/s on the CPU.
+
 Peak memory is the process's resident high-water mark during the call above the
 resident set before it (Linux: `/proc/self/status` VmHWM, reset through
 `/proc/self/clear_refs` before each call; glibc's malloc told to map every allocation of
@@ -65,7 +78,7 @@ from fanout.model.verifier import DENSE_MASK_MAX_BYTES, Verifier, load_verifier
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the zoo
 from record import Recorder, Row, spread
-from verifier_zoo import VOCAB, ZOO, build, load_oracle
+from verifier_zoo import UNRULED, VOCAB, ZOO, build, load_oracle
 
 MIB = 1 << 20
 
@@ -288,6 +301,107 @@ def sliding_records(a: argparse.Namespace, sliding: list[dict[str, Any]]) -> lis
     return rows
 
 
+# per hybrid: the zoo entry's config fields scaled to --hidden (heads of 16)
+def _hybrid_sizes(arch: str, hidden: int, vocab: int, t: int) -> dict[str, Any]:
+    heads = max(2, hidden // 16)
+    over: dict[str, Any] = {
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "vocab_size": vocab,
+        "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
+        "head_dim": 16, "max_position_embeddings": 2 * t,
+    }  # fmt: skip
+    if arch != "lfm2":  # the gated delta rule's heads
+        over |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                 "linear_num_key_heads": max(1, heads // 2), "linear_num_value_heads": heads}  # fmt: skip
+    return over
+
+
+def _documents(rows: int, t: int, mean: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """`rows` rows of `t` tokens of documents of mean ± mean/3 tokens (the last one cut
+    to fit): ids, pos, doc [B, T] and the spans (row, start, end)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 1000, (rows, t), generator=g)
+    pos = torch.empty(rows, t, dtype=torch.long)
+    doc = torch.empty(rows, t, dtype=torch.long)
+    spans = []
+    for b in range(rows):
+        s, k = 0, 0
+        while s < t:
+            n = int(torch.randint(mean - mean // 3, mean + mean // 3 + 1, (1,), generator=g))
+            e = min(t, s + n)
+            pos[b, s:e], doc[b, s:e] = torch.arange(e - s), k
+            spans.append((b, s, e))
+            s, k = e, k + 1
+    return ids, pos, doc, torch.tensor(spans)
+
+
+def hybrid_rows(a: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    out = []
+    b, t = a.hybrid_rows, a.hybrid_seq_len
+    ids, pos, doc, spans = _documents(b, t, a.hybrid_doc_tokens, 0)
+    ids = ids % a.vocab
+    ids, pos, doc = (x.to(a.device) for x in (ids, pos, doc))
+    for arch in a.hybrid_archs:
+        path = build(arch, root / f"{arch}-hybrid", **_hybrid_sizes(arch, a.hidden, a.vocab, t))
+        v = load_verifier(path, device=a.device, dtype="float32", capture_layer_ids=[0, 1],
+                          num_draft_layers=None)  # fmt: skip
+        oracle = load_oracle(arch, path).to(a.device)
+        row: dict[str, Any] = {"arch": arch, "layer_types": list(v.rule.layer_types),
+                               "rows": b, "T": t, "documents": len(spans)}  # fmt: skip
+        for name, budget in (("packed", DENSE_MASK_MAX_BYTES), ("documents", 0)):
+            v.dense_mask_max_bytes = budget
+            assert v.runs_alone(b, t) == (name == "documents"), (arch, name)
+
+            def capture(v: Verifier = v) -> None:
+                v.capture(ids, pos, doc)
+
+            sec, peak = measure(capture, a.repeats, device=a.device)
+            row[f"{name}_tokens_per_s"], row[f"{name}_peak_mib"] = b * t / sec, peak / MIB
+        v.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
+
+        @torch.inference_mode()
+        def loop(m: Any = oracle) -> None:
+            for r, s, e in spans.tolist():
+                m(input_ids=ids[r : r + 1, s:e], use_cache=False, output_hidden_states=True)
+
+        sec, peak = measure(loop, a.repeats, device=a.device)
+        row["loop_tokens_per_s"], row["loop_peak_mib"] = b * t / sec, peak / MIB
+        row["vs_documents"] = row["packed_tokens_per_s"] / row["documents_tokens_per_s"]
+        row["vs_loop"] = row["packed_tokens_per_s"] / row["loop_tokens_per_s"]
+        out.append(row)
+        print(f"{arch:<16}{row['packed_tokens_per_s']:>12.0f}{row['documents_tokens_per_s']:>12.0f}"
+              f"{row['loop_tokens_per_s']:>12.0f}{row['vs_documents']:>9.2f}{row['vs_loop']:>9.2f}"
+              f"{row['packed_peak_mib']:>10.1f}{row['documents_peak_mib']:>10.1f}",
+              flush=True)  # fmt: skip
+    return out
+
+
+def hybrid_records(a: argparse.Namespace, hybrid: list[dict[str, Any]]) -> list[Row]:
+    rows = []
+    for r in hybrid:
+        arch = r["arch"]
+        cls = (ZOO | UNRULED)[arch].model_class
+        cond = (f"{a.device} fp32, {cls} H {a.hidden} x {len(r['layer_types'])} layers "
+                f"({', '.join(r['layer_types'])}), heads of 16, vocab {a.vocab}, {r['rows']} rows "
+                f"x {r['T']:,} tokens, {r['documents']} documents of {a.hybrid_doc_tokens} "
+                f"± {a.hybrid_doc_tokens // 3} tokens")  # fmt: skip
+        rows.append(Row(
+            stage="producer", name=f"hybrid_packed_vs_documents_{arch}",
+            what=f"{cls}: capture of packed rows (recurrent layers reset per document) vs "
+            "fanout's per-document path (documents batched by length) (tokens/s; peak "
+            f"{r['packed_peak_mib']:.0f} vs {r['documents_peak_mib']:.0f} MiB)",
+            result=round(r["vs_documents"], 2), unit="×", goal=">= 3", met=r["vs_documents"] >= 3,
+            n=a.repeats, n_of="runs (best)", conditions=cond,
+        ))  # fmt: skip
+        rows.append(Row(
+            stage="producer", name=f"hybrid_packed_vs_loop_{arch}",
+            what=f"{cls}: capture of packed rows vs each document by itself in plain "
+            "transformers (tokens/s)",
+            result=round(r["vs_loop"], 2), unit="×", n=a.repeats, n_of="runs (best)",
+            conditions=cond,
+        ))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     p.add_argument("--archs", default=",".join(ZOO), help="zoo architectures, comma-separated")
@@ -304,16 +418,27 @@ def main() -> None:
         help="zoo architectures with sliding layers for part 3 ('' skips it)",
     )
     p.add_argument("--window", type=int, default=1024, help="sliding window (part 3), tokens")
+    p.add_argument(
+        "--hybrid-archs",
+        default="qwen3_5_text,qwen3_next,lfm2",
+        help="zoo hybrids for part 4 ('' skips it)",
+    )
+    p.add_argument("--hybrid-rows", type=int, default=2, help="packed rows per capture (part 4)")
+    p.add_argument("--hybrid-seq-len", type=int, default=4096, help="tokens per row (part 4)")
+    p.add_argument("--hybrid-doc-tokens", type=int, default=300, help="mean document (part 4)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls (best of)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a lent GPU (checks.sh)")
     p.add_argument("--json", default=None, help="write the record (benchmarks/record.py) here")
     a = p.parse_args()
     a.archs = [x for x in a.archs.split(",") if x]
-    a.lengths = sorted(int(x) for x in a.lengths.split(","))
+    a.lengths = sorted(int(x) for x in a.lengths.split(",") if x)
     a.sliding_archs = [x for x in a.sliding_archs.split(",") if x]
+    a.hybrid_archs = [x for x in a.hybrid_archs.split(",") if x]
     unknown = sorted((set(a.archs) | set(a.sliding_archs)) - set(ZOO))
     if unknown:
         p.error(f"--archs: unknown {unknown}; the zoo has {', '.join(ZOO)}")
+    if bad := sorted(set(a.hybrid_archs) - {"qwen3_5_text", "qwen3_next", "lfm2"}):
+        p.error(f"--hybrid-archs: unknown {bad}; qwen3_5_text, qwen3_next, lfm2")
     rec = Recorder("verifiers")
     hw = rec.head["hardware"]
     print(f"hardware: {hw}; torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")
@@ -333,6 +458,12 @@ def main() -> None:
         print(f"{'arch':<16}{'T':>8}{'blk tok/s':>12}{'mask tok/s':>12}{'speedup':>9}"
               f"{'blk MiB':>12}{'mask MiB':>12}")  # fmt: skip
         sliding = sliding_rows(a, Path(tmp))
+        print(f"part 4: hybrids H {a.hidden}, vocab {a.vocab}, {a.hybrid_rows} rows x "
+              f"{a.hybrid_seq_len} tokens, documents of {a.hybrid_doc_tokens} ± "
+              f"{a.hybrid_doc_tokens // 3} tokens")  # fmt: skip
+        print(f"{'arch':<16}{'packed/s':>12}{'docs/s':>12}{'loop/s':>12}{'vs docs':>9}"
+              f"{'vs loop':>9}{'pk MiB':>10}{'docs MiB':>10}")  # fmt: skip
+        hybrid = hybrid_rows(a, Path(tmp))
 
     rows = []
     cond = (
@@ -372,6 +503,7 @@ def main() -> None:
             conditions=lcond,
         ))  # fmt: skip
     rows += sliding_records(a, sliding)
+    rows += hybrid_records(a, hybrid)
     plots = [{
         "name": "long_row_peak_memory" + ("" if a.device == "cpu" else "_gpu"),
         "stage": "producer", "kind": "line",
@@ -390,6 +522,7 @@ def main() -> None:
             "series": {k: [[r["T"], r[f"{k}_peak_mib"]] for r in rs] for k in ("blocked", "masks")},
         }] if rs else []  # fmt: skip
     raw = {"sizes": vars(a), "zoo": zoo, "long_rows": long, "sliding_documents": sliding,
+           "hybrids": hybrid,
            "spread_capture_vs_alone": spread([r["capture_vs_alone"] for r in zoo])}  # fmt: skip
     rec.write(a.json, rows, raw=raw, plots=plots)
 

@@ -4,21 +4,35 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib
 import os
 import pwd
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FANOUT_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def repo_module(folder: str, name: str) -> ModuleType:
+    """This repository's `<folder>/<name>.py` as a module (`repo_module("benchmarks",
+    "report")`): scripts/ and benchmarks/ are folders of scripts, not packages."""
+    path = str(REPO / folder)
+    sys.path.insert(0, path)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(path)
 
 
 @pytest.fixture(scope="session")

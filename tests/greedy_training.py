@@ -7,12 +7,34 @@ decoding fixtures (trained, decoding accepts drafts and rolls back rejected ones
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder
+from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
+
+EOS = 255  # the end of sequence of the `decoder` fixture
+
+
+@pytest.fixture(scope="module")
+def vdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 (vocabulary 256, hidden 32, 4 layers) to decode with (the `decoder`
+    fixture's; a module takes both with `from greedy_training import decoder, vdir`)."""
+    return tiny_qwen3_verifier(
+        tmp_path_factory.mktemp("v"), 256, hidden_size=32, num_layers=4, head_dim=8
+    )
+
+
+@pytest.fixture(scope="module")
+def decoder(vdir: Path) -> Decoder:
+    """Decoding on `vdir`, its layers 1-3 captured, ending at `EOS`."""
+    v = load_verifier(vdir, device="cpu", capture_layer_ids=[1, 2, 3], num_draft_layers=None)
+    return Decoder(v, {EOS})
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:

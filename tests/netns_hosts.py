@@ -22,7 +22,7 @@ keeps per host (its build locks) is not shared between test hosts either.
 
 A silent partition (no RST, packets vanish both ways) detaches the host's veth from
 the bridge (`ip link set VETH nomaster`); `heal` attaches it again. This kernel has
-no `netem`: latency and loss would need a userspace proxy (not built here).
+no `netem`: latency and loss go through a userspace proxy (tests/tcp_proxy.py).
 
 The run dir on a network filesystem: `share(path, exporter)` runs sshd on the
 exporter (on the test network only, key auth, a key made for the test) and mounts
@@ -203,10 +203,18 @@ class Hosts:
         self._cleanup.append(["ip", "link", "del", bridge])
         _sh("ip", "addr", "add", f"{self.subnet}.254/24", "dev", bridge)
         _sh("ip", "link", "set", bridge, "up")
+        # every host's name resolves on every host, as a cluster's DNS makes it (torchrun's
+        # rendezvous and gloo look their own hostname up): `ip netns exec` bind-mounts
+        # /etc/netns/NS/hosts over /etc/hosts, and each host's mount namespace keeps it
+        names = "".join(f"{self.subnet}.{i + 1} {self.prefix}{i}\n" for i in range(self.n))
         for i in range(self.n):
             name, ns, veth = f"{self.prefix}{i}", f"fh{net}x{i}", f"fv{net}x{i}"
             _sh("ip", "netns", "add", ns)
             self._cleanup.append(["ip", "netns", "del", ns])
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            self._cleanup.append(["rm", "-rf", str(etc)])
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{names}")
             _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
             self._cleanup.append(["ip", "link", "del", veth])
             _sh("ip", "link", "set", f"{veth}p", "netns", ns)
@@ -302,7 +310,9 @@ class Hosts:
             exporter.popen([sshd, "-D", "-e", "-f", str(config)], stdout=log, stderr=log)
         opts = (
             f"IdentityFile={keys / 'id'},StrictHostKeyChecking=no,UserKnownHostsFile=/dev/null,"
-            "ServerAliveInterval=2,ServerAliveCountMax=3,reconnect,"
+            # a server silent for a minute is gone (then reconnect): shorter, a loaded
+            # machine's stalls read as outages and in-flight calls fail with EIO
+            "ServerAliveInterval=5,ServerAliveCountMax=12,reconnect,"
             "dir_cache=yes,dcache_timeout=20,attr_timeout=1,entry_timeout=1"
             + (f",{mount_opts}" if mount_opts else "")
         )
@@ -359,3 +369,58 @@ class Hosts:
                   "start"])  # fmt: skip
         # stopped with its host: the server runs in the host's pid namespace
         return Postgres(host, port, password, data)
+
+
+# ---- faults of the database host (tests/test_host_faults.py) ---------------------------
+
+
+def _postmaster(pg: Postgres) -> str:
+    """The postmaster's pid, as the database host's pid namespace numbers it."""
+    return (pg.data / "postmaster.pid").read_text().split()[0]
+
+
+def restart_postgres(pg: Postgres) -> None:
+    """`pg_ctl restart -m fast` on the database host: every connection is dropped (the
+    server ends its backends, as a failover or an operator's restart does), the server
+    comes back on the same address with the same options."""
+    from conftest import _postgres_bin
+
+    pg_ctl = _postgres_bin("pg_ctl")
+    assert pg_ctl is not None
+    pg.host.run(["runuser", "-u", "postgres", "--", pg_ctl, "-D", str(pg.data), "-w",
+                 "-m", "fast", "-l", str(pg.data.parent / "log"), "restart"])  # fmt: skip
+
+
+def signal_postgres(pg: Postgres, sig: str) -> list[str]:
+    """Send `sig` (STOP, CONT) to the postmaster and each of its children (its backends
+    and helpers), by pid on the database host; the pids it signalled. STOP pauses the
+    database without a word to its clients: their kernels still ack, nothing answers."""
+    pm = _postmaster(pg)
+    script = (
+        f"kill -{sig} {pm}; for c in $(cat /proc/{pm}/task/*/children); "
+        f"do kill -{sig} $c 2>/dev/null; done; echo {pm} $(cat /proc/{pm}/task/*/children)"
+    )
+    return pg.host.run(["sh", "-c", script]).stdout.split()
+
+
+# sitecustomize for a host whose wall clock is off: every Python wall-clock reading
+# (time.time, time.time_ns: fanout.coord.database.wall, logging, ...) moved by the offset.
+_CLOCK_OFF = """import os, time
+_off = float(os.environ["FANOUT_TEST_WALL_OFFSET_S"])
+_time, _time_ns = time.time, time.time_ns
+time.time = lambda: _time() + _off
+time.time_ns = lambda: _time_ns() + int(_off * 1e9)
+"""
+
+
+def clock_offset_env(env: dict[str, str], offset_s: float, where: Path) -> dict[str, str]:
+    """`env` for Python processes whose wall clock is off by `offset_s` seconds (a
+    sitecustomize under `where` moves time.time and time.time_ns; their monotonic
+    clock is left alone, as NTP leaves a host's). Not libfaketime: 0.9.10 with Python
+    3.11 hangs threading.Event.wait where it fakes the monotonic clock and fails
+    time.sleep with EINVAL where it does not."""
+    site = where / f"clock{offset_s:+g}"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_CLOCK_OFF)
+    path = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "FANOUT_TEST_WALL_OFFSET_S": repr(float(offset_s))}

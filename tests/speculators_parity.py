@@ -1,7 +1,8 @@
 """The per-family checks against speculators 0.9.0, written once: each family's test
 module declares its `Parity` case (speculators' classes for it, its verifier, its saved
 drafts and the assertions only it makes) and tests/test_speculators_parity.py runs the
-shared tests over every case; the family modules load their drafts with `load` too.
+shared tests over every case; the family modules load their drafts with `load` too
+and import their `drafts`, `spec` and `loaded` fixtures from here.
 
     pytest tests/test_speculators_parity.py -q       # skipped without speculators
 """
@@ -82,6 +83,33 @@ def speculators_modules(**modules: str) -> SimpleNamespace:
     return SimpleNamespace(**found, h=helpers)
 
 
+# ---- the fixtures a family's test module imports (`from speculators_parity import
+# drafts, loaded, spec`): they read its `PARITY` case and its `SPECULATORS`, the
+# speculators modules its tests use by name; `drafts` needs its `verifier_dir` fixture.
+
+
+@pytest.fixture(scope="module")
+def drafts(
+    verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Drafts:
+    """The module's family's saved drafts (`PARITY.drafts`): name -> (draft, checkpoint)."""
+    case: Parity = request.module.PARITY
+    return case.drafts(verifier_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def spec(request: pytest.FixtureRequest) -> SimpleNamespace:
+    """The speculators modules the module's `SPECULATORS` names, with test_speculators'
+    helpers as `h` (`speculators_modules`: the test is skipped without speculators)."""
+    return speculators_modules(**request.module.SPECULATORS)
+
+
+@pytest.fixture(scope="module")
+def loaded(spec: SimpleNamespace, drafts: Drafts, request: pytest.FixtureRequest) -> Loaded:
+    """speculators' model of every saved draft, as `load_all` loads it."""
+    return load_all(request.module.PARITY, drafts)
+
+
 def load_all(case: Parity, drafts: Drafts) -> Loaded:
     """`load` of every saved draft of `drafts`."""
     return {name: load(case, path) for name, (_, path) in drafts.items()}
@@ -133,6 +161,16 @@ def save_drafts(
     return out
 
 
+def saved_and_loaded(case: Parity, draft: Any, vdir: Path, root: Path) -> tuple[Path, Any]:
+    """`draft` saved with save_checkpoint (step 60) under `root`, and speculators' model
+    of it, loaded with no missing or unexpected key and nothing said: (checkpoint, model)."""
+    opt = torch.optim.SGD(draft.parameters(), lr=0.1)
+    path = save_checkpoint(root, draft, opt, {"step": 60}, verifier_name_or_path=str(vdir))
+    model, info, notes = load(case, path)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and notes == []
+    return path, model
+
+
 def save_draft(draft: Any, vdir: Path, root: Path) -> tuple[Any, Path]:
     """(draft, its checkpoint under `root`), saved with save_checkpoint at step 0."""
     opt = torch.optim.SGD(draft.parameters(), lr=0.1)
@@ -160,47 +198,6 @@ def perturbed(
                 p.add_(s * torch.randn(p.shape, generator=g))
             p.copy_(p.bfloat16().float())
     return draft
-
-
-def packed_row(
-    first_doc: int = 22, prompt: int = 3, hole: int | None = 10, seq_len: int = 40
-) -> dict[str, torch.Tensor]:
-    """One packed row [1, T = `seq_len`]: document 0 = [0, first_doc), document 1 = the
-    rest; each document's first `prompt` tokens unsupervised, plus an unsupervised `hole`
-    (the loss tests' row layout)."""
-    T = seq_len
-    doc = torch.tensor([0] * first_doc + [1] * (T - first_doc))[None]
-    pos = torch.cat([torch.arange(first_doc), torch.arange(T - first_doc)])[None]
-    lm = torch.ones(1, T, dtype=torch.long)
-    lm[0, :prompt] = 0
-    lm[0, first_doc : first_doc + prompt] = 0
-    if hole is not None:
-        lm[0, hole] = 0
-    return {"document_ids": doc, "position_ids": pos, "loss_mask": lm}
-
-
-def anchor_rows(*valid_anchors: int, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(anchors [1, A], valid [1, A]) of `valid_anchors` and `pad` padding anchors (fanout
-    pads with anchor 0)."""
-    a = torch.tensor([[*valid_anchors] + [0] * pad])
-    v = torch.tensor([[True] * len(valid_anchors) + [False] * pad])
-    return a, v
-
-
-def patch_anchors(
-    monkeypatch: pytest.MonkeyPatch, anchors: torch.Tensor, valid: torch.Tensor
-) -> None:
-    """Both sides use exactly these anchors: fanout's select_anchors (as the block
-    drafter, fanout.model.block_draft, imports it) returns them [B, A]; speculators' (as
-    its DFlash core imports it: DSpark and XPress inherit DFlash's `_backbone_forward`)
-    gets them as one packed row [A]."""
-    from fanout.model import block_draft
-
-    core = pytest.importorskip("speculators.models.dflash.core")
-    monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
-    monkeypatch.setattr(
-        core, "select_anchors", lambda loss_mask, n, bs: (anchors.flatten(), valid.flatten())
-    )
 
 
 def with_fields(draft: Any, **update: Any) -> Any:
@@ -259,6 +256,7 @@ def case_of(family: str) -> Parity | None:
 
 
 __all__ = [
-    "Drafts", "Loaded", "Parity", "anchor_rows", "case_of", "load", "load_all", "module_of", "packed_row", "patch_anchors", "perturbed",
-    "save_draft", "save_drafts", "speculators_modules", "speculators_verifier", "with_fields",
+    "Drafts", "Loaded", "Parity", "case_of", "drafts", "load", "load_all", "loaded", "module_of", "perturbed",
+    "save_draft", "save_drafts", "saved_and_loaded", "spec", "speculators_modules", "speculators_verifier",
+    "with_fields",
 ]  # fmt: skip

@@ -13,7 +13,6 @@ promotion's latency is a checkpoint written before it was served).
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from conftest import repo_module
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_PROMPTS = 4
@@ -37,11 +38,7 @@ SMALLEST = [
 
 
 def _bench(name: str) -> ModuleType:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    return repo_module("benchmarks", name)
 
 
 def test_quick_sets_small_sizes_and_flags_still_win() -> None:

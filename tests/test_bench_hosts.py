@@ -12,7 +12,6 @@ acquire ≤ 100 ms at 256 consumers) is the benchmark's run to report, not check
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from types import ModuleType
 
 import pytest
 
-from conftest import _postgres_bin
+from conftest import _postgres_bin, repo_module
 
 REPO = Path(__file__).resolve().parents[1]
 SMALLEST = ["--consumers", "4", "--replicas", "2", "--rates", "3", "--seconds", "6",
@@ -29,11 +28,7 @@ SMALLEST = ["--consumers", "4", "--replicas", "2", "--rates", "3", "--seconds", 
 
 
 def _record() -> ModuleType:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module("record")
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    return repo_module("benchmarks", "record")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -92,3 +87,22 @@ def test_a_bad_flag_is_one_line(tmp_path: Path, args: list[str], says: str) -> N
     assert r.returncode == 1
     assert r.stderr.startswith(says) and r.stderr.count("\n") == 1, r.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_baseline_run_is_compared_point_by_point() -> None:
+    """`--baseline-src`: each point's figures before → after, in one note."""
+    import argparse
+
+    hosts = repo_module("benchmarks", "hosts")
+
+    def point(p99: float | None, n: int, hb: float) -> dict[str, object]:
+        return {"consumers": 256, "rate_target": 3.0, "latency_ms": 1.0,
+                "acquire": {"p99_ms": p99, "n": n}, "ack": {"p99_ms": 7.0},
+                "heartbeat": {"p99_ms": hb}, "write_tx_per_s": 40.0,
+                "write_lock_hold_ms_mean": 2.5, "windows_per_s": 3.0}  # fmt: skip
+
+    a = argparse.Namespace(baseline_src="/tmp/base/src")
+    text = hosts.compare([point(None, 0, 9000.0)], [point(80.0, 900, 12.0)], a)
+    assert "--baseline-src /tmp/base/src" in text
+    assert "N = 256, 3 windows/s, 1 ms: acquire p99 none done → 80.0 ms (n 0 → 900)" in text
+    assert "heartbeat p99 9000.0 ms → 12.0 ms" in text

@@ -22,6 +22,7 @@ from fanout.errors import CheckpointError, ConfigError
 from fanout.families.dflash.model import DFlashDraft
 from fanout.ops.adamw import ClippedAdamW, make_optimizer
 from faults import Recording, after_rename, fail_each_call
+from tiny_run import tiny_dflash
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +38,7 @@ def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _draft(vdir: Path, seed: int = 1, **kw: Any) -> DFlashDraft:
-    torch.manual_seed(seed)
-    args: dict[str, Any] = {
-        "target_layer_ids": [1, 2],
-        "num_layers": 1,
-        "block_size": 4,
-        "max_anchors": 6,
-        "mask_token_id": 255,
-    }
-    return DFlashDraft.from_verifier(vdir, **(args | kw))
+    return tiny_dflash(vdir, seed, **({"max_anchors": 6} | kw))
 
 
 def _batch(seed: int) -> dict:

@@ -10,7 +10,6 @@ every test reads the same windows without a producer running.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -32,11 +31,18 @@ from fanout.store.store import RunDir, Store
 from fanout.store.windowfile import hidden_name
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.train.trainlog import read_train_log
-from tiny_run import RECORDER, build_tiny_assets, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
+    ENV,
+    RECORDER,
+    build_tiny_assets,
+    one_thread,
+    run_recorder,
+    tiny_producer_config,
+    wait_for,
+)
 from window_files import window_names
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass(frozen=True)
@@ -201,23 +207,14 @@ def test_killed_consumer_resumes_from_its_checkpoint(env: Env, tmp_path: Path) -
     def recorded() -> list[dict[str, Any]]:
         return [json.loads(x) for x in out.read_text().splitlines()] if out.exists() else []
 
-    cmd = [sys.executable, str(env.root / "recorder.py")]
-    p1 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.05, "every": 3})], env=ENV)
-    try:
-        wait_for(lambda: len(recorded()) >= 10 or p1.poll() is not None, 120, "rows")
-        p1.send_signal(signal.SIGKILL)
-        assert p1.wait(30) == -signal.SIGKILL
-    finally:
-        if p1.poll() is None:
-            p1.kill()
+    run_recorder(env.root / "recorder.py", args, until=lambda: len(recorded()) >= 10)
     state = json.loads(ckpt.read_text())
     first = recorded()
     want = _expected(env, 5)
     assert len(first) < len(want), "the kill came after the end; test is vacuous"
     assert [(r["w"], r["i"]) for r in first] == want[: len(first)]
     assert state["seen"] <= len(first)
-    p2 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.0, "every": 3})], env=ENV)
-    assert p2.wait(120) == 0
+    run_recorder(env.root / "recorder.py", args)  # to the end
     second = [(r["w"], r["i"]) for r in recorded()[len(first) :]]
     # every row after the checkpoint, in order; rows between checkpoint and kill come again
     assert second == want[state["seen"] :]

@@ -14,6 +14,7 @@ from fanout.families.dflash.model import DFlashDraft
 from fanout.model.anchors import select_anchors, slot_supervision
 from fanout.model.draft_config import DraftConfig, default_gamma
 from fanout.ops.adamw import make_optimizer
+from tiny_run import tiny_dflash
 
 N_CTX = 2  # captured layers
 
@@ -39,15 +40,7 @@ def tied_verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _draft(verifier_dir: Path, **kw: Any) -> DFlashDraft:
-    torch.manual_seed(1)
-    args: dict[str, Any] = {
-        "target_layer_ids": [1, 2],
-        "num_layers": 1,
-        "block_size": 4,
-        "max_anchors": 8,
-        "mask_token_id": 511,
-    }
-    return DFlashDraft.from_verifier(verifier_dir, **(args | kw))
+    return tiny_dflash(verifier_dir, **({"mask_token_id": 511} | kw))  # the 512-token verifier
 
 
 def _batch(b: int = 1, t: int = 48, seed: int = 0, docs: tuple[int, ...] = (24,)) -> dict:

@@ -31,12 +31,13 @@ import pytest
 import torch
 
 import fanout
+from conftest import repo_module
 from fanout.errors import FanoutError
 
 SRC = Path(fanout.__file__).parent
 REPO = Path(__file__).resolve().parents[1]
 # the core: modules at the bottom of the layers (pyproject's import-linter contract)
-CORE = {"contract", "flags", "rows", "tracking", "filesystem", "hashing", "errors", "cli"}
+CORE = {"contract", "flags", "rows", "tracking", "filesystem", "netfs", "hashing", "errors", "cli"}
 
 
 def _modules() -> list[ModuleType]:
@@ -249,11 +250,7 @@ def test_each_folder_docstring_says_what_it_may_import_and_it_imports_no_more() 
 
 def _scripts_docs() -> Any:
     """scripts/docs.py, the docs' block generator, as a module."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        return importlib.import_module("docs")
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
+    return repo_module("scripts", "docs")
 
 
 def test_the_docs_list_each_command_configs_make_up_as_the_classes_have_it() -> None:

@@ -169,10 +169,10 @@ def test_bounds_are_the_first_and_last_allowed_context_key() -> None:
     assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
 
 
-def test_the_plan_is_made_once_per_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every layer's attention of a forward, and the backward, use the mask's one plan
-    (and its one set of SDPA masks); a new mask makes its own."""
-    made = []
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, ...]]:
+    """The arguments of every chunk plan made while the test runs, in order."""
+    made: list[tuple[object, ...]] = []
     make = draft_attention._make_plan
 
     def counted(*args: object) -> object:
@@ -180,6 +180,12 @@ def test_the_plan_is_made_once_per_mask(monkeypatch: pytest.MonkeyPatch) -> None
         return make(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(draft_attention, "_make_plan", counted)
+    return made
+
+
+def test_the_plan_is_made_once_per_mask(made: list[tuple[object, ...]]) -> None:
+    """Every layer's attention of a forward, and the backward, use the mask's one plan
+    (and its one set of SDPA masks); a new mask makes its own."""
     g = torch.Generator().manual_seed(6)
     row_doc = _docs(1, 40, g)
     m = PrefixMask.causal(row_doc, steps=2)
@@ -310,21 +316,13 @@ def test_a_causal_mask_of_more_steps_serves_the_first_ones(chunk: int) -> None:
 
 
 def test_eagle3_makes_one_plan_a_batch_for_all_its_steps(
-    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch
+    verifier_dir: Path, made: list[tuple[object, ...]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """EAGLE-3's TTT steps share one mask and one chunk plan a batch (its unroll's,
     `ChainDraft.start(.., steps)`), not one a step, and train exactly as when each step
     made its own (issue #56: ≈ 0.15-0.3 s a step on CPU at T 3072)."""
     from fanout.model.chain_draft import ChainDraft
 
-    made = []
-    make = draft_attention._make_plan
-
-    def counted(*args: object) -> object:
-        made.append(args)
-        return make(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(draft_attention, "_make_plan", counted)
     torch.manual_seed(0)
     draft = FAMILIES["eagle3"].build(verifier_dir, target_layer_ids=[1, 2, 3], num_layers=2,
                                      block_size=4, loss_type="ce")  # fmt: skip

@@ -390,22 +390,20 @@ def _resume_the_finished_one(
     assert _status(run)["recaptures"] >= 2
 
 
-@pytest.mark.parametrize(
-    "policy",
-    ["hold", pytest.param("recapture", marks=pytest.mark.slow),
-     pytest.param("detach", marks=pytest.mark.slow)],
-)  # fmt: skip
+def _policies(fast: str) -> list[Any]:
+    """Every --lag-policy, `fast` in the default suite and the others marked slow."""
+    return [p if p == fast else pytest.param(p, marks=pytest.mark.slow)
+            for p in ("hold", "recapture", "detach")]  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", _policies(fast="hold"))
 def test_three_trainers_reach_their_own_ends_sqlite(
     assets: Path, tmp_path: Path, policy: str
 ) -> None:
     _three_trainers(assets, tmp_path, None, policy)
 
 
-@pytest.mark.parametrize(
-    "policy",
-    ["recapture", pytest.param("hold", marks=pytest.mark.slow),
-     pytest.param("detach", marks=pytest.mark.slow)],
-)  # fmt: skip
+@pytest.mark.parametrize("policy", _policies(fast="recapture"))
 def test_three_trainers_reach_their_own_ends_postgres(
     assets: Path, tmp_path: Path, pg_url: str, policy: str
 ) -> None:
@@ -516,3 +514,31 @@ def test_max_windows_ends_the_stream_and_a_killed_producer_leaves_it_open_postgr
     assets: Path, tmp_path: Path, pg_url: str
 ) -> None:
     _max_windows_then_kill9(assets, tmp_path, pg_url)
+
+
+def test_a_stop_the_coordinator_refused_to_record_is_not_called_recorded() -> None:
+    """A trainer whose window failed and whose 'stopped' write was then fenced off must
+    not tell the operator it recorded 'stopped' (it holds nothing now)."""
+    from fanout.errors import StaleLease, TrainerStopped, WindowGone
+    from fanout.train.ending import Ending
+
+    class Stream:
+        finished = False
+
+        def __init__(self, refuse: bool) -> None:
+            self.refuse = refuse
+
+        def close(self, clean: bool, done: bool) -> None:
+            if self.refuse:
+                raise StaleLease("consumer c1 was taken over")
+
+    lines = []
+    for refuse in (False, True):
+        end = Ending("c1")
+        end.failed(WindowGone("window 7 failed for good"))
+        end.close(Stream(refuse))
+        with pytest.raises(TrainerStopped) as e:
+            end.raise_failure(3, Stream(refuse))
+        lines.append(str(e.value))
+    assert "recorded 'stopped'" in lines[0] and "not recorded" not in lines[0]
+    assert "recorded 'stopped'" not in lines[1] and "'stopped' not recorded" in lines[1]

@@ -30,22 +30,10 @@ from fanout.model.draft_config import DraftConfig
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
+from greedy_training import EOS
+from greedy_training import decoder as decoder
+from greedy_training import vdir as vdir
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
-
-EOS = 255
-
-
-@pytest.fixture(scope="module")
-def vdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_qwen3_verifier(
-        tmp_path_factory.mktemp("v"), 256, hidden_size=32, num_layers=4, head_dim=8
-    )
-
-
-@pytest.fixture(scope="module")
-def decoder(vdir: Path) -> Decoder:
-    v = load_verifier(vdir, device="cpu", capture_layer_ids=[1, 2, 3], num_draft_layers=None)
-    return Decoder(v, {EOS})
 
 
 def _prompt(n: int, seed: int) -> list[int]:

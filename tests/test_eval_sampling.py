@@ -19,12 +19,15 @@ regularised incomplete gamma Q(df/2, x/2) is the chi-square survival function.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import fanout.model.sampling as sampling
 from fanout.bench.assets import tiny_qwen3_verifier
 from fanout.decode.spec_decode import Decoder
+from fanout.families.registry import FAMILY_FOLDERS
 from fanout.model.draft_cache import IndependentSlots
 from fanout.model.draft_config import DraftConfig
 from fanout.model.sampling import Sampling, accept_or_resample, one_hot, probabilities
@@ -225,20 +228,22 @@ def test_speculative_wrong_rule_is_detected(
     assert _fit(decoder, run) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["dflash", "dflash2", "dspark", "eagle3"])
+@pytest.mark.parametrize("name", FAMILY_FOLDERS)
 def test_every_familys_drafting_step_is_lossless_in_distribution(
     decoder: Decoder, name: str
 ) -> None:
-    """The served rule with each family's own drafting step (its real context: DFlash2's
-    selector walk, DSpark's Markov head, EAGLE-3's chain; a fresh draft, so its tokens
-    are seldom accepted — the family's proposal is what is under test): the first three
-    tokens follow the law of plain sampling."""
+    """The served rule with each registered family's own drafting step (its real context:
+    DFlash2's selector walk, DSpark's Markov head, EAGLE-3's chain, XPress's Jacobi
+    passes, ...; a fresh draft, so its tokens are seldom accepted — the family's proposal
+    is what is under test): the first three tokens follow the law of plain sampling."""
     from fanout.families.registry import family
 
     torch.manual_seed(0)
     fam = family(name)
-    draft = fam.build(decoder.verifier.model.config._name_or_path, target_layer_ids=[1, 3],
-                      block_size=BS, num_layers=1, max_anchors=8)  # fmt: skip
+    vdir = Path(decoder.verifier.model.config._name_or_path)
+    layers = fam.draft_layers([1, 3], vdir)  # a chain family's own (MTP: the last one)
+    draft = fam.build(vdir, target_layer_ids=layers, block_size=fam.block_size_for(BS),
+                      num_layers=1, max_anchors=8)  # fmt: skip
     steps: list[int] = []
 
     def run(g: torch.Generator) -> list[int]:

@@ -68,7 +68,7 @@ def test_an_option_of_another_family_is_refused_in_one_line() -> None:
     [
         (("--block-size", "8"), "--block-size 8: EAGLE-3 drafts a chain"),
         (("--ttt-steps", "4", "--block-size", "4"), "--ttt-steps + 1 = 5"),
-        (("--gamma", "4"), "--gamma: EAGLE-3 weighs"),
+        (("--gamma", "4"), "--gamma 4.0: EAGLE-3 weighs"),
         (("--per-position-loss-weight", "dpace"), "--per-position-loss-weight dpace"),
         (("--label-source", "input_ids"), "--label-source input_ids"),
     ],

@@ -46,7 +46,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fanout.bench.assets import tiny_qwen3_verifier
+import block_parity as block
 from fanout.checkpoints.load import load_draft
 from fanout.checkpoints.save import save_checkpoint
 from fanout.decode.spec_decode import Decoder, first_mismatch
@@ -57,17 +57,12 @@ from fanout.families.dflash2.model import DFlash2Draft, DFlash2Layer
 from fanout.families.dflash2.propose import SelectorContext
 from fanout.families.registry import family, family_of_draft
 from fanout.model.anchors import slot_supervision
-from fanout.model.draft_cache import head_logits
+from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
 from fanout.model.sampling import Sampling
-from fanout.model.verifier import load_verifier
-from speculators_parity import (
-    Parity,
-    anchor_rows,
-    packed_row,
-    patch_anchors,
-    save_draft,
-    speculators_verifier,
-)
+from greedy_training import EOS
+from greedy_training import decoder as decoder
+from greedy_training import vdir as vdir
+from speculators_parity import Parity, save_draft, speculators_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse)
 
 # test_speculators' row layout: vocab 256, H 32, block 4, mask 255, target layers [1, 2]
@@ -256,15 +251,7 @@ def _spec_selector_hits(
     whose teacher-forced selector pick is the label with the label in the unary top-k
     `[bs]`, and how many supervised slots' picks differ from the unary argmax."""
     with torch.no_grad():
-        hidden, unary, targets, mask, idx = model._backbone_forward(
-            batch["hidden_states"],
-            batch["input_ids"],
-            batch["loss_mask"],
-            pre,
-            batch["document_ids"],
-            batch["position_ids"],
-            max_anchors=n_anchors,
-        )
+        hidden, unary, targets, mask, idx = block.backbone(model, batch, pre, n_anchors)
         prev = model._predecessor_ids(batch["input_ids"], idx)
         label = targets.argmax(-1)  # [1, A·bs]
         top = unary.topk(model.candidate_selector.top_k, dim=-1).indices
@@ -277,14 +264,7 @@ def _spec_selector_hits(
     return hits.view(-1, model.block_size).sum(0), torch.tensor(overturned)
 
 
-CASES = {
-    "ce-exp": ({"loss_type": "ce", "loss_weighting": "exp"}, "ce", "fixed-exp-decay"),
-    "ce-dpace": ({"loss_type": "ce", "loss_weighting": "dpace"}, "ce", "dpace"),
-    "kl-exp": ({"loss_type": "kl", "loss_weighting": "exp"}, "kl_div", "fixed-exp-decay"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(block.LOSS_CASES))
 def test_loss_metrics_and_grads_equal_speculators(
     case: str,
     ts: Any,
@@ -294,7 +274,7 @@ def test_loss_metrics_and_grads_equal_speculators(
     spec_vdir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    update, loss_name, weighting = CASES[case]
+    update, spec_kw = block.loss_case(case, ts.spec_eager)
     alpha = 0.7
     d = copy.deepcopy(draft)
     d.cfg = draft.cfg.model_copy(
@@ -302,28 +282,14 @@ def test_loss_metrics_and_grads_equal_speculators(
     )
     model = spec_model
     model.zero_grad(set_to_none=True)
-    layout = packed_row()
-    anchors, valid = anchor_rows(3, 8, 13, 17, 25, 30, 35)  # inside their documents, 1 pad
-    batch, pre = ts._rows(d, spec_vdir, layout, anchors, valid, seed=11)
+    layout = block.packed_row()
+    anchors, valid = block.anchor_rows(3, 8, 13, 17, 25, 30, 35)  # inside their documents, 1 pad
+    batch, pre = rows = ts._rows(d, spec_vdir, layout, anchors, valid, seed=11)
     sup = slot_supervision(layout["loss_mask"], layout["document_ids"], anchors, valid, ts.BS)
-    patch_anchors(monkeypatch, anchors, valid)
-
-    fan = d.loss(batch, None)
-    fan.loss.backward()
-    fn = getattr(ts.spec_eager, f"{loss_name}_loss")
-    spec_loss, m = ts._spec_loss(
-        model,
-        batch,
-        pre,
-        anchors.shape[1],
-        loss_config={loss_name: (fn, 1.0)},
-        tv_loss_fn=ts.spec_eager.tv_loss,
-        gamma=2.5,
-        per_position_loss_weight=weighting,
-        dpace_alpha=0.3,
-        selector_loss_alpha=alpha,
-    )
-    spec_loss.backward()
+    fan, spec_loss, m = block.losses(
+        d, model, rows, anchors, valid, monkeypatch, **spec_kw,
+        tv_loss_fn=ts.spec_eager.tv_loss, gamma=2.5, dpace_alpha=0.3, selector_loss_alpha=alpha,
+    )  # fmt: skip
 
     n = fan.n_tokens
     assert n == int(sup.sum()) > 0
@@ -358,7 +324,7 @@ def test_loss_metrics_and_grads_equal_speculators(
     recall = m[f"unary_candidate_recall_at_{k_}_sum"] / m[f"unary_candidate_recall_at_{k_}_total"]
     assert abs(float(recall) - fan.extra["candidate_recall"]) < 1e-6
     assert 0 < fan.extra["candidate_recall"] < 1  # both training-candidate paths are used
-    ts._compare_grads(d, model, scale)
+    block.assert_grads_equal(d, model, scale)
     assert d.candidate_selector.predecessor_codebook.grad is not None
     conv_grad = _layer(d, 0).attention_conv.kernel_projection.weight.grad
     assert conv_grad is not None and float(conv_grad.abs().max()) > 0
@@ -379,15 +345,12 @@ def test_unary_logits_equal_speculators(
     teacher-forced picks in test_loss_metrics_and_grads_equal_speculators."""
     from fanout.model.draft_cache import head_logits
 
-    layout = packed_row()
-    anchors, valid = anchor_rows(3, 8, 13, 17, 25, 30, 35)
+    layout = block.packed_row()
+    anchors, valid = block.anchor_rows(3, 8, 13, 17, 25, 30, 35)
     batch, pre = ts._rows(draft, spec_vdir, layout, anchors, valid, seed=11)
-    patch_anchors(monkeypatch, anchors, valid)
+    block.patch_anchors(monkeypatch, anchors, valid)
     with torch.no_grad():
-        _, unary, _, _, _ = spec_model._backbone_forward(
-            batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
-            batch["document_ids"], batch["position_ids"], max_anchors=anchors.shape[1],
-        )  # fmt: skip
+        _, unary, _, _, _ = block.backbone(spec_model, batch, pre, anchors.shape[1])
         b = draft.blocks(batch, None)
         hid = b.hid[b.valid].reshape(-1, b.hid.shape[-1])  # [A·bs, H] real blocks only
         ours = head_logits(draft, hid)  # [A·bs, V]
@@ -398,21 +361,6 @@ def test_unary_logits_equal_speculators(
 
 
 # ---- 3. the drafting step ----------------------------------------------------------------
-
-EOS = 255
-
-
-@pytest.fixture(scope="module")
-def vdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_qwen3_verifier(
-        tmp_path_factory.mktemp("v2"), 256, hidden_size=32, num_layers=4, head_dim=8
-    )
-
-
-@pytest.fixture(scope="module")
-def decoder(vdir: Path) -> Decoder:
-    v = load_verifier(vdir, device="cpu", capture_layer_ids=[1, 2, 3], num_draft_layers=None)
-    return Decoder(v, {EOS})
 
 
 def _serving_draft(vdir: Path, block_size: int = 8, seed: int = 0) -> DFlash2Draft:
@@ -490,7 +438,8 @@ def test_proposal_is_the_selector_walk(vdir: Path) -> None:
     draft = _serving_draft(vdir, 8, seed=3)
     hidden = torch.randn(11, draft.fc.in_features, generator=torch.Generator().manual_seed(0))
     seq = _prompt(12, 7)  # anchor seq[-1] at position 11
-    cached, uncached = SelectorContext(draft, cached=True), SelectorContext(draft, cached=False)
+    cached = SelectorContext(draft, DraftCache(draft))
+    uncached = SelectorContext(draft, UncachedDraft(draft))
     for c in (cached, uncached):
         c.extend(hidden[:4])
         c.extend(hidden[4:])

@@ -52,6 +52,7 @@ pinned in `test_supervision_differences`:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +61,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import block_parity as block
 from fanout.decode.spec_decode import Decoder, first_mismatch
 from fanout.errors import ConfigError
 from fanout.families.dflash.model import DFlashDraft
@@ -74,22 +76,21 @@ from fanout.families.registry import family, family_of_draft
 from fanout.model import block_draft
 from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
 from fanout.model.verifier import load_verifier
-from fanout.model.verifier_dir import read_verifier_tensors
 from greedy_training import fit, greedy_batch
 from speculators_parity import (
     Drafts,
     Loaded,
     Parity,
-    anchor_rows,
-    load_all,
-    packed_row,
-    patch_anchors,
     perturbed,
     save_drafts,
-    speculators_modules,
     speculators_verifier,
     with_fields,
 )
+
+# the parity fixtures (drafts, loaded, spec: they read PARITY and SPECULATORS)
+from speculators_parity import drafts as drafts
+from speculators_parity import loaded as loaded
+from speculators_parity import spec as spec
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 VOCAB, H, V_LAYERS, BS, MASK, RANK = 256, 32, 4, 4, 255, 16
@@ -134,27 +135,13 @@ def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
-    """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
-    return save_drafts(_draft, verifier_dir, tmp_path_factory, "dspark-ckpt")
-
-
-@pytest.fixture(scope="module")
-def spec() -> SimpleNamespace:
-    """speculators' DSpark (skipped without speculators) and test_speculators' helpers."""
-    return speculators_modules(
-        dspark="speculators.models.dspark",
-        dflash="speculators.models.dflash",
-        core="speculators.models.dflash.core",
-        eager="speculators.losses.eager",
-        metrics="speculators.models.dspark.metrics",
-    )
-
-
-@pytest.fixture(scope="module")
-def loaded(spec: SimpleNamespace, drafts: Drafts) -> Loaded:
-    return load_all(PARITY, drafts)
+# speculators' DSpark and what its tests use of DFlash's (the `spec` fixture's modules);
+# the saved drafts ('full' and 'reduced': 200 of 256 tokens) are PARITY's
+SPECULATORS = {
+    "dspark": "speculators.models.dspark", "dflash": "speculators.models.dflash",
+    "core": "speculators.models.dflash.core", "eager": "speculators.losses.eager",
+    "metrics": "speculators.models.dspark.metrics",
+}  # fmt: skip
 
 
 # ---- (a) speculators loads a fanout checkpoint: DSpark's case of
@@ -233,40 +220,22 @@ def _corrected_argmax(
 
 
 def _rows(
-    draft: DSparkDraft,
-    verifier_dir: Path,
-    layout: dict[str, torch.Tensor],
-    anchors: torch.Tensor,
-    valid: torch.Tensor,
+    draft: DSparkDraft, vdir: Path, layout: block.Row, anchors: torch.Tensor, valid: torch.Tensor,
     seed: int,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A fanout batch row and the matching pre-norm verifier states for speculators.
+) -> block.Rows:  # fmt: skip
+    """A fanout batch row and the matching pre-norm verifier states for speculators
+    (`block.rows`): about half the slots get a verifier state along the head row of
+    the draft's corrected greedy token (so the verifier's greedy token is the draft's)."""
 
-    Random context, tokens and verifier states, except that about half the slots get a
-    verifier state along the head row of the draft's corrected greedy token (so the
-    verifier's greedy token is the draft's and the accuracies and EAL prefixes see hits
-    and misses). `target_ids[p] = argmax(lm_head(norm(pre[p])))`, fanout's capture rule;
-    fanout's `last_hidden_states` are the normed states."""
-    vt = read_verifier_tensors(verifier_dir, ["lm_head.weight", "model.norm.weight"])
-    head, w = vt["lm_head.weight"], vt["model.norm.weight"]
-    g = torch.Generator().manual_seed(seed)
-    batch = {
-        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
-        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
-        **layout,
-    }
-    pre = 2.0 * torch.randn(1, T, H, generator=g)
-    with torch.no_grad():
+    def plant(batch: block.Row, pre: torch.Tensor, head: Any, w: Any, g: Any) -> None:
         pred = _corrected_argmax(draft, batch, anchors, valid)  # [1, A, bs]
         for j in range(anchors.shape[1]):
             for k in range(BS):
                 if valid[0, j] and torch.rand((), generator=g) < 0.5:
                     # norm(head[t] / w) ∝ head[t]: its greedy token is t for these heads
                     pre[0, int(anchors[0, j]) + k] = 3.0 * head[pred[0, j, k]] / w
-    post = F.rms_norm(pre, (H,), w, eps=RMS_EPS)
-    batch["target_ids"] = (post @ head.t()).argmax(-1)
-    batch["last_hidden_states"] = post
-    return batch, pre
+
+    return block.rows(vdir, layout, seed, len(TARGET_LAYERS) * H, plant, MASK, RMS_EPS)
 
 
 def _compare(
@@ -283,11 +252,7 @@ def _compare(
     ce_spec = (spec_loss.detach() - alpha * conf_spec) * (n + eps_ce) / n
     ce_fan = fan.loss.detach() - alpha * conf_fan
     torch.testing.assert_close(ce_spec, ce_fan, rtol=2e-6, atol=1e-7)
-    for k in range(BS):
-        count = int(fan.per_slot_count[k])
-        assert int(m[f"position_{k}_acc_total"]) == count, k
-        hits = float(fan.per_slot_acc[k]) * count
-        assert abs(float(m[f"position_{k}_acc_sum"]) - hits) < 1e-3, k
+    block.assert_slot_counts(fan, m, BS, first=0)
     err = float(m["confidence_abs_error_sum"] / m["confidence_abs_error_total"])
     torch.testing.assert_close(err, fan.extra["confidence_abs_error"], rtol=1e-5, atol=1e-7)
     if blocks:
@@ -297,74 +262,35 @@ def _compare(
         torch.testing.assert_close(accept, fan.extra["accept_len"], rtol=1e-5, atol=0)
 
 
-def _spec_forward(
-    model: Any,
-    batch: dict[str, torch.Tensor],
-    pre: torch.Tensor,
-    n_anchors: int,
-    eager: Any,
-    **kw: Any,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    _, loss, metrics = model(
-        hidden_states=batch["hidden_states"],
-        input_ids=batch["input_ids"],
-        loss_mask=batch["loss_mask"],
-        verifier_last_hidden_states=pre,
-        document_ids=batch["document_ids"],
-        position_ids=batch["position_ids"],
-        max_anchors=n_anchors,
-        tv_loss_fn=eager.tv_loss,  # the fused default is a Triton kernel
-        **kw,
-    )
-    return loss, metrics
-
-
-CASES = {
-    "ce-exp": ({"loss_type": "ce", "loss_weighting": "exp"}, "ce", "fixed-exp-decay"),
-    "ce-dpace": ({"loss_type": "ce", "loss_weighting": "dpace"}, "ce", "dpace"),
-    "kl-exp": ({"loss_type": "kl", "loss_weighting": "exp"}, "kl_div", "fixed-exp-decay"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(block.LOSS_CASES))
 def test_loss_metrics_and_grads_equal_speculators(
-    case: str,
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[DSparkDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-    verifier_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    update, loss_name, weighting = CASES[case]
+    case: str, spec: SimpleNamespace, drafts: Drafts, loaded: Loaded,
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    update, spec_kw = block.loss_case(case, spec.eager)
     alpha = 0.7
     draft = with_fields(
         drafts["full"][0], gamma=2.5, dpace_alpha=0.3, confidence_head_alpha=alpha, **update
     )
     model, _, _ = loaded["full"]
     model.zero_grad(set_to_none=True)
-    layout = packed_row()
+    layout = block.packed_row()
     # every block and the token after it inside one supervised span of one document
     # (3..9, 11..21, 25..39), where fanout's and speculators' slot masks agree; the
     # block at 35 is the last the row allows (a < T - bs); one padding block
-    anchors, valid = anchor_rows(3, 5, 11, 14, 17, 25, 29, 35)
-    batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
-    patch_anchors(monkeypatch, anchors, valid)
-
-    fan = draft.loss(batch, None)
-    fan.loss.backward()
-    fn = getattr(spec.eager, f"{loss_name}_loss")
-    spec_loss, metrics = _spec_forward(
-        model, batch, pre, anchors.shape[1], spec.eager,
-        loss_config={loss_name: (fn, 1.0)}, gamma=2.5, per_position_loss_weight=weighting,
-        dpace_alpha=0.3, confidence_head_alpha=alpha,
+    anchors, valid = block.anchor_rows(3, 5, 11, 14, 17, 25, 29, 35)
+    rows = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
+    fan, spec_loss, metrics = block.losses(
+        draft, model, rows, anchors, valid, monkeypatch, **spec_kw,
+        tv_loss_fn=spec.eager.tv_loss,  # the fused default is a Triton kernel
+        gamma=2.5, dpace_alpha=0.3, confidence_head_alpha=alpha,
     )  # fmt: skip
-    spec_loss.backward()
 
     assert fan.n_tokens == int(valid.sum()) * BS  # every slot of every real block
     assert float(fan.per_slot_acc.min()) > 0 and float(fan.per_slot_acc.max()) < 1
     assert 1 < float(fan.eal) < 1 + BS
     _compare(fan, spec_loss, metrics, alpha)
-    spec.h._compare_grads(draft, model, (fan.n_tokens + 1e-5) / fan.n_tokens)
+    block.assert_grads_equal(draft, model, (fan.n_tokens + 1e-5) / fan.n_tokens)
     for k in (
         "markov_head.markov_w1.weight",
         "markov_head.markov_w2.weight",
@@ -376,12 +302,9 @@ def test_loss_metrics_and_grads_equal_speculators(
 
 
 def test_logits_and_confidence_equal_speculators(
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[DSparkDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-    verifier_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+    spec: SimpleNamespace, drafts: Drafts, loaded: Loaded,
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """The distribution itself, not only the loss: on the same rows and anchors, fanout's
     Markov-corrected logits (head + W1[prev] W2^T, the chunked op's fp32 product) and its
     confidence logits equal speculators' `_backbone_forward` + Markov bias + confidence
@@ -390,9 +313,9 @@ def test_logits_and_confidence_equal_speculators(
 
     draft = drafts["full"][0]
     model, _, _ = loaded["full"]
-    anchors, valid = anchor_rows(3, 5, 11, 14, 17, 25, 29, 35)
-    batch, pre = _rows(draft, verifier_dir, packed_row(), anchors, valid, seed=11)
-    patch_anchors(monkeypatch, anchors, valid)
+    anchors, valid = block.anchor_rows(3, 5, 11, 14, 17, 25, 29, 35)
+    batch, pre = _rows(draft, verifier_dir, block.packed_row(), anchors, valid, seed=11)
+    block.patch_anchors(monkeypatch, anchors, valid)
     with torch.no_grad():
         theirs = _spec_pieces(model, batch, pre, anchors.shape[1])
         b = draft.blocks(batch, None)
@@ -419,10 +342,7 @@ def _spec_pieces(
 ) -> dict[str, Any]:
     """speculators' DSpark forward up to its loss: the backbone, then its own Markov and
     confidence heads on the slots, as `DSparkDraftModel.forward` applies them."""
-    hidden, logits, targets, mask, idx = model._backbone_forward(
-        batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
-        batch["document_ids"], batch["position_ids"], max_anchors=n_anchors,
-    )  # fmt: skip
+    hidden, logits, targets, mask, idx = block.backbone(model, batch, pre, n_anchors)
     prev = batch["input_ids"][0, idx].view(n_anchors, BS)  # sample_from_anchor: token at a+k
     blocks = hidden.view(n_anchors, BS, -1)
     emb = model.markov_head.prev_embeddings(prev)
@@ -433,25 +353,22 @@ def _spec_pieces(
 
 
 def test_supervision_differences(
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[DSparkDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-    verifier_dir: Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+    spec: SimpleNamespace, drafts: Drafts, loaded: Loaded,
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """speculators gates slot k on loss_mask[a+k], fanout on the predicted token
     (loss_mask[a+k+1], same document): the extra and missing slots, exactly; given
     fanout's slot mask, speculators' loss and per-slot accuracies are fanout's."""
     draft = copy.deepcopy(drafts["full"][0])
     model, _, _ = loaded["full"]
-    layout = packed_row()  # doc 0 = [0, 22) supervised from 3 but 10; doc 1 from 25
+    layout = block.packed_row()  # doc 0 = [0, 22) supervised from 3 but 10; doc 1 from 25
     lm, doc = layout["loss_mask"], layout["document_ids"]
     # 6: slot 3 predicts the hole; 8, 9: around it (9 is no fanout anchor: its slot 0
     # predicts the hole); 19, 20: cross into doc 1's prompt; 21: doc 0's last token (no
     # fanout anchor: speculators trains its slot 0 on doc 1's first token); 30: agrees
-    anchors, valid = anchor_rows(6, 8, 9, 19, 20, 21, 30)
+    anchors, valid = block.anchor_rows(6, 8, 9, 19, 20, 21, 30)
     batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=31)
-    patch_anchors(monkeypatch, anchors, valid)
+    block.patch_anchors(monkeypatch, anchors, valid)
     fan = draft.loss(batch, None)
     with torch.no_grad():
         r = _spec_pieces(model, batch, pre, anchors.shape[1])
@@ -487,7 +404,7 @@ def test_anchor_candidates_predict_a_supervised_token(verifier_dir: Path) -> Non
     """Every anchor DSpark draws has its slot 0 supervised (fanout's DFlash rule), and
     every supervised token a candidate's slot 0 could predict is drawn."""
     draft = _draft(verifier_dir, max_anchors=T)
-    layout = packed_row()
+    layout = block.packed_row()
     anchors, valid = block_draft.select_anchors(
         layout["loss_mask"], layout["document_ids"], T, BS, None
     )
@@ -542,8 +459,8 @@ def test_loss_without_markov_head_and_supervised_slot_counts(
     fused CE on the slot states alone, and slot k is counted on the predicted token."""
     draft = _draft(verifier_dir, markov_rank=0, confidence_head_with_markov=False)
     assert draft.markov_head is None and draft.confidence_head is not None
-    layout = packed_row()
-    anchors, valid = anchor_rows(6, 19, 30)
+    layout = block.packed_row()
+    anchors, valid = block.anchor_rows(6, 19, 30)
     batch = _rows_plain(layout, seed=4)
     monkeypatch.setattr(block_draft, "select_anchors", lambda *a, **k: (anchors, valid))
     out = draft.loss(batch, None)
@@ -623,26 +540,39 @@ def test_greedy_lossless_and_bs_tokens_a_step(
     which: str, trained: DSparkDraft, decoder: Decoder, verifier_dir: Path
 ) -> None:
     draft = trained if which == "trained" else _draft(verifier_dir).eval()
-    fam = family_of_draft(draft)
-    assert fam.name == "dspark"
-    taus = []
-    # the trained draft on prompts it trained on (acceptance must show), the other on any
-    prompts = ((6, 100), (6, 101), (6, 102)) if which == "trained" else ((3, 0), (17, 1), (30, 2))
-    for n, seed in prompts:
-        prompt = _prompt(n, seed)
-        g = decoder.greedy(prompt, 30)
-        rec = _Recording(fam.context(draft, cached=True))
-        s = decoder.speculative(prompt, draft, 30, context=rec)
-        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
-        assert rec.sizes and set(rec.sizes) == {BS}  # slot 0 drafts too: bs tokens
+    assert family_of_draft(draft).name == "dspark"
+
+    def check(rec: _Recording, s: Any) -> None:
         assert s.drafted == BS and max(s.accepted) <= BS and len(rec.sizes) == len(s.accepted)
         ctx = rec.inner
         assert isinstance(ctx, DSparkContext)
         assert s.proposed == ctx.proposed_lengths and len(s.proposed) == len(rec.sizes)
         assert len(ctx.confidence) == BS and all(0 < c < 1 for c in ctx.confidence)
         assert ctx.proposed_length == confident_length(ctx.confidence)
+
+    assert_block_lossless(draft, decoder, which == "trained", BS, check)  # slot 0 drafts too
+
+
+def assert_block_lossless(
+    draft: Any, decoder: Decoder, trained: bool, size: int, check: Callable[[Any, Any], None]
+) -> None:
+    """A block family's cached drafting step decodes what greedy decoding does on three
+    prompts, drafting `size` tokens every step; `check(recording, result)`: the family's
+    own checks of each. A `trained` draft decodes prompts it trained on, and its drafts
+    must be accepted; another any prompts. XPress's tests use it too."""
+    fam = family_of_draft(draft)
+    taus = []
+    prompts = ((6, 100), (6, 101), (6, 102)) if trained else ((3, 0), (17, 1), (30, 2))
+    for n, seed in prompts:
+        prompt = _prompt(n, seed)
+        g = decoder.greedy(prompt, 30)
+        rec = _Recording(fam.context(draft, cached=True))
+        s = decoder.speculative(prompt, draft, 30, context=rec)
+        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
+        assert rec.sizes and set(rec.sizes) == {size}
+        check(rec, s)
         taus.append(s.acceptance_length)
-    if which == "trained":
+    if trained:
         assert sum(taus) / len(taus) > 2  # drafts are accepted, rejected ones rolled back
 
 
@@ -783,7 +713,7 @@ def test_good_variants_build(verifier_dir: Path) -> None:
 
 def test_missing_last_hidden_states_and_wrong_config(verifier_dir: Path) -> None:
     draft = _draft(verifier_dir)
-    batch = _rows_plain(packed_row(), seed=1)
+    batch = _rows_plain(block.packed_row(), seed=1)
     del batch["last_hidden_states"]
     with pytest.raises(ConfigError, match="--store-last-hidden-states"):
         draft.loss(batch, torch.Generator().manual_seed(0))

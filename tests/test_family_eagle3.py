@@ -62,15 +62,16 @@ from fanout.model.verifier import load_verifier
 from fanout.ops.teacher_head import teacher_head
 from greedy_training import fit, greedy_batch
 from speculators_parity import (
-    Drafts,
-    Loaded,
     Parity,
-    load_all,
     perturbed,
     save_drafts,
-    speculators_modules,
     speculators_verifier,
 )
+
+# the parity fixtures (drafts, loaded, spec: they read PARITY and SPECULATORS)
+from speculators_parity import drafts as drafts
+from speculators_parity import loaded as loaded
+from speculators_parity import spec as spec
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 VOCAB, H, V_LAYERS = 256, 32, 4
@@ -82,6 +83,7 @@ EPS_DEN = 1e-5  # speculators' loss_function adds this to the supervised count
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`eagle_verifier` (P-EAGLE's and MTP's tests import this fixture too)."""
     return eagle_verifier(tmp_path_factory.mktemp("eagle3"))
 
 
@@ -102,25 +104,12 @@ def _draft(vdir: Path, draft_vocab_ids: torch.Tensor | None = None, **kw: Any) -
     return perturbed(d, 0.1)
 
 
-@pytest.fixture(scope="module")
-def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
-    """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
-    return save_drafts(_draft, verifier_dir, tmp_path_factory, "eagle3-ckpt")
-
-
-@pytest.fixture(scope="module")
-def spec() -> SimpleNamespace:
-    """speculators' EAGLE-3 (skipped without speculators) and test_speculators' helpers."""
-    return speculators_modules(
-        eagle3="speculators.models.eagle3",
-        eager="speculators.losses.eager",
-        base="speculators.config",
-    )
-
-
-@pytest.fixture(scope="module")
-def loaded(spec: SimpleNamespace, drafts: Drafts) -> Loaded:
-    return load_all(PARITY, drafts)
+# speculators' EAGLE-3, its eager losses and config base (the `spec` fixture's modules);
+# the saved drafts ('full' and 'reduced': 200 of 256 tokens) are PARITY's
+SPECULATORS = {
+    "eagle3": "speculators.models.eagle3", "eager": "speculators.losses.eager",
+    "base": "speculators.config",
+}  # fmt: skip
 
 
 # ---- (a) speculators loads a fanout checkpoint: EAGLE-3's case of
@@ -405,6 +394,7 @@ def test_fused_head_equals_plain_autograd(verifier_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def decoder(verifier_dir: Path) -> Decoder:
+    """`eagle_decoder` (P-EAGLE's and MTP's tests import this fixture too)."""
     return eagle_decoder(verifier_dir)
 
 
@@ -453,20 +443,27 @@ class _Recording:
 def test_greedy_lossless_k_tokens_a_step(
     k: int | None, trained: Eagle3Draft, decoder: Decoder
 ) -> None:
-    fam = family_of_draft(trained)
-    assert fam.name == "eagle3"
+    assert family_of_draft(trained).name == "eagle3"
+    taus = assert_greedy_lossless(trained, decoder, k, k or trained.cfg.ttt_steps)
+    if k != 1:
+        assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
+
+
+def assert_greedy_lossless(draft: Any, decoder: Decoder, k: int | None, want: int) -> list[float]:
+    """A chain family's cached drafting step, `k` tokens a step, decodes what greedy
+    decoding does on four prompts (two of them trained on), drafting `want` tokens every
+    step; the acceptance length of each prompt. P-EAGLE's and MTP's tests use it too."""
+    fam = family_of_draft(draft)
     taus = []
     for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
         prompt = _prompt(n, seed)
         g = decoder.greedy(prompt, 30)
-        rec = _Recording(fam.drafting_context(trained, cached=True, num_speculative_tokens=k))
-        s = decoder.speculative(prompt, trained, 30, context=rec)
+        rec = _Recording(fam.drafting_context(draft, cached=True, num_speculative_tokens=k))
+        s = decoder.speculative(prompt, draft, 30, context=rec)
         assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
-        want = k or trained.cfg.ttt_steps
         assert rec.sizes and set(rec.sizes) == {want} and s.drafted == want
         taus.append(s.acceptance_length)
-    if k != 1:
-        assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
+    return taus
 
 
 def assert_cached_equals_uncached(
@@ -503,7 +500,7 @@ def test_cached_equals_uncached(trained: Eagle3Draft, decoder: Decoder) -> None:
         ({"gamma": 4.0}, "ttt-step-loss-decay, not gamma"),
         (
             {"loss_weighting": "dpace", "loss_type": "ce"},
-            "--per-position-loss-weight dpace: a block weighting",
+            "--per-position-loss-weight dpace: EAGLE-3 weighs",
         ),
         ({"label_source": "input_ids"}, "verifier's distribution"),
         ({"embed_requires_grad": True}, "frozen"),
@@ -513,8 +510,16 @@ def test_cached_equals_uncached(trained: Eagle3Draft, decoder: Decoder) -> None:
 def test_bad_config_is_refused_in_one_line(
     fields: dict[str, Any], match: str, verifier_dir: Path
 ) -> None:
+    assert_refused_in_one_line(
+        "eagle3", verifier_dir, match, target_layer_ids=TARGET_LAYERS, **fields
+    )
+
+
+def assert_refused_in_one_line(name: str, vdir: Path, match: str, **fields: Any) -> None:
+    """Building family `name`'s draft with `fields` raises a ConfigError matching `match`
+    in one line (or pydantic's own validation report). P-EAGLE's tests use it too."""
     with pytest.raises(ConfigError, match=match) as e:
-        family("eagle3").build(verifier_dir, target_layer_ids=TARGET_LAYERS, **fields)
+        family(name).build(vdir, **fields)
     assert "\n" not in str(e.value).strip() or "validation error" in str(e.value)
 
 

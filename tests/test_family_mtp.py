@@ -36,38 +36,32 @@ from safetensors.torch import load_file, save_file
 
 from fanout.checkpoints.load import load_draft
 from fanout.checkpoints.save import save_checkpoint
-from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.decode.spec_decode import Decoder
 from fanout.errors import ConfigError
 from fanout.families.mtp.model import MTPDraft
 from fanout.families.mtp.propose import MTPContext
 from fanout.families.registry import family, family_of_draft
 from fanout.ops.adamw import make_optimizer
 from greedy_training import greedy_rows
-from speculators_parity import Drafts, Parity, load, perturbed, save_draft, speculators_modules
+from speculators_parity import Drafts, Parity, load, perturbed, save_draft
+
+# the parity fixtures (spec: they read PARITY and SPECULATORS)
+from speculators_parity import spec as spec
 from test_family_eagle3 import (
     V_LAYERS,
     VOCAB,
     H,
     _prompt,
-    _Recording,
     assert_cached_equals_uncached,
-    eagle_decoder,
+    assert_greedy_lossless,
     eagle_verifier,
 )
+from test_family_eagle3 import decoder as decoder  # fixture: eagle_decoder
+from test_family_eagle3 import verifier_dir as verifier_dir  # fixture: eagle_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 STEPS = 3
 T = 20
-
-
-@pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return eagle_verifier(tmp_path_factory.mktemp("mtp"))
-
-
-@pytest.fixture(scope="module")
-def decoder(verifier_dir: Path) -> Decoder:
-    return eagle_decoder(verifier_dir)
 
 
 def _draft(vdir: Path, **kw: Any) -> MTPDraft:
@@ -87,12 +81,7 @@ def saved(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     return _saved(verifier_dir, tmp_path_factory)["default"]
 
 
-@pytest.fixture(scope="module")
-def spec() -> SimpleNamespace:
-    """speculators' MTP (skipped without speculators) and test_speculators' helpers."""
-    return speculators_modules(
-        mtp="speculators.models.mtp",
-    )
+SPECULATORS = {"mtp": "speculators.models.mtp"}  # the `spec` fixture's modules
 
 
 def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
@@ -237,15 +226,7 @@ def trained(verifier_dir: Path, decoder: Decoder) -> MTPDraft:
 def test_greedy_lossless_chained(k: int | None, trained: MTPDraft, decoder: Decoder) -> None:
     fam = family_of_draft(trained)
     assert fam.name == "mtp" and fam.serving_method == "mtp"
-    taus = []
-    for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
-        prompt = _prompt(n, seed)
-        g = decoder.greedy(prompt, 30)
-        rec = _Recording(fam.drafting_context(trained, cached=True, num_speculative_tokens=k))
-        s = decoder.speculative(prompt, trained, 30, context=rec)
-        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
-        assert rec.sizes and set(rec.sizes) == {k or STEPS} and s.drafted == (k or STEPS)
-        taus.append(s.acceptance_length)
+    taus = assert_greedy_lossless(trained, decoder, k, k or STEPS)
     if k != 1:
         assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
 
@@ -381,7 +362,7 @@ def test_mismatched_verifier_mtp_weights_refused(
     ("fields", "match"),
     [
         ({"block_size": 8}, "MTP drafts a chain"),
-        ({"gamma": 4.0}, "--gamma: MTP trains cross-entropy"),
+        ({"gamma": 4.0}, "--gamma 4.0: MTP trains cross-entropy"),
         ({"loss_type": "kl"}, "--loss-type kl"),
         ({"loss_weighting": "dpace"}, "dpace"),
         ({"mtp_steps": 0}, "mtp_steps"),

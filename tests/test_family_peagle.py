@@ -42,39 +42,33 @@ import torch
 
 from fanout.checkpoints.load import load_draft
 from fanout.checkpoints.resume import load_checkpoint
-from fanout.checkpoints.save import save_checkpoint
-from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.decode.spec_decode import Decoder
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.peagle.model import PEagleDraft, cod_sample
 from fanout.families.peagle.propose import PEagleContext
 from fanout.families.registry import family, family_of_draft
 from greedy_training import fit, greedy_batch
-from speculators_parity import Drafts, Parity, load, perturbed, save_draft, speculators_modules
+from speculators_parity import Drafts, Parity, load, perturbed, save_draft, saved_and_loaded
+
+# the parity fixtures (drafts, spec: they read PARITY and SPECULATORS)
+from speculators_parity import drafts as drafts
+from speculators_parity import spec as spec
 from test_family_eagle3 import (
     EPS_DEN,
     TARGET_LAYERS,
     VOCAB,
     H,
-    _prompt,
-    _Recording,
     _rows,
     assert_cached_equals_uncached,
-    eagle_decoder,
+    assert_greedy_lossless,
+    assert_refused_in_one_line,
     eagle_verifier,
 )
+from test_family_eagle3 import decoder as decoder  # fixture: eagle_decoder
+from test_family_eagle3 import verifier_dir as verifier_dir  # fixture: eagle_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
 
 DEPTHS = 4
-
-
-@pytest.fixture(scope="module")
-def verifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return eagle_verifier(tmp_path_factory.mktemp("peagle"))
-
-
-@pytest.fixture(scope="module")
-def decoder(verifier_dir: Path) -> Decoder:
-    return eagle_decoder(verifier_dir)
 
 
 def _draft(vdir: Path, ids: torch.Tensor | None = None, **kw: Any) -> PEagleDraft:
@@ -111,20 +105,12 @@ def _saved(vdir: Path, tmp: pytest.TempPathFactory) -> Drafts:
     return out
 
 
-@pytest.fixture(scope="module")
-def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:
-    return _saved(verifier_dir, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def spec() -> SimpleNamespace:
-    """speculators' P-EAGLE (skipped without speculators) and test_speculators' helpers."""
-    return speculators_modules(
-        peagle="speculators.models.peagle",
-        data="speculators.models.peagle.data",
-        eager="speculators.losses.eager",
-        base="speculators.config",
-    )
+# speculators' P-EAGLE, its data helpers, eager losses and config base (the `spec`
+# fixture's modules); the saved drafts (one a case) are PARITY's
+SPECULATORS = {
+    "peagle": "speculators.models.peagle", "data": "speculators.models.peagle.data",
+    "eager": "speculators.losses.eager", "base": "speculators.config",
+}  # fmt: skip
 
 
 def _load(spec: SimpleNamespace, path: Path) -> tuple[Any, dict[str, Any], list[str]]:
@@ -297,12 +283,7 @@ def test_training_lowers_the_loss_and_speculators_loads_it(
 ) -> None:  # fmt: skip
     draft, losses = trained
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
-    opt = torch.optim.SGD(draft.parameters(), lr=0.1)
-    path = save_checkpoint(
-        tmp_path, draft, opt, {"step": 60}, verifier_name_or_path=str(verifier_dir)
-    )
-    _, info, notes = _load(spec, path)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and notes == []
+    path, _ = saved_and_loaded(PARITY, draft, verifier_dir, tmp_path)
     back = load_draft(path, verifier_dir)
     assert type(back) is PEagleDraft and back.cfg == draft.cfg
 
@@ -312,18 +293,8 @@ def test_greedy_lossless_all_depths_in_one_forward(
     k: int | None, trained: tuple[PEagleDraft, list[float]], decoder: Decoder
 ) -> None:
     draft = trained[0]
-    fam = family_of_draft(draft)
-    assert fam.name == "peagle"
-    taus = []
-    for n, seed in ((6, 100), (6, 101), (3, 0), (17, 1)):
-        prompt = _prompt(n, seed)
-        g = decoder.greedy(prompt, 30)
-        rec = _Recording(fam.drafting_context(draft, num_speculative_tokens=k))
-        s = decoder.speculative(prompt, draft, 30, context=rec)
-        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
-        want = k or draft.cfg.num_depths
-        assert set(rec.sizes) == {want} and s.drafted == want
-        taus.append(s.acceptance_length)
+    assert family_of_draft(draft).name == "peagle"
+    taus = assert_greedy_lossless(draft, decoder, k, k or draft.cfg.num_depths)
     assert sum(taus[:2]) / 2 > 1.2  # trained prompts: drafts are accepted
 
 
@@ -338,7 +309,7 @@ def test_cached_equals_uncached(trained: tuple[PEagleDraft, list[float]], decode
     ("fields", "match"),
     [
         ({"block_size": 8}, r"--num-depths \+ 1 = 9"),
-        ({"gamma": 4.0}, "--gamma: P-EAGLE weighs"),
+        ({"gamma": 4.0}, "--gamma 4.0: P-EAGLE weighs"),
         ({"label_source": "input_ids"}, "--label-source input_ids"),
         ({"num_depths": 0}, "num_depths"),
         ({"down_sample_ratio": 1.5}, "down_sample_ratio"),
@@ -347,9 +318,9 @@ def test_cached_equals_uncached(trained: tuple[PEagleDraft, list[float]], decode
 def test_bad_config_is_refused_in_one_line(
     fields: dict[str, Any], match: str, verifier_dir: Path
 ) -> None:
-    with pytest.raises(ConfigError, match=match) as e:
-        family("peagle").build(verifier_dir, target_layer_ids=TARGET_LAYERS, **fields)
-    assert "\n" not in str(e.value).strip() or "validation error" in str(e.value)
+    assert_refused_in_one_line(
+        "peagle", verifier_dir, match, target_layer_ids=TARGET_LAYERS, **fields
+    )
 
 
 def test_too_many_speculative_tokens_are_refused(trained: tuple[PEagleDraft, list[float]]) -> None:
@@ -375,7 +346,7 @@ def test_its_flags_are_refused_for_another_family_and_theirs_for_it() -> None:
     with pytest.raises(ConfigError, match=r"--ttt-steps: eagle3 option.*is peagle") as e:
         _train_cfg("--draft-family", "peagle", "--ttt-steps", "4")
     assert "\n" not in str(e.value) and "--num-depths" in str(e.value)  # its own, named
-    with pytest.raises(ConfigError, match=r"--block-size 4: P-EAGLE's verify width"):
+    with pytest.raises(ConfigError, match=r"--block-size 4: P-EAGLE drafts a chain"):
         _train_cfg("--draft-family", "peagle", "--block-size", "4")
     r = _train_cfg("--draft-family", "peagle", "--num-depths", "6").draft_recipe()
     assert (r["num_depths"], r["num_layers"], r["loss_type"]) == (6, 1, "kl")

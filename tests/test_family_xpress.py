@@ -34,39 +34,37 @@ fanout's slot mask (the predicted token's mask, same document) and speculators'
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import block_parity as block
 from fanout.checkpoints.load import load_draft
 from fanout.checkpoints.resume import load_checkpoint
-from fanout.checkpoints.save import save_checkpoint
-from fanout.decode.spec_decode import Decoder, first_mismatch
+from fanout.decode.spec_decode import Decoder
 from fanout.errors import CheckpointError, ConfigError
 from fanout.families.registry import family, family_of_draft
 from fanout.families.xpress.model import XPressDraft
 from fanout.families.xpress.propose import XPressContext
 from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
-from fanout.model.verifier_dir import read_verifier_tensors
 from greedy_training import fit, greedy_batch
 from speculators_parity import (
     Drafts,
     Loaded,
     Parity,
-    anchor_rows,
-    load,
-    load_all,
-    packed_row,
-    patch_anchors,
     perturbed,
     save_drafts,
-    speculators_modules,
+    saved_and_loaded,
+    with_fields,
 )
+
+# the parity fixtures (drafts, loaded, spec: they read PARITY and SPECULATORS)
+from speculators_parity import drafts as drafts
+from speculators_parity import loaded as loaded
+from speculators_parity import spec as spec
 from test_family_dspark import (
     BS,
     MASK,
@@ -74,10 +72,9 @@ from test_family_dspark import (
     TARGET_LAYERS,
     VOCAB,
     H,
-    T,
     _prompt,
-    _Recording,
     _verifier,
+    assert_block_lossless,
     decoder,  # noqa: F401 (fixture)
     verifier_dir,  # noqa: F401 (fixture)
 )
@@ -108,21 +105,12 @@ def _draft(vdir: Path, ids: torch.Tensor | None = None, **kw: Any) -> XPressDraf
     )
 
 
-@pytest.fixture(scope="module")
-def drafts(verifier_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Drafts:  # noqa: F811
-    """'full' and 'reduced' (200 of 256 tokens) drafts, each saved with save_checkpoint."""
-    return save_drafts(_draft, verifier_dir, tmp_path_factory, "xpress-ckpt")
-
-
-@pytest.fixture(scope="module")
-def spec() -> SimpleNamespace:
-    """speculators' XPress (skipped without speculators) and test_speculators' helpers."""
-    return speculators_modules(
-        xpress="speculators.models.xpress",
-        dflash="speculators.models.dflash",
-        core="speculators.models.dflash.core",
-        eager="speculators.losses.eager",
-    )
+# speculators' XPress and what its tests use of DFlash's (the `spec` fixture's modules);
+# the saved drafts ('full' and 'reduced': 200 of 256 tokens) are PARITY's
+SPECULATORS = {
+    "xpress": "speculators.models.xpress", "dflash": "speculators.models.dflash",
+    "core": "speculators.models.dflash.core", "eager": "speculators.losses.eager",
+}  # fmt: skip
 
 
 def _restore_tril(model: Any) -> None:
@@ -135,11 +123,6 @@ def _restore_tril(model: Any) -> None:
     model.load_verifier_weights()
     tril = model.refiner_head.causal_tril
     tril.copy_(torch.tril(torch.ones_like(tril)))
-
-
-@pytest.fixture(scope="module")
-def loaded(spec: SimpleNamespace, drafts: Drafts) -> Loaded:
-    return load_all(PARITY, drafts)
 
 
 # ---- (a) speculators loads a fanout checkpoint: XPress's case of
@@ -205,54 +188,36 @@ def _tf_pieces(
 
 def _rows(
     draft: XPressDraft, vdir: Path, anchors: torch.Tensor, valid: torch.Tensor, seed: int
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A fanout batch row and the matching pre-norm verifier states for speculators:
-    random, except that about half the slots get a verifier state along the head row of
-    the draft's teacher-forced refined greedy token (so accuracies and EAL prefixes see
-    hits and misses). `target_ids[p] = argmax(lm_head(norm(pre[p])))`, fanout's capture
-    rule; fanout's `last_hidden_states` are the normed states."""
-    vt = read_verifier_tensors(vdir, ["lm_head.weight", "model.norm.weight"])
-    head, w = vt["lm_head.weight"], vt["model.norm.weight"]
-    g = torch.Generator().manual_seed(seed)
-    batch = {
-        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
-        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
-        **packed_row(),
-    }
-    pre = 2.0 * torch.randn(1, T, H, generator=g)
-    with torch.no_grad():
+) -> block.Rows:
+    """A fanout batch row (`block.packed_row`) and the matching pre-norm verifier states
+    for speculators (`block.rows`): about half the slots get a verifier state along the
+    head row of the draft's teacher-forced refined greedy token."""
+
+    def plant(batch: block.Row, pre: torch.Tensor, head: Any, w: Any, g: Any) -> None:
         pred = draft.to_verifier_ids(_tf_pieces(draft, batch, anchors, valid)[1].argmax(-1))
         for j, a in enumerate(anchors[valid].tolist()):
             for k in range(1, BS):
                 if torch.rand((), generator=g) < 0.5:
                     pre[0, a + k - 1] = 3.0 * head[pred[j, k]] / w  # its greedy token: pred
-    post = F.rms_norm(pre, (H,), w, eps=RMS_EPS)
-    batch["target_ids"] = (post @ head.t()).argmax(-1)
-    batch["last_hidden_states"] = post
-    return batch, pre
+
+    return block.rows(vdir, block.packed_row(), seed, len(TARGET_LAYERS) * H, plant, MASK, RMS_EPS)
 
 
 def test_logits_equal_speculators(
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[XPressDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-    verifier_dir: Path,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+    spec: SimpleNamespace, drafts: Drafts, loaded: Loaded,
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:  # fmt: skip
     """The distributions, not only the loss: the backbone's and the teacher-forced
     refined logits equal speculators' `_backbone_forward` + `refiner_head.block_bias`
     (with the previous tokens its forward builds), every slot of every real block."""
     draft = drafts["full"][0]
     model, _, _ = loaded["full"]
-    anchors, valid = anchor_rows(*ANCHORS)
+    anchors, valid = block.anchor_rows(*ANCHORS)
     batch, pre = _rows(draft, verifier_dir, anchors, valid, seed=11)
-    patch_anchors(monkeypatch, anchors, valid)
+    block.patch_anchors(monkeypatch, anchors, valid)
     n = anchors.shape[1]
     with torch.no_grad():
-        hidden, logits, _, _, idx = model._backbone_forward(
-            batch["hidden_states"], batch["input_ids"], batch["loss_mask"], pre,
-            batch["document_ids"], batch["position_ids"], max_anchors=n,
-        )  # fmt: skip
+        hidden, logits, _, _, idx = block.backbone(model, batch, pre, n)
         ids, doc = batch["input_ids"][0], batch["document_ids"][0]
         tok = ids[idx].view(n, BS)
         a = idx.view(n, BS)[:, 0]
@@ -278,31 +243,18 @@ CASES: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_loss_terms_and_grads_equal_speculators(
-    case: str,
-    spec: SimpleNamespace,
-    drafts: dict[str, tuple[XPressDraft, Path]],
-    loaded: dict[str, tuple[Any, dict[str, Any], list[str]]],
-    verifier_dir: Path,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    full = drafts["full"][0]
-    draft = copy.deepcopy(full)
-    draft.cfg = full.cfg.model_copy(update={"gamma": 2.5, **CASES[case]})
+    case: str, spec: SimpleNamespace, drafts: Drafts, loaded: Loaded,
+    verifier_dir: Path, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+) -> None:  # fmt: skip
+    draft = with_fields(drafts["full"][0], gamma=2.5, **CASES[case])
     c = draft.cfg
     model, _, _ = loaded["full"]
     model.zero_grad(set_to_none=True)
-    anchors, valid = anchor_rows(*ANCHORS)
-    batch, pre = _rows(draft, verifier_dir, anchors, valid, seed=11)
-    patch_anchors(monkeypatch, anchors, valid)
-
-    fan = draft.loss(batch, None)
-    fan.loss.backward()
+    anchors, valid = block.anchor_rows(*ANCHORS)
+    rows = _rows(draft, verifier_dir, anchors, valid, seed=11)
     eager = spec.eager
-    _, loss, m = model(
-        hidden_states=batch["hidden_states"], input_ids=batch["input_ids"],
-        loss_mask=batch["loss_mask"], verifier_last_hidden_states=pre,
-        document_ids=batch["document_ids"], position_ids=batch["position_ids"],
-        max_anchors=anchors.shape[1],
+    fan, loss, m = block.losses(
+        draft, model, rows, anchors, valid, monkeypatch,
         loss_config={"ce": (eager.ce_loss, c.xpress_ce_weight),
                      "tv": (eager.tv_loss, c.xpress_tv_weight)},
         gamma=2.5, consistency_weight=c.consistency_weight,
@@ -310,7 +262,6 @@ def test_loss_terms_and_grads_equal_speculators(
         base_anchor_full_weight=c.base_anchor_full_weight,
         ce_from_data=c.label_source == "input_ids",
     )  # fmt: skip
-    loss.backward()
 
     n = fan.n_tokens
     assert n == int(m["accept_rate_total"]) > 0
@@ -332,7 +283,7 @@ def test_loss_terms_and_grads_equal_speculators(
     for k in ("accept_rate", "base_accept_rate"):
         theirs = float(m[f"{k}_sum"] / m[f"{k}_total"])
         torch.testing.assert_close(theirs, fan.extra[k], rtol=1e-5, atol=1e-7)
-    spec.h._compare_grads(draft, model, scale)
+    block.assert_grads_equal(draft, model, scale)
     grad = draft.refiner_head.mix_l.grad
     assert grad is not None and float(grad.abs().max()) > 0
     model.zero_grad(set_to_none=True)
@@ -364,12 +315,7 @@ def test_training_lowers_the_loss_and_speculators_loads_it(
 ) -> None:  # fmt: skip
     draft, losses = trained
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5, losses
-    opt = torch.optim.SGD(draft.parameters(), lr=0.1)
-    path = save_checkpoint(
-        tmp_path, draft, opt, {"step": 60}, verifier_name_or_path=str(verifier_dir)
-    )
-    model, info, notes = load(PARITY, path)
-    assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and notes == []
+    path, model = saved_and_loaded(PARITY, draft, verifier_dir, tmp_path)
     assert torch.equal(model.refiner_head.mix_l, draft.refiner_head.mix_l.bfloat16().float())
     back = load_draft(path, verifier_dir)
     assert type(back) is XPressDraft and back.cfg == draft.cfg
@@ -381,21 +327,12 @@ def test_greedy_lossless_with_jacobi_passes(
     verifier_dir: Path,  # noqa: F811
 ) -> None:  # fmt: skip
     draft = trained[0] if which == "trained" else _draft(verifier_dir).eval()
-    fam = family_of_draft(draft)
-    assert fam.name == "xpress"
-    taus = []
-    prompts = ((6, 100), (6, 101), (6, 102)) if which == "trained" else ((3, 0), (17, 1), (30, 2))
-    for n, seed in prompts:
-        prompt = _prompt(n, seed)
-        g = decoder.greedy(prompt, 30)
-        rec = _Recording(fam.context(draft, cached=True))
-        s = decoder.speculative(prompt, draft, 30, context=rec)
-        assert first_mismatch(g.tokens, s.tokens) is None, (n, g.tokens, s.tokens)
-        assert rec.sizes and set(rec.sizes) == {BS - 1}
+    assert family_of_draft(draft).name == "xpress"
+
+    def check(rec: Any, s: Any) -> None:
         assert isinstance(rec.inner, XPressContext) and 1 <= rec.inner.passes <= 6
-        taus.append(s.acceptance_length)
-    if which == "trained":
-        assert sum(taus) / len(taus) > 2  # drafts are accepted, rejected ones rolled back
+
+    assert_block_lossless(draft, decoder, which == "trained", BS - 1, check)
 
 
 def test_cached_equals_uncached(
@@ -471,7 +408,7 @@ def test_its_flags_are_refused_for_another_family_and_theirs_for_it() -> None:
     assert "\n" not in str(e.value) and "--xpress-rank" in str(e.value)  # its own, named
     for flags, match in (
         (("--loss-type", "kl"), "--loss-type kl: XPress's loss is its own CE"),
-        (("--per-position-loss-weight", "dpace"), "dpace: XPress weighs slots with the exp"),
+        (("--per-position-loss-weight", "dpace"), "dpace: XPress's loss is its own CE"),
     ):
         with pytest.raises(ConfigError, match=match) as e:
             _train_cfg("--draft-family", "xpress", *flags)
@@ -500,7 +437,7 @@ def test_a_checkpoint_of_it_resumed_as_another_family_is_refused(
 
 def test_missing_last_hidden_states_and_wrong_config(verifier_dir: Path) -> None:  # noqa: F811
     draft = _draft(verifier_dir)
-    anchors, valid = anchor_rows(*ANCHORS)
+    anchors, valid = block.anchor_rows(*ANCHORS)
     batch, _ = _rows(draft, verifier_dir, anchors, valid, seed=1)
     del batch["last_hidden_states"]
     with pytest.raises(ConfigError, match="--store-last-hidden-states"):

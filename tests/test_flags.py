@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from pydantic import BaseModel, Field
@@ -84,40 +84,31 @@ def test_flags_parse_to_the_right_types() -> None:
     assert none.capture_layer_ids is None
 
 
-@pytest.mark.parametrize(
-    ("argv", "flag"),
-    [
-        (["--max-live-windows", "0"], "--max-live-windows"),
-        (["--window-rows", "0"], "--window-rows"),
-        (["--seq-len", "4"], "--seq-len"),
-        (["--ttl-s", "0"], "--ttl-s"),
-        (["--capture-batch-rows", "-3"], "--capture-batch-rows"),
-    ],
-)
-def test_bad_producer_values_name_the_flag(argv: list[str], flag: str) -> None:
-    p = _parser(producer_arguments)
-    args = p.parse_args(["--run-dir", "r", "--verifier-name-or-path", "v", "--data", "x", *argv])
-    with pytest.raises(ConfigError, match=flag):
-        model_from_args(ProducerConfig, args)
+# command -> (its arguments, its config, its required flags)
+COMMANDS: dict[str, tuple[Any, type[BaseModel], list[str]]] = {
+    "produce": (producer_arguments, ProducerConfig,
+                ["--run-dir", "r", "--verifier-name-or-path", "v", "--data", "x"]),
+    "train": (train_arguments, TrainConfig, ["--run-dir", "r", "--consumer-id", "c",
+                                             "--verifier-name-or-path", "v", "--save-path", "s"]),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("argv", "flag"),
+    ("command", "flag", "value"),
     [
-        (["--lr", "-1"], "--lr"),
-        (["--block-size", "1"], "--block-size"),
-        (["--warmup-ratio", "1.5"], "--warmup-ratio"),
-        (["--dpace-alpha", "2"], "--dpace-alpha"),
-        (["--rows-per-step", "0"], "--rows-per-step"),
-        (["--max-grad-norm", "0"], "--max-grad-norm"),
+        ("produce", "--max-live-windows", "0"), ("produce", "--window-rows", "0"),
+        ("produce", "--seq-len", "4"), ("produce", "--ttl-s", "0"),
+        ("produce", "--capture-batch-rows", "-3"),
+        ("train", "--lr", "-1"), ("train", "--block-size", "1"), ("train", "--warmup-ratio", "1.5"),
+        ("train", "--dpace-alpha", "2"), ("train", "--rows-per-step", "0"),
+        ("train", "--max-grad-norm", "0"),
     ],
-)
-def test_bad_train_values_name_the_flag(argv: list[str], flag: str) -> None:
-    p = _parser(train_arguments)
-    base = ["--run-dir", "r", "--consumer-id", "c", "--verifier-name-or-path", "v"]
-    args = p.parse_args([*base, "--save-path", "s", *argv])
+)  # fmt: skip
+def test_a_bad_value_names_its_flag(command: str, flag: str, value: str) -> None:
+    arguments, config, required = COMMANDS[command]
+    args = _parser(arguments).parse_args([*required, flag, value])
     with pytest.raises(ConfigError, match=flag):
-        model_from_args(TrainConfig, args)
+        model_from_args(config, args)
 
 
 def test_missing_required_flag_is_named() -> None:

@@ -118,16 +118,20 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _producer(assets: Path, src: Path, run: Path, log: Path) -> subprocess.Popen[bytes]:
+def _producer(
+    assets: Path, src: Path, run: Path, log: Path, archive: Path | None = None
+) -> subprocess.Popen[bytes]:
     cfg = tiny_producer_config(
         assets, run, follow=str(src), data=[], follow_idle_s=8.0, follow_flush_s=0.5,
         follow_chunk_records=6, holdout_fraction=0.25, max_live_windows=K, window_rows=2,
         cache_dir=str(assets / "cache"), heartbeat_s=0.3, ttl_s=3.0,
+        follow_keep_windows=0,  # the reader checkpoints every step: it never rewinds
     )  # fmt: skip
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "fanout.cli", "produce", *config_flags(cfg)],
-            env=ENV, stdout=out, stderr=subprocess.STDOUT,
+            env=ENV | ({"FANOUT_FOLLOW_ARCHIVE": str(archive)} if archive else {}),
+            stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
 
@@ -141,8 +145,8 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     go = tmp_path / "go"
     appender = subprocess.Popen([sys.executable, str(assets / "appender.py"), str(src),
                                  str(tmp_path / "recs.json"), str(run / "follow"), str(go)])  # fmt: skip
-    log = tmp_path / "producer.log"
-    prod = _producer(assets, src, run, log)
+    log, archive = tmp_path / "producer.log", tmp_path / "retired"
+    prod = _producer(assets, src, run, log, archive)
     wait_for(lambda: Coordinator.open_if_created(run) is not None, 120, "the run", 0.05)
     out, ckpt = tmp_path / "seen.jsonl", tmp_path / "ckpt.json"
     args = {"run_dir": str(run), "out": str(out), "ckpt": str(ckpt), "sleep": 0.05,
@@ -168,7 +172,7 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
         wait_for(lambda: committed(run), 300, "a committed chunk", 0.1)
         prod.send_signal(signal.SIGKILL)
         prod.wait(30)
-        prod = _producer(assets, src, run, log)
+        prod = _producer(assets, src, run, log, archive)
         go.touch()
         assert appender.wait(120) == 0
         assert prod.wait(180) == 0, log.read_text()[-3000:]
@@ -183,13 +187,24 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     assert "not a chat record, skipped" in text and "byte " in text
     skips = [x for x in text.splitlines() if "not a chat record" in x]
     assert not [x for x in skips if ":0: field" in x], skips  # a byte offset, not line 0
-    # every conversation once: in exactly one committed chunk, or held out
+    # every conversation once: in exactly one committed chunk's rows, or held out. A
+    # chunk's file starts with the records the one before it carried (its short rows);
+    # chunks every consumer acknowledged were retired (moved to `archive` here)
     chunks = committed(run)
-    assert sorted((run / "follow").glob("chunk-*.jsonl")) == [_chunk(run, c) for c in chunks]
-    chunked = [json.loads(x) for c in chunks for x in _chunk(run, c).read_text().splitlines()]
-    assert [len(_chunk(run, c).read_text().splitlines()) for c in chunks] == [
-        c.records for c in chunks
-    ]
+    kept = sorted((run / "follow").glob("chunk-*.jsonl"))
+    retired = sorted(archive.glob("chunk-*.jsonl")) if archive.is_dir() else []
+    assert retired and kept, "chunks were retired, the newest kept"
+    assert sorted(p.name for p in kept + retired) == sorted(_chunk(run, c).name for c in chunks)
+    assert kept[-1] == _chunk(run, chunks[-1])  # the newest is never retired
+    body = {p.name: p.read_text().splitlines() for p in kept + retired}
+    lines = [body[_chunk(run, c).name] for c in chunks]
+    assert [len(x) for x in lines] == [c.records for c in chunks]
+    carried_in = [0] + [c.carried for c in chunks[:-1]]
+    assert chunks[-1].carried == 0  # the stream's end keeps every row
+    assert any(carried_in), "no chunk carried its short rows' records on"
+    chunked = [json.loads(x) for ls, n in zip(lines, carried_in, strict=True) for x in ls[n:]]
+    for ls, n, prev in zip(lines[1:], carried_in[1:], lines, strict=False):
+        assert set(ls[:n]) <= set(prev), "a carried record is not the chunk before's"
     held = [json.loads(x) for x in (run / "follow" / "heldout.jsonl").read_text().splitlines()]
     want = sorted(_key((openai_pair(r) or r)["messages"]) for r in recs)
     got_chunks = [_key(d["messages"]) for d in chunked]
@@ -202,6 +217,10 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     seen = [json.loads(x) for x in out.read_text().splitlines()]
     info = json.loads((run / "stream.json").read_text())
     rows = info["dataset_summary"]["rows_so_far"]
+    # what `fanout promote --run-dir` decodes with (#52): the producer's verifier, tokenizer
+    assert (info["verifier"], info["tokenizer"]) == (
+        os.path.abspath(assets / "verifier"), os.path.abspath(assets / "tok"),
+    )  # fmt: skip
     assert info["total_windows"] == -(-rows // 2)
     assert sorted((r["w"], r["i"]) for r in seen) == sorted({(r["w"], r["i"]) for r in seen}), (
         "a row was read twice"
@@ -426,3 +445,66 @@ def test_an_over_length_record_is_counted_and_named_by_its_place_in_the_source(
         f"--follow: {src}: byte {len(lines[0].encode())}: longer than --seq-len 96 tokens, "
         "split across rows (--over-length split)"
     ], said
+
+
+def test_rows_carry_across_chunks_and_what_all_acknowledged_leaves_the_disk(
+    assets: Path, tmp_path: Path
+) -> None:
+    """#52: each chunk was packed alone (70 % real tokens at ~1 record/s) and its file
+    and prepared rows stayed for the stream's life. Now a chunk keeps only its rows at
+    least FULL_FILL real tokens and carries the others' records into the next chunk, and
+    once every consumer acknowledged a chunk's windows its file and its prepared rows
+    (the run's cache entry) go: 40 chunks cut, the disk holds a few. A restart resumes
+    the retired chunks by their row counts and the newest chunk's carried records; the
+    stream's end keeps every row, and every record is in exactly one chunk's rows."""
+    from fanout.produce import follow
+
+    src, run, cache = tmp_path / "log.jsonl", tmp_path / "run", tmp_path / "cache"
+    src.write_text("")
+    cfg = tiny_producer_config(
+        assets, run, follow=str(src), data=[], seq_len=256, window_rows=2,
+        follow_flush_s=1e6, follow_chunk_records=2, cache_dir=str(cache), holdout_fraction=0.0,
+        follow_keep_windows=1,  # retire a chunk once every consumer is a window past it
+    )  # fmt: skip
+
+    def make_prep(chunk: str) -> Any:
+        return cfg.prepare_config(str(cache), data=[chunk])
+
+    def disk() -> tuple[int, int]:
+        files = list((run / "follow").glob("chunk-*.jsonl"))
+        return len(files), len(list((cache / "prepared").glob("*")))
+
+    rd = RunDir(run).create()
+    co = Coordinator.create(run, make_contract())
+    p = co.register_producer(make_contract())
+    s = FollowStream(make_prep, cfg, rd)
+    s.fs.makedirs(s.dir)
+    s.attach(co, p)
+    recs = _source_records(80)
+    most = (0, 0)
+    for i in range(0, 80, 2):
+        with open(src, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in recs[i : i + 2]))
+        s.poll()  # two new records: a cut (--follow-chunk-records 2)
+        co.register_consumer("t", cursor=s.ready_windows, takeover=True)  # acked all so far
+        s.retire()
+        most = max(most[0], disk()[0]), max(most[1], disk()[1])
+    chunks = co.follow_chunks()
+    assert len(chunks) == 40 and s.retired >= 30
+    # files and cache entries: the chunks of the windows not yet acknowledged, not 40
+    assert most[0] <= 14 and most[1] <= 14, most  # ~6 chunks a window, 1 kept back
+    assert any(c.carried for c in chunks) and s.carry
+    tokens = s.summary()["row_fill"]
+    assert tokens >= follow.FULL_FILL, tokens  # only full rows went out (no record was due)
+    # a restart: the retired chunks by their row counts, the newest chunk's carried records
+    co.close()
+    again = FollowStream.open(make_prep, cfg, rd)
+    assert again.rows.num_rows == s.rows.num_rows and again.retired == s.retired
+    assert again.carry == s.carry and again.rows.starts == s.rows.starts
+    with Coordinator.open(run) as co2:
+        again.attach(co2, p)
+        again._cut(end=True)  # the stream's end: every row kept, nothing carried on
+        chunks = co2.follow_chunks()
+    assert chunks[-1].carried == 0 and not again.carry
+    new = [c.records - prev.carried for c, prev in zip(chunks[1:], chunks, strict=False)]
+    assert chunks[0].records + sum(new) == 80  # every record once in some chunk's rows

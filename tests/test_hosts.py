@@ -1,31 +1,41 @@
 """Roles on several hosts, the run dir on a network filesystem (issue 55).
 
     .venv/bin/pytest tests/test_hosts.py -x -q -p no:randomly    # root; skips otherwise
+    .venv/bin/pytest tests/test_hosts.py -m slow -q               # the >= 15 min soak
 
 Hosts are namespaces on this machine (tests/netns_hosts.py): own network (a veth to a
 bridge, a private test subnet), hostname, pid 1 and mounts. The run dir lives on one
 host and is mounted over sshfs by the others, with sshfs's caches on; PostgreSQL runs
-on a host of its own with password auth (SQLite is not for several hosts). Every wait
-is on a state (a file, a row, a process's exit) under a generous deadline.
+on a host of its own with password auth (SQLite is not for several hosts). The
+scenario starts every role through scripts/launch.sh, as docs/deploy.md's Slurm and
+Kubernetes recipes do: producer replicas, a trainer, a data-parallel trainer across two
+hosts (torchrun, c10d, gloo), `fanout status --serve` scraped from another host, and a
+follow-mode producer. Every wait is on a state (a file, a row, a process's exit) under
+a generous deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fanout.bench.assets import generate_corpus
-from netns_hosts import Hosts
-from tiny_run import build_tiny_assets, config_flags, tiny_producer_config, wait_for
+from fanout.train.trainlog import read_train_log
+from netns_hosts import Host, Hosts, Postgres, _children
+from tiny_run import build_tiny_assets, tiny_producer_config, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
-PY = [sys.executable, "-m", "fanout.cli"]
 
 
 def _tcp(host: Any, addr: str, port: int, timeout: float) -> str:
@@ -73,22 +83,89 @@ def test_a_run_dir_over_sshfs_is_one_directory_on_every_host(tmp_path: Path) -> 
         assert f" {run} " in mounts and "fuse.sshfs" in mounts
 
 
-# ---- the scenario: two producer hosts, two trainer hosts, one file server, PostgreSQL ----
+# ---- a run half-made, as another host sees it --------------------------------------------
 
 
-def _trainer(assets: Path, run: Path, name: str, saves: Path) -> list[str]:
-    """A tiny DFlash trainer that finds the database through the run dir's pointer (no
-    --db-path: the run is not made yet when it starts)."""
-    return [
-        *PY, "train", "--run-dir", str(run), "--consumer-id", name,
-        "--verifier-name-or-path", str(assets / "verifier"), "--num-layers", "1",
-        "--block-size", "4", "--max-anchors", "8", "--save-path", str(saves / name),
-        "--heartbeat-s", "0.5", "--checkpoint-every", "1000000000",
-        "--acquire-timeout-s", "300",
-    ]  # fmt: skip
+def test_a_pointer_written_while_a_monitor_opens_the_run_is_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scenario's `status --serve` looked for the run's database pointer just before
+    the producer on another host wrote it, then found the pointer there and refused the
+    default SQLite path on sshfs (exit 1) instead of waiting: the run is being created,
+    and open() says so (NoCoordinator, which every wait for a run retries)."""
+    from fanout.coord.coordinator import Coordinator
+    from fanout.errors import NoCoordinator
+    from fanout.store.rundir import RunDir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    real = Coordinator.resolve_db_path
+
+    def looked_just_before(root: Path, db_path: Any) -> Any:
+        where = real(root, db_path)  # no pointer yet: the default SQLite file
+        RunDir(root).db_pointer.write_text("postgresql://fanout@db:5432/fanout?schema=r\n")
+        return where
+
+    monkeypatch.setattr(Coordinator, "resolve_db_path", staticmethod(looked_just_before))
+    sshfs = (
+        "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+        f"40 27 0:50 / {tmp_path} rw - fuse.sshfs files:/x rw\n"
+    )
+    with pytest.raises(NoCoordinator, match="no producer has created this run"):
+        Coordinator.open(run, mountinfo=sshfs)
 
 
-def _q(pg: Any, schema: str, sql: str) -> list[tuple[Any, ...]]:
+def test_a_follow_start_slower_than_its_idle_end_is_a_short_stream(tmp_path: Path) -> None:
+    """The scenario's follow producer, loaded, prepared its first chunk for longer than
+    --follow-idle-s; the idle end then flushed the carried records into rows, and the
+    producer refused the run as having no usable record (exit 1). Here the idle end
+    comes at the second look: the stream ends with those rows."""
+    from fanout.produce.follow import FollowStream
+    from fanout.store.rundir import RunDir
+
+    assets, src, run = tmp_path / "assets", tmp_path / "gateway", tmp_path / "run"
+    for d in (assets, src):
+        d.mkdir()
+    build_tiny_assets(assets, generate_corpus(24, seed=3))
+    chats = generate_corpus(4, seed=5)  # a few short chats: rows too short to keep at once
+    (src / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chats))
+    cfg = tiny_producer_config(
+        assets, run, data=[], follow=str(src), follow_idle_s=0.01, follow_flush_s=600,
+        follow_chunk_records=4, window_rows=2,
+    )  # fmt: skip
+    cache = str(run / "cache")
+    stream = FollowStream.open(
+        lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, RunDir(run)
+    )
+    assert stream.ended and stream.rows.num_rows > 0
+    assert stream.counts["records"] == len(chats)
+
+
+# ---- the scenario: every role on a host of its own, each started by scripts/launch.sh ----
+
+LAUNCH = REPO / "scripts" / "launch.sh"
+K = 3  # --max-live-windows of both runs
+# what the launcher reads: the test's own environment must not leak into a role's
+LAUNCH_VARS = ("FANOUT_", "SLURM_", "JOB_COMPLETION_INDEX")
+
+
+@dataclass(frozen=True)
+class Size:
+    chats: int  # conversations in the main run's data
+    epochs: int  # the main run's passes over them
+    follow: int  # records the gateway writes to the followed log (half before the start)
+    gateway_s: float  # over how long it appends the second half, one record at a time
+    deadline_s: float  # a bound on a hang, not a timing: every role ends well before
+
+
+SCENARIO = Size(chats=24, epochs=1, follow=16, gateway_s=0, deadline_s=900)
+# >= 15 min: the followed log grows for that long, one record every ~4 s, while the main
+# run's producers make some hundreds of windows
+SOAK = Size(chats=48, epochs=40, follow=480, gateway_s=900, deadline_s=3600)
+
+
+def _q(pg: Postgres, schema: str, sql: str) -> list[tuple[Any, ...]]:
+    """Rows of `sql` in the run of `schema`; [] while that run is not made yet."""
     from fanout.coord.coordinator import Coordinator
     from fanout.errors import FanoutError
 
@@ -100,52 +177,252 @@ def _q(pg: Any, schema: str, sql: str) -> list[tuple[Any, ...]]:
         return []
 
 
-def test_two_producer_hosts_and_two_trainer_hosts_share_a_run_dir_over_sshfs(
-    tmp_path: Path,
-) -> None:
-    """The run issue 55 could not start: producer replicas on two hosts, trainers on two
-    others started at the same moment (before the run exists), the run dir (with the
-    data cache in it) on sshfs, PostgreSQL on its own host. Every window is made once,
-    both trainers ack every window in order (cursor = the stream's length) and every
-    process exits 0."""
+def _append(log: Path, records: list[dict[str, Any]], over_s: float) -> None:
+    """The gateway: append `records` to `log`, one at a time over `over_s` (0: at once)."""
+    step = 1 if over_s else len(records)
+    for i in range(0, len(records), step):
+        with log.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records[i : i + step]))
+        time.sleep(over_s / len(records))
+
+
+def _get(host: Host, url: str) -> str | None:
+    """HTTP GET of `url` from `host` (its network namespace): the body, or None."""
+    code = (
+        "import sys, urllib.request\n"
+        "try: sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())\n"
+        "except OSError: sys.exit(3)\n"
+    )
+    r = host.run([sys.executable, "-c", code, url], check=False)
+    return r.stdout if r.returncode == 0 else None
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.split(" ")[0].split("{")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _acked(save_path: Path, rank: int = 0) -> list[int]:
+    """The windows a trainer rank acked, in the order it acked them (its train log)."""
+    return [w for rec in read_train_log(save_path, rank) for w in rec.get("acked", [])]
+
+
+def _config(path: Path, values: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(values, indent=1))
+    return path
+
+
+class LiveWindows:
+    """The most window files each run dir held at once, sampled on the exporter's disk
+    (the files themselves, not a cached view of them) until `stop()`."""
+
+    def __init__(self, runs: list[Path]) -> None:
+        self.runs, self.most = runs, dict.fromkeys(runs, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            for run in self.runs:
+                with contextlib.suppress(OSError):  # not made yet; a file evicted meanwhile
+                    n = sum(p.suffix == ".safetensors" for p in (run / "windows").iterdir())
+                    self.most[run] = max(self.most[run], n)
+            time.sleep(0.02)
+
+    def stop(self) -> dict[Path, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def _scenario(tmp_path: Path, size: Size) -> None:
+    """PostgreSQL on its own host; a file server exporting the shared dir over sshfs;
+    producer replicas on 2 hosts; a trainer on a third; a data-parallel trainer of 2 gloo
+    ranks on 2 more (`torchrun --nnodes 2`, c10d rendezvous over the test network); a
+    `fanout status --serve` on another host, scraped from a trainer host; a follow-mode
+    producer of a second run on its own host, fed by a gateway's growing log, with its
+    trainer on the trainer host. Every role is started by scripts/launch.sh with its
+    settings in the environment, as the Slurm and Kubernetes recipes of docs/deploy.md
+    start them, before any run exists. Checked: every exit 0 without a traceback, every
+    window made once, every consumer acked every window once in order, at most K window
+    files at any time, every followed record read once, and the status server's
+    /metrics and /status.json, read from another host, agree with the database."""
     pytest.importorskip("psycopg")
     assets = tmp_path / "assets"
     assets.mkdir()
-    build_tiny_assets(assets, generate_corpus(24, seed=3))
-    run, saves, logs = tmp_path / "run", tmp_path / "saves", tmp_path / "logs"
-    for d in (run, saves, logs):
+    build_tiny_assets(assets, generate_corpus(size.chats, seed=3))
+    shared = tmp_path / "shared"  # the site's shared filesystem
+    run, frun = shared / "run", shared / "follow-run"  # made by their producers
+    drafts, gateway, cfgs = shared / "drafts", shared / "gateway", shared / "cfg"
+    logs = tmp_path / "logs"
+    for d in (shared, drafts, gateway, cfgs, logs):
         d.mkdir()
     os.chmod(tmp_path, 0o755)
-    with Hosts(6) as hs:
-        files, db, p0, p1, t0, t1 = hs
-        hs.share([run, saves], exporter=files)
+    records = generate_corpus(size.follow, seed=5)
+    half = size.follow // 2
+    log_file = gateway / "requests.jsonl"
+    log_file.write_text("".join(json.dumps(r) + "\n" for r in records[:half]))
+
+    producer = tiny_producer_config(
+        assets, run, replicas=2, max_live_windows=K, expected_consumers=3,
+        epochs=size.epochs, heartbeat_s=0.5,
+    ).model_dump(mode="json", exclude_unset=True)  # fmt: skip
+    follow = tiny_producer_config(
+        assets, frun, data=[], follow=str(gateway), follow_idle_s=30.0, follow_flush_s=0.5,
+        follow_chunk_records=4, window_rows=2, max_live_windows=K, expected_consumers=1,
+        heartbeat_s=0.5,
+    ).model_dump(mode="json", exclude_unset=True)  # fmt: skip
+    trainer = {
+        "verifier_name_or_path": str(assets / "verifier"), "num_layers": 1, "block_size": 4,
+        "max_anchors": 8, "heartbeat_s": 0.5, "checkpoint_every": 1_000_000_000,
+        "acquire_timeout_s": 900,
+    }  # fmt: skip
+    for cfg in (producer, follow):
+        del cfg["run_dir"]  # FANOUT_RUN_DIR gives it
+    del follow["follow"]  # and FANOUT_FOLLOW this
+    pcfg = _config(cfgs / "producer.json", producer)
+    fcfg = _config(cfgs / "follow.json", follow)
+    tcfg = _config(cfgs / "trainer.json", trainer)
+
+    with Hosts(9) as hs:
+        files, db, p0, p1, t0, d0, d1, st, fo = hs
+        hs.share(shared, exporter=files)
         pg = hs.postgres(db)
-        schema = "hosts_run"
-        env = pg.env({**os.environ, "OMP_NUM_THREADS": "1"})
-        cfg = tiny_producer_config(
-            assets, run, db_path=pg.url(schema), replicas=2, max_live_windows=3,
-            expected_consumers=2, epochs=1, heartbeat_s=0.5,
-        )  # fmt: skip
-        procs = {}
-        for name, host, argv in (
-            ("t0", t0, _trainer(assets, run, "t0", saves)),
-            ("t1", t1, _trainer(assets, run, "t1", saves)),
-            ("p0", p0, [*PY, "produce", *config_flags(cfg), "--replica-rank", "0"]),
-            ("p1", p1, [*PY, "produce", *config_flags(cfg), "--replica-rank", "1"]),
-        ):
+        base = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_VARS)}
+        base |= {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PGPASSWORD": pg.password,
+                 "FANOUT_PYTHON": sys.executable}  # fmt: skip
+        procs: dict[str, subprocess.Popen[Any]] = {}
+        started: dict[str, tuple[str, Host]] = {}
+
+        def launch(name: str, host: Host, role: str, env: dict[str, Any], *flags: str) -> None:
             with (logs / f"{name}.log").open("w") as log:
-                procs[name] = host.popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 170
+                procs[name] = host.popen(
+                    ["bash", str(LAUNCH), role, *flags], env=base | env, stdout=log,
+                    stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            started[name] = (role, host)
+
+        main_db, follow_db = pg.url("hosts_run"), pg.url("hosts_follow")
+        mine = {"FANOUT_RUN_DIR": str(run)}
+        theirs = {"FANOUT_RUN_DIR": str(frun)}
+        # every role at once, before either run exists: each waits for what it needs
+        launch("status", st, "status", mine | {"FANOUT_STATUS_PORT": "9464"},
+               "--interval-s", "0.5")  # fmt: skip
+        launch("t0", t0, "trainer", mine | {"FANOUT_CONFIG": str(tcfg), "FANOUT_CONSUMER_ID": "t0",
+               "FANOUT_SAVE_PATH": str(drafts / "t0")})  # fmt: skip
+        for h in (d0, d1):  # one torchrun per node; d0 hosts the rendezvous
+            launch(f"dp-{h.name}", h, "dp-trainer", mine | {
+                "FANOUT_CONFIG": str(tcfg), "FANOUT_CONSUMER_ID": "dp",
+                "FANOUT_SAVE_PATH": str(drafts / "dp"), "FANOUT_NNODES": "2",
+                "FANOUT_NPROC_PER_NODE": "1", "FANOUT_RDZV_ENDPOINT": f"{d0.name}:29400",
+                "FANOUT_RDZV_ID": "dp-hosts"}, "--rows-per-step", "1")  # fmt: skip
+        launch("ft", t0, "trainer", theirs | {"FANOUT_CONFIG": str(tcfg),
+               "FANOUT_CONSUMER_ID": "ft", "FANOUT_SAVE_PATH": str(drafts / "ft")})  # fmt: skip
+        # the replica ranks as the recipes give them: an Indexed Job's index, srun's task id
+        launch("p0", p0, "producer", mine | {"FANOUT_DB_URL": main_db,
+               "FANOUT_CONFIG": str(pcfg), "JOB_COMPLETION_INDEX": "0"})  # fmt: skip
+        launch("p1", p1, "producer", mine | {"FANOUT_DB_URL": main_db,
+               "FANOUT_CONFIG": str(pcfg), "SLURM_PROCID": "1"})  # fmt: skip
+        launch("follow", fo, "follow-producer", theirs | {"FANOUT_DB_URL": follow_db,
+               "FANOUT_CONFIG": str(fcfg), "FANOUT_FOLLOW": str(gateway)})  # fmt: skip
+        live = LiveWindows([run, frun])
+        deadline = time.monotonic() + size.deadline_s
+
+        def left() -> float:
+            return max(1.0, deadline - time.monotonic())
+
+        def running(*names: str) -> bool:
+            gone = {n: procs[n].poll() for n in names if procs[n].poll() is not None}
+            assert not gone, f"exited early: {gone}: " + "".join(
+                (logs / f"{n}.log").read_text(errors="replace")[-2000:] for n in gone
+            )
+            return True
+
+        # the gateway's second half, once the follow producer cut a chunk of the first (its
+        # file is written before it is prepared; the producer reads on after that)
+        wait_for(lambda: running("follow") and list((frun / "follow").glob("chunk-*")),
+                 left(), "a chunk of the followed log", 0.2)  # fmt: skip
+        gateway_thread = threading.Thread(
+            target=_append, args=(log_file, records[half:], size.gateway_s), daemon=True
+        )
+        gateway_thread.start()
+        # the dashboard, scraped over the network from a trainer host while the run goes
+        url = f"http://{st.addr}:9464"
+        metrics = wait_for(lambda: running("status") and _get(t0, f"{url}/metrics"), left(),
+                           "/metrics of the status server", 0.2)  # fmt: skip
+        assert _metric(metrics, "fanout_max_live_windows") == K, metrics[:2000]
+
+        gateway_thread.join(left())
         for name, p in procs.items():
-            code = p.wait(max(1.0, deadline - time.monotonic()))
+            if name == "status":
+                continue
+            code = p.wait(left())
             text = (logs / f"{name}.log").read_text(errors="replace")
             assert code == 0, f"{name} exited {code}:\n{text[-3000:]}"
             assert "Traceback" not in text, f"{name}:\n{text[-3000:]}"
-        total = _q(pg, schema, "SELECT COUNT(*) FROM windows")[0][0]
-        assert total >= 4
-        made = _q(pg, schema, "SELECT rank, made FROM producers ORDER BY rank")
-        assert sum(m for _, m in made) == total, made  # each window made once
-        assert _q(pg, schema, "SELECT MAX(captures) FROM windows") == [(1,)]
-        cursors = _q(pg, schema, "SELECT id, cursor, state FROM consumers ORDER BY id")
-        assert [(c, s) for _, c, s in cursors] == [(total, "finished")] * 2, cursors
-        assert not list((run / "cache").rglob("*.tmp@*"))  # no temp left behind
+        most = live.stop()
+
+        for name, (role, host) in started.items():  # each started by the launcher, there
+            first = (logs / f"{name}.log").read_text().splitlines()[0]
+            assert first.startswith(f"launch.sh: {role} on {host.name}: "), (name, first)
+        totals: dict[str, int] = {}
+        for schema, r, want in (("hosts_run", run, ["dp:dp0", "dp:dp1", "t0:dp0"]),
+                                ("hosts_follow", frun, ["ft:dp0"])):  # fmt: skip
+            # the windows numbered (rows of evicted ones are compacted away on a long run)
+            counters = dict(_q(pg, schema, "SELECT key, value FROM counters"))
+            total = counters["next_window"]
+            assert total >= 4, (schema, total)
+            made = _q(pg, schema, "SELECT rank, made FROM producers ORDER BY rank")
+            assert sum(m for _, m in made) == total, made  # each window made once
+            assert counters["recaptures"] == 0, counters
+            assert _q(pg, schema, "SELECT MAX(captures) FROM windows") in ([(1,)], [(None,)])
+            cursors = _q(pg, schema, "SELECT id, cursor, state FROM consumers ORDER BY id")
+            assert cursors == [(c, total, "finished") for c in want], cursors
+            assert most[r] <= K, (schema, most[r])
+            assert not list((r / "cache").rglob("*.tmp@*"))  # no temp left behind
+            totals[schema] = total
+        main_total = totals["hosts_run"]
+        # every consumer acked every window once, in order (its train log says which)
+        for save, rank, n in ((drafts / "t0", 0, main_total), (drafts / "dp", 0, main_total),
+                              (drafts / "dp", 1, main_total),
+                              (drafts / "ft", 0, totals["hosts_follow"])):  # fmt: skip
+            assert _acked(save, rank) == list(range(n)), (save, rank)
+        # every record the gateway wrote was read once, none held out or skipped (the last
+        # commit's counts; a chunk's own `records` also counts those carried into it)
+        last = "SELECT counts FROM follow_chunks ORDER BY chunk DESC LIMIT 1"
+        ((counts,),) = _q(pg, "hosts_follow", last)
+        assert json.loads(counts) == {**json.loads(counts), "records": size.follow,
+                                      "heldout": 0, "skipped": 0}, counts  # fmt: skip
+
+        # what the dashboard says, read from another host, is what the database says
+        def done() -> dict[str, Any] | None:
+            body = _get(t0, f"{url}/status.json")
+            snap = json.loads(body) if body else None
+            states = [(c["id"], c["state"]) for c in snap["consumers"]] if snap else []
+            return snap if sorted(states) == [(c, "finished") for c in want_main] else None
+
+        want_main = ["dp:dp0", "dp:dp1", "t0:dp0"]
+        snap = wait_for(done, left(), "the status server showing the run finished", 0.2)
+        assert snap["totals"]["windows_made"] == main_total, snap["totals"]
+        metrics = _get(t0, f"{url}/metrics") or ""
+        assert _metric(metrics, "fanout_windows_made_total") == main_total, metrics[:2000]
+        server = procs["status"]
+        assert running("status")
+        (pid,) = _children(server.pid)  # nsenter's child: the launcher exec'd fanout there
+        os.kill(pid, signal.SIGINT)  # Ctrl-C: the way to stop a dashboard, exit 0
+        assert server.wait(left()) == 0, (logs / "status.log").read_text()[-3000:]
+
+
+def test_every_role_on_its_own_host_started_by_the_launcher(tmp_path: Path) -> None:
+    """The scenario of issue 55 in the default suite (a couple of minutes idle)."""
+    _scenario(tmp_path, SCENARIO)
+
+
+@pytest.mark.slow
+def test_every_role_on_its_own_host_for_a_quarter_of_an_hour(tmp_path: Path) -> None:
+    """The same roles and checks for >= 15 min: a main run of some hundreds of windows,
+    a followed log growing one record every few seconds the whole time."""
+    _scenario(tmp_path, SOAK)

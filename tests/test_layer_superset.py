@@ -15,10 +15,6 @@ refused before anything starts.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +43,10 @@ from fanout.train.config import TrainConfig
 from fanout.train.consumer import ConsumerConfig, ConsumerStream, row_order
 from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
-from tiny_run import RECORDER, one_thread, tiny_producer_config, wait_for  # noqa: F401 (one_thread: an autouse fixture)
+from tiny_run import RECORDER, one_thread, run_recorder, tiny_producer_config  # noqa: F401 (one_thread: an autouse fixture)
 from window_files import tensor_byte_range, window_names
 
 REPO = Path(__file__).resolve().parents[1]
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 UNION = [1, 2, 3, 4, 5, 6, 7]
 SETS = {"a": [1, 4, 7], "b": [5, 2], "c": UNION}  # b is asked unsorted: read ascending
 
@@ -399,21 +394,12 @@ def test_kill9_and_resume_of_a_subset_consumer(env: Env, tmp_path: Path) -> None
             return []
         return [(r["w"], r["i"], r["h"]) for r in map(json.loads, out.read_text().splitlines())]
 
-    cmd = [sys.executable, str(script)]
-    p1 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.05, "every": 3})], env=ENV)
-    try:
-        wait_for(lambda: len(recorded()) >= 5 or p1.poll() is not None, 120, "rows")
-        p1.send_signal(signal.SIGKILL)
-        assert p1.wait(30) == -signal.SIGKILL
-    finally:
-        if p1.poll() is None:
-            p1.kill()
+    run_recorder(script, args, until=lambda: len(recorded()) >= 5)
     first = recorded()
     assert 0 < len(first) < len(want), "the kill came after the end; test is vacuous"
     assert first == want[: len(first)]
     state = json.loads(ckpt.read_text())
-    p2 = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.0, "every": 3})], env=ENV)
-    assert p2.wait(120) == 0
+    run_recorder(script, args)  # to the end
     # every row after the checkpoint, in order, with its own layers' bytes
     assert recorded()[len(first) :] == want[state["seen"] :]
     with Coordinator.open(env.superset) as co:

@@ -69,3 +69,34 @@ def test_bad_shapes_and_a_trainable_head_are_refused() -> None:
         linear_kl_div_and_argmax(
             torch.randn(3, 4), torch.randn(3, 4), torch.randn(5, 4, requires_grad=True)
         )
+
+
+def test_the_chain_head_loss_is_this_op_and_keeps_its_precision_under_autocast() -> None:
+    """`teacher_head`'s KL (EAGLE-3's and P-EAGLE's loss) is this op with the verifier's
+    argmax beside it: the same loss and draft argmax, the label the teacher logits'
+    argmax, and fp32 inside a trainer's bf16 autocast as outside it (before, its own
+    copy of the op ran its matmuls under the caller's autocast)."""
+    from fanout.ops.teacher_head import teacher_head
+
+    g = torch.Generator().manual_seed(0)
+    x0, t, w = (
+        torch.randn(24, 16, generator=g),
+        torch.randn(24, 16, generator=g),
+        torch.randn(200, 16, generator=g),
+    )
+
+    def run(autocast: bool) -> list[torch.Tensor]:
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, pred, label = teacher_head(x, t, w, kl=True)
+        loss.sum().backward()
+        assert x.grad is not None
+        return [loss, pred, label, x.grad]
+
+    kl, pred = linear_kl_div_and_argmax(x0, t, w)
+    plain = run(False)
+    torch.testing.assert_close(plain[0], kl)
+    assert torch.equal(plain[1], pred) and torch.equal(plain[2], (t @ w.t()).argmax(-1))
+    for got, want in zip(run(True), plain):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -126,15 +126,25 @@ def _bf16(d: MTPDraft) -> MTPDraft:
 # ---- (a) the start ------------------------------------------------------------------
 
 
+def _started(
+    root: Path, arch: str, own: bool, caplog: pytest.LogCaptureFixture
+) -> tuple[Path, MTPDraft]:
+    """`arch`'s verifier (with its own MTP weights or without) and the MTP draft built
+    on it, what the build logged in `caplog`."""
+    vdir = _vdir(root, arch, own=own)
+    with caplog.at_level(logging.INFO, logger=LOG):
+        d = family("mtp").build(vdir, mtp_steps=STEPS)
+    assert isinstance(d, MTPDraft)
+    return vdir, d
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_starts_from_the_verifiers_mtp_weights_as_speculators(
     arch: str, root: Path, spec: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    vdir = _vdir(root, arch, own=True)
-    with caplog.at_level(logging.INFO, logger=LOG):
-        d = family("mtp").build(vdir, mtp_steps=STEPS)
+    vdir, d = _started(root, arch, True, caplog)
     assert f"a {arch} MTP layer, starting from" in caplog.text and "own MTP weights" in caplog.text
-    assert isinstance(d, MTPDraft) and isinstance(d.mtp_layers[0], HybridMTPLayer)
+    assert isinstance(d.mtp_layers[0], HybridMTPLayer)
     theirs = {
         k: v for k, v in _speculators_start(spec, vdir).state_dict().items() if "mtp_layers" in k
     }
@@ -152,10 +162,7 @@ def test_starts_from_the_verifiers_mtp_weights_as_speculators(
 def test_speculators_initialisation_without_mtp_weights(
     arch: str, root: Path, spec: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    vdir = _vdir(root, arch, own=False)
-    with caplog.at_level(logging.INFO, logger=LOG):
-        d = family("mtp").build(vdir, mtp_steps=STEPS)
-    assert isinstance(d, MTPDraft)
+    vdir, d = _started(root, arch, False, caplog)
     assert f"a {arch} MTP layer; {vdir} ships no mtp.* weights" in caplog.text
     theirs = spec.MTPDraftModel(_load_config(spec, _saved(d, vdir, root / f"{arch}-init")))
     want = {k: v for k, v in theirs.state_dict().items() if k.startswith("mtp_layers.")}

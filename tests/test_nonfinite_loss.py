@@ -16,23 +16,18 @@ from typing import Any
 import pytest
 import torch
 
-from fanout.bench.assets import generate_corpus
 from fanout.errors import FanoutError, NonFiniteLoss, TrainerStopped
-from fanout.produce.producer import Producer
 from fanout.train.config import TrainConfig
 from fanout.train.ending import Ending
 from fanout.train.trainer import Trainer
 from fanout.train.trainlog import read_train_log
-from tiny_run import build_tiny_assets, one_thread, tiny_producer_config  # noqa: F401
+from tiny_run import one_thread, produced_run  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("nonfinite")
-    build_tiny_assets(root, generate_corpus(60, seed=0))
-    cfg = tiny_producer_config(root, root / "run", max_live_windows=1000, expected_consumers=1000)
-    Producer(cfg).run()
-    return root
+    return produced_run(root, max_live_windows=1000, expected_consumers=1000)
 
 
 def _trainer(root: Path, name: str, bad: set[int], **kw: Any) -> Trainer:

@@ -12,12 +12,12 @@ number fails here, naming the file and the figure).
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from conftest import repo_module
 
 REPO = Path(__file__).resolve().parents[1]
 # A measured figure: a decimal, a ratio (2×) or a percentage. Plain integers (sizes,
@@ -30,11 +30,7 @@ NUMBERS_HEADING = re.compile(r"^(#{2,6}) .*\b(numbers|results?|measured|benchmar
 
 
 def _report() -> ModuleType:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        return importlib.import_module("report")
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    return repo_module("benchmarks", "report")
 
 
 def test_every_result_is_a_complete_record() -> None:

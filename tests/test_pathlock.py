@@ -29,7 +29,7 @@ import pytest
 from fanout.coord.liveness import Holder, ProcessInfo, this_process
 from fanout.coord.pathlock import PathLock
 from fanout.errors import RoleHeld
-from fanout.filesystem import pid_gone
+from fanout.netfs import pid_gone
 
 CTX = mp.get_context("spawn")
 HOST = socket.gethostname()

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ import pytest
 import torch
 
 from fanout import cli
-from fanout.bench.assets import generate_corpus
 from fanout.contract import CaptureContract
 from fanout.coord.coordinator import Coordinator
 from fanout.errors import ContractMismatch
@@ -41,15 +39,15 @@ from fanout.store.streaminfo import StreamInfo, window_count, window_span
 from fanout.store.windowfile import hidden_name
 from faults import Recording, after_rename, fail_each_call
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
-    build_tiny_assets,
+    ENV,
+    TinyAssets,
     config_flags,
     one_thread,
+    tiny_assets,
     tiny_producer_config,
     wait_for,
 )
 from window_files import window_names
-
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 # A consumer process. Records every window it reads (window, generation, xxh3 of each
 # tensor) as JSON lines; optionally sleeps per window (a slow reader), stops after
@@ -87,23 +85,14 @@ if "restart_cursor" in a:
 """
 
 
-@dataclass(frozen=True)
-class Tiny:
-    root: Path
-    data: Path
-    tokenizer: Path
-    verifier: Path
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    root = tmp_path_factory.mktemp("tiny")
-    data, tok, ver = build_tiny_assets(root, generate_corpus(120, seed=0))
-    (root / "consumer.py").write_text(CONSUMER)
-    return Tiny(root, data, tok, ver)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
+    tiny = tiny_assets(tmp_path_factory.mktemp("tiny"), 120)
+    (tiny.root / "consumer.py").write_text(CONSUMER)
+    return tiny
 
 
-def _cfg(tiny: Tiny, run_dir: Path, **kw: Any) -> ProducerConfig:
+def _cfg(tiny: TinyAssets, run_dir: Path, **kw: Any) -> ProducerConfig:
     own = {"max_live_windows": 64, "cache_dir": str(tiny.root / "cache"), "heartbeat_s": 0.3}
     return tiny_producer_config(tiny.root, run_dir, **(own | kw))
 
@@ -197,7 +186,9 @@ def test_window_count_and_span_are_the_streams_one_rule() -> None:
 # ---- capture --------------------------------------------------------------------------
 
 
-def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_path: Path) -> None:
+def test_windows_hold_stream_rows_and_equal_a_direct_forward(
+    tiny: TinyAssets, tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     cfg = _cfg(tiny, tmp_path / "run", max_windows=3)
@@ -244,7 +235,7 @@ def test_windows_hold_stream_rows_and_equal_a_direct_forward(tiny: Tiny, tmp_pat
     assert checked >= 6
 
 
-def test_overlapped_publish_writes_the_same_windows(tiny: Tiny, tmp_path: Path) -> None:
+def test_overlapped_publish_writes_the_same_windows(tiny: TinyAssets, tmp_path: Path) -> None:
     """Publishing on a background thread (two buffer slots) changes no byte of any window
     and still publishes every window exactly once."""
     files: dict[str, Any] = {}
@@ -270,7 +261,7 @@ def test_overlapped_publish_writes_the_same_windows(tiny: Tiny, tmp_path: Path) 
 
 
 def test_changed_contract_is_refused_naming_the_fields(
-    tiny: Tiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny: TinyAssets, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
     Producer(_cfg(tiny, run, max_windows=1)).run()
@@ -293,7 +284,7 @@ def test_changed_contract_is_refused_naming_the_fields(
 # ---- crashes and signals (real processes) ---------------------------------------------
 
 
-def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: Path) -> None:
+def test_kill9_restart_sigterm_every_window_exactly_once(tiny: TinyAssets, tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = _cfg(tiny, run, epochs=2, capture_batch_rows=1)
     argv = _argv_of(cfg)
@@ -343,7 +334,7 @@ def test_kill9_restart_sigterm_every_window_exactly_once(tiny: Tiny, tmp_path: P
 # ---- backpressure and lag policies (real consumer processes) ---------------------------
 
 
-def _consumer(tiny: Tiny, run: Path, out: Path, **kw: Any) -> subprocess.Popen[bytes]:
+def _consumer(tiny: TinyAssets, run: Path, out: Path, **kw: Any) -> subprocess.Popen[bytes]:
     args = {"run_dir": str(run), "id": "reader", "out": str(out)} | kw
     return subprocess.Popen(
         [sys.executable, str(tiny.root / "consumer.py"), json.dumps(args)], env=ENV
@@ -383,7 +374,9 @@ class Sampler(threading.Thread):
             time.sleep(0.003)
 
 
-def test_backpressure_never_more_than_k_files(db: str | None, tiny: Tiny, tmp_path: Path) -> None:
+def test_backpressure_never_more_than_k_files(
+    db: str | None, tiny: TinyAssets, tmp_path: Path
+) -> None:
     """Also with the coordinator on PostgreSQL: the consumer process finds it through the
     run dir (coordinator.dbpath), as a trainer on another host would."""
     run = tmp_path / "run"
@@ -411,7 +404,7 @@ def test_backpressure_never_more_than_k_files(db: str | None, tiny: Tiny, tmp_pa
 
 
 def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
-    db: str | None, tiny: Tiny, tmp_path: Path
+    db: str | None, tiny: TinyAssets, tmp_path: Path
 ) -> None:
     run = tmp_path / "run"
     cfg = _cfg(
@@ -450,7 +443,7 @@ def test_recapture_serves_a_consumer_restarted_from_an_old_cursor(
 
 @pytest.mark.parametrize("storage", ["bfloat16", "float8_e4m3fn"])
 def test_window_bytes_and_a_start_warning_when_k_windows_do_not_fit(
-    tiny: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture, storage: str
+    tiny: TinyAssets, tmp_path: Path, caplog: pytest.LogCaptureFixture, storage: str
 ) -> None:
     from fanout.filesystem import FileSystem
 

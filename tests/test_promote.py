@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,9 +103,11 @@ def test_a_better_draft_is_promoted_a_worse_one_never(
     world: dict[str, Any], tmp_path: Path
 ) -> None:
     served, session = tmp_path / "served", world["session"]
-    first = decide(_cfg(world, world["bad"], served), session)
-    assert first["promoted"] and first["why"] == "nothing served yet"
-    assert (served / CURRENT).resolve().name == "v0001"
+    # the first candidate of an empty served dir is measured (alone), then promoted
+    first = decide(_cfg(world, world["good"], tmp_path / "first"), session)
+    assert first["promoted"] and first["why"] == "nothing served yet", first
+    assert first["prompts"] == 6 and first["candidate_tau"] > 1.01 and not first["floor"]
+    Served(served).promote(world["bad"], keep=3)  # the worse one served: v0001
     better = decide(_cfg(world, world["good"], served), session)
     assert better["promoted"], better
     assert better["candidate_tau"] > better["served_tau"]
@@ -114,8 +117,8 @@ def test_a_better_draft_is_promoted_a_worse_one_never(
     assert not worse["promoted"], worse
     assert (served / CURRENT).resolve().name == "v0002"  # still the better one
     lines = _decisions(served)
-    assert [d["promoted"] for d in lines] == [True, True, False]
-    assert all(d["prompts"] == 6 for d in lines[1:]) and lines[1]["candidate_step"] == 120
+    assert [d["promoted"] for d in lines] == [True, False]
+    assert all(d["prompts"] == 6 for d in lines) and lines[0]["candidate_step"] == 120
     # what is served loads as a draft of the verifier, and is the good one's weights
     cur = load_draft(served / CURRENT, world["ver"])
     good = load_draft(world["good"], world["ver"])
@@ -126,7 +129,7 @@ def test_a_better_draft_is_promoted_a_worse_one_never(
 
 def test_a_margin_decides_on_point_estimates(world: dict[str, Any], tmp_path: Path) -> None:
     served, session = tmp_path / "served", world["session"]
-    decide(_cfg(world, world["bad"], served), session)
+    Served(served).promote(world["bad"], keep=3)
     huge = decide(_cfg(world, world["good"], served, margin=100.0), session)
     assert not huge["promoted"] and "margin 100" in huge["why"]
     small = decide(_cfg(world, world["good"], served, margin=0.0), session)
@@ -186,8 +189,8 @@ def test_drift_is_recorded_and_flagged_below_the_promoted_interval(
     world: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """--run-dir of a live run: each look decodes the served draft on the newest held-out
-    conversations and records τ with its interval. The first version of a served dir
-    is promoted unmeasured, so its first record is its baseline; a version promoted with
+    conversations and records τ with its interval. A version flipped in without a
+    measured decision has its first record as its baseline; a version promoted with
     an interval is held to that one, and a look whose interval lies wholly below it is
     flagged (here: a version whose recorded win is out of the tiny draft's reach)."""
     from fanout.decode.config import HELDOUT
@@ -200,7 +203,7 @@ def test_drift_is_recorded_and_flagged_below_the_promoted_interval(
     cfg = _cfg(world, world["good"], served).model_copy(
         update={"run_dir": str(run), "data": str(heldout)}
     )
-    decide(cfg, world["session"])  # nothing served yet: promoted unmeasured
+    Served(served).promote(world["good"], keep=3)  # flipped in: no decision measured it
     first = drift(cfg)
     assert first is not None and first["baseline_ci95"] is None and first["below"] is False
     more = "".join(json.dumps(c) + "\n" for c in generate_corpus(8, seed=4242))
@@ -243,7 +246,7 @@ def test_a_rollback_sticks_until_a_later_step_exists(world: dict[str, Any], tmp_
     new version. Now it is barred (one decision line saying why) until a checkpoint of a
     later step of the same save path exists."""
     served, session = tmp_path / "served", world["session"]
-    assert decide(_cfg(world, world["bad"], served), session)["promoted"]
+    Served(served).promote(world["bad"], keep=3)  # v0001
     assert decide(_cfg(world, world["good"], served), session)["promoted"]  # v0002
     r = subprocess.run(
         [sys.executable, "-m", "fanout.cli", "promote", "--served", str(served), "--rollback"],
@@ -263,3 +266,98 @@ def test_a_rollback_sticks_until_a_later_step_exists(world: dict[str, Any], tmp_
     (later / "training_state.json").write_text(json.dumps(state | {"step": 121}))
     assert decide(_cfg(world, later, served), session)["promoted"]
     assert (served / CURRENT).resolve().name == "v0003"
+
+
+def test_run_dir_gives_the_verifier_and_tokenizer_the_run_recorded(tmp_path: Path) -> None:
+    """#52: `promote --run-dir` demanded --verifier-name-or-path and --tokenizer that the
+    run already knows. The producer records both in stream.json; promote takes them from
+    there (flags given win), asks for them in one line when an older run lacks them, and
+    its --help says they are not required with --run-dir."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    from fanout.decode.config import HELDOUT
+    from fanout.decode.promote import add_arguments
+    from fanout.store.rundir import RunDir
+    from fanout.store.streaminfo import StreamInfo
+
+    run, ver, tok, other = (tmp_path / n for n in ("run", "ver", "tok", "other"))
+    for d in (run / "follow", ver, tok, other):
+        d.mkdir(parents=True)
+    (run / "follow" / HELDOUT).write_text("{}\n")
+    kw = {"run_dir": str(run), "draft": [str(tmp_path / "d")], "served": str(tmp_path / "s")}
+    StreamInfo.of("s1", None, 2, 1).write(RunDir(run))  # an older producer: neither
+    with pytest.raises(ValidationError, match=r"records no verifier.*--verifier-name-or-path"):
+        PromoteConfig(**kw)
+    StreamInfo.of("s1", None, 2, 1, verifier=str(ver), tokenizer=str(tok)).write(RunDir(run))
+    cfg = PromoteConfig(**kw)
+    assert (cfg.verifier_name_or_path, cfg.tokenizer) == (str(ver), str(tok))
+    assert cfg.data == str(run / "follow" / HELDOUT)
+    given = PromoteConfig(**kw, verifier_name_or_path=str(other), tokenizer=str(other))
+    assert (given.verifier_name_or_path, given.tokenizer) == (str(other), str(other))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = " ".join(p.format_help().split())
+    for flag in ("--verifier-name-or-path", "--tokenizer", "--data"):
+        meta = flag[2:].upper().replace("-", "_")
+        said = text.split(f"{flag} {meta} ", 1)[1]  # its help, not the usage line
+        nxt = re.search(r" --[a-z-]+ [A-Z_]+ ", said)  # where the next option's help starts
+        said = said[: nxt.start() if nxt else None]
+        assert said.endswith("(required unless --run-dir)"), (flag, said)
+
+
+def test_a_draft_at_the_acceptance_floor_is_never_served_and_says_so(
+    world: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#52: a draft never trained (acceptance pinned at 0) was served as the first
+    version, silently. Now the first candidate is measured too, and one at the floor
+    (τ <= 1 + --floor-epsilon) is refused: an error line, `floor` in its decision and,
+    with --run-dir, in `fanout status` (a FLOOR line, /metrics fanout_promote_floor 1);
+    `--once` exits 3. The command takes the verifier and tokenizer from the run."""
+    from fanout.decode.config import HELDOUT, PROMOTE
+    from fanout.status.serve import metrics_text
+    from fanout.status.snapshot import build, snapshot
+    from fanout.status.table import format_table
+    from fanout.store.rundir import RunDir
+    from fanout.store.streaminfo import StreamInfo
+    from test_coordinator import new_run
+
+    draft = DFlashDraft.from_verifier(
+        str(world["ver"]), target_layer_ids=LAYERS, block_size=4, max_anchors=32
+    )
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.zero_()  # its every guess is token 0: never the verifier's
+    opt, _ = make_optimizer(draft.parameters(), lr=1e-3)
+    dead = save_checkpoint(tmp_path / "drafts" / "dead", draft.eval(), opt, {"step": 50},
+                           verifier_name_or_path=str(world["ver"]))  # fmt: skip
+    co, _, _ = new_run(tmp_path)  # a live run: tmp_path/run
+    run, served = tmp_path / "run", tmp_path / "served"
+    (run / "follow").mkdir(parents=True, exist_ok=True)
+    (run / "follow" / HELDOUT).write_text(world["held"].read_text())
+    got = decide(_cfg(world, dead, served, run_dir=str(run)), world["session"])
+    assert not got["promoted"] and got["floor"] is True, got
+    assert got["candidate_tau"] <= 1.01 and "at the floor" in got["why"]
+    assert not (served / CURRENT).exists()  # nothing served
+    assert _decisions(served)[-1]["floor"] is True
+    assert "at the acceptance floor" in caplog.text
+    said = json.loads((run / "follow" / PROMOTE).read_text())
+    assert said["floor"] is True and said["candidate"] == str(dead.resolve())
+    s = snapshot(co)
+    assert s["promote"]["floor"] is True and s["promote"]["promoted"] is False
+    assert "FLOOR: its drafts are (next to) never accepted" in format_table(s)
+    assert "fanout_promote_floor 1" in metrics_text(build(co))
+    co.close()
+    # the command, from cron: no --verifier-name-or-path, --tokenizer or --data (the run's)
+    StreamInfo.of("s", None, 2, 1, verifier=str(world["ver"]), tokenizer=str(world["tok"])
+                  ).write(RunDir(run))  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "fanout.cli", "promote", "--run-dir", str(run), "--once",
+         "--draft", str(dead), "--served", str(served), "--num-prompts", "6",
+         "--max-new-tokens", "24"],
+        capture_output=True, text=True, env=ENV, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "is at the acceptance floor" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+    assert not (served / CURRENT).exists()

@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-import fanout.filesystem as filesystem
+import fanout.netfs as netfs
 from fanout.data.cache import MANIFEST, PackedDataset, ShardWriter
 from fanout.errors import NoCoordinator
 from fanout.filesystem import FileSystem
@@ -33,7 +33,7 @@ def _as_host(monkeypatch: pytest.MonkeyPatch, host: str, pid: int = 1) -> None:
     monkeypatch.setattr(os, "getpid", lambda: pid)
     monkeypatch.setattr(socket, "gethostname", lambda: host)
     space = f"{abs(hash(host)) % (1 << 32):08x}"
-    monkeypatch.setattr(filesystem, "_pid_space", lambda: space, raising=False)
+    monkeypatch.setattr(netfs, "_pid_space", lambda: space, raising=False)
 
 
 def _rows(n: int, t: int = 8, start: int = 0) -> dict[str, np.ndarray]:
@@ -77,9 +77,9 @@ def test_temp_names_differ_across_hosts_processes_and_calls(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _as_host(monkeypatch, "h1")
-    one, again = filesystem.temp_tag(), filesystem.temp_tag()
+    one, again = netfs.temp_tag(), netfs.temp_tag()
     _as_host(monkeypatch, "h2")
-    other = filesystem.temp_tag()
+    other = netfs.temp_tag()
     assert len({one, again, other}) == 3
     assert "@h1." in one and ".1." in one and "@h2." in other
 
@@ -89,20 +89,20 @@ def test_another_hosts_temp_is_debris_only_by_age(
 ) -> None:
     """A pid says nothing about another host's process: its temp goes only once old."""
     _as_host(monkeypatch, "far", pid=999_999_999)  # no such pid here: "dead" if asked
-    theirs = tmp_path / f".tmp-checkpoint-00000002-{filesystem.temp_tag()}"
+    theirs = tmp_path / f".tmp-checkpoint-00000002-{netfs.temp_tag()}"
     theirs.mkdir()
     (theirs / "resume.safetensors").write_bytes(b"x")
     monkeypatch.undo()
-    assert not filesystem.temp_writer_gone(theirs)
-    old = time.time() - filesystem.TEMP_STALE_S - 60
+    assert not netfs.temp_writer_gone(theirs)
+    old = time.time() - netfs.TEMP_STALE_S - 60
     for p in (theirs, theirs / "resume.safetensors"):
         os.utime(p, (old, old))
-    assert filesystem.temp_writer_gone(theirs)
+    assert netfs.temp_writer_gone(theirs)
     # this host's: by pid, at once
-    mine = tmp_path / f"x.tmp{filesystem.temp_tag()}"
-    assert not filesystem.temp_writer_gone(mine)  # this process is alive
-    dead = tmp_path / f"x.tmp{filesystem.temp_tag().replace(f'.{os.getpid()}.', '.999999999.')}"
-    assert filesystem.temp_writer_gone(dead)
+    mine = tmp_path / f"x.tmp{netfs.temp_tag()}"
+    assert not netfs.temp_writer_gone(mine)  # this process is alive
+    dead = tmp_path / f"x.tmp{netfs.temp_tag().replace(f'.{os.getpid()}.', '.999999999.')}"
+    assert netfs.temp_writer_gone(dead)
 
 
 # ---- 2. a shared cache entry: built once, never swapped under a reader ------------------
@@ -131,8 +131,8 @@ def test_commit_dir_once_loses_to_a_rename_race_and_uses_the_winner(tmp_path: Pa
     the loser's rename fails and it keeps the winner's entry, without an error."""
     final = tmp_path / "entry"
     mine, theirs = (
-        tmp_path / f"entry.tmp{filesystem.temp_tag()}",
-        tmp_path / f"entry.tmp{filesystem.temp_tag()}",
+        tmp_path / f"entry.tmp{netfs.temp_tag()}",
+        tmp_path / f"entry.tmp{netfs.temp_tag()}",
     )
     for d, tag in ((mine, b"mine"), (theirs, b"theirs")):
         d.mkdir()
@@ -319,7 +319,7 @@ def test_a_window_not_yet_visible_here_is_retried_not_reported(
     import torch
 
     from fanout.errors import CorruptWindow
-    from fanout.store import windowfile
+    from fanout.store import windowreader
 
     store, name, tensors = _window_store(tmp_path)
     real_open, misses = os.open, cast(list[object], [])
@@ -330,7 +330,7 @@ def test_a_window_not_yet_visible_here_is_retried_not_reported(
             raise FileNotFoundError(2, "No such file or directory", str(path))
         return real_open(path, *a, **k)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(windowfile.os, "open", stale_open)
+    monkeypatch.setattr(windowreader.os, "open", stale_open)
     monkeypatch.setenv("FANOUT_STALE_VIEW_S", "30")
     with store.open(name) as r:
         assert torch.equal(r.get("input_ids"), tensors["input_ids"])
@@ -345,15 +345,15 @@ def test_only_network_filesystems_wait_for_a_stale_view(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("FANOUT_STALE_VIEW_S", raising=False)
-    assert filesystem.stale_view_s(tmp_path) == 0.0  # a local disk is never stale
-    monkeypatch.setattr(filesystem, "on_network_filesystem", lambda p: True)
-    assert filesystem.stale_view_s(tmp_path) == 5.0
+    assert netfs.stale_view_s(tmp_path) == 0.0  # a local disk is never stale
+    monkeypatch.setattr(netfs, "on_network_filesystem", lambda p: True)
+    assert netfs.stale_view_s(tmp_path) == 5.0
 
 
 _TRUNCATE_UNDER_READER = """
 import os, sys
 from fanout.errors import CorruptWindow
-from fanout.store.windowfile import WindowReader
+from fanout.store.windowreader import WindowReader
 path = sys.argv[1]
 r = WindowReader(path, tensors=[], copy=True)  # the header verified, no tensor read yet
 os.truncate(path, r.nbytes // 2)               # a fault (or eviction on NFS) cuts it
@@ -392,7 +392,7 @@ def test_copying_and_mapping_reads_hand_out_the_same_tensors(
     import torch
 
     from fanout.errors import CorruptWindow
-    from fanout.store.windowfile import WindowReader
+    from fanout.store.windowreader import WindowReader
 
     store, name, tensors = _window_store(tmp_path)
     path = store.path(name)

@@ -92,18 +92,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import block_parity as block
 from fanout.families.dflash.model import DFlashDraft
 from fanout.model.anchors import select_anchors, slot_supervision
 from fanout.model.verifier_dir import read_verifier_tensors
 from speculators_parity import (
     Drafts,
     Parity,
-    anchor_rows,
-    packed_row,
-    patch_anchors,
     perturbed,
     save_drafts,
     speculators_verifier,
@@ -347,34 +344,15 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _rows(
-    draft: DFlashDraft,
-    verifier_dir: Path,
-    layout: dict[str, torch.Tensor],
-    anchors: torch.Tensor,
-    valid: torch.Tensor,
+    draft: DFlashDraft, vdir: Path, layout: block.Row, anchors: torch.Tensor, valid: torch.Tensor,
     seed: int,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """A fanout batch row and the matching pre-norm verifier states for speculators.
+) -> block.Rows:  # fmt: skip
+    """A fanout batch row and the matching pre-norm verifier states for speculators
+    (`block.rows`): about half the block slots get a verifier state whose greedy token
+    is the draft's own prediction."""
 
-    Random context, tokens and verifier states, except that about half the block slots
-    get a verifier state whose greedy token is the draft's own prediction (so the
-    per-slot accuracies and the EAL prefix rule see both hits and misses). Labels:
-    `target_ids[p] = argmax(lm_head(norm(pre[p])))`, fanout's capture rule; fanout's
-    `last_hidden_states` are the normed states (HF `last_hidden_state`)."""
-    vt = read_verifier_tensors(verifier_dir, ["lm_head.weight", "model.norm.weight"])
-    head, w = vt["lm_head.weight"], vt["model.norm.weight"]
-    g = torch.Generator().manual_seed(seed)
-    batch = {
-        "hidden_states": torch.randn(1, T, len(TARGET_LAYERS) * H, generator=g),
-        "input_ids": torch.randint(0, MASK, (1, T), generator=g),
-        **layout,
-    }
-    pre = 2.0 * torch.randn(1, T, H, generator=g)
-    with torch.no_grad():
+    def plant(batch: block.Row, pre: torch.Tensor, head: Any, w: Any, g: Any) -> None:
         hid = draft.block_hidden(batch, anchors, valid)  # [1, A, bs, H]
-        full_pred = (hid @ draft.lm_head_weight.t()).argmax(-1)  # [1, A, bs] draft ids
-        if draft.d2t is not None:
-            full_pred = full_pred + draft.d2t[full_pred]
         for j in range(anchors.shape[1]):
             if not valid[0, j]:
                 continue
@@ -382,26 +360,8 @@ def _rows(
                 if torch.rand((), generator=g) < 0.5:
                     # norm(h / w) = c·h (c > 0), so the verifier's argmax is the draft's
                     pre[0, int(anchors[0, j]) + k - 1] = hid[0, j, k] / w
-    post = F.rms_norm(pre, (H,), w, eps=RMS_EPS)
-    batch["target_ids"] = (post @ head.t()).argmax(-1)
-    batch["last_hidden_states"] = post
-    return batch, pre
 
-
-def _spec_loss(
-    model: Any, batch: dict[str, torch.Tensor], pre: torch.Tensor, n_anchors: int, **kw: Any
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    _, loss, metrics = model(
-        hidden_states=batch["hidden_states"],
-        input_ids=batch["input_ids"],
-        loss_mask=batch["loss_mask"],
-        verifier_last_hidden_states=pre,
-        document_ids=batch["document_ids"],
-        position_ids=batch["position_ids"],
-        max_anchors=n_anchors,
-        **kw,
-    )
-    return loss, metrics
+    return block.rows(vdir, layout, seed, len(TARGET_LAYERS) * H, plant, MASK, RMS_EPS)
 
 
 def _compare(
@@ -413,95 +373,54 @@ def _compare(
     torch.testing.assert_close(
         spec_loss.detach() * (n + EPS_DEN) / n, fan.loss.detach(), rtol=2e-6, atol=1e-7
     )  # atol: a KL near 0 is a sum of cancelling fp32 terms
-    for k in range(1, BS):
-        count = int(fan.per_slot_count[k - 1])
-        assert int(spec_metrics[f"position_{k}_acc_total"]) == count, k
-        hits = float(fan.per_slot_acc[k - 1]) * count
-        assert abs(float(spec_metrics[f"position_{k}_acc_sum"]) - hits) < 1e-3, k
+    block.assert_slot_counts(fan, spec_metrics, BS, first=1)
     if eal:
         spec_eal = spec_metrics["eal_sum"] / spec_metrics["eal_total"]
         torch.testing.assert_close(spec_eal, fan.eal.float(), rtol=1e-6, atol=0)
 
 
-def _compare_grads(draft: DFlashDraft, model: Any, scale: float) -> None:
-    """fanout's fused linear CE/KL backward against speculators' plain autograd."""
-    spec_params = dict(model.named_parameters())
-    for k, p in draft.named_parameters():
-        assert p.grad is not None, k
-        g_spec = spec_params[k].grad
-        assert g_spec is not None, k
-        # fp32 sums in another order: observed up to 3e-6 of the largest entry (KL)
-        tol = 1e-5 * float(g_spec.abs().max())
-        torch.testing.assert_close(p.grad, g_spec * scale, rtol=1e-4, atol=tol, msg=k)
-
-
-CASES = {
-    "ce-exp": ({"loss_type": "ce", "loss_weighting": "exp"}, "ce", "fixed-exp-decay"),
-    "ce-dpace": ({"loss_type": "ce", "loss_weighting": "dpace"}, "ce", "dpace"),
-    "kl-exp": ({"loss_type": "kl", "loss_weighting": "exp"}, "kl_div", "fixed-exp-decay"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(block.LOSS_CASES))
 def test_loss_metrics_and_grads_equal_speculators(
-    case: str,
-    drafts: dict[str, tuple[DFlashDraft, Path]],
-    loaded: dict[str, tuple[Any, list[str]]],
-    verifier_dir: Path,
+    case: str, drafts: Drafts, loaded: dict[str, tuple[Any, list[str]]], verifier_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    update, loss_name, weighting = CASES[case]
+) -> None:  # fmt: skip
+    update, spec_kw = block.loss_case(case, spec_eager)
     draft = with_fields(drafts["full"][0], gamma=2.5, dpace_alpha=0.3, **update)
     model, _ = loaded["full"]
     model.zero_grad(set_to_none=True)
-    layout = packed_row()
+    layout = block.packed_row()
     # blocks inside their documents; slot 2 of the block at 8 hits the hole at 10;
     # the block at 35 is the last the row allows (anchors < T - block_size); 1 padding
-    anchors, valid = anchor_rows(3, 8, 13, 17, 25, 30, 35)
-    batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
+    anchors, valid = block.anchor_rows(3, 8, 13, 17, 25, 30, 35)
+    rows = _rows(draft, verifier_dir, layout, anchors, valid, seed=11)
     sup = slot_supervision(layout["loss_mask"], layout["document_ids"], anchors, valid, BS)
-    patch_anchors(monkeypatch, anchors, valid)
-
-    fan = draft.loss(batch, None)
-    fan.loss.backward()
-    fn = getattr(spec_eager, f"{loss_name}_loss")
-    spec_loss, metrics = _spec_loss(
-        model,
-        batch,
-        pre,
-        anchors.shape[1],
-        loss_config={loss_name: (fn, 1.0)},
-        gamma=2.5,
-        per_position_loss_weight=weighting,
-        dpace_alpha=0.3,
+    fan, spec_loss, metrics = block.losses(
+        draft, model, rows, anchors, valid, monkeypatch, gamma=2.5, dpace_alpha=0.3, **spec_kw
     )
-    spec_loss.backward()
 
     assert fan.n_tokens == int(sup.sum())
     assert float(fan.per_slot_acc.min()) > 0 and float(fan.per_slot_acc.max()) < 1
     _compare(fan, spec_loss, metrics)
-    _compare_grads(draft, model, (fan.n_tokens + EPS_DEN) / fan.n_tokens)
+    block.assert_grads_equal(draft, model, (fan.n_tokens + EPS_DEN) / fan.n_tokens)
     model.zero_grad(set_to_none=True)
 
 
 def test_two_rows_equal_one_packed_row(
-    drafts: dict[str, tuple[DFlashDraft, Path]],
-    loaded: dict[str, tuple[Any, list[str]]],
-    verifier_dir: Path,
+    drafts: Drafts, loaded: dict[str, tuple[Any, list[str]]], verifier_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> None:  # fmt: skip
     """fanout normalises a [B, T] batch over all its rows' supervised slots: exactly
     speculators on the rows packed into one [1, 2T] row (documents renumbered)."""
     draft = copy.deepcopy(drafts["full"][0])
     model, _ = loaded["full"]
-    la, lb = packed_row(), packed_row(first_doc=18, prompt=2, hole=None)
-    a0, v0 = anchor_rows(3, 8, 14, 25, 31)  # 5 valid + 1 padding
-    a1, v1 = anchor_rows(2, 6, 12, 20, 26, 34, pad=0)  # 6 valid
+    la, lb = block.packed_row(), block.packed_row(first_doc=18, prompt=2, hole=None)
+    a0, v0 = block.anchor_rows(3, 8, 14, 25, 31)  # 5 valid + 1 padding
+    a1, v1 = block.anchor_rows(2, 6, 12, 20, 26, 34, pad=0)  # 6 valid
     r0, p0 = _rows(draft, verifier_dir, la, a0, v0, seed=21)
     r1, p1 = _rows(draft, verifier_dir, lb, a1, v1, seed=22)
     two = {k: torch.cat([r0[k], r1[k]]) for k in r0}  # [2, T]
     anchors, valid = torch.cat([a0, a1]), torch.cat([v0, v1])  # [2, 6]
-    patch_anchors(monkeypatch, anchors, valid)
+    block.patch_anchors(monkeypatch, anchors, valid)
     fan = draft.loss(two, None)
 
     packed = {k: torch.cat([r0[k], r1[k]], dim=1) for k in r0}  # [1, 2T]
@@ -509,16 +428,12 @@ def test_two_rows_equal_one_packed_row(
     pre = torch.cat([p0, p1], dim=1)
     flat_a = torch.cat([a0, a1 + T], dim=1)
     flat_v = torch.cat([v0, v1], dim=1)
-    patch_anchors(monkeypatch, flat_a, flat_v)
+    block.patch_anchors(monkeypatch, flat_a, flat_v)
     with torch.no_grad():
-        spec_loss, metrics = _spec_loss(
-            model,
-            packed,
-            pre,
-            flat_a.shape[1],
-            loss_config={"ce": (spec_eager.ce_loss, 1.0)},
+        spec_loss, metrics = block.forward(
+            model, packed, pre, flat_a.shape[1], loss_config={"ce": (spec_eager.ce_loss, 1.0)},
             gamma=draft.cfg.resolved_gamma,
-        )
+        )  # fmt: skip
     _compare(fan, spec_loss, metrics)
 
 
@@ -538,21 +453,13 @@ def _reduced_crossing(
     draft = copy.deepcopy(drafts["reduced"][0])
     model, _ = loaded["reduced"]
     assert draft.t2d is not None and draft.d2t is not None
-    layout = packed_row(prompt=0, hole=None)
-    anchors, valid = anchor_rows(2, 7, 12, 19, 21, 26, 31)
+    layout = block.packed_row(prompt=0, hole=None)
+    anchors, valid = block.anchor_rows(2, 7, 12, 19, 21, 26, 31)
     batch, pre = _rows(draft, verifier_dir, layout, anchors, valid, seed=31)
-    patch_anchors(monkeypatch, anchors, valid)
+    block.patch_anchors(monkeypatch, anchors, valid)
     fan = draft.loss(batch, None)
     with torch.no_grad():
-        _, logits, targets, spec_mask, idx = model._backbone_forward(
-            batch["hidden_states"],
-            batch["input_ids"],
-            batch["loss_mask"],
-            pre,
-            batch["document_ids"],
-            batch["position_ids"],
-            max_anchors=anchors.shape[1],
-        )
+        _, logits, targets, spec_mask, idx = block.backbone(model, batch, pre, anchors.shape[1])
     lm, doc = layout["loss_mask"], layout["document_ids"]
     pos = idx.view(1, -1, BS)  # [1, A, bs] row positions of the slots
     label = batch["target_ids"][0, (pos - 1).clamp(min=0)]  # the verifier's greedy token
@@ -573,11 +480,9 @@ def _reduced_crossing(
 
 
 def test_supervision_differences(
-    drafts: dict[str, tuple[DFlashDraft, Path]],
-    loaded: dict[str, tuple[Any, list[str]]],
-    verifier_dir: Path,
+    drafts: Drafts, loaded: dict[str, tuple[Any, list[str]]], verifier_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> None:  # fmt: skip
     """speculators supervises exactly fanout's slots plus the cross-document ones plus
     those whose verifier token is outside the draft vocabulary; given fanout's slot mask,
     its loss and per-slot accuracies are fanout's."""
@@ -607,11 +512,9 @@ def test_supervision_differences(
 
 
 def test_eal_counts_blocks_whose_first_token_is_outside_the_draft_vocab(
-    drafts: dict[str, tuple[DFlashDraft, Path]],
-    loaded: dict[str, tuple[Any, list[str]]],
-    verifier_dir: Path,
+    drafts: Drafts, loaded: dict[str, tuple[Any, list[str]]], verifier_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
+) -> None:  # fmt: skip
     """EAL under greedy verification, from speculators' draft logits: every block whose
     slot 1 is a loss-supervised, same-document slot counts, with 1 + the run of slots
     whose greedy draft token (mapped to the verifier vocabulary by d2t) is the verifier's
@@ -632,7 +535,7 @@ def test_eal_counts_blocks_whose_first_token_is_outside_the_draft_vocab(
 def test_anchor_candidates(verifier_dir: Path) -> None:
     """fanout's anchor candidates are speculators' minus the positions whose next slot
     is unsupervised or in another document."""
-    layout = packed_row(hole=10)
+    layout = block.packed_row(hole=10)
     lm, doc = layout["loss_mask"], layout["document_ids"]
     fa, fv = select_anchors(lm, doc, T, BS, None)
     ours = set(fa[fv].tolist())

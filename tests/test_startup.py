@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from fanout.bench.assets import generate_corpus
-from fanout.produce.producer import Producer
 from fanout.train.progress import WaitNotice
-from tiny_run import build_tiny_assets, tiny_producer_config
+from tiny_run import produced_run
 
 
 class FakeClock:
@@ -129,10 +127,7 @@ def test_status_and_sweep_import_no_torch(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("startup")
-    build_tiny_assets(root, generate_corpus(60, seed=0))
-    cfg = tiny_producer_config(root, root / "run", max_live_windows=100, expected_consumers=100)
-    Producer(cfg).run()
-    return root
+    return produced_run(root, max_live_windows=100, expected_consumers=100)
 
 
 def _train(run: Path, name: str, *more: str) -> subprocess.CompletedProcess[str]:

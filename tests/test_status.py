@@ -227,8 +227,9 @@ def test_the_served_version_is_read_from_the_served_dir_a_drift_record_names(
     rd = RunDir(tmp_path / "run").create()
     co = Coordinator.create(rd.root, make_contract(), RunConfig(ttl_s=600))
     served = tmp_path / "served"
-    for v in ("v0001", "v0002"):
-        (served / "versions" / v).mkdir(parents=True)
+    for v in ("v0001", "v0002"):  # committed, as promote makes them (a version without
+        (served / "versions" / v).mkdir(parents=True)  # its marker is never read)
+        (served / "versions" / v / "COMMITTED").write_text("")
     (served / "current").symlink_to("versions/v0002")
     rd.drift.parent.mkdir(parents=True)
     rec = {"time": "t1", "version": "v0002", "tau": 3.1, "ci95": [2.9, 3.3], "prompts": 32,
@@ -244,3 +245,38 @@ def test_the_served_version_is_read_from_the_served_dir_a_drift_record_names(
     s = snapshot(co)
     assert s["drift"][-1]["serving_now"] == "v0001"
     assert f"served now: v0001 ({served}; the look above measured v0002)" in format_table(s)
+
+
+def test_a_run_where_nothing_trained_for_too_long_shows_stalled_not_healthy(
+    tmp_path: Path,
+) -> None:
+    """#52: a trainer that never trains looked healthy. A readable window nobody has read
+    past for longer than --stalled-after-s makes the run STALLED: in the table (at the
+    top), the snapshot and /metrics; reading past it ends that. Its publish stamp is set
+    back in the database instead of waiting (no timing in the test)."""
+    from fanout.status.serve import metrics_text
+    from fanout.status.snapshot import build
+    from test_coordinator import new_run, produce
+
+    co, store, c = new_run(tmp_path, max_live_windows=3)
+    p = co.register_producer(c)
+    produce(co, p, store, c)  # window 0 ready, no trainer yet
+    assert snapshot(co)["stalled"] is None  # just published
+    with co.conn.write() as cur:  # published 1000 s ago
+        cur.execute("UPDATE windows SET updated_at = updated_at - 1000")
+    s = snapshot(co)
+    assert s["stalled"] == {**s["stalled"], "window": 0, "behind": [], "after_s": 600.0}
+    assert s["stalled"]["waited_s"] >= 1000
+    table = format_table(s)
+    assert table.splitlines()[1].startswith("STALLED  nothing trained for"), table
+    assert "fanout_stalled 1" in metrics_text(build(co))
+    reg = co.register_consumer("a")
+    assert snapshot(co)["stalled"]["behind"] == ["a:dp0"]
+    assert snapshot(co, stalled_after_s=5000)["stalled"] is None  # a looser bound
+    lease = co.acquire(reg, timeout_s=1)
+    assert lease is not None
+    co.ack(lease)  # trained on it: nothing is unread now
+    s = snapshot(co)
+    assert s["stalled"] is None and "STALLED" not in format_table(s)
+    assert "fanout_stalled 0" in metrics_text(build(co))
+    co.close()

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,16 @@ import pytest
 import torch
 
 from fanout import cli
-from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator
 from fanout.produce.config import ProducerConfig
 from fanout.produce.producer import Producer
 from fanout.store.store import RunDir, Store, parse_window_name
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
-    build_tiny_assets,
+    ENV,
+    TinyAssets,
     config_flags,
     one_thread,
+    tiny_assets,
     tiny_producer_config,
     wait_for,
 )
@@ -42,7 +42,6 @@ from window_files import window_names
 
 pytest.importorskip("accelerate")  # transformers' TP loading needs it (the `tp` extra)
 
-ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 
 # Every rank captures the same packed batch with its shard, then all-gathers what it
@@ -105,20 +104,12 @@ dist.destroy_process_group()
 """
 
 
-@dataclass(frozen=True)
-class Tiny:
-    root: Path
-    verifier: Path
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
-    root = tmp_path_factory.mktemp("tp")
-    _, _, ver = build_tiny_assets(root, generate_corpus(60, seed=0))
-    return Tiny(root, ver)
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyAssets:
+    return tiny_assets(tmp_path_factory.mktemp("tp"))
 
 
-def _cfg(tiny: Tiny, run_dir: Path, **kw: Any) -> ProducerConfig:
+def _cfg(tiny: TinyAssets, run_dir: Path, **kw: Any) -> ProducerConfig:
     own = {"cache_dir": str(tiny.root / "cache"), "heartbeat_s": 0.3, "max_live_windows": 64}
     own |= {"storage_dtype": "float32", "store_last_hidden_states": True}
     return tiny_producer_config(tiny.root, run_dir, **(own | kw))
@@ -168,7 +159,10 @@ def _refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def test_refuses_what_cannot_work_before_loading(
-    tiny: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tiny: TinyAssets,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     from transformers import GPT2Config, Qwen3Config
 
@@ -206,7 +200,9 @@ def _replicas(verifier: Path, tmp_path: Path, vocab: int = 500) -> dict[str, Any
     return r
 
 
-def test_every_rank_captures_whole_layers_equal_to_one_process(tiny: Tiny, tmp_path: Path) -> None:
+def test_every_rank_captures_whole_layers_equal_to_one_process(
+    tiny: TinyAssets, tmp_path: Path
+) -> None:
     r = _replicas(tiny.verifier, tmp_path)
     assert len(r["replica_diff"]) == 4 + 1  # every layer, then the final-normed state
     assert max(r["replica_diff"]) == 0.0  # replicated after the all-reduce: bit-identical
@@ -272,7 +268,7 @@ def test_zoo_verifier_is_exact_at_tp_2(arch: str, tmp_path: Path) -> None:
 # slow (≈40 s): the default run keeps TP capture equal to one process; this is the crash path
 @pytest.mark.slow
 def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
-    tiny: Tiny, tmp_path: Path
+    tiny: TinyAssets, tmp_path: Path
 ) -> None:
     """Held at K = 3 with nobody reading, rank 0 keeps its follower alive past several
     --tp-timeout-s (keepalives). kill -9 of the follower stops rank 0 with one line;
@@ -338,7 +334,7 @@ def test_kill9_of_either_rank_stops_the_other_and_a_restart_finishes_the_run(
 
 # slow (4 processes on 2 cores): the composition of --tp with --replicas
 @pytest.mark.slow
-def test_two_tp_groups_are_two_replicas_of_one_run(tiny: Tiny, tmp_path: Path) -> None:
+def test_two_tp_groups_are_two_replicas_of_one_run(tiny: TinyAssets, tmp_path: Path) -> None:
     """Two torchrun launches of `--tp 2 --replicas 2` (each takes a free rank; rank 0 of
     each group registers it): they make the stream together, each window once, and a
     consumer reads every window equal to a 1-process producer's. One torchrun of 4

@@ -178,16 +178,21 @@ def test_unruled_layer_type_loads_with_one_warning(
 ) -> None:
     # No refusal: one warning naming the type(s) and the cost; every row, short ones
     # too, through the per-document path (exact: test_packed_capture_equals_...).
-    # Nemotron-H's types all have a rule (`mlp`, `moe`: token-wise; Mamba: linear).
+    # Nemotron-H's types all have a rule (`mlp`, `moe`: token-wise; Mamba-2: linear,
+    # packed with resets), as LFM2's (`conv`: its short convolutions, the same) and
+    # Falcon-H1's (`hybrid`: full attention beside Mamba-2).
     with caplog.at_level(logging.WARNING, logger="fanout.model.verifier"):
         v = load_verifier(zoo_dirs[arch], device="cpu", capture_layer_ids=[0])
     warned = [r.getMessage() for r in caplog.records if "no packing rule" in r.getMessage()]
-    assert v.runs_alone(1, 8)
-    if arch == "nemotron_h":
+    if arch in ("nemotron_h", "lfm2", "falcon_h1"):
         assert not v.rule.unruled and not warned and v.local_attention
-        assert {"mlp", "moe"} <= set(v.rule.layer_types)
+        assert {"mlp", "moe"} <= set(v.rule.layer_types) or {"conv", "hybrid"} & set(
+            v.rule.layer_types
+        )
         load_verifier(zoo_dirs[arch], device="cpu", capture_layer_ids=[0], strict_layer_types=True)
+        assert not v.runs_alone(1, 8)  # packed, state reset per document
         return
+    assert v.runs_alone(1, 8)
     assert len(warned) == 1 and "\n" not in warned[0], warned
     assert v.rule.unruled and all(t in warned[0] for t in v.rule.unruled)
     assert "alone" in warned[0] and "--strict-layer-types" in warned[0]
@@ -208,10 +213,14 @@ def test_unruled_archs_are_wrong_packed_under_one_mask(
     # document boundaries. So running each document alone is what makes them exact.
     v = load_verifier(zoo_dirs[arch], device="cpu", dtype="float32", storage_dtype="float32",
                       capture_layer_ids=["all"])  # fmt: skip
-    assert v.rule.needs_alone(8)
+    assert v.rule.needs_alone(8) or v.rule.varlen  # alone, or packed with resets (LFM2)
     v.rule = dataclasses.replace(
-        v.rule, unruled=(), layer_types=tuple("full_attention" for _ in v.rule.layer_types)
+        v.rule,
+        unruled=(),
+        layer_types=tuple("full_attention" for _ in v.rule.layer_types),
+        varlen=False,
     )
+    v.mixers = None  # transformers' own forwards (LFM2's convolutions have a varlen one)
     ids, pos, doc, spans = _rows()
     cap = v.capture(ids, pos, doc)
     layers, _logits = _oracle(arch, zoo_dirs[arch], v.attn_implementation)
@@ -373,3 +382,48 @@ def test_long_document_on_a_sliding_arch_never_builds_a_t_by_t_tensor(
     assert _largest_allocation(v, t, [t]) >= t * t
     v.local_attention = True
     assert _largest_allocation(v, t, [t]) < t * t // 16
+
+
+RECURRENT = ["qwen3_next", "qwen3_5_text", "qwen3_5_multimodal", "lfm2", "nemotron_h", "falcon_h1"]
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_recurrent_layers_run_packed_with_a_reset_at_each_document(
+    zoo_dirs: dict[str, Path], arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linear attention and short convolutions take the packed path (one forward over
+    # the rows: test_packed_capture_equals_each_document_alone checks it is exact). The
+    # control: the same path with the resets taken out (one segment per row, what
+    # transformers' torch fallback computes over a packed row) is wrong after the first
+    # document of a row, so the resets are what makes it exact.
+    from fanout.model import verifier as verifier_mod
+    from fanout.ops.varlen_scan import SegmentLayout
+
+    v = load_verifier(zoo_dirs[arch], device="cpu", dtype="float32", storage_dtype="float32",
+                      capture_layer_ids=["all"])  # fmt: skip
+    assert v.mixers and v.rule.varlen and not v.runs_alone(len(ROWS), T)
+    ids, pos, doc, spans = _rows()
+    layers, _logits = _oracle(arch, zoo_dirs[arch], v.attn_implementation)
+
+    def worst(cap: Any) -> float:
+        out = 0.0
+        for k, (b, s, e) in enumerate(spans):
+            ref = layers[k][-1]  # [n, H] the last layer
+            got = cap.layers[-1][b, s:e].float()
+            out = max(out, (got - ref).abs().max().item() / ref.abs().max().item())
+        return out
+
+    assert worst(v.capture(ids, pos, doc)) < 1e-4
+    real = verifier_mod.packed_mixers
+
+    def without_resets(mixers: Any, lay: SegmentLayout) -> Any:
+        # the mixers see one segment per row; attention still its documents
+        b, t = lay.segment.shape
+        one = torch.arange(t).expand(b, t)
+        lay = dataclasses.replace(
+            lay, segment=torch.zeros_like(lay.segment), offset=one, host_offset=one
+        )
+        return real(mixers, lay)
+
+    monkeypatch.setattr(verifier_mod, "packed_mixers", without_resets)
+    assert worst(v.capture(ids, pos, doc)) > 1e-3

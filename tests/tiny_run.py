@@ -7,8 +7,14 @@ a producer config over them; each test module adds its own settings.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +22,19 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from fanout.bench.assets import build_tokenizer, tiny_verifier_for_tokenizer, write_jsonl
+from fanout.bench.assets import (
+    build_tokenizer,
+    generate_corpus,
+    tiny_verifier_for_tokenizer,
+    write_jsonl,
+)
+from fanout.families.dflash.model import DFlashDraft
 from fanout.flags import to_flags
 from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
+
+# a test's child processes: one intra-op thread (2 shared cores), output as it is written
+ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def build_tiny_assets(
@@ -31,6 +47,21 @@ def build_tiny_assets(
         root / "verifier", tok, hidden_size=32, num_layers=4, tie_word_embeddings=True
     )
     return data, tok, ver
+
+
+@dataclass(frozen=True)
+class TinyAssets:
+    """The tiny run's inputs under `root` (`tiny_assets`)."""
+
+    root: Path
+    data: Path
+    tokenizer: Path
+    verifier: Path
+
+
+def tiny_assets(root: Path, records: int = 60, seed: int = 0) -> TinyAssets:
+    """`build_tiny_assets` over `records` generated chats (`generate_corpus`, `seed`)."""
+    return TinyAssets(root, *build_tiny_assets(root, generate_corpus(records, seed=seed)))
 
 
 def tiny_producer_config(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig:
@@ -48,6 +79,23 @@ def tiny_producer_config(root: Path, run_dir: Path, **kw: Any) -> ProducerConfig
         exit_when_idle_s=0,
     )
     return ProducerConfig(**(base | kw))
+
+
+def tiny_dflash(vdir: Path, seed: int = 1, **kw: Any) -> DFlashDraft:
+    """A one-layer DFlash draft (block 4, 8 anchors, mask token 255) over layers 1 and 2
+    of a tiny verifier, its init seeded with `seed`; `kw` overrides its fields."""
+    torch.manual_seed(seed)
+    fields: dict[str, Any] = {"target_layer_ids": [1, 2], "num_layers": 1, "block_size": 4,
+                              "max_anchors": 8, "mask_token_id": 255}  # fmt: skip
+    return DFlashDraft.from_verifier(vdir, **(fields | kw))
+
+
+def produced_run(root: Path, **kw: Any) -> Path:
+    """`root` with the tiny assets of 60 chats and the whole stream a `Producer` wrote
+    over them under `root / "run"` (`kw`: producer config overrides); returns `root`."""
+    tiny_assets(root)
+    Producer(tiny_producer_config(root, root / "run", **kw)).run()
+    return root
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,6 +120,27 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, poll_s: float =
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(poll_s)
     return got
+
+
+def run_recorder(
+    script: Path, args: dict[str, Any], until: Callable[[], Any] | None = None
+) -> None:
+    """Runs the `RECORDER` consumer at `script` with `args` (a checkpoint every 3 steps):
+    with `until`, slowly (0.05 s a step) and SIGKILLed once `until()` holds, a crash
+    mid-stream; without, at full speed to the stream's end (exit 0)."""
+    cmd = [sys.executable, str(script)]
+    if until is None:
+        p = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.0, "every": 3})], env=ENV)
+        assert p.wait(120) == 0
+        return
+    p = subprocess.Popen([*cmd, json.dumps(args | {"sleep": 0.05, "every": 3})], env=ENV)
+    try:
+        wait_for(lambda: until() or p.poll() is not None, 120, "rows")
+        p.send_signal(signal.SIGKILL)
+        assert p.wait(30) == -signal.SIGKILL
+    finally:
+        if p.poll() is None:
+            p.kill()
 
 
 # A consumer process (`python recorder.py JSON`) that records every row it is handed, one

@@ -15,7 +15,8 @@
 # in bf16 of the demo's trained drafts (one per family) (prepare trains them if runs/demo has none),
 # greedy and at T = 1, and the draft cache against the uncached loop and a free draft
 # at a 1.5k-token context; then every zoo verifier's capture and long rows on CUDA
-# (benchmarks/verifiers.py), and every family's train step at DFlash's recipe shape,
+# (benchmarks/verifiers.py), packed hybrids (with flash-linear-attention where its wheels
+# are there), and every family's train step at DFlash's recipe shape,
 # dense vs block-sparse draft attention vs speculators (benchmarks/draft_attention.py),
 # and at the CPU step comparison's config against speculators, time and peak CUDA memory
 # (benchmarks/families.py --only step --device cuda; issue #56's goal: <= 0.8x, <= 1.0x).
@@ -40,6 +41,12 @@ if [ "$mode" = prepare ]; then
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl accelerate==1.15.0 psutil==7.2.2
+  # the `hybrid` extra (flash-linear-attention's varlen gated delta rule) and its einops,
+  # for the packed-hybrid check; installed with --no-deps apart, so that a failure to
+  # import it leaves the other checks on the torch path
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform any --platform manylinux_2_28_x86_64 -d .whl/hybrid \
+    flash-linear-attention==0.5.2 fla-core==0.5.2 einops==0.8.1 || echo "hybrid wheels: none"
   # speculators 0.9.0 and what its models import (scripts/install_speculators.sh's pins),
   # for the draft-attention step comparison; installed with --no-deps like there
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
@@ -107,8 +114,22 @@ python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bflo
 # document alone on CUDA, and long rows (T 4k/16k/32k) with no T x T mask vs the dense
 # mask forced, at a verifier-like width (issue #43)
 python3 benchmarks/verifiers.py --device cuda --hidden 1024 --layers 8 --vocab 32000 \
-  --rows 4 --seq-len 4096 --json "$OUT/verifiers-gpu.json" 2>&1 \
+  --rows 4 --seq-len 4096 --hybrid-archs "" --json "$OUT/verifiers-gpu.json" 2>&1 \
   | grep -v "it/s\]" | tee "$OUT/verifiers-gpu.log"
+# packed hybrids (issue #53): Qwen3.5 / Qwen3-Next (gated delta rule) and LFM2 (short
+# convolutions) at a verifier-like width, packed rows with per-document resets vs fanout's
+# per-document path vs each document alone; with flash-linear-attention's varlen kernel
+# where its wheels installed (first its exactness against the torch path), else the torch path
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site-hybrid .whl/hybrid/*.whl 2>/dev/null || echo "hybrid wheels: not installed"
+PYTHONPATH=/tmp/site-hybrid:$PYTHONPATH python3 -c "import fla.ops.gated_delta_rule" \
+  2>&1 | tail -1 | tee "$OUT/hybrid-fla.txt"
+PYTHONPATH=/tmp/site-hybrid:$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/test_varlen_scan.py 2>&1 | tee "$OUT/test_varlen_gpu.log"
+PYTHONPATH=/tmp/site-hybrid:$PYTHONPATH python3 benchmarks/verifiers.py --device cuda \
+  --archs '' --lengths '' --sliding-archs '' --hidden 1024 --vocab 32000 --hybrid-rows 8 \
+  --json "$OUT/verifiers-hybrid-gpu.json" 2>&1 | grep -v "it/s\]" \
+  | tee "$OUT/verifiers-hybrid-gpu.log"
 # every family's train step at DFlash's recipe shape (T 3072, 512 anchors, block 16, 5
 # layers) at a Qwen3-8B width: dense masked vs block-sparse draft attention vs speculators
 # 0.9.0's (its simple_flex_attention), time and peak CUDA memory (issue #44)

@@ -129,7 +129,9 @@ _register(
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fanout", description=__doc__.split("\n")[0])
+    # the docstring's first paragraph (its first line alone stops mid-list)
+    about = " ".join(__doc__.split("\n\n", 1)[0].split())
+    parser = argparse.ArgumentParser(prog="fanout", description=about)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

@@ -77,6 +77,12 @@ class StorageError(FanoutError):
     """A filesystem call failed while publishing; the window was aborted, nothing committed."""
 
 
+class RowsRetired(StorageError):
+    """A followed run's window whose rows were removed once every consumer registered then
+    had acknowledged them (fanout.produce.follow): it cannot be captured again; its claim
+    fails, and a consumer that asks for it (a late joiner, a rewind) gets WindowGone."""
+
+
 class StorageFull(StorageError):
     """ENOSPC/EDQUOT while publishing; the temp file was removed, nothing committed."""
 

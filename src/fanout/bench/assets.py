@@ -227,59 +227,60 @@ def build_tokenizer(
 # --------------------------------------------------------------------------- models
 
 
-def _qwen3_config(vocab_size: int, **kw: Any) -> Any:
-    from transformers import Qwen3Config
+def _random_qwen3(
+    vocab_size: int,
+    seed: int,
+    *,
+    hidden_size: int = 64,
+    intermediate_size: int = 192,
+    num_layers: int = 6,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    tie_word_embeddings: bool = False,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> Any:
+    """A randomly initialised Qwen3ForCausalLM (fp32) of these shapes, seeded with
+    `seed`: the one place the tiny verifiers' shapes and their defaults are declared."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return Qwen3Config(
+    cfg = Qwen3Config(
         vocab_size=vocab_size,
-        hidden_size=kw.get("hidden_size", 64),
-        intermediate_size=kw.get("intermediate_size", 192),
-        num_hidden_layers=kw.get("num_layers", 6),
-        num_attention_heads=kw.get("num_heads", 4),
-        num_key_value_heads=kw.get("num_kv_heads", 2),
-        head_dim=kw.get("head_dim", 16),
-        max_position_embeddings=kw.get("max_position_embeddings", 4096),
-        tie_word_embeddings=kw.get("tie_word_embeddings", False),
-        bos_token_id=kw.get("bos_token_id"),
-        eos_token_id=kw.get("eos_token_id"),
-        pad_token_id=kw.get("pad_token_id"),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
     )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(cfg)
 
 
 def tiny_qwen3_verifier(
     out_dir: str | os.PathLike[str],
     vocab_size: int,
     *,
-    hidden_size: int = 64,
-    num_layers: int = 6,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
     intermediate_size: int = 128,
-    tie_word_embeddings: bool = False,
     seed: int = 0,
+    **shape: Any,
 ) -> Path:
-    """An untrained random tiny Qwen3 saved with `save_pretrained` (fp32 safetensors).
+    """An untrained random tiny Qwen3 saved with `save_pretrained` (fp32 safetensors);
+    `shape`: `hidden_size` (64), `num_layers` (6), `num_heads` (4), `num_kv_heads` (2),
+    `head_dim` (16), `tie_word_embeddings` (False).
 
     Six layers by default so the DFlash layer rule gives distinct ids for up to 3
     draft layers ([1, 3] for two). Works with the real Qwen3 vocabulary (151,669)
     too: ~20M parameters then, mostly embedding + lm_head.
     """
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    cfg = _qwen3_config(
-        vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg)
+    model = _random_qwen3(vocab_size, seed, intermediate_size=intermediate_size, **shape)
     out = Path(out_dir)
     model.save_pretrained(out)
     return out
@@ -330,21 +331,21 @@ def build_verifier(
     float results can still differ across CPUs/BLAS builds).
     """
     import torch
-    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
-    cfg = _qwen3_config(
+    assert isinstance(eos, int) and isinstance(pad, int)  # one token each
+    model = _random_qwen3(
         len(tok),
+        seed,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_layers=num_layers,
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(cfg)
     stream = _token_stream(tok, corpus)  # 1-D int64
     n_rows = len(stream) // seq_len
     if n_rows < batch_rows:

@@ -36,9 +36,8 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -49,6 +48,7 @@ from fanout.bench.config import (
     Scenario,
     run_dir_database,
 )
+from fanout.bench.scenario import Assets, Role, ScenarioRun
 from fanout.errors import ConfigError
 from fanout.filesystem import FileSystem
 from fanout.flags import to_flags
@@ -56,14 +56,6 @@ from fanout.produce.config import ProducerConfig
 from fanout.train.config import TrainConfig
 
 # --------------------------------------------------------------------------- assets
-
-
-@dataclass(frozen=True)
-class Assets:
-    verifier_dir: Path
-    tokenizer_dir: Path
-    data: list[str]
-    mask_token_id: int | None
 
 
 def resolve_assets(spec: AssetsSpec, work: Path) -> Assets:
@@ -134,34 +126,6 @@ def _subset(files: list[str], n: int, out_dir: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-@dataclass
-class Role:
-    name: str
-    kind: Literal["producer", "consumer"]
-    cmd: list[str]
-    log: Path
-    run_dir: Path
-    device: str
-    proc: subprocess.Popen[bytes] | None = None
-    rc: int | None = None
-    stopped_by_us: bool = False
-    save_path: Path | None = None
-    spec: ConsumerSpec | None = None
-    summary_path: Path | None = None
-
-
-@dataclass
-class ScenarioRun:
-    name: str
-    dir: Path
-    roles: list[Role]
-    run_dirs: list[Path]
-    started_wall: float = 0.0
-    ended_wall: float = 0.0
-    timed_out: bool = False
-    notes: list[str] = field(default_factory=list)
 
 
 def _spec_values(spec: BaseModel, config: type[BaseModel]) -> dict[str, Any]:

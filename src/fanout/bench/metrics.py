@@ -14,12 +14,13 @@ puts these numbers into report.json / report.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from fanout.bench.config import BenchConfig
+from fanout.bench.scenario import Role, ScenarioRun
 from fanout.bench.telemetry import read_samples, summarize
 from fanout.train.trainlog import read_train_log
 
@@ -32,92 +33,6 @@ VALIDITY_RULES = [
     "limit), no failed publish, corrupt window, detach or lost-process reclaim, no timeout",
     "telemetry valid (>= 2 samples, coverage > 0, memory of every role) or flagged",
 ]
-
-
-# What a report reads of a finished bench (fanout.bench.config's BenchConfig and
-# fanout.bench.bench's ScenarioRun and Role satisfy these): typed here so that this
-# module never imports the harness that calls it.
-
-
-class ProducerSpecLike(Protocol):
-    @property
-    def seq_len(self) -> int: ...
-    @property
-    def window_rows(self) -> int: ...
-    @property
-    def max_live_windows(self) -> int: ...
-    @property
-    def epochs(self) -> int: ...
-    @property
-    def lag_policy(self) -> str: ...
-
-
-class ConsumerSpecLike(Protocol):
-    @property
-    def rows_per_step(self) -> int: ...
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def max_steps(self) -> int | None: ...
-    def model_dump(self) -> dict[str, Any]: ...
-
-
-class BenchLike(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def description(self) -> str: ...
-    @property
-    def warmup_steps(self) -> int: ...
-    @property
-    def threads_per_role(self) -> int | None: ...
-    @property
-    def database(self) -> str | None: ...
-    @property
-    def producer(self) -> ProducerSpecLike: ...
-    @property
-    def consumers(self) -> Sequence[ConsumerSpecLike]: ...
-    def model_dump(self) -> dict[str, Any]: ...
-
-
-class RoleLike(Protocol):
-    """One process of a scenario: a producer, or a consumer (save_path and spec set)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def log(self) -> Path: ...
-    @property
-    def run_dir(self) -> Path: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def rc(self) -> int | None: ...
-    @property
-    def stopped_by_us(self) -> bool: ...
-    @property
-    def save_path(self) -> Path | None: ...
-    @property
-    def spec(self) -> ConsumerSpecLike | None: ...
-    @property
-    def summary_path(self) -> Path | None: ...
-
-
-class RunLike(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def roles(self) -> Sequence[RoleLike]: ...
-    @property
-    def run_dirs(self) -> Sequence[Path]: ...
-    @property
-    def notes(self) -> Sequence[str]: ...
-    @property
-    def started_wall(self) -> float: ...
-    @property
-    def ended_wall(self) -> float: ...
 
 
 def _pct(a: list[float], q: float) -> float | None:
@@ -137,7 +52,7 @@ def _snapshot(run_dir: Path) -> dict[str, Any] | None:
         return snapshot(co)
 
 
-def scenario_metrics(cfg: BenchLike, run: RunLike, tel: Path) -> dict[str, Any]:
+def scenario_metrics(cfg: BenchConfig, run: ScenarioRun, tel: Path) -> dict[str, Any]:
     """Numbers and validity of one finished scenario (see VALIDITY_RULES)."""
     reasons: list[str] = list(run.notes)
     flags: list[str] = []
@@ -182,7 +97,7 @@ def scenario_metrics(cfg: BenchLike, run: RunLike, tel: Path) -> dict[str, Any]:
 
 
 def _consumer_metrics(
-    role: RoleLike, snap: dict[str, Any] | None, warm: int, run: RunLike, reasons: list[str]
+    role: Role, snap: dict[str, Any] | None, warm: int, run: ScenarioRun, reasons: list[str]
 ) -> tuple[dict[str, Any], tuple[float, float] | None]:
     """One trainer's numbers from its train_log.jsonl (appending to `reasons` the rules
     it broke), and the wall-clock bounds of its steady state (after `warm` steps)."""
@@ -228,7 +143,7 @@ def _consumer_metrics(
 
 
 def _aggregate(
-    run: RunLike,
+    run: ScenarioRun,
     consumers: dict[str, Any],
     steady_of: dict[str, tuple[float, float]],
     flags: list[str],
@@ -256,7 +171,7 @@ def _aggregate(
 
 
 def _producer_metrics(
-    run: RunLike, snaps: dict[str, dict[str, Any] | None], reasons: list[str]
+    run: ScenarioRun, snaps: dict[str, dict[str, Any] | None], reasons: list[str]
 ) -> dict[str, Any]:
     """Each producer's (each replica's) summary, its run dir's coordinator counts, and
     the totals over all of them (appending to `reasons` what breaks a rule): captures,
@@ -328,7 +243,7 @@ def _producer_metrics(
     }
 
 
-def _telemetry(run: RunLike, tel: Path, steady_wall: list[float] | None) -> dict[str, Any]:
+def _telemetry(run: ScenarioRun, tel: Path, steady_wall: list[float] | None) -> dict[str, Any]:
     """The telemetry summary over the steady window (fanout.bench.telemetry.summarize)."""
     samples = read_samples(tel) if tel.is_file() else []
     if not samples or not steady_wall:

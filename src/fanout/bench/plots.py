@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from fanout.bench.config import scenario_title
-from fanout.bench.metrics import RunLike
+from fanout.bench.scenario import ScenarioRun
 from fanout.bench.telemetry import read_samples
 from fanout.train.trainlog import read_train_log
 
 
-def write_plots(rep: dict[str, Any], runs: Sequence[tuple[RunLike, Path]], out: Path) -> list[str]:
+def write_plots(
+    rep: dict[str, Any], runs: Sequence[tuple[ScenarioRun, Path]], out: Path
+) -> list[str]:
     """steps.png, live.png, util.png, curves.png (Agg backend: no display needed)."""
     import matplotlib
 
@@ -87,7 +89,7 @@ def line_style(i: int, points: int) -> dict[str, Any]:
     }
 
 
-def _learning_curves(plt: Any, runs: Sequence[tuple[RunLike, Path]]) -> Any:
+def _learning_curves(plt: Any, runs: Sequence[tuple[ScenarioRun, Path]]) -> Any:
     """curves.png: loss and EAL against step, one line per draft, one row per scenario
     (the drafts step at the same pace, so a steps-over-time plot cannot tell them apart)."""
     fig, axes = plt.subplots(len(runs), 2, figsize=(10, 3.6 * len(runs)), squeeze=False)

@@ -19,23 +19,16 @@ import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from fanout import package_version
-from fanout.bench.config import scenario_title
-from fanout.bench.metrics import VALIDITY_RULES, BenchLike, RunLike, scenario_metrics
+from fanout.bench.config import BenchConfig, scenario_title
+from fanout.bench.metrics import VALIDITY_RULES, scenario_metrics
 from fanout.bench.plots import write_plots
+from fanout.bench.scenario import Assets, ScenarioRun
 from fanout.errors import FanoutError
 
-
 # What a report reads of the bench's assets (fanout.bench.bench's Assets satisfies it).
-class AssetsLike(Protocol):
-    @property
-    def verifier_dir(self) -> Path: ...
-    @property
-    def data(self) -> Sequence[str]: ...
-
-
 # The CPU's vector extensions a benchmark names (/proc/cpuinfo `flags`): what decides how
 # fast torch's CPU kernels run, so a figure measured with them is not read as holding
 # without them (issue #56: one run, 0.72x on a Xeon, 1.10x on an EPYC)
@@ -142,7 +135,7 @@ def _verifier_sizes(vdir: Path) -> dict[str, Any]:
 
 
 def build_report(
-    cfg: BenchLike, assets: AssetsLike, runs: Sequence[tuple[RunLike, Path]], out: Path
+    cfg: BenchConfig, assets: Assets, runs: Sequence[tuple[ScenarioRun, Path]], out: Path
 ) -> dict[str, Any]:
     sc = {run.name: scenario_metrics(cfg, run, tel) for run, tel in runs}
     rate = {k: v["aggregate"].get("rows_per_s") for k, v in sc.items()}
@@ -417,7 +410,7 @@ def add_eval(out: Path, ev: dict[str, Any]) -> None:
     (out / "report.md").write_text(_markdown(rep, plots))
 
 
-def write_report(rep: dict[str, Any], runs: Sequence[tuple[RunLike, Path]], out: Path) -> None:
+def write_report(rep: dict[str, Any], runs: Sequence[tuple[ScenarioRun, Path]], out: Path) -> None:
     plots = write_plots(rep, runs, out)
     rep["plots"] = [str(out / p) for p in plots]
     (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")

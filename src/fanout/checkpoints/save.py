@@ -32,8 +32,9 @@ from fanout.checkpoints.layout import (
     json_bytes,
 )
 from fanout.errors import ConfigError
-from fanout.filesystem import FileSystem, temp_tag, temp_writer_gone
+from fanout.filesystem import FileSystem
 from fanout.model.draft import Draft
+from fanout.netfs import temp_tag, temp_writer_gone
 
 
 class Stateful(Protocol):
@@ -255,5 +256,5 @@ def resumed_keys(draft: Draft) -> set[str]:
 
 def _writer_gone(path: Path) -> bool:
     """May temp `path` go? Its writer exited, or, on another host, it is old (never this
-    process's: fanout.filesystem.temp_writer_gone)."""
+    process's: fanout.netfs.temp_writer_gone)."""
     return temp_writer_gone(path)

@@ -29,16 +29,26 @@ from __future__ import annotations
 import logging
 import time
 
-from fanout.coord import reads, retention, schema, states, waits
+from fanout.coord import retention, schema, states, waits
 from fanout.coord.core import RunDb
-from fanout.coord.database import wall
+from fanout.coord.database import Statement, wall
 from fanout.coord.eviction import Eviction
 from fanout.coord.grants import Claim, ProducerReg, PublishedLike, producer_id
-from fanout.coord.roles import Roles
+from fanout.coord.liveness import HOLDER_COLUMNS
+from fanout.coord.roles import ACTIVE, Roles
 from fanout.coord.states import RoleState, W
 from fanout.errors import StaleLease
 
 log = logging.getLogger("fanout.coord.coordinator")
+# A claim's reads, in one statement: the replica's row (fencing), then how many windows
+# are live (what K bounds), the frontier, and the first queued window (demand first).
+_CLAIM_READ = (
+    f"SELECT {HOLDER_COLUMNS}, (SELECT COUNT(*) FROM windows WHERE state IN "
+    f"{states.sql_in(states.LIVE)}), (SELECT value FROM counters WHERE key='next_window'), "
+    "(SELECT window FROM windows WHERE state=? ORDER BY demand DESC, window LIMIT 1) "
+    "FROM producers WHERE rank=?"
+)
+WAIT_S = 0.25  # longest armed wait for room: an ack that frees the reserved slot is not heard
 
 
 class Claims:
@@ -92,34 +102,56 @@ class Claims:
         """
         run = self.run
         total = run.config.total_windows if end is None else end
-        with run.write() as cur:
-            self.roles.check_producer(cur, preg.token, preg.rank)
-            room = retention.claimable(cur, run.config.max_live_windows)
-            if room == "none":
-                return None
-            frontier = int(run.meta(cur, "next_window"))
-            if room == "reserved":  # the slowest consumer's next needed window only
-                w = retention.reserved_window(cur)
-                assert w is not None
+        k = run.config.max_live_windows
+
+        def decide(cur: schema.Sql) -> tuple[int | None, list[Statement]]:
+            # what the decision reads, in one statement (one round trip under the lock)
+            row = cur.execute(_CLAIM_READ, (W.QUEUED.value, preg.rank)).fetchone()
+            self.roles.producer_holds(preg.token, preg.rank, None if row is None else row[:-3])
+            assert row is not None
+            live, frontier, queued = int(row[-3]), int(row[-2]), row[-1]
+            # retention.claimable, on the count read above
+            if live < k - 1:
+                w = frontier if queued is None else int(queued)
+            elif live < k and (reserved := retention.reserved_window(cur)) is not None:
+                w = reserved  # the slowest consumer's next needed window only
             else:
-                row = cur.execute(
-                    "SELECT window FROM windows WHERE state=? ORDER BY demand DESC, window LIMIT 1",
-                    (W.QUEUED.value,),
-                ).fetchone()
-                # a recapture is counted when it is published, not here
-                w = frontier if row is None else int(row[0])
+                return None, []
+            # a recapture is counted when it is published, not here
+            writes: list[Statement] = []
             if w == frontier:  # a new window: within the stream?
                 if (total is not None and w >= total) or (upto is not None and w >= upto):
-                    return None
-                run.bump(cur, "next_window")
-                states.insert_queued(cur, w, demand=False)
-            gen = run.bump(cur, "next_generation")
-            token = run.bump(cur, "next_token")
-            states.move(
-                cur, W.QUEUED, W.CAPTURING, "window=?", (w,),
-                also="generation=?, claim_token=?, claim_rank=?",
-                also_params=(gen, token, preg.rank),
-            )  # fmt: skip
+                    return None, []
+                writes += [
+                    ("UPDATE counters SET value = value + 1 WHERE key='next_window'", ()),
+                    states.insert_queued_statement(w, demand=False),
+                ]
+            counter = "(SELECT value FROM counters WHERE key='{}')"
+            writes += [
+                ("UPDATE counters SET value = value + 1 WHERE key='next_generation' "
+                 "RETURNING value", ()),
+                ("UPDATE counters SET value = value + 1 WHERE key='next_token' RETURNING value",
+                 ()),
+                states.move_statement(
+                    W.QUEUED, W.CAPTURING, "window=?", (w,),
+                    also=f"generation={counter.format('next_generation')}, "
+                    f"claim_token={counter.format('next_token')}, claim_rank=?",
+                    also_params=(preg.rank,),
+                ),
+            ]  # fmt: skip
+            return w, writes
+
+        # a read first: at K (or fenced) there is nothing to claim, and no lock to take
+        # (a replica that lost the race for a freed slot finds it here)
+        row = run.conn.execute(_CLAIM_READ, (W.QUEUED.value, preg.rank)).fetchone()
+        self.roles.producer_holds(preg.token, preg.rank, None if row is None else row[:-3])
+        if row is not None and int(row[-3]) >= k:
+            return None
+        w, got = run.conn.decide(decide)
+        if w is None:
+            return None
+        gen, token = int(got[-3].rows[0][0]), int(got[-2].rows[0][0])
+        assert got[-1].rowcount == 1
         return Claim(w, gen, token, preg.token, run.rows(w), preg.rank, total)
 
     def _check_claim(self, cur: schema.Sql, claim: Claim) -> None:
@@ -131,14 +163,31 @@ class Claims:
         if row is None:
             raise StaleLease(f"claim {claim.token} on window {claim.window} is no longer held")
 
+    def _claim_held(self, claim: Claim) -> tuple[str, tuple[object, ...]]:
+        """`_check_claim` as an SQL condition (with its parameters), for statements
+        that apply only while the claim is held."""
+        return (
+            "EXISTS (SELECT 1 FROM producers WHERE rank=? AND token=? AND state=?) AND EXISTS "
+            f"(SELECT 1 FROM windows WHERE window=? AND state IN {states.sql_in([W.CAPTURING])} "
+            "AND claim_token=?)",
+            (claim.rank, claim.producer_token, ACTIVE, claim.window, claim.token),
+        )
+
+    def _stale(self, claim: Claim) -> StaleLease:
+        """A guarded statement found the claim not held: `_check_claim` says why."""
+        self._check_claim(self.run.conn, claim)
+        return StaleLease(f"claim {claim.token} on window {claim.window} is no longer held")
+
     def renew(self, claim: Claim) -> None:
-        """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
-        with self.run.write() as cur:
-            self._check_claim(cur, claim)
-            cur.execute(
-                "UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=?",
-                (wall(), claim.rank),
-            )
+        """Heartbeat while capturing one long window; StaleLease if the claim was lost.
+        One statement applied only while the claim is held, outside the run's lock, as
+        a heartbeat is (fanout.coord.roles.Roles.heartbeat)."""
+        held, params = self._claim_held(claim)
+        if not self.run.conn.write_row(
+            f"UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=? AND {held}",
+            (wall(), claim.rank, *params),
+        ):
+            raise self._stale(claim)
 
     def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
         """Record a durable, final-named window file (Store.publish's result) as ready.
@@ -150,34 +199,61 @@ class Claims:
         The replica's count of windows made goes up; a claim that knew the stream's end
         records it when this was its last window (waits.end_if_complete).
         """
-        with self.run.write() as cur:
-            self._check_claim(cur, claim)
-            before = int(
-                cur.execute(
-                    "SELECT captures FROM windows WHERE window=?", (claim.window,)
-                ).fetchone()[0]
-            )
-            nth = self.run.bump(cur, "recaptures") if before else 0
-            states.move(
-                cur, W.CAPTURING, W.READY, "window=?", (claim.window,),
+        # One batch (Database.batch), every statement applied only while the claim is
+        # held (`held`, true for all of them or none: nothing else writes between them),
+        # the move last: before it, this window is not yet readable (the high-water
+        # marks add it) nor published (the stream's end check skips it).
+        held, hp = self._claim_held(claim)
+        ready = f"FROM windows WHERE state IN {states.sql_in(states.READABLE)}"
+        high = "UPDATE counters SET value = CASE WHEN value < ({0}) THEN ({0}) ELSE value END "
+        w, nbytes = claim.window, int(published.nbytes)
+        batch: list[Statement] = [
+            (
+                "UPDATE counters SET value=value+1 WHERE key='recaptures' AND (SELECT captures "
+                f"FROM windows WHERE window=?) > 0 AND {held} RETURNING value",
+                (w, *hp),
+            ),
+            (
+                high.format(f"SELECT COUNT(*) + 1 {ready}") + f"WHERE key='hw_windows' AND {held}",
+                hp,
+            ),
+            (
+                high.format(f"SELECT COALESCE(SUM(nbytes), 0) + ? {ready}")
+                + f"WHERE key='hw_bytes' AND {held}",
+                (nbytes, nbytes, *hp),
+            ),
+            (
+                "UPDATE producers SET made=made+1, made_since=made_since+1 WHERE rank=? AND "
+                f"{held}",
+                (claim.rank, *hp),
+            ),
+        ]
+        if claim.end is not None:
+            batch.append(waits.end_if_complete_statement(claim.end, w, held, hp))
+        batch.append(
+            states.move_statement(
+                W.CAPTURING,
+                W.READY,
+                "window=? AND claim_token=? AND EXISTS (SELECT 1 FROM "
+                "producers WHERE rank=? AND token=? AND state=?)",
+                (w, claim.token, claim.rank, claim.producer_token, ACTIVE),
                 also="name=?, path=?, nbytes=?, checksum=?, captures=captures+1, demand=0, "
-                "attempts=0, claim_token=NULL, claim_rank=NULL, last_error=NULL",
+                "attempts=0, claim_token=NULL, claim_rank=NULL, last_error=NULL, "
+                "verifier_version=?",
                 also_params=(
-                    published.name, str(published.path), int(published.nbytes),
+                    published.name,
+                    str(published.path),
+                    nbytes,
                     str(published.checksum),
+                    published.verifier_version,
                 ),
-            )  # fmt: skip
-            n, nbytes = reads.ready_windows(cur)
-            high = (
-                "UPDATE counters SET value = CASE WHEN value < ? THEN ? ELSE value END WHERE key=?"
             )
-            cur.execute(high, (n, n, "hw_windows"))
-            cur.execute(high, (int(nbytes), int(nbytes), "hw_bytes"))
-            cur.execute(
-                "UPDATE producers SET made=made+1, made_since=made_since+1 WHERE rank=?",
-                (claim.rank,),
-            )
-            ended = claim.end is not None and waits.end_if_complete(cur, claim.end)
+        )
+        got = self.run.batch(batch)
+        if not got[-1].rowcount:
+            raise self._stale(claim)
+        nth = int(got[0].rows[0][0]) if got[0].rows else 0
+        ended = claim.end is not None and got[-2].rowcount > 0
         if ended:
             log.info(
                 "the stream ends at window %d (recorded by %s)", claim.end, producer_id(claim.rank)
@@ -217,10 +293,32 @@ class Claims:
 
         While blocked, the run records since when (fanout.coord.waits.BLOCKED_SINCE),
         so `fanout status` can say "producer blocked at K by … since …"."""
+        try:
+            return self._wait_for_capacity(preg, timeout_s)
+        finally:
+            self.run.conn.disarm()  # UNLISTEN rides on this process's next commit
+
+    def _wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         cfg = self.run.config
+        armed = False
         while True:
             self.roles.reclaim_lost()
+            if armed:
+                self.run.conn.arm()  # what was heard before this read is in the read
+            room = self._room_read(preg)
+            if room:
+                self._blocked_since = None
+                return True
+            if room is False:
+                if not armed:
+                    self.run.conn.arm()
+                    armed = True
+                    continue  # read again, armed: a commit from now on wakes the wait
+                if time.monotonic() >= deadline:
+                    return False
+                self.run.wait_change(deadline, WAIT_S, (waits.ACK,))
+                continue
             with self.run.write() as cur:
                 self.roles.check_producer(cur, preg.token, preg.rank)
                 doomed = self.eviction.mark(cur, recover=True)
@@ -244,7 +342,32 @@ class Claims:
                 continue
             if time.monotonic() >= deadline:
                 return False
-            self.run.wait_change(deadline)
+            if armed:
+                self.run.wait_change(deadline, WAIT_S, (waits.ACK,))
+            else:
+                self.run.wait_change(deadline)
+
+    def _room_read(self, preg: ProducerReg) -> bool | None:
+        """The write path's answer where it would change no window, from reads alone
+        (under the `hold` policy): True (room), False (no room), the blocked-at-K stamp
+        set or cleared to match (one batch; `fanout status` shows it); None where the
+        write path must decide (a window to evict or to yield, another lag policy).
+        Fenced like the write path."""
+        cfg, conn = self.run.config, self.run.conn
+        if cfg.lag_policy != "hold":
+            return None
+        self.roles.check_producer(conn, preg.token, preg.rank)
+        if retention.mark_evictable(conn, cfg.expected_consumers, recover=True, dry=True):
+            return None
+        room = retention.has_capacity(conn, cfg.max_live_windows, reserved=False)
+        if not room:
+            if retention.yield_reserved(conn, cfg.max_live_windows, dry=True):
+                return None
+            room = retention.has_capacity(conn, cfg.max_live_windows)
+        if (not room) != self._block_recorded:  # the stamp alone changes: no decision rests on it
+            self.run.batch(waits.record_blocked_statements(not room), notify=None)
+            self._block_recorded = not room
+        return room
 
     def _record_block(self, cur: schema.Sql, blocked: bool) -> None:
         if blocked != self._block_recorded:  # a write only when it changes

@@ -14,7 +14,8 @@ PostgreSQL (fanout.coord.postgresdb, when `db_path` is a `postgresql://` URL;
 several hosts), with the tables of fanout.coord.schema and the same statements.
 Every state change is one short serialised write transaction fenced by a token
 (a consumer's epoch token, a lease token, the producer's token or its claim
-token); tokens come from one counter and are never reused, so a process that was
+token; a heartbeat is one statement fenced the same way, ordered by its row's
+lock); tokens come from one counter and are never reused, so a process that was
 reclaimed, detached or superseded gets StaleLease / RoleTaken / Detached on its
 next write and changes nothing.
 
@@ -49,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from fanout.contract import CaptureContract
-from fanout.coord import postgresdb, reads, records, schema, sqlitedb, waits
+from fanout.coord import postgresdb, reads, records, retention, schema, sqlitedb, waits
 from fanout.coord.claims import Claims
 from fanout.coord.core import Location, RunDb
 from fanout.coord.eviction import Eviction
@@ -226,10 +227,16 @@ class Coordinator:
         where = cls.resolve_db_path(root, db_path)
         conn: schema.Database
         if isinstance(where, Path):
-            if not where.is_file() and db_path is None and not pointer.is_file():
+            if (
+                not where.is_file()
+                and db_path is None
+                and (not pointer.is_file() or where == RunDir(root).database)
+            ):
                 # Nothing says where the database is: a PostgreSQL run's pointer is
                 # written by the producer that creates it, so do not name a SQLite file,
                 # nor refuse one on a shared run dir: the run is not made yet (waited on).
+                # A pointer that appeared after resolve_db_path looked is that producer
+                # creating it now: the next look reads it.
                 raise NoCoordinator(
                     f"{root}: no coordinator database yet: no producer has created this "
                     f"run (neither {where.name} nor {pointer.name}, the pointer to a "
@@ -461,6 +468,21 @@ class Coordinator:
         """The consumer exits before its end: 'stopped', its cursor still holds windows."""
         self.leasing.stop(reg)
 
+    def count_lag_skipped(self, reg: ConsumerReg, n: int = 1) -> None:
+        """`n` more windows this consumer acks without training: captured too many
+        verifier versions before the newest (--max-verifier-lag; `fanout status`
+        shows the count). Fenced by its token: a replaced consumer counts nothing."""
+        with self.run.write() as cur:
+            cur.execute(
+                "UPDATE consumers SET lag_skipped = lag_skipped + ? WHERE id=? AND token=?",
+                (int(n), reg.consumer_id, reg.token),
+            )
+
+    def newest_verifier_version(self) -> int | None:
+        """The newest verifier version a window of the run was captured with (None: a
+        verifier that does not change; fanout.coord.reads)."""
+        return reads.newest_verifier_version(self.conn)
+
     # ---- eviction (fanout.coord.eviction) ---------------------------------------
 
     def evict(self) -> int:
@@ -474,6 +496,11 @@ class Coordinator:
     def sweep(self) -> Any:
         """Finish interrupted evictions, then let the store remove debris and orphans."""
         return self.eviction.sweep()
+
+    def acked_by_all(self) -> int:
+        """Every window below this one is acknowledged by every counted consumer
+        (fanout.coord.retention.acked_by_all): a followed source's chunks retire by it."""
+        return retention.acked_by_all(self.conn, self.run.config.expected_consumers)
 
     # ---- reads (fanout.coord.reads) ----------------------------------------------
 

@@ -16,13 +16,14 @@ state machine and liveness stamp with the same clock).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from fanout.contract import CaptureContract
 from fanout.coord import schema
+from fanout.coord.database import Rows, Statement
 from fanout.coord.grants import WindowFiles
 from fanout.coord.retention import RunConfig
 from fanout.store.rundir import RunDir
@@ -64,13 +65,22 @@ class RunDb:
             self._store = Store(RunDir(self.root), FileSystem())
         return self._store
 
-    def write(self) -> AbstractContextManager[schema.Sql]:
-        """One serialised write transaction (rolls back on error)."""
-        return self.conn.write()
+    def write(self, notify: str | None = "") -> AbstractContextManager[schema.Sql]:
+        """One serialised write transaction (rolls back on error); `notify`: the kind of
+        change its commit tells waiters (fanout.coord.database.Database.write)."""
+        return self.conn.write(notify=notify)
 
-    def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
-        """Sleep until another connection commits, `max_s` passes or monotonic `deadline`."""
-        self.conn.wait_change(deadline, max_s)
+    def batch(self, statements: Sequence[Statement], notify: str | None = "") -> list[Rows]:
+        """One serialised write transaction of self-guarding statements, sent at once
+        (fanout.coord.database.Database.batch)."""
+        return self.conn.batch(statements, notify=notify)
+
+    def wait_change(
+        self, deadline: float | None, max_s: float = 0.05, ignore: tuple[str, ...] = ()
+    ) -> bool:
+        """Sleep until another connection commits, `max_s` passes or monotonic `deadline`;
+        True when a commit (not of a kind in `ignore`) woke it."""
+        return self.conn.wait_change(deadline, max_s, ignore)
 
     @staticmethod
     def bump(cur: schema.Sql, key: str, n: int = 1) -> int:

@@ -15,7 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from fanout.coord.core import RunDb
-from fanout.coord.retention import Doomed, file_wanted, finish_evicted, mark_evictable
+from fanout.coord.retention import (
+    Doomed,
+    file_wanted,
+    finish_evicted_statements,
+    mark_evictable,
+)
 from fanout.coord.schema import Sql
 
 
@@ -32,8 +37,7 @@ class Eviction:
         for _, name in doomed:
             if name:
                 self.run.store.remove(name)
-        with self.run.write() as cur:
-            finish_evicted(cur, [w for w, _ in doomed])
+        self.run.batch(finish_evicted_statements([w for w, _ in doomed]))
 
     def mark(self, cur: Sql, recover: bool = False) -> Doomed:
         """Mark what is evictable now, inside the caller's transaction; pass the result

@@ -51,19 +51,41 @@ class FollowChunk(BaseModel):
     digest: str = Field(description="fanout.hashing digest of the chunk file's bytes")
     positions: dict[str, int] = Field(description="bytes read per source file (dev:ino) after it")
     counts: dict[str, int] = Field(description="records, heldout, skipped, split so far")
+    rows: int | None = Field(
+        None, ge=0, description="its rows in the stream (None: committed by an older fanout)"
+    )
+    carried: int = Field(
+        0, ge=0, description="its records in short rows, carried into the next chunk's file"
+    )
+    due: int = Field(
+        0, ge=0, description="its first lines that waited --follow-flush-s: their rows stay"
+    )
     stream: str = Field("", description="the run's stream id (filled in at commit)")
     committed_wall: float = Field(0.0, description="when it was committed (display only)")
 
 
 _COLUMNS = "stream, chunk, records, digest, positions, counts, committed_wall"
+# `rows`, `carried` and `due` ride in the counts column (JSON) under these keys: no new column,
+# so no schema migration, and a row an older fanout wrote reads as rows=None, carried=0
+_ROWS, _CARRIED, _DUE = "_rows", "_carried", "_due"
 
 
 def _row(r: tuple[Any, ...]) -> FollowChunk:
     stream, chunk, records, digest, positions, counts, at = r
+    counts = json.loads(counts)
+    rows, carried = counts.pop(_ROWS, None), int(counts.pop(_CARRIED, 0))
+    due = int(counts.pop(_DUE, 0))
     return FollowChunk(
         stream=str(stream), chunk=int(chunk), records=int(records), digest=str(digest),
-        positions=json.loads(positions), counts=json.loads(counts), committed_wall=float(at),
+        positions=json.loads(positions), counts=counts, committed_wall=float(at),
+        rows=None if rows is None else int(rows), carried=carried, due=due,
     )  # fmt: skip
+
+
+def _counts_column(chunk: FollowChunk) -> str:
+    extra = {_CARRIED: chunk.carried, _DUE: chunk.due}
+    extra |= {} if chunk.rows is None else {_ROWS: chunk.rows}
+    return json.dumps(chunk.counts | extra, sort_keys=True)
 
 
 class FollowLog:
@@ -94,7 +116,7 @@ class FollowLog:
                 f"INSERT INTO follow_chunks({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (stream, stored.chunk, stored.records, stored.digest,
                  json.dumps(stored.positions, sort_keys=True),
-                 json.dumps(stored.counts, sort_keys=True), stored.committed_wall),
+                 _counts_column(stored), stored.committed_wall),
             )  # fmt: skip
         return stored
 

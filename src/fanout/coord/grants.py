@@ -99,6 +99,8 @@ class PublishedLike(Protocol):
     def nbytes(self) -> int: ...
     @property
     def checksum(self) -> str: ...
+    @property
+    def verifier_version(self) -> int | None: ...  # `produce --follow-verifier`'s, else None
 
 
 class WindowFiles(Protocol):

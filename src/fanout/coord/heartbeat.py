@@ -114,6 +114,7 @@ class Heartbeat:
         coord = self._open(me)
         if coord is None:
             return
+        said = 0.0
         try:
             while not self._stop.is_set():
                 try:
@@ -121,6 +122,18 @@ class Heartbeat:
                     self.beats += 1
                     if self.reclaim:
                         coord.reclaim_lost(exclude=[me])
+                except CoordinatorUnavailable as e:
+                    # The connection went (a database restart, a cut link) and could not
+                    # be replaced in time, or went inside the beat's transaction: the next
+                    # call connects again. A beat that did not land is harmless to repeat;
+                    # an outage longer than ttl gets this process declared lost, and its
+                    # first beat that lands is fenced (StaleLease, below). Stopping here
+                    # instead made a database restart kill every process caught mid-beat.
+                    now = time.monotonic()
+                    if now - said >= WARN_EVERY_S:
+                        said = now
+                        log.warning("heartbeat for %s cannot reach the coordinator (%s); "
+                                    "trying again every %g s", me, e, self.interval_s)  # fmt: skip
                 except FanoutError as e:
                     log.error("heartbeat for %s stopped: %s", me, e)
                     self.error = e

@@ -11,6 +11,16 @@ call makes) and eviction (an ack may let windows go). A lease is granted only on
 a readable window (fanout.coord.states.READABLE) under the consumer's current
 token; a window that was evicted is queued again (recaptured on demand) under every
 lag policy, a failed one raises WindowGone.
+
+The hot calls cost few round trips to a database on another host (issue #55): an
+acquire first reads (`_peek`, one statement, no lock) and writes nothing while its
+window is not ready, only waits (armed: no commit between its read and its wait is
+missed, so it waits up to WAIT_S, woken by the commits that matter to it, not by
+every trainer's ack); a ready window's lease and an ack are each one batch of
+statements that check their own preconditions in SQL (Database.batch: on PostgreSQL
+the run's write lock is held while the server runs them, not across round trips).
+Where a batch's check fails, or the window needs a write to be wanted again, the
+call takes the general path: one write transaction that reads and decides, as before.
 """
 
 from __future__ import annotations
@@ -20,16 +30,29 @@ import threading
 import time
 from collections.abc import Callable
 
-from fanout.coord import schema, states, waits
+from fanout.coord import retention, schema, states, waits
 from fanout.coord.core import RunDb
 from fanout.coord.database import wall
 from fanout.coord.eviction import Eviction
 from fanout.coord.grants import ConsumerReg, Lease
-from fanout.coord.roles import Roles
+from fanout.coord.roles import ACTIVE, CONSUMER_CHECK, Roles
 from fanout.coord.states import RoleState, W
 from fanout.errors import AcquireCancelled, AcquireTimeout, ConfigError, StaleLease, WindowGone
 
 log = logging.getLogger("fanout.coord.coordinator")
+ACK = waits.ACK
+WAIT_S = 1.0  # longest armed wait for a window between two reads (at most ttl_s / 4)
+CANCEL_S = 0.05  # how often a wait looks at its `cancel` event
+_END = "end of stream"
+_CHECK = ", ".join(f"c.{col}" for col in CONSUMER_CHECK.split(", "))
+_PEEK = (  # the consumer (fencing), the stream's end, the frontier, its window, its lease
+    f"SELECT {_CHECK}, (SELECT value FROM meta WHERE key=?), "
+    "(SELECT value FROM counters WHERE key='next_window'), w.state, w.generation, w.name, "
+    "w.path, w.demand, (SELECT token FROM leases l WHERE l.consumer=c.id AND l.window=w.window) "
+    "FROM consumers c LEFT JOIN windows w ON w.window = COALESCE(CAST(? AS BIGINT), c.cursor) "
+    "WHERE c.id=?"
+)
+_N_CHECK = len(CONSUMER_CHECK.split(", "))
 
 
 class Leasing:
@@ -58,23 +81,56 @@ class Leasing:
         has not joined) add up to `timeout_s` (None waits forever); AcquireCancelled
         within ~50 ms of `cancel` being set (a prefetch thread at shutdown).
         """
+        try:
+            return self._acquire(reg, timeout_s, window, cancel, on_wait)
+        finally:
+            self.run.conn.disarm()  # UNLISTEN rides on this process's next commit
+
+    def _acquire(
+        self,
+        reg: ConsumerReg,
+        timeout_s: float | None,
+        window: int | None,
+        cancel: threading.Event | None,
+        on_wait: Callable[[waits.WaitState], None] | None,
+    ) -> Lease | None:
         waited, last = 0.0, time.monotonic()
+        armed = False
+        cfg = self.run.config
+        wait_s = min(WAIT_S, cfg.ttl_s / 4)  # reclaim_lost below must watch within ttl_s / 2
         while True:
             if cancel is not None and cancel.is_set():
                 raise AcquireCancelled(f"{reg.consumer_id}: acquire cancelled")
-            with self.run.write() as cur:
-                cursor = self.roles.check_consumer(cur, reg.consumer_id, reg.token)
-                w = cursor if window is None else window
-                if w < cursor:
-                    raise ConfigError(f"{reg.consumer_id}: window {w} is behind cursor {cursor}")
-                total = self.run.config.total_windows
-                end = waits.stream_end(cur)
-                if (total is not None and w >= total) or (end is not None and w >= end):
-                    return None
-                lease, state = self._try_lease(cur, reg, w)
-                if lease is not None:
-                    return lease
-                why = waits.consumer_wait(cur, self.run.config, reg.consumer_id, w)
+            if armed:
+                self.run.conn.arm()  # what was heard before this read is in the read
+            w, seen = self._peek(reg, window)
+            if isinstance(seen, Lease):
+                return seen
+            if seen == _END:
+                return None
+            if seen is not None:  # not ready, and nothing to write: a read says why
+                if not armed:
+                    self.run.conn.arm()
+                    armed = True
+                    continue  # read again, armed: a publish from now on wakes the wait
+                state = seen
+                why = waits.consumer_wait(self.run.conn, cfg, reg.consumer_id, w)
+            else:
+                with self.run.write() as cur:
+                    cursor = self.roles.check_consumer(cur, reg.consumer_id, reg.token)
+                    w = cursor if window is None else window
+                    if w < cursor:
+                        raise ConfigError(
+                            f"{reg.consumer_id}: window {w} is behind cursor {cursor}"
+                        )
+                    total = cfg.total_windows
+                    end = waits.stream_end(cur)
+                    if (total is not None and w >= total) or (end is not None and w >= end):
+                        return None
+                    lease, state = self._try_lease(cur, reg, w)
+                    if lease is not None:
+                        return lease
+                    why = waits.consumer_wait(cur, cfg, reg.consumer_id, w)
             if on_wait is not None:
                 on_wait(why)
             self.roles.reclaim_lost()
@@ -88,7 +144,72 @@ class Leasing:
                     f"{why.text}"
                 )
             left = None if timeout_s is None or not why.counts else now + timeout_s - waited
-            self.run.wait_change(left)
+            if not armed:
+                self.run.wait_change(left)
+                continue
+            end_s = now + wait_s if left is None else min(now + wait_s, left)
+            while not self.run.wait_change(end_s, CANCEL_S if cancel else wait_s, (ACK,)):
+                if time.monotonic() >= end_s or (cancel is not None and cancel.is_set()):
+                    break
+
+    def _peek(self, reg: ConsumerReg, window: int | None) -> tuple[int, Lease | str | None]:
+        """One read: (window, what it found): the lease (granted by `_grant`), _END (the
+        stream ends before it), the window's state when it is not ready and nothing need
+        be written (capturing, not yet produced, queued with demand), or None: the write
+        path decides (a lease held already, a window to want again, a failed one, a
+        guard that failed). Fencing errors as check_consumer raises them."""
+        cid = reg.consumer_id
+        row = self.run.conn.execute(_PEEK, (waits.STREAM_END, window, cid)).fetchone()
+        cursor = self.roles.consumer_cursor(cid, reg.token, None if row is None else row[:_N_CHECK])
+        w = cursor if window is None else window
+        if w < cursor:
+            raise ConfigError(f"{cid}: window {w} is behind cursor {cursor}")
+        end_value, frontier, state, gen, name, path, demand, held = row[_N_CHECK:]
+        end = None if end_value in (None, "") else int(end_value)
+        total = self.run.config.total_windows
+        if (total is not None and w >= total) or (end is not None and w >= end):
+            return w, _END
+        if state is None:
+            return w, ("not yet produced" if w >= int(frontier) else None)
+        if state in states.READABLE and held is None:
+            return w, self._grant(reg, cursor, w, int(gen), name, path, end_value)
+        if state == W.QUEUED and demand:
+            return w, "queued for recapture"
+        if state == W.CAPTURING:
+            return w, str(state)
+        return w, None
+
+    def _grant(
+        self, reg: ConsumerReg, cursor: int, w: int, gen: int, name: str, path: str,
+        end_value: str | None,
+    ) -> Lease | None:  # fmt: skip
+        """`_try_lease`'s grant of a readable window as one batch: a new lease token and
+        the lease, each only while what `_peek` read still holds (the consumer active
+        under its token at that cursor, the window readable in that generation, no lease
+        of it yet, the stream's end unchanged). None when that no longer holds (nothing
+        was written). Its commit tells nobody: a lease frees nothing a waiter waits for."""
+        cid = reg.consumer_id
+        guard = (
+            "EXISTS (SELECT 1 FROM consumers WHERE id=? AND token=? AND state=? AND cursor=?) "
+            "AND EXISTS (SELECT 1 FROM windows WHERE window=? AND generation=? AND state IN "
+            f"{states.sql_in(states.READABLE)}) AND NOT EXISTS (SELECT 1 FROM leases WHERE "
+            "consumer=? AND window=?) AND COALESCE((SELECT value FROM meta WHERE key=?), '') = ?"
+        )
+        gp = (cid, reg.token, ACTIVE, cursor, w, gen, cid, w, waits.STREAM_END, end_value or "")
+        bump, _ = self.run.batch(
+            [
+                ("UPDATE counters SET value = value + 1 WHERE key='next_token' AND "
+                 f"{guard} RETURNING value", gp),
+                ("INSERT INTO leases(token, consumer, window, generation, epoch, acquired_wall) "
+                 f"SELECT value, ?, ?, ?, ?, ? FROM counters WHERE key='next_token' AND {guard}",
+                 (cid, w, gen, reg.token, wall(), *gp)),
+            ],
+            notify=None,
+        )  # fmt: skip
+        if not bump.rows:
+            return None
+        token = int(bump.rows[0][0])
+        return Lease(cid, w, gen, name, path, token, reg.token, self.run.rows(w))
 
     def _try_lease(self, cur: schema.Sql, reg: ConsumerReg, w: int) -> tuple[Lease | None, str]:
         cid = reg.consumer_id
@@ -147,18 +268,37 @@ class Leasing:
 
     def ack(self, lease: Lease) -> None:
         """The window was consumed: drop the lease, advance the cursor (an ack never moves
-        it back; a registration at an older cursor does, fanout.coord.roles)."""
-        with self.run.write() as cur:
-            self._held_lease(cur, lease)
-            cur.execute("DELETE FROM leases WHERE token=?", (lease.token,))
-            nxt = lease.window + 1
-            cur.execute(
-                "UPDATE consumers SET cursor = CASE WHEN cursor < ? THEN ? ELSE cursor END "
-                "WHERE id=?",
-                (nxt, nxt, lease.consumer_id),
-            )
-            doomed = self.eviction.mark(cur)
-        self.eviction.finish(doomed)
+        it back; a registration at an older cursor does, fanout.coord.roles), mark what
+        is evictable now.
+
+        One batch of three statements, each applied only while the lease is held (the
+        consumer active under the lease's epoch, the lease there): cursor, eviction
+        (fanout.coord.retention.mark_evictable_statement, counting this lease as gone),
+        then the lease itself. Nothing else writes between them (the run's lock), so all
+        three apply or none does; none did: `_held_lease` says why."""
+        cid, nxt = lease.consumer_id, lease.window + 1
+        held = (
+            "EXISTS (SELECT 1 FROM consumers WHERE id=? AND token=? AND state=?) "
+            "AND EXISTS (SELECT 1 FROM leases WHERE token=? AND consumer=?)"
+        )
+        hp = (cid, lease.epoch, ACTIVE, lease.token, cid)
+        _, marked, dropped = self.run.batch(
+            [
+                ("UPDATE consumers SET cursor = CASE WHEN cursor < ? THEN ? ELSE cursor END "
+                 f"WHERE id=? AND {held}", (nxt, nxt, cid, *hp)),
+                retention.mark_evictable_statement(
+                    self.run.config.expected_consumers, lease.token, held, hp
+                ),
+                ("DELETE FROM leases WHERE token=? AND consumer=? AND EXISTS (SELECT 1 FROM "
+                 "consumers WHERE id=? AND token=? AND state=?)",
+                 (lease.token, cid, cid, lease.epoch, ACTIVE)),
+            ],
+            notify=ACK,
+        )  # fmt: skip
+        if not dropped.rowcount:
+            self._held_lease(self.run.conn, lease)  # raises what fenced it
+            raise StaleLease(f"{cid}: lease {lease.token} on window {lease.window} is not held")
+        self.eviction.finish(sorted((int(w), n) for w, n in marked.rows))
 
     def release(self, lease: Lease) -> bool:
         """Give a lease back without consuming it (cursor unchanged). False if not held."""

@@ -33,7 +33,7 @@ from typing import Literal
 
 from fanout.coord.database import wall
 from fanout.coord.states import RoleState
-from fanout.filesystem import kernel_identity, proc_stat
+from fanout.netfs import kernel_identity, proc_stat
 
 
 class Reclaimer:

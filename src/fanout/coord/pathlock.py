@@ -173,7 +173,13 @@ class PathLock:
         except OSError as e:
             log.warning("%s: could not clear %s: %s", self.what, self.path, e)
         finally:
-            os.close(fd)  # releases the flock
+            # releases the flock even when it fails: a network filesystem's close may
+            # report an I/O error (sshfs: EIO), which must not replace the error a
+            # caller is handling, nor turn an exit into a traceback
+            try:
+                os.close(fd)
+            except OSError as e:
+                log.warning("%s: closing %s: %s", self.what, self.path, e)
 
     def __enter__(self) -> PathLock:
         self.acquire()

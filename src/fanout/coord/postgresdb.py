@@ -17,9 +17,17 @@ statements with the same semantics:
   rules in fanout.coord.retention / fanout.coord.claims read and decide exactly as on SQLite
   (no serialization-failure retries to reason about). The lock waits at most
   `lock_timeout_s`, then CoordinatorBusy;
+- the lock is kept off the network where a call allows (issue #55): BEGIN and the
+  lock go in one message, NOTIFY and COMMIT in another; `batch` sends the lock,
+  statements that check their own preconditions, and the COMMIT as one message,
+  and `decide` sends a transaction's writes with its COMMIT, so the lock is not
+  held across a round trip per statement; `write_row` (a heartbeat) takes no run
+  lock at all;
 - `wait_change` is LISTEN/NOTIFY: every write transaction notifies the schema's
-  channel at commit, and a waiting consumer or producer wakes on it (SQLite
-  polls `PRAGMA data_version` instead);
+  channel at commit (its payload says what kind of change, for waits that skip
+  some; a write with `notify=None` tells nobody), and a waiting consumer or
+  producer wakes on it (SQLite polls `PRAGMA data_version` instead); `arm()`
+  listens from before a waiter's read, so nothing committed after it is missed;
 - statements are written with `?` placeholders (fanout.coord.schema); `_translate`
   turns them into psycopg's `%s` and quotes the column `window` (reserved here).
 
@@ -42,6 +50,7 @@ from functools import lru_cache
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from fanout.coord.database import Rows, Statement, T
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
 
 log = logging.getLogger("fanout.coord.coordinator")
@@ -68,6 +77,25 @@ TCP_DEFAULTS = {
     "keepalives_count": "3",
     "tcp_user_timeout": "30000",
 }
+
+
+STILL_LOST_EVERY_S = 10.0  # how often a reconnect that keeps failing says so
+
+
+def _one_line(e: BaseException) -> str:
+    """libpq's message on one line (it spreads "server closed the connection
+    unexpectedly" over three): errors are one line (docs/operations.md)."""
+    return " ".join(str(e).split())
+
+
+_REACHED: set[str] = set()  # the servers (conninfo) this process has connected to
+
+
+def _transient(e: BaseException) -> bool:
+    """A connect failure an outage explains (refused, timed out, the server starting or
+    shutting down: no SQLSTATE, class 08 or 57P), not a wrong password or database."""
+    state = getattr(e, "sqlstate", None)
+    return state is None or str(state).startswith(("08", "57P"))
 
 
 def tcp_settings(conninfo: str) -> dict[str, str]:
@@ -154,8 +182,13 @@ class PostgresDatabase:
         self._errors = psycopg.errors
         self._sql = psycopg.sql
         self._conninfo, self.schema, self.where = parse_url(url)
-        self._channel = self._sql.Identifier(f"fanout_{self.schema}")
+        self._channel_name = f"fanout_{self.schema}"
+        self._channel = self._sql.Identifier(self._channel_name)
         self._lock = _lock_key(self.schema)
+        # BEGIN and the run's lock in one round trip (a literal key: a simple query may
+        # hold several statements only without parameters)
+        self._begin_locked = f"BEGIN; SELECT pg_advisory_xact_lock({self._lock}::bigint)"
+        self._commits: dict[tuple[str | None, bool], Any] = {}  # (notify, unlisten) → SQL
         self._lock_timeout_s = lock_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._reconnect_s = reconnect_s
@@ -164,12 +197,19 @@ class PostgresDatabase:
         try:
             self._connect()
         except psycopg.OperationalError as e:
-            raise CoordinatorUnavailable(
-                f"cannot connect to the coordinator database {self.where}: {e}".strip()
-            ) from None
+            # A server this process reached before and now refuses (a restart, a
+            # failover): an outage, ridden out like a lost connection (a trainer's
+            # prefetch thread opens its connection mid-run). At first contact, fail
+            # fast: a wrong host, port or password is not going to heal.
+            if self._conninfo not in _REACHED or not _transient(e):
+                raise CoordinatorUnavailable(
+                    f"cannot connect to the coordinator database {self.where}: {_one_line(e)}"
+                ) from None
+            self._reconnect(e)
+        _REACHED.add(self._conninfo)
 
     def _connect(self) -> None:
-        from psycopg.conninfo import make_conninfo
+        from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
         self.raw = self._psycopg.connect(
             make_conninfo(self._conninfo, **tcp_settings(self._conninfo)),
@@ -180,10 +220,26 @@ class PostgresDatabase:
         # or at interpreter exit (psycopg would warn; __del__ order at exit is arbitrary).
         weakref.finalize(self, self.raw.close)
         self._pid = self.raw.info.backend_pid
+        self._listening = False  # LISTEN on since arm() (a new connection listens to nothing)
+        self._unlisten_pending = False  # disarm()ed: UNLISTEN with the next commit
         self.raw.execute(
             self._sql.SQL("SET search_path TO {}").format(self._sql.Identifier(self.schema))
         )
         self.raw.execute(f"SET lock_timeout = {int(self._lock_timeout_s * 1000)}")
+        # The server's end of the same bounds: a client cut off inside a write holds the
+        # run's lock until its backend notices, which the kernel's defaults make two
+        # hours, so every other process of the run would stop at lock_timeout_s. With
+        # these the backend ends in about half a minute and the lock goes with it.
+        tcp = TCP_DEFAULTS | {
+            k: str(v) for k, v in conninfo_to_dict(self._conninfo).items() if k in TCP_DEFAULTS
+        }
+        self.raw.execute(
+            f"SET tcp_keepalives_idle = {int(tcp['keepalives_idle'])}; "
+            f"SET tcp_keepalives_interval = {int(tcp['keepalives_interval'])}; "
+            f"SET tcp_keepalives_count = {int(tcp['keepalives_count'])}"
+        )
+        with suppress(self._errors.UndefinedObject):  # PostgreSQL < 12 has no such setting
+            self.raw.execute(f"SET tcp_user_timeout = {int(tcp['tcp_user_timeout'])}")
 
     def _lost(self, e: Exception | None = None) -> bool:
         """Whether the connection is gone (error `e` said so, or psycopg marked it). A
@@ -198,11 +254,14 @@ class PostgresDatabase:
     def _reconnect(self, cause: Exception) -> None:
         """Replace a lost connection, retrying for up to `reconnect_s`."""
         log.warning(
-            "coordinator database %s: connection lost (%s); reconnecting", self.where, cause
-        )
-        with suppress(self._psycopg.Error):
-            self.raw.close()
-        deadline = time.monotonic() + self._reconnect_s
+            "coordinator database %s: connection lost (%s); reconnecting",
+            self.where, _one_line(cause),
+        )  # fmt: skip
+        if hasattr(self, "raw"):  # not yet, where the first connect failed
+            with suppress(self._psycopg.Error):
+                self.raw.close()
+        start = time.monotonic()
+        deadline, said = start + self._reconnect_s, start
         delay = 0.2
         while True:
             try:
@@ -211,11 +270,19 @@ class PostgresDatabase:
                 log.warning("coordinator database %s: reconnected", self.where)
                 return
             except self._psycopg.OperationalError as e:
-                if time.monotonic() + delay > deadline:
+                now = time.monotonic()
+                if now + delay > deadline:
                     raise CoordinatorUnavailable(
                         f"coordinator database {self.where} unreachable for "
-                        f"{self._reconnect_s:.0f} s: {e}".strip()
+                        f"{self._reconnect_s:.0f} s: {_one_line(e)}"
                     ) from None
+                if now - said >= STILL_LOST_EVERY_S:  # cut off: say so while it lasts
+                    said = now
+                    log.warning(
+                        "coordinator database %s: still unreachable after %.0f s (%s); "
+                        "trying until %.0f s", self.where, now - start, _one_line(e),
+                        self._reconnect_s,
+                    )  # fmt: skip
                 time.sleep(delay)
                 delay = min(2 * delay, 5.0)
 
@@ -251,13 +318,12 @@ class PostgresDatabase:
     def close(self) -> None:
         self.raw.close()
 
-    def _begin(self) -> None:
-        """BEGIN and take the run's advisory lock; on a lost connection (nothing has
-        run yet) reconnect and begin again."""
+    def _begin(self, lock: bool = True) -> None:
+        """BEGIN and take the run's advisory lock (`lock`), in one round trip; on a lost
+        connection (nothing has run yet) reconnect and begin again."""
         for attempt in (0, 1):
             try:
-                self.raw.execute("BEGIN")
-                self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
+                self.raw.execute(self._begin_locked if lock else "BEGIN")
                 return
             except self._errors.OperationalError as e:
                 if attempt or not self._lost(e):
@@ -271,15 +337,34 @@ class PostgresDatabase:
         with suppress(self._errors.OperationalError):  # it went just now: same
             self.raw.execute("ROLLBACK")
 
+    def _commit_sql(self, notify: str | None) -> Any:
+        """NOTIFY (unless `notify` is None; its payload when not empty) and COMMIT in one
+        message, with the UNLISTEN a disarm() left pending."""
+        key = (notify, self._unlisten_pending)
+        if key not in self._commits:
+            sql = self._sql
+            parts = [sql.SQL("UNLISTEN {}").format(self._channel)] if self._unlisten_pending else []
+            if notify == "":
+                parts.append(sql.SQL("NOTIFY {}").format(self._channel))
+            elif notify is not None:
+                parts.append(sql.SQL("NOTIFY {}, {}").format(self._channel, sql.Literal(notify)))
+            self._commits[key] = sql.SQL("; ").join([*parts, sql.SQL("COMMIT")])
+        return self._commits[key]
+
+    def _committed(self) -> None:
+        if self._unlisten_pending:
+            self._listening = self._unlisten_pending = False
+
     @contextmanager
-    def write(self) -> Iterator[PostgresDatabase]:
-        """BEGIN; take the run's advisory lock; body; NOTIFY; COMMIT (ROLLBACK on error)."""
+    def write(self, notify: str | None = "") -> Iterator[PostgresDatabase]:
+        """BEGIN and take the run's advisory lock; body; NOTIFY and COMMIT (ROLLBACK on
+        error): the lock and the commit each cost one round trip, not two."""
         self._begin()
         self._in_write = True
         try:
             yield self
-            self.raw.execute(self._sql.SQL("NOTIFY {}").format(self._channel))
-            self.raw.execute("COMMIT")
+            self.raw.execute(self._commit_sql(notify))
+            self._committed()
         except self._errors.OperationalError as e:
             self._rollback()
             raise self._typed(e) from None
@@ -288,6 +373,96 @@ class PostgresDatabase:
             raise
         finally:
             self._in_write = False
+
+    def batch(self, statements: Sequence[Statement], notify: str | None = "") -> list[Rows]:
+        """BEGIN (its own round trip, without the lock: a connection found lost there is
+        replaced, nothing has run), then the run's lock, `statements`, NOTIFY and COMMIT
+        as one message (parameters bound here, as literals, so that one simple query can
+        hold them all): the server runs them back to back, so the lock is held for the
+        server's time alone, never across a round trip to this client, however slowly
+        this process is scheduled. An error in any rolls back all."""
+        self._begin(lock=False)
+        self._in_write = True
+        try:
+            lock = f"SELECT pg_advisory_xact_lock({self._lock}::bigint)"
+            return self._send(statements, notify, lock)
+        except self._errors.OperationalError as e:
+            self._rollback()
+            raise self._typed(e) from None
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._in_write = False
+
+    def decide(
+        self, body: Callable[[Any], tuple[T, Sequence[Statement]]], notify: str | None = ""
+    ) -> tuple[T, list[Rows]]:
+        """BEGIN and the lock (one round trip), `body`'s reads, then its statements,
+        NOTIFY and COMMIT as one message (one round trip)."""
+        self._begin()
+        self._in_write = True
+        try:
+            value, statements = body(self)
+            return value, self._send(statements, notify)
+        except self._errors.OperationalError as e:
+            self._rollback()
+            raise self._typed(e) from None
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._in_write = False
+
+    def _send(
+        self, statements: Sequence[Statement], notify: str | None, first: str = ""
+    ) -> list[Rows]:
+        """`first` (a statement without parameters, its result skipped), `statements`
+        (their parameters bound here, as literals: one simple query may then hold them
+        all), NOTIFY and COMMIT, as one message; each statement's rows."""
+        from psycopg import ClientCursor
+
+        bind = ClientCursor(self.raw)
+        parts = [first] if first else []
+        parts += [bind.mogrify(_translate(sql), tuple(args)) for sql, args in statements]
+        parts.append(self._commit_sql(notify).as_string(self.raw))
+        cur = self.raw.cursor()
+        cur.execute("; ".join(parts))
+        self._committed()
+        out = []
+        for i in range(len(statements)):  # one result per statement, in order
+            if i or first:
+                cur.nextset()
+            if cur.description is None:
+                out.append(Rows([], int(cur.rowcount)))
+            else:
+                rows = [tuple(r) for r in cur.fetchall()]
+                out.append(Rows(rows, len(rows)))
+        return out
+
+    def write_row(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One statement on its own (autocommit): its row lock orders it against the
+        transactions that change that row; no run lock, no NOTIFY. Retried once on a
+        new connection when the old one was lost (hence: only where twice is harmless)."""
+        query, args = _translate(sql), tuple(params)
+        return int(self._run(lambda: self.raw.execute(query, args)).rowcount)
+
+    def arm(self) -> None:
+        """LISTEN (once; it stays on until disarm()) and drop what was heard before now."""
+        self._unlisten_pending = False
+        if not self._listening:
+            self._run(lambda: self.raw.execute(self._sql.SQL("LISTEN {}").format(self._channel)))
+            self._listening = True
+        try:
+            for _ in self.raw.notifies(timeout=0):
+                pass
+        except self._errors.OperationalError:
+            pass  # lost: the next call reconnects (and a later arm() listens again)
+
+    def disarm(self) -> None:
+        """UNLISTEN with the next commit (no round trip of its own)."""
+        if self._listening:
+            self._unlisten_pending = True
 
     def writable(self, timeout_s: float) -> bool:
         self.raw.execute("BEGIN")
@@ -312,32 +487,49 @@ class PostgresDatabase:
                 f"coordinator database {self.where} stayed locked for "
                 f"{self._lock_timeout_s:.0f} s: {e}"
             )
-        return CoordinatorUnavailable(f"coordinator database {self.where}: {e}")
+        return CoordinatorUnavailable(f"coordinator database {self.where}: {_one_line(e)}")
 
-    def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
-        """LISTEN, wait for another connection's commit notification (ours are skipped), UNLISTEN.
+    def wait_change(
+        self, deadline: float | None, max_s: float = 0.05, ignore: tuple[str, ...] = ()
+    ) -> bool:
+        """Wait for another connection's commit notification (ours, and those whose
+        payload is in `ignore`, are skipped); True if one came.
 
-        Listening only while waiting keeps our own notifications from piling up in the
-        driver. A commit between the caller's last read and LISTEN is not seen: the wait
-        then lasts `max_s` (50 ms) instead of returning at once, and the caller re-reads.
+        Armed (arm()): what arrived since arm() counts, and the connection stays
+        listening. Else LISTEN, wait, UNLISTEN: listening only while waiting keeps
+        notifications from piling up in the driver, but a commit between the caller's
+        last read and LISTEN is not seen: the wait then lasts `max_s` (50 ms) instead
+        of returning at once, and the caller re-reads.
         """
         end = time.monotonic() + max_s
         if deadline is not None:
             end = min(end, deadline)
+        if self._listening and not self._unlisten_pending:
+            return self._heard(end, ignore)
         self._run(lambda: self.raw.execute(self._sql.SQL("LISTEN {}").format(self._channel)))
         try:
-            while (left := end - time.monotonic()) > 0:
-                got = list(self.raw.notifies(timeout=left, stop_after=1))
-                if not got or any(n.pid != self._pid for n in got):
-                    return
-        except self._errors.OperationalError:
-            return  # lost while waiting: the caller's next call reconnects
+            return self._heard(end, ignore)
         finally:
+            self._listening = self._unlisten_pending = False
             try:
                 if not self._lost():
                     self.raw.execute(self._sql.SQL("UNLISTEN {}").format(self._channel))
             except self._errors.OperationalError:
                 pass  # lost: the listen went with the connection; the next call reconnects
+
+    def _heard(self, end: float, ignore: tuple[str, ...]) -> bool:
+        """Wait until monotonic `end` for a notification of another connection whose
+        payload is not in `ignore`."""
+        try:
+            while (left := end - time.monotonic()) > 0:
+                got = list(self.raw.notifies(timeout=left, stop_after=1))
+                if not got:
+                    return False
+                if any(n.pid != self._pid and n.payload not in ignore for n in got):
+                    return True
+        except self._errors.OperationalError:
+            return True  # lost while waiting: the caller re-reads, and that reconnects
+        return False
 
     # ---- creating and finding a run's tables -----------------------------------------
 

@@ -108,6 +108,30 @@ def ready_stamps(cur: Sql) -> list[float]:
     return sorted(float(t) for (t,) in cur.execute(q).fetchall())
 
 
+def oldest_unread(cur: Sql) -> tuple[int, float, list[str]] | None:
+    """The oldest readable window some counted consumer has not read past yet, when it
+    was published (wall clock) and who is at or below it — what `fanout status` calls
+    stalled once it waited too long (#52: nothing trained). With no consumer registered
+    at all every readable window is unread; None when none is (or every consumer ended)."""
+    counted = sql_in(states.COUNTED)
+    (n,) = cur.execute("SELECT COUNT(*) FROM consumers").fetchone()
+    (low,) = cur.execute(f"SELECT MIN(cursor) FROM consumers WHERE state IN {counted}").fetchone()
+    if low is None and n:
+        return None
+    row = cur.execute(
+        f"SELECT window, updated_at FROM windows WHERE state IN {sql_in(states.READABLE)} "
+        "AND window >= ? ORDER BY window LIMIT 1",
+        (low or 0,),
+    ).fetchone()
+    if row is None:
+        return None
+    who = cur.execute(
+        f"SELECT id FROM consumers WHERE state IN {counted} AND cursor <= ? ORDER BY id",
+        (int(row[0]),),
+    ).fetchall()
+    return int(row[0]), float(row[1]), [str(x) for (x,) in who]
+
+
 def pending_windows(cur: Sql) -> int:
     """Windows still to be captured: queued (new, on demand, or retried) or capturing."""
     q = f"SELECT COUNT(*) FROM windows WHERE state IN {sql_in(states.PENDING)}"
@@ -191,3 +215,40 @@ def audit(db: Database) -> dict[str, Any]:
         "failed_windows": int(failed),
         "counters": counters(db, AUDIT_COUNTERS),
     }
+
+
+# ---- verifier versions (`produce --follow-verifier`; fanout.checkpoints.versions) ----
+
+
+def verifier_versions(cur: Sql) -> dict[int, int]:
+    """{verifier version: readable windows captured with it}: the versions live on disk
+    ({} for a run whose verifier does not change)."""
+    rows = cur.execute(
+        f"SELECT verifier_version, COUNT(*) FROM windows WHERE verifier_version IS NOT NULL "
+        f"AND state IN {sql_in(states.READABLE)} GROUP BY verifier_version"
+    ).fetchall()
+    return {int(v): int(n) for v, n in rows}
+
+
+def newest_verifier_version(cur: Sql) -> int | None:
+    """The verifier version the run captures with now: the one the furthest window that
+    records a version was captured with (None: none records one). The furthest window,
+    not the largest number: a producer follows `current` back too, after a rollback."""
+    row = cur.execute(
+        "SELECT verifier_version FROM windows WHERE verifier_version IS NOT NULL "
+        "ORDER BY window DESC LIMIT 1"
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def window_verifier_version(cur: Sql, window: int) -> int | None:
+    """The verifier version window `window` was captured with (None: none recorded, or
+    no row)."""
+    row = cur.execute("SELECT verifier_version FROM windows WHERE window=?", (window,)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def lag_skipped(cur: Sql) -> dict[str, int]:
+    """{consumer id: windows it acked without training, too many versions old}."""
+    rows = cur.execute("SELECT id, lag_skipped FROM consumers").fetchall()
+    return {str(c): int(n) for c, n in rows}

@@ -43,6 +43,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fanout.coord import states
+from fanout.coord.database import Statement
 from fanout.coord.schema import Sql
 from fanout.coord.states import RoleState, W
 
@@ -105,9 +106,11 @@ class RunConfig(RunOptions):
 Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'
 
 
-def _mark(cur: Sql, sql: str, args: tuple[object, ...]) -> Doomed:
+def _mark(cur: Sql, sql: str, args: tuple[object, ...], dry: bool = False) -> Doomed:
+    """Mark the windows `sql` selects 'evicting'; `dry`: only say which (a read)."""
     rows = [(int(w), n) for w, n in cur.execute(sql, args).fetchall()]
-    states.move_windows(cur, states.EVICTABLE, W.EVICTING, [w for w, _ in rows])
+    if not dry:
+        states.move_windows(cur, states.EVICTABLE, W.EVICTING, [w for w, _ in rows])
     return rows
 
 
@@ -124,9 +127,12 @@ def cursor_bounds(cur: Sql) -> tuple[int | None, int | None]:
     return lo, hi
 
 
-def mark_evictable(cur: Sql, expected_consumers: int, recover: bool = False) -> Doomed:
+def mark_evictable(
+    cur: Sql, expected_consumers: int, recover: bool = False, dry: bool = False
+) -> Doomed:
     """Mark every evictable ready window 'evicting'; with `recover`, also return rows a
-    crashed process left 'evicting' (their files may still exist)."""
+    crashed process left 'evicting' (their files may still exist). `dry`: mark
+    nothing, only return what would be (a read: a waiting producer asks it first)."""
     stale: Doomed = []
     if recover:
         rows = cur.execute(
@@ -145,7 +151,59 @@ def mark_evictable(cur: Sql, expected_consumers: int, recover: bool = False) -> 
         "AND window < ? AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) "
         "ORDER BY window",
         (_FAR if low is None else low,),
+        dry,
     )
+
+
+def mark_evictable_statement(
+    expected_consumers: int, lease: int, guard: str, guard_params: tuple[object, ...]
+) -> Statement:
+    """`mark_evictable` (without `recover`) as one statement of a batch
+    (fanout.coord.database.Database.batch) that also drops lease `lease`: the same
+    rule, with that lease counted as gone, applied only where SQL condition `guard`
+    holds (the batch's own check: the lease is held). It returns (window, name) of
+    each window it marked, in no particular order."""
+    where = (
+        "window < COALESCE((SELECT MIN(cursor) FROM consumers WHERE state IN "
+        f"{COUNTED_STATES}), ?) AND (SELECT COUNT(*) FROM consumers) >= ? AND NOT EXISTS "
+        "(SELECT 1 FROM leases l WHERE l.window=windows.window AND l.token<>?) "
+        f"AND ({guard})"
+    )
+    return states.move_statement(
+        states.EVICTABLE, W.EVICTING, where, (_FAR, expected_consumers, lease, *guard_params),
+        returning="window, name",
+    )  # fmt: skip
+
+
+def acked_by_all(cur: Sql, expected_consumers: int) -> int:
+    """Every window below the returned one is acknowledged by every counted consumer (its
+    cursor is past it): what a followed source's chunks below it may go by
+    (fanout.produce.follow). Unlike eviction it never counts a window that `recapture`
+    evicted for a laggard as done; 0 until `expected_consumers` registered, and while
+    no consumer is counted (a later one may still need everything)."""
+    n, low = cur.execute(
+        f"SELECT COUNT(*), MIN(CASE WHEN state IN {COUNTED_STATES} THEN cursor END) FROM consumers"
+    ).fetchone()
+    return 0 if n < expected_consumers or low is None else int(low)
+
+
+def finish_evicted_statements(windows: list[int]) -> list[Statement]:
+    """`finish_evicted` as statements for one batch (none needs another's result): the
+    counter first, by the rows about to move, then the move, then compaction."""
+    if not windows:
+        return []
+    marks = ",".join("?" * len(windows))
+    count = (
+        f"SELECT COUNT(*) FROM windows WHERE state IN {states.sql_in([W.EVICTING])} "
+        f"AND window IN ({marks})"
+    )
+    return [
+        (f"UPDATE counters SET value=value+({count}) WHERE key='evictions'", tuple(windows)),
+        states.move_statement(
+            W.EVICTING, W.EVICTED, f"window IN ({marks})", windows, also="path=NULL"
+        ),
+        states.compact_statement(max(windows) - EVICTED_ROWS_KEPT),
+    ]
 
 
 def finish_evicted(cur: Sql, windows: list[int]) -> int:
@@ -202,7 +260,7 @@ def claimable(cur: Sql, max_live_windows: int) -> Literal["any", "reserved", "no
     return "none"
 
 
-def yield_reserved(cur: Sql, max_live_windows: int) -> Doomed:
+def yield_reserved(cur: Sql, max_live_windows: int, dry: bool = False) -> Doomed:
     """At K, give the last slot back to the slowest consumer's cursor window: when that
     window is queued (it asked for it: a consumer restarted from an older checkpoint,
     a late joiner, a window evicted before it read it) and not live while K windows
@@ -210,7 +268,7 @@ def yield_reserved(cur: Sql, max_live_windows: int) -> Doomed:
     captured again when wanted, counted as a recapture); [] otherwise. Why: the last
     slot takes the slowest consumer's next needed window (`reserved_window`), so K
     windows it needs *later* can be live when its cursor moves back; without this, the
-    window it needs now would wait for a slot nothing frees."""
+    window it needs now would wait for a slot nothing frees. `dry`: mark nothing."""
     if live_windows(cur) < max_live_windows:
         return []
     low, _ = cursor_bounds(cur)
@@ -225,6 +283,7 @@ def yield_reserved(cur: Sql, max_live_windows: int) -> Doomed:
         "AND window > ? AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.window=w.window) "
         "ORDER BY window DESC LIMIT 1",
         (low,),
+        dry,
     )
 
 

@@ -64,6 +64,7 @@ T = TypeVar("T")
 Select = tuple[str, tuple[object, ...]]  # the statement that reads a role's holder
 PLAN = "plan"  # meta key: the data plan of the run's producer replicas (ProducerPlan)
 ACTIVE = RoleState.ACTIVE.value
+CONSUMER_CHECK = f"cursor, note, {HOLDER_COLUMNS}"  # what check_consumer reads of its row
 
 
 def _producer_row(rank: int) -> Select:
@@ -338,7 +339,10 @@ class Roles:
 
     def check_producer(self, cur: schema.Sql, token: int, rank: int = 0) -> None:
         """Raise StaleLease / RoleTaken unless `token` is replica `rank`'s, active."""
-        row = cur.execute(*_producer_row(rank)).fetchone()
+        self.producer_holds(token, rank, cur.execute(*_producer_row(rank)).fetchone())
+
+    def producer_holds(self, token: int, rank: int, row: tuple[Any, ...] | None) -> None:
+        """check_producer on a row of HOLDER_COLUMNS read already (None: no such rank)."""
         if row is None:
             raise StaleLease(f"producer token {token}: no producer replica {rank} is registered")
         holder = Holder(*row)
@@ -347,9 +351,12 @@ class Roles:
 
     def check_consumer(self, cur: schema.Sql, cid: str, token: int) -> int:
         """Return the consumer's cursor; raise Detached / StaleLease if fenced off."""
-        row = cur.execute(
-            f"SELECT cursor, note, {HOLDER_COLUMNS} FROM consumers WHERE id=?", (cid,)
-        ).fetchone()
+        row = cur.execute(f"SELECT {CONSUMER_CHECK} FROM consumers WHERE id=?", (cid,)).fetchone()
+        return self.consumer_cursor(cid, token, row)
+
+    def consumer_cursor(self, cid: str, token: int, row: tuple[Any, ...] | None) -> int:
+        """check_consumer on a row of CONSUMER_CHECK's columns read already (None: no
+        such consumer)."""
         if row is None:
             raise StaleLease(f"consumer {cid} is not registered")
         cursor, note, holder = row[0], row[1], Holder(*row[2:])
@@ -395,20 +402,32 @@ class Roles:
     # ---- liveness ----------------------------------------------------------------
 
     def heartbeat(self, reg: ConsumerReg | ProducerReg) -> None:
-        """Prove liveness (increments the heartbeat counter). Fenced."""
-        with self.run.write() as cur:
-            if isinstance(reg, ProducerReg):
-                self.check_producer(cur, reg.token, reg.rank)
-                cur.execute(
-                    "UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=?",
-                    (wall(), reg.rank),
-                )
-            else:
-                self.check_consumer(cur, reg.consumer_id, reg.token)
-                cur.execute(
-                    "UPDATE consumers SET hb_seq=hb_seq+1, hb_wall=? WHERE id=?",
-                    (wall(), reg.consumer_id),
-                )
+        """Prove liveness (increments the heartbeat counter). Fenced: one statement moves
+        the counter only while the role is active under this token, else the check
+        says why (a token never comes back, so a miss stays a miss).
+
+        It takes no run-wide lock (Database.write_row): the counter is all it changes,
+        and what decides on the counter (a reclaim's `hb_seq=?`) or changes the row's
+        token or state (a registration, a reclaim, a detach) is ordered against it by
+        the row's lock, and sees it (PostgreSQL re-reads a row it waited for)."""
+        if isinstance(reg, ProducerReg):
+            n = self.run.conn.write_row(
+                "UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=? AND token=? "
+                "AND state=?",
+                (wall(), reg.rank, reg.token, ACTIVE),
+            )
+            if not n:
+                self.check_producer(self.run.conn, reg.token, reg.rank)
+                raise StaleLease(f"{reg.role_id}: token {reg.token} is stale")  # not reached
+        else:
+            n = self.run.conn.write_row(
+                "UPDATE consumers SET hb_seq=hb_seq+1, hb_wall=? WHERE id=? AND token=? "
+                "AND state=?",
+                (wall(), reg.consumer_id, reg.token, ACTIVE),
+            )
+            if not n:
+                self.check_consumer(self.run.conn, reg.consumer_id, reg.token)
+                raise StaleLease(f"consumer {reg.consumer_id}: token {reg.token} is stale")
 
     def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
         """Declare lost every process whose heartbeat counter stood still for ttl_s

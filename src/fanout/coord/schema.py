@@ -16,7 +16,8 @@ there. Only the DDL's types differ (`DDL.format(**DIALECTS[...])`).
 
 The schema is versioned (`meta.schema_version`); versions 1 (counters kept in
 `meta`), 2 (no role holders, no 'stopped' consumers) and 3 (one producer row, no
-replicas) and 4 (no follow_chunks, fanout.coord.follow_log) are migrated in place,
+replicas), 4 (no follow_chunks, fanout.coord.follow_log) and 5 (no verifier versions:
+`windows.verifier_version`, `consumers.lag_skipped`) are migrated in place,
 one step at a time, each in one transaction;
 anything else unknown is refused with `SchemaVersionError` instead of being
 guessed at.
@@ -32,7 +33,7 @@ from fanout.coord.database import Database as Database  # the seam, named here t
 from fanout.coord.database import Sql as Sql
 from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Integer counters (table `counters`): id sources (never reused) and what `fanout status` reports.
 # `reclaims`: processes declared lost; `claims_reclaimed`: windows a producer replica had
@@ -68,6 +69,7 @@ CREATE TABLE windows(
   captures   {int} NOT NULL DEFAULT 0,     -- completed captures (>1 = recaptured)
   attempts   {int} NOT NULL DEFAULT 0,     -- failed attempts since last success
   last_error TEXT,
+  verifier_version {int},                  -- captured with (--follow-verifier, schema 6)
   updated_at {real} NOT NULL               -- wall clock, display only
 );
 CREATE INDEX windows_by_state ON windows(state, window);
@@ -82,6 +84,7 @@ CREATE TABLE consumers(
   note       TEXT,
   host       TEXT,                         -- who holds the role (schema 3)
   pid        {int},                        -- its process id there
+  lag_skipped {int} NOT NULL DEFAULT 0,    -- windows acked untrained: --max-verifier-lag (schema 6)
   proc       TEXT                          -- boot id/pid namespace/start time (fanout.coord.liveness)
 ) {no_rowid};
 CREATE TABLE leases(
@@ -243,8 +246,39 @@ def _migrate_v4(db: Database) -> None:
         cur.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
 
 
+def _migrate_v5(db: Database) -> None:
+    """Version 6 records the verifier version each window was captured with
+    (`windows.verifier_version`, null: a fixed verifier) and how many windows each
+    consumer acked without training for being too many versions old
+    (`consumers.lag_skipped`): two columns added in place."""
+    with db.write() as cur:
+        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if str(row[0]) != "5":
+            return  # another process migrated it first
+        int_type = DIALECTS[db.dialect]["int"]
+        for table, column in (("windows", "verifier_version {int}"),
+                              ("consumers", "lag_skipped {int} NOT NULL DEFAULT 0")):  # fmt: skip
+            # a run migrated from version 2 got today's `consumers` table (_migrate_v2)
+            if column.split()[0] not in _columns(cur, db.dialect, table):
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN {column.format(int=int_type)}")
+        cur.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
+
+
+def _columns(cur: Sql, dialect: str, table: str) -> set[str]:
+    """The column names of `table` (in the current schema on PostgreSQL)."""
+    if dialect == "sqlite":
+        rows = cur.execute(f"SELECT name FROM pragma_table_info('{table}')").fetchall()
+    else:
+        rows = cur.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name=? "
+            "AND table_schema=current_schema()",
+            (table,),
+        ).fetchall()
+    return {str(r[0]) for r in rows}
+
+
 def check_schema(db: Database) -> None:
-    """Raise unless the database has SCHEMA_VERSION (after migrating 1 to 4): NoCoordinator
+    """Raise unless the database has SCHEMA_VERSION (after migrating 1 to 5): NoCoordinator
     when it has no tables yet (being created), NotACoordinatorDatabase when its tables
     are not fanout's, SchemaVersionError for a version this code does not know."""
     tables = db.table_names()
@@ -271,6 +305,9 @@ def check_schema(db: Database) -> None:
         version = "4"
     if version == "4":
         _migrate_v4(db)
+        version = "5"
+    if version == "5":
+        _migrate_v5(db)
         version = str(SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION):
         raise SchemaVersionError(

@@ -25,11 +25,12 @@ import logging
 import random
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from fanout.coord.database import Rows, Statement, T
 from fanout.errors import (
     CoordinatorBusy,
     CoordinatorFull,
@@ -38,14 +39,14 @@ from fanout.errors import (
     NotACoordinatorDatabase,
     UnsupportedFilesystem,
 )
-from fanout.filesystem import filesystem_type, is_network_filesystem
+from fanout.netfs import filesystem_type, is_network_filesystem
 
 log = logging.getLogger("fanout.coord.coordinator")
 
 
 def check_local_filesystem(db_path: Path, mountinfo: str | None = None) -> None:
     """Raise UnsupportedFilesystem if the database's directory is on a network filesystem
-    (fanout.filesystem says which are). SQLite WAL is unsafe there: it coordinates
+    (fanout.netfs says which are). SQLite WAL is unsafe there: it coordinates
     writers through a shared-memory file (`-shm`) that every process must map on ONE
     host, and POSIX locks on these are per host, emulated, or lied about."""
     fstype, point = filesystem_type(db_path.parent, mountinfo)
@@ -188,6 +189,7 @@ class SqliteDatabase:
             busy_timeout_s = _busy_timeout_of_run(path) if path.is_file() else 5.0
         self.raw = connect(path, busy_timeout_s=busy_timeout_s)
         self._busy_ms = int(busy_timeout_s * 1000)
+        self._armed: int | None = None  # data_version when arm() was called
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
         try:
@@ -214,11 +216,12 @@ class SqliteDatabase:
         self.raw.close()
 
     @contextmanager
-    def write(self, max_wait_s: float = 60.0) -> Iterator[sqlite3.Cursor]:
+    def write(self, max_wait_s: float = 60.0, notify: str | None = "") -> Iterator[sqlite3.Cursor]:
         """`BEGIN IMMEDIATE` ... `COMMIT`, retrying a busy database for up to `max_wait_s`.
 
         The body must be short and must not have side effects outside the database:
         on a busy error at BEGIN we simply retry; errors inside the body roll back.
+        `notify` is PostgreSQL's (here every commit changes `data_version`).
         """
         conn = self.raw
         deadline = time.monotonic() + max_wait_s
@@ -266,6 +269,40 @@ class SqliteDatabase:
                     raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
                 time.sleep(0.002)
 
+    def batch(self, statements: Sequence[Statement], notify: str | None = "") -> list[Rows]:
+        """The statements one after another in one `write` (one host: no round trips to
+        save), each one's rows fetched before the next runs."""
+        _, out = self.decide(lambda cur: (None, statements))
+        return out
+
+    def decide(
+        self, body: Callable[[Any], tuple[T, Sequence[Statement]]], notify: str | None = ""
+    ) -> tuple[T, list[Rows]]:
+        """`body`, then its statements, in one `write`."""
+        out = []
+        with self.write() as cur:
+            value, statements = body(cur)
+            for sql, params in statements:
+                c = cur.execute(sql, params)
+                if c.description is None:
+                    out.append(Rows([], int(c.rowcount)))
+                else:
+                    rows = [tuple(r) for r in c.fetchall()]
+                    out.append(Rows(rows, len(rows)))
+        return value, out
+
+    def write_row(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """One statement in its own `write` (SQLite has one writer at a time anyway)."""
+        with self.write() as cur:
+            return int(cur.execute(sql, params).rowcount)
+
+    def arm(self) -> None:
+        """Commits of other connections from now on wake the next `wait_change`."""
+        self._armed = self.raw.execute("PRAGMA data_version").fetchone()[0]
+
+    def disarm(self) -> None:
+        self._armed = None
+
     def writable(self, timeout_s: float) -> bool:
         try:
             with self.write(max_wait_s=timeout_s):
@@ -279,15 +316,23 @@ class SqliteDatabase:
         if self.raw.in_transaction:
             self.raw.execute("ROLLBACK")
 
-    def wait_change(self, deadline: float | None, max_s: float = 0.05) -> None:
-        """Poll `PRAGMA data_version` (changes when another connection commits)."""
+    def wait_change(
+        self, deadline: float | None, max_s: float = 0.05, ignore: tuple[str, ...] = ()
+    ) -> bool:
+        """Poll `PRAGMA data_version` (changes when another connection commits; since
+        `arm()` when armed). `ignore` is PostgreSQL's: every commit wakes it here."""
         end = time.monotonic() + max_s
         if deadline is not None:
             end = min(end, deadline)
-        v0 = self.raw.execute("PRAGMA data_version").fetchone()[0]
+        v0 = self._armed
+        if v0 is None:
+            v0 = self.raw.execute("PRAGMA data_version").fetchone()[0]
+        elif self.raw.execute("PRAGMA data_version").fetchone()[0] != v0:
+            return True
         pause = 0.0005
         while time.monotonic() < end:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
             if self.raw.execute("PRAGMA data_version").fetchone()[0] != v0:
-                return
+                return True
+        return False

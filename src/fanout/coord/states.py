@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
 
-from fanout.coord.database import Sql, wall
+from fanout.coord.database import Sql, Statement, wall
 from fanout.errors import IllegalTransition
 
 
@@ -126,10 +126,29 @@ def move(
     `also`: more `col=?` assignments made in the same statement (with `also_params`).
     Rows in another state are left alone, so a move that lost a race changes nothing.
     """
+    sql, args = move_statement(src, dst, where, params, also=also, also_params=also_params)
+    return int(cur.execute(sql, args).rowcount)
+
+
+def move_statement(
+    src: W | Iterable[W],
+    dst: W,
+    where: str,
+    params: Sequence[object] = (),
+    *,
+    also: str = "",
+    also_params: Sequence[object] = (),
+    returning: str = "",
+) -> Statement:
+    """`move`'s statement, checked the same way, for a batch of statements sent at once
+    (fanout.coord.database.Database.batch); `returning`: the columns of each moved row
+    it returns."""
     srcs = check(src, dst)
     sets = "state=?, updated_at=?" + (f", {also}" if also else "")
     sql = f"UPDATE windows SET {sets} WHERE state IN {sql_in(srcs)} AND ({where})"
-    return int(cur.execute(sql, (dst.value, wall(), *also_params, *params)).rowcount)
+    if returning:
+        sql += f" RETURNING {returning}"
+    return sql, (dst.value, wall(), *also_params, *params)
 
 
 def move_windows(
@@ -156,7 +175,12 @@ def insert_queued(cur: Sql, window: int, demand: bool) -> None:
     row was compacted away and that a consumer wants again (`demand` True). That one was
     published before, so its row starts at `captures` 1 (how many more is forgotten with
     the row): its next publish is counted as the recapture it is (fanout.coord.claims)."""
-    cur.execute(
+    cur.execute(*insert_queued_statement(window, demand))
+
+
+def insert_queued_statement(window: int, demand: bool) -> Statement:
+    """`insert_queued`'s statement, for a batch."""
+    return (
         "INSERT INTO windows(window, state, demand, captures, updated_at) VALUES (?, ?, ?, ?, ?)",
         (window, W.QUEUED.value, int(demand), int(demand), wall()),
     )
@@ -165,6 +189,9 @@ def insert_queued(cur: Sql, window: int, demand: bool) -> None:
 def compact_evicted(cur: Sql, below: int) -> None:
     """Delete evicted rows below `below`: a missing row below next_window reads as
     evicted (fanout.coord.leasing), so metadata stays flat however long the stream."""
-    cur.execute(
-        f"DELETE FROM windows WHERE state IN {sql_in([W.EVICTED])} AND window < ?", (below,)
-    )
+    cur.execute(*compact_statement(below))
+
+
+def compact_statement(below: int) -> Statement:
+    """`compact_evicted`'s statement, for a batch."""
+    return f"DELETE FROM windows WHERE state IN {sql_in([W.EVICTED])} AND window < ?", (below,)

@@ -26,13 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fanout.coord import retention, states
-from fanout.coord.database import wall
+from fanout.coord.database import Statement, wall
 from fanout.coord.retention import RunConfig
 from fanout.coord.schema import Sql
 from fanout.coord.states import RoleState, W
 
 STREAM_END = "stream_end"  # meta key: windows [0, N) are the stream (recorded once, complete)
 BLOCKED_SINCE = "blocked_since"  # meta key: wall clock since the producer is blocked at K
+# The kind of change an ack's commit announces (Database.write's `notify`): a trainer
+# waiting for its window and a producer waiting for room skip it (what an ack frees is
+# announced by the eviction's own commit), else every ack would wake every waiter.
+ACK = "ack"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,21 @@ def end_if_complete(cur: Sql, end: int) -> bool:
     return True
 
 
+def end_if_complete_statement(
+    end: int, window: int, guard: str, guard_params: tuple[object, ...]
+) -> Statement:
+    """`end_if_complete` as one statement of a batch that publishes `window` after it
+    (so `window` counts as published), applied only where SQL condition `guard` holds;
+    its row count says whether it recorded the end."""
+    return (
+        "INSERT INTO meta(key, value) SELECT ?, ? WHERE NOT EXISTS (SELECT 1 FROM meta "
+        "WHERE key=? AND COALESCE(value, '') <> '') AND (SELECT value FROM counters WHERE "
+        "key='next_window') >= ? AND NOT EXISTS (SELECT 1 FROM windows WHERE window < ? "
+        f"AND captures = 0 AND state <> ? AND window <> ?) AND ({guard})",
+        (STREAM_END, str(end), STREAM_END, end, end, W.FAILED.value, window, *guard_params),
+    )
+
+
 def reopen_stream(cur: Sql) -> None:
     """A producer starts a new session on the run (no other replica is active): the
     recorded end is forgotten, so a restart with a larger budget continues the stream."""
@@ -123,9 +142,16 @@ def clear_blocked_unless_others(cur: Sql, rank: int) -> None:
 
 def record_blocked(cur: Sql, blocked: bool) -> None:
     """The producer's blocked-at-K stamp (`fanout status` shows since when)."""
-    cur.execute("DELETE FROM meta WHERE key=?", (BLOCKED_SINCE,))
-    if blocked:
-        cur.execute("INSERT INTO meta(key, value) VALUES (?, ?)", (BLOCKED_SINCE, repr(wall())))
+    for statement in record_blocked_statements(blocked):
+        cur.execute(*statement)
+
+
+def record_blocked_statements(blocked: bool) -> list[Statement]:
+    """`record_blocked`'s statements, for a batch."""
+    clear: Statement = ("DELETE FROM meta WHERE key=?", (BLOCKED_SINCE,))
+    if not blocked:
+        return [clear]
+    return [clear, ("INSERT INTO meta(key, value) VALUES (?, ?)", (BLOCKED_SINCE, repr(wall())))]
 
 
 def blocked_since(cur: Sql) -> float | None:

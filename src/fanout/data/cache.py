@@ -10,7 +10,7 @@ Layout of an entry: `shard-00000.safetensors …` (tensors `input_ids` int32,
 `loss_mask` uint8, `document_ids` int32, `position_ids` int32, each [rows, T]) and
 `manifest.json` (fingerprint, seq_len, shard row counts, summary), written last.
 Everything is built in a sibling `<name>.tmp<temp_tag()>` directory (unique across
-hosts: fanout.filesystem), each file fsynced (`FileSystem.write_new`), then renamed
+hosts: fanout.netfs.temp_tag), each file fsynced (`FileSystem.write_new`), then renamed
 into place if no other writer's entry is there yet (`FileSystem.commit_dir_once`), so
 a crash leaves only debris and never a partial entry, and two hosts building the same
 entry at once (a cache in a shared run dir) never touch each other's temp: the
@@ -32,8 +32,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from fanout.errors import CorruptPreparedData, StorageError
-from fanout.filesystem import FileSystem, temp_tag
+from fanout.filesystem import FileSystem
 from fanout.hashing import hasher
+from fanout.netfs import temp_tag
 from fanout.rows import INPUT_IDS, LOSS_MASK, PACKED_ROW
 
 MANIFEST = "manifest.json"

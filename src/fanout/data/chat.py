@@ -243,14 +243,20 @@ def _text(v: Any, file: str, line: int, field: str, allow_empty: bool = False) -
     return v
 
 
+def _json(text: str, file: str, line: int, field: str, what: str) -> Any:
+    """`text` parsed as JSON; BadRow naming `field` and `what` where it does not parse
+    (a tool call, its arguments or the tools given as strings)."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise BadRow(file, line, field, f"{what} is not valid JSON: {e}") from None
+
+
 def _tool_call(obj: Any, file: str, line: int, field: str) -> dict[str, Any]:
     """A tool call as {"type": "function", "function": {"name", "arguments"}}; arguments
     given as a JSON string must parse (the template pastes strings verbatim)."""
     if isinstance(obj, str):
-        try:
-            obj = json.loads(obj)
-        except ValueError as e:
-            raise BadRow(file, line, field, f"tool call is not valid JSON: {e}") from None
+        obj = _json(obj, file, line, field, "tool call")
     if not isinstance(obj, dict):
         raise BadRow(file, line, field, "tool call must be an object")
     fn = obj.get("function", obj)
@@ -258,10 +264,7 @@ def _tool_call(obj: Any, file: str, line: int, field: str) -> dict[str, Any]:
         raise BadRow(file, line, field, "tool call needs a non-empty string 'name'")
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
-            json.loads(args)
-        except ValueError as e:
-            raise BadRow(file, line, field + ".arguments", f"not valid JSON: {e}") from None
+        _json(args, file, line, field + ".arguments", "arguments")  # kept as the string
     elif not isinstance(args, dict):
         raise BadRow(file, line, field + ".arguments", "must be an object or a JSON string")
     call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -276,10 +279,7 @@ def _tools(v: Any, file: str, line: int, field: str) -> list[dict[str, Any]] | N
     if isinstance(v, str):
         if not v.strip():
             return None
-        try:
-            v = json.loads(v)
-        except ValueError as e:
-            raise BadRow(file, line, field, f"tools is not valid JSON: {e}") from None
+        v = _json(v, file, line, field, "tools")
     if not isinstance(v, list):
         raise BadRow(file, line, field, "tools must be a list of function specs")
     out = []

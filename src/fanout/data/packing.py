@@ -63,6 +63,7 @@ class Packer:
         over_length: OverLength = "split",
         pad_id: int = 0,
         close_below: int | None = None,
+        track_rows: bool = False,
     ) -> None:
         if seq_len < 2:
             raise ConfigError(f"seq_len: must be >= 2, got {seq_len}")
@@ -86,6 +87,12 @@ class Packer:
         # where the first SPLIT_SOURCES_KEPT split documents came from ([file, line]): a
         # follower names each one's place in its source (fanout.produce.follow)
         self.split_sources: list[list[str | int]] = []
+        # with `track_rows`, each emitted row's source lines and real tokens, in row order:
+        # a follower carries the records of a short row into its next chunk
+        # (fanout.produce.follow); off for a whole dataset (two lists per row)
+        self.track_rows = track_rows
+        self.row_lines: list[list[int]] = []
+        self.row_tokens: list[int] = []
 
     def add(self, doc: Doc) -> dict[str, np.ndarray] | None:
         """Place one document; returns rows that closed because of it (or None)."""
@@ -161,6 +168,9 @@ class Packer:
                 out[DOCUMENT_IDS][r, at : at + L] = d
                 out[POSITION_IDS][r, at : at + L] = ar[:L]
                 at += L
+            if self.track_rows:
+                self.row_lines.append([int(doc.source[1]) for doc in row.docs])
+                self.row_tokens.append(at)
         self.rows += n
         return out
 
@@ -175,7 +185,9 @@ class Packer:
             "dropped_over_length": self.dropped,
             "split_over_length": self.split,
             "split_sources": self.split_sources,
-        }
+            **({"row_lines": self.row_lines, "row_tokens": self.row_tokens}
+               if self.track_rows else {}),
+        }  # fmt: skip
 
 
 def shuffled(docs: Iterable[Doc], buffer: int, seed: int, epoch: int = 0) -> Iterator[Doc]:

@@ -45,8 +45,9 @@ from fanout.data.template import (
 )
 from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
 from fanout.errors import BadRow, ConfigError
-from fanout.filesystem import FileSystem, host_build_lock, temp_tag
+from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, field_flag, flag_options, model_from_args
+from fanout.netfs import host_build_lock, temp_tag
 
 __all__ = [
     "DataOptions",
@@ -282,14 +283,17 @@ def _head(file: str, items: list[Any], raw: bool) -> list[Any]:
 class _Run:
     """One pass: chunks → docs → packer; keeps the counters for the summary."""
 
-    def __init__(self, cfg: PrepareConfig, spec: ChatSpec, pool: WorkerPool) -> None:
+    def __init__(
+        self, cfg: PrepareConfig, spec: ChatSpec, pool: WorkerPool, track_rows: bool = False
+    ) -> None:
         self.cfg, self.spec, self.pool = cfg, spec, pool
         self.formats: dict[str, str] = {}
         self.skipped: dict[str, int] = {}
         self.rows_in = 0
         self.mask_paths: dict[str, int] = {}  # path -> chunks; plus rows aligned / verified
         self.mask_aligned = self.mask_verified = 0
-        self.packer = Packer(cfg.seq_len, cfg.lookahead, cfg.over_length, spec.pad_token_id)
+        self.packer = Packer(cfg.seq_len, cfg.lookahead, cfg.over_length, spec.pad_token_id,
+                             track_rows=track_rows)  # fmt: skip
         self.t0 = time.perf_counter()
         self.bar: Any = None
         if cfg.progress:
@@ -384,8 +388,9 @@ def _materialize(entry: Path, out: Path) -> None:
         raise
 
 
-def _rows_fingerprint(cfg: PrepareConfig, spec: ChatSpec) -> str:
-    """The cache key of `cfg`'s rows: inputs, tokenizer, template, mask rules, row options."""
+def _rows_fingerprint(cfg: PrepareConfig, spec: ChatSpec, track_rows: bool = False) -> str:
+    """The cache key of `cfg`'s rows: inputs, tokenizer, template, mask rules, row options
+    (and `track_rows`: an entry without the rows' sources in its summary is another)."""
     return fingerprint(
         list(cfg.data),
         {
@@ -394,6 +399,7 @@ def _rows_fingerprint(cfg: PrepareConfig, spec: ChatSpec) -> str:
             "mask_path": plan_path(spec),
             "mask_rules": RULES_VERSION,
             **cfg.output_options(),
+            **({"track_rows": True} if track_rows else {}),
         },
     )
 
@@ -405,13 +411,19 @@ def _has_tokenizer_build(root: Path, tokenizer_fp: str) -> bool:
 
 
 def prepare(
-    cfg: PrepareConfig, look_in: Sequence[Path] = (), *, announce: bool = False
+    cfg: PrepareConfig,
+    look_in: Sequence[Path] = (),
+    *,
+    announce: bool = False,
+    track_rows: bool = False,
 ) -> PackedDataset:
     """Run the data stage (or load it from the cache) and return the packed dataset.
 
     `look_in`: other cache roots to find the rows in (fanout produce: the one `fanout
     prepare` writes to); rows are only ever written under `cfg.cache_root()`.
-    `announce`: log which cache entry is used, or where the rows are being prepared."""
+    `announce`: log which cache entry is used, or where the rows are being prepared.
+    `track_rows`: the summary also names each row's source lines and real tokens
+    (`row_lines`, `row_tokens`: fanout.produce.follow carries short rows' records)."""
     root = cfg.cache_root()
     roots = [root, *(r for r in look_in if r != root)]
     # no workers on a cache hit, and no tokenizer build where one is already cached
@@ -420,7 +432,7 @@ def prepare(
         tok_fp = tokenizer_fingerprint(cfg.tokenizer)
         spec_root = next((r for r in roots if _has_tokenizer_build(r, tok_fp)), root)
     spec = load_chat_spec(cfg.tokenizer, spec_root, cfg.chat_template, cfg.mask_path)
-    fp = _rows_fingerprint(cfg, spec)
+    fp = _rows_fingerprint(cfg, spec, track_rows)
     entry = root / "prepared" / fp
     found = [r / "prepared" / fp for r in roots if (r / "prepared" / fp / MANIFEST).is_file()]
     if not cfg.no_cache and found:
@@ -428,11 +440,11 @@ def prepare(
     if cfg.no_cache and not cfg.out:
         raise ConfigError("--no-cache needs --out (where else would the rows go?)")
     if cfg.no_cache:  # straight into --out: nothing shared to race for
-        return _build(cfg, root, spec_root, spec, fp, Path(str(cfg.out)), announce)
+        return _build(cfg, root, spec_root, spec, fp, Path(str(cfg.out)), announce, track_rows)
     with _building(entry):
         if (entry / MANIFEST).is_file():  # another process built it while we waited
             return _use_entry(cfg, entry, fp, announce)
-        return _build(cfg, root, spec_root, spec, fp, entry, announce)
+        return _build(cfg, root, spec_root, spec, fp, entry, announce, track_rows)
 
 
 def _use_entry(cfg: PrepareConfig, hit: Path, fp: str, announce: bool) -> PackedDataset:
@@ -450,7 +462,7 @@ def _building(entry: Path) -> Iterator[None]:
     """One process of this host at a time builds a cache entry; another that wants the
     same rows (M producer replicas started together on one host) waits, then uses them,
     instead of preparing them again on the same cores. Best effort
-    (`fanout.filesystem.host_build_lock`: never a lock file on the shared cache): across
+    (`fanout.netfs.host_build_lock`: never a lock file on the shared cache): across
     hosts, or where no lock can be taken, each builds into its own temp and the first
     complete entry wins (`ShardWriter.commit`). A forked worker's inherited copy of the
     lock's descriptor lives at most a second longer than its holder (workers exit with
@@ -471,6 +483,7 @@ def _build(
     fp: str,
     target: Path,
     announce: bool,
+    track_rows: bool = False,
 ) -> PackedDataset:
     """Prepare the rows into `target` (the cache entry, or --out under --no-cache)."""
     if target.exists() and not (target / MANIFEST).is_file() and any(target.iterdir()):
@@ -481,7 +494,7 @@ def _build(
         log.info("preparing %s into %s (fingerprint %s)", ", ".join(cfg.data), target, fp)
     pool = shared_pool(cfg.workers)
     pool.prewarm(spec)
-    run = _Run(cfg, spec, pool)
+    run = _Run(cfg, spec, pool, track_rows)
     # --no-cache writes straight into --out, replacing what an earlier prepare left there
     writer = ShardWriter(target, cfg.seq_len, cfg.rows_per_shard, replace=cfg.no_cache)
     try:

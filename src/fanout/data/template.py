@@ -51,8 +51,9 @@ from fanout.data import maskers, masks
 from fanout.data.chat import Conversation
 from fanout.data.chatspec import ChatSpec
 from fanout.errors import ConfigError, StorageError
-from fanout.filesystem import FileSystem, host_build_lock, temp_tag
+from fanout.filesystem import FileSystem
 from fanout.hashing import hasher
+from fanout.netfs import host_build_lock, temp_tag
 
 # Files in an HF tokenizer directory that can change ids or the rendering.
 TOKENIZER_FILES = (

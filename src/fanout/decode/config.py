@@ -9,26 +9,57 @@ comes back before torch is imported (fanout.cli.EARLY; benchmarks/startup.py).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from fanout.checkpoints.versions import CURRENT as CURRENT  # re-exported: promote
+from fanout.checkpoints.versions import VERSIONS as VERSIONS
+from fanout.checkpoints.versions import current_version
 from fanout.data.chat import ChatFormat
 from fanout.flags import flag_options
 from fanout.tracking import TrackingOptions
 
 HELDOUT = "heldout.jsonl"  # a live run's held-out traffic, in RUN_DIR/follow (produce/follow)
 # a served directory's layout (fanout.decode.promote): DIR/current -> versions/vNNNN
-CURRENT, VERSIONS, DECISIONS = "current", "versions", "promotions.jsonl"
+# (fanout.checkpoints.versions, the layout's one reader), beside its decisions
+DECISIONS = "promotions.jsonl"
 DRIFT = "drift.jsonl"  # in RUN_DIR/follow, beside HELDOUT: promote --run-dir's looks
+PROMOTE = "promote.json"  # in RUN_DIR/follow: promote --run-dir's newest decision
 
 
 def served_version(served: str | Path) -> str | None:
     """The version a served directory serves now (`current`'s target, "v0003"); None
     when nothing is served there (or it is not one). No torch: status reads it."""
-    link = Path(served) / CURRENT
-    return link.resolve().name if link.is_symlink() else None
+    v = current_version(served)
+    return None if v is None else v.name
+
+
+# (PromoteConfig field, stream.json key, flag) of what a run records of its capture
+RECORDED = (
+    ("verifier_name_or_path", "verifier", "--verifier-name-or-path"),
+    ("tokenizer", "tokenizer", "--tokenizer"),
+)
+
+
+def _recorded(run: Path, key: str, flag: str) -> str:
+    """What RUN_DIR/stream.json records under `key` (fanout.store.streaminfo.StreamInfo,
+    read here as JSON: decode sits below store in the layers)."""
+    path = run / "stream.json"
+    try:
+        got = json.loads(path.read_text()).get(key)
+    except FileNotFoundError:
+        got = None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable ({e}); give {flag}") from None
+    if not got:
+        raise ValueError(
+            f"--run-dir {run}: the run records no {key} (no producer started it yet, or "
+            f"an older fanout did); give {flag}"
+        )
+    return str(got)
 
 
 def temperature_key(t: float) -> str:
@@ -154,19 +185,37 @@ class PromoteConfig(EvalConfig):
     run_dir: str | None = Field(
         None,
         description="a live run (fanout produce --follow): its held-out traffic is the "
-        "default --data, and the served draft's τ on its newest slice is recorded in "
-        "RUN_DIR/follow/drift.jsonl at each look",
+        "default --data, the verifier and tokenizer it was captured with (RUN_DIR/stream.json) "
+        "the default --verifier-name-or-path and --tokenizer, and the served draft's τ on its "
+        "newest slice is recorded in RUN_DIR/follow/drift.jsonl at each look",
+    )
+    floor_epsilon: float = Field(
+        0.01,
+        description="a candidate whose τ is at most 1 + this accepts (next to) no draft "
+        "token: it is never served, said loudly (--once exits 3); negative: no floor",
     )
 
     # fields a before-validator fills from another flag: --help says so (fanout.flags)
-    required_unless: ClassVar[dict[str, str]] = {"data": "--run-dir"}
+    required_unless: ClassVar[dict[str, str]] = {
+        "data": "--run-dir",
+        "verifier_name_or_path": "--run-dir",
+        "tokenizer": "--run-dir",
+    }
 
     @model_validator(mode="before")
     @classmethod
     def _heldout_is_the_data(cls, v: Any) -> Any:
-        """--run-dir R: R/follow/heldout.jsonl is --data unless given."""
-        if isinstance(v, dict) and v.get("run_dir") and not v.get("data"):
-            return v | {"data": str(Path(v["run_dir"]) / "follow" / HELDOUT)}
+        """--run-dir R: R/follow/heldout.jsonl is --data, and the verifier and tokenizer
+        R's producer recorded in R/stream.json are --verifier-name-or-path and
+        --tokenizer, unless given (flags win)."""
+        if not (isinstance(v, dict) and v.get("run_dir")):
+            return v
+        run = Path(v["run_dir"])
+        if not v.get("data"):
+            v = v | {"data": str(run / "follow" / HELDOUT)}
+        for field, key, flag in RECORDED:
+            if not v.get(field):
+                v = v | {field: _recorded(run, key, flag)}
         return v
 
     @model_validator(mode="after")

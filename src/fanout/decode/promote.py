@@ -4,9 +4,10 @@
         --tokenizer V --data heldout.jsonl --num-prompts 32 --once      # cron: decide, exit
     fanout promote ... --poll-s 300                                    # watch for new ones
     fanout promote --served /srv/draft --rollback                       # back one version
-    fanout promote --run-dir runs/live --draft drafts/b16 --served /srv/draft ...
-        # a live run (fanout produce --follow): its held-out traffic is --data, and the
-        # served draft's τ on each newest slice of it is recorded (drift)
+    fanout promote --run-dir runs/live --draft drafts/b16 --served /srv/draft --once
+        # a live run (fanout produce --follow): its held-out traffic is --data, its
+        # verifier and tokenizer the defaults, and the served draft's τ on each newest
+        # slice of it is recorded (drift)
 
 The served directory (`--served DIR`) is what an engine is pointed at, through one link:
 
@@ -20,7 +21,16 @@ held-out prompts, the same seeds and temperatures, each as its server decodes it
 (fanout.decode.eval's EvalSession: one session, both drafts, interleaved), and promoted
 only when its τ at `--decide-temperature` is higher with the two 95% intervals apart
 (fanout.decode.eval_table.tau_verdict, the rule `fanout eval` prints), or, with
-`--margin M`, higher by at least M. Nothing served yet: the first candidate is promoted.
+`--margin M`, higher by at least M. Nothing served yet: the first candidate is measured
+alone and promoted.
+
+The floor (#52): a candidate whose τ is at most 1 + `--floor-epsilon` accepts (next to)
+no draft token — a trainer that never trained, trained on another verifier, or a broken
+checkpoint — and is never served, whatever it is compared with. That is said loudly: an
+error line, `"floor": true` in its decision, with `--run-dir` in RUN_DIR/follow/promote.json
+(`fanout status` shows it, /metrics as `fanout_promote_floor`), and `--once` exits 3.
+`--run-dir R` also takes `--verifier-name-or-path` and `--tokenizer` from what R's
+producer recorded (R/stream.json) unless they are given.
 
 Promotion: the checkpoint's serving files (config.json, model.safetensors, the commit
 marker, training_state.json, README.md; not the optimizer state) are copied into a new
@@ -50,7 +60,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import time
@@ -60,10 +69,12 @@ from typing import Any
 from fanout.checkpoints.format import read_config
 from fanout.checkpoints.layout import MARKER, latest_checkpoint
 from fanout.checkpoints.load import load_draft
+from fanout.checkpoints.versions import committed_versions, current_version
 from fanout.decode.config import (
     CURRENT,
     DECISIONS,
     DRIFT,
+    PROMOTE,
     VERSIONS,
     PromoteConfig,
     temperature_key,
@@ -71,14 +82,15 @@ from fanout.decode.config import (
 from fanout.decode.eval import EvalSession
 from fanout.decode.eval_table import tau_verdict
 from fanout.errors import CheckpointError, ConfigError
-from fanout.filesystem import FileSystem, temp_tag
+from fanout.filesystem import FileSystem
 from fanout.flags import add_model_flags, model_from_args
+from fanout.netfs import temp_tag
 
 log = logging.getLogger(__name__)
 
 SERVED_FILES = ("config.json", "model.safetensors", MARKER, "training_state.json", "README.md")
 REQUIRED = SERVED_FILES[:3]  # a version without them is not a checkpoint an engine loads
-_VERSION = re.compile(r"^v(\d{4,})$")
+FLOOR_EXIT = 3  # `--once` when the candidate is at the acceptance floor (1: bad input)
 
 
 class Served:
@@ -101,17 +113,14 @@ class Served:
         return names <= {CURRENT, VERSIONS, DECISIONS}
 
     def versions(self) -> list[Path]:
-        """Promoted versions, oldest first (complete directories only)."""
-        d = self.root / VERSIONS
-        if not d.is_dir():
-            return []
-        found = [p for p in d.iterdir() if _VERSION.match(p.name) and (p / MARKER).is_file()]
-        return sorted(found, key=lambda p: int(p.name[1:]))
+        """Promoted versions, oldest first (committed ones only: the layout's one reader,
+        fanout.checkpoints.versions, which `produce --follow-verifier` reads too)."""
+        return [v.path for v in committed_versions(self.root)]
 
     def current(self) -> Path | None:
         """The version `current` points at (None before the first promotion)."""
-        link = self.root / CURRENT
-        return link.resolve() if link.is_symlink() else None
+        v = current_version(self.root)
+        return None if v is None else v.path.resolve()
 
     def promote(self, checkpoint: Path, keep: int) -> Path:
         """Copy `checkpoint`'s serving files into a new version, then flip `current`."""
@@ -227,18 +236,24 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
         decision = base | {"promoted": False, "why": why}
         served.record(decision)
         return decision
-    if now is None:
-        decision = base | {"promoted": True, "why": "nothing served yet"}
-        return _promote(served, candidate, cfg, decision)
     vdir = Path(cfg.verifier_name_or_path)
-    drafts = {"candidate": load_draft(candidate, vdir, device=cfg.device),
-              "served": load_draft(now, vdir, device=cfg.device)}  # fmt: skip
+    drafts = {"candidate": load_draft(candidate, vdir, device=cfg.device)}
+    if now is not None:
+        drafts["served"] = load_draft(now, vdir, device=cfg.device)
     layers = sorted({i for d in drafts.values() for i in d.cfg.target_layer_ids})
     ecfg = newest_slice(cfg)[0] if cfg.run_dir else cfg  # live: the newest held-out traffic
     session = session or EvalSession(ecfg, layers)
-    report = session.run(drafts, {"candidate": None, "served": None})
+    report = session.run(drafts, dict.fromkeys(drafts))
     t = cfg.decide_temperature
-    fc, fs_ = _figures(report, "candidate", t), _figures(report, "served", t)
+    fc = _figures(report, "candidate", t)
+    if now is None:  # measured alone all the same: a draft at the floor is never served
+        decision = base | {
+            "candidate_tau": fc["acceptance_length"],
+            "candidate_ci95": fc["acceptance_length_ci95"], "prompts": report["prompts"],
+            "lossless": report["lossless"], "why": "nothing served yet",
+        }  # fmt: skip
+        return _settle(served, candidate, cfg, decision, report["lossless"])
+    fs_ = _figures(report, "served", t)
     tau_c, tau_s = fc["acceptance_length"], fs_["acceptance_length"]
     if cfg.margin is not None:
         win = tau_c >= tau_s + cfg.margin
@@ -251,13 +266,34 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
         "served_tau": tau_s, "served_ci95": fs_["acceptance_length_ci95"],
         "prompts": report["prompts"], "lossless": report["lossless"], "why": why,
     }  # fmt: skip
-    if not report["lossless"]:
+    return _settle(served, candidate, cfg, decision, win and report["lossless"])
+
+
+def _settle(
+    served: Served, candidate: Path, cfg: PromoteConfig, decision: dict[str, Any], win: bool
+) -> dict[str, Any]:
+    """Promote `candidate` if it `win`s, is lossless and is above the floor; record why."""
+    if not decision["lossless"]:
         win = False  # never serve a draft whose decoding differed from greedy
         decision["why"] += "; speculative output differed from greedy: not promoted"
+    tau = decision["candidate_tau"]
+    decision["floor"] = tau <= 1.0 + cfg.floor_epsilon
+    if decision["floor"]:  # its drafts are (next to) never accepted: untrained, or broken
+        win = False
+        decision["why"] += (
+            f"; candidate τ {tau:.3f} is at the floor (<= 1 + {cfg.floor_epsilon:g}): its "
+            "draft tokens are (next to) never accepted: not served"
+        )
+        log.error(
+            "promote: %s is at the acceptance floor (τ %.3f on %d prompts): NOT served; "
+            "is its trainer training (fanout status), on this verifier?",
+            candidate, tau, decision["prompts"],
+        )  # fmt: skip
     decision["promoted"] = win
     if win:
         return _promote(served, candidate, cfg, decision)
     served.record(decision)
+    _say(cfg, decision)
     return decision
 
 
@@ -272,7 +308,21 @@ def _promote(
         decision |= {"promoted": False, "why": f"{decision['why']}; {e}"}
         log.warning("%s", e)
     served.record(decision)
+    _say(cfg, decision)
     return decision
+
+
+def _say(cfg: PromoteConfig, decision: dict[str, Any]) -> None:
+    """A live run's newest decision, for `fanout status` and /metrics (--run-dir only):
+    RUN_DIR/follow/promote.json, replaced whole."""
+    if cfg.run_dir is None:
+        return
+    keep = ("time", "candidate", "candidate_step", "candidate_tau", "candidate_ci95",
+            "served", "promoted", "floor", "why", "version")  # fmt: skip
+    rec = {k: decision.get(k) for k in keep} | {"served_dir": str(Path(cfg.served).resolve())}
+    fs = FileSystem()
+    fs.makedirs(Path(cfg.run_dir) / "follow")
+    fs.write_atomic(Path(cfg.run_dir) / "follow" / PROMOTE, (json.dumps(rec) + "\n").encode())
 
 
 def drift(cfg: PromoteConfig) -> dict[str, Any] | None:
@@ -365,6 +415,7 @@ def run(args: argparse.Namespace, name: str = "promote") -> int:
     cfg = model_from_args(PromoteConfig, args)
     Served(cfg.served)  # refuses a directory that is not ours before anything loads
     seen: Path | None = None
+    floor: dict[str, Any] | None = None  # --once: this look's decision, at the floor
     while True:
         newest = latest_checkpoint(cfg.draft[0])
         if newest is None and not (Path(cfg.draft[0]) / MARKER).is_file():
@@ -372,7 +423,9 @@ def run(args: argparse.Namespace, name: str = "promote") -> int:
                 raise CheckpointError(f"--draft {cfg.draft[0]}: no committed checkpoint yet")
         elif newest != seen or seen is None:
             try:
-                print(json.dumps(decide(cfg)), flush=True)
+                decision = decide(cfg)
+                print(json.dumps(decision), flush=True)
+                floor = decision if decision.get("floor") else None
             except (CheckpointError, OSError) as e:
                 if newest is None or newest.exists():
                     raise
@@ -382,6 +435,10 @@ def run(args: argparse.Namespace, name: str = "promote") -> int:
         if cfg.run_dir is not None and (d := drift(cfg)) is not None:
             print(json.dumps({"drift": d}), flush=True)
         if cfg.once:
+            if floor is not None:  # a cron job's exit status says it (#52)
+                print(f"fanout promote: {floor['candidate']} is at the acceptance floor "
+                      f"(τ {floor['candidate_tau']:.3f}): not served", file=sys.stderr)  # fmt: skip
+                return FLOOR_EXIT
             return 0
         try:
             time.sleep(cfg.poll_s)

@@ -99,15 +99,25 @@ class Family:
     serving_method: ClassVar[str]
     # vLLM has a proposer for it (False: fanout eval runs speculators' reference decoding)
     served_by_vllm: ClassVar[bool] = True
+    # its drafting step where its own heads pick the block's tokens, "module:Class" (a
+    # fanout.model.draft_cache.BlockHeads: DFlash2's selector, ...), imported with torch
+    # on first use; None: DFlash's, each slot's own row
+    context_ref: ClassVar[str | None] = None
 
     def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
-        """The drafting step `fanout eval` runs (fanout.decode.spec_decode): the block
-        drafter's cache (`cached`) or its uncached forward."""
+        """The drafting step `fanout eval` runs (fanout.decode.spec_decode): on the block
+        drafter's cache (`cached`) or its uncached forward, its `context_ref`'s heads."""
         from fanout.model.block_draft import BlockDraft
         from fanout.model.draft_cache import DraftCache, UncachedDraft
 
-        block = drafts_with(draft, BlockDraft, self.name)
-        return DraftCache(block) if cached else UncachedDraft(block)
+        if self.context_ref is None:
+            block = drafts_with(draft, BlockDraft, self.name)
+            return DraftCache(block) if cached else UncachedDraft(block)
+        own = drafts_with(draft, self.draft_class, self.name)
+        assert isinstance(own, BlockDraft)
+        states = DraftCache(own) if cached else UncachedDraft(own)
+        context: DraftContext = imported(self.context_ref)(own, states)
+        return context
 
     def drafting_context(
         self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
@@ -163,8 +173,10 @@ class Family:
     def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
         """Why shared recipe values (`values`: field -> value of `fanout train`'s config;
         `given`: the fields set on its command line or --config) do not apply to this
-        family, as one line naming the flag; None when they do (every DFlash family)."""
-        return None
+        family, as one line naming the flag; None when they do. Its config's
+        `shared_rule` says which (none: DFlash, DFlash2, DSpark read every one)."""
+        rule = self.config_class.shared_rule
+        return None if rule is None else rule.problem(values, None)
 
     def speculative_tokens(self, cfg: DraftConfig) -> int:
         """Tokens one drafting step proposes (the verified block minus its anchor)."""

@@ -2,8 +2,9 @@
 a chain, not a block, provides beyond `fanout.families.base.Family`.
 
     class MyChain(ChainFamily):          # families/<name>/__init__.py
-        steps_field = "my_steps"         # its own flag: the tokens one step proposes
-        def field_problem(self, values, block_size): ...   # the shared flags it refuses
+        config_class = MyChainConfig     # its `shared_rule` (fanout.model.draft_config.
+                                         # SharedRule): its steps flag, the shared flags
+                                         # it refuses
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fanout.errors import ConfigError
 from fanout.families.base import Family, drafts_with, imported
 from fanout.families.speculators_config import eagle_layout
-from fanout.model.draft_config import DraftConfig, DraftRecipe
+from fanout.model.draft_config import DraftConfig, DraftRecipe, SharedRule
 
 if TYPE_CHECKING:
     from fanout.model.draft import Draft
@@ -46,14 +47,28 @@ class ChainFamily(Family):
     """A family that drafts a chain, not a block (EAGLE-3, P-EAGLE, MTP): its verify
     width is its steps + 1 (`steps_field`, its own flag), written as the draft's
     `block_size` by `chain_fields`; the shared flags that mean nothing to it are refused
-    by its one rule `field_problem`; it reads its own layers, not every captured one;
-    `fanout eval --num-speculative-tokens` sets the chain's length."""
+    by its one rule, its config's `shared_rule` (`field_problem`); it reads its own
+    layers, not every captured one; `fanout eval --num-speculative-tokens` sets the
+    chain's length."""
 
-    # its own flag: the tokens one drafting step proposes (ttt_steps, num_depths, ...)
-    steps_field: ClassVar[str]
-    # its drafting step, "module:Class": a DraftContext taking (draft, *,
-    # num_speculative_tokens, cached), imported with torch on first use
+    # its drafting step, "module:Class": a DraftContext taking (draft, k, *, cached)
+    # (fanout.model.chain_cache), imported with torch on first use
     context_ref: ClassVar[str]
+
+    @property
+    def rule(self) -> SharedRule:
+        """Its config's rule for the shared recipe fields (`DraftConfig.shared_rule`)."""
+        rule = self.config_class.shared_rule
+        if rule is None or rule.steps_field is None:
+            raise TypeError(f"{self.config_class.__name__}'s shared_rule names no steps_field")
+        return rule
+
+    @property
+    def steps_field(self) -> str:
+        """Its own flag: the tokens one drafting step proposes (ttt_steps, ...)."""
+        steps = self.rule.steps_field
+        assert steps is not None  # `rule` checked it
+        return steps
 
     def steps(self, recipe: Mapping[str, Any]) -> int:
         """`steps_field` of `recipe` (field -> value), its flag's default where absent."""
@@ -62,8 +77,9 @@ class ChainFamily(Family):
 
     def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
         """Why the shared recipe values `values` do not apply to this family (None: they
-        do); `block_size` None: not given (it follows the steps)."""
-        raise NotImplementedError
+        do): its config's rule, the steps its flag's default where not given;
+        `block_size` None: not given (it follows the steps)."""
+        return self.rule.problem({**values, self.steps_field: self.steps(values)}, block_size)
 
     def chain_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """`build`'s `fields` with `block_size` mapped to the verify width; a value other
@@ -121,11 +137,11 @@ class ChainFamily(Family):
     def drafting_context(
         self, draft: Draft, *, cached: bool = True, num_speculative_tokens: int | None = None
     ) -> DraftContext:
-        """Chain drafting of `num_speculative_tokens` (default: the draft's steps)."""
+        """Chain drafting of `num_speculative_tokens` (default: the draft's steps, what
+        its checkpoint's proposal says)."""
         own = drafts_with(draft, self.draft_class, self.name)
-        context: DraftContext = imported(self.context_ref)(
-            own, num_speculative_tokens=num_speculative_tokens, cached=cached
-        )
+        k = num_speculative_tokens or self.speculative_tokens(own.cfg)
+        context: DraftContext = imported(self.context_ref)(own, k, cached=cached)
         return context
 
 

@@ -254,16 +254,8 @@ class ChainDraft(Draft):
         """ConfigError unless `batch` holds window rows with the auxiliary states, the
         verifier's last hidden states (the targets) and at least 3 tokens a row."""
         cfg, label = self.cfg, self.family_label
-        for k in (HIDDEN_STATES, INPUT_IDS, LOSS_MASK, DOCUMENT_IDS, POSITION_IDS):
-            if k not in batch:
-                raise ConfigError(f"{label} batch is missing {k!r} (has {sorted(batch)})")
-        if LAST_HIDDEN_STATES not in batch:
-            raise ConfigError(
-                f"{label} trains on the verifier's distribution: the batch needs "
-                "last_hidden_states (capture the run with --store-last-hidden-states, or "
-                f"--capture-for {self.capture_for})"
-            )
-        check_batch(batch, len(cfg.target_layer_ids) * cfg.hidden_size, family=label)
+        width = len(cfg.target_layer_ids) * cfg.hidden_size
+        check_batch(batch, width, kl=True, family=label, capture_for=self.capture_for)
         t = batch[INPUT_IDS].shape[1]
         if t < 3:
             raise ConfigError(f"{label} rows need at least 3 tokens, got T = {t}")

@@ -29,14 +29,7 @@ from torch import nn
 from fanout.errors import ConfigError
 from fanout.model.draft_config import DraftConfig, DraftRecipe, default_target_layer_ids
 from fanout.model.verifier_dir import read_text_tensors, read_verifier_config
-from fanout.rows import (
-    DOCUMENT_IDS,
-    HIDDEN_STATES,
-    INPUT_IDS,
-    LAST_HIDDEN_STATES,
-    LOSS_MASK,
-    POSITION_IDS,
-)
+from fanout.rows import HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, PACKED_ROW
 
 
 @dataclass
@@ -194,19 +187,46 @@ class Draft(nn.Module):
         draft = cls(cfg, embed, head, norm.to(device).to(dtype), draft_vocab_ids)
         return draft.to(dtype=dtype).to(device=device)
 
+    @torch.no_grad()
+    def load_verifier_tensors(self, verifier_dir: str | Path) -> None:
+        """Replace the frozen embedding, `lm_head` (its draft-vocabulary rows) and final
+        norm, in place, by those of `verifier_dir`: another version of the same verifier
+        (a trainer following `produce --follow-verifier`'s versions). ConfigError when a
+        shape differs (not a version of this verifier)."""
+        embed, head, norm = read_text_tensors(Path(verifier_dir))  # the text model's
+        head = embed if head is None else head  # None: tied
+        if self.d2t is not None:  # the draft vocabulary's rows, as built
+            head = head[self.d2t.cpu() + torch.arange(self.d2t.numel())]
+        for name, new in (("embed_weight", embed), ("lm_head_weight", head),
+                          ("verifier_norm_weight", norm)):  # fmt: skip
+            mine = getattr(self, name)
+            if tuple(new.shape) != tuple(mine.shape):
+                raise ConfigError(
+                    f"{verifier_dir}: {name} is {tuple(new.shape)}, the draft's "
+                    f"{tuple(mine.shape)}: not a version of the verifier it was built from"
+                )
+            mine.copy_(new.to(mine.device))  # cast on the device, as built
+
 
 def check_batch(
-    batch: dict[str, torch.Tensor], width: int, *, kl: bool = False, family: str = "draft"
+    batch: dict[str, torch.Tensor],
+    width: int,
+    *,
+    kl: bool = False,
+    family: str = "draft",
+    capture_for: str = "the family",
 ) -> None:
     """ConfigError unless `batch` holds a window's rows with hidden states `[B, T, width]`
-    (and `last_hidden_states` when `kl`: the loss reads the verifier's distribution)."""
-    for k in (HIDDEN_STATES, INPUT_IDS, LOSS_MASK, DOCUMENT_IDS, POSITION_IDS):
+    (and `last_hidden_states` when `kl`: the loss reads the verifier's distribution; the
+    refusal names `--capture-for capture_for`). Every draft's one batch check."""
+    for k in (HIDDEN_STATES, *PACKED_ROW):
         if k not in batch:
             raise ConfigError(f"{family} batch is missing {k!r} (has {sorted(batch)})")
     if kl and LAST_HIDDEN_STATES not in batch:
         raise ConfigError(
-            f"{family}'s loss needs last_hidden_states in the batch: capture the run with "
-            "--store-last-hidden-states (or --capture-for the family)"
+            f"{family}'s loss reads the verifier's distribution: the batch needs "
+            "last_hidden_states (capture the run with --store-last-hidden-states, or "
+            f"--capture-for {capture_for})"
         )
     b, t = batch[INPUT_IDS].shape
     if batch[HIDDEN_STATES].shape != (b, t, width):

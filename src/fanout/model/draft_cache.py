@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from fanout.model.block_draft import BlockDraft, DecoderLayer
 from fanout.model.draft import Draft
 from fanout.rows import DOCUMENT_IDS, HIDDEN_STATES, INPUT_IDS, POSITION_IDS
+
+B = TypeVar("B", bound=BlockDraft)
 
 
 def _layers(draft: BlockDraft) -> list[DecoderLayer]:
@@ -204,7 +206,24 @@ class DraftCache(IndependentSlots):
         return head_logits(self.draft, self.block_states(seq)[1:])
 
 
+class BlockHeads(Generic[B]):
+    """A block family's drafting step beyond DFlash's: the block runs once on `states`
+    (a DraftCache, or UncachedDraft: the uncached reference; `block_states`), then the
+    family's own heads turn its slots into tokens in `propose` (DFlash2's selector,
+    DSpark's Markov head, XPress's refiner). `Family.context` builds it from
+    `Family.context_ref`."""
+
+    def __init__(self, draft: B, states: DraftCache | UncachedDraft) -> None:
+        self.draft = draft
+        self.states = states
+
+    def extend(self, hidden: torch.Tensor) -> None:
+        """Append the verifier's hidden states of the next positions `[n, k·H]`."""
+        self.states.extend(hidden)
+
+
 __all__ = [
+    "BlockHeads",
     "DraftCache",
     "DraftContext",
     "IndependentSlots",

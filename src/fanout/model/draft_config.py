@@ -13,13 +13,15 @@ imported (fanout.cli.EARLY; benchmarks/startup.py measures it).
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from fanout.contract import DraftLayerIds
 from fanout.errors import ConfigError
-from fanout.flags import flag_options
+from fanout.flags import field_flag, flag_name, flag_options
 
 
 def default_gamma(block_size: int) -> float:
@@ -76,12 +78,48 @@ class DraftRecipe(BaseModel):
         return self
 
 
+@dataclass(frozen=True)
+class SharedRule:
+    """Which shared recipe fields a family's draft refuses: the one rule its config
+    (`DraftConfig.shared_rule`) and `fanout train`'s flag check (`Family.shared_conflict`)
+    both apply. Each field of `accepts` takes that one value only (`why` says what the
+    family does instead). A family that drafts a chain, not a block (EAGLE-3, P-EAGLE,
+    MTP; fanout.families.chain) names its steps flag (`steps_field`, the tokens one
+    drafting step proposes): its verify width is its steps + 1, given as `block_size` or
+    not at all."""
+
+    name: str  # as a message writes the family: "EAGLE-3"
+    accepts: Mapping[str, Any]  # shared recipe field -> the one value it takes
+    why: str  # what the family does instead, the end of every refusal
+    steps_field: str | None = None  # a chain drafter's steps flag
+
+    def problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
+        """Why the values `values` (field -> value, a chain's steps included; a field
+        absent: accepted) do not apply to the family, as one line naming the flag (None:
+        they do). `block_size` None: not given (a chain's follows its steps)."""
+        if self.steps_field is not None and block_size is not None:
+            steps, flag = int(values[self.steps_field]), flag_name(self.steps_field)
+            if block_size != steps + 1:
+                return (
+                    f"--block-size {block_size}: {self.name} drafts a chain, not a block; "
+                    f"its verify width is {flag} + 1 = {steps + 1} (drop --block-size, or "
+                    f"set {flag} {block_size - 1})"
+                )
+        for field, ok in self.accepts.items():
+            if (value := values.get(field, ok)) != ok:
+                shown = field_flag(field, DraftRecipe.model_fields[field])
+                return f"{shown} {value}: {self.why}; drop it"
+        return None
+
+
 class DraftConfig(DraftRecipe):
     """Shape and training semantics of one draft: the DraftRecipe plus what the
     verifier and the run fix (shapes, vocabulary, mask id, layers). Validated at
     construction."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    # the shared recipe fields the family refuses (None: it reads every one, DFlash)
+    shared_rule: ClassVar[SharedRule | None] = None
 
     hidden_size: int = Field(gt=0, description="H: verifier (and draft) hidden size")
     intermediate_size: int = Field(gt=0, description="SwiGLU MLP width of each draft layer")
@@ -112,6 +150,8 @@ class DraftConfig(DraftRecipe):
             raise ValueError(f"mask_token_id {self.mask_token_id} >= vocab_size {self.vocab_size}")
         if self.draft_vocab_size is not None and self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size")
+        if self.shared_rule and (problem := self.shared_rule.problem(dict(self), self.block_size)):
+            raise ValueError(problem)
         return self
 
     @property

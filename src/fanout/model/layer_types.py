@@ -18,8 +18,13 @@ it has one of UNDECLARED_MIXING_FIELDS: then a type without a rule):
 | `full_attention`    | earlier tokens of its document             | block-diagonal causal mask    |
 | `sliding_attention` | those within `sliding_window` (self incl.) | the same mask ∧ q − k < W     |
 | `chunked_attention` | those in its `attention_chunk_size` chunk  | the same mask ∧ same chunk    |
-| `linear_attention`  | a recurrent state and a short causal conv  | running each document alone   |
-|                     | that start from zero at the document start |                               |
+| `linear_attention`  | a recurrent state and a short causal conv  | both reset at each document   |
+|                     | that start from zero at the document start | start (`varlen`), else running|
+|                     |                                            | each document alone           |
+| `conv`              | itself and `conv_L_cache` − 1 tokens before| as `linear_attention`         |
+|                     | it, zeros before the document start        |                               |
+| `hybrid`            | full attention's, and a Mamba-2 state      | the full mask, and the state  |
+|                     | from zero at the document start            | as `linear_attention`'s       |
 | `mlp`, `moe`        | its own token (they mix no tokens)         | nothing: packed as they are   |
 
 Window conventions are transformers' own (masking_utils.sliding_window_overlay:
@@ -33,13 +38,17 @@ such models with eager when sdpa is not supported; alone, local_attention keeps
 eager's math), and the mask stays per layer type. MLA (DeepSeek-V3) and MoE layers
 are full attention / per-token and need nothing more.
 
-Why linear attention runs each document alone: transformers passes packed boundaries
-to the gated delta rule and the causal conv1d as `cu_seq_lens_q`, but their torch
-fallbacks (the only ones on CPU, and on GPU without flash-linear-attention and
-causal-conv1d) swallow it in `**kwargs` (transformers 5.25: qwen3_next / qwen3_5
+Linear attention in a packed row: transformers passes packed boundaries to the gated
+delta rule and the causal conv1d as `cu_seq_lens_q`, but their torch fallbacks (the
+only ones on CPU, and on GPU without flash-linear-attention and causal-conv1d) swallow
+it in `**kwargs` (transformers 5.25: qwen3_next / qwen3_5
 `torch_chunk_gated_delta_rule`, `causal_conv1d_fn`), so the state would flow from one
-document into the next. Run alone, every state starts at zero by construction, on
-every device and kernel, and the rule does not depend on a kernel honouring a keyword.
+document into the next. Where every linear-attention layer's mixer is one whose
+forward fanout re-states with both scans reset at document starts
+(fanout.model.varlen_layers, over fanout.ops.varlen_scan), the verifier sets `varlen`
+and the rows are packed: those layers take no mask, the attention layers theirs.
+Otherwise (a mixer class fanout has no forward for) each document runs alone, where
+every state starts at zero by construction, on every device and kernel.
 
 Llama-4 scales the queries of its NoPE layers by a function of the *row index*
 (`attn_temperature_tuning`; identity below `floor_scale` tokens), not of
@@ -48,8 +57,7 @@ Llama-4 scales the queries of its NoPE layers by a function of the *row index*
 Layers that mix no tokens (`mlp`, `moe`: Nemotron-H's attention-free blocks) need no
 rule: a packed row runs them as they are, and they take no mask.
 
-Any other layer type (`hybrid`: Falcon-H1's attention and Mamba in parallel, `conv`:
-LFM2's short convolutions, `indexed_attention`: DeepSeek-V3.2's indexer, or a type
+Any other layer type (`indexed_attention`: DeepSeek-V3.2's indexer, or a type
 newer than this table) has no rule here, and its rows run each document alone, as
 linear attention's do: exact by construction for any causal model (each document's
 forward is the one plain transformers runs for it), only slower (one forward per
@@ -74,8 +82,12 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
 LINEAR = "linear_attention"
+CONV = "conv"  # LFM2's gated short causal convolution
+HYBRID = "hybrid"  # Falcon-H1: full attention and Mamba-2 in parallel in one layer
 MASKED_TYPES = (FULL, SLIDING, CHUNKED)  # exact in a packed row given their mask
-ALONE_TYPES = (LINEAR,)  # exact only with each document run as its own sequence
+# exact with each document run as its own sequence, or packed with their state reset
+# at each document start (`PackingRule.varlen`)
+ALONE_TYPES = (LINEAR, CONV, HYBRID)
 TOKENWISE_TYPES = ("mlp", "moe")  # mix no tokens: exact in a packed row as they are
 KNOWN_TYPES = MASKED_TYPES + ALONE_TYPES + TOKENWISE_TYPES
 # Config fields that declare a token mixing of their own in a config without
@@ -94,6 +106,9 @@ class PackingRule:
     chunk_size: int | None = None  # tokens per chunk of a chunked layer
     row_index_scale_from: int | None = None  # rows this long scale queries by row index
     unruled: tuple[str, ...] = ()  # layer types without a rule: documents run alone
+    # every ALONE_TYPES layer runs a forward that resets its state at each document
+    # start (fanout.model.varlen_layers; set by the verifier, which sees the modules)
+    varlen: bool = False
 
     @classmethod
     def from_config(cls, config: Any, path: str, *, strict: bool = False) -> PackingRule:
@@ -169,11 +184,18 @@ class PackingRule:
     def mask_types(self) -> tuple[str, ...]:
         """The layer types that take a mask of their own: those present that mix tokens
         (a model of token-wise layers alone, none: it still gets the full mask)."""
-        return tuple(t for t in self.distinct if t not in TOKENWISE_TYPES) or (FULL,)
+        takes = [t for t in self.distinct if t not in TOKENWISE_TYPES]
+        if self.varlen:  # recurrent layers reset by document instead; a hybrid one's
+            # attention takes the full mask
+            takes = [FULL if t == HYBRID else t for t in takes]
+            takes = [t for t in dict.fromkeys(takes) if t not in ALONE_TYPES]
+        return tuple(takes) or (FULL,)
 
     def needs_alone(self, t: int) -> bool:
         """Whether rows of `t` tokens must run each document alone (no mask can keep them)."""
-        if self.unruled or any(x in ALONE_TYPES for x in self.layer_types):
+        if self.unruled:
+            return True
+        if not self.varlen and any(x in ALONE_TYPES for x in self.layer_types):
             return True
         return self.row_index_scale_from is not None and t >= self.row_index_scale_from
 
@@ -210,4 +232,5 @@ class PackingRule:
         if len(self.distinct) == 1:
             return next(iter(out.values()))
         first = next(iter(out.values()))
-        return {kind: out.get(kind, first) for kind in self.distinct}
+        # a hybrid layer's attention is full attention
+        return {k: out.get(FULL if k == HYBRID else k, first) for k in self.distinct}

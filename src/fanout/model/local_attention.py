@@ -62,22 +62,29 @@ def local_attention(config: Any, rule: PackingRule, *, on: bool = True) -> Itera
     if not on:
         yield
         return
-    _register()
+    with swapped_attention(config, NAME, attend, _RULE, rule):
+        yield
+
+
+@contextmanager
+def swapped_attention(
+    config: Any, name: str, fn: Any, var: ContextVar[Any], value: Any
+) -> Iterator[None]:
+    """While in this block, the attention layers reading `config` run `fn` (registered
+    in transformers' AttentionInterface as `name`, once), with `var` set to `value`
+    for `fn` to read. The one swap fanout's attention implementations share."""
+    from transformers import AttentionInterface
+
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, fn)
     old = config._attn_implementation
-    token = _RULE.set(rule)
-    config._attn_implementation = NAME
+    token = var.set(value)
+    config._attn_implementation = name
     try:
         yield
     finally:
         config._attn_implementation = old
-        _RULE.reset(token)
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    if NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(NAME, attend)
+        var.reset(token)
 
 
 def attend(

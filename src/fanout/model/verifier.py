@@ -32,21 +32,25 @@ the head ourselves in `chunk_tokens`-row chunks and keep only the argmax, so the
 `position_ids` restart at 0 per document), and each document must be computed exactly
 as if it ran alone, in every layer. fanout.model.layer_types holds that rule per layer
 type (full, sliding, chunked attention: a block-diagonal causal mask per type, passed
-as a dict where layer types are mixed; linear attention: each document run alone;
-layers that mix no tokens: as they are). A layer type without a rule runs each
-document alone too, with one warning at load; `--strict-layer-types` refuses it at
-load instead. Rows go one of two ways:
-- *masked*: one forward over the rows with the per-type [B, 1, T, T] masks (padding
-  attends only to itself); for models whose layers all take a mask, while the masks
-  fit `dense_mask_max_bytes`;
+as a dict where layer types are mixed; recurrent layers — linear attention, short
+convolutions, a hybrid layer's Mamba-2 — their state reset at each document start,
+where fanout.model.varlen_layers has a forward for the layer's mixer (`self.mixers`),
+else each document run alone; layers that mix no tokens: as they are). A layer type
+without a rule runs each document alone too, with one warning at load;
+`--strict-layer-types` refuses it at load instead. Rows go one of two ways:
+- *packed*: one forward over the rows, while the masks would fit
+  `dense_mask_max_bytes`: with the per-type [B, 1, T, T] masks (padding attends only to
+  itself); a verifier with recurrent layers runs their varlen forwards instead of
+  transformers' (`_packed_forward`), and where its attention is all full attention,
+  fanout.model.packed_attention's document blocks instead of any mask;
 - *alone*: each document as its own sequence without a mask (fanout.model.documents:
   batched by length, right-padded, outputs scattered back into the [B, T, H] buffers;
-  each padding token runs as a one-token document, as under the mask). Linear
-  attention and layer types without a rule need it; long rows take it so that no
-  T × T mask exists: full layers run SDPA is_causal, sliding / chunked ones
-  fanout.model.local_attention (O(T·w)); with a type without a rule, transformers'
-  own attention and masks run every layer.
-Both are checked against each document run alone through plain transformers for 16
+  each padding token runs as a one-token document, as under the mask). Recurrent
+  layers without a varlen forward and layer types without a rule need it; long rows
+  take it so that no T × T mask exists: full layers run SDPA is_causal, sliding /
+  chunked ones fanout.model.local_attention (O(T·w)); with a type without a rule,
+  transformers' own attention and masks run every layer.
+Both are checked against each document run alone through plain transformers for 20
 architectures (tests/test_verifier_zoo.py). Attention implementations: `sdpa` (boolean
 masks) and `eager` (additive); a model class without sdpa (gpt-oss: sinks; Gemma-2:
 soft-capping) loads with eager. A multimodal checkpoint (`…ForConditionalGeneration`)
@@ -59,115 +63,45 @@ its shard with transformers' TP plan (fanout.model.tp_shard) and `capture` runs 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fanout.errors import ConfigError
-from fanout.model.capture_layers import CaptureLayers, resolve_capture_layer_ids
+from fanout.model.capture_layers import resolve_capture_layer_ids
 from fanout.model.documents import DocumentBatch, document_batches
-from fanout.model.layer_types import PackingRule
+from fanout.model.layer_types import FULL, HYBRID, PackingRule
 from fanout.model.local_attention import local_attention
-from fanout.model.tp_shard import ShardedHead, check_tp_model, model_device, tp_load_kwargs
+from fanout.model.packed_attention import packed_attention
+from fanout.model.tp_shard import ShardedHead
+from fanout.model.varlen_layers import find_mixers, packed_mixers
+from fanout.model.verifier_config import (  # noqa: F401 - re-exported: callers import them here
+    DTYPES,
+    DTypeName,
+    StorageDType,
+    VerifierConfig,
+    VerifierOptions,
+    resolve_device,
+    resolve_dtype,
+)
 from fanout.model.verifier_dir import (  # noqa: F401 - re-exported: callers import them here
     check_verifier_dir,
     config_hash,
     max_position_embeddings,
     weights_fingerprint,
 )
+from fanout.model.verifier_load import load_model
 from fanout.ops.argmax import row_argmax
 from fanout.ops.fp8 import FP8, quantize_into
+from fanout.ops.varlen_scan import SegmentLayout
 from fanout.rows import DOCUMENT_IDS, POSITION_IDS
 
-DTypeName = Literal["auto", "bfloat16", "float16", "float32"]
-StorageDType = Literal["bfloat16", "float16", "float32", "float8_e4m3fn"]
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": FP8,  # storage only: per-token scales (fanout.ops.fp8)
-}
 log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------- config
-
-
-class VerifierOptions(BaseModel):
-    """How to run the verifier, whatever it is and whichever layers it captures. Declared
-    once here; `fanout produce` inherits these fields (one flag each)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    device: str = Field(
-        "auto", description="verifier device: auto (CUDA if present) | cpu | cuda | cuda:N"
-    )
-    dtype: DTypeName = Field(
-        "auto", description="verifier compute dtype; auto = bf16 on CUDA, fp32 on CPU"
-    )
-    storage_dtype: StorageDType = Field(
-        "bfloat16",
-        description="dtype of captured hidden states, what windows store (contract); "
-        "float8_e4m3fn halves the bytes of bf16 with one float32 scale per token and layer "
-        "(docs/producer.md)",
-    )
-    num_draft_layers: int | None = Field(
-        5, gt=0, description="draft layers for the DFlash layer rule (when no layers are given)"
-    )
-    chunk_tokens: int = Field(
-        1024, gt=0, description="tokens per lm_head chunk for target_ids (bounds logits memory)"
-    )
-    store_last_hidden_states: bool = Field(
-        False, description="also capture the final-normed hidden states [R, T, H] (contract)"
-    )
-    attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="HF attention backend; both take our 4D packed-document mask"
-    )
-    tp: int = Field(
-        1,
-        ge=1,
-        description="tensor-parallel ranks the verifier is split over; > 1 runs under "
-        "torchrun --nproc-per-node TP, rank 0 publishes (docs/producer.md)",
-    )
-    strict_layer_types: bool = Field(
-        False,
-        description="refuse a verifier with a layer type fanout has no packing rule for "
-        "(hybrid, conv, indexed_attention, ...) instead of running each document of a row "
-        "alone (exact, slower; docs/producer.md)",
-    )
-    tp_timeout_s: float = Field(
-        300.0,
-        gt=0,
-        description="with --tp: how long a rank waits on the others before it stops "
-        "(a dead or hung rank stops every rank within this)",
-    )
-
-    def verifier_options(self) -> dict[str, Any]:
-        """This config's VerifierOptions fields, by name (`load_verifier(path, **these)`)."""
-        return {k: getattr(self, k) for k in VerifierOptions.model_fields}
-
-    @field_validator("device")
-    @classmethod
-    def _device_ok(cls, v: str) -> str:
-        if v != "auto":
-            try:
-                torch.device(v)
-            except RuntimeError as e:
-                raise ValueError(f"device {v!r}: {e}") from None
-        return v
-
-
-class VerifierConfig(VerifierOptions, CaptureLayers):
-    """How to load and run the verifier: which one, which layers (CaptureLayers), and
-    VerifierOptions."""
-
-    path: str = Field(description="Local HF model directory (config.json + weights).")
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +170,7 @@ class Verifier:
         self.config = config
         self.device = device
         self.dtype: torch.dtype = next(model.parameters()).dtype
-        self.storage_dtype = _DTYPES[config.storage_dtype]
+        self.storage_dtype = DTYPES[config.storage_dtype]
         # last_hidden_states are stored as bf16 under fp8 storage (they feed a KL loss
         # through the frozen head, where per-token scales would only add error).
         self.last_hidden_dtype = torch.bfloat16 if self.storage_dtype == FP8 else self.storage_dtype
@@ -260,11 +194,20 @@ class Verifier:
         )
         if (warning := self.rule.unruled_warning(config.path)) is not None:
             log.warning("%s", warning)
+        # recurrent layers whose mixers fanout runs with per-document resets: their rows
+        # are packed (fanout.model.varlen_layers); None: each document alone instead
+        self.mixers = find_mixers(layers, self.rule)
+        if self.mixers:
+            self.rule = dataclasses.replace(self.rule, varlen=True)
         self.attn_implementation: str = text_cfg._attn_implementation  # after fallbacks
         self.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
         # False: transformers' own masks alone (a benchmark's baseline; always for layer
-        # types without a rule, whose attention local_attention does not know)
-        self.local_attention = not self.rule.unruled
+        # types without a rule, whose attention local_attention does not know, and for
+        # `hybrid` layers whose mixers fanout has no forward for: their attention may be
+        # a block shared by several layers with no layer index of its own, as Zamba's)
+        self.local_attention = not self.rule.unruled and (
+            HYBRID not in self.rule.layer_types or bool(self.mixers)
+        )
         self.num_layers: int = len(layers)
         self.hidden_size: int = int(text_cfg.hidden_size)
         self.vocab_size: int = int(head.weight.shape[0])
@@ -279,7 +222,7 @@ class Verifier:
     @classmethod
     def from_config(cls, config: VerifierConfig) -> Verifier:
         """Load per `config` (see `load_verifier`)."""
-        model, dev = _load_model(config)
+        model, dev = load_model(config)
         return cls(model, config, dev)
 
     def __repr__(self) -> str:
@@ -394,8 +337,7 @@ class Verifier:
                         )
                         last[db.rows, db.cols] = db.take(o.last_hidden_state)  # [N, H]
             else:
-                mask = self._masks(docs, pos)
-                o = self.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+                o = self._packed_forward(ids, pos, docs, document_ids)
                 last = o.last_hidden_state  # [B, T, H], after the final norm
         finally:
             for hd in handles:
@@ -420,6 +362,27 @@ class Verifier:
             return True
         elem = 1 if self.attn_implementation == "sdpa" else self.dtype.itemsize
         return self.rule.mask_bytes(b, t, elem) > self.dense_mask_max_bytes
+
+    def _packed_forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, host_docs: torch.Tensor
+    ) -> Any:
+        """The text model over [B, T] packed rows: dense masks per layer type, or (a
+        verifier whose recurrent layers reset per document and whose attention is all
+        full: the hybrids) fanout.model.packed_attention's document blocks and the
+        mixers' varlen forwards (fanout.model.varlen_layers), from one SegmentLayout of
+        `host_docs` (the document ids as the caller gave them: no device sync on CPU)."""
+        if not self.rule.varlen:
+            mask = self._masks(docs, pos)
+            return self.base(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        layout = SegmentLayout.from_document_ids(host_docs).to(self.device)
+        with packed_mixers(self.mixers or {}, layout):
+            if self.rule.mask_types != (FULL,):
+                mask = self._masks(docs, pos)
+                return self.base(
+                    input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False
+                )
+            with packed_attention(self.base.config, layout):
+                return self.base(input_ids=ids, position_ids=pos, use_cache=False)
 
     def _masks(
         self, docs: torch.Tensor, pos: torch.Tensor
@@ -565,84 +528,3 @@ def load_verifier(
     except ValueError as e:
         raise ConfigError(f"verifier options: {e}") from None
     return Verifier.from_config(cfg)
-
-
-def resolve_device(device: str) -> torch.device:
-    """The device `--device` names: auto = CUDA if present, else the CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: DTypeName, device: torch.device) -> torch.dtype:
-    """The compute dtype `--dtype` names on `device`: auto = bf16 on CUDA, fp32 elsewhere."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
-
-
-def _load_model(cfg: VerifierConfig) -> tuple[Any, torch.device]:
-    from huggingface_hub.errors import StrictDataclassError  # a config that fails validation
-    from safetensors import SafetensorError  # a damaged weight file
-    from transformers import AutoConfig
-
-    root = Path(cfg.path)
-    check_verifier_dir(root)  # clear errors for missing dir / config / weights before HF's
-    if cfg.tp > 1:
-        check_tp_model(root, cfg.tp)  # before any weight is read
-    dev = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, dev)
-    bad = (OSError, ValueError, KeyError, RuntimeError, TypeError, SafetensorError)
-    try:
-        hf_cfg = AutoConfig.from_pretrained(root, local_files_only=True)
-    except (*bad, StrictDataclassError) as e:
-        raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
-    # --strict-layer-types: unknown layer types refused before the weights load
-    PackingRule.from_config(hf_cfg, str(root), strict=cfg.strict_layer_types)
-    cls = _model_class(hf_cfg, root)
-    attn = cfg.attn_implementation
-    if attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
-        attn = "eager"  # e.g. attention sinks (gpt-oss), logit soft-capping (Gemma-2)
-    try:
-        model, info = cls.from_pretrained(
-            root,
-            dtype=dtype,
-            local_files_only=True,
-            attn_implementation=attn,
-            output_loading_info=True,
-            **(tp_load_kwargs(cfg.tp) if cfg.tp > 1 else {}),
-        )
-    except (*bad, StrictDataclassError) as e:
-        raise ConfigError(f"verifier directory {root}: cannot load: {e}") from None
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:  # transformers would have left them random, silently
-        raise ConfigError(
-            f"verifier directory {root}: {len(missing)} weights missing for "
-            f"{cls.__name__} (first: {missing[0]})"
-        )
-    if cfg.tp > 1:
-        dev = model_device(model)  # transformers put this rank's shard on its device
-    else:
-        model.to(dev)
-    model.eval()
-    model.requires_grad_(False)
-    return model, dev
-
-
-def _model_class(hf_cfg: Any, root: Path) -> Any:
-    """The transformers class a verifier loads as: its causal-LM class (for some
-    multimodal checkpoints, e.g. Qwen3.5, a text-only class that reads the text
-    weights), else its image-text-to-text class (e.g. Gemma-3's ForConditionalGeneration,
-    whose text model is then captured)."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
-    )
-
-    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING):
-        if type(hf_cfg) in mapping:
-            return mapping[type(hf_cfg)]
-    raise ConfigError(
-        f"verifier directory {root}: cannot load: {type(hf_cfg).__name__} "
-        f"(model_type {hf_cfg.model_type!r}) has no causal-LM class in transformers"
-    )

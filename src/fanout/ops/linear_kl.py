@@ -9,9 +9,11 @@ greedy token: both sides share the (frozen) LM head, so row i's KL is
 `Σ_v p_t(v) (log p_t(v) − log p_d(v))` with `p = softmax(rows @ W.T)`. Like the
 chunked linear CE (`fanout.ops.linear_ce`), the `[N, vocab]` logits never exist at
 once: forward walks the rows in chunks of about 256 MiB of fp32 logits per side,
-computes each row's KL and argmax, and stores the input gradient `(p_d − p_t) @ W`
-of every row (`[N, H]` fp32); backward only scales it by each row's output gradient.
-The head and the verifier rows get no gradient. Logits and softmaxes are fp32.
+computes each row's KL and both argmaxes (the draft's, and the verifier's that the chain
+drafters' accuracy is measured against: fanout.ops.teacher_head), and stores the input
+gradient `(p_d − p_t) @ W` of every row (`[N, H]` fp32); backward only scales it by
+each row's output gradient. The head and the verifier rows get no gradient. Logits and
+softmaxes are fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ import torch
 from fanout.ops.linear_ce import _own_precision, mm_fp32, rows_per_chunk
 
 
-class _ChunkedLinearKL(torch.autograd.Function):
+class ChunkedLinearKL(torch.autograd.Function):
+    """Per row: KL(p_t ‖ p_d), the draft's argmax and, with `labels`, the verifier's
+    (else an empty tensor: no argmax pass); p_d = softmax(x @ W^T), p_t = softmax(teacher
+    @ W^T). Forward stores the input gradient per row, backward scales it."""
+
     @staticmethod
     def forward(
         ctx: Any,
@@ -31,11 +37,13 @@ class _ChunkedLinearKL(torch.autograd.Function):
         teacher: torch.Tensor,  # [N, H] verifier rows (final-normed)
         weight: torch.Tensor,  # [V, H] frozen head
         chunk_rows: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        labels_too: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, h = x.shape
         c = rows_per_chunk(n, 2 * weight.shape[0], chunk_rows)  # two [c, V] blocks live
         kl = torch.empty(n, dtype=torch.float32, device=x.device)
         preds = torch.empty(n, dtype=torch.long, device=x.device)
+        labels = torch.empty(n if labels_too else 0, dtype=torch.long, device=x.device)
         gx = torch.empty(n, h, dtype=torch.float32, device=x.device)
         with torch.no_grad(), _own_precision(x.device):
             for s in range(0, n, c):
@@ -45,17 +53,19 @@ class _ChunkedLinearKL(torch.autograd.Function):
                 pt = log_pt.exp()
                 kl[s:e] = (pt * (log_pt - log_pd)).sum(dim=-1)
                 preds[s:e] = log_pd.argmax(dim=-1)
+                if labels_too:
+                    labels[s:e] = log_pt.argmax(dim=-1)
                 gx[s:e] = mm_fp32(log_pd.exp_().sub_(pt), weight)  # (p_d − p_t) @ W
                 del log_pd, log_pt, pt
         ctx.save_for_backward(gx)
         ctx.x_dtype = x.dtype
-        ctx.mark_non_differentiable(preds)
-        return kl, preds
+        ctx.mark_non_differentiable(preds, labels)
+        return kl, preds, labels
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, _g_pred: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         (gx,) = ctx.saved_tensors
-        return (gx * g.float()[:, None]).to(ctx.x_dtype), None, None, None
+        return (gx * g.float()[:, None]).to(ctx.x_dtype), None, None, None, None
 
 
 def linear_kl_div_and_argmax(
@@ -76,5 +86,8 @@ def linear_kl_div_and_argmax(
         raise ValueError(f"hidden sizes differ: x {x.shape[1]}, weight {weight.shape[1]}")
     if weight.requires_grad:
         raise ValueError("linear_kl_div_and_argmax keeps the head frozen; detach the weight")
-    kl, pred = _ChunkedLinearKL.apply(x, teacher.detach(), weight, chunk_rows)
+    kl, pred, _ = ChunkedLinearKL.apply(x, teacher.detach(), weight, chunk_rows, False)
     return kl, pred
+
+
+__all__ = ["ChunkedLinearKL", "linear_kl_div_and_argmax"]

@@ -10,63 +10,19 @@ with both argmaxes.
 EAGLE-3's and P-EAGLE's targets are the verifier's distribution over the draft
 vocabulary (speculators' `kl_div`, or `ce` against its argmax), so besides the loss
 they need the verifier's argmax over the same head rows (the label the accuracy is
-measured against), which `fanout.ops.linear_kl` does not return (CE against the
-argmax is the linear CE on `teacher_argmax`'s labels). As that op, the
-`[N, vocab]` logits never exist at once: forward walks the rows in chunks (two fp32
-`[c, V]` blocks live), computes each row's loss and both argmaxes, and stores the
-input gradient `(q − p) @ W` (`p` the verifier's distribution) of every row `[N, H]` fp32; backward only scales it by each row's output gradient.
-The head and the verifier rows get no gradient. Logits and softmaxes are fp32.
+measured against). The KL is `fanout.ops.linear_kl`'s op, which returns both argmaxes;
+CE against the argmax is the linear CE on `teacher_argmax`'s labels. The `[N, vocab]`
+logits never exist at once, the head and the verifier rows get no gradient, and logits
+and softmaxes are fp32.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
 from fanout.ops.argmax import row_argmax
 from fanout.ops.linear_ce import linear_cross_entropy_and_argmax, mm_fp32, rows_per_chunk
-
-
-class _TeacherHead(torch.autograd.Function):
-    """Per row: KL(p ‖ q), the draft argmax and the verifier argmax; q = softmax(x @
-    W^T), p = softmax(teacher @ W^T). Forward stores the input gradient per row
-    (`(q - p) @ W`), backward scales it."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: torch.Tensor,  # [N, H]
-        teacher: torch.Tensor,  # [N, H]
-        weight: torch.Tensor,  # [V, H] frozen
-        chunk_rows: int | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, h = x.shape
-        c = rows_per_chunk(n, 2 * weight.shape[0], chunk_rows)  # two [c, V] blocks live
-        loss = torch.empty(n, dtype=torch.float32, device=x.device)
-        pred = torch.empty(n, dtype=torch.long, device=x.device)
-        label = torch.empty(n, dtype=torch.long, device=x.device)
-        gx = torch.empty(n, h, dtype=torch.float32, device=x.device)
-        with torch.no_grad():
-            for s in range(0, n, c):
-                e = min(s + c, n)
-                log_q = torch.log_softmax(mm_fp32(x[s:e], weight.t()), dim=-1)  # [c, V]
-                log_p = torch.log_softmax(mm_fp32(teacher[s:e], weight.t()), dim=-1)
-                pred[s:e] = log_q.argmax(dim=-1)
-                label[s:e] = log_p.argmax(dim=-1)
-                p = log_p.exp()
-                loss[s:e] = (p * (log_p - log_q)).sum(dim=-1)
-                gx[s:e] = mm_fp32(log_q.exp_().sub_(p), weight)  # (q - p) @ W
-                del log_q, log_p, p
-        ctx.save_for_backward(gx)
-        ctx.x_dtype = x.dtype
-        ctx.mark_non_differentiable(pred, label)
-        return loss, pred, label
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
-        (gx,) = ctx.saved_tensors
-        return (gx * g.float()[:, None]).to(ctx.x_dtype), None, None, None
+from fanout.ops.linear_kl import ChunkedLinearKL
 
 
 def teacher_head(
@@ -93,7 +49,9 @@ def teacher_head(
             x, weight, label, reduction="none", chunk_rows=chunk_rows
         )
         return ce.float(), pred, label
-    loss, pred, label = _TeacherHead.apply(x, teacher.detach(), weight.detach(), chunk_rows)
+    loss, pred, label = ChunkedLinearKL.apply(
+        x, teacher.detach(), weight.detach(), chunk_rows, True
+    )
     return loss, pred, label
 
 

@@ -120,6 +120,11 @@ class WindowCapturer:
         dev = verifier.device
         self._copier = _HostCopier(torch.cuda.Stream(dev) if dev.type == "cuda" else None)
 
+    def use(self, verifier: Verifier) -> None:
+        """Capture with `verifier` from the next window on (--follow-verifier loads a new
+        version between windows; it has the old one's shapes, so the buffers stay)."""
+        self.verifier, self._forward = verifier, verifier.capture
+
     def flip(self) -> None:
         """Capture into the other buffer slot from now on (one window is being published)."""
         self._slot ^= 1

@@ -28,6 +28,7 @@ from fanout.produce.capture_for import CaptureForOptions
 from fanout.produce.follow import FollowOptions, check_follow
 from fanout.produce.onpolicy import OnPolicyOptions
 from fanout.produce.replicas import ReplicaOptions
+from fanout.produce.verifier_follow import FollowVerifierOptions
 from fanout.regen.engine import RegenOptions
 from fanout.tracking import TrackingOptions, check_available
 
@@ -43,6 +44,7 @@ class ProducerConfig(
     RegenOptions,
     OnPolicyOptions,
     FollowOptions,
+    FollowVerifierOptions,
     ReplicaOptions,
     HeartbeatOptions,
     TrackingOptions,
@@ -55,7 +57,9 @@ class ProducerConfig(
     (fanout.model.verifier), which layers it captures CaptureLayers'
     (fanout.model.capture_layers) and CaptureForOptions' (the families it is for,
     fanout.produce.capture_for), a live source (--follow) FollowOptions'
-    (fanout.produce.follow), how the run shares windows is RunOptions'
+    (fanout.produce.follow), a verifier that changes (--follow-verifier)
+    FollowVerifierOptions' (fanout.produce.verifier_follow), how the run shares windows is
+    RunOptions'
     (fanout.coord.retention), --regenerate OnPolicyOptions' (fanout.produce.onpolicy),
     --replicas ReplicaOptions' (fanout.produce.replicas); each is declared once there.
     These are the producer's own.

@@ -32,7 +32,7 @@ conversation is always on the same side) never enters a window; the most recent
 of `fanout eval` / `fanout promote --data`.
 
 Records are grouped into chunks (`--follow-chunk-records` records, or fewer once the
-newest waited `--follow-flush-s`). Chunk c is written to RUN_DIR/follow/chunk-<c>-<digest>.jsonl
+oldest waited a quarter of `--follow-flush-s`). Chunk c is written to RUN_DIR/follow/chunk-<c>-<digest>.jsonl
 (atomically), prepared (same template and mask rules as --data), and then committed in
 the coordinator (fanout.coord.follow_log): one row holding the chunk's index, record
 count and file digest, the source position after it (bytes read per file, by
@@ -54,6 +54,22 @@ registered (`attach`). The held-out set is
 rewritten with each chunk; a conversation already in it is not added twice (a
 restart reads the records after the last commit again).
 
+Rows across chunks (#52; docs/operations.md "Co-training with RL"): a chunk keeps its
+rows of at least FULL_FILL real tokens and carries the records of the others to the head
+of the next chunk's file. Its commit names the rows it keeps, the records it carried and
+its first lines that were due (`FollowChunk.rows`, `carried`, `due`; packing is
+deterministic, so a resume finds the same rows and the newest chunk's carried records).
+A record that waited FLUSH_SHARE of `--follow-flush-s` by a cut is due (files hold
+records oldest first), and a row holding one is kept however short; a split record's
+rows and the stream end's rows are always kept.
+
+Disk stays flat: a chunk whose windows every consumer acknowledged
+(Coordinator.acked_by_all) by `--follow-keep-windows` loses its file and its prepared
+rows (`retire`; never the newest chunk; $FANOUT_FOLLOW_ARCHIVE: files move there). A
+resume keeps its row count; a window of it asked for again raises RowsRetired (its
+claim fails, the trainer is told it is gone). Nothing retires before
+--expected-consumers registered.
+
 Chunk c's rows are numbered after the earlier chunks'; window w holds rows [w·R,
 (w+1)·R) in that order, each chunk's rows shuffled by (seed, 0, c) as the on-policy
 stream's epoch 0 (fanout.produce.onpolicy). While following, only full windows are
@@ -67,24 +83,30 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field
 
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.follow_log import COUNTS, FollowChunk
 from fanout.coord.grants import ProducerReg
 from fanout.data.cache import PackedDataset
-from fanout.data.chat import ChatFormat, Conversation, detect_format, to_conversation
+from fanout.data.chat import ChatFormat, detect_format, to_conversation
 from fanout.data.prepare import PrepareConfig, prepare
-from fanout.errors import BadRow, ConfigError, StaleLease
+from fanout.errors import BadRow, ConfigError, RowsRetired, StaleLease
 from fanout.filesystem import FileSystem
 from fanout.hashing import hasher, hexdigest, labelled
+from fanout.produce.follow_options import FollowOptions as FollowOptions  # re-exported
+from fanout.produce.follow_options import check_follow as check_follow
+from fanout.produce.gateway_log import File as _File  # noqa: F401 (tests list files)
+from fanout.produce.gateway_log import as_record as _as_record
+from fanout.produce.gateway_log import lines as _lines
+from fanout.produce.gateway_log import openai_pair as openai_pair  # re-exported
+from fanout.produce.gateway_log import sources as _sources
 from fanout.produce.onpolicy import OPEN, ChunkRows
 from fanout.store.rundir import RunDir
 from fanout.store.streaminfo import window_count, window_span
@@ -94,76 +116,15 @@ log = logging.getLogger(__name__)
 LAYOUT = "fanout-follow-1"  # the row order above; in the dataset fingerprint
 POLL_S = 0.5  # how often `open` looks for the first records
 FORGET_S = 60.0  # a file missing from the source this long is gone (see _forget)
-
-
-class FollowOptions(BaseModel):
-    """`fanout produce`'s fields for a live source (fanout.produce.follow)."""
-
-    follow: str | None = Field(
-        None,
-        description="capture a growing source: a JSONL file or a directory of JSONL files a "
-        "gateway appends to (chat records or OpenAI request/response log pairs); the "
-        "stream stays open (RUN_DIR/follow holds its chunks and held-out set)",
-    )
-    follow_idle_s: float | None = Field(
-        None, gt=0, description="--follow: end the stream after this long without a new record"
-    )
-    follow_chunk_records: int = Field(
-        64, ge=1, description="--follow: records per chunk (prepared and packed together)"
-    )
-    follow_flush_s: float = Field(
-        5.0, gt=0, description="--follow: cut a smaller chunk once its newest record is this old"
-    )
-    holdout_fraction: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="--follow: fraction of conversations (by content hash) that never enter "
-        "a window; the newest --holdout-keep are RUN_DIR/follow/heldout.jsonl",
-    )
-    holdout_keep: int = Field(256, ge=1, description="--follow: held-out conversations kept")
-
-
-@dataclass
-class _File:
-    path: Path
-    key: str  # "dev:ino": a file keeps it across a rename (rotation)
-
-
-def _sources(root: Path) -> list[_File]:
-    """The files of the source now, in name order (see the module docstring)."""
-    if root.is_dir():
-        paths = sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
-    else:
-        paths = sorted(p for p in root.parent.glob(f"{root.name}*") if p.is_file())
-        paths = [p for p in paths if p == root or p.name.startswith(f"{root.name}.")]
-    out = []
-    for p in paths:
-        try:
-            st = p.stat()
-        except FileNotFoundError:  # rotated away between the listing and the stat
-            continue
-        out.append(_File(p, f"{st.st_dev}:{st.st_ino}"))
-    return out
-
-
-def openai_pair(rec: dict[str, Any]) -> dict[str, Any] | None:
-    """An OpenAI chat-completions log pair as a chat record ({"messages", "tools"}), or
-    None when `rec` is not one."""
-    req = rec.get("request", rec)
-    resp = rec.get("response", rec)
-    msgs, choices = req.get("messages") if isinstance(req, dict) else None, None
-    if isinstance(resp, dict):
-        choices = resp.get("choices")
-    if not isinstance(msgs, list) or not isinstance(choices, list) or not choices:
-        return None
-    answer = choices[0].get("message") if isinstance(choices[0], dict) else None
-    if not isinstance(answer, dict):
-        return None
-    out: dict[str, Any] = {"messages": [*msgs, answer]}
-    if isinstance(req, dict) and req.get("tools"):
-        out["tools"] = req["tools"]
-    return out
+# Packing across chunks (module doc, "Rows across chunks"): a row at least FULL_FILL
+# real tokens is the chunk's; a shorter one's records are carried into the next chunk,
+# unless one of them waited FLUSH_SHARE of --follow-flush-s (then its row is kept: a cut
+# after that may be the last before the bound). New records are cut into a
+# chunk once the oldest waited CUT_SHARE of it, so full rows go out well inside it.
+FULL_FILL = 0.95
+CUT_SHARE, FLUSH_SHARE = 0.25, 0.75
+RETIRE_EVERY_S = 2.0  # how often `reach` asks the coordinator what every consumer acked
+ARCHIVE = "FANOUT_FOLLOW_ARCHIVE"  # a directory retired chunk files move to (module doc)
 
 
 class FollowStream:
@@ -183,9 +144,19 @@ class FollowStream:
         self.missing: dict[str, float] = {}  # file key -> when a listing first missed it
         self.pending: list[dict[str, Any]] = []  # records read, not yet in a chunk
         self.pending_since: float | None = None
-        self.last_record = time.monotonic()
+        self.clock: Callable[[], float] = time.monotonic  # a seam: benchmarks set their own
+        self.last_record = self.clock()
         self.counts = dict.fromkeys(COUNTS, 0)
         self.pending_where: list[str] = []  # each pending record's "file: byte N"
+        self.carry: list[dict[str, Any]] = []  # in the last chunk's short rows (module doc)
+        self.carry_where: list[str] = []
+        # when each pending / carried record arrived (self.clock), oldest first
+        self.pending_at: list[float] = []
+        self.carry_at: list[float] = []
+        self.retired = 0  # chunks [0, retired) are removed: every consumer acked them
+        self.retire_at = 0.0  # monotonic time of the next look (RETIRE_EVERY_S)
+        self.row_tokens = 0  # real tokens in the rows of the chunks whose rows it knows
+        self.rows_known = 0
         self.heldout: list[dict[str, Any]] = []
         self.ended = False
         self.coord: Coordinator | None = None  # set by attach: where chunks are committed
@@ -207,26 +178,30 @@ class FollowStream:
         s.fs.makedirs(s.dir)
         co = Coordinator.open_if_created(run_dir.root, db_path=getattr(opts, "db_path", None))
         if co is None:
-            s._resume([])
+            s._resume([], 0)
         else:
             with co:
-                s._resume(co.follow_chunks())
+                keep = int(getattr(opts, "follow_keep_windows", 0))
+                s._resume(co.follow_chunks(), max(0, co.acked_by_all() - keep))
         said = 0.0
-        while s.rows.num_rows == 0:
+        # rows, and one prepared chunk to read the tokenizer's fingerprint from
+        while s.rows.num_rows == 0 or all(p is None for p in s.rows.parts):
             s.poll()
-            if s.ended:
+            # ended with rows (preparing a chunk outlasted --follow-idle-s, and the idle
+            # end flushed the carried records into rows): a short stream, not an empty one
+            if s.ended and (s.rows.num_rows == 0 or all(p is None for p in s.rows.parts)):
                 raise ConfigError(
                     f"--follow {s.root}: no usable record within --follow-idle-s "
                     f"{opts.follow_idle_s:g} s ({s.counts})"
                 )
-            if s.rows.num_rows == 0:
+            if s.rows.num_rows == 0 or all(p is None for p in s.rows.parts):
                 if time.monotonic() - said >= 30:
                     said = time.monotonic()
                     log.info("waiting for records in %s (%s)", s.root, s.counts)
                 time.sleep(POLL_S)
         h = hasher(json.dumps({"layout": LAYOUT, "source": str(s.root.resolve()),
                                "holdout": opts.holdout_fraction}, sort_keys=True).encode())  # fmt: skip
-        prep = s.make_prep(str(s.files[0]))
+        prep = s.make_prep(str(s.files[-1]))
         h.update(json.dumps(prep.output_options(), sort_keys=True, default=str).encode())
         h.update(s.rows.first.tokenizer_fingerprint.encode())
         s.rows.fingerprint = labelled(h)
@@ -235,10 +210,19 @@ class FollowStream:
     def _chunk(self, c: int, digest: str) -> Path:
         return self.dir / chunk_name(c, digest)
 
-    def _resume(self, committed: list[FollowChunk]) -> None:
-        """Rebuild the rows of the committed chunks, each file checked against its digest."""
+    def _resume(self, committed: list[FollowChunk], acked: int) -> None:
+        """Rebuild the rows of the committed chunks, each file checked against its digest;
+        a chunk whose file was removed because every consumer acknowledged the windows
+        below `acked` (`retire`) keeps only its row count."""
         for c, rec in enumerate(committed):
             data = self._chunk(c, rec.digest)
+            ends = self.rows.num_rows + (rec.rows or 0)
+            gone = not data.exists() and c < len(committed) - 1 and rec.rows is not None
+            if gone and ends <= acked * self.window_rows and self.retired == c:
+                self.files.append(data)
+                self.rows.add(None, rows=rec.rows)
+                self.retired = c + 1
+                continue
             try:
                 body = data.read_bytes()
             except OSError as e:
@@ -252,7 +236,21 @@ class FollowStream:
                     "differs); the run's follow state is damaged: start a new --run-dir"
                 )
             self.files.append(data)
-            self._add(self._prepare(data))
+            part = self._prepare(data)
+            keep, carried = _short_rows(part, rec.due if rec.carried else None)
+            kept = part.num_rows if keep is None else int(keep.size)
+            if len(carried) != rec.carried or rec.rows not in (None, kept):
+                raise ConfigError(
+                    f"{data}: follow chunk {c} packs into {kept} rows carrying {len(carried)} "
+                    f"records, the coordinator committed {rec.rows} and {rec.carried}; the "
+                    "run's follow state is damaged: start a new --run-dir"
+                )
+            self._add(part, keep)
+            if c == len(committed) - 1:  # its short rows' records wait for the next chunk
+                lines = body.decode().splitlines()
+                self.carry = [json.loads(lines[n - 1]) for n in carried]
+                self.carry_where = [f"{data}: line {n}" for n in carried]
+                self.carry_at = [self.clock()] * len(carried)  # arrived: unknown, say now
         if committed:
             self.positions = dict(committed[-1].positions)
             self.counts = {k: int(committed[-1].counts.get(k, 0)) for k in self.counts}
@@ -296,22 +294,26 @@ class FollowStream:
     # ---- reading the source -----------------------------------------------------------
 
     def poll(self) -> None:
-        """Read every complete new line of the source; cut chunks that are due; end the
-        stream after --follow-idle-s without a record."""
-        now = time.monotonic()
-        if self._read() and self.pending_since is None:
+        """Read every complete new line of the source; cut chunks that are due (module
+        doc, "Rows across chunks"); end the stream after --follow-idle-s without a record."""
+        now = self.clock()
+        got = self._read()
+        self.pending_at += [now] * got
+        if got and self.pending_since is None:
             self.pending_since = now
-        due = self.pending and (
+        bound = float(self.opts.follow_flush_s)
+        waited = now - min([*self.carry_at[:1], *self.pending_at[:1], now])
+        due = bool(self.pending) and (
             len(self.pending) >= self.opts.follow_chunk_records
-            or now - (self.pending_since or now) >= self.opts.follow_flush_s
+            or now - (self.pending_since or now) >= CUT_SHARE * bound
         )
         idle = (
             self.opts.follow_idle_s is not None
             and now - self.last_record >= self.opts.follow_idle_s
         )
-        if due or (idle and self.pending):
-            self._cut()
-        if idle and not self.pending:
+        if due or ((self.carry or self.pending) and (idle or waited >= bound)):
+            self._cut(end=idle)
+        if idle and not self.pending and not self.carry:
             self.ended = True
 
     def _read(self) -> int:
@@ -339,7 +341,7 @@ class FollowStream:
             self.positions[f.key] = start + end
         self._forget({f.key for f in files})
         if got:
-            self.last_record = time.monotonic()
+            self.last_record = self.clock()
         return got
 
     def _forget(self, live: set[str]) -> None:
@@ -348,7 +350,7 @@ class FollowStream:
         from every listing for FORGET_S: a directory listing taken while a file is being
         renamed (rotation) may show it under neither name, and forgetting it then would
         read it again from its start."""
-        now = time.monotonic()
+        now = self.clock()
         for k in live:
             self.missing.pop(k, None)
         for k in set(self.positions) - live:
@@ -393,45 +395,93 @@ class FollowStream:
 
     # ---- chunks ---------------------------------------------------------------------
 
-    def _cut(self) -> None:
-        """Write the pending records as the next chunk, prepare it, commit it (module doc)."""
+    def _cut(self, end: bool = False) -> None:
+        """Write the carried and pending records as the next chunk, prepare it, commit it
+        with the records of its short rows carried on, but for rows that hold a record
+        due (it waited FLUSH_SHARE of --follow-flush-s) and every row at the stream's
+        `end` (module doc)."""
         c = len(self.rows.parts)
-        body = "".join(json.dumps(d) + "\n" for d in self.pending).encode()
+        docs, where = self.carry + self.pending, self.carry_where + self.pending_where
+        at = self.carry_at + self.pending_at  # oldest first: the file's order
+        late = self.clock() - FLUSH_SHARE * float(self.opts.follow_flush_s)
+        due = len(docs) if end else sum(t <= late for t in at)
+        body = "".join(json.dumps(d) + "\n" for d in docs).encode()
         data = self._chunk(c, hexdigest(body))
         self.fs.write_atomic(data, body)  # before the commit: a committed chunk has its file
         if self.heldout:
             held = "".join(json.dumps(d) + "\n" for d in self.heldout)
             self.fs.write_atomic(self.heldout_path, held.encode())
         part = self._prepare(data)
-        self._say_splits(part, data)
-        chunk = FollowChunk(chunk=c, records=len(self.pending), digest=hexdigest(body),
-                            positions=dict(self.positions), counts=dict(self.counts))  # fmt: skip
+        self._say_splits(part, where)
+        keep, carried = _short_rows(part, due)
+        rows = part.num_rows if keep is None else int(keep.size)
+        chunk = FollowChunk(chunk=c, records=len(docs), digest=hexdigest(body),
+                            positions=dict(self.positions), counts=dict(self.counts),
+                            rows=rows, carried=len(carried), due=due)  # fmt: skip
         self._commit(chunk)  # the commit point (before attach: at attach)
         self.files.append(data)
+        self.carry = [docs[n - 1] for n in carried]
+        self.carry_where = [where[n - 1] for n in carried]
+        self.carry_at = [at[n - 1] for n in carried]
         self.pending, self.pending_where, self.pending_since = [], [], None
-        self._add(part)
-        log.info("--follow: chunk %d: %d records, %d rows so far (%s)",
-                 c, chunk.records, self.rows.num_rows, self.counts)  # fmt: skip
+        self.pending_at = []
+        self._add(part, keep)
+        log.info("--follow: chunk %d: %d records (%d carried on), %d rows so far (%s)",
+                 c, chunk.records, len(carried), self.rows.num_rows, self.counts)  # fmt: skip
+        self.retire()
 
-    def _say_splits(self, part: PackedDataset, chunk: Path) -> None:
+    def _say_splits(self, part: PackedDataset, where: list[str]) -> None:
         """Count the chunk's records longer than --seq-len (split across rows) and name
-        each one's place in its source: a split is not silent (#52)."""
+        each one's place in its source (`where`: each line's): a split is not silent
+        (#52). A split record is never carried (`_short_rows`), so never counted twice."""
         s = part.summary
         self.counts["split"] += int(s.get("split_over_length", 0))
         for _file, line in s.get("split_sources", []):
-            n = int(line) - 1  # the chunk's line n+1 is pending record n
-            if 0 <= n < len(self.pending_where):  # the chunk is prepared alone
+            n = int(line) - 1  # the chunk's line n+1 is record n
+            if 0 <= n < len(where):  # the chunk is prepared alone
                 log.warning("--follow: %s: longer than --seq-len %d tokens, split across "
-                            "rows (--over-length split)", self.pending_where[n],
-                            part.seq_len)  # fmt: skip
+                            "rows (--over-length split)", where[n], part.seq_len)  # fmt: skip
 
     def _prepare(self, chunk: Path) -> PackedDataset:
         fmt = ChatFormat().model_dump()  # chunks hold {"messages", "tools"} records
-        return prepare(self.make_prep(str(chunk)).model_copy(update=fmt))
+        return prepare(self.make_prep(str(chunk)).model_copy(update=fmt), track_rows=True)
 
-    def _add(self, part: PackedDataset) -> None:
-        self.rows.add(part if part.num_rows else None)
+    def _add(self, part: PackedDataset, keep: np.ndarray | None = None) -> None:
+        tokens = part.summary.get("row_tokens", [])
+        kept = range(part.num_rows) if keep is None else keep.tolist()
+        self.row_tokens += sum(int(tokens[r]) for r in kept if r < len(tokens))
+        self.rows_known += len(kept)
+        self.rows.add(part if part.num_rows else None, keep)
         self.rows.summary = self.summary()
+
+    # ---- retiring what every consumer acknowledged --------------------------------------
+
+    def retire(self) -> int:
+        """Remove the chunk files and their prepared rows (the run's cache entries) whose
+        every window every consumer acknowledged (Coordinator.acked_by_all), never the
+        newest chunk (its file holds the carried records and the resume point): disk
+        stays flat on an endless stream (#52). Returns the chunks retired so far."""
+        if self.coord is None:
+            return self.retired
+        self.retire_at = self.clock() + RETIRE_EVERY_S
+        # rows every consumer is past, less the margin a resume from a checkpoint rewinds
+        keep = int(getattr(self.opts, "follow_keep_windows", 0))
+        below = max(0, self.coord.acked_by_all() - keep) * self.window_rows
+        starts = self.rows.starts
+        while self.retired < len(self.rows.parts) - 1 and starts[self.retired + 1] <= below:
+            c = self.retired
+            part = self.rows.parts[c]
+            if ARCHIVE in os.environ:  # kept elsewhere (module doc): tests check them
+                Path(os.environ[ARCHIVE]).mkdir(parents=True, exist_ok=True)
+                shutil.move(self.files[c], Path(os.environ[ARCHIVE]) / self.files[c].name)
+            else:
+                self.files[c].unlink(missing_ok=True)
+            if part is not None and part.dir.parent.name == "prepared":  # a cache entry
+                shutil.rmtree(part.dir, ignore_errors=True)
+            self.rows.retire(c)
+            self.retired = c + 1
+            log.debug("--follow: chunk %d retired (every consumer acknowledged its rows)", c)
+        return self.retired
 
     # ---- what the producer asks ---------------------------------------------------------
 
@@ -454,6 +504,8 @@ class FollowStream:
         """Read what arrived (the producer asks before each claim); total_windows."""
         if not self.ended:
             self.poll()
+        if self.clock() >= self.retire_at:
+            self.retire()
         return self.total_windows
 
     def window_rows_of(self, window: int) -> tuple[np.ndarray, int]:
@@ -462,12 +514,22 @@ class FollowStream:
         start, stop = window_span(window, self.window_rows, n if self.ended else None)
         if stop > n:
             raise IndexError(f"window {window} needs rows that have not arrived yet")
+        if start < self.rows.starts[self.retired]:  # a late joiner, or a rewind
+            raise RowsRetired(
+                f"--follow: window {window}'s rows were removed once every consumer then "
+                f"registered had acknowledged them (windows below "
+                f"{-(-self.rows.starts[self.retired] // self.window_rows)}); start every "
+                "trainer of a followed run before they retire (--expected-consumers)"
+            )
         return self.rows.in_order(np.arange(start, stop, dtype=np.int64), self.seed), 0
 
     def summary(self) -> dict[str, Any]:
         """stream.json's dataset summary: what the source gave so far."""
+        fill = self.row_tokens / max(1, self.rows_known * int(self.opts.seq_len))
         return {"follow": LAYOUT, "source": str(self.root), "chunks": len(self.rows.parts),
-                "rows_so_far": self.rows.num_rows, **self.counts}  # fmt: skip
+                "rows_so_far": self.rows.num_rows, **self.counts,
+                "chunks_retired": self.retired, "carried": len(self.carry),
+                "row_fill": round(fill, 4)}  # fmt: skip
 
 
 def chunk_name(c: int, digest: str) -> str:
@@ -476,39 +538,26 @@ def chunk_name(c: int, digest: str) -> str:
     return f"chunk-{c:06d}-{digest[:16]}.jsonl"
 
 
-def _lines(data: bytes, start: int) -> list[tuple[int, bytes]]:
-    """(byte offset in the file, line) for each line of `data`, read from `start`."""
-    out, pos = [], 0
-    while pos < len(data):
-        nl = data.index(b"\n", pos)
-        out.append((start + pos, data[pos:nl]))
-        pos = nl + 1
-    return out
-
-
-def _as_record(conv: Conversation) -> dict[str, Any]:
-    rec: dict[str, Any] = {"messages": conv.messages}
-    if conv.tools:
-        rec["tools"] = conv.tools
-    return rec
-
-
-def check_follow(opts: Any) -> None:
-    """What --follow refuses, in one line each, before anything is created."""
-    if opts.follow is None:
-        return
-    root = Path(opts.follow)
-    if not root.exists():
-        raise ConfigError(f"--follow {root}: no such file or directory")
-    if not os.access(root, os.R_OK | (os.X_OK if root.is_dir() else 0)):
-        raise ConfigError(f"--follow {root}: not readable")
-    if opts.replicas > 1:
-        raise ConfigError(
-            "--follow with --replicas: the replicas would all have to cut the same chunks "
-            "from one moving source; run one producer per source"
-        )
-    if opts.regenerate:
-        raise ConfigError("--follow with --regenerate: follow served traffic, which is "
-                          "already the verifier's own answers")  # fmt: skip
-    if opts.epochs != 1:
-        raise ConfigError(f"--follow with --epochs {opts.epochs}: a live stream has one epoch")
+def _short_rows(part: PackedDataset, due: int | None) -> tuple[np.ndarray | None, list[int]]:
+    """Which of a chunk's rows it keeps (int64 indices; None: all) and the chunk lines
+    (1-based) of the records in the others: rows under FULL_FILL real tokens that hold
+    none of the first `due` lines (records that waited long enough; None: every line
+    is due). A row holding a piece of a record split across rows (--over-length split)
+    is kept: its record is in rows that stay."""
+    s = part.summary
+    lines: list[list[int]] = s.get("row_lines", [])
+    tokens: list[int] = s.get("row_tokens", [])
+    if due is None or not lines:
+        return None, []
+    rows_of: dict[int, int] = {}
+    for row in lines:
+        for n in set(row):
+            rows_of[n] = rows_of.get(n, 0) + 1
+    short = {
+        r for r, (row, t) in enumerate(zip(lines, tokens, strict=True))
+        if t < FULL_FILL * part.seq_len and all(rows_of[n] == 1 and n > due for n in row)
+    }  # fmt: skip
+    if not short:
+        return None, []
+    keep = np.array([r for r in range(len(lines)) if r not in short], dtype=np.int64)
+    return keep, sorted(n for r in short for n in lines[r])

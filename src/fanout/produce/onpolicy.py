@@ -100,7 +100,10 @@ class ChunkRows:
     `rows(idx)` as PackedDataset's (what fanout.produce.capture reads)."""
 
     def __init__(self) -> None:
-        self.parts: list[PackedDataset | None] = []  # None: a chunk with no rows
+        self.parts: list[PackedDataset | None] = []  # None: no rows (or retired)
+        # which of a part's rows are the chunk's (None: all): a follower carries the
+        # records of its short rows into the next chunk (fanout.produce.follow)
+        self.keep: list[np.ndarray | None] = []
         self.starts = [0]  # global row number of each chunk's first row, then the total
         self.fingerprint = ""  # the contract's dataset fingerprint (OnPolicyStream.open)
         self.summary: dict[str, Any] = {}  # stream.json's dataset summary, so far
@@ -109,9 +112,21 @@ class ChunkRows:
     def num_rows(self) -> int:
         return self.starts[-1]
 
-    def add(self, part: PackedDataset | None) -> None:
+    def add(
+        self, part: PackedDataset | None, keep: np.ndarray | None = None, rows: int | None = None
+    ) -> None:
+        """The next chunk's rows: `part`'s, or only those at `keep` (int64 [k]); `rows`
+        with no part: a retired chunk's row count (its rows are read no more)."""
         self.parts.append(part)
-        self.starts.append(self.starts[-1] + (part.num_rows if part is not None else 0))
+        self.keep.append(keep)
+        n = rows or 0
+        if part is not None:
+            n = part.num_rows if keep is None else int(keep.size)
+        self.starts.append(self.starts[-1] + n)
+
+    def retire(self, c: int) -> None:
+        """Chunk c's rows are read no more (every consumer acknowledged their windows)."""
+        self.parts[c], self.keep[c] = None, None
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -122,9 +137,11 @@ class ChunkRows:
         out: dict[str, np.ndarray] = {}
         for c in np.unique(chunk):
             sel = np.flatnonzero(chunk == c)
-            part = self.parts[int(c)]
-            assert part is not None  # a chunk without rows owns no row number
-            got = part.rows(idx[sel] - starts[c])  # dict of [k, T]
+            part, keep = self.parts[int(c)], self.keep[int(c)]
+            if part is None:  # a chunk without rows owns no row number: retired
+                raise IndexError(f"rows of chunk {int(c)} were retired (acknowledged by all)")
+            local = idx[sel] - starts[c]
+            got = part.rows(local if keep is None else keep[local])  # dict of [k, T]
             for key, a in got.items():
                 if key not in out:
                     out[key] = np.empty((idx.size, *a.shape[1:]), a.dtype)  # [n, T]

@@ -84,6 +84,7 @@ from fanout.produce.stats import ProducerStats
 from fanout.produce.stopping import StopFlag
 from fanout.produce.stream import stream_rows
 from fanout.produce.tp_capture import Leader
+from fanout.produce.verifier_follow import VerifierFollower, pinned
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowMeta
@@ -106,8 +107,10 @@ class Producer:
     def __init__(
         self, cfg: ProducerConfig, *, fs: FileSystem | None = None, tp: Leader | None = None
     ) -> None:
+        cfg = pinned(cfg)  # --follow-verifier: the live version's directory
         check_inputs(cfg)
         self.cfg = cfg = for_families(cfg)
+        self.follower = VerifierFollower.of(cfg)  # None: a verifier that does not change
         self.tp = tp  # with --tp: rank 0's side of every forward (fanout.produce.tp_capture)
         self.plan = plan(cfg)  # what every replica must share (fanout.produce.replicas)
         root, m = Path(cfg.run_dir), cfg.replicas
@@ -206,7 +209,7 @@ class Producer:
         self._notice.stage(f"loading the verifier {cfg.verifier_name_or_path}")
         self.verifier: Verifier = verifier or self._load_verifier()
         self.contract = CaptureContract(
-            **self.verifier.contract_fields(),
+            **self._verifier_fields(self.verifier),
             dataset_fingerprint=self.dataset.fingerprint,
             tokenizer_fingerprint=self.dataset.tokenizer_fingerprint,
             seq_len=cfg.seq_len,
@@ -269,14 +272,26 @@ class Producer:
             ),
         )
 
-    def _load_verifier(self) -> Verifier:
+    def _load_verifier(self, path: str | Path | None = None) -> Verifier:
         from fanout.model.verifier import load_verifier
 
         return self.tp.verifier if self.tp else load_verifier(
-            self.cfg.verifier_name_or_path,
+            path or self.cfg.verifier_name_or_path,
             capture_layer_ids=self.cfg.capture_layer_ids,
             **self.cfg.verifier_options(),
         )  # fmt: skip
+
+    def _verifier_fields(self, v: Verifier) -> dict[str, Any]:
+        """The capture-contract fields `v` decides (--follow-verifier: the follower's)."""
+        return v.contract_fields() if self.follower is None else self.follower.contract_fields(v)
+
+    def _follow_verifier(self) -> None:
+        """--follow-verifier, between windows: a newly committed version captures every
+        window from the next one on (fanout.produce.verifier_follow)."""
+        new = self.follower.swap(self._load_verifier, self.contract) if self.follower else None
+        if new is not None:
+            self.verifier = new
+            self.capturer.use(new)
 
     def window_bytes(self) -> int:
         """Bytes of one full window on disk, header aside (docs/producer.md's arithmetic)."""
@@ -300,6 +315,9 @@ class Producer:
             self.cfg.window_rows,
             self.cfg.epochs,
             self.dataset.summary,
+            # recorded so `fanout promote --run-dir` needs neither flag (#52)
+            verifier=os.path.abspath(self.cfg.verifier_name_or_path),
+            tokenizer=os.path.abspath(self.cfg.tokenizer or self.cfg.verifier_name_or_path),
         )
 
     @property
@@ -336,6 +354,7 @@ class Producer:
             epoch=epoch,
             row_start=claim.rows[0],
             row_end=claim.rows[0] + r,
+            verifier_version=None if self.follower is None else self.follower.version.number,
         )
         tokens = int((tensors[DOCUMENT_IDS] >= 0).sum())
         if self.publisher.submit(claim, window, meta, rows=r, tokens=tokens):
@@ -408,6 +427,9 @@ class Producer:
         summary["stream_id"] = self.contract.stream_id
         summary["total_windows"] = self.stream_length  # null while on-policy is open
         summary["replica"], summary["replicas"] = self.rank, self.cfg.replicas
+        if self.follower is not None:  # --follow-verifier
+            summary["verifier_version"] = self.follower.version.number
+            summary["verifier_swaps"] = self.follower.swaps
         log.info("producer done: %s", summary)
         if self.cfg.wandb_project:  # its summary, in the run's W&B group (fanout.tracking)
             WandbRun.start(
@@ -442,6 +464,7 @@ class Producer:
                 continue
             self.blocked.clear()
             self.stats.waits_s += time.monotonic() - w0
+            self._follow_verifier()  # between windows: never one captured by two versions
             upto = self._reach(int(self.coord.meta("next_window")))
             claim = self.coord.claim(preg, end=None if self.end == OPEN else self.end, upto=upto)
             if claim is None:
@@ -515,7 +538,7 @@ def for_families(cfg: ProducerConfig) -> ProducerConfig:
 
 
 def run(args: argparse.Namespace, name: str = "produce") -> int:
-    cfg = config_from_args(args)
+    cfg = pinned(config_from_args(args))  # --follow-verifier: its live version's directory
 
     def early_exit(signum: int, _frame: Any) -> None:
         # Before the loop starts nothing is claimed: stopping now loses nothing.

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from fanout.errors import ConfigError
-from fanout.filesystem import FileSystem, temp_writer_gone
+from fanout.filesystem import FileSystem
+from fanout.netfs import temp_writer_gone
 
 MANIFEST = "manifest.json"
 JOINED = "regenerated.jsonl"
@@ -97,7 +98,7 @@ class OutDir:
     def _remove_dead_temps(self) -> None:
         """Temp files (`.NAME.<temp_tag()>.tmp`, FileSystem.write_atomic) of writers
         killed mid-write; a live writer's are left alone (another host's until it is
-        old: fanout.filesystem.temp_writer_gone)."""
+        old: fanout.netfs.temp_writer_gone)."""
         for d in (self.root, self.shards):
             for p in d.glob(".*.tmp"):
                 if temp_writer_gone(p):

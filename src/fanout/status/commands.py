@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fanout.coord.coordinator import Coordinator
 from fanout.errors import ConfigError, CoordinatorBusy, NoCoordinator
 from fanout.flags import add_model_flags, flag_options, model_from_args
-from fanout.status.snapshot import snapshot
+from fanout.status.snapshot import STALLED_AFTER_S, snapshot
 from fanout.status.table import format_table
 
 
@@ -94,6 +94,12 @@ class StatusConfig(RunDirOptions):
         description="--serve and --watch started before a producer created the run wait "
         "this long for it, saying so every 10 s (0: refuse at once, as a one-shot status "
         "does)",
+    )
+    stalled_after_s: float = Field(
+        STALLED_AFTER_S,
+        gt=0,
+        description="Show the run as STALLED (and /metrics fanout_stalled 1) once a ready "
+        "window has waited this long with no trainer reading past it: nothing trained.",
     )
 
     @model_validator(mode="after")
@@ -180,15 +186,15 @@ def run(args: argparse.Namespace, name: str = "status") -> int:
         if isinstance(cfg, StatusConfig) and cfg.serve is not None:
             from fanout.status.serve import StatusServer
 
-            server = StatusServer(co, cfg.host, cfg.serve, cfg.interval_s)
+            server = StatusServer(co, cfg.host, cfg.serve, cfg.interval_s, cfg.stalled_after_s)
             print(f"fanout status: serving {server.url} (metrics at {server.url}metrics); "
                   "Ctrl-C to stop", flush=True)  # fmt: skip
             return server.run()
         if isinstance(cfg, StatusConfig) and cfg.watch:
             from fanout.status.watch import watch
 
-            return watch(lambda: format_table(snapshot(co)), cfg.interval_s)
-        s = snapshot(co)
+            return watch(lambda: format_table(snapshot(co, cfg.stalled_after_s)), cfg.interval_s)
+        s = snapshot(co, getattr(cfg, "stalled_after_s", STALLED_AFTER_S))
         print(json.dumps(s, indent=2) if cfg.as_json else format_table(s))
     return 0
 

@@ -152,6 +152,21 @@ class Consumer(_Model):
     waiting: str | None = Field(
         description="why its next window is not ready, in words; null: it is not waiting"
     )
+    verifier_version: int | None = Field(
+        None,
+        description="`produce --follow-verifier`: the verifier version of the window at its "
+        "cursor (else of the one before it); null: none recorded",
+    )
+    verifier_lag: int | None = Field(
+        None,
+        description="versions between that one and the newest the run captures with (its "
+        "version lag); null: none recorded",
+    )
+    lag_skipped: int = Field(
+        0,
+        description="windows it acknowledged without training, captured more than "
+        "--max-verifier-lag versions before the newest",
+    )
 
 
 class Lease(_Model):
@@ -215,6 +230,48 @@ class FollowPosition(_Model):
     committed_wall: float = Field(description="when the newest chunk was committed (Unix s)")
 
 
+class PromoteLook(_Model):
+    """`fanout promote --run-dir`'s newest decision (RUN_DIR/follow/promote.json)."""
+
+    time: str
+    candidate: str = Field(description="the checkpoint it decided on")
+    candidate_step: int | None = None
+    candidate_tau: float | None = Field(None, description="its τ (null: not measured)")
+    candidate_ci95: list[float] | None = None
+    served: str | None = Field(None, description="the version served when it decided")
+    served_dir: str = Field(description="the served directory (--served)")
+    promoted: bool
+    floor: bool | None = Field(
+        None,
+        description="its τ was at the floor (<= 1 + --floor-epsilon): refused, not served "
+        "(null: a decision that measured nothing)",
+    )
+    why: str
+    version: str | None = Field(None, description="the version it was promoted as")
+
+
+class Stalled(_Model):
+    """Nothing trained for longer than --stalled-after-s: the oldest readable window some
+    trainer has not read past was published that long ago (#52)."""
+
+    window: int
+    waited_s: float = Field(description="since that window was published")
+    after_s: float = Field(description="the bound (--stalled-after-s)")
+    behind: list[str] = Field(description="consumers at or below it (empty: none registered)")
+    text: str
+
+
+class VerifierVersions(_Model):
+    """A run whose verifier changes (`fanout produce --follow-verifier`): the versions
+    its windows were captured with."""
+
+    newest: int = Field(
+        description="the version the run captures with now (its furthest window's; "
+        "DIR/versions/v0003 is 3)"
+    )
+    live: dict[str, int] = Field(description='readable windows per version, e.g. {"2": 1, "3": 3}')
+
+
 class StatusSnapshot(_Model):
     """Everything `fanout status --json` prints."""
 
@@ -258,6 +315,17 @@ class StatusSnapshot(_Model):
     )
     follow: FollowPosition | None = Field(
         None, description="a live run's position in its source (`produce --follow`); null: none"
+    )
+    verifier: VerifierVersions | None = Field(
+        None,
+        description="the verifier versions of a run whose verifier changes (`produce "
+        "--follow-verifier`); null: its windows record none",
+    )
+    promote: PromoteLook | None = Field(
+        None, description="`fanout promote --run-dir`'s newest decision; null: none recorded"
+    )
+    stalled: Stalled | None = Field(
+        None, description="nothing trained for longer than --stalled-after-s; null: healthy"
     )
 
 

@@ -30,7 +30,7 @@ from fanout.coord.coordinator import Coordinator
 from fanout.errors import ConfigError
 from fanout.status.page import Sample, page_html, sample_of
 from fanout.status.schema import ConsumerState, ReplicaState, StatusSnapshot
-from fanout.status.snapshot import build
+from fanout.status.snapshot import STALLED_AFTER_S, build
 
 MAX_SAMPLES = 720  # the plot's memory: an hour at the default 5 s ... 24 min at 2 s
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -108,6 +108,13 @@ def metrics_text(s: StatusSnapshot) -> str:
           None if last is None else last.tau)  # fmt: skip
     m.one("fanout_served_drift", "gauge", "1 when that tau fell below its promoted interval.",
           None if last is None else int(last.below))  # fmt: skip
+    p = s.promote  # fanout promote --run-dir's newest decision
+    m.one("fanout_promote_floor", "gauge",
+          "1 when the newest candidate's tau was at the floor: refused, not served.",
+          None if p is None or p.floor is None else int(p.floor))  # fmt: skip
+    m.one("fanout_stalled", "gauge",
+          "1 when a ready window waited longer than --stalled-after-s unread (nothing trained).",
+          int(s.stalled is not None))  # fmt: skip
     f = s.follow  # a live run's source (produce --follow): what an operator alerts on
     for key, what in (
         ("chunks", "Chunks of the followed source committed."),
@@ -155,9 +162,16 @@ def metrics_text(s: StatusSnapshot) -> str:
         ("rows_per_s", "rows_per_second", "Rows it passes per second."),
         ("eta_s", "eta_seconds", "Seconds to its end at its rate."),
         ("heartbeat_age_s", "heartbeat_age_seconds", "Since its last heartbeat or exit."),
+        ("verifier_lag", "verifier_lag", "Verifier versions its window is behind the newest."),
     ):
         m.add(f"fanout_consumer_{name}", "gauge", what,
               [(who(c), getattr(c, key)) for c in cons])  # fmt: skip
+    if s.verifier is not None:  # produce --follow-verifier
+        m.one("fanout_verifier_version", "gauge", "The verifier version the run captures "
+              "with now.", s.verifier.newest)  # fmt: skip
+        m.add("fanout_consumer_lag_skipped_total", "counter", "Windows it acknowledged "
+              "untrained, too many verifier versions old (--max-verifier-lag).",
+              [(who(c), c.lag_skipped) for c in cons])  # fmt: skip
     return "\n".join(m.lines) + "\n"
 
 
@@ -165,8 +179,15 @@ class StatusServer:
     """The HTTP server of `fanout status --serve`: bound at construction (a port in use
     is a ConfigError, one line), serving until `shutdown()` or Ctrl-C."""
 
-    def __init__(self, co: Coordinator, host: str, port: int, interval_s: float) -> None:
-        self.co, self.interval_s = co, interval_s
+    def __init__(
+        self,
+        co: Coordinator,
+        host: str,
+        port: int,
+        interval_s: float,
+        stalled_after_s: float = STALLED_AFTER_S,
+    ) -> None:
+        self.co, self.interval_s, self.stalled_after_s = co, interval_s, stalled_after_s
         self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
         self._next_sample = 0.0
         outer = self
@@ -192,7 +213,7 @@ class StatusServer:
         self.httpd.service_actions = self._sample  # type: ignore[method-assign]
 
     def snapshot(self) -> StatusSnapshot:
-        s = build(self.co)
+        s = build(self.co, self.stalled_after_s)
         self.samples.append(sample_of(s))
         return s
 

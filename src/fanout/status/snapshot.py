@@ -26,7 +26,7 @@ from typing import Any
 from fanout.coord import reads
 from fanout.coord.coordinator import Coordinator
 from fanout.coord.states import RoleState, W
-from fanout.decode.config import served_version
+from fanout.decode.config import PROMOTE, served_version
 from fanout.errors import FanoutError
 from fanout.status.schema import STATUS_SCHEMA_VERSION, StatusSnapshot
 from fanout.store.rundir import RunDir
@@ -95,6 +95,9 @@ def _replica_waiting(r: dict[str, Any], blocked: dict[str, Any] | None, k: int) 
 
 # The producer side's state: the first of these any replica is in.
 PRODUCER_ORDER = (RoleState.ACTIVE, RoleState.LOST, RoleState.STOPPED, RoleState.FINISHED)
+# a readable window nobody has read past for this long: `fanout status` says the run is
+# stalled (nothing trained), not healthy (#52); --stalled-after-s changes it
+STALLED_AFTER_S = 600.0
 
 
 def _producer(replicas: list[dict[str, Any]]) -> dict[str, Any]:
@@ -131,7 +134,7 @@ def _last_record(path: str | None) -> dict[str, Any]:
 
 def _consumer(
     row: dict[str, Any], co: Coordinator, now: float, starts: dict[str, dict[str, Any]],
-    length: int | None, frontier: int,
+    length: int | None, frontier: int, versions: dict[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
     """One consumer as `status --json` lists it: what the database (`row`:
     fanout.coord.reads.consumer_rows) and its registration record
@@ -183,6 +186,24 @@ def _consumer(
         "end_window": end,
         "eta_s": eta,
         "waiting": waiting,
+        **_consumer_version(co, cid, cursor, versions),
+    }
+
+
+def _consumer_version(
+    co: Coordinator, cid: str, cursor: int, versions: dict[str, Any]
+) -> dict[str, Any]:
+    """A consumer's verifier version (of the window at its cursor, else the one before
+    it), its lag behind the newest, and the windows it skipped as too old."""
+    mine = reads.window_verifier_version(co.conn, cursor)
+    if mine is None and cursor > 0:
+        mine = reads.window_verifier_version(co.conn, cursor - 1)
+    newest = versions["newest"]
+    lag = None if mine is None or newest is None else max(0, newest - mine)
+    return {
+        "verifier_version": mine,
+        "verifier_lag": lag,
+        "lag_skipped": versions["skipped"].get(cid, 0),
     }
 
 
@@ -206,15 +227,15 @@ def _stream(co: Coordinator, end: int | None) -> dict[str, Any]:
     }
 
 
-def build(co: Coordinator) -> StatusSnapshot:
+def build(co: Coordinator, stalled_after_s: float = STALLED_AFTER_S) -> StatusSnapshot:
     """The run now, as the versioned StatusSnapshot (fanout.status.schema), read
     at one instant (fanout.coord.reads.one_instant). Heartbeat ages and rates use the wall clock and are
     for people only; liveness decisions never use them."""
     with reads.one_instant(co.conn):
-        return _build(co)
+        return _build(co, stalled_after_s)
 
 
-def _build(co: Coordinator) -> StatusSnapshot:
+def _build(co: Coordinator, stalled_after_s: float) -> StatusSnapshot:
     now = reads.wall()
     ttl = co.config.ttl_s
     windows = reads.windows_by_state(co.conn)
@@ -224,8 +245,13 @@ def _build(co: Coordinator) -> StatusSnapshot:
     end = reads.stream_end(co.conn)
     stream = _stream(co, end)
     starts = reads.consumer_starts(co.conn)
+    versions: dict[str, Any] = {  # produce --follow-verifier's (none recorded: nothing to show)
+        "newest": reads.newest_verifier_version(co.conn),
+        "live": reads.verifier_versions(co.conn),
+        "skipped": reads.lag_skipped(co.conn),
+    }
     consumers = [
-        _consumer(row, co, now, starts, stream["length_windows"], frontier)
+        _consumer(row, co, now, starts, stream["length_windows"], frontier, versions)
         for row in reads.consumer_rows(co.conn)
     ]
     leases = [
@@ -290,7 +316,15 @@ def _build(co: Coordinator) -> StatusSnapshot:
             "consumers": consumers,
             "leases": leases,
             "drift": _drift(RunDir(co.root).drift),
+            "promote": _promote_look(Path(co.root) / "follow" / PROMOTE),
+            "stalled": _stalled(co, now, stalled_after_s),
             "follow": co.follow_position(),
+            "verifier": None
+            if versions["newest"] is None
+            else {
+                "newest": versions["newest"],
+                "live": {str(v): n for v, n in sorted(versions["live"].items())},
+            },
         }
     )
 
@@ -307,9 +341,33 @@ def _drift(path: Path, last: int = 20) -> list[dict[str, Any]]:
     return [d | {"serving_now": now.get(d.get("served") or "")} for d in points]
 
 
-def snapshot(co: Coordinator) -> dict[str, Any]:
+def _promote_look(path: Path) -> dict[str, Any] | None:
+    """`fanout promote --run-dir`'s newest decision (None: it wrote none, or a torn one)."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def _stalled(co: Coordinator, now: float, after_s: float) -> dict[str, Any] | None:
+    """Nothing trained for longer than `after_s` (reads.oldest_unread), else None."""
+    got = reads.oldest_unread(co.conn)
+    if got is None or now - got[1] < after_s:
+        return None
+    window, at, behind = got
+    waited = round(now - at, 1)
+    who = ", ".join(behind) or "no trainer has registered"
+    return {
+        "window": window, "waited_s": waited, "after_s": after_s, "behind": behind,
+        "text": f"nothing trained for {waited:.0f} s (> {after_s:g} s): window {window} has "
+        f"been ready that long, not read past by {who}",
+    }  # fmt: skip
+
+
+def snapshot(co: Coordinator, stalled_after_s: float = STALLED_AFTER_S) -> dict[str, Any]:
     """Everything `fanout status --json` prints (`build`'s model, as JSON-ready dicts)."""
-    return build(co).model_dump(mode="json")
+    return build(co, stalled_after_s).model_dump(mode="json")
 
 
 def _blocked(co: Coordinator, producer_state: str) -> dict[str, Any] | None:

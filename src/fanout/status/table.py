@@ -183,8 +183,46 @@ def format_table(s: dict[str, Any]) -> str:
     if f := s.get("follow"):
         lines += ["", f"follow   {f['chunks']} chunks committed: {f['records']} records read, "
                   f"{f['heldout']} held out, {f['skipped']} skipped, {f['split']} split"]  # fmt: skip
+    lines += _verifier_lines(s)
     lines += _drift_lines(s.get("drift") or [])
+    lines += _promote_lines(s.get("promote"))
+    if st := s.get("stalled"):  # near the top too: the first thing a reader must see
+        lines.insert(1, f"STALLED  {st['text']}")
     return "\n".join(lines)
+
+
+def _promote_lines(p: dict[str, Any] | None) -> list[str]:
+    """`fanout promote --run-dir`'s newest decision; loud when its candidate was at the
+    acceptance floor (never served)."""
+    if not p:
+        return []
+    tau = "unmeasured" if p.get("candidate_tau") is None else f"τ {p['candidate_tau']:.2f}"
+    did = f"promoted as {p.get('version')}" if p["promoted"] else "not promoted"
+    out = ["", f"promote  {p['time']}: {p['candidate']} ({tau}) {did}"]
+    if p.get("floor"):
+        out.append(
+            f"  FLOOR: its drafts are (next to) never accepted ({tau}); it is not served. "
+            "Is its trainer training, on this verifier?"
+        )
+    return out
+
+
+def _verifier_lines(s: dict[str, Any]) -> list[str]:
+    """A run whose verifier changes (`produce --follow-verifier`): the versions its live
+    windows were captured with, and each consumer's version and lag behind the newest."""
+    v = s.get("verifier")
+    if not v:
+        return []
+    live = ", ".join(f"v{k}: {n}" for k, n in v["live"].items()) or "none"
+    lines = ["", f"verifier newest version {v['newest']}  live windows by version: {live}"]
+    for c in s["consumers"]:
+        mine = "-" if c.get("verifier_version") is None else c["verifier_version"]
+        lag = "-" if c.get("verifier_lag") is None else c["verifier_lag"]
+        lines.append(
+            f"  {c['id']}: at version {mine}, {lag} behind; "
+            f"{c.get('lag_skipped', 0)} windows skipped as too old (--max-verifier-lag)"
+        )
+    return lines
 
 
 def serving_now_text(d: dict[str, Any]) -> str:

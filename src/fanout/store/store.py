@@ -20,8 +20,8 @@ package's one atomic write, `FileSystem.write_atomic(..., overwrite=False)`, wit
 a writer that streams and hashes the tensors. The caller then commits the window
 in the coordinator. Every write-side call goes through the `FileSystem` seam
 (fanout.filesystem), so tests inject EIO/ENOSPC and kills.
-The file format and the reader live in fanout.store.windowfile, the run directory's
-layout in fanout.store.rundir (both re-exported here).
+The file format lives in fanout.store.windowfile, its reader in fanout.store.windowreader,
+the run directory's layout in fanout.store.rundir (re-exported here).
 """
 
 from __future__ import annotations
@@ -37,18 +37,18 @@ from pathlib import Path
 import torch
 
 from fanout.errors import CorruptWindow, StorageError, StorageFull
-from fanout.filesystem import AtomicWriteError, FileSystem, TempFile, stale_view_s, temp_tag
+from fanout.filesystem import AtomicWriteError, FileSystem, TempFile
 from fanout.hashing import hasher, labelled
+from fanout.netfs import stale_view_s, temp_tag
 from fanout.store.rundir import RunDir
 from fanout.store.windowfile import (
     WindowFormatError,
     WindowMeta,
-    WindowReader,
     encode_header,
     parse_window_name,
-    verify_file,
     window_name,
 )
+from fanout.store.windowreader import WindowReader, verify_file
 
 __all__ = [
     "Published",
@@ -88,6 +88,7 @@ class Published:
     path: Path
     nbytes: int
     checksum: str
+    verifier_version: int | None = None  # WindowMeta's: the coordinator records it too
 
 
 @dataclass
@@ -173,7 +174,9 @@ class Store:
             if e.errno == errno.EEXIST and e.step == "link":
                 raise StorageError(f"window {name}: {final} already exists; not overwritten") from e
             raise _storage_error(e, name, e.step, e.path) from e
-        return Published(name, final, len(prefix) + layout.data_bytes, checksum)
+        return Published(
+            name, final, len(prefix) + layout.data_bytes, checksum, meta.verifier_version
+        )
 
     def _write_hashed(
         self, fd: int, offset: int, names: list[str], views: list[memoryview]
@@ -219,7 +222,7 @@ class Store:
         """Open windows/<name> (mapped; read into memory on a network filesystem),
         verifying its header and the tensors named in `tensors` (None: all; others are
         verified when first read). A missing file is retried for
-        fanout.filesystem.stale_view_s (5 s on a network filesystem, 0 on a local one;
+        fanout.netfs.stale_view_s (5 s on a network filesystem, 0 on a local one;
         `FANOUT_STALE_VIEW_S`): a window published on another host may show up late in
         this host's view of the directory.
         CorruptWindow on a bad name, a file still missing then, bad header, checksum

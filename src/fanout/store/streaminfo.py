@@ -76,6 +76,12 @@ class StreamInfo(BaseModel):
     dataset_summary: dict[str, Any] = Field(
         default_factory=dict, description="the data stage's (or the regeneration's) counts"
     )
+    # what the run was captured with, as the producer was given it (absolute): `fanout
+    # promote --run-dir` decodes with them unless told otherwise (None: an older run)
+    verifier: str | None = Field(None, description="the producer's --verifier-name-or-path")
+    tokenizer: str | None = Field(
+        None, description="the producer's --tokenizer (the verifier's when it gave none)"
+    )
 
     @classmethod
     def of(
@@ -85,12 +91,16 @@ class StreamInfo(BaseModel):
         window_rows: int,
         epochs: int,
         dataset_summary: dict[str, Any] | None = None,
+        verifier: str | None = None,
+        tokenizer: str | None = None,
     ) -> StreamInfo:
-        """The record of a stream of `num_rows` rows × `epochs` (None: still open)."""
+        """The record of a stream of `num_rows` rows × `epochs` (None: still open),
+        captured with `verifier` and `tokenizer` (directories)."""
         total = None if num_rows is None else window_count(num_rows * epochs, window_rows)
         return cls(
             stream_id=stream_id, num_rows=num_rows, window_rows=window_rows, epochs=epochs,
             total_windows=total, dataset_summary=dataset_summary or {},
+            verifier=verifier, tokenizer=tokenizer,
         )  # fmt: skip
 
     def write(self, run_dir: RunDir, fs: FileSystem | None = None) -> None:

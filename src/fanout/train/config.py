@@ -20,6 +20,7 @@ from fanout.families.registry import FamilyOptions
 from fanout.model.draft_config import DraftRecipe
 from fanout.tracking import TrackingOptions, wandb_missing
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
+from fanout.train.verifier_versions import VersionOptions
 
 # The flags a resume may change (a changed one is named in a log line): where the run,
 # the verifier and the checkpoints are, how long it trains (the schedule follows them:
@@ -37,12 +38,12 @@ RESUME_MAY_CHANGE = frozenset(
         "checkpoint_every_s", "keep_checkpoints", "ema_decay", "eval_every", "eval_data",
         "eval_tokenizer", "eval_prompts", "eval_max_new_tokens", "log_every", "logger",
         "wandb_project", "wandb_group", "progress", "device", "adamw_backend",
-        "max_nonfinite_steps",
+        "max_nonfinite_steps", "max_verifier_lag",
     }
 )  # fmt: skip
 
 
-class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
+class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, VersionOptions, TrackingOptions):
     """Every `fanout train` (scripts/train.py) flag; speculators trainer names where the
     meaning is the same. How the trainer reads the run (run_dir, consumer_id, dp_rank,
     db_path, draft_layer_ids, acquire_timeout_s, heartbeat_s, prefetch, takeover) is
@@ -52,7 +53,8 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, TrackingOptions):
     fanout.model.draft_config with the defaults that work on a real verifier; the family
     (--draft-family) and each family's own options are FamilyOptions'
     (fanout.families.registry); where --logger wandb logs TrackingOptions'
-    (fanout.tracking); these are the trainer's."""
+    (fanout.tracking); a verifier that changes (--max-verifier-lag, --verifier-age-decay)
+    VersionOptions' (fanout.train.verifier_versions); these are the trainer's."""
 
     verifier_name_or_path: str = Field(description="local verifier dir (embedding, lm_head, norm)")
     checkpoint_verifier_name: str | None = Field(

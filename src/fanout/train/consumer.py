@@ -137,6 +137,11 @@ class OpenWindow:
     def window(self) -> int:
         return self.lease.window
 
+    @property
+    def verifier_version(self) -> int | None:
+        """The verifier version it was captured with (`produce --follow-verifier`)."""
+        return self.reader.meta.verifier_version
+
 
 @dataclass
 class Batch:
@@ -147,6 +152,8 @@ class Batch:
     completes: list[OpenWindow] = field(default_factory=list)  # ack these after the step
     next_position: tuple[int, int] = (0, 0)  # (cursor window, rows done in it) after the step
     wait_s: float = 0.0  # time spent waiting for windows while assembling this batch
+    # the verifier version its rows were captured with (one per batch; None: a fixed one)
+    verifier_version: int | None = None
 
 
 def row_order(window: int, rows: int, seed: int, rank: int = 0, world: int = 1) -> np.ndarray:
@@ -240,6 +247,7 @@ class ConsumerStream:
         self._held: dict[int, OpenWindow] = {}  # leased, not yet acked (incl. prefetched)
         self.finished = False
         self.wait_s = 0.0
+        self._version: int | None = None  # of the rows batches() is gathering
         self.waiting_for: int | None = None  # the window windows() is waiting for, if any
         self.wait_state: WaitState | None = None  # why it is not ready (the coordinator's)
         return self
@@ -367,7 +375,9 @@ class ConsumerStream:
         self.finished = True
 
     def batches(self, rows_per_step: int) -> Iterator[Batch]:
-        """Batches of `rows_per_step` rows; a batch may span windows (acks follow)."""
+        """Batches of `rows_per_step` rows; a batch may span windows (acks follow), never
+        verifier versions (`produce --follow-verifier`): the rows before a window of
+        another version end their batch early, so a step trains on one version's rows."""
         if rows_per_step < 1:
             raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
         self.open()
@@ -378,6 +388,10 @@ class ConsumerStream:
         waited = self.wait_s
         skip = self._skip
         for ow in self.windows():
+            if rows and ow.verifier_version != self._version:  # the rows so far: one step
+                yield self._assemble(parts, rows, completes, (ow.window, 0), self.wait_s - waited)
+                parts, rows, completes, waited = [], [], [], self.wait_s
+            self._version = ow.verifier_version
             order = ow.order[skip:]
             skip = 0
             start = 0
@@ -421,8 +435,8 @@ class ConsumerStream:
                 f"(steps aligned to windows), or a producer with --max-live-windows >= {span}"
             )
 
-    @staticmethod
     def _assemble(
+        self,
         parts: list[dict[str, torch.Tensor]],
         rows: list[tuple[int, int]],
         completes: list[OpenWindow],
@@ -430,7 +444,7 @@ class ConsumerStream:
         wait_s: float,
     ) -> Batch:
         tensors = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}  # [B, ...]
-        return Batch(tensors, list(rows), list(completes), pos, wait_s)
+        return Batch(tensors, list(rows), list(completes), pos, wait_s, self._version)
 
     # ---- acks and shutdown --------------------------------------------------------
 

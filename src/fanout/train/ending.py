@@ -46,6 +46,7 @@ class Ending:
         self.failure: FanoutError | None = None
         self.saved: Path | None = None
         self.unsaved: str | None = None  # why no checkpoint was saved where one could be
+        self.unrecorded: str | None = None  # why close() could not record how it ended
 
     @property
     def fenced(self) -> bool:
@@ -69,6 +70,7 @@ class Ending:
             if self.failure is None:
                 raise
             # the coordinator may be what failed: the failure is the news, not this
+            self.unrecorded = str(e)
             log.warning("%s: could not record how it ended: %s", self.consumer_id, e)
 
     def checkpoint_line(self, step: int, stream: Any, resume: bool = True) -> str:
@@ -103,9 +105,14 @@ class Ending:
             raise e
         if isinstance(e, Detached):  # `fanout train` adds how to rejoin (--resume), once
             raise Detached(f"{e}; {self.checkpoint_line(step, stream, resume=False)}") from None
+        recorded = (
+            "recorded 'stopped' (it holds windows back until resumed or `fanout detach`ed)"
+            if self.unrecorded is None
+            else "'stopped' not recorded (the coordinator refused it: another process may "
+            "hold this consumer now; `fanout status` shows its state)"
+        )
         raise TrainerStopped(
-            f"{self.consumer_id} stopped: {e}; recorded 'stopped' (it holds windows back "
-            f"until resumed or `fanout detach`ed); {self.checkpoint_line(step, stream)}"
+            f"{self.consumer_id} stopped: {e}; {recorded}; {self.checkpoint_line(step, stream)}"
         ) from None
 
 

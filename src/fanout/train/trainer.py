@@ -62,8 +62,10 @@ from fanout.train.progress import (
     wait_for_run,
 )
 from fanout.train.savepath import hold_save_path
+from fanout.train.schedule import follow_plan, log_schedule, reconcile_schedule
 from fanout.train.setup import build_draft, check_resume, check_run
 from fanout.train.trainlog import MetricsLog, train_log_path
+from fanout.train.verifier_versions import VersionFollower, live_version
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,13 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.startup = StartupClock()  # logged with the first step (docs/operations.md)
+        # a versioned --verifier-name-or-path (produce --follow-verifier): the draft is
+        # built from its live version, then follows each batch's (.verifier_versions)
+        start, root = live_version(cfg.verifier_name_or_path), cfg.verifier_name_or_path
+        if start is not None:
+            cfg = cfg.model_copy(update={"verifier_name_or_path": str(start.path)})
+        self.versions = None if start is None else VersionFollower(root, start, cfg)
+        self._lag = 0  # versions the batch in hand is behind the newest
         self.cfg = cfg
         self.dp = DataParallel.from_env(cfg.device)
         self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
@@ -160,7 +169,7 @@ class Trainer:
         self.ema = WeightEMA(self.draft, cfg.ema_decay) if cfg.ema_decay else None
         self._saved_at = time.monotonic()  # --checkpoint-every-s counts from here
         self.state = self._resume()
-        self._log_schedule()
+        log_schedule(self)
         self.dp.broadcast_parameters(self.draft)  # identical start on every rank
         self.metrics = MetricsLog(cfg.save_path, self.dp.rank, cfg.logger, self._tracker())
         self.autocast = (
@@ -198,39 +207,6 @@ class Trainer:
         assert isinstance(f, LRCurve)
         return f
 
-    def _log_schedule(self) -> None:
-        """One line at start: the schedule's kind, warm-up and total (and a warning
-        when nothing says the total yet)."""
-        cid, curve = self.cfg.consumer_id, self.curve
-        if not self.dp.is_main:
-            return
-        if curve.total is None and curve.kind != "constant":
-            log.warning(
-                "%s: the %s lr schedule has no total steps yet (%s): it warms up over %d "
-                "steps, holds --lr and decays once the stream's end is recorded; pass "
-                "--max-steps (or --epochs) to plan the decay from the start",
-                cid, curve.kind, self.plan.why, curve.warmup,
-            )  # fmt: skip
-        log.info("%s: lr schedule: %s (%s)", cid, curve.describe(), self.plan.why)
-
-    def _reconcile_schedule(self, planned: LRCurve) -> None:
-        """After a resume: the checkpoint's curve continues, retargeted where it had no
-        final total and one is known now; the flags' curve where they plan another (a
-        new --max-steps, --epochs or --scheduler-type)."""
-        cur, step = self.curve, self.sched.last_epoch
-        if vars(cur) == vars(planned):  # the same, or a checkpoint from before LRCurve
-            return
-        if cur.kind != planned.kind or (
-            cur.settled and planned.settled and cur.total != planned.total
-        ):
-            log.info(
-                "%s: lr schedule planned anew at step %d (the checkpoint's: %s)",
-                self.cfg.consumer_id, step, cur.describe(),
-            )  # fmt: skip
-            self.sched.set_factor(planned)
-        elif not cur.settled and planned.total is not None and planned.total != cur.total:
-            cur.retarget(planned.total, step, settled=planned.settled)
-
     def _resume(self) -> dict[str, Any]:
         """The training state: from the newest checkpoint with --resume (weights,
         optimizer, the stream's position, schedule and anchor generator restored in
@@ -250,7 +226,7 @@ class Trainer:
             generators={"anchors": self.gen},
             ema=self.ema,
         )
-        self._reconcile_schedule(planned)
+        reconcile_schedule(self, planned)
         if self.dp.rank:  # the checkpoint holds rank 0's generator: derive our own
             self.gen.manual_seed(self._anchor_seed(state["step"]))
         log.info("resumed from %s at step %d, stream at %s", ckpt, state["step"],
@@ -302,6 +278,8 @@ class Trainer:
             try:
                 t_fetch = time.perf_counter()
                 while (batch := self._next_batch(stream, batches, waits)) is not None:
+                    if self._too_old(stream, batch):  # acked untrained (--max-verifier-lag)
+                        continue
                     rec = self._step(stream, batch, t_fetch)
                     if first is None:
                         first = rec
@@ -311,7 +289,7 @@ class Trainer:
                     self._after_step(rec)
                     self._in_step = False
                     self._check_supervised(rec["step"])
-                    self._follow_plan(stream, bar)
+                    follow_plan(self, stream, bar)
                     if self.dp.agree(self._stop_requested):  # every rank stops after this step
                         self.interrupted = True
                         break
@@ -396,11 +374,13 @@ class Trainer:
         that consumed them is done); returns the step's log record."""
         self._in_step = True
         t0 = time.perf_counter()
+        # its verifier version's frozen tensors first, and its age's loss weight
+        w = self.versions.prepare(self.draft, batch, self._lag) if self.versions else 1.0
         inputs = self._to_device(batch)
         with self.autocast:
             out = self.draft.loss(inputs, self.gen)
         t1 = time.perf_counter()
-        out.loss.backward()
+        (out.loss * w if w != 1.0 else out.loss).backward()
         self.dp.average_gradients(self.draft)
         t2 = time.perf_counter()
         lr = self.sched.get_last_lr()[0]  # this step's (step() sets the next one's)
@@ -444,9 +424,16 @@ class Trainer:
             "windows": sorted({w for w, _ in batch.rows}),
             "acked": [ow.window for ow in batch.completes],
             "time": time.time(),
+            **({} if self.versions is None else self.versions.record(self._lag)),
             # the family's own metrics (rank 0's; e.g. DFlash2's selector loss)
             **{k: round(float(v), 6) for k, v in out.extra.items()},
         }
+
+    def _too_old(self, stream: ConsumerStream, batch: Batch) -> bool:
+        """--max-verifier-lag: True for a batch acked untrained, too many verifier versions
+        old; notes its lag for --verifier-age-decay (fanout.train.verifier_versions)."""
+        self._lag, skip = self.versions.check(stream, batch, self.dp) if self.versions else (0, 0)
+        return bool(skip)
 
     def _count_finite(self, finite: bool) -> None:
         """Count a step skipped for a non-finite loss (a warning each); raise
@@ -506,30 +493,6 @@ class Trainer:
                 "supervised (assistant) spans"
             )
 
-    def _follow_plan(self, stream: ConsumerStream, bar: ProgressBar) -> None:
-        """Until the stream's length is settled: rank 0 re-reads stream.json when it
-        changes (one stat() a step), and every rank follows what it says now: the LR
-        schedule's new total, continuous (LRCurve.retarget), and --epochs' windows."""
-        if self.plan.settled:
-            return
-        new = self.planner.reread_if_changed() if self.dp.is_main else None
-        got = self.dp.from_main([1, *new.ints()] if new is not None else [0, 0, 0, 0])
-        if not got[0]:
-            return
-        plan = new if new is not None else Plan.from_ints(got[1:])
-        cid, step, curve = self.cfg.consumer_id, self.sched.last_epoch, self.curve
-        if plan.max_windows is not None and self.max_windows is None:
-            stream.stop_at(plan.max_windows)
-            self.max_windows = plan.max_windows
-            log.info("%s: --epochs: reading windows [0, %d) (%s)", cid, plan.max_windows, plan.why)
-        if plan.total_steps is not None and (
-            plan.total_steps != curve.total or plan.settled != curve.settled
-        ):
-            curve.retarget(plan.total_steps, step, settled=plan.settled)
-            bar.set_total(plan.total_steps)
-            log.info("%s: lr schedule from step %d: %s (%s)", cid, step, curve.describe(), plan.why)
-        self.plan = plan
-
     def _progress_bar(self) -> ProgressBar:
         """On stderr, rank 0 only (--progress; default: when stderr is a terminal)."""
         show = self.cfg.progress if self.cfg.progress is not None else sys.stderr.isatty()
@@ -559,7 +522,9 @@ class Trainer:
             dict(self.state, adamw_backend=self.backend),
             states={"stream": self.stream, "scheduler": self.sched},
             generators={"anchors": self.gen},
-            verifier_name_or_path=self.cfg.verifier_name_or_path,
+            verifier_name_or_path=str(
+                self.versions.path if self.versions else self.cfg.verifier_name_or_path
+            ),
             verifier_serving_name=self.cfg.checkpoint_verifier_name,
             config_extra=self._checkpoint_extra(),
             keep=self.cfg.keep_checkpoints,
@@ -572,6 +537,8 @@ class Trainer:
         prints `train_eal` beside the measured acceptance length)."""
         recent = list(self.recent_eal)
         extra: dict[str, Any] = {"step": self.state["step"]}
+        if self.versions is not None:  # the verifier version its tensors are from
+            extra["verifier_version"] = self.versions.loaded
         if recent:
             extra["train_eal"] = round(sum(recent) / len(recent), 4)
             extra["train_eal_steps"] = len(recent)

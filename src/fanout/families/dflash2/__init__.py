@@ -17,22 +17,19 @@ architecture).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.families.base import Family, drafts_with
+from fanout.families.base import Family
 from fanout.families.dflash2.config import DFlash2Config, DFlash2Recipe
 from fanout.model.draft_config import DraftConfig
-
-if TYPE_CHECKING:
-    from fanout.model.draft import Draft
-    from fanout.model.draft_cache import DraftContext
 
 
 class DFlash2(Family):
     name: ClassVar[str] = "dflash2"
     model_ref: ClassVar[str] = "fanout.families.dflash2.model:DFlash2Draft"
+    context_ref: ClassVar[str | None] = "fanout.families.dflash2.propose:SelectorContext"
     config_class: ClassVar[type[DraftConfig]] = DFlash2Config
     recipe: ClassVar[type[BaseModel]] = DFlash2Recipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
@@ -45,13 +42,6 @@ class DFlash2(Family):
         """The DFlash2SpeculatorConfig fields beyond DFlash's (selector_loss_alpha is a
         training flag: speculators' config has no such field)."""
         return ["conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"]
-
-    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
-        """The selector's drafting step (fanout.families.dflash2.propose)."""
-        from fanout.families.dflash2.model import DFlash2Draft
-        from fanout.families.dflash2.propose import SelectorContext
-
-        return SelectorContext(drafts_with(draft, DFlash2Draft, self.name), cached=cached)
 
 
 FAMILY = DFlash2()

@@ -1,7 +1,7 @@
 """DFlash2's drafting step: one block forward, then the selector's greedy walk.
 
     from fanout.families.dflash2.propose import SelectorContext
-    ctx = SelectorContext(draft, cached=True)   # cached=False: the uncached reference
+    ctx = SelectorContext(draft, DraftCache(draft))  # or UncachedDraft(draft): the reference
     ctx.extend(hidden)                          # [n, k·H] verifier states, as DraftCache
     tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))  # bs-1 tokens, [bs-1, V]
 
@@ -30,22 +30,12 @@ from collections.abc import Callable
 import torch
 
 from fanout.families.dflash2.model import DFlash2Draft
-from fanout.model.draft_cache import DraftCache, UncachedDraft, head_logits
+from fanout.model.draft_cache import BlockHeads, head_logits
 
 
-class SelectorContext:
+class SelectorContext(BlockHeads[DFlash2Draft]):
     """A `DraftContext` for DFlash2 drafts: DraftCache (or UncachedDraft) for the block
     states, the candidate selector for the tokens."""
-
-    def __init__(self, draft: DFlash2Draft, *, cached: bool = True, capacity: int = 256) -> None:
-        self.draft = draft
-        self.states: DraftCache | UncachedDraft = (
-            DraftCache(draft, capacity) if cached else UncachedDraft(draft)
-        )
-
-    def extend(self, hidden: torch.Tensor) -> None:
-        """Append the verifier's hidden states of the next positions `[n, k·H]`."""
-        self.states.extend(hidden)
 
     @torch.no_grad()
     def propose(

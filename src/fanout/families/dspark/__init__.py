@@ -13,22 +13,19 @@ anchors (speculators' trainer CLI default). Served by vLLM under method `dspark`
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.families.base import Family, drafts_with
+from fanout.families.base import Family
 from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
 from fanout.model.draft_config import DraftConfig
-
-if TYPE_CHECKING:
-    from fanout.model.draft import Draft
-    from fanout.model.draft_cache import DraftContext
 
 
 class DSpark(Family):
     name: ClassVar[str] = "dspark"
     model_ref: ClassVar[str] = "fanout.families.dspark.model:DSparkDraft"
+    context_ref: ClassVar[str | None] = "fanout.families.dspark.propose:DSparkContext"
     config_class: ClassVar[type[DraftConfig]] = DSparkConfig
     recipe: ClassVar[type[BaseModel]] = DSparkRecipe
     # speculators' DSpark recipe: block 8 (its config default), 512 anchors (its CLI
@@ -53,14 +50,6 @@ class DSpark(Family):
         """The confidence head's target is the verifier's distribution."""
         conf = recipe.get("enable_confidence_head", DSparkRecipe().enable_confidence_head)
         return bool(conf) or super().needs_last_hidden_states(recipe)
-
-    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
-        from fanout.families.dspark.model import DSparkDraft
-        from fanout.families.dspark.propose import DSparkContext
-        from fanout.model.draft_cache import DraftCache, UncachedDraft
-
-        d = drafts_with(draft, DSparkDraft, self.name)
-        return DSparkContext(d, DraftCache(d) if cached else UncachedDraft(d))
 
 
 FAMILY = DSpark()

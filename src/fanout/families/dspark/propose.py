@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from fanout.families.dspark.model import DSparkDraft
-from fanout.model.draft_cache import DraftCache, UncachedDraft
+from fanout.model.draft_cache import BlockHeads, DraftCache, UncachedDraft, verifier_vocab
 
 # Slots are kept while the running product of the confidence head's probabilities is at
 # least this (the probability that the whole prefix is accepted).
@@ -54,28 +54,15 @@ def confident_length(confidence: list[float], threshold: float = CONFIDENT_PREFI
     return n
 
 
-class DSparkContext:
+class DSparkContext(BlockHeads[DSparkDraft]):
     """DSpark's `DraftContext`: the backbone's states from `states` (cached or the
     uncached reference), the heads applied slot by slot (module docstring)."""
 
     def __init__(self, draft: DSparkDraft, states: DraftCache | UncachedDraft) -> None:
-        self.draft = draft
-        self.states = states
+        super().__init__(draft, states)
         self.confidence: list[float] = []  # c_k of the last block (empty: no head)
         self.proposed_length = draft.cfg.block_size  # what the confidence head implies
         self.proposed_lengths: list[int] = []  # every block's, in order
-
-    def extend(self, hidden: torch.Tensor) -> None:
-        self.states.extend(hidden)
-
-    def _verifier_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits `[Vd]` -> verifier-vocab `[V]` (-inf outside the draft's)."""
-        d = self.draft
-        if d.d2t is None:
-            return logits
-        full = logits.new_full((d.cfg.vocab_size,), float("-inf"))
-        full[torch.arange(logits.shape[0], device=logits.device) + d.d2t] = logits
-        return full
 
     @torch.no_grad()
     def propose(
@@ -98,7 +85,7 @@ class DSparkContext:
             if markov is not None:
                 emb = markov.markov_w1.weight[prev]  # [rank]
                 logits = logits + markov.markov_w2(emb).float()  # [Vd]
-            row = self._verifier_vocab(logits)  # [V]
+            row = verifier_vocab(d, logits[None])[0]  # [V]
             tok = choose(row)
             if conf_head is not None:
                 c = d.confidence_logits(hid[k : k + 1], None if emb is None else emb[None])

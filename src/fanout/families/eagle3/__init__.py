@@ -16,16 +16,14 @@ layers vLLM's default (2, n//2, n-3) in HF numbering. Its checkpoint is speculat
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from pydantic import BaseModel
 
 from fanout.families.base import Family
 from fanout.families.chain import EagleFamily, vllm_default_layers
-from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe, shared_field_problem
+from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe
 from fanout.model.draft_config import DraftConfig
-from fanout.rows import TARGET_IDS
 
 
 class Eagle3(EagleFamily):
@@ -37,19 +35,11 @@ class Eagle3(EagleFamily):
     context_ref: ClassVar[str] = "fanout.families.eagle3.propose:Eagle3Context"
     config_class: ClassVar[type[DraftConfig]] = Eagle3Config
     recipe: ClassVar[type[BaseModel]] = Eagle3Recipe
-    steps_field: ClassVar[str] = "ttt_steps"
     speculators_model_type: ClassVar[str] = "eagle3"
     # what speculators' save_pretrained of an Eagle3DraftModel writes
     architectures: ClassVar[tuple[str, ...]] = ("Eagle3DraftModel",)
     # speculators' EAGLE-3 checkpoint carries the verifier's embedding too (frozen)
     frozen_tensors: ClassVar[frozenset[str]] = Family.frozen_tensors | {"embed_tokens.weight"}
-
-    def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
-        """The one rule `Eagle3Config` applies too (`shared_field_problem`)."""
-        return shared_field_problem(
-            self.steps(values), block_size, values.get("gamma"),
-            values.get("loss_weighting", "exp"), values.get("label_source", TARGET_IDS),
-        )  # fmt: skip
 
 
 FAMILY = Eagle3()

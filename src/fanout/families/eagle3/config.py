@@ -27,11 +27,11 @@ is refused otherwise) plus those fields. Of the shared recipe fields an EAGLE-3 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import ChainConfig, fc_norm_problem
+from fanout.model.draft_config import ChainConfig, SharedRule, fc_norm_problem
 from fanout.rows import TARGET_IDS
 
 
@@ -78,6 +78,14 @@ class Eagle3Config(Eagle3Recipe, ChainConfig):
     verifier's layers it fuses, and its TTT recipe."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    shared_rule: ClassVar[SharedRule] = SharedRule(
+        "EAGLE-3",
+        steps_field="ttt_steps",
+        accepts={"gamma": None, "loss_weighting": "exp", "label_source": TARGET_IDS},
+        why="EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay, not gamma or a block "
+        "weighting, and trains on the verifier's distribution (its last hidden states), "
+        "not on the data tokens",
+    )
 
     norm_before_fc: bool = Field(
         True, description="one RMSNorm over the concatenated auxiliary states before fc"
@@ -92,46 +100,10 @@ class Eagle3Config(Eagle3Recipe, ChainConfig):
         return data
 
     @model_validator(mode="after")
-    def _check_shared(self) -> Eagle3Config:
+    def _check_frozen_embedding(self) -> Eagle3Config:
         if self.embed_requires_grad:
             raise ValueError("embed_requires_grad: fanout keeps EAGLE-3's embedding frozen")
-        problem = shared_field_problem(
-            self.ttt_steps, self.block_size, self.gamma, self.loss_weighting, self.label_source
-        )
-        if problem:
-            raise ValueError(problem)
         return self
 
 
-def shared_field_problem(
-    ttt_steps: int,
-    block_size: int | None,
-    gamma: float | None,
-    loss_weighting: str,
-    label_source: str,
-) -> str | None:
-    """Why shared recipe values do not apply to an EAGLE-3 draft (None: they do): the
-    one rule `Eagle3Config` and `fanout train --draft-family eagle3`'s flag check
-    (fanout.families.eagle3.Eagle3.field_problem) both apply. `block_size` None: not
-    given (it follows ttt_steps)."""
-    if block_size is not None and block_size != ttt_steps + 1:
-        return (
-            f"--block-size {block_size}: EAGLE-3 drafts a chain, not a block; its verify "
-            f"width is --ttt-steps + 1 = {ttt_steps + 1} (drop --block-size)"
-        )
-    if gamma is not None:
-        return "--gamma: EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay, not gamma"
-    if loss_weighting != "exp":
-        return (
-            f"--per-position-loss-weight {loss_weighting}: a block weighting; EAGLE-3 weighs its TTT "
-            "steps by --ttt-step-loss-decay"
-        )
-    if label_source != TARGET_IDS:
-        return (
-            f"--label-source {label_source}: EAGLE-3 trains on the verifier's distribution "
-            "(its last hidden states), not on the data tokens"
-        )
-    return None
-
-
-__all__ = ["Eagle3Config", "Eagle3Recipe", "shared_field_problem"]
+__all__ = ["Eagle3Config", "Eagle3Recipe"]

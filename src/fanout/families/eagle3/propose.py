@@ -2,8 +2,8 @@
 (`vllm/v1/spec_decode/eagle.py`, model `vllm/model_executor/models/llama_eagle3.py`).
 
     from fanout.families.eagle3.propose import Eagle3Context
-    ctx = Eagle3Context(draft, num_speculative_tokens=3)   # cached=False: the reference
-    ctx.extend(hidden)                                      # [n, k·H] accepted positions
+    ctx = Eagle3Context(draft, 3)       # k = 3; cached=False: the reference
+    ctx.extend(hidden)                  # [n, k·H] accepted positions
     tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))  # k tokens, [k, V]
 
 The kept rows and the chain on them are the chain drafters' (fanout.model.chain_cache:
@@ -30,21 +30,11 @@ from fanout.model.draft_cache import head_logits
 
 
 class Eagle3Context(ChainContext):
-    """EAGLE-3's `DraftContext` (module docstring): `num_speculative_tokens` drafted a
-    step (default: the draft's `ttt_steps`, what its checkpoint's proposal says)."""
+    """EAGLE-3's `DraftContext` (module docstring): `k` tokens drafted a step (`fanout
+    eval --num-speculative-tokens`; by default its `ttt_steps`, what its checkpoint's
+    proposal says: fanout.families.chain.ChainFamily.drafting_context)."""
 
     draft: Eagle3Draft
-
-    def __init__(
-        self,
-        draft: Eagle3Draft,
-        *,
-        num_speculative_tokens: int | None = None,
-        cached: bool = True,
-        capacity: int = 256,
-    ) -> None:
-        k = num_speculative_tokens or draft.cfg.ttt_steps
-        super().__init__(draft, k, cached=cached, capacity=capacity)
 
     def _out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(head input, hidden state fed to the next chain entry) of states `[.., H]`."""

@@ -35,7 +35,6 @@ the hybrid layer's router and experts). `MTP.build` logs which layer and which s
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -43,7 +42,7 @@ from pydantic import BaseModel
 
 from fanout.errors import ConfigError
 from fanout.families.chain import ChainFamily
-from fanout.families.mtp.config import MTPConfig, MTPRecipe, shared_field_problem
+from fanout.families.mtp.config import MTPConfig, MTPRecipe
 from fanout.model.draft_config import DraftConfig
 from fanout.rows import INPUT_IDS
 
@@ -63,7 +62,6 @@ class MTP(ChainFamily):
     context_ref: ClassVar[str] = "fanout.families.mtp.propose:MTPContext"
     config_class: ClassVar[type[DraftConfig]] = MTPConfig
     recipe: ClassVar[type[BaseModel]] = MTPRecipe
-    steps_field: ClassVar[str] = "mtp_steps"
     recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "label_source": INPUT_IDS}
     speculators_model_type: ClassVar[str] = "mtp"
     architectures: ClassVar[tuple[str, ...]] = ("MTPDraftModel",)
@@ -108,14 +106,6 @@ class MTP(ChainFamily):
                 "renamed as speculators' MTPConverter)", kind, vdir, len(own),
             )  # fmt: skip
         return draft
-
-    def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
-        """The one rule `MTPConfig` applies too (`shared_field_problem`)."""
-        return shared_field_problem(
-            self.steps(values), block_size, values.get("gamma"),
-            values.get("loss_weighting", "exp"), values.get("loss_type", "ce"),
-            values.get("draft_vocab_size"),
-        )  # fmt: skip
 
     def speculators_fields(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
         """speculators 0.9.0's `MTPSpeculatorConfig`: the verifier's layer config (a

@@ -30,11 +30,11 @@ shared recipe fields an MTP draft:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import DraftConfig
+from fanout.model.draft_config import DraftConfig, SharedRule
 
 
 class MTPRecipe(BaseModel):
@@ -57,6 +57,18 @@ class MTPConfig(MTPRecipe, DraftConfig):
     verifier's own full-attention layer) and its step recipe."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    shared_rule: ClassVar[SharedRule] = SharedRule(
+        "MTP",
+        steps_field="mtp_steps",
+        accepts={
+            "gamma": None,
+            "loss_weighting": "exp",
+            "loss_type": "ce",
+            "draft_vocab_size": None,
+        },
+        why="MTP trains cross-entropy over the verifier's whole vocabulary, each step weighted "
+        "by --mtp-step-weight-beta (speculators' MTP)",
+    )
 
     num_layers: int = Field(1, ge=1, le=1, description="MTP layers (speculators: exactly one)")
     layer_config: dict[str, Any] | None = Field(
@@ -80,51 +92,10 @@ class MTPConfig(MTPRecipe, DraftConfig):
                 return {**data, "num_layers": 1}
         return data
 
-    @model_validator(mode="after")
-    def _check_shared(self) -> MTPConfig:
-        problem = shared_field_problem(
-            self.mtp_steps, self.block_size, self.gamma, self.loss_weighting, self.loss_type,
-            self.draft_vocab_size,
-        )  # fmt: skip
-        if problem:
-            raise ValueError(problem)
-        return self
-
     def step_weights(self) -> list[float]:
         """speculators' `compute_step_weights(beta, steps)`: normalised beta**k."""
         raw = [self.mtp_step_weight_beta**k for k in range(self.mtp_steps)]
         return [w / sum(raw) for w in raw]
 
 
-def shared_field_problem(
-    mtp_steps: int,
-    block_size: int | None,
-    gamma: float | None,
-    loss_weighting: str,
-    loss_type: str,
-    draft_vocab_size: int | None,
-) -> str | None:
-    """Why shared recipe values do not apply to an MTP draft (None: they do): the one
-    rule `MTPConfig` and `fanout train --draft-family mtp`'s flag check apply.
-    `block_size` None: not given (it follows mtp_steps)."""
-    if block_size is not None and block_size != mtp_steps + 1:
-        return (
-            f"--block-size {block_size}: MTP drafts a chain; its verify width is "
-            f"--mtp-steps + 1 = {mtp_steps + 1} (drop --block-size)"
-        )
-    refused = {
-        "--gamma": gamma is not None,
-        f"--per-position-loss-weight {loss_weighting}": loss_weighting != "exp",
-        f"--loss-type {loss_type}": loss_type != "ce",
-        f"--draft-vocab-size {draft_vocab_size}": draft_vocab_size is not None,
-    }
-    for flag, bad in refused.items():
-        if bad:
-            return (
-                f"{flag}: MTP trains cross-entropy over the verifier's whole vocabulary, "
-                "each step weighted by --mtp-step-weight-beta (speculators' MTP); drop it"
-            )
-    return None
-
-
-__all__ = ["MTPConfig", "MTPRecipe", "shared_field_problem"]
+__all__ = ["MTPConfig", "MTPRecipe"]

@@ -2,8 +2,8 @@
 (`vllm/v1/spec_decode/eagle.py` with method `mtp`, the models' `*_mtp.py`).
 
     from fanout.families.mtp.propose import MTPContext
-    ctx = MTPContext(draft, num_speculative_tokens=3)    # cached=False: the reference
-    ctx.extend(hidden)                                    # [n, H] last-layer states
+    ctx = MTPContext(draft, 3)          # k = 3; cached=False: the reference
+    ctx.extend(hidden)                  # [n, H] last-layer states
     tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))  # k tokens, [k, V]
 
 The chain drafters' kept rows and chain (fanout.model.chain_cache) with vLLM's MTP
@@ -31,17 +31,11 @@ from fanout.model.draft_cache import head_logits
 
 
 class MTPContext(ChainContext):
-    """MTP's `DraftContext` (module docstring): `num_speculative_tokens` drafted a step
-    (default: the draft's `mtp_steps`, its checkpoint's proposal)."""
+    """MTP's `DraftContext` (module docstring): `k` tokens drafted a step (`fanout eval
+    --num-speculative-tokens`; by default its `mtp_steps`, its checkpoint's proposal)."""
 
     row_offset: ClassVar[int] = 0
     draft: MTPDraft
-
-    def __init__(
-        self, draft: MTPDraft, *, num_speculative_tokens: int | None = None, cached: bool = True
-    ) -> None:
-        k = num_speculative_tokens or draft.cfg.mtp_steps
-        super().__init__(draft, k, cached=cached)
 
     def _out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, x  # the layer's output is final-normed: head input and next hidden

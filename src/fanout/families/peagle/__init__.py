@@ -19,16 +19,14 @@ how `fanout eval` decodes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
 from fanout.families.chain import EagleFamily
-from fanout.families.peagle.config import PEagleConfig, PEagleRecipe, shared_field_problem
+from fanout.families.peagle.config import PEagleConfig, PEagleRecipe
 from fanout.families.speculators_config import transformer_layer_config
 from fanout.model.draft_config import DraftConfig
-from fanout.rows import TARGET_IDS
 
 
 class PEagle(EagleFamily):
@@ -40,7 +38,6 @@ class PEagle(EagleFamily):
     context_ref: ClassVar[str] = "fanout.families.peagle.propose:PEagleContext"
     config_class: ClassVar[type[DraftConfig]] = PEagleConfig
     recipe: ClassVar[type[BaseModel]] = PEagleRecipe
-    steps_field: ClassVar[str] = "num_depths"
     speculators_model_type: ClassVar[str] = "peagle"
     architectures: ClassVar[tuple[str, ...]] = ("PEagleDraftModel",)
     serving_method: ClassVar[str] = "eagle3"  # with parallel drafting
@@ -49,13 +46,6 @@ class PEagle(EagleFamily):
         if seq_len >= 3:  # row 0 predicts token 2; deeper positions are sampled where they fit
             return None
         return f"P-EAGLE needs rows of at least 3 tokens; {where}'s are T = {seq_len}"
-
-    def field_problem(self, values: Mapping[str, Any], block_size: int | None) -> str | None:
-        """The one rule `PEagleConfig` applies too (`shared_field_problem`)."""
-        return shared_field_problem(
-            self.steps(values), block_size, values.get("gamma"),
-            values.get("loss_weighting", "exp"), values.get("label_source", TARGET_IDS),
-        )  # fmt: skip
 
     def speculators_fields(self, cfg: DraftConfig, verifier: dict[str, Any]) -> dict[str, Any]:
         """speculators 0.9.0's `PEagleSpeculatorConfig`: the EAGLE layout, the layer a

@@ -27,11 +27,11 @@ fields a P-EAGLE draft:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import ChainConfig
+from fanout.model.draft_config import ChainConfig, SharedRule
 from fanout.rows import TARGET_IDS
 
 
@@ -62,6 +62,13 @@ class PEagleConfig(PEagleRecipe, ChainConfig):
     default), the learned `mask_hidden` for depths >= 1, and its COD recipe."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    shared_rule: ClassVar[SharedRule] = SharedRule(
+        "P-EAGLE",
+        steps_field="num_depths",
+        accepts={"gamma": None, "loss_weighting": "exp", "label_source": TARGET_IDS},
+        why="P-EAGLE weighs every sampled position 1 against the verifier's distribution "
+        "(its last hidden states)",
+    )
 
     norm_before_fc: bool = Field(
         False, description="one RMSNorm over the concatenated auxiliary states before fc"
@@ -82,43 +89,5 @@ class PEagleConfig(PEagleRecipe, ChainConfig):
             return {**data, "norm_before_fc": False}
         return data
 
-    @model_validator(mode="after")
-    def _check_shared(self) -> PEagleConfig:
-        problem = shared_field_problem(
-            self.num_depths, self.block_size, self.gamma, self.loss_weighting, self.label_source
-        )
-        if problem:
-            raise ValueError(problem)
-        return self
 
-
-def shared_field_problem(
-    num_depths: int,
-    block_size: int | None,
-    gamma: float | None,
-    loss_weighting: str,
-    label_source: str,
-) -> str | None:
-    """Why shared recipe values do not apply to a P-EAGLE draft (None: they do): the
-    one rule `PEagleConfig` and `fanout train --draft-family peagle`'s flag check
-    (`PEagle.field_problem`) apply. `block_size` None: not given."""
-    if block_size is not None and block_size != num_depths + 1:
-        return (
-            f"--block-size {block_size}: P-EAGLE's verify width is --num-depths + 1 = "
-            f"{num_depths + 1} (drop --block-size, or set --num-depths {block_size - 1})"
-        )
-    refused = {
-        "--gamma": gamma is not None,
-        f"--per-position-loss-weight {loss_weighting}": loss_weighting != "exp",
-        f"--label-source {label_source}": label_source != TARGET_IDS,
-    }
-    for flag, bad in refused.items():
-        if bad:
-            return (
-                f"{flag}: P-EAGLE weighs every sampled position 1 against the verifier's "
-                "distribution (its last hidden states); drop it"
-            )
-    return None
-
-
-__all__ = ["PEagleConfig", "PEagleRecipe", "shared_field_problem"]
+__all__ = ["PEagleConfig", "PEagleRecipe"]

@@ -2,7 +2,7 @@
 with parallel drafting (method `eagle3`, a P-EAGLE checkpoint).
 
     from fanout.families.peagle.propose import PEagleContext
-    ctx = PEagleContext(draft)                     # cached=False: the reference
+    ctx = PEagleContext(draft, 8)                  # k <= num_depths; cached=False: the reference
     ctx.extend(hidden)                             # [n, k·H] accepted positions
     tokens, rows = ctx.propose(seq, lambda row: int(row.argmax()))  # k tokens, [k, V]
 
@@ -34,19 +34,13 @@ from fanout.model.draft_cache import head_logits
 
 
 class PEagleContext(ChainCache):
-    """P-EAGLE's `DraftContext` (module docstring): `num_speculative_tokens` drafted a
-    step, at most the draft's `num_depths` (default: all of them)."""
+    """P-EAGLE's `DraftContext` (module docstring): `k` tokens drafted a step (`fanout
+    eval --num-speculative-tokens`), at most the draft's `num_depths` (by default all of
+    them: fanout.families.chain.ChainFamily.drafting_context)."""
 
     draft: PEagleDraft
 
-    def __init__(
-        self,
-        draft: PEagleDraft,
-        *,
-        num_speculative_tokens: int | None = None,
-        cached: bool = True,
-    ) -> None:
-        k = num_speculative_tokens or draft.cfg.num_depths
+    def __init__(self, draft: PEagleDraft, k: int, *, cached: bool = True) -> None:
         if k > draft.cfg.num_depths:
             raise ConfigError(
                 f"--num-speculative-tokens {k}: this P-EAGLE draft trained "

@@ -20,22 +20,19 @@ forward, then the Jacobi refine passes (`fanout.families.xpress.propose`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from fanout.families.base import Family, drafts_with
-from fanout.families.xpress.config import XPressConfig, XPressRecipe, shared_problem
+from fanout.families.base import Family
+from fanout.families.xpress.config import XPressConfig, XPressRecipe
 from fanout.model.draft_config import DraftConfig
-
-if TYPE_CHECKING:
-    from fanout.model.draft import Draft
-    from fanout.model.draft_cache import DraftContext
 
 
 class XPress(Family):
     name: ClassVar[str] = "xpress"
     model_ref: ClassVar[str] = "fanout.families.xpress.model:XPressDraft"
+    context_ref: ClassVar[str | None] = "fanout.families.xpress.propose:XPressContext"
     config_class: ClassVar[type[DraftConfig]] = XPressConfig
     recipe: ClassVar[type[BaseModel]] = XPressRecipe
     # speculators' XPress recipe: block 16 (DraftRecipe's too), 512 anchors, gamma 4.0
@@ -52,19 +49,8 @@ class XPress(Family):
     def serving_fields(self) -> list[str]:
         return ["xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes"]
 
-    def shared_conflict(self, values: dict[str, Any], given: set[str]) -> str | None:
-        return shared_problem(values.get("loss_type", "ce"), values.get("loss_weighting", "exp"))
-
     def needs_last_hidden_states(self, recipe: Mapping[str, Any]) -> bool:
         return True  # every loss term has a TV part (and the accept rates need p)
-
-    def context(self, draft: Draft, *, cached: bool = True) -> DraftContext:
-        from fanout.families.xpress.model import XPressDraft
-        from fanout.families.xpress.propose import XPressContext
-        from fanout.model.draft_cache import DraftCache, UncachedDraft
-
-        d = drafts_with(draft, XPressDraft, self.name)
-        return XPressContext(d, DraftCache(d) if cached else UncachedDraft(d))
 
 
 FAMILY = XPress()

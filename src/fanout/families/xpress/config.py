@@ -17,9 +17,16 @@ and validated at construction.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fanout.model.draft_config import DraftConfig
+from fanout.model.draft_config import DraftConfig, SharedRule
+
+
+def _weight(default: float, term: str) -> Any:
+    """The field of one term's weight in XPress's loss: >= 0 (0: the term is off)."""
+    return Field(default, ge=0, description=f"XPress: weight of {term}")
 
 
 class XPressRecipe(BaseModel):
@@ -39,31 +46,23 @@ class XPressRecipe(BaseModel):
         description="XPress: parallel refine passes K when drafting (fanout eval; stored in "
         "config.json, unused in training); 0: the backbone's own argmax",
     )
-    xpress_ce_weight: float = Field(
-        0.1, ge=0, description="XPress: weight of the CE term of each loss term (speculators' "
-        "--loss-fn {\"ce\": w, ...})",
-    )  # fmt: skip
-    xpress_tv_weight: float = Field(
+    xpress_ce_weight: float = _weight(
+        0.1, 'the CE term of each loss term (speculators\' --loss-fn {"ce": w, ...})'
+    )
+    xpress_tv_weight: float = _weight(
         0.9,
-        ge=0,
-        description="XPress: weight of the total-variation term 1 - sum min(q, p) against "
-        "the verifier's distribution (needs --store-last-hidden-states)",
+        "the total-variation term 1 - sum min(q, p) against the verifier's distribution "
+        "(needs --store-last-hidden-states)",
     )
-    consistency_weight: float = Field(
-        0.3,
-        ge=0,
-        description="XPress: weight of the free-running Jacobi rounds' mean loss (0: off)",
-    )
+    consistency_weight: float = _weight(0.3, "the free-running Jacobi rounds' mean loss (0: off)")
     consistency_passes: int = Field(
         3,
         ge=0,
         description="XPress: free-running rounds in training, each fed the previous one's "
         "argmax (stop-grad between rounds)",
     )
-    base_anchor_weight: float = Field(
-        0.6,
-        ge=0,
-        description="XPress: weight of the loss on the backbone's own logits (the Jacobi seed)",
+    base_anchor_weight: float = _weight(
+        0.6, "the loss on the backbone's own logits (the Jacobi seed)"
     )
     base_anchor_full_weight: bool = Field(
         False,
@@ -81,27 +80,13 @@ class XPressConfig(XPressRecipe, DraftConfig):
     """One XPress draft: the DFlash backbone's shape and recipe plus the refiner."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @model_validator(mode="after")
-    def _check_loss_fields(self) -> XPressConfig:
-        if problem := shared_problem(self.loss_type, self.loss_weighting):
-            raise ValueError(problem)
-        return self
-
-
-def shared_problem(loss_type: str, loss_weighting: str) -> str | None:
-    """Why shared recipe values do not apply to XPress, in one line (None: they do)."""
-    if loss_type != "ce":
-        return (
-            f"--loss-type {loss_type}: XPress's loss is its own CE + TV compound "
-            "(--xpress-ce-weight, --xpress-tv-weight); leave --loss-type at ce"
-        )
-    if loss_weighting != "exp":
-        return (
-            f"--per-position-loss-weight {loss_weighting}: XPress weighs slots with the exp "
-            "decay (speculators refuses D-PACE with its CE + TV loss)"
-        )
-    return None
+    shared_rule: ClassVar[SharedRule] = SharedRule(
+        "XPress",
+        accepts={"loss_type": "ce", "loss_weighting": "exp"},
+        why="XPress's loss is its own CE + TV compound (--xpress-ce-weight, "
+        "--xpress-tv-weight) and XPress weighs slots with the exp decay (speculators "
+        "refuses D-PACE with its CE + TV loss)",
+    )
 
 
-__all__ = ["XPressConfig", "XPressRecipe", "shared_problem"]
+__all__ = ["XPressConfig", "XPressRecipe"]

@@ -31,23 +31,19 @@ from collections.abc import Callable
 import torch
 
 from fanout.families.xpress.model import XPressDraft
-from fanout.model.draft_cache import DraftCache, UncachedDraft, verifier_vocab
+from fanout.model.draft_cache import BlockHeads, DraftCache, UncachedDraft, verifier_vocab
 
 
-class XPressContext:
+class XPressContext(BlockHeads[XPressDraft]):
     """XPress's `DraftContext`: the backbone's states from `states` (cached or the
     uncached reference), the refiner's Jacobi passes on top (module docstring)."""
 
     def __init__(
         self, draft: XPressDraft, states: DraftCache | UncachedDraft, passes: int | None = None
     ) -> None:
-        self.draft = draft
-        self.states = states
+        super().__init__(draft, states)
         self.max_passes = draft.cfg.num_jacobi_passes if passes is None else passes
         self.passes = 0  # refine passes the last block ran (< max_passes: a fixed point)
-
-    def extend(self, hidden: torch.Tensor) -> None:
-        self.states.extend(hidden)
 
     @torch.no_grad()
     def propose(

@@ -1,0 +1,223 @@
+"""The varlen scans (fanout.ops.varlen_scan) equal transformers' own ops run on each
+document alone, and the resets are what makes them so.
+
+.venv/bin/python -m pytest tests/test_varlen_scan.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fanout.ops.varlen_scan import SegmentLayout, causal_conv1d_varlen, gated_delta_rule_varlen
+
+# two rows: documents of these lengths, then padding (−1) to T; 70 and 130 cross chunks
+# of 64, 1 is a one-token document
+ROWS = [[70, 5, 130, 1], [64, 40]]
+T = 210
+
+
+def _doc_ids() -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    doc = torch.full((len(ROWS), T), -1, dtype=torch.long)
+    spans = []
+    for b, lens in enumerate(ROWS):
+        s = 0
+        for i, n in enumerate(lens):
+            doc[b, s : s + n] = i
+            spans.append((b, s, s + n))
+            s += n
+    return doc, spans
+
+
+def test_layout_names_each_document_and_each_padding_token_a_segment() -> None:
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    for b, s, e in spans:
+        assert torch.equal(lay.offset[b, s:e], torch.arange(e - s))
+        assert (lay.segment[b, s:e] == lay.segment[b, s]).all()
+    pad = doc < 0
+    assert (lay.offset[pad] == 0).all()  # each padding token starts its own segment
+    assert lay.cu_seqlens.tolist()[:6] == [0, 70, 75, 205, 206, 207]
+    assert lay.cu_seqlens[-1] == doc.numel() and len(lay.cu_seqlens) == int(pad.sum()) + 7
+
+
+def _one_segment(lay: SegmentLayout) -> SegmentLayout:
+    """The layout with no boundary: each row one segment (what transformers' torch
+    fallback computes over a packed row)."""
+    b = lay.segment.shape[0]
+    return dataclasses.replace(
+        lay, segment=torch.zeros_like(lay.segment), offset=torch.arange(T).expand(b, T)
+    )
+
+
+def _conv_alone(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """transformers' torch causal conv1d (causal_conv1d_fn) on one sequence [1, C, n]."""
+    n = x.shape[-1]
+    pad = w.shape[-1] - 1
+    out = F.conv1d(x, w[:, None], bias, padding=pad, groups=x.shape[1])[..., :n]
+    return F.silu(out)
+
+
+def test_causal_conv1d_varlen_equals_each_document_alone() -> None:
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(len(ROWS), 12, T, generator=g)  # [B, C, T]
+    w, bias = torch.randn(12, 4, generator=g), torch.randn(12, generator=g)
+    got = causal_conv1d_varlen(x, w, bias, lay, activation="silu")
+    for b, s, e in spans:
+        want = _conv_alone(x[b : b + 1, :, s:e], w, bias)[0]
+        torch.testing.assert_close(got[b, :, s:e], want, rtol=1e-5, atol=1e-6)
+    # the control: without the segment offsets (one segment per row) the taps cross
+    one = _one_segment(lay)
+    crossed = causal_conv1d_varlen(x, w, bias, one, activation="silu")
+    b, s, e = spans[1]
+    assert not torch.allclose(crossed[b, :, s:e], _conv_alone(x[b : b + 1, :, s:e], w, bias)[0])
+
+
+def _qkv(hk: int = 2, hv: int = 4, d: int = 8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    b = len(ROWS)
+    q, k = (torch.randn(b, T, hk, d, generator=g) for _ in range(2))
+    v = torch.randn(b, T, hv, d, generator=g)
+    decay = -F.softplus(torch.randn(b, T, hv, generator=g))  # ≤ 0
+    beta = torch.rand(b, T, hv, generator=g)
+    return q, k, v, decay, beta
+
+
+def test_gated_delta_rule_varlen_equals_transformers_on_each_document_alone() -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    q, k, v, decay, beta = _qkv()
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, lay)  # [B, T, Hv, d]
+    assert got.shape == v.shape
+    for b, s, e in spans:
+        want, _ = torch_chunk_gated_delta_rule(
+            *(x[b : b + 1, s:e] for x in (q, k, v)),
+            g=decay[b : b + 1, s:e],
+            beta=beta[b : b + 1, s:e],
+            use_qk_l2norm_in_kernel=True,
+        )
+        torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_delta_rule_without_the_resets_carries_state_across_documents() -> None:
+    # The control: with no boundary in the layout each row runs as one recurrence, and
+    # the documents after the first differ from themselves alone.
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    no_reset = _one_segment(lay)
+    q, k, v, decay, beta = _qkv()
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, no_reset)
+    b, s, e = spans[2]  # the third document of row 0
+    want, _ = torch_chunk_gated_delta_rule(
+        *(x[b : b + 1, s:e] for x in (q, k, v)),
+        g=decay[b : b + 1, s:e],
+        beta=beta[b : b + 1, s:e],
+        use_qk_l2norm_in_kernel=True,
+    )
+    assert (got[b : b + 1, s:e] - want).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_segments_are_exact_at_any_chunk_size(chunk: int) -> None:
+    # chunks that start anywhere in a document (8: several per document and documents
+    # within one chunk; 64: as transformers) compute the recurrence of each alone
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    q, k, v, decay, beta = _qkv()
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, lay, chunk=chunk)
+    for b, s, e in spans:
+        want, _ = torch_chunk_gated_delta_rule(
+            *(x[b : b + 1, s:e] for x in (q, k, v)),
+            g=decay[b : b + 1, s:e],
+            beta=beta[b : b + 1, s:e],
+            use_qk_l2norm_in_kernel=True,
+        )
+        torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
+
+
+def test_ssd_varlen_equals_transformers_mamba2_chunk_scan_on_each_document_alone() -> None:
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from fanout.ops.varlen_scan import ssd_varlen
+
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    g = torch.Generator().manual_seed(2)
+    b, h, p, groups, n = len(ROWS), 4, 8, 2, 8
+    x = torch.randn(b, T, h, p, generator=g)
+    dt = F.softplus(torch.randn(b, T, h, generator=g))
+    a = -torch.arange(1, h + 1, dtype=torch.float32)
+    bb, cc = (torch.randn(b, T, groups, n, generator=g) for _ in range(2))
+    got = ssd_varlen(x, dt, a, bb, cc, lay, chunk=16)  # [B, T, H, P]
+    for r, s, e in spans:
+        want = mamba2_chunk_scan(
+            x[r : r + 1, s:e], dt[r : r + 1, s:e], a, bb[r : r + 1, s:e], cc[r : r + 1, s:e],
+            chunk_size=16,
+        )  # fmt: skip
+        torch.testing.assert_close(got[r : r + 1, s:e], want, rtol=1e-4, atol=1e-5)
+    crossed = ssd_varlen(x, dt, a, bb, cc, _one_segment(lay), chunk=16)
+    r, s, e = spans[1]  # the second document of row 0: 5 tokens right after the first
+    want = mamba2_chunk_scan(
+        x[r : r + 1, s:e], dt[r : r + 1, s:e], a, bb[r : r + 1, s:e], cc[r : r + 1, s:e],
+        chunk_size=16,
+    )  # fmt: skip
+    assert (crossed[r : r + 1, s:e] - want).abs().max() > 1e-3
+
+
+def test_the_fla_path_hands_each_segment_to_the_kernel_as_a_varlen_sequence() -> None:
+    # The CUDA path's plumbing, on the CPU: a stand-in for fla's chunk_gated_delta_rule
+    # that runs transformers' torch rule on each cu_seqlens sequence of the flattened
+    # rows gives what the torch varlen path gives (where fla is installed, the same
+    # comparison on CUDA: test_fla_kernel_equals_the_torch_path).
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    from fanout.ops.varlen_scan import _gated_delta_rule_fla
+
+    calls: list[list[int]] = []
+
+    def fake_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor,
+                 beta: torch.Tensor, cu_seqlens: torch.Tensor, **kw: object) -> tuple:  # fmt: skip
+        assert q.shape[0] == 1 and kw["use_qk_l2norm_in_kernel"] is True
+        cu = cu_seqlens.tolist()
+        calls.append(cu)
+        outs = [
+            torch_chunk_gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g=g[:, s:e],
+                                         beta=beta[:, s:e], use_qk_l2norm_in_kernel=True)[0]
+            for s, e in itertools.pairwise(cu)
+        ]  # fmt: skip
+        return torch.cat(outs, dim=1), None
+
+    doc, _spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    q, k, v, decay, beta = _qkv()
+    got = _gated_delta_rule_fla(fake_fla, q, k, v, decay, beta, lay, True)
+    want = gated_delta_rule_varlen(q, k, v, decay, beta, lay)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert calls == [lay.cu_seqlens.tolist()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_fla_kernel_equals_the_torch_path() -> None:
+    from fanout.ops.varlen_scan import _fla_kernel
+
+    if _fla_kernel() is None:
+        pytest.skip("flash-linear-attention is not installed (pip install fanout[hybrid])")
+    doc, _spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc.cuda())
+    q, k, v, decay, beta = (x.cuda() for x in _qkv(d=64))
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, lay)  # fla's kernel
+    want = gated_delta_rule_varlen(q, k, v, decay, beta, lay, kernel=False)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
