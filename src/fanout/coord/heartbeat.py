@@ -97,17 +97,23 @@ class Heartbeat:
             try:
                 return Coordinator.open(self.run_dir, **self.open_kwargs)
             except CoordinatorUnavailable as e:
-                now = time.monotonic()
-                if now - said >= WARN_EVERY_S:
-                    said = now
-                    log.warning("heartbeat for %s cannot reach the coordinator (%s); "
-                                "trying again every %g s", me, e, self.interval_s)  # fmt: skip
+                said = self._say_unreachable(me, e, said)
             except FanoutError as e:  # not a database, a schema it does not know: final
                 log.error("heartbeat for %s stopped: %s", me, e)
                 self.error = e
                 return None
             self._stop.wait(self.interval_s)
         return None
+
+    def _say_unreachable(self, me: str, e: Exception, said: float) -> float:
+        """Warn that the coordinator is out of reach, at most every WARN_EVERY_S (`said`:
+        when it last warned); returns the new `said`."""
+        now = time.monotonic()
+        if now - said < WARN_EVERY_S:
+            return said
+        log.warning("heartbeat for %s cannot reach the coordinator (%s); "
+                    "trying again every %g s", me, e, self.interval_s)  # fmt: skip
+        return now
 
     def _loop(self) -> None:
         me = self.reg.role_id if isinstance(self.reg, ProducerReg) else self.reg.consumer_id
@@ -129,11 +135,7 @@ class Heartbeat:
                     # an outage longer than ttl gets this process declared lost, and its
                     # first beat that lands is fenced (StaleLease, below). Stopping here
                     # instead made a database restart kill every process caught mid-beat.
-                    now = time.monotonic()
-                    if now - said >= WARN_EVERY_S:
-                        said = now
-                        log.warning("heartbeat for %s cannot reach the coordinator (%s); "
-                                    "trying again every %g s", me, e, self.interval_s)  # fmt: skip
+                    said = self._say_unreachable(me, e, said)
                 except FanoutError as e:
                     log.error("heartbeat for %s stopped: %s", me, e)
                     self.error = e

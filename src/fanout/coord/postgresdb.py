@@ -359,12 +359,19 @@ class PostgresDatabase:
     def write(self, notify: str | None = "") -> Iterator[PostgresDatabase]:
         """BEGIN and take the run's advisory lock; body; NOTIFY and COMMIT (ROLLBACK on
         error): the lock and the commit each cost one round trip, not two."""
-        self._begin()
-        self._in_write = True
-        try:
+        with self._transaction():
             yield self
             self.raw.execute(self._commit_sql(notify))
             self._committed()
+
+    @contextmanager
+    def _transaction(self, lock: bool = True) -> Iterator[None]:
+        """BEGIN (and the run's lock unless not `lock`) for a write's body; on an error
+        ROLLBACK, a database error raised typed (fanout.coord.database)."""
+        self._begin(lock=lock)
+        self._in_write = True
+        try:
+            yield
         except self._errors.OperationalError as e:
             self._rollback()
             raise self._typed(e) from None
@@ -381,38 +388,18 @@ class PostgresDatabase:
         hold them all): the server runs them back to back, so the lock is held for the
         server's time alone, never across a round trip to this client, however slowly
         this process is scheduled. An error in any rolls back all."""
-        self._begin(lock=False)
-        self._in_write = True
-        try:
+        with self._transaction(lock=False):
             lock = f"SELECT pg_advisory_xact_lock({self._lock}::bigint)"
             return self._send(statements, notify, lock)
-        except self._errors.OperationalError as e:
-            self._rollback()
-            raise self._typed(e) from None
-        except BaseException:
-            self._rollback()
-            raise
-        finally:
-            self._in_write = False
 
     def decide(
         self, body: Callable[[Any], tuple[T, Sequence[Statement]]], notify: str | None = ""
     ) -> tuple[T, list[Rows]]:
         """BEGIN and the lock (one round trip), `body`'s reads, then its statements,
         NOTIFY and COMMIT as one message (one round trip)."""
-        self._begin()
-        self._in_write = True
-        try:
+        with self._transaction():
             value, statements = body(self)
             return value, self._send(statements, notify)
-        except self._errors.OperationalError as e:
-            self._rollback()
-            raise self._typed(e) from None
-        except BaseException:
-            self._rollback()
-            raise
-        finally:
-            self._in_write = False
 
     def _send(
         self, statements: Sequence[Statement], notify: str | None, first: str = ""
