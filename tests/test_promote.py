@@ -361,3 +361,57 @@ def test_a_draft_at_the_acceptance_floor_is_never_served_and_says_so(
     assert r.returncode == 3, r.stderr[-2000:]
     assert "is at the acceptance floor" in r.stderr.splitlines()[-1], r.stderr[-2000:]
     assert not (served / CURRENT).exists()
+
+
+def test_a_changing_verifier_is_the_one_measured_and_each_record_names_it(
+    world: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#52: with --verifier-name-or-path a policy in training (versions/vNNNN, current,
+    COMMITTED), decisions and drift looks evaluate against its live version and say
+    which; the first drift look after the policy moved re-measures the served draft and
+    names both versions. v0002 here is a copy whose layers are noised: measured against it,
+    the draft's τ must differ from v0001's (so the live version is what was loaded)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fanout.checkpoints.layout import MARKER
+    from fanout.decode.config import HELDOUT
+    from fanout.decode.promote import DRIFT, drift
+
+    policy = tmp_path / "policy"
+    for n in (1, 2):
+        v = policy / "versions" / f"v{n:04d}"
+        shutil.copytree(world["ver"], v)
+        if n == 2:
+            for f in v.glob("*.safetensors"):
+                t = load_file(f)
+                g = torch.Generator().manual_seed(0)
+                noisy = {k: (x + torch.randn(x.shape, generator=g).to(x.dtype) if ".layers." in k
+                             else x) for k, x in t.items()}  # fmt: skip
+                save_file(noisy, f)
+        (v / MARKER).write_text("")
+    (policy / "current").symlink_to("versions/v0001")
+    run, served = tmp_path / "run", tmp_path / "served"
+    (run / "follow").mkdir(parents=True)
+    heldout = run / "follow" / HELDOUT
+    heldout.write_text(world["held"].read_text())
+    cfg = _cfg(world, world["good"], served).model_copy(
+        update={"run_dir": str(run), "data": str(heldout), "verifier_name_or_path": str(policy),
+                "floor_epsilon": -1.0}
+    )  # fmt: skip
+    first = decide(cfg)
+    assert first["verifier_version"] == "v0001" and first["promoted"]
+    one = drift(cfg)
+    assert one is not None and (one["verifier_version"], one["verifier_was"]) == ("v0001", None)
+    (policy / "current").unlink()
+    (policy / "current").symlink_to("versions/v0002")
+    caplog.set_level("INFO", logger="fanout")
+    two = drift(cfg)
+    assert two is not None and (two["verifier_version"], two["verifier_was"]) == ("v0002", "v0001")
+    assert two["tau"] != one["tau"]  # measured against v0002's weights, not v0001's
+    assert "the verifier changed v0001 -> v0002" in caplog.text
+    lines = [json.loads(x) for x in (run / "follow" / DRIFT).read_text().splitlines()]
+    assert [d["verifier_version"] for d in lines] == ["v0001", "v0002"]
+    plain = decide(_cfg(world, world["good"], tmp_path / "plain"), world["session"])
+    assert plain["verifier_version"] is None  # a plain model directory names no version

@@ -52,6 +52,13 @@ its τ with interval to RUN_DIR/follow/drift.jsonl; when the interval lies wholl
 the one the draft had when it was promoted, it says so (a warning line, `"below": true`
 in the record, and `fanout status` shows it): the traffic has moved away from what the
 draft learned.
+
+A verifier in training (#52: `--verifier-name-or-path DIR` in the versioned layout that
+`fanout produce --follow-verifier` follows): every look evaluates candidate and served
+drafts against the policy's live version (`current_verifier`), and each decision and
+drift record names it (`verifier_version`); the first drift look after the policy
+changed re-measures the served draft and names both versions (`verifier_was`), with a
+log line.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ from typing import Any
 from fanout.checkpoints.format import read_config
 from fanout.checkpoints.layout import MARKER, latest_checkpoint
 from fanout.checkpoints.load import load_draft
-from fanout.checkpoints.versions import committed_versions, current_version
+from fanout.checkpoints.versions import committed_versions, current_version, is_versioned
 from fanout.decode.config import (
     CURRENT,
     DECISIONS,
@@ -216,9 +223,26 @@ def _step(checkpoint: Path) -> int | None:
         return None
 
 
+def current_verifier(cfg: PromoteConfig) -> tuple[PromoteConfig, str | None]:
+    """`cfg` evaluating against the live version of a versioned --verifier-name-or-path
+    (a policy in training), and that version's name; `cfg` and None for a plain model
+    directory. ConfigError naming the flag while no version is committed."""
+    root = Path(cfg.verifier_name_or_path)
+    if not is_versioned(root):
+        return cfg, None
+    v = current_version(root)
+    if v is None:
+        raise ConfigError(
+            f"--verifier-name-or-path {root}: no committed version yet (versions/vNNNN "
+            "with its COMMITTED marker)"
+        )
+    return cfg.model_copy(update={"verifier_name_or_path": str(v.path)}), v.name
+
+
 def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, Any]:
     """Evaluate the newest checkpoint of `--draft` against the served one, promote it if
     it wins, record the decision; return it (also printed by `run`)."""
+    cfg, verifier_version = current_verifier(cfg)
     served = Served(cfg.served)
     candidate = latest_checkpoint(cfg.draft[0]) or Path(cfg.draft[0])
     read_config(candidate)  # CheckpointError naming it when it is not a checkpoint
@@ -229,6 +253,7 @@ def decide(cfg: PromoteConfig, session: EvalSession | None = None) -> dict[str, 
         "candidate_step": _step(candidate),
         "served": None if now is None else str(now),
         "temperature": cfg.decide_temperature,
+        "verifier_version": verifier_version,
     }
     if now is not None and _same(candidate, now):
         return base | {"promoted": False, "why": "the candidate is what is served"}
@@ -334,6 +359,9 @@ def drift(cfg: PromoteConfig) -> dict[str, Any] | None:
     if cfg.run_dir is None or now is None:
         return None
     follow = Path(cfg.run_dir) / "follow"
+    cfg, verifier_version = current_verifier(cfg)
+    last = [d for d in _jsonl(follow / DRIFT) if d.get("served") == str(served.root.resolve())]
+    verifier_was = last[-1].get("verifier_version") if last else None
     ecfg, seen = newest_slice(cfg)
     draft = load_draft(now, Path(cfg.verifier_name_or_path), device=cfg.device)
     session = EvalSession(ecfg, sorted(draft.cfg.target_layer_ids))
@@ -346,7 +374,13 @@ def drift(cfg: PromoteConfig) -> dict[str, Any] | None:
         "served": str(served.root.resolve()),  # which served dir: status reads its current
         "tau": f["acceptance_length"], "ci95": ci, "prompts": report["prompts"],
         "heldout_seen": seen, "baseline_ci95": was, "below": below,
+        "verifier_version": verifier_version, "verifier_was": verifier_was,
     }  # fmt: skip
+    if verifier_was is not None and verifier_was != verifier_version:
+        log.info(
+            "drift: the verifier changed %s -> %s: the served draft %s re-measured, τ %.2f (%s)",
+            verifier_was, verifier_version, now.name, rec["tau"], ci,
+        )  # fmt: skip
     with open(follow / DRIFT, "a") as out:
         out.write(json.dumps(rec) + "\n")
     if below:
