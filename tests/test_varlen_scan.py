@@ -89,41 +89,49 @@ def _qkv(hk: int = 2, hv: int = 4, d: int = 8) -> tuple[torch.Tensor, ...]:
     return q, k, v, decay, beta
 
 
-def test_gated_delta_rule_varlen_equals_transformers_on_each_document_alone() -> None:
+def _alone(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    b: int,
+    s: int,
+    e: int,
+) -> torch.Tensor:
+    """transformers' gated delta rule on document [s, e) of row b alone (the oracle)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    doc, spans = _doc_ids()
-    lay = SegmentLayout.from_document_ids(doc)
-    q, k, v, decay, beta = _qkv()
-    got = gated_delta_rule_varlen(q, k, v, decay, beta, lay)  # [B, T, Hv, d]
-    assert got.shape == v.shape
-    for b, s, e in spans:
-        want, _ = torch_chunk_gated_delta_rule(
-            *(x[b : b + 1, s:e] for x in (q, k, v)),
-            g=decay[b : b + 1, s:e],
-            beta=beta[b : b + 1, s:e],
-            use_qk_l2norm_in_kernel=True,
-        )
-        torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
-
-
-def test_gated_delta_rule_without_the_resets_carries_state_across_documents() -> None:
-    # The control: with no boundary in the layout each row runs as one recurrence, and
-    # the documents after the first differ from themselves alone.
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-    doc, spans = _doc_ids()
-    lay = SegmentLayout.from_document_ids(doc)
-    no_reset = _one_segment(lay)
-    q, k, v, decay, beta = _qkv()
-    got = gated_delta_rule_varlen(q, k, v, decay, beta, no_reset)
-    b, s, e = spans[2]  # the third document of row 0
     want, _ = torch_chunk_gated_delta_rule(
         *(x[b : b + 1, s:e] for x in (q, k, v)),
         g=decay[b : b + 1, s:e],
         beta=beta[b : b + 1, s:e],
         use_qk_l2norm_in_kernel=True,
     )
+    return want
+
+
+def test_gated_delta_rule_varlen_equals_transformers_on_each_document_alone() -> None:
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    q, k, v, decay, beta = _qkv()
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, lay)  # [B, T, Hv, d]
+    assert got.shape == v.shape
+    for b, s, e in spans:
+        want = _alone(q, k, v, decay, beta, b, s, e)
+        torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
+
+
+def test_gated_delta_rule_without_the_resets_carries_state_across_documents() -> None:
+    # The control: with no boundary in the layout each row runs as one recurrence, and
+    # the documents after the first differ from themselves alone.
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    no_reset = _one_segment(lay)
+    q, k, v, decay, beta = _qkv()
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, no_reset)
+    b, s, e = spans[2]  # the third document of row 0
+    want = _alone(q, k, v, decay, beta, b, s, e)
     assert (got[b : b + 1, s:e] - want).abs().max() > 1e-3
 
 
@@ -131,19 +139,12 @@ def test_gated_delta_rule_without_the_resets_carries_state_across_documents() ->
 def test_segments_are_exact_at_any_chunk_size(chunk: int) -> None:
     # chunks that start anywhere in a document (8: several per document and documents
     # within one chunk; 64: as transformers) compute the recurrence of each alone
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
     doc, spans = _doc_ids()
     lay = SegmentLayout.from_document_ids(doc)
     q, k, v, decay, beta = _qkv()
     got = gated_delta_rule_varlen(q, k, v, decay, beta, lay, chunk=chunk)
     for b, s, e in spans:
-        want, _ = torch_chunk_gated_delta_rule(
-            *(x[b : b + 1, s:e] for x in (q, k, v)),
-            g=decay[b : b + 1, s:e],
-            beta=beta[b : b + 1, s:e],
-            use_qk_l2norm_in_kernel=True,
-        )
+        want = _alone(q, k, v, decay, beta, b, s, e)
         torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
 
 
