@@ -56,6 +56,11 @@ case "$cmd" in
         || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y sshfs openssh-server; }; } \
         >/dev/null 2>&1 || echo "dev.sh: sshfs/sshd not installed: the hosts tests will skip" >&2
     fi
+    # Two pytest-xdist workers, a test file to each (module fixtures built once): most
+    # tests wait on processes they started, so two overlap well even on 2 cores (16 min
+    # against 25 serial). FANOUT_TEST_WORKERS=0 runs in this one process (pdb, -x).
+    workers=(-n "${FANOUT_TEST_WORKERS:-2}" --dist loadfile)
+    [ "${FANOUT_TEST_WORKERS:-2}" = 0 ] && workers=(-p no:xdist)
     # --loaded: the suite beside one busy-looping process per core, as a shared machine
     # runs it (a test that passes only idle is a bug); the hogs end with the run.
     if [ "${1:-}" = --loaded ]; then
@@ -66,10 +71,10 @@ case "$cmd" in
         hogs+=($!)
       done
       trap 'kill "${hogs[@]}" 2>/dev/null || true' EXIT
-      "$VENV/bin/python" -m pytest -m "not slow" --durations=15 "$@"
+      "$VENV/bin/python" -m pytest -m "not slow" "${workers[@]}" --durations=15 "$@"
       exit $?
     fi
-    exec "$VENV/bin/python" -m pytest -m "not slow" --durations=15 "$@" ;;
+    exec "$VENV/bin/python" -m pytest -m "not slow" "${workers[@]}" --durations=15 "$@" ;;
   lint) "$VENV/bin/ruff" check . && "$VENV/bin/ruff" format --check . && "$VENV/bin/lint-imports" && exec "$VENV/bin/mypy" ;;
   fanout) exec "$VENV/bin/fanout" "$@" ;;
   *) sed -n '2,7p' "$0"; exit 2 ;;

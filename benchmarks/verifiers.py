@@ -35,8 +35,10 @@
    <= 1.25), where the masks' grow as T².
 
 4. Hybrids (`--hybrid-archs`, default Qwen3.5 text, Qwen3-Next (gated delta rule 3:1 full
-   attention) and LFM2 (short convolutions 2:1 full attention), each tiny: H `--hidden`,
-   heads of 16, the zoo's layer counts, vocab `--vocab`): `--hybrid-rows` rows of
+   attention), LFM2 (short convolutions 2:1 full attention), Nemotron-H (Mamba-2, MLP,
+   attention, MoE) and Falcon-H1 (attention and Mamba-2 in parallel), each tiny: H
+   `--hidden`, heads of 16 (Mamba-2: state 16, 2 groups, the released configs' chunk of
+   128 / 256 tokens), the zoo's layer counts, vocab `--vocab`): `--hybrid-rows` rows of
    `--hybrid-seq-len` tokens made of documents of `--hybrid-doc-tokens` ± 1/3 tokens,
    captured
    - `packed`: one forward over the rows, the recurrent layers reset at each document
@@ -54,7 +56,9 @@ resident set before it (Linux: `/proc/self/status` VmHWM, reset through
 resident): torch's CPU tensors are allocated outside Python's allocator, where
 `tracemalloc` does not see them. Every timing is the best of
 `--repeats` calls after a warm-up (T >= 16k: one call, no warm-up, the dense path takes
-a minute there). fp32 on the CPU, torch's default threads.
+a minute there). fp32 on the CPU, torch's default threads, wall time (on a shared,
+loaded machine `--threads 1 --clock cpu`: one thread, timed by the process's CPU time,
+measures the code rather than the scheduler; the hybrids' conditions name both).
 """
 
 from __future__ import annotations
@@ -78,9 +82,12 @@ from fanout.model.verifier import DENSE_MASK_MAX_BYTES, Verifier, load_verifier
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the zoo
 from record import Recorder, Row, spread
-from verifier_zoo import UNRULED, VOCAB, ZOO, build, load_oracle
+from verifier_zoo import HYBRID_AND_SPARSE, VOCAB, ZOO, build, load_oracle
 
 MIB = 1 << 20
+# the CPU timings' clock: wall time, or with `--clock cpu` the process's CPU time (on a
+# shared, loaded machine: the time the code ran, not the time it waited for a core)
+CLOCK: list[Callable[[], float]] = [time.perf_counter]
 
 
 def _status(field: str) -> int:
@@ -122,9 +129,9 @@ def measure(
         _LIBC.malloc_trim(0)  # freed heap memory back to the OS: RSS = what is live
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         before = _status("VmRSS")
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK[0]() - t0)
         peak = max(peak, _status("VmHWM") - before)
     return best, peak
 
@@ -301,6 +308,9 @@ def sliding_records(a: argparse.Namespace, sliding: list[dict[str, Any]]) -> lis
     return rows
 
 
+HYBRIDS = ("qwen3_5_text", "qwen3_next", "lfm2", "nemotron_h", "falcon_h1")
+
+
 # per hybrid: the zoo entry's config fields scaled to --hidden (heads of 16)
 def _hybrid_sizes(arch: str, hidden: int, vocab: int, t: int) -> dict[str, Any]:
     heads = max(2, hidden // 16)
@@ -309,9 +319,16 @@ def _hybrid_sizes(arch: str, hidden: int, vocab: int, t: int) -> dict[str, Any]:
         "num_attention_heads": heads, "num_key_value_heads": max(1, heads // 2),
         "head_dim": 16, "max_position_embeddings": 2 * t,
     }  # fmt: skip
-    if arch != "lfm2":  # the gated delta rule's heads
+    if arch in ("qwen3_5_text", "qwen3_next"):  # the gated delta rule's heads
         over |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16,
                  "linear_num_key_heads": max(1, heads // 2), "linear_num_value_heads": heads}  # fmt: skip
+    elif arch == "nemotron_h":  # Mamba-2 heads of 16 (its released chunk: 128)
+        over |= {"mamba_num_heads": heads, "mamba_head_dim": 16, "ssm_state_size": 16,
+                 "n_groups": 2, "chunk_size": 128, "moe_intermediate_size": hidden,
+                 "moe_shared_expert_intermediate_size": hidden}  # fmt: skip
+    elif arch == "falcon_h1":  # Mamba-2 heads of 16 (its released chunk: 256)
+        over |= {"mamba_d_ssm": hidden, "mamba_n_heads": heads, "mamba_d_head": 16,
+                 "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_chunk_size": 256}  # fmt: skip
     return over
 
 
@@ -379,8 +396,9 @@ def hybrid_records(a: argparse.Namespace, hybrid: list[dict[str, Any]]) -> list[
     rows = []
     for r in hybrid:
         arch = r["arch"]
-        cls = (ZOO | UNRULED)[arch].model_class
-        cond = (f"{a.device} fp32, {cls} H {a.hidden} x {len(r['layer_types'])} layers "
+        cls = (ZOO | HYBRID_AND_SPARSE)[arch].model_class
+        cond = (f"{a.device} fp32, {torch.get_num_threads()} threads, {a.clock} clock, {cls} H {a.hidden} x "
+                f"{len(r['layer_types'])} layers "
                 f"({', '.join(r['layer_types'])}), heads of 16, vocab {a.vocab}, {r['rows']} rows "
                 f"x {r['T']:,} tokens, {r['documents']} documents of {a.hybrid_doc_tokens} "
                 f"± {a.hybrid_doc_tokens // 3} tokens")  # fmt: skip
@@ -420,13 +438,18 @@ def main() -> None:
     p.add_argument("--window", type=int, default=1024, help="sliding window (part 3), tokens")
     p.add_argument(
         "--hybrid-archs",
-        default="qwen3_5_text,qwen3_next,lfm2",
+        default=",".join(HYBRIDS),
         help="zoo hybrids for part 4 ('' skips it)",
     )
     p.add_argument("--hybrid-rows", type=int, default=2, help="packed rows per capture (part 4)")
     p.add_argument("--hybrid-seq-len", type=int, default=4096, help="tokens per row (part 4)")
     p.add_argument("--hybrid-doc-tokens", type=int, default=300, help="mean document (part 4)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls (best of)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="CPU timings: wall time, or the process's CPU time (a loaded, shared machine)",
+    )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a lent GPU (checks.sh)")
     p.add_argument("--json", default=None, help="write the record (benchmarks/record.py) here")
     a = p.parse_args()
@@ -437,8 +460,14 @@ def main() -> None:
     unknown = sorted((set(a.archs) | set(a.sliding_archs)) - set(ZOO))
     if unknown:
         p.error(f"--archs: unknown {unknown}; the zoo has {', '.join(ZOO)}")
-    if bad := sorted(set(a.hybrid_archs) - {"qwen3_5_text", "qwen3_next", "lfm2"}):
-        p.error(f"--hybrid-archs: unknown {bad}; qwen3_5_text, qwen3_next, lfm2")
+    if bad := sorted(set(a.hybrid_archs) - set(HYBRIDS)):
+        p.error(f"--hybrid-archs: unknown {bad}; {', '.join(HYBRIDS)}")
+    if a.threads < 0:
+        p.error(f"--threads: {a.threads} (0: torch's default)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.clock == "cpu":
+        CLOCK[0] = time.process_time
     rec = Recorder("verifiers")
     hw = rec.head["hardware"]
     print(f"hardware: {hw}; torch {torch.__version__}, {torch.get_num_threads()} threads, fp32")

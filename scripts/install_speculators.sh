@@ -21,7 +21,8 @@
 # (imported lazily, by streaming only), datasets 5.1.0's fsspec<=2026.7.0 (the newer one
 # fanout's resolve picks imports fine), speculators' aiohttp/click/httpx/protobuf/psutil/
 # pydantic-settings/rich/typer/torchvision/torchaudio (CLI, data generation), and its
-# transformers<=5.19.0 cap (fanout's transformers 5.24 loads and runs its DFlash model).
+# transformers<=5.19.0 cap (the 5.x fanout resolves, 5.25 at this writing, loads and
+# runs its models: tests/test_speculators.py is the check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-${FANOUT_VENV:-.venv}}

@@ -542,3 +542,19 @@ def test_a_stop_the_coordinator_refused_to_record_is_not_called_recorded() -> No
         lines.append(str(e.value))
     assert "recorded 'stopped'" in lines[0] and "not recorded" not in lines[0]
     assert "recorded 'stopped'" not in lines[1] and "'stopped' not recorded" in lines[1]
+
+
+def test_a_signal_raises_only_while_waiting_for_a_window() -> None:
+    """SIGINT while waiting stops at once; anywhere else (a step, the final save, the
+    summary of a trainer that already finished) it only asks: raising there cut a save
+    short and ended a finished trainer with exit -2 (CI saw it in test_journey)."""
+    from types import SimpleNamespace
+
+    from fanout.train.trainer import Trainer
+
+    t = SimpleNamespace(_waiting=True, _stop_requested=False)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer.request_stop(t, signal.SIGINT, None)  # type: ignore[arg-type]
+    t = SimpleNamespace(_waiting=False, _stop_requested=False)
+    Trainer.request_stop(t, signal.SIGINT, None)  # type: ignore[arg-type]
+    assert t._stop_requested is True

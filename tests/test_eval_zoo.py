@@ -3,9 +3,11 @@ rejected draft tokens undone in every layer's state.
 
 .venv/bin/python -m pytest tests/test_eval_zoo.py -x -q
 
-Architectures come from tests/verifier_zoo.py: sliding windows and attention chunks of
-8 tokens (prompts and decodes cross them), attention sinks, MLA, linear attention with
-its convolution (Qwen3-Next, Qwen3.5), multimodal checkpoints. Per architecture:
+Architectures come from tests/verifier_zoo.py, ZOO and HYBRID_AND_SPARSE: sliding
+windows and attention chunks of 8 tokens (prompts and decodes cross them), attention
+sinks, MLA, linear attention with its convolution (Qwen3-Next, Qwen3.5), multimodal
+checkpoints, Mamba-2 (Nemotron-H; beside attention in one layer: Falcon-H1), short
+convolutions (LFM2) and DeepSeek-V3.2's indexer. Per architecture:
 - the rollback itself (fanout.decode.rollback): after verify forwards whose last r
   tokens are undone, each next verify forward's logits equal a plain uncached forward
   over the whole sequence kept so far (the oracle: no cache at all);
@@ -29,7 +31,7 @@ from fanout.families.dflash.model import DFlashDraft
 from fanout.model.draft_cache import IndependentSlots
 from fanout.model.verifier import load_verifier
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
-from verifier_zoo import VOCAB, ZOO, build
+from verifier_zoo import HYBRID_AND_SPARSE, VOCAB, ZOO, build
 
 BLOCK = 5  # draft block: the anchor + 4 drafted tokens per verify step
 LAYERS = [0, 1]  # the draft's target layers (every zoo model has at least 2)
@@ -82,7 +84,7 @@ class Scripted(IndependentSlots):
         return torch.nn.functional.one_hot(torch.tensor(out), VOCAB).float()  # [k, V]
 
 
-@pytest.mark.parametrize("arch", list(ZOO))
+@pytest.mark.parametrize("arch", [*ZOO, *HYBRID_AND_SPARSE])
 def test_zoo_speculative_decoding_is_lossless(arch: str, zoo_dir: Path) -> None:
     dec = _decoder(arch, zoo_dir)
     assert dec.verifier.num_layers >= len(LAYERS)

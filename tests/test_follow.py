@@ -508,3 +508,48 @@ def test_rows_carry_across_chunks_and_what_all_acknowledged_leaves_the_disk(
     assert chunks[-1].carried == 0 and not again.carry
     new = [c.records - prev.carried for c, prev in zip(chunks[1:], chunks, strict=False)]
     assert chunks[0].records + sum(new) == 80  # every record once in some chunk's rows
+
+
+def test_a_held_out_record_read_after_the_last_chunk_is_kept_at_the_idle_end(
+    assets: Path, tmp_path: Path
+) -> None:
+    """The live loop's soak (test_follow_soak.py) lost its last record: held out, read
+    after the last chunk was cut, then --follow-idle-s ended the stream with nothing
+    pending, so no chunk was cut again and neither R/follow/heldout.jsonl nor the
+    committed counts ever had it. The idle end now cuts a last chunk (no rows) when
+    records arrived after the last one. A fake clock: no timing."""
+    src, run = tmp_path / "log.jsonl", tmp_path / "run"
+    cfg = tiny_producer_config(
+        assets, run, follow=str(src), data=[], follow_chunk_records=3, follow_idle_s=5.0,
+        holdout_fraction=0.5, cache_dir=str(assets / "cache"),
+    )  # fmt: skip
+    cache = str(assets / "cache")
+    rd = RunDir(run).create()
+    co = Coordinator.create(run, make_contract())
+    p = co.register_producer(make_contract())
+    s = FollowStream(lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, rd)
+    s.fs.makedirs(s.dir)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    s.attach(co, p)
+    pool = _source_records(40, start=300)
+    kept = [r for r in pool if not s._held_out(r)][:3]
+    held = next(r for r in pool if s._held_out(r))
+    src.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    s.poll()  # three records: a chunk
+    assert [c.records for c in co.follow_chunks()] == [3] and not s.pending
+    with open(src, "a") as f:
+        f.write(json.dumps(held) + "\n")
+    now[0] = 1.0
+    s.poll()  # read: held out, nothing pending
+    now[0] = 7.0
+    s.poll()  # --follow-idle-s without a record: the end
+    assert s.ended
+    saved = [json.loads(x) for x in (run / "follow" / "heldout.jsonl").read_text().splitlines()]
+    assert [d["messages"][0]["content"] for d in saved] == [held["messages"][0]["content"]]
+    pos = co.follow_position()
+    assert pos is not None and (pos["records"], pos["heldout"]) == (4, 1), pos
+    assert [c.records for c in co.follow_chunks()] == [3, 0]  # the last one: no rows
+    co.close()
+    again = FollowStream.open(lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, rd)
+    assert len(again.files) == 2 and again.rows.num_rows == s.rows.num_rows  # resumes it

@@ -10,10 +10,18 @@ in its first message). `fanout produce --follow DIR` captures them, `fanout trai
 trains a draft on the open stream, `fanout promote --run-dir` serves its checkpoints
 from SERVED (margin 0: nearly every checkpoint is promoted, so `current` flips
 often), and a recorder (a second consumer, never killed) writes down the token ids
-of every row it is handed. The three roles are killed with -9 at seeded random
-moments and restarted until each was killed `kills_each` times (or, for the long
-variant, for `minutes`), then the appender stops and the stream ends after
---follow-idle-s without a record.
+of every row it is handed. The verifier changes under the loop (#52, RL co-training):
+a `Policy` thread, the RL trainer, commits a new version of the tiny verifier every few
+seconds (every minute in the slow soaks) in fanout.checkpoints.versions' layout, each
+named by `current` a while before its COMMITTED marker lands; the producer follows it
+(--follow-verifier), the trainer's draft follows its rows' versions (--max-verifier-lag
+2) and the promoter measures against the live one. SERVED is rolled back (`fanout
+promote --rollback`) at seeded random moments. The three roles are killed with -9 at
+seeded random moments (every 0.8-2.5 s in the short run, 4-12 s in the long ones) and
+restarted until each was killed `kills_each` times (and, for the long variants, for
+`minutes`); then, without more kills, the loop runs on until SERVED was rolled back
+`rollbacks` times and a window was captured with a later version than the first; then
+the appender stops and the stream ends after --follow-idle-s without a record.
 
 Checked, none of it depending on timing: against what the appender wrote (the source
 files, read back), every record's marker is in exactly one row of the stream or the
@@ -22,7 +30,14 @@ token ids, deduplicated by (window, row)); the coordinator's committed chunks ho
 exactly the captured records, each once, and are the only chunk files; window files
 on disk never exceed K at any 20 ms sample; every time SERVED/current was sampled
 it was a complete checkpoint that speculators 0.9.0's DFlashDraftModel loads (that
-part is skipped when speculators is not installed).
+part is skipped when speculators is not installed), and never a version a rollback took
+off serving. Of the verifier: every row's window records a committed version, never one
+past the policy's live version when the row was handed over (a half-written version is
+never captured), and the coordinator records that version or a later one (a window
+asked for again after a trainer's resume is captured again with the version live then);
+at least two versions were captured; every promote look names a committed version. Of rollbacks, replayed from
+SERVED's decision log: no promotion after a rollback is of its checkpoint or an earlier
+step of its save path, and no rollback goes back to a version rolled back before.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,12 +58,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from fanout.bench.assets import generate_corpus
 from fanout.chaos.procs import Proc, warm_forkserver
+from fanout.checkpoints.layout import MARKER
+from fanout.checkpoints.versions import (
+    CURRENT,
+    VERSIONS,
+    committed_versions,
+    version_name,
+)
 from fanout.coord.coordinator import Coordinator
 from fanout.decode.config import PromoteConfig
-from fanout.decode.promote import CURRENT
+from fanout.filesystem import FileSystem
 from fanout.flags import to_flags
 from fanout.produce.config import ProducerConfig
 from fanout.produce.follow import chunk_name
@@ -87,12 +111,15 @@ while not os.path.exists(stop):
 f.close()
 """
 
-# `python recorder.py JSON`: a consumer that writes {"w", "i", "ids"} for every row it is
-# handed (its token ids), acks, and keeps its position in a checkpoint.
+# `python recorder.py JSON`: a consumer that writes {"w", "i", "ids", "v", "live"} for
+# every row it is handed (its token ids; with a policy, the verifier version the batch
+# records and the policy's live version read after the batch was handed over), acks,
+# and keeps its position in a checkpoint.
 RECORDER = """
 import json, os, sys
 import torch
 torch.set_num_threads(1)
+from fanout.checkpoints.versions import current_version
 from fanout.rows import INPUT_IDS
 from fanout.train.consumer import ConsumerConfig, ConsumerStream
 a = json.loads(sys.argv[1])
@@ -105,9 +132,11 @@ s = ConsumerStream(cfg)
 s.load_state_dict(state)
 with s:
     for b in s.batches(1):
+        live = current_version(a["policy"]) if a["policy"] else None
         for k, (w, i) in enumerate(b.rows):
             ids = b.tensors[INPUT_IDS][k].tolist()
-            out.write(json.dumps({"w": w, "i": i, "ids": ids}) + "\\n")
+            out.write(json.dumps({"w": w, "i": i, "ids": ids, "v": b.verifier_version,
+                                  "live": live and live.number}) + "\\n")
         out.flush()
         s.ack(b)
         with open(ckpt + ".tmp", "w") as f:
@@ -173,9 +202,57 @@ class Role:
             self.proc.wait(10)
 
 
+class Policy(threading.Thread):
+    """The RL trainer beside the loop (#52): the tiny verifier as a versioned directory
+    (fanout.checkpoints.versions: versions/vNNNN, `current`, COMMITTED), a new version
+    every `every_s` seconds until stopped. Each is the last one's weights moved by noise
+    drawn from its number, written file by file with `current` flipped to it a while
+    *before* its COMMITTED marker lands (a writer may: a half-written version is never
+    loaded; the recorder's check sees one that was), the marker last."""
+
+    HALF_WRITTEN_S = 1.0  # current -> vN, no marker yet: longer than a window's capture
+
+    def __init__(self, root: Path, source: Path, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.root, self.every_s = root, every_s
+        self.halt = threading.Event()
+        self.made = 0
+        self.error: BaseException | None = None
+        self.write(source)  # v0001: the loop starts from it
+
+    def write(self, source: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        n = self.made + 1
+        d = self.root / VERSIONS / version_name(n)
+        d.mkdir(parents=True)
+        for f in source.iterdir():
+            if f.is_file() and f.name != MARKER:
+                shutil.copy(f, d / f.name)
+        if n > 1:
+            g = torch.Generator().manual_seed(n)
+            w = load_file(d / "model.safetensors")
+            moved = {k: (v + 0.05 * torch.randn(v.shape, generator=g)).to(v.dtype)
+                     for k, v in w.items()}  # fmt: skip
+            save_file(moved, d / "model.safetensors", metadata={"format": "pt"})
+        FileSystem().point(self.root / CURRENT, f"{VERSIONS}/{d.name}")
+        if n > 1:
+            self.halt.wait(self.HALF_WRITTEN_S)
+        (d / MARKER).write_text("")
+        self.made = n
+
+    def run(self) -> None:
+        try:
+            while not self.halt.wait(self.every_s):
+                self.write(self.root / VERSIONS / version_name(self.made))
+        except BaseException as e:  # surfaced by the soak's checks
+            self.error = e
+
+
 class Watch(threading.Thread):
     """Samples, until stopped: window files on disk (every 20 ms) and SERVED/current
-    loaded by speculators (each time a new version is served, and every few seconds)."""
+    loaded by speculators (each time a new version is served, and every few seconds),
+    never one a rollback took off serving (`rolled_back`, the soak adds each)."""
 
     def __init__(self, run: Path, served: Path) -> None:
         super().__init__(daemon=True)
@@ -184,6 +261,7 @@ class Watch(threading.Thread):
         self.most, self.disk_samples, self.loads = 0, 0, 0
         self.most_chunks = 0
         self.bad: list[str] = []
+        self.rolled_back: set[str] = set()  # served versions a rollback took off serving
         self.last_load = 0.0
         self.spec: Any = None
         try:
@@ -205,9 +283,14 @@ class Watch(threading.Thread):
     def load_served(self) -> None:
         """Open SERVED/current as an engine would: resolve it once, load what is there."""
         link = self.served / CURRENT
-        if self.spec is None or not link.is_symlink():
+        gone = set(self.rolled_back)  # before resolving: each rolled back before this look
+        if not link.is_symlink():
             return
         target = link.resolve()
+        if target.name in gone:
+            self.bad.append(f"{target}: served again after a rollback took it off serving")
+        if self.spec is None:
+            return
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
@@ -242,15 +325,30 @@ def _argv(config: type[Any], command: str, opts: dict[str, Any]) -> list[str]:
 
 
 def live_loop(
-    assets: Path, work: Path, db: str | None, *, kills_each: int, minutes: float, seed: int
+    assets: Path,
+    work: Path,
+    db: str | None,
+    *,
+    kills_each: int,
+    minutes: float,
+    seed: int,
+    verifier_every_s: float | None = None,
+    rollbacks: int = 0,
 ) -> dict[str, Any]:
-    """Run the loop (module docstring); return what the checks need."""
+    """Run the loop (module docstring); return what the checks need. With
+    `verifier_every_s`, every role reads the verifier from a `Policy` that commits a new
+    version that often (the producer with --follow-verifier); `rollbacks`: that many
+    `fanout promote --rollback`s of SERVED at random moments, at least."""
     src, run, served = work / "src", work / "run", work / "served"
     logs, drafts = work / "logs", work / "drafts"
     for d in (src, logs):
         d.mkdir(parents=True)
-    ver, tok = str(assets / "verifier"), str(assets / "tok")
-    produce = _argv(ProducerConfig, "produce", {
+    policy = None
+    if verifier_every_s is not None:
+        policy = Policy(work / "policy", assets / "verifier", verifier_every_s)
+    ver, tok = str(assets / "verifier" if policy is None else policy.root), str(assets / "tok")
+    follows = {} if policy is None else {"follow_verifier": True}
+    produce = _argv(ProducerConfig, "produce", {**follows,
         "run_dir": run, "follow": src, "verifier_name_or_path": ver, "tokenizer": tok,
         "seq_len": 96, "window_rows": 2, "capture_layer_ids": [1, 2], "workers": 1,
         "progress": False, "max_live_windows": K, "expected_consumers": 2,
@@ -263,7 +361,7 @@ def live_loop(
         "run_dir": run, "consumer_id": "c0", "verifier_name_or_path": ver, "num_layers": 1,
         "block_size": 4, "max_anchors": 8, "rows_per_step": 2, "save_path": drafts / "c0",
         "checkpoint_every": 2, "heartbeat_s": 0.3, "acquire_timeout_s": 900, "db_path": db,
-        "resume": True,
+        "resume": True, "max_verifier_lag": None if policy is None else 2,
     })  # fmt: skip
     promote = _argv(PromoteConfig, "promote", {
         "run_dir": run, "draft": [drafts / "c0"], "served": served,
@@ -281,13 +379,22 @@ def live_loop(
         env=ENV,
     )  # fmt: skip
     rec = {"run_dir": str(run), "db_path": db, "out": str(work / "rows.jsonl"),
-           "ckpt": str(work / "recorder.json")}  # fmt: skip
+           "ckpt": str(work / "recorder.json"), "policy": policy and str(policy.root)}  # fmt: skip
     recorder: subprocess.Popen[bytes] | None = None
     watch = Watch(run, served)
     watch.start()
+    if policy is not None:
+        policy.start()
     rng = random.Random(seed)
     t0 = time.monotonic()
     next_kill: float | None = None
+    next_rollback = next_look = 0.0
+    # seconds between two kills, two rollbacks: a short run's burst, a long one's spread
+    kill_gap = (0.8, 2.5) if minutes == 0 else (4.0, 12.0)
+    rollback_gap = (2.0, 6.0) if minutes == 0 else (10.0, 30.0)
+    took = [0.0, 0.0]  # seconds until the traffic stopped, until the stream ended
+    rolled: list[str] = []  # what each rollback's stdout said
+    captured_new = policy is None  # a window captured with a version after the first
     heldout = run / "follow" / "heldout.jsonl"
     try:
         producer.start()
@@ -308,18 +415,38 @@ def live_loop(
                 next_kill = now + rng.uniform(1.0, 3.0)  # killing starts with the run
             if promoter.proc is None and heldout.is_file():
                 promoter.start()
-            goal = now - t0 >= 60 * minutes and min(r.kills for r in roles) >= kills_each
+            # killed enough: no more kills (what is left to wait for needs the roles to
+            # make progress, which kills every second or two starve on a loaded machine)
+            killed = now - t0 >= 60 * minutes and min(r.kills for r in roles) >= kills_each
+            goal = killed and len(rolled) >= rollbacks
+            if goal and not captured_new and recorder is not None and now >= next_look:
+                next_look = now + 1.0
+                with Coordinator.open(run, db_path=db) as co:  # the verifier changed under it
+                    captured_new = (co.newest_verifier_version() or 0) >= 2
+            goal = goal and captured_new
             if not stop.exists() and goal:
                 stop.touch()  # enough: the traffic stops, the stream ends when idle
-            if next_kill is not None and not stop.exists() and now >= next_kill:
+                took[0] = now - t0
+            if next_kill is not None and not stop.exists() and not killed and now >= next_kill:
                 ready = [r for r in roles if r.running() and r.proc is not None
                          and now - r.proc.started >= 1.0]  # fmt: skip
                 if ready:
                     order = rng.sample(ready, len(ready))
                     min(order, key=lambda r: r.kills).kill()
-                next_kill = now + rng.uniform(0.8, 2.5)
+                next_kill = now + rng.uniform(*kill_gap)
+            if rollbacks and not stop.exists() and now >= next_rollback:
+                # back one version, as an operator would (once there is one to go back to)
+                said = None
+                left = [v for v in committed_versions(served) if v.name not in watch.rolled_back]
+                if len(left) >= 2:
+                    said = _rollback(served, logs / "rollback.log")
+                if said is not None:
+                    rolled.append(said)
+                    watch.rolled_back.add(said.split()[-3])  # "…: v0004 -> v0002"
+                next_rollback = now + rng.uniform(*rollback_gap)
             done = producer.done and trainer.done
             if done and recorder is not None and recorder.poll() is not None:
+                took[1] = time.monotonic() - t0
                 break
             time.sleep(0.05)
         assert recorder is not None and recorder.wait(60) == 0
@@ -333,6 +460,9 @@ def live_loop(
     finally:
         watch.halt.set()
         watch.join(30)
+        if policy is not None:
+            policy.halt.set()
+            policy.join(30)
         stop.touch()
         for r in roles:
             r.stop()
@@ -341,7 +471,25 @@ def live_loop(
                 p.kill()
                 p.wait(30)
     return {"src": src, "run": run, "served": served, "work": work, "watch": watch,
-            "roles": {r.name: r for r in roles}, "db": db}  # fmt: skip
+            "roles": {r.name: r for r in roles}, "db": db, "policy": policy,
+            "rolled": rolled, "took": took}  # fmt: skip
+
+
+def _rollback(served: Path, log: Path) -> str | None:
+    """`fanout promote --served SERVED --rollback`, as an operator runs it: what it said
+    ("…/current: v0004 -> v0002"), None when there was nothing to roll back to (exit 1,
+    one line: every earlier version was rolled back already)."""
+    out = log.with_suffix(".out")
+    p = Proc(["promote", "--served", str(served), "--rollback"], out, "fork")
+    code = p.wait(120)
+    text = out.read_text(errors="replace")
+    out.unlink()
+    with log.open("a") as f:
+        f.write(text)
+    if code == 1 and "no earlier version to roll back to" in text:
+        return None
+    assert code == 0, text
+    return next(x for x in text.splitlines() if "/current: " in x)
 
 
 def _written(src: Path) -> dict[int, dict[str, Any]]:
@@ -426,10 +574,76 @@ def check(got: dict[str, Any], assets: Path, kills_each: int) -> None:
     roles = got["roles"]
     kills = {n: r.kills for n, r in roles.items()}
     assert all(n >= kills_each for n in kills.values()), kills
-    promoted = (got["served"] / "promotions.jsonl").read_text().count('"promoted": true')
+    decisions = [
+        json.loads(x) for x in (got["served"] / "promotions.jsonl").read_text().splitlines()
+    ]
+    promoted = sum(1 for d in decisions if d.get("promoted"))
+    _check_rollbacks(decisions, got["rolled"])
+    versions = _check_versions(got, rows, decisions)
     print(f"soak: {len(written)} records ({len(held_ids)} held out) in {len(rows)} rows, "
-          f"{len(chunks)} chunks; kills {kills}; {promoted} promotions; served loaded "
-          f"{watch.loads} times; at most {watch.most} window files")  # fmt: skip
+          f"{len(chunks)} chunks; kills {kills}; {promoted} promotions, "
+          f"{len(got['rolled'])} rollbacks; {len(versions)} verifier versions captured "
+          f"{versions[:1]}…{versions[-1:]}; served loaded "
+          f"{watch.loads} times; at most {watch.most} window files; traffic stopped after "
+          f"{got['took'][0]:.0f} s, the stream ended after {got['took'][1]:.0f} s")  # fmt: skip
+
+
+def _check_rollbacks(decisions: list[dict[str, Any]], rolled: list[str]) -> None:
+    """No rolled-back draft is served again: replayed in the order SERVED's decision log
+    holds them, no promotion after a rollback is of its checkpoint or an earlier step of
+    its save path, and no rollback goes to a version an earlier one took off serving."""
+    assert len([d for d in decisions if d.get("rollback")]) == len(rolled)
+    gone: set[str] = set()  # versions rolled back
+    barred: list[tuple[Path, int | None]] = []  # (checkpoint, step) rolled back
+    for d in decisions:
+        if d.get("rollback"):
+            assert d["to"] not in gone, f"rollback to {d['to']}, rolled back before: {d}"
+            gone.add(d["from"])
+            barred.append((Path(d["from_candidate"]), d["from_step"]))
+        elif d.get("promoted"):
+            c, step = Path(d["candidate"]), d["candidate_step"]
+            for was, was_step in barred:
+                assert c != was, f"{c} promoted again after its rollback: {d}"
+                assert c.parent != was.parent or step > was_step, (c, step, was, was_step)
+
+
+def _check_versions(
+    got: dict[str, Any], rows: dict[tuple[int, int], list[int]], decisions: list[dict[str, Any]]
+) -> list[int]:
+    """With a policy: every row's window records a committed version, never one after the
+    policy's live version when the row was handed over (a half-written one never
+    captured), the coordinator records that version or a later one's recapture, the
+    verifier changed under the loop, and each promote look measured against a committed
+    version. The versions captured, in window order."""
+    policy: Policy | None = got["policy"]
+    if policy is None:
+        return []
+    assert policy.error is None, policy.error
+    committed = {v.number for v in committed_versions(policy.root)}
+    seen: dict[int, int] = {}  # window -> version
+    for line in (got["work"] / "rows.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        v, live = r["v"], r["live"]
+        assert v in committed, f"window {r['w']}: version {v} (committed: {sorted(committed)})"
+        assert v <= live, f"window {r['w']}: version {v} after the live {live} when read"
+        assert seen.setdefault(r["w"], v) == v, f"window {r['w']}: two versions"
+    windows = sorted({w for w, _ in rows})
+    assert sorted(seen) == windows
+    from fanout.coord import reads
+
+    with Coordinator.open(got["run"], db_path=got["db"]) as co:
+        recorded = {w: reads.window_verifier_version(co.conn, w) for w in windows}
+    # an evicted window's row is compacted away (fanout.coord.states): None. The rest name
+    # the version of the window's newest publication: the one the recorder read, or a
+    # later one (a trainer resumed from its checkpoint asked for the window again, and
+    # it was captured again with the version live then)
+    kept = {w: v for w, v in recorded.items() if v is not None}
+    assert kept and all(v >= seen[w] for w, v in kept.items()), (kept, seen)
+    order = [seen[w] for w in windows]
+    assert len(set(order)) >= 2, f"the verifier never changed under the loop: {order}"
+    looked = [d["verifier_version"] for d in decisions if "candidate_tau" in d]
+    assert looked and all(v in {version_name(n) for n in committed} for v in looked), looked
+    return sorted(set(order))
 
 
 # SQLite's short run is slow-marked: its minutes-long soak below and test_follow.py's
@@ -438,14 +652,19 @@ def check(got: dict[str, Any], assets: Path, kills_each: int) -> None:
 def test_the_live_loop_keeps_every_promise_through_kills(
     assets: Path, tmp_path: Path, backend: str, request: pytest.FixtureRequest
 ) -> None:
+    """The verifier changes every 3 s here (every minute in the slow soaks below)."""
     db = None if backend == "sqlite" else str(request.getfixturevalue("pg_url"))
-    got = live_loop(assets, tmp_path, db, kills_each=2, minutes=0, seed=46)
+    got = live_loop(assets, tmp_path, db, kills_each=2, minutes=0, seed=46,
+                    verifier_every_s=3.0, rollbacks=2)  # fmt: skip
     check(got, assets, kills_each=2)
 
 
 @pytest.mark.slow
 def test_the_live_loop_for_minutes(assets: Path, tmp_path: Path) -> None:
-    got = live_loop(assets, tmp_path, None, kills_each=5, minutes=4, seed=4646)
+    """#52's soak: 4 minutes, a new verifier version every minute, every role killed -9
+    at random, SERVED rolled back at random."""
+    got = live_loop(assets, tmp_path, None, kills_each=5, minutes=4, seed=4646,
+                    verifier_every_s=60.0, rollbacks=4)  # fmt: skip
     check(got, assets, kills_each=5)
 
 
@@ -454,7 +673,8 @@ def test_the_live_loop_for_half_an_hour_keeps_the_disk_flat(assets: Path, tmp_pa
     """#52: follow chunks and their prepared rows grew for the stream's life. Over 30
     minutes (thousands of chunks) the chunk files on disk stay at what
     --follow-keep-windows (32) and K hold, as a run's cache entries do with them."""
-    got = live_loop(assets, tmp_path, None, kills_each=10, minutes=30, seed=52)
+    got = live_loop(assets, tmp_path, None, kills_each=10, minutes=30, seed=52,
+                    verifier_every_s=60.0, rollbacks=10)  # fmt: skip
     check(got, assets, kills_each=10)
     with Coordinator.open(got["run"]) as co:
         made = len(co.follow_chunks())

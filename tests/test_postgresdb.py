@@ -21,6 +21,7 @@ from conftest import PostgresControl
 from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.postgresdb import PostgresDatabase, _translate, parse_url, redact
+from fanout.coord.replay import ReadsChanged
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
 from fanout.store.store import Published, RunDir
 from test_coordinator import make_contract
@@ -103,10 +104,12 @@ def test_driver_errors_become_typed_errors(pg_url: str, postgres_control: Postgr
 
 
 def _terminate(url: str, pid: int) -> None:
-    """Drop one connection from the server side (as a failover or a cut link does)."""
+    """Drop one connection from the server side (as a failover or a cut link does), and
+    return once its backend has ended (PostgreSQL 14+ waits for it, up to 60 s): the
+    connection's next statement then meets a dead socket, never the live backend."""
     other = PostgresDatabase(url)
     try:
-        other.execute("SELECT pg_terminate_backend(?)", (pid,))
+        assert other.execute("SELECT pg_terminate_backend(?, 60000)", (pid,)).fetchone() == (True,)
     finally:
         other.close()
 
@@ -126,14 +129,70 @@ def test_a_lost_connection_is_replaced_where_nothing_had_run(pg_url: str, tmp_pa
     _terminate(pg_url, db.raw.info.backend_pid)
     co.heartbeat(reg)  # a write whose BEGIN met the dead connection: begun again
     assert db.reconnects == 2
-    # Lost inside a write's body: the outcome is the server's (rolled back), and the
-    # caller is told; the next call works on a new connection.
-    with pytest.raises(CoordinatorUnavailable), db.write() as cur:
+    # Lost at a write's COMMIT (nothing after the body's last statement): the outcome
+    # is the server's to know, and the caller is told; the next call works.
+    with pytest.raises(CoordinatorUnavailable) as lost, db.write() as cur:
         cur.execute("UPDATE consumers SET cursor=99")
         _terminate(pg_url, db.raw.info.backend_pid)
-        cur.execute("UPDATE counters SET value=value+1 WHERE key='corrupt'")
+    assert not isinstance(lost.value, ReadsChanged)
     assert co.conn.execute("SELECT cursor FROM consumers").fetchone()[0] == 0
-    assert co.meta("corrupt") == 0 and db.reconnects == 3
+    assert db.reconnects == 3
+    co.close()
+
+
+def test_a_write_whose_connection_went_inside_its_body_is_begun_again(
+    pg_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lost inside a write's body, before its COMMIT was sent: the server rolled the
+    transaction back, so it is begun again on a new connection, the body's statements
+    so far run again (each answering as before), and the body goes on: committed once,
+    not twice, and the process does not stop (it used to: CoordinatorUnavailable)."""
+    co, db, _ = _run_with_a_consumer(pg_url, tmp_path)
+    token = co.meta("next_token")
+    with db.write() as cur:
+        (seen,) = cur.execute("SELECT cursor FROM consumers").fetchone()
+        cur.execute("UPDATE consumers SET cursor=cursor+5")
+        _terminate(pg_url, db.raw.info.backend_pid)
+        cur.execute("UPDATE counters SET value=value+1 WHERE key='next_token'")
+        (now,) = cur.execute("SELECT cursor FROM consumers").fetchone()
+    assert (seen, now) == (0, 5) and db.reconnects == 1
+    assert "begun again (2 statements run again" in caplog.text  # what the log says
+    assert co.conn.execute("SELECT cursor FROM consumers").fetchall() == [(5,)]
+    assert co.meta("next_token") == token + 1
+    co.close()
+
+
+def test_a_write_whose_reads_changed_before_its_replay_writes_nothing(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """Lost inside a write's body, and another process commits before the replay: what
+    the body read is no longer true, so its decisions may not hold. The write raises
+    ReadsChanged (one line: a CoordinatorUnavailable) and nothing of it is written;
+    `decide`, whose body only reads, runs its whole call again instead."""
+    co, db, _ = _run_with_a_consumer(pg_url, tmp_path)
+    other = PostgresDatabase(pg_url)
+    changed = r"lost inside a write .*nothing of it was written"
+    with pytest.raises(ReadsChanged, match=changed), db.write() as cur:
+        cur.execute("SELECT cursor FROM consumers")
+        _terminate(pg_url, db.raw.info.backend_pid)
+        other.execute("UPDATE consumers SET cursor=7")
+        cur.execute("UPDATE counters SET value=value+1 WHERE key='corrupt'")
+    assert co.meta("corrupt") == 0
+    bodies: list[int] = []
+
+    def body(cur: Any) -> tuple[int, list[Any]]:
+        (seen,) = cur.execute("SELECT cursor FROM consumers").fetchone()
+        bodies.append(seen)
+        if len(bodies) == 1:  # the first time: lost, and the row moves meanwhile
+            _terminate(pg_url, db.raw.info.backend_pid)
+            other.execute("UPDATE consumers SET cursor=cursor+3")
+            cur.execute("SELECT 1")
+        return seen, [("UPDATE consumers SET cursor=?", (seen + 1,))]
+
+    seen, _ = db.decide(body)
+    assert bodies == [7, 10] and seen == 10
+    assert co.conn.execute("SELECT cursor FROM consumers").fetchall() == [(11,)]
+    other.close()
     co.close()
 
 

@@ -268,6 +268,25 @@ def test_a_rollback_sticks_until_a_later_step_exists(world: dict[str, Any], tmp_
     assert (served / CURRENT).resolve().name == "v0003"
 
 
+def test_a_second_rollback_never_re_serves_the_first_ones_version(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """#52: `--rollback` went to the version just below `current`, even one an earlier
+    rollback took off serving: v0003 rolled back, v0004 promoted, a rollback of v0004
+    served v0003 again (the soak of the live loop found it). It goes to v0002."""
+    served = Served(tmp_path / "served")
+    for ckpt in (world["bad"], world["good"], world["bad"]):
+        served.promote(ckpt, keep=10)  # v0001-v0003
+    served.record(served.rollback_record(*served.rollback()))  # v0003 -> v0002
+    served.promote(world["good"], keep=10)  # v0004
+    was, now = served.rollback()
+    assert (was.name, now.name) == ("v0004", "v0002")
+    served.record(served.rollback_record(was, now))
+    served.record(served.rollback_record(*served.rollback()))  # v0002 -> v0001
+    with pytest.raises(ConfigError, match="no earlier version to roll back to"):
+        served.rollback()  # v0001 is the oldest
+
+
 def test_run_dir_gives_the_verifier_and_tokenizer_the_run_recorded(tmp_path: Path) -> None:
     """#52: `promote --run-dir` demanded --verifier-name-or-path and --tokenizer that the
     run already knows. The producer records both in stream.json; promote takes them from

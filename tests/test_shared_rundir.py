@@ -461,3 +461,56 @@ def test_a_failed_start_leaves_a_run_another_host_made_meanwhile(tmp_path: Path)
     assert created.discard_if_unused(None, False, "h1:1") is False
     assert (run / "windows").is_dir() and (run / "coordinator.sqlite3").is_file()
     assert (run / "contract.json").is_file()
+
+
+def _create_racer(run: str, url: str, rank: int, barrier: Any, delay_s: float, out: Any) -> None:
+    """One replica on its own host: no join lock orders it (a lock file there is none)."""
+    from fanout.coord.coordinator import RunConfig
+    from fanout.produce.run_start import create_run
+    from fanout.store.store import RunDir, Store
+
+    barrier.wait(120)
+    time.sleep(delay_s)
+    try:
+        store = Store(RunDir(Path(run)).create())
+        coord, created = create_run(Path(run), _contract(), RunConfig(), url, store, False, rank, 4)
+        coord.close()
+        out.put((rank, "created" if created else "joined"))
+    except BaseException as e:  # reported, not raised: the parent names what went wrong
+        out.put((rank, f"{type(e).__module__}.{type(e).__name__}: {e}"))
+
+
+@pytest.mark.parametrize("stagger", [False, True], ids=["together", "staggered"])
+def test_replicas_on_four_hosts_race_to_create_one_postgres_run(
+    tmp_path: Path, postgres_server: str, stagger: bool
+) -> None:
+    """Four replicas that all found no run, released together by a barrier (or each a
+    random fraction of a second after it), create the run on PostgreSQL at once: one
+    creates it, the three others join it; none fails. (CI saw the loser end with the
+    server's `relation "meta" already exists`: the tables were checked before the
+    write lock was taken, and created under it.)"""
+    import multiprocessing as mp
+    import random
+    import uuid
+
+    import fanout.produce.run_start  # noqa: F401  once, here: each fork has it then
+
+    ctx = mp.get_context("fork")
+    rng = random.Random(55)
+    for round_ in range(3):
+        url = f"{postgres_server}&schema=race_{uuid.uuid4().hex[:10]}"
+        run = tmp_path / f"run{round_}"
+        barrier, out = ctx.Barrier(4), ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_create_racer,
+                args=(str(run), url, rank, barrier, rng.uniform(0, 0.3) if stagger else 0.0, out),
+            )
+            for rank in range(4)
+        ]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(60)
+        assert sorted(results.values()) == ["created", "joined", "joined", "joined"], results

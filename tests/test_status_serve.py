@@ -297,3 +297,52 @@ def test_metrics_count_what_a_followed_source_gave(settled_run: Path) -> None:
     assert got == {"fanout_follow_chunks": 3, "fanout_follow_records": 40,
                    "fanout_follow_heldout": 4, "fanout_follow_skipped": 2,
                    "fanout_follow_split": 1}, got  # fmt: skip
+
+
+def test_the_page_shows_stalled_and_the_acceptance_floor_as_the_text_status_does(
+    tmp_path: Path,
+) -> None:
+    """#52: the text status put STALLED first and a FLOOR warning under `fanout promote`'s
+    decision, /status.json carried both, the page neither: an operator watching the page
+    saw a healthy run. Now the page says both in the table's words, and neither once the
+    run trains again and a candidate is above the floor. A window's publish stamp is set
+    back in the database (no timing in the test)."""
+    from fanout.decode.config import PROMOTE
+    from fanout.status.table import format_table
+
+    co, store, c = new_run(tmp_path, None, max_live_windows=3)
+    produce(co, co.register_producer(c), store, c)  # window 0 ready, no trainer
+    with co.conn.write() as cur:  # published 1000 s ago: nothing trained since
+        cur.execute("UPDATE windows SET updated_at = updated_at - 1000")
+    run = tmp_path / "run"
+    (run / "follow").mkdir(parents=True, exist_ok=True)
+    look = {"time": "2026-12-07T15:00:00Z", "candidate": "/d/c0/checkpoint-4",
+            "candidate_tau": 1.0, "served_dir": "/srv/served", "promoted": False,
+            "floor": True, "why": "candidate τ 1.000 is at the floor"}  # fmt: skip
+    (run / "follow" / PROMOTE).write_text(json.dumps(look))
+    with serving(run) as srv:
+        page = _get(srv.url)[0]
+        want = json.loads(_get(srv.url + "status.json")[0])
+    assert want["stalled"]["window"] == 0 and want["promote"]["floor"] is True
+    table = format_table(want)
+    stalled = table.splitlines()[1].removeprefix("STALLED  ")
+    floor = next(x.strip() for x in table.splitlines() if "FLOOR:" in x)
+    assert stalled.startswith("nothing trained for"), table
+    shown = {k: html.unescape(v) for k, v in re.findall(r'data-key="([^"]+)">([^<]*)<', page)}
+    assert shown["stalled.text"] == stalled == want["stalled"]["text"]
+    assert shown["promote.floor"] == floor
+    assert page.index('data-key="stalled.text"') < page.index("<h2>")  # the first warning
+    assert 'class="warn" data-key="promote.floor"' in page
+    # trained past it, and a candidate above the floor: no warning left
+    lease = co.acquire(co.register_consumer("a"), timeout_s=1)
+    assert lease is not None
+    co.ack(lease)
+    co.close()
+    (run / "follow" / PROMOTE).write_text(
+        json.dumps(look | {"candidate_tau": 2.5, "floor": False, "promoted": True,
+                           "version": "v0001", "why": "nothing served yet"})
+    )  # fmt: skip
+    with serving(run) as srv:
+        page = _get(srv.url)[0]
+    assert "STALLED" not in page and "FLOOR" not in page
+    assert "(τ 2.50) promoted as v0001" in page

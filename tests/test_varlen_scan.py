@@ -49,8 +49,9 @@ def _one_segment(lay: SegmentLayout) -> SegmentLayout:
     """The layout with no boundary: each row one segment (what transformers' torch
     fallback computes over a packed row)."""
     b = lay.segment.shape[0]
+    one = torch.arange(T).expand(b, T)
     return dataclasses.replace(
-        lay, segment=torch.zeros_like(lay.segment), offset=torch.arange(T).expand(b, T)
+        lay, segment=torch.zeros_like(lay.segment), offset=one, host_offset=one
     )
 
 
@@ -143,6 +144,25 @@ def test_segments_are_exact_at_any_chunk_size(chunk: int) -> None:
     lay = SegmentLayout.from_document_ids(doc)
     q, k, v, decay, beta = _qkv()
     got = gated_delta_rule_varlen(q, k, v, decay, beta, lay, chunk=chunk)
+    for b, s, e in spans:
+        want = _alone(q, k, v, decay, beta, b, s, e)
+        torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_floats", [1, 1 << 30])
+def test_groups_of_chunks_carry_the_state_across(
+    group_floats: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the CPU path takes the chunks a cache-sized group at a time; the state carried out
+    # of one group is the next one's (1: each chunk a group of its own, so documents of
+    # 70 and 130 tokens cross 8 or more groups; 1 << 30: all chunks in one group)
+    from fanout.ops import varlen_scan
+
+    monkeypatch.setattr(varlen_scan, "GROUP_FLOATS", group_floats)
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    q, k, v, decay, beta = _qkv()
+    got = gated_delta_rule_varlen(q, k, v, decay, beta, lay, chunk=8)
     for b, s, e in spans:
         want = _alone(q, k, v, decay, beta, b, s, e)
         torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)

@@ -251,6 +251,33 @@ def test_the_drafts_verifier_tensors_follow_each_windows_version(world: World) -
     assert torch.equal(trainer.draft.lm_head_weight.float(), embed2)  # tied: the head too
 
 
+def test_eval_every_decodes_with_the_version_the_draft_trains_with_now(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#52: `--eval-every` measured τ against the version the trainer started from
+    (v0002, the live one) for the whole run, even while the draft trained on v0001's
+    rows with v0001's head: each eval decodes with the version of the draft's tensors."""
+    import fanout.decode.eval as decode_eval
+
+    built: list[str] = []
+
+    class Spy(decode_eval.EvalSession):
+        def __init__(self, cfg: Any, layer_ids: list[int]) -> None:
+            built.append(Path(cfg.verifier_name_or_path).name)
+            super().__init__(cfg, layer_ids)
+
+    monkeypatch.setattr(decode_eval, "EvalSession", Spy)
+    cfg = _train_cfg(
+        world, "evals", eval_every=2, eval_data=str(world.root / "chat.jsonl"),
+        eval_prompts=1, eval_max_new_tokens=4, eval_tokenizer=str(world.root / "tok"),
+    )  # fmt: skip
+    Trainer(cfg).run()
+    evals = [r for r in read_train_log(cfg.save_path) if "eval_tau" in r]
+    assert [r["verifier_version"] for r in evals] == [1, 1] + [2] * (WINDOWS - 2)
+    assert built == ["v0001", "v0002"]  # one session per version, rebuilt when it moved
+    assert [r["eval_verifier_version"] for r in evals] == [r["verifier_version"] for r in evals]
+
+
 def test_windows_too_many_versions_old_are_acked_untrained_and_counted(world: World) -> None:
     cfg = _train_cfg(world, "fresh", max_verifier_lag=0, verifier_age_decay=0.5)
     trainer = Trainer(cfg)
@@ -262,6 +289,12 @@ def test_windows_too_many_versions_old_are_acked_untrained_and_counted(world: Wo
     with Coordinator.open(world.run_dir) as co:
         snap = snapshot(co)
         assert reads.lag_skipped(co.conn)["fresh:dp0"] == 2
+        from fanout.status.page import page_html
+        from fanout.status.snapshot import build
+
+        page = page_html(build(co), [], 5)  # the --serve page: the same versions
+    assert 'data-key="verifier.newest">2<' in page
+    assert "<tr><td>fresh:dp0</td><td>2</td><td>0</td><td>2</td></tr>" in page
     assert snap["verifier"] == {"newest": 2, "live": {"1": 2, "2": WINDOWS - 2}}
     me = next(c for c in snap["consumers"] if c["id"] == "fresh:dp0")
     assert (me["verifier_version"], me["verifier_lag"], me["lag_skipped"]) == (2, 0, 2)

@@ -7,9 +7,10 @@ plain transformers.
 The oracle runs each document alone (batch 1, no mask, positions 0..n-1) through the
 model class it was saved with, reading decoder-layer outputs with forward hooks: it
 uses nothing of fanout's. Architectures come from tests/verifier_zoo.py (tiny, random,
-sliding windows and attention chunks of 8 tokens; documents of 10-30 tokens): ZOO's,
-whose layer types all have a packing rule, and UNRULED's, with a type that has none
-(captured by running each document alone).
+sliding windows and attention chunks of 8 tokens; documents of 10-30 tokens): ZOO's
+and HYBRID_AND_SPARSE's (recurrent layers packed with their state reset per document,
+DeepSeek-V3.2's indexer under the document mask; a layer type without a packing rule
+is captured by running each document alone).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from fanout.errors import ConfigError
 from fanout.model.verifier import DENSE_MASK_MAX_BYTES, Verifier, load_verifier
-from verifier_zoo import UNRULED, VOCAB, WINDOW, ZOO, build, load_oracle
+from verifier_zoo import HYBRID_AND_SPARSE, VOCAB, WINDOW, ZOO, build, load_oracle
 
 T = 64
 # two rows of documents (lengths), then padding (document id -1) to T
@@ -82,7 +83,7 @@ def _alone(model: Any, ids: torch.Tensor) -> tuple[list[torch.Tensor], torch.Ten
 @pytest.fixture(scope="module")
 def zoo_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("zoo")
-    return {a: build(a, root / a) for a in [*ZOO, *UNRULED]}
+    return {a: build(a, root / a) for a in [*ZOO, *HYBRID_AND_SPARSE]}
 
 
 _ORACLES: dict[str, tuple[list[list[torch.Tensor]], list[torch.Tensor]]] = {}
@@ -111,7 +112,7 @@ CASES = [("float32", "auto"), ("bfloat16", "auto"), ("float32", "alone")]
 
 
 @pytest.mark.parametrize(("storage", "path"), CASES, ids=[f"{s}-{p}" for s, p in CASES])
-@pytest.mark.parametrize("arch", [*ZOO, *UNRULED])
+@pytest.mark.parametrize("arch", [*ZOO, *HYBRID_AND_SPARSE])
 def test_packed_capture_equals_each_document_alone(
     zoo_dirs: dict[str, Path], arch: str, storage: str, path: str
 ) -> None:
@@ -162,47 +163,107 @@ def test_unknown_layer_type_is_refused_in_one_line_under_strict(
     zoo_dirs: dict[str, Path], tmp_path: Path
 ) -> None:
     # a type transformers' own config allows, that fanout has no rule for
+    kind = "compressed_sparse_attention"  # DeepSeek-V4's
     d = _with_layer_types(
-        zoo_dirs["qwen3"], tmp_path / "v", ["full_attention", "indexed_attention", "full_attention"]
+        zoo_dirs["qwen3"], tmp_path / "v", ["full_attention", kind, "full_attention"]
     )
     with pytest.raises(ConfigError) as e:
         load_verifier(d, device="cpu", capture_layer_ids=[0], strict_layer_types=True)
     msg = str(e.value)
-    assert "\n" not in msg and "indexed_attention" in msg and str(d) in msg
+    assert "\n" not in msg and kind in msg and str(d) in msg
     assert "--strict-layer-types" in msg
 
 
-@pytest.mark.parametrize("arch", list(UNRULED))
-def test_unruled_layer_type_loads_with_one_warning(
+@pytest.mark.parametrize("arch", list(HYBRID_AND_SPARSE))
+def test_hybrid_and_sparse_layer_types_have_a_rule(
     zoo_dirs: dict[str, Path], arch: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # No refusal: one warning naming the type(s) and the cost; every row, short ones
-    # too, through the per-document path (exact: test_packed_capture_equals_...).
-    # Nemotron-H's types all have a rule (`mlp`, `moe`: token-wise; Mamba-2: linear,
-    # packed with resets), as LFM2's (`conv`: its short convolutions, the same) and
-    # Falcon-H1's (`hybrid`: full attention beside Mamba-2).
+    # Each of these types has a rule now: Nemotron-H's (`mlp`, `moe`: token-wise;
+    # Mamba-2: linear, packed with resets), LFM2's (`conv`: its short convolutions, the
+    # same), Falcon-H1's (`hybrid`: full attention beside Mamba-2) and DeepSeek-V3.2's
+    # (`indexed_attention`: the full mask, which its indexer's top-k takes). So: no
+    # warning, packed rows, and --strict-layer-types takes them. The path of a type
+    # without one: test_an_indexer_fanout_has_not_read_runs_each_document_alone.
     with caplog.at_level(logging.WARNING, logger="fanout.model.verifier"):
         v = load_verifier(zoo_dirs[arch], device="cpu", capture_layer_ids=[0])
     warned = [r.getMessage() for r in caplog.records if "no packing rule" in r.getMessage()]
-    if arch in ("nemotron_h", "lfm2", "falcon_h1"):
-        assert not v.rule.unruled and not warned and v.local_attention
-        assert {"mlp", "moe"} <= set(v.rule.layer_types) or {"conv", "hybrid"} & set(
-            v.rule.layer_types
-        )
-        load_verifier(zoo_dirs[arch], device="cpu", capture_layer_ids=[0], strict_layer_types=True)
-        assert not v.runs_alone(1, 8)  # packed, state reset per document
-        return
+    assert not v.rule.unruled and not warned
+    assert {"mlp", "moe"} <= set(v.rule.layer_types) or {
+        "conv", "hybrid", "indexed_attention"} & set(v.rule.layer_types)  # fmt: skip
+    # fanout's own attention, except under an indexer's top-k (transformers' applies it)
+    assert v.local_attention == ("indexed_attention" not in v.rule.layer_types)
+    load_verifier(zoo_dirs[arch], device="cpu", capture_layer_ids=[0], strict_layer_types=True)
+    assert not v.runs_alone(1, 8)  # packed: state reset per document, or under the mask
+
+
+def test_an_indexer_fanout_has_not_read_runs_each_document_alone(
+    zoo_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An `indexed_attention` layer whose indexer is not one fanout read (Qwen4-Exp's
+    # block-compressed one, say; here DeepSeek-V3.2's with the table emptied): a type
+    # without a rule, one warning, every row alone and exact; refused under strict.
+    from fanout.model import layer_types
+
+    monkeypatch.setattr(layer_types, "MASK_AWARE_INDEXERS", frozenset())
+    arch = "deepseek_v32"
+    with caplog.at_level(logging.WARNING, logger="fanout.model.verifier"):
+        v = load_verifier(zoo_dirs[arch], device="cpu", dtype="float32",
+                          storage_dtype="float32", capture_layer_ids=["all"])  # fmt: skip
+    warned = [r.getMessage() for r in caplog.records if "no packing rule" in r.getMessage()]
     assert v.runs_alone(1, 8)
     assert len(warned) == 1 and "\n" not in warned[0], warned
     assert v.rule.unruled and all(t in warned[0] for t in v.rule.unruled)
     assert "alone" in warned[0] and "--strict-layer-types" in warned[0]
-    assert not v.local_attention
-    with pytest.raises(ConfigError, match="strict-layer-types"):
+    assert v.rule.unruled == ("indexed_attention",) and not v.local_attention
+    ids, pos, doc, spans = _rows()
+    cap = v.capture(ids, pos, doc)
+    layers, _logits = _oracle(arch, zoo_dirs[arch], v.attn_implementation)
+    for k, (b, s, e) in enumerate(spans):
+        ref = layers[k][-1]  # [n, H]
+        assert (cap.layers[-1][b, s:e].float() - ref).abs().max() <= 1e-4 * ref.abs().max(), k
+    with pytest.raises(ConfigError, match=r"layer 0 \(indexed_attention\) holds no indexer"):
         load_verifier(zoo_dirs[arch], device="cpu", capture_layer_ids=[0], strict_layer_types=True)
 
 
-# Not deepseek_v32: its indexer masks its scores with the block-diagonal mask it is
-# given, so under sdpa / eager its top-k already stays in the document (a rule to come).
+def test_an_indexer_blind_to_documents_would_choose_across_them(
+    zoo_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The control of DeepSeek-V3.2's rule: its rows are exact packed because the indexer
+    # adds the block-diagonal mask to its scores before the top-k. Given a causal mask
+    # instead (documents not told apart), its top-k takes keys of earlier documents,
+    # which the attention then drops: the row differs from each document alone.
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+
+    arch = "deepseek_v32"
+    v = load_verifier(zoo_dirs[arch], device="cpu", dtype="float32", storage_dtype="float32",
+                      capture_layer_ids=["all"])  # fmt: skip
+    assert not v.rule.unruled and not v.runs_alone(2, T)
+    forward = m.DeepseekV32Indexer.forward
+
+    def causal_only(self: Any, h: Any, q: Any, pe: Any, mask: torch.Tensor, *a: Any,
+                    **kw: Any) -> Any:  # fmt: skip
+        t = mask.shape[-1]
+        causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
+        if mask.dtype == torch.bool:
+            blind = causal.expand(mask.shape)
+        else:
+            blind = torch.zeros_like(mask).masked_fill(~causal, torch.finfo(mask.dtype).min)
+        return forward(self, h, q, pe, blind, *a, **kw)
+
+    ids, pos, doc, spans = _rows()
+    layers, _logits = _oracle(arch, zoo_dirs[arch], v.attn_implementation)
+    worst = {}
+    for name, fn in (("masked", forward), ("blind", causal_only)):
+        monkeypatch.setattr(m.DeepseekV32Indexer, "forward", fn)
+        cap = v.capture(ids, pos, doc)
+        worst[name] = max(
+            ((cap.layers[-1][b, s:e].float() - layers[k][-1]).abs().max()
+             / layers[k][-1].abs().max()).item()
+            for k, (b, s, e) in enumerate(spans)
+        )  # fmt: skip
+    assert worst["masked"] < 1e-4 and worst["blind"] > 1e-3, worst
+
+
 @pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1", "lfm2"])
 def test_unruled_archs_are_wrong_packed_under_one_mask(
     zoo_dirs: dict[str, Path], arch: str

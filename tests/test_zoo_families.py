@@ -3,13 +3,15 @@ trained a few steps on hidden states the verifier captured, its checkpoint loade
 in speculators 0.9.0's own class for the family and by fanout's `load_draft`.
 
 .venv/bin/python -m pytest tests/test_zoo_families.py -x -q -m "not slow"  # default subset
-.venv/bin/python -m pytest tests/test_zoo_families.py -x -q               # 16 x 5 matrix
+.venv/bin/python -m pytest tests/test_zoo_families.py -x -q               # 20 x 7 matrix
 
-Per (architecture, family) of tests/verifier_zoo.py x fanout.families.registry:
+Per (architecture, family) of tests/verifier_zoo.py (ZOO and HYBRID_AND_SPARSE) x
+fanout.families.registry:
 - the draft's frozen tensors are the verifier's text model's, found by the names the
   checkpoint gives them (`fanout.model.verifier_dir.text_tensors`: multimodal layouts,
-  a head tied at the top level only): embedding and head equal the oracle model's, and
-  the draft's final-norm gain reproduces the oracle's final norm (Gemma-style `1 + w`);
+  a head tied at the top level only, Mamba-style `backbone.*`, Falcon-H1's and LFM2's
+  final norms): embedding and head equal the oracle model's, and the draft's
+  final-norm gain and epsilon reproduce the oracle's final norm (Gemma-style `1 + w`);
 - one capture of packed rows (3 documents, longer than the sliding window) holds the
   union of every family's reference layers (what `fanout produce --capture-for` takes);
   each family trains `STEPS` steps on its own layers of it (finite loss, weights move);
@@ -19,9 +21,11 @@ Per (architecture, family) of tests/verifier_zoo.py x fanout.families.registry:
   family's layers + 1 (serving numbering, fanout.families.numbering);
 - fanout's `load_draft` reads it back with the verifier: same weights, same head.
 
-The default run takes each family on one sliding-window, one linear-attention and one
-multimodal verifier (the last also sliding, with a head tied at the top level only);
-the whole matrix is marked slow. Without speculators the loading half is skipped.
+The default run takes each family on one sliding-window, one linear-attention, one
+multimodal verifier (the last also sliding, with a head tied at the top level only) and
+Nemotron-H (Mamba-2, a `backbone.*` checkpoint whose config has no
+`num_hidden_layers`); the whole matrix is marked slow. Without speculators the loading
+half is skipped.
 """
 
 from __future__ import annotations
@@ -44,11 +48,11 @@ from fanout.model.verifier import Verifier, load_verifier, text_model
 from fanout.model.verifier_dir import text_tensors
 from fanout.ops.adamw import make_optimizer
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
-from verifier_zoo import VOCAB, WINDOW, ZOO, build, load_oracle
+from verifier_zoo import HYBRID_AND_SPARSE, VOCAB, WINDOW, ZOO, build, load_oracle
 
 STEPS = 5
 DOCS = (13, 20, 15)  # one packed row of 48 tokens: 3 documents, each past the window
-DEFAULT_ARCHS = ("mistral_sliding", "qwen3_next", "gemma3_multimodal")
+DEFAULT_ARCHS = ("mistral_sliding", "qwen3_next", "gemma3_multimodal", "nemotron_h")
 assert min(DOCS) > WINDOW
 
 
@@ -56,7 +60,7 @@ def _cells() -> list[Any]:
     slow = pytest.mark.slow
     return [
         pytest.param(a, f, id=f"{a}-{f}", marks=() if a in DEFAULT_ARCHS else slow)
-        for a in ZOO
+        for a in [*ZOO, *HYBRID_AND_SPARSE]
         for f in FAMILIES
     ]
 
@@ -129,6 +133,30 @@ def _train(draft: Draft, v: Verifier, rows: dict[str, Any]) -> None:
     assert moved, f"{STEPS} steps changed no weight"
 
 
+def _final_norm(oracle: Any, path: Path) -> Any:
+    """The oracle's module holding the final norm `text_tensors` names (its text
+    model's `norm`, `final_layernorm`, `embedding_norm` or `norm_f`)."""
+    attr = text_tensors(path).norm.removesuffix(".weight").rsplit(".", 1)[-1]
+    return getattr(text_model(oracle), attr)
+
+
+def _last_layer_and_logits(oracle: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle's last decoder layer's output [T, H] and its logits [T, V] on a few
+    tokens: what the final norm and the head map one to the other in the model itself."""
+    out: list[torch.Tensor] = []
+
+    def hook(_m: Any, _a: Any, o: Any) -> None:
+        out.append(o[0] if isinstance(o, tuple) else o)
+
+    h = text_model(oracle).layers[-1].register_forward_hook(hook)
+    try:
+        ids = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
+        logits = oracle(input_ids=ids, use_cache=False).logits[0]  # [T, V]
+    finally:
+        h.remove()
+    return out[-1][0], logits
+
+
 def _speculators() -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # import-time deprecations of torch.compile & co.
@@ -162,11 +190,23 @@ def test_family_trains_on_the_zoo_verifier_and_loads_in_speculators(
     assert torch.equal(draft.embed_weight, embed)
     if draft.cfg.draft_vocab_size is None:
         assert torch.equal(draft.lm_head_weight, oracle.get_output_embeddings().weight)
-    x = torch.randn(3, v.hidden_size, generator=torch.Generator().manual_seed(1))
-    eps = oracle.config.get_text_config().rms_norm_eps
-    gain = draft.verifier_norm_weight
+    # small states (mean square ~1e-6), so a wrong epsilon shows as well as a wrong gain
+    x = 1e-3 * torch.randn(3, v.hidden_size, generator=torch.Generator().manual_seed(1))
+    final = _final_norm(oracle, path)
+    gain, eps = draft.verifier_norm_weight, draft.cfg.rms_norm_eps
     mine = torch.nn.functional.rms_norm(x, (v.hidden_size,), gain, eps)  # [3, H]
-    torch.testing.assert_close(mine, text_model(oracle).norm(x), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine, final(x), rtol=1e-5, atol=1e-6)
+    # and that norm is the one between the last layer and the head: the draft's norm
+    # and head map the oracle's last layer output to its logits
+    last, logits = _last_layer_and_logits(oracle)  # [T, H], [T, V]
+    kept = torch.arange(draft.lm_head_weight.shape[0])  # the draft vocabulary's ids
+    if draft.d2t is not None:
+        kept = kept + draft.d2t
+    normed = torch.nn.functional.rms_norm(last, (v.hidden_size,), gain, eps)  # [T, H]
+    mine = normed @ draft.lm_head_weight.T  # [T, draft V]
+    if cap := getattr(oracle.config.get_text_config(), "final_logit_softcapping", None):
+        mine = cap * torch.tanh(mine / cap)  # Gemma-2's soft-capping (argmax-invariant)
+    torch.testing.assert_close(mine, logits[:, kept])
 
     _train(draft, v, rows)
     opt = torch.optim.SGD(draft.parameters(), lr=0.1)
@@ -199,7 +239,7 @@ def test_family_trains_on_the_zoo_verifier_and_loads_in_speculators(
     got = model.embed_tokens.weight.bfloat16()
     assert torch.equal(got, draft.embed_weight.bfloat16()), text_tensors(path)
     if hasattr(model, "verifier_norm"):  # and the text model's final norm
-        norm = text_model(oracle).norm.weight
+        norm = final.weight
         assert torch.equal(model.verifier_norm.weight, norm), text_tensors(path)
 
 
@@ -226,3 +266,32 @@ def test_text_tensors_refuses_what_it_cannot_find(tmp_path: Path) -> None:
     assert (got.embed, got.head, got.norm_offset) == (mm[0], None, 1.0)
     top = {"tie_word_embeddings": True, "text_config": {"tie_word_embeddings": False}}
     assert text_tensors(vdir("tied-top", [*mm, "lm_head.weight"], top)).tied  # Gemma-3
+
+
+def test_layer_count_and_norm_epsilon_from_whichever_field_the_config_uses(
+    tmp_path: Path,
+) -> None:
+    """The per-layer list makes the stack (Nemotron-H: `layers_block_type`, or an older
+    checkpoint's `hybrid_override_pattern`, one character per layer, over a stale
+    `num_hidden_layers`, as transformers builds it); no count at all is one line naming
+    the file. The epsilon is read under the name the config gives it."""
+    from fanout.errors import ConfigError
+    from fanout.model.verifier_dir import read_verifier_config
+
+    base = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2,
+            "vocab_size": 10}  # fmt: skip
+
+    def read(name: str, **fields: Any) -> dict[str, Any]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(base | fields))
+        return read_verifier_config(d)
+
+    got = read("pattern", hybrid_override_pattern="M-*E", num_hidden_layers=7, norm_eps=1e-5)
+    assert (got["_num_hidden_layers"], got["rms_norm_eps"]) == (4, 1e-5)
+    got = read("list", layers_block_type=["mamba", "attention"], layer_norm_epsilon=3e-5)
+    assert (got["_num_hidden_layers"], got["rms_norm_eps"]) == (2, 3e-5)
+    assert read("plain", num_hidden_layers=3)["_num_hidden_layers"] == 3
+    with pytest.raises(ConfigError, match=r"none/config.json: no decoder-layer count") as e:
+        read("none")
+    assert "\n" not in str(e.value)

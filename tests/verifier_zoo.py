@@ -3,7 +3,7 @@
     from verifier_zoo import ZOO, build, load_oracle   # tests/ is on sys.path under pytest
     path = build("gemma3_text", tmp_dir)      # save_pretrained dir: config.json + weights
     model = load_oracle("gemma3_text", path)  # the same weights in plain transformers
-    build("falcon_h1", tmp_dir)               # UNRULED: a layer type without a packing rule
+    build("falcon_h1", tmp_dir)               # HYBRID_AND_SPARSE: Mamba-2 beside attention
 
 Each entry builds a seeded, random-init model from transformers' own config class
 (hidden 32, 2-4 layers, vocab 160, a few experts) and `save_pretrained`s it: no
@@ -11,13 +11,16 @@ download. Sliding windows and attention chunks are 8 tokens, so documents of 10-
 tokens cross them. Nothing here imports fanout: the test compares fanout's capture
 against these models run by transformers alone.
 
-ZOO holds the architectures whose every layer type has a packing rule
-(fanout.model.layer_types); UNRULED those with a type that has none (Falcon-H1's
-`hybrid`, LFM2's `conv`, DeepSeek-V3.2's `indexed_attention`; Nemotron-H's Mamba,
-`mlp` and `moe` blocks beside attention), which fanout captures by running each
-document alone. They are apart because the zoo's other users (speculative decoding's
-rollback, the families) do not handle their caches yet; `build` and `load_oracle`
-take either.
+ZOO holds the attention and linear-attention architectures; HYBRID_AND_SPARSE the
+hybrid and sparse-attention ones: Nemotron-H (Mamba-2, attention-free `mlp` and `moe`
+blocks beside attention), Falcon-H1 (`hybrid`: attention and Mamba-2 in parallel),
+LFM2 (`conv`: short convolutions) and DeepSeek-V3.2 (`indexed_attention`: a lightning
+indexer's top-k). Both are captured exactly (tests/test_verifier_zoo.py), decoded
+losslessly (tests/test_eval_zoo.py) and trained by every draft family
+(tests/test_zoo_families.py); HYBRID_AND_SPARSE is apart because tensor parallelism
+and batched regeneration are not tested on it (tests/test_tp.py and
+tests/test_regen_zoo.py take ZOO alone).
+`build` and `load_oracle` take either.
 """
 
 from __future__ import annotations
@@ -208,8 +211,8 @@ ZOO: dict[str, Arch] = {
 }
 
 
-# Architectures with a layer type that has no packing rule (see the module doc).
-UNRULED: dict[str, Arch] = {
+# The hybrid and sparse-attention architectures (see the module doc).
+HYBRID_AND_SPARSE: dict[str, Arch] = {
     "nemotron_h": Arch(  # Mamba-2, attention-free MLP and MoE blocks, attention
         _cfg(
             "NemotronHConfig",
@@ -259,7 +262,7 @@ UNRULED: dict[str, Arch] = {
 
 
 def _arch(name: str) -> Arch:
-    return ZOO[name] if name in ZOO else UNRULED[name]
+    return ZOO[name] if name in ZOO else HYBRID_AND_SPARSE[name]
 
 
 def build(arch: str, out_dir: Path, *, seed: int = 0, **overrides: Any) -> Path:

@@ -116,8 +116,8 @@ python3 benchmarks/eval.py --demo-dir .benchdata/demo --device cuda --dtype bflo
 python3 benchmarks/verifiers.py --device cuda --hidden 1024 --layers 8 --vocab 32000 \
   --rows 4 --seq-len 4096 --hybrid-archs "" --json "$OUT/verifiers-gpu.json" 2>&1 \
   | grep -v "it/s\]" | tee "$OUT/verifiers-gpu.log"
-# packed hybrids (issue #53): Qwen3.5 / Qwen3-Next (gated delta rule) and LFM2 (short
-# convolutions) at a verifier-like width, packed rows with per-document resets vs fanout's
+# packed hybrids (issue #53): Qwen3.5 / Qwen3-Next (gated delta rule), LFM2 (short
+# convolutions), Nemotron-H and Falcon-H1 (Mamba-2) at a verifier-like width, packed rows with per-document resets vs fanout's
 # per-document path vs each document alone; with flash-linear-attention's varlen kernel
 # where its wheels installed (first its exactness against the torch path), else the torch path
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

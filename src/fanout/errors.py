@@ -2,10 +2,12 @@
 
 Each class is raised by one component and documented there; they live together
 so that a caller (CLI, trainer, harness) can catch them without importing the
-heavier modules that raise them. Two derive from these but live beside their one
+heavier modules that raise them. Three derive from these but live beside their one
 raiser, which is what describes them: `fanout.contract.LayersNotCaptured` (a
-ContractMismatch) and `fanout.data.masks.MaskError` (a FanoutError and ValueError,
-caught by the data workers). Not FanoutErrors, by design: `fanout.filesystem.AtomicWriteError`
+ContractMismatch), `fanout.data.masks.MaskError` (a FanoutError and ValueError,
+caught by the data workers) and `fanout.coord.replay.ReadsChanged` (a
+CoordinatorUnavailable: a write lost inside its body whose reads changed before it
+could run again). Not FanoutErrors, by design: `fanout.filesystem.AtomicWriteError`
 (an OSError, handled as the OS error it wraps; the filesystem seam is stdlib only) and
 `fanout.regen.openai.Transient` (a retry signal that never leaves its module).
 tests/test_docs_match_code.py checks that every other public error class is a FanoutError.
@@ -96,7 +98,9 @@ class CoordinatorFull(StorageFull):
 class RankLost(FanoutError):
     """A tensor-parallel rank of `fanout produce --tp N` died or stopped answering
     within --tp-timeout-s (fanout.produce.tp_capture). Every other rank stops with this: rank 0
-    after failing its claim in flight, so a restart recaptures that window."""
+    after failing its claim in flight, so a restart recaptures that window. Also a
+    data-parallel trainer's collective whose peer is gone (fanout.train.distributed):
+    that trainer saves, records `stopped` and stops in one line."""
 
 
 class IllegalTransition(FanoutError):

@@ -182,14 +182,18 @@ class Coordinator:
             # atomic: a torn pointer would send trainers to a database that is not there
             FileSystem().write_atomic(rd.db_pointer, f"{where}\n".encode())
         contract.save(rd.contract)
-        schema.create_schema(
-            conn,
-            {
-                "config": config.model_dump_json(),
-                "contract": contract.model_dump_json(),
-                "stream_id": contract.stream_id,
-            },
-        )
+        try:
+            schema.create_schema(
+                conn,
+                {
+                    "config": config.model_dump_json(),
+                    "contract": contract.model_dump_json(),
+                    "stream_id": contract.stream_id,
+                },
+            )
+        except BaseException:  # another host created it first (ConfigError), or worse
+            conn.close()
+            raise
         log.info("created coordinator %s (stream %s, %s)", where, contract.stream_id, config)
         coord = cls(RunDb(conn, root, where, store=store, clock=clock))
         coord.created_namespace = made_namespace

@@ -31,9 +31,7 @@ statements with the same semantics:
 - statements are written with `?` placeholders (fanout.coord.schema); `_translate`
   turns them into psycopg's `%s` and quotes the column `window` (reserved here).
 
-Credentials: a password in the URL is used but never written to the run dir;
-other processes read the URL from `coordinator.dbpath`, so give them the
-password through PGPASSWORD or ~/.pgpass (libpq's own mechanisms).
+The URL (its schema, password and TCP settings) is fanout.coord.pgurl's.
 Needs `psycopg` 3 (`pip install 'fanout[postgres]'`), imported only here.
 """
 
@@ -48,38 +46,20 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from functools import lru_cache
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from fanout.coord.database import Rows, Statement, T
+from fanout.coord.pgurl import TCP_DEFAULTS, parse_url, redact, tcp_settings
+from fanout.coord.pgurl import is_url as is_url  # for callers of postgresdb.is_url
+from fanout.coord.replay import ReadsChanged, Replay
 from fanout.errors import ConfigError, CoordinatorBusy, CoordinatorFull, CoordinatorUnavailable
 
 log = logging.getLogger("fanout.coord.coordinator")
 
-SCHEMES = ("postgresql://", "postgres://")
-DEFAULT_SCHEMA = "fanout"
 _LOCK_CLASS = 0x66616E6F  # "fano": namespaces fanout's advisory locks among others'
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,50}")
-
-
-def is_url(location: object) -> bool:
-    return isinstance(location, str) and location.startswith(SCHEMES)
-
-
-# libpq TCP settings every connection gets unless its URL sets them: a partition (a
-# link cut with no RST, DESIGN "PostgreSQL as the lease engine") must end a call in
-# about half a minute, not after TCP's ~15-minute retransmission give-up. An idle
-# connection whose peer vanished is found by keepalives (10 s idle, then 3 probes 5 s
-# apart); a request sent into the void by tcp_user_timeout (30 s unacknowledged).
-TCP_DEFAULTS = {
-    "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
-    "tcp_user_timeout": "30000",
-}
 
 
 STILL_LOST_EVERY_S = 10.0  # how often a reconnect that keeps failing says so
+REPLAYS = 3  # a write body's connection lost this many times running: the outage wins
 
 
 def _one_line(e: BaseException) -> str:
@@ -96,44 +76,6 @@ def _transient(e: BaseException) -> bool:
     shutting down: no SQLSTATE, class 08 or 57P), not a wrong password or database."""
     state = getattr(e, "sqlstate", None)
     return state is None or str(state).startswith(("08", "57P"))
-
-
-def tcp_settings(conninfo: str) -> dict[str, str]:
-    """TCP_DEFAULTS less what `conninfo` (a URL or key=value string) sets itself: the
-    keyword arguments that complete a connection's TCP settings."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    given = conninfo_to_dict(conninfo)
-    return {k: v for k, v in TCP_DEFAULTS.items() if k not in given}
-
-
-def parse_url(url: str) -> tuple[str, str, str]:
-    """(libpq URL without `schema`, schema name, URL for messages and files: no password)."""
-    base, _, query = url.partition("?")
-    names = [v for k, v in parse_qsl(query, keep_blank_values=True) if k == "schema"]
-    schema = names[-1] if names else DEFAULT_SCHEMA
-    if not _NAME.fullmatch(schema):
-        raise ConfigError(
-            f"{redact(url)}: schema {schema!r} must be a letter or _ then letters, digits, _ "
-            "(at most 51 characters)"
-        )
-    # Drop `schema` (libpq refuses parameters it does not know), keep the rest verbatim.
-    rest = [kv for kv in query.split("&") if kv and kv.partition("=")[0] != "schema"]
-    conninfo = base + ("?" + "&".join(rest) if rest else "")
-    return conninfo, schema, redact(url)
-
-
-def redact(url: str) -> str:
-    """The URL without its password, in the user part or as `?password=` (safe to log
-    and to write to the run dir)."""
-    base, sep, query = url.partition("?")
-    kept = [kv for kv in query.split("&") if kv.partition("=")[0] != "password"]
-    url = base + (sep + "&".join(kept) if kept else "")
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}@{host}"))
 
 
 @lru_cache(maxsize=512)
@@ -153,12 +95,11 @@ class PostgresDatabase:
     """A `schema.Database` in one PostgreSQL schema. `raw` is the psycopg connection.
 
     A lost connection (server restart, failover, a dropped TCP link) is replaced on
-    the next call, waiting up to `reconnect_s` for the server to come back. That is
-    safe because it happens only where nothing of the call has run yet: a read, or a
-    write whose BEGIN or lock failed. A connection lost inside a write's body or at
-    its COMMIT leaves the outcome unknown; that call raises CoordinatorUnavailable,
-    and the process restarts as it would after a crash (claims released, trainers
-    from their checkpoints).
+    the next call, waiting up to `reconnect_s` for the server to come back: a read is
+    run again; a write lost before its COMMIT was sent (the server rolled it back) is
+    begun again and its body's statements so far replayed (`_in_body`). Lost at its
+    COMMIT, a write's outcome is unknown: CoordinatorUnavailable, and the process
+    restarts as after a crash (claims released, trainers from their checkpoints).
     """
 
     dialect = "postgres"
@@ -192,7 +133,9 @@ class PostgresDatabase:
         self._lock_timeout_s = lock_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._reconnect_s = reconnect_s
-        self._in_write = False
+        # inside a write: its body's calls so far, and whether its BEGIN took the lock
+        self._done: Replay | None = None
+        self._locked = True
         self.reconnects = 0
         try:
             self._connect()
@@ -294,12 +237,14 @@ class PostgresDatabase:
 
     def _run(self, call: Callable[[], Any]) -> Any:
         """Run one statement. Outside a write transaction (a read, LISTEN) a lost
-        connection is replaced and the statement run once more; inside one it is not
-        (the transaction died with the connection): the caller gets the error."""
+        connection is replaced and the statement run once more; inside one, see
+        `_in_body`."""
+        if self._done is not None:
+            return self._in_body(call, self._done)
         try:
             return call()
         except self._errors.OperationalError as e:
-            if self._in_write or not self._lost(e):
+            if not self._lost(e):
                 raise self._typed(e) from None
             self._reconnect(e)
         try:
@@ -307,13 +252,46 @@ class PostgresDatabase:
         except self._errors.OperationalError as e:
             raise self._typed(e) from None
 
+    def _in_body(self, call: Callable[[], Any], done: Replay) -> Any:
+        """Run one statement of a write's body. A connection lost here, before the
+        COMMIT was sent, took the transaction with it (rolled back, for sure), so it is
+        begun again on a new connection, the body's statements so far run again
+        (fanout.coord.replay: ReadsChanged where one answers otherwise), then this one.
+        At most REPLAYS times, each reconnect bounded by `reconnect_s`."""
+        for attempt in range(REPLAYS + 1):
+            try:
+                if attempt:
+                    self.raw.execute(self._begin_locked if self._locked else "BEGIN")
+                    done.again()
+                    log.warning(
+                        "coordinator database %s: a write lost before its COMMIT was begun "
+                        "again (%d statements run again, each answering as before)",
+                        self.where, len(done.calls),
+                    )  # fmt: skip
+                out = call()
+            except self._errors.OperationalError as e:
+                if attempt == REPLAYS or not self._lost(e):
+                    raise self._typed(e) from None
+                self._reconnect(e)
+                continue
+            done.ran(call, out)
+            return out
+        raise AssertionError("unreachable")  # the loop returns or raises
+
     def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> Any:
-        cur = self.raw.cursor()
+        query, rows = _translate(sql), [tuple(p) for p in seq]
+
+        def call() -> Any:
+            cur = self.raw.cursor()
+            cur.executemany(query, rows)
+            return cur
+
+        if self._done is not None:  # in a write's body: replayed like execute
+            return self._in_body(call, self._done)
         try:
-            cur.executemany(_translate(sql), [tuple(p) for p in seq])
+            return call()  # not retried: in autocommit, each row may have committed
         except self._errors.OperationalError as e:
             raise self._typed(e) from None
-        return cur
 
     def close(self) -> None:
         self.raw.close()
@@ -369,7 +347,7 @@ class PostgresDatabase:
         """BEGIN (and the run's lock unless not `lock`) for a write's body; on an error
         ROLLBACK, a database error raised typed (fanout.coord.database)."""
         self._begin(lock=lock)
-        self._in_write = True
+        self._done, self._locked = Replay(self.where), lock
         try:
             yield
         except self._errors.OperationalError as e:
@@ -379,7 +357,7 @@ class PostgresDatabase:
             self._rollback()
             raise
         finally:
-            self._in_write = False
+            self._done = None
 
     def batch(self, statements: Sequence[Statement], notify: str | None = "") -> list[Rows]:
         """BEGIN (its own round trip, without the lock: a connection found lost there is
@@ -396,10 +374,18 @@ class PostgresDatabase:
         self, body: Callable[[Any], tuple[T, Sequence[Statement]]], notify: str | None = ""
     ) -> tuple[T, list[Rows]]:
         """BEGIN and the lock (one round trip), `body`'s reads, then its statements,
-        NOTIFY and COMMIT as one message (one round trip)."""
-        with self._transaction():
-            value, statements = body(self)
-            return value, self._send(statements, notify)
+        NOTIFY and COMMIT as one message (one round trip). `body` only reads and decides,
+        so where its connection was lost and its reads changed (ReadsChanged) the whole
+        call runs again, on the new connection."""
+        for attempt in range(REPLAYS):
+            try:
+                with self._transaction():
+                    value, statements = body(self)
+                    return value, self._send(statements, notify)
+            except ReadsChanged:
+                if attempt == REPLAYS - 1:
+                    raise
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _send(
         self, statements: Sequence[Statement], notify: str | None, first: str = ""
@@ -544,15 +530,19 @@ class PostgresDatabase:
 
     def create_namespace(self) -> bool:
         """CREATE SCHEMA if missing (needs the CREATE privilege on the database). True if
-        this call created it (so that dropping the run may drop the schema too)."""
-        existed = self.raw.execute(
-            "SELECT 1 FROM information_schema.schemata WHERE schema_name=%s", (self.schema,)
-        ).fetchone()
-        self.raw.execute(
-            self._sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                self._sql.Identifier(self.schema)
+        this call created it (so that dropping the run may drop the schema too). Under
+        the run's lock: two hosts' IF NOT EXISTS at once can both pass the check, and the
+        second then fails on the catalog's unique index (seen in a race test)."""
+        with self.raw.transaction():
+            self.raw.execute("SELECT pg_advisory_xact_lock(%s::bigint)", (self._lock,))
+            existed = self.raw.execute(
+                "SELECT 1 FROM information_schema.schemata WHERE schema_name=%s", (self.schema,)
+            ).fetchone()
+            self.raw.execute(
+                self._sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                    self._sql.Identifier(self.schema)
+                )
             )
-        )
         return existed is None
 
     def drop_namespace(self) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from fanout.coord import states
 from fanout.coord.database import Database as Database  # the seam, named here too
 from fanout.coord.database import Sql as Sql
-from fanout.errors import NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
+from fanout.errors import ConfigError, NoCoordinator, NotACoordinatorDatabase, SchemaVersionError
 
 SCHEMA_VERSION = 6
 
@@ -156,9 +156,22 @@ def _statement(dialect: str, table: str) -> str:
     return next(st for st in statements(dialect) if f"TABLE {table}(" in st)
 
 
+# does this run's namespace hold fanout's first table? (asked under the write lock)
+_HAS_META = {
+    "sqlite": "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'",
+    "postgres": "SELECT 1 FROM information_schema.tables "
+    "WHERE table_schema=current_schema() AND table_name='meta'",
+}
+
+
 def create_schema(db: Database, meta: dict[str, object]) -> None:
-    """Create the tables and seed `meta` and the counters in one transaction."""
+    """Create the tables and seed `meta` and the counters in one transaction. ConfigError
+    if they exist by then: two hosts that both saw no run race here, and the write lock
+    lets one create while the other waits, then finds the tables (a DuplicateTable from
+    the server was a traceback instead of the loser joining the run)."""
     with db.write() as cur:
+        if cur.execute(_HAS_META[db.dialect]).fetchone() is not None:
+            raise ConfigError("a coordinator database was created there first; use open()")
         for stmt in statements(db.dialect):
             cur.execute(stmt)
         cur.executemany(
@@ -168,100 +181,91 @@ def create_schema(db: Database, meta: dict[str, object]) -> None:
         cur.executemany("INSERT INTO counters(key, value) VALUES (?, 0)", [(k,) for k in COUNTERS])
 
 
-def _migrate_v1(db: Database) -> None:
+def _migrate_v1(cur: Sql, dialect: str) -> None:
     """Version 1 kept the counters in `meta` (an untyped SQLite column); move them out."""
     keys = ",".join("?" * len(COUNTERS))
-    with db.write() as cur:
-        if (
-            str(cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
-            != "1"
-        ):
-            return  # another process migrated it first
-        cur.execute(statements(db.dialect)[1])  # CREATE TABLE counters
-        cur.execute(
-            f"INSERT INTO counters(key, value) SELECT key, value FROM meta WHERE key IN ({keys})",
-            COUNTERS,
-        )
-        cur.execute(f"DELETE FROM meta WHERE key IN ({keys})", COUNTERS)
-        cur.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    cur.execute(statements(dialect)[1])  # CREATE TABLE counters
+    cur.execute(
+        f"INSERT INTO counters(key, value) SELECT key, value FROM meta WHERE key IN ({keys})",
+        COUNTERS,
+    )
+    cur.execute(f"DELETE FROM meta WHERE key IN ({keys})", COUNTERS)
 
 
 _V2_CONSUMER_COLUMNS = "id, expect, cursor, hb_seq, hb_wall, state, token, note"
 
 
-def _migrate_v2(db: Database) -> None:
+def _migrate_v2(cur: Sql, dialect: str) -> None:
     """Version 3 records who holds each role (host, pid, proc) and lets a consumer be
     'stopped' (exited cleanly before the end of its stream). Adding a value to a CHECK
     needs a new table on SQLite, so `consumers` is copied into one (same statements on
     PostgreSQL); `producer` gets the columns in place."""
-    with db.write() as cur:
-        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if str(row[0]) != "2":
-            return  # another process migrated it first
-        create = _statement(db.dialect, "consumers")
-        cur.execute(create.replace("TABLE consumers(", "TABLE consumers_v3("))
-        cols = _V2_CONSUMER_COLUMNS
-        cur.execute(f"INSERT INTO consumers_v3({cols}) SELECT {cols} FROM consumers")
-        cur.execute("DROP TABLE consumers")
-        cur.execute("ALTER TABLE consumers_v3 RENAME TO consumers")
-        int_type = DIALECTS[db.dialect]["int"]
-        for col, tp in (("host", "TEXT"), ("pid", int_type), ("proc", "TEXT")):
-            cur.execute(f"ALTER TABLE producer ADD COLUMN {col} {tp}")
-        cur.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
+    create = _statement(dialect, "consumers")
+    cur.execute(create.replace("TABLE consumers(", "TABLE consumers_v3("))
+    cols = _V2_CONSUMER_COLUMNS
+    cur.execute(f"INSERT INTO consumers_v3({cols}) SELECT {cols} FROM consumers")
+    cur.execute("DROP TABLE consumers")
+    cur.execute("ALTER TABLE consumers_v3 RENAME TO consumers")
+    int_type = DIALECTS[dialect]["int"]
+    for col, tp in (("host", "TEXT"), ("pid", int_type), ("proc", "TEXT")):
+        cur.execute(f"ALTER TABLE producer ADD COLUMN {col} {tp}")
 
 
 _V3_PRODUCER_COLUMNS = "token, hb_seq, hb_wall, state, owner, host, pid, proc"
 
 
-def _migrate_v3(db: Database) -> None:
+def _migrate_v3(cur: Sql, dialect: str) -> None:
     """Version 4 runs producer replicas: `producer` (one row, id 1) becomes `producers`
     (one row per replica rank; the old row is rank 0's), every claim records its
     replica (`windows.claim_rank`: rank 0's for a claim in flight), and the counter
     `claims_reclaimed` is added."""
-    with db.write() as cur:
-        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if str(row[0]) != "3":
-            return  # another process migrated it first
-        cur.execute(_statement(db.dialect, "producers"))
-        cols = _V3_PRODUCER_COLUMNS
-        cur.execute(
-            f"INSERT INTO producers(rank, {cols}, since_wall) SELECT 0, {cols}, hb_wall "
-            "FROM producer"
-        )
-        cur.execute("DROP TABLE producer")
-        cur.execute(f"ALTER TABLE windows ADD COLUMN claim_rank {DIALECTS[db.dialect]['int']}")
-        cur.execute("UPDATE windows SET claim_rank=0 WHERE claim_token IS NOT NULL")
-        cur.execute("INSERT INTO counters(key, value) VALUES ('claims_reclaimed', 0)")
-        cur.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+    cur.execute(_statement(dialect, "producers"))
+    cols = _V3_PRODUCER_COLUMNS
+    cur.execute(
+        f"INSERT INTO producers(rank, {cols}, since_wall) SELECT 0, {cols}, hb_wall FROM producer"
+    )
+    cur.execute("DROP TABLE producer")
+    cur.execute(f"ALTER TABLE windows ADD COLUMN claim_rank {DIALECTS[dialect]['int']}")
+    cur.execute("UPDATE windows SET claim_rank=0 WHERE claim_token IS NOT NULL")
+    cur.execute("INSERT INTO counters(key, value) VALUES ('claims_reclaimed', 0)")
 
 
-def _migrate_v4(db: Database) -> None:
+def _migrate_v4(cur: Sql, dialect: str) -> None:
     """Version 5 records a followed source's chunks (`follow_chunks`,
     fanout.coord.follow_log): a new, empty table."""
-    with db.write() as cur:
-        row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if str(row[0]) != "4":
-            return  # another process migrated it first
-        cur.execute(_statement(db.dialect, "follow_chunks"))
-        cur.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
+    cur.execute(_statement(dialect, "follow_chunks"))
 
 
-def _migrate_v5(db: Database) -> None:
+def _migrate_v5(cur: Sql, dialect: str) -> None:
     """Version 6 records the verifier version each window was captured with
     (`windows.verifier_version`, null: a fixed verifier) and how many windows each
     consumer acked without training for being too many versions old
     (`consumers.lag_skipped`): two columns added in place."""
+    int_type = DIALECTS[dialect]["int"]
+    for table, column in (("windows", "verifier_version {int}"),
+                          ("consumers", "lag_skipped {int} NOT NULL DEFAULT 0")):  # fmt: skip
+        # a run migrated from version 2 got today's `consumers` table (_migrate_v2)
+        if column.split()[0] not in _columns(cur, dialect, table):
+            cur.execute(f"ALTER TABLE {table} ADD COLUMN {column.format(int=int_type)}")
+
+
+# Each step migrates the version it is named for to the next. Version 1 was SQLite's
+# only (before PostgreSQL); on PostgreSQL it is unknown.
+_MIGRATIONS: dict[str, Callable[[Sql, str], None]] = {
+    "1": _migrate_v1, "2": _migrate_v2, "3": _migrate_v3, "4": _migrate_v4, "5": _migrate_v5
+}  # fmt: skip
+
+
+def _migrate(db: Database, version: str) -> None:
+    """Run the step from `version` to the next in one write transaction that reads the
+    version again first (another process may have migrated it meanwhile: then nothing)
+    and records the next one last."""
     with db.write() as cur:
         row = cur.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if str(row[0]) != "5":
+        if str(row[0]) != version:
             return  # another process migrated it first
-        int_type = DIALECTS[db.dialect]["int"]
-        for table, column in (("windows", "verifier_version {int}"),
-                              ("consumers", "lag_skipped {int} NOT NULL DEFAULT 0")):  # fmt: skip
-            # a run migrated from version 2 got today's `consumers` table (_migrate_v2)
-            if column.split()[0] not in _columns(cur, db.dialect, table):
-                cur.execute(f"ALTER TABLE {table} ADD COLUMN {column.format(int=int_type)}")
-        cur.execute("UPDATE meta SET value='6' WHERE key='schema_version'")
+        _MIGRATIONS[version](cur, db.dialect)
+        cur.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(int(version) + 1),))
 
 
 def _columns(cur: Sql, dialect: str, table: str) -> set[str]:
@@ -294,21 +298,9 @@ def check_schema(db: Database) -> None:
         )
     row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
     version = None if row is None else str(row[0])
-    if version == "1" and db.dialect == "sqlite":
-        _migrate_v1(db)
-        version = "2"
-    if version == "2":
-        _migrate_v2(db)
-        version = "3"
-    if version == "3":
-        _migrate_v3(db)
-        version = "4"
-    if version == "4":
-        _migrate_v4(db)
-        version = "5"
-    if version == "5":
-        _migrate_v5(db)
-        version = str(SCHEMA_VERSION)
+    while version in _MIGRATIONS and (version != "1" or db.dialect == "sqlite"):
+        _migrate(db, version)
+        version = str(int(version) + 1)
     if version != str(SCHEMA_VERSION):
         raise SchemaVersionError(
             f"{db.where}: coordinator schema version {version or 'missing'}, this fanout knows "

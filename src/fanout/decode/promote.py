@@ -156,11 +156,14 @@ class Served:
         return final
 
     def rollback(self) -> tuple[Path, Path]:
-        """Point `current` at the version before it: (from, to)."""
+        """Point `current` at the newest version before it that no earlier rollback took
+        off serving (a second rollback never re-serves the first one's): (from, to)."""
         now = self.current()
+        gone = {r.get("from") for r in _jsonl(self.root / DECISIONS) if r.get("rollback")}
         older = [
-            v for v in self.versions() if now is not None and int(v.name[1:]) < int(now.name[1:])
-        ]
+            v for v in self.versions()
+            if now is not None and int(v.name[1:]) < int(now.name[1:]) and v.name not in gone
+        ]  # fmt: skip
         if now is None or not older:
             raise ConfigError(f"--served {self.root}: no earlier version to roll back to")
         self.fs.point(self.root / CURRENT, f"{VERSIONS}/{older[-1].name}")

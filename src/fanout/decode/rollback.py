@@ -15,9 +15,12 @@ one layer object per decoder layer, chosen from `config.layer_types`):
 | cache layer | layer types | what a rejected token left behind | undone by |
 |---|---|---|---|
 | `DynamicLayer` | full attention, MLA | its key / value | crop: drop the last k - n |
+| `DynamicIndexedLayer` | MLA with an indexer (DeepSeek-V3.2) | its key / value and indexer key | crop: drop the last k - n of both |
 | `DynamicSlidingWindowLayer` | sliding, chunked attention | its key / value, and it pushed the oldest keys out of the window | recording, then crop |
-| `LinearAttentionLayer` (+ hybrids) | gated delta rule (Qwen3-Next, Qwen3.5), Mamba-like | the recurrent state and the convolution window moved past it | recording, then crop |
-| `DummyLayer` | KV-sharing, MLP-only | nothing | nothing |
+| `LinearAttentionLayer` | gated delta rule (Qwen3-Next, Qwen3.5), Mamba-2 (Nemotron-H) | the recurrent state and the convolution window moved past it | recording, then crop |
+| `LinearAttentionLayer`, conv state only | short convolution (LFM2) | the convolution window moved past it | recording, then crop |
+| `LinearAttentionAndFullAttentionLayer` | attention and Mamba-2 in one layer (Falcon-H1) | both of the above | recording, then crop |
+| `DummyLayer` | KV-sharing, MLP- and MoE-only blocks (Nemotron-H) | nothing | nothing |
 
 "Recording" is transformers' own mechanism for assisted generation
 (`activate_past_recording(recurrent_states_to_keep=W)`, then `crop(-r)`), chosen over

@@ -26,6 +26,9 @@ it has one of UNDECLARED_MIXING_FIELDS: then a type without a rule):
 | `hybrid`            | full attention's, and a Mamba-2 state      | the full mask, and the state  |
 |                     | from zero at the document start            | as `linear_attention`'s       |
 | `mlp`, `moe`        | its own token (they mix no tokens)         | nothing: packed as they are   |
+| `indexed_attention` | the `index_topk` earlier tokens of its     | the full mask, which its      |
+|                     | document its indexer scores highest        | indexer applies to its scores |
+|                     |                                            | before the top-k (see below)  |
 
 Window conventions are transformers' own (masking_utils.sliding_window_overlay:
 `kv_idx > q_idx − sliding_window`; chunked_overlay: `kv_idx // C == q_idx // C` on
@@ -57,21 +60,41 @@ Llama-4 scales the queries of its NoPE layers by a function of the *row index*
 Layers that mix no tokens (`mlp`, `moe`: Nemotron-H's attention-free blocks) need no
 rule: a packed row runs them as they are, and they take no mask.
 
-Any other layer type (`indexed_attention`: DeepSeek-V3.2's indexer, or a type
-newer than this table) has no rule here, and its rows run each document alone, as
-linear attention's do: exact by construction for any causal model (each document's
+DeepSeek-V3.2's sparse attention (`indexed_attention`): a lightning indexer scores
+every earlier key, keeps the `index_topk` best per query, and the MLA attention sees
+only those. Alone, the top-k chooses among the document's keys; in a packed row it
+must too. transformers' indexers take the layer's mask and add it to their scores
+before the top-k (`index_scores + attention_mask`, or −inf where a boolean mask is
+False), and under eager / sdpa (the attention implementations fanout loads a verifier
+with) the attention ANDs the top-k's keys with that same mask: given the
+block-diagonal full mask, the top-k ranks the document's keys exactly as alone (same
+scores: positions restart per document), and a query with fewer than `index_topk`
+keys in its document, whose top-k also takes masked keys, still attends to none of
+them. That holds for the indexer classes whose forward was read for it
+(`MASK_AWARE_INDEXERS`, transformers 5.25): the verifier checks every
+`indexed_attention` layer holds one (`PackingRule.with_indexers`); a layer whose
+indexer is another class (one that selects compressed blocks over the whole row, say)
+makes the type one without a rule, as below. Ties in the scores at the k-th place
+may be broken differently packed and alone (torch's top-k order among equal values),
+as they may between any two batch shapes. Its attention is transformers' own, never
+fanout's (`own_attention`): fanout.model.local_attention does not apply a top-k.
+
+Any other layer type (a type newer than this table) has no rule here, and its rows
+run each document alone, as linear attention's do without a varlen forward: exact by construction for any causal model (each document's
 forward is the one plain transformers runs for it), only slower (one forward per
 length-batch of documents instead of one per batch of rows), with one warning at load
 naming the type (`unruled_warning`). transformers' own attention and masks run them
 (fanout.model.local_attention is not entered: it knows only the types above).
 `strict` (`--strict-layer-types`) refuses such a verifier at load instead, in one
 line naming the type and the verifier. The list of what is known is the table above,
-never a list of model names.
+never a list of model names (MASK_AWARE_INDEXERS, like fanout.model.varlen_layers'
+FORWARDS, lists the transformers classes whose forward the rule was read from).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -84,7 +107,8 @@ CHUNKED = "chunked_attention"
 LINEAR = "linear_attention"
 CONV = "conv"  # LFM2's gated short causal convolution
 HYBRID = "hybrid"  # Falcon-H1: full attention and Mamba-2 in parallel in one layer
-MASKED_TYPES = (FULL, SLIDING, CHUNKED)  # exact in a packed row given their mask
+INDEXED = "indexed_attention"  # DeepSeek-V3.2: MLA over the keys its indexer's top-k keeps
+MASKED_TYPES = (FULL, SLIDING, CHUNKED, INDEXED)  # exact in a packed row given their mask
 # exact with each document run as its own sequence, or packed with their state reset
 # at each document start (`PackingRule.varlen`)
 ALONE_TYPES = (LINEAR, CONV, HYBRID)
@@ -95,6 +119,21 @@ KNOWN_TYPES = MASKED_TYPES + ALONE_TYPES + TOKENWISE_TYPES
 # convolutions): all-full is not derived for such a config; its layers get a type
 # without a rule, so documents run alone.
 UNDECLARED_MIXING_FIELDS = ("attention_layers", "attn_layers", "keep_window_size", "conv_L_cache")
+# Indexer classes (transformers 5.25) whose forward adds the layer's mask to its scores
+# before the top-k, and whose attention ANDs the chosen keys with that mask under eager
+# and sdpa; each read for it (DeepSeek-V3.2's and the copies transformers generates from
+# it). An `indexed_attention` layer holding none of them has no rule.
+MASK_AWARE_INDEXERS = frozenset(
+    {
+        "DeepseekV32Indexer",
+        "GlmMoeDsaIndexer",
+        "MistralLarge4TextIndexer",
+        "AXK2Indexer",
+        "HYV4Indexer",
+        "HYV4VLIndexer",
+        "Dots3NoteTextIndexer",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +199,37 @@ class PackingRule:
             row_index_scale_from=scale_from,
             unruled=tuple(unknown),
         )
+
+    def with_indexers(
+        self, layers: Sequence[torch.nn.Module], path: str, *, strict: bool = False
+    ) -> PackingRule:
+        """This rule, seen with the verifier's decoder `layers`: `indexed_attention`
+        keeps its rule only where every such layer holds an indexer of
+        MASK_AWARE_INDEXERS; else it becomes a type without a rule (its rows run each
+        document alone), or, `strict`, a ConfigError naming `path` and the class."""
+        if INDEXED not in self.layer_types:
+            return self
+        for i, t in enumerate(self.layer_types):
+            if t != INDEXED:
+                continue
+            if any(type(m).__name__ in MASK_AWARE_INDEXERS for m in layers[i].modules()):
+                continue
+            if strict:
+                raise ConfigError(
+                    f"verifier {path}: layer {i} ({INDEXED}) holds no indexer fanout knows "
+                    f"masks its scores by document ({', '.join(sorted(MASK_AWARE_INDEXERS))}); "
+                    "--strict-layer-types refuses to capture it (without it, each document "
+                    "would run alone)"
+                )
+            return replace(self, unruled=tuple(sorted({*self.unruled, INDEXED})))
+        return self
+
+    @property
+    def own_attention(self) -> bool:
+        """Whether fanout's own attention functions (fanout.model.local_attention,
+        fanout.model.packed_attention) may run this verifier's attention layers: no
+        type without a rule, and no indexer's top-k (they do not apply one)."""
+        return not self.unruled and INDEXED not in self.layer_types
 
     def unruled_warning(self, path: str) -> str | None:
         """The one warning a verifier with layer types without a rule gets at load

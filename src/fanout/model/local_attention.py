@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,42 +88,75 @@ def swapped_attention(
         var.reset(token)
 
 
-def attend(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    **_kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [B, H, L, D], key [B, Hkv, L, D],
-    value [B, Hkv, L, Dv], no cache; returns ([B, L, H, Dv], None)."""
-    rule = _RULE.get()
-    if rule is None:
-        raise RuntimeError(f"{NAME} attention runs only inside fanout's local_attention block")
-    if attention_mask is not None or query.shape[2] != key.shape[2]:
-        raise RuntimeError(f"{NAME} attention takes no mask and no cache (one sequence per row)")
-    if module.training and dropout > 0:
-        raise RuntimeError(f"{NAME} attention is for inference (no dropout)")
-    i = int(module.layer_idx)
+@dataclass(frozen=True, slots=True)
+class AttentionCall:
+    """One layer's call of a fanout attention function, checked (`attention_function`):
+    query [B, H, L, D], key [B, Hkv, L, D], value [B, Hkv, L, Dv], no mask, no cache."""
+
+    module: Any  # the attention layer (its `layer_idx`)
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    sliding_window: int | None  # what transformers passes for the layer
+    softcap: float | None  # Gemma-2's logit soft-capping
+    sinks: torch.Tensor | None  # gpt-oss's attention sinks (`s_aux`), one logit per head
+
+
+def attention_function(
+    name: str, var: ContextVar[Any], body: Callable[[AttentionCall, Any], torch.Tensor]
+) -> Callable[..., tuple[torch.Tensor, None]]:
+    """transformers' attention function registered as `name` (`swapped_attention`): the
+    contract every fanout implementation shares (its signature, no mask, no cache, no
+    dropout, the default scale, the output layout) in one place, around `body(call,
+    state)` → [B, H, L, Dv], `state` the value `var` holds inside the implementation's
+    block."""
+
+    def attend(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        s_aux: torch.Tensor | None = None,
+        **_kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention-function signature: query [B, H, L, D], key [B, Hkv,
+        L, D], value [B, Hkv, L, Dv], no cache; returns ([B, L, H, Dv], None)."""
+        state = var.get()
+        if state is None:
+            raise RuntimeError(f"{name} attention runs only inside {body.__module__}'s block")
+        if attention_mask is not None or query.shape[2] != key.shape[2]:
+            raise RuntimeError(f"{name} attention takes no mask and no cache (whole rows)")
+        if module.training and dropout > 0:
+            raise RuntimeError(f"{name} attention is for inference (no dropout)")
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        call = AttentionCall(module, query, key, value, scale, sliding_window, softcap, s_aux)
+        return body(call, state).transpose(1, 2).contiguous(), None  # [B, L, H, Dv]
+
+    return attend
+
+
+def _layer_blocks(call: AttentionCall, rule: PackingRule) -> torch.Tensor:
+    """One layer of a document run alone, its type read from `rule` by `layer_idx`."""
+    i = int(call.module.layer_idx)
     kind = rule.layer_types[i]
     size = {SLIDING: rule.sliding_window, CHUNKED: rule.chunk_size}.get(kind)
-    if sliding_window is not None and (kind != SLIDING or sliding_window != size):
+    if call.sliding_window is not None and (kind != SLIDING or call.sliding_window != size):
         raise RuntimeError(
-            f"layer {i}: transformers passes sliding_window={sliding_window}, the packing rule "
-            f"has {kind} with window {size}"
+            f"layer {i}: transformers passes sliding_window={call.sliding_window}, the "
+            f"packing rule has {kind} with window {size}"
         )
-    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    if softcap is not None or s_aux is not None:
-        out = eager_blocks(query, key, value, kind, size, scale, softcap, s_aux)
-    else:
-        out = sdpa_blocks(query, key, value, kind, size, scale)
-    return out.transpose(1, 2).contiguous(), None  # [B, L, H, Dv]
+    if call.softcap is not None or call.sinks is not None:
+        return eager_blocks(call, kind, size)
+    return sdpa_blocks(call, kind, size)
+
+
+attend = attention_function(NAME, _RULE, _layer_blocks)
 
 
 def _sdpa(
@@ -151,16 +185,11 @@ def _unblocks(x: torch.Tensor, b: int, length: int) -> torch.Tensor:
     return x.unflatten(0, (b, -1)).transpose(1, 2).flatten(2, 3)[:, :, :length]
 
 
-def sdpa_blocks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kind: str,
-    size: int | None,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of one layer type through SDPA: [B, H, L, D] queries, [B, Hkv,
-    L, D] keys, [B, Hkv, L, Dv] values → [B, H, L, Dv]. `size`: the window / chunk."""
+def sdpa_blocks(call: AttentionCall, kind: str, size: int | None) -> torch.Tensor:
+    """Causal attention of one layer type through SDPA: the call's [B, H, L, D] queries,
+    [B, Hkv, L, D] keys, [B, Hkv, L, Dv] values → [B, H, L, Dv]. `size`: the window /
+    chunk."""
+    q, k, v, scale = call.q, call.k, call.v, call.scale
     b, _h, n_tok, _d = q.shape
     if kind == FULL or size is None or n_tok <= size:
         return _sdpa(q, k, v, scale, causal=True)  # a window or chunk this long never binds
@@ -191,20 +220,12 @@ def sdpa_blocks(
     return torch.cat([first, rest], dim=2)  # [B, H, L, Dv]
 
 
-def eager_blocks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kind: str,
-    size: int | None,
-    scale: float,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """Causal attention of one layer type in eager's math, with logit soft-capping
-    (Gemma-2) and / or attention sinks (gpt-oss, one logit per head): shapes as
-    `sdpa_blocks`. Query blocks never cross a chunk start; each sees only the keys
-    its layer type may (full: every earlier one)."""
+def eager_blocks(call: AttentionCall, kind: str, size: int | None) -> torch.Tensor:
+    """Causal attention of one layer type in eager's math, with the call's logit
+    soft-capping (Gemma-2) and / or attention sinks (gpt-oss, one logit per head):
+    shapes as `sdpa_blocks`. Query blocks never cross a chunk start; each sees only the
+    keys its layer type may (full: every earlier one)."""
+    q, k, v, scale, softcap, sinks = call.q, call.k, call.v, call.scale, call.softcap, call.sinks
     b, h, n_tok, _d = q.shape
     rep = h // k.shape[1]
     span = n_tok if kind == FULL or size is None else min(n_tok, size)  # keys a query may see

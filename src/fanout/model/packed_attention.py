@@ -35,39 +35,60 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fanout.model.local_attention import swapped_attention
-from fanout.ops.varlen_scan import SegmentLayout
+from fanout.model.local_attention import AttentionCall, attention_function, swapped_attention
+from fanout.ops.varlen_scan import SegmentLayout, host_to_device
 
 NAME = "fanout_packed"  # the attention implementation's name in transformers' registry
 BLOCK = 128  # queries per block
 
 
 @dataclass(frozen=True, slots=True)
+class _Bucket:
+    """The query blocks that see `back` keys before their first query (a multiple of
+    BLOCK), and their mask."""
+
+    back: int
+    rows: torch.Tensor  # [P] long: each block's row
+    cols: torch.Tensor  # [P] long: its index within the row
+    flat: torch.Tensor  # [P] long: row · n + index, into the [B·n] blocks
+    mask: torch.Tensor  # [P, 1, BLOCK, back + BLOCK] bool
+
+
+@dataclass(frozen=True, slots=True)
 class _Blocks:
-    """The query blocks of [B, T] rows and their keys' mask, shared by every layer."""
+    """The query blocks of [B, T] rows and their keys' masks, shared by every layer:
+    blocks bucketed by how far back their first query's document began (rounded up to
+    BLOCK), so a block after a document start reads few keys, not the row's furthest."""
 
     t: int
     n: int  # blocks per row
-    back: int  # keys before a block's first query that it may see
-    mask: torch.Tensor  # [B·n, 1, BLOCK, back + BLOCK] bool
+    back: int  # the most keys before a block's first query any block may see
+    buckets: tuple[_Bucket, ...]
 
     @classmethod
     def of(cls, layout: SegmentLayout) -> _Blocks:
         seg = layout.segment  # [B, T]
         b, t = seg.shape
         n = math.ceil(t / BLOCK)
-        back = int(layout.host_offset[:, ::BLOCK].max())  # the host copy: no device sync
-        span = back + BLOCK
+        # per block, its first query's offset rounded up to BLOCK: on the host copy (no sync)
+        need = (layout.host_offset[:, ::BLOCK] + BLOCK - 1) // BLOCK * BLOCK  # [B, n]
+        back = int(need.max())
         # segment ids ≥ 0; −2 left of the row (seen by no query), −1 right of it (the
         # queries past the end see each other: no empty softmax row)
         keys = F.pad(F.pad(seg, (back, 0), value=-2), (0, n * BLOCK - t), value=-1)
-        ks = keys.unfold(1, span, BLOCK).flatten(0, 1)  # [B·n, span]: block j's keys
-        qs = F.pad(seg, (0, n * BLOCK - t), value=-1).view(b * n, BLOCK)  # [B·n, Q]
+        qs = F.pad(seg, (0, n * BLOCK - t), value=-1).view(b, n, BLOCK)  # [B, n, Q]
         a = torch.arange(BLOCK, device=seg.device)[:, None]  # [Q, 1] query in its block
-        c = torch.arange(span, device=seg.device)[None, :]  # [1, span] key in the window
-        causal = c - back <= a  # [Q, span]
-        mask = (qs[:, :, None] == ks[:, None, :]) & causal  # [B·n, Q, span]
-        return cls(t, n, back, mask[:, None])
+        buckets = []
+        for w in need.unique().tolist():
+            rows, cols = (need == w).nonzero().unbind(1)  # [P] each, host
+            flat = rows * n + cols
+            rows, cols, flat = (host_to_device(x, seg.device) for x in (rows, cols, flat))
+            span = w + BLOCK
+            ks = keys[:, back - w :].unfold(1, span, BLOCK)[rows, cols]  # [P, span]
+            c = torch.arange(span, device=seg.device)[None, :]  # [1, span] key in the window
+            mask = (qs[rows, cols][:, :, None] == ks[:, None, :]) & (c - w <= a)  # [P, Q, span]
+            buckets.append(_Bucket(w, rows, cols, flat, mask[:, None]))
+        return cls(t, n, back, tuple(buckets))
 
 
 _BLOCKS: ContextVar[_Blocks | None] = ContextVar("fanout_packed_blocks", default=None)
@@ -81,54 +102,42 @@ def packed_attention(config: Any, layout: SegmentLayout) -> Iterator[None]:
         yield
 
 
-def attend(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    s_aux: torch.Tensor | None = None,
-    **_kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: query [B, H, T, D], key [B, Hkv, T, D],
-    value [B, Hkv, T, Dv], no cache; returns ([B, T, H, Dv], None)."""
-    blocks = _BLOCKS.get()
-    if blocks is None:
-        raise RuntimeError(f"{NAME} attention runs only inside fanout's packed_attention block")
-    if attention_mask is not None or query.shape[2] != key.shape[2] or query.shape[2] != blocks.t:
-        raise RuntimeError(f"{NAME} attention takes the packed rows whole: no mask, no cache")
-    if sliding_window is not None or softcap is not None or s_aux is not None:
-        raise RuntimeError(f"{NAME} attention is causal full attention only (layer {module})")
-    if module.training and dropout > 0:
-        raise RuntimeError(f"{NAME} attention is for inference (no dropout)")
-    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-    out = document_blocks(query, key, value, blocks, scale)  # [B, H, T, Dv]
-    return out.transpose(1, 2).contiguous(), None
+def _document_blocks(call: AttentionCall, blocks: _Blocks) -> torch.Tensor:
+    """One layer over the packed rows of `blocks` (`document_blocks`), full attention."""
+    if call.q.shape[2] != blocks.t:
+        raise RuntimeError(f"{NAME} attention takes the packed rows whole ({blocks.t} tokens)")
+    if call.sliding_window is not None or call.softcap is not None or call.sinks is not None:
+        layer = getattr(call.module, "layer_idx", "?")
+        raise RuntimeError(f"{NAME} attention is causal full attention only (layer {layer})")
+    return document_blocks(call.q, call.k, call.v, blocks, call.scale)  # [B, H, T, Dv]
+
+
+attend = attention_function(NAME, _BLOCKS, _document_blocks)
 
 
 def document_blocks(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: _Blocks, scale: float
 ) -> torch.Tensor:
     """[B, H, T, D] queries, [B, Hkv, T, D] keys, [B, Hkv, T, Dv] values → [B, H, T, Dv]:
-    each query attends to the earlier keys of its own segment."""
+    each query attends to the earlier keys of its own segment (one SDPA per bucket)."""
     b, h, t, _d = q.shape
     n, back = blocks.n, blocks.back
-    span = back + BLOCK
     qb = F.pad(q, (0, 0, 0, n * BLOCK - t))  # [B, H, n·Q, D]
     qb = qb.unflatten(2, (n, BLOCK)).transpose(1, 2).flatten(0, 1)  # [B·n, H, Q, D]
-    kb, vb = (
-        F.pad(x, (0, 0, back, n * BLOCK - t))  # [B, Hkv, back + n·Q, d]
-        .unfold(2, span, BLOCK)  # [B, Hkv, n, d, span]: block j's keys
-        .permute(0, 2, 1, 4, 3)  # [B, n, Hkv, span, d]
-        .flatten(0, 1)  # [B·n, Hkv, span, d] (a copy)
-        for x in (k, v)
-    )
-    out = F.scaled_dot_product_attention(
-        qb, kb, vb, attn_mask=blocks.mask, scale=scale, enable_gqa=h != k.shape[1]
-    )  # [B·n, H, Q, Dv]
+    kp, vp = (F.pad(x, (0, 0, back, n * BLOCK - t)) for x in (k, v))  # [B, Hkv, back + n·Q, d]
+    out = q.new_empty((b * n, h, BLOCK, v.shape[-1]))  # [B·n, H, Q, Dv]
+    for bk in blocks.buckets:
+        span = bk.back + BLOCK
+        kb, vb = (
+            x[:, :, back - bk.back :]
+            .unfold(2, span, BLOCK)  # [B, Hkv, n, d, span]: block j's keys (a view)
+            .permute(0, 2, 1, 4, 3)[bk.rows, bk.cols]  # [P, Hkv, span, d] (a copy)
+            for x in (kp, vp)
+        )
+        o = F.scaled_dot_product_attention(
+            qb.index_select(0, bk.flat), kb, vb, attn_mask=bk.mask, scale=scale,
+            enable_gqa=h != k.shape[1],
+        )  # fmt: skip
+        out.index_copy_(0, bk.flat, o)  # [P, H, Q, Dv] back to their blocks
     out = out.unflatten(0, (b, n)).transpose(1, 2).flatten(2, 3)  # [B, H, n·Q, Dv]
     return out[:, :, :t]

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from fanout.model.layer_types import ALONE_TYPES, PackingRule
 from fanout.ops.varlen_scan import (
+    CHUNK,
     SegmentLayout,
     causal_conv1d_varlen,
     gated_delta_rule_varlen,
@@ -120,7 +121,10 @@ def mamba2_mixer(
     (their torch path, as at inference) over packed rows [B, T, H] → [B, T, H]: in_proj
     into gate, x·B·C and dt (Falcon-H1: the input scaled by `ssm_in_multiplier`, the
     projection by `mup_vector`); the causal conv1d (its activation) and the SSD scan
-    (dt_bias, softplus, the time-step clamp; D skip), both reset per document; the gated
+    (dt_bias, softplus, the time-step clamp; D skip), both reset per document, the scan
+    in chunks of CHUNK tokens whatever the module's `chunk_size` (the recurrence is the
+    same at any chunk, in another float order; the pair terms cost T × chunk per head,
+    and the released 128 / 256 would cost 2-4× more than 64 where heads are small); the gated
     group RMS norm (Falcon-H1 without `mamba_rms_norm`: the silu gate alone); out_proj."""
     if cache is not None:
         raise RuntimeError("packed recurrent layers run without a cache (use_cache=False)")
@@ -143,7 +147,7 @@ def mamba2_mixer(
     y = ssd_varlen(
         x, dt, -torch.exp(m.A_log.float()),
         b_in.reshape(b, t, m.n_groups, -1), c_in.reshape(b, t, m.n_groups, -1), layout,
-        chunk=m.chunk_size,
+        chunk=CHUNK,
     )  # fmt: skip
     y = y + m.D[..., None] * x.float()  # the skip term
     y = y.reshape(b, t, -1)

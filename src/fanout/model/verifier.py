@@ -191,7 +191,7 @@ class Verifier:
         # weights load too); else their rows run each document alone, said once here
         self.rule = PackingRule.from_config(
             model.config, config.path, strict=config.strict_layer_types
-        )
+        ).with_indexers(layers, config.path, strict=config.strict_layer_types)
         if (warning := self.rule.unruled_warning(config.path)) is not None:
             log.warning("%s", warning)
         # recurrent layers whose mixers fanout runs with per-document resets: their rows
@@ -202,10 +202,11 @@ class Verifier:
         self.attn_implementation: str = text_cfg._attn_implementation  # after fallbacks
         self.dense_mask_max_bytes = DENSE_MASK_MAX_BYTES
         # False: transformers' own masks alone (a benchmark's baseline; always for layer
-        # types without a rule, whose attention local_attention does not know, and for
+        # types without a rule, whose attention local_attention does not know, for an
+        # indexer's top-k, which it does not apply (PackingRule.own_attention), and for
         # `hybrid` layers whose mixers fanout has no forward for: their attention may be
         # a block shared by several layers with no layer index of its own, as Zamba's)
-        self.local_attention = not self.rule.unruled and (
+        self.local_attention = self.rule.own_attention and (
             HYBRID not in self.rule.layer_types or bool(self.mixers)
         )
         self.num_layers: int = len(layers)

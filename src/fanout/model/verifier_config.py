@@ -67,7 +67,7 @@ class VerifierOptions(BaseModel):
     strict_layer_types: bool = Field(
         False,
         description="refuse a verifier with a layer type fanout has no packing rule for "
-        "(indexed_attention, ...) instead of running each document of a row "
+        "(compressed_sparse_attention, ...) instead of running each document of a row "
         "alone (exact, slower; docs/producer.md)",
     )
     tp_timeout_s: float = Field(

@@ -12,6 +12,11 @@ the config the same way (fanout.checkpoints.load). A multimodal checkpoint
 `text_config`, tensors by the names its layout gives them (`text_tensors`: plain
 `model.*`, `model.language_model.*` or `language_model.model.*`), the head tied or not
 as the top-level config says (Gemma-3: tied at the top, untied in `text_config`).
+Hybrid checkpoints name theirs otherwise and are read by the same rule (`_TEXT_NAMES`):
+the final norm `model.final_layernorm` (Falcon-H1) or `model.embedding_norm` (LFM2), a
+`backbone.embeddings` / `backbone.norm_f` text model (Nemotron-H); the layer count is
+the per-layer list's length where a config lists its layers (`num_hidden_layers`:
+Nemotron-H's `layers_block_type`, its config.json having no `num_hidden_layers`).
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 
 def read_verifier_config(vdir: Path) -> dict[str, Any]:
-    """DraftConfig fields from a HF `config.json` (+ `_num_hidden_layers`): the text
-    model's (a multimodal config's `text_config`), with the head's tie flag as the
-    checkpoint's top level declares it (`tied_head`)."""
+    """DraftConfig fields from a HF `config.json` (+ `_num_hidden_layers`, the function
+    `num_hidden_layers`'s count): the text model's (a multimodal config's `text_config`), with
+    the head's tie flag as the checkpoint's top level declares it (`tied_head`) and the
+    norm epsilon under whichever of `_NORM_EPS_FIELDS` the config uses."""
     path = vdir / "config.json"
     try:
         top = json.loads(path.read_text())
@@ -50,15 +56,50 @@ def read_verifier_config(vdir: Path) -> dict[str, Any]:
             "num_attention_heads": c["num_attention_heads"],
             "num_key_value_heads": c.get("num_key_value_heads", c["num_attention_heads"]),
             "head_dim": c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            "rms_norm_eps": c.get("rms_norm_eps", 1e-6),
+            "rms_norm_eps": _first(c, _NORM_EPS_FIELDS, 1e-6),
             "rope_theta": _rope_theta(c),
             "max_position_embeddings": c.get("max_position_embeddings", 40960),
             "vocab_size": c["vocab_size"],
             "tie_word_embeddings": bool(tied_head(top)),
-            "_num_hidden_layers": c["num_hidden_layers"],
+            "_num_hidden_layers": num_hidden_layers(c, path),
         }
     except KeyError as e:
         raise ConfigError(f"{path}: missing field {e.args[0]!r}") from e
+
+
+# The fields a text config gives its RMSNorm epsilon under, tried in order: most models;
+# Nemotron-H (and Mamba); LFM2.
+_NORM_EPS_FIELDS = ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
+# The fields a text config gives its decoder-layer count by, tried in order: the per-layer
+# lists that make the stack first (Nemotron-H builds one layer per entry of
+# `layers_block_type`, or of a checkpoint's older `hybrid_override_pattern` string, one
+# character per layer, whatever a stale `num_hidden_layers` beside it says), then
+# `num_hidden_layers` (every other model), then `layer_types`.
+_LAYER_COUNT_FIELDS = (
+    "layers_block_type",
+    "hybrid_override_pattern",
+    "num_hidden_layers",
+    "layer_types",
+)
+
+
+def _first(c: dict[str, Any], fields: tuple[str, ...], default: Any) -> Any:
+    """The value of the first of `fields` that `c` sets (not None), else `default`."""
+    return next((c[f] for f in fields if c.get(f) is not None), default)
+
+
+def num_hidden_layers(c: dict[str, Any], where: Path | str) -> int:
+    """The decoder-layer count of text config `c` (`_LAYER_COUNT_FIELDS`: an int, or
+    the length of a per-layer list or pattern); ConfigError naming `where` when it
+    declares none."""
+    v = _first(c, _LAYER_COUNT_FIELDS, None)
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    if isinstance(v, list | str) and len(v) > 0:
+        return len(v)
+    raise ConfigError(
+        f"{where}: no decoder-layer count (looked for {', '.join(_LAYER_COUNT_FIELDS)}; got {v!r})"
+    )
 
 
 def _rope_theta(c: dict[str, Any]) -> float:
@@ -84,8 +125,19 @@ def tied_head(config: dict[str, Any]) -> bool | None:
 # Where a checkpoint keeps its text model's tensors, tried in this order: a causal LM
 # (`model.`); a multimodal one as transformers >= 4.52 names it (`model.language_model.`,
 # Qwen3.5, Qwen3-VL); as older ones do and Gemma-3's conversion mapping still saves it
-# (`language_model.model.`).
-_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+# (`language_model.model.`); a Mamba-style backbone (`backbone.`: Nemotron-H, Mamba).
+_TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "backbone.")
+# The names a text model gives its input embedding and its final norm (the one after the
+# last decoder layer, before the head), tried in this order under each prefix: most
+# models; Falcon-H1; LFM2 (`embedding_norm`, applied after the last layer whatever its
+# name says); Mamba-style backbones (Nemotron-H). Names, not model types: a checkpoint
+# of another architecture with one of these layouts is read the same way.
+_TEXT_NAMES = (
+    ("embed_tokens", "norm"),
+    ("embed_tokens", "final_layernorm"),
+    ("embed_tokens", "embedding_norm"),
+    ("embeddings", "norm_f"),
+)
 _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 # model_types whose final norm scales by (1 + w) rather than w (Gemma's RMSNorm; Qwen3.5's
 # and Qwen3-Next's compute `output * (1.0 + weight)`), matched on the text config's
@@ -127,23 +179,27 @@ def text_tensors(vdir: Path) -> TextTensors:
     """The names of the verifier's text embedding, final norm and head in its checkpoint,
     read from the safetensors index (or the single file's header) and `config.json`.
 
-    The text model is the first of `model.` / `model.language_model.` /
-    `language_model.model.` that holds both `embed_tokens.weight` and `norm.weight`. The
-    head is tied when the config says so (`tied_head`); when it says nothing, when no
-    head tensor exists. Raises ConfigError naming the directory and what is missing
-    (a declared untied head without an `lm_head.weight` included)."""
+    The text model is the first of `_TEXT_PREFIXES` (`model.`, `model.language_model.`,
+    `language_model.model.`, `backbone.`) that holds both tensors of one of
+    `_TEXT_NAMES`' layouts (`embed_tokens` + `norm`, `final_layernorm` or
+    `embedding_norm`; `embeddings` + `norm_f`). The head is tied when the config says
+    so (`tied_head`); when it says nothing, when no head tensor exists. Raises
+    ConfigError naming the directory and what is missing (a declared untied head
+    without an `lm_head.weight` included)."""
     keys = _tensor_names(vdir)
     top = _read_config(vdir)
-    for prefix in _TEXT_PREFIXES:
-        embed, norm = f"{prefix}embed_tokens.weight", f"{prefix}norm.weight"
-        if embed in keys and norm in keys:
-            break
-    else:
-        tried = ", ".join(f"{p}{{embed_tokens,norm}}.weight" for p in _TEXT_PREFIXES)
+    found = next(
+        ((f"{p}{e}.weight", f"{p}{n}.weight") for p in _TEXT_PREFIXES for e, n in _TEXT_NAMES
+         if f"{p}{e}.weight" in keys and f"{p}{n}.weight" in keys),
+        None,
+    )  # fmt: skip
+    if found is None:
+        names = ", ".join(f"{e} + {n}" for e, n in _TEXT_NAMES)
         raise ConfigError(
             f"verifier {vdir}: no text model's embedding and final norm in its weights "
-            f"(looked for {tried})"
+            f"(looked for {names} under {', '.join(_TEXT_PREFIXES)}; each + '.weight')"
         )
+    embed, norm = found
     head = next((n for n in _HEAD_NAMES if n in keys), None)
     tied = tied_head(top)
     if tied is False and head is None:

@@ -12,7 +12,9 @@ would carry each document's state into the next. Here every segment (a document;
 padding token alone) starts from the state it has alone, zero:
 - the causal conv1d sums its K taps only over sources in the token's own segment
   (`SegmentLayout.offset`: a tap reaching back past the segment start reads zero,
-  which is the left zero padding a sequence alone gets);
+  which is the left zero padding a sequence alone gets): one conv1d over the rows,
+  then the tokens fewer than K − 1 into their segment computed again from their own
+  taps (a gather: ~K tokens per document);
 - the chunked gated delta rule (and Mamba-2's chunked SSD scan, the same without the
   delta rule's UT system) runs on the rows as they are, in chunks of 64 tokens
   that may hold several segments. Within a chunk, the pair terms (the UT system and
@@ -24,7 +26,16 @@ padding token alone) starts from the state it has alone, zero:
   underflows for crossing another document. Per document this is the recurrence
   transformers computes alone, only chunked at other token offsets (float order).
 No token is added or moved: one sequential step per 64 tokens of a row, whatever its
-documents.
+documents, batched over rows and heads.
+
+How it is laid out (the CPU cost is the pair terms: T × chunk per head, a few passes
+each): chunk-major [n, B, H, C, ...] tensors, so the sequential loop reads contiguous
+slices and every other step is one batched op over all chunks; the loop only carries
+the state (the gated delta rule's 2 baddbmm per chunk, Mamba-2's 1 addcmul), and the
+state reads of all chunks are one bmm after it; q/k heads (and Mamba-2's groups) stay
+unrepeated, broadcast to their value heads; the pair decays are masked and
+exponentiated in place, and the intra-chunk scores reuse their memory; one triangular
+solve takes both right-hand sides.
 
 Why hand-written: transformers' torch fallbacks (the only path on CPU, and on CUDA
 without flash-linear-attention / causal-conv1d / mamba-ssm) take `cu_seq_lens_q` only
@@ -50,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # transformers' chunk_size for the gated delta rule
+GROUP_FLOATS = 1 << 16  # CPU: a group of chunks' pair terms, 256 KiB (L2-sized; measured)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,23 +116,43 @@ def causal_conv1d_varlen(
 ) -> torch.Tensor:
     """Depthwise causal conv1d of [B, C, T] rows, each segment zero-padded on its left:
     out[t] = Σ_j weight[:, j] · x[t − (K − 1 − j)] over sources in t's segment
-    (weight [C, K], bias [C] or None); then `activation` (silu or None)."""
+    (weight [C, K], bias [C] or None); then `activation` (silu or None).
+
+    The K taps summed over the rows as they are (K fused multiply-adds over the row,
+    half the CPU time of a depthwise conv1d; transformers' torch path is that conv1d,
+    the same sum in another float order), then the few tokens nearer their segment's
+    start than K − 1, whose taps crossed into the segment before, computed again from
+    their own segment's taps alone (a gather of [P, K, C])."""
     k = weight.shape[-1]
     t = x.shape[-1]
     w = weight.to(x.dtype)
+    b_ = None if bias is None else bias.to(x.dtype)
     out = x * w[:, k - 1, None]  # [B, C, T] the tap on the token itself
-    for s in range(1, k):  # tap reaching s tokens back
-        if s >= t:
-            break
-        keep = (layout.offset[:, None, s:] >= s).to(x.dtype)  # [B, 1, T − s]
-        out[..., s:] += x[..., :-s] * w[:, k - 1 - s, None] * keep
-    if bias is not None:
-        out = out + bias.to(x.dtype)[:, None]
+    for s in range(1, min(k, t)):  # the tap reaching s tokens back
+        out[..., s:].addcmul_(x[..., :-s], w[:, k - 1 - s, None])
+    if b_ is not None:
+        out += b_[:, None]
+    near = (layout.host_offset < k - 1).nonzero()  # [P, 2] (row, column), on the host
+    if k > 1 and near.numel():
+        rows, cols = host_to_device(near, x.device).unbind(1)  # [P] each
+        taps = torch.arange(k, device=x.device)  # tap s reads s tokens back
+        inside = taps <= layout.offset[rows, cols][:, None]  # [P, K]: within the segment
+        src = (cols[:, None] - taps).clamp(min=0)  # [P, K]
+        xs = x[rows[:, None], :, src] * inside[..., None]  # [P, K, C]
+        fixed = (xs * w.flip(-1).T).sum(1)  # [P, C]: weight[:, K − 1 − s] on tap s
+        out[rows, :, cols] = fixed if b_ is None else fixed + b_
     if activation in ("silu", "swish"):
         out = F.silu(out)
     elif activation is not None:
         raise ValueError(f"causal_conv1d_varlen: activation {activation!r} (silu or None)")
     return out
+
+
+def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` (through pinned memory to CUDA: no host sync)."""
+    if device.type != "cuda" or x.device.type == "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -161,74 +193,127 @@ def gated_delta_rule_varlen(
     if fla is not None:
         return _gated_delta_rule_fla(fla, q, k, v, g, beta, layout, use_qk_l2norm)
     dtype = v.dtype
-    b, t, hk, dk = k.shape
+    b, t, _hk, dk = k.shape
     hv, dv = v.shape[-2:]
-    if hk != hv:
-        q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
-    # [B, H, T, d] float32, as transformers' torch path computes
-    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
-    beta, g = (x.transpose(1, 2).float() for x in (beta, g))  # [B, H, T]
+    c = chunk
+    n = -(-t // c)  # chunks per row
+    q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * dk**-0.5
-    c = chunk
-    pad = (c - t % c) % c
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    n = (t + pad) // c
-    same, cont, last, carry = _chunk_segments(layout, c)  # [B, 1, n, (C, )C], [B, 1, n]
-    ar = torch.arange(c, device=q.device)
-    q, k, v = (x.unflatten(2, (n, c)) for x in (q, k, v))  # [B, H, n, C, d]
-    beta, g = beta.unflatten(2, (n, c)), g.unflatten(2, (n, c))  # [B, H, n, C]
-    v_beta = v * beta[..., None]
-    k_beta = k * beta[..., None]
-    upper = ar[None, :] > ar[:, None]  # [C, C] strictly upper: a later key
-    cum = g.cumsum(dim=-1)  # [B, H, n, C] log decay from the chunk start
-    # decay from key j to query i; only within a segment (its g alone is summed there)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    pair = pair * same
-    ut = (k_beta @ k.transpose(-1, -2)) * pair  # [B, H, n, C, C], block-diagonal
-    intra = (q @ k.transpose(-1, -2)) * pair  # [B, H, n, C, C]
-    decay_in = cum.exp() * cont  # [B, H, n, C]: decay of the carried state at each token
-    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(
-        ut, k_beta * decay_in[..., None], upper=False, unitriangular=True
-    )
-    q = q * decay_in[..., None]
-    k = k * ((cum[..., -1:] - cum).exp() * last)[..., None]  # what the chunk's end keeps
-    chunk_decay = (cum[..., -1].exp() * carry)[..., None, None]  # [B, H, n, 1, 1]
-    state = q.new_zeros((b, hv, dk, dv))  # [B, H, dk, dv]
-    out = torch.empty_like(new_v)  # [B, H, n, C, dv]
+    # chunk-major, float32 as transformers' torch path computes: [n, B, H, C, d], [n, B, Hv, C];
+    # the q/k heads stay Hk (each value head h reads key head h // r through a broadcast)
+    q, k, v, g, beta = (_chunks(x, n, c) for x in (q, k, v, g, beta))
+    drop, cont, last, carry = _chunk_segments(layout, n, c)  # [n, B, C, C], [n, B, C] ×2, [n, B]
+    cum = g.cumsum(dim=-1)  # [n, B, Hv, C] log decay from the chunk start
+    m = b * hv  # (row, value head) pairs, the sequential loop's batch
+    out = q.new_empty((n, m, c, dv))
+    state = q.new_zeros((m, dk, dv))  # carried from group to group
+    for s, e in _groups(n, m * c * c, q.is_cuda):
+        state = _gated_delta_chunks(
+            q[s:e], k[s:e], v[s:e], cum[s:e], beta[s:e], drop[s:e], cont[s:e], last[s:e],
+            carry[s:e], state, out[s:e],
+        )  # fmt: skip
+    out = out.view(n, b, hv, c, dv).permute(1, 0, 3, 2, 4).reshape(b, n * c, hv, dv)
+    return out[:, :t].to(dtype)  # [B, T, Hv, dv]
+
+
+def _groups(n: int, floats_per_chunk: int, cuda: bool) -> list[tuple[int, int]]:
+    """The chunks [s, e) taken at a time: all at once on CUDA; on the CPU as many as keep
+    one group's [.., C, C] pair terms within GROUP_FLOATS, so the few passes over them
+    stay in cache rather than streaming the whole row's through memory."""
+    step = n if cuda else max(1, GROUP_FLOATS // floats_per_chunk)
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _gated_delta_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cum: torch.Tensor,
+    beta: torch.Tensor,
+    drop: torch.Tensor,
+    cont: torch.Tensor,
+    last: torch.Tensor,
+    carry: torch.Tensor,
+    state: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """n consecutive chunks of `gated_delta_rule_varlen` (chunk-major: q, k [n, B, Hk, C, dk],
+    v [n, B, Hv, C, dv], cum and beta [n, B, Hv, C], the masks of `_chunk_segments`),
+    from `state` [B·Hv, dk, dv] carried in; writes out [n, B·Hv, C, dv], returns the
+    state carried out."""
+    n, b, hk, c, dk = k.shape
+    hv, dv = v.shape[2], v.shape[-1]
+    r, m = hv // hk, b * hv
+    # decay from key j to query i, only within a segment (its g alone is summed there)
+    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill_(drop[:, :, None], float("-inf"))
+    pair = pair.exp_().view(n, b, hk, r, c, c)  # [n, B, Hk, r, C, C]
+    k6 = k[:, :, :, None]  # [n, B, Hk, 1, C, dk]
+    kt = k6.transpose(-1, -2)  # [n, B, Hk, 1, dk, C]
+    beta = beta.view(n, b, hk, r, c, 1)
+    ut = ((k6 * beta) @ kt).mul_(pair)  # [n, B, Hk, r, C, C] block-diagonal: one segment's pairs
+    intra = pair.mul_(q[:, :, :, None] @ kt)  # [n, B, Hk, r, C, C] (pair's memory)
+    # decay of the carried state at each token: only the chunk's first segment reads it
+    decay_in = cum.exp().mul_(cont[:, :, None]).view(n, b, hk, r, c, 1)
+    rhs = torch.cat([v.view(n, b, hk, r, c, dv) * beta, k6 * (beta * decay_in)], dim=-1)
+    sol = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    del ut, rhs
+    new_v = sol[..., :dv].reshape(n, m, c, dv)
+    k_cum = sol[..., dv:].reshape(n, m, c, dk)
+    q_in = (q[:, :, :, None] * decay_in).reshape(n * m, c, dk)
+    # what the chunk's end keeps of each key: only the chunk's last segment writes
+    keep = ((cum[..., -1:] - cum).exp_() * last[:, :, None]).view(n, b, hk, r, c, 1)
+    k_out = (k6 * keep).reshape(n, m, c, dk).transpose(-1, -2)  # [n, m, dk, C]
+    chunk_decay = (cum[..., -1].exp() * carry[:, :, None]).reshape(n, m, 1, 1)
+    # the sequential part: the state before each chunk, and each chunk's new values
+    states = q.new_empty((n, m, dk, dv))
+    states[0] = state
+    v_new = torch.empty_like(new_v)  # [n, m, C, dv]
     for i in range(n):
-        v_new = new_v[:, :, i] - k_cum[:, :, i] @ state  # [B, H, C, dv]
-        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    out = out.flatten(2, 3)[:, :, :t]  # [B, H, T, dv]
-    return out.transpose(1, 2).to(dtype)  # [B, T, H, dv]
+        torch.baddbmm(new_v[i], k_cum[i], states[i], alpha=-1, out=v_new[i])
+        state = torch.baddbmm(states[i] * chunk_decay[i], k_out[i], v_new[i])
+        if i + 1 < n:
+            states[i + 1] = state
+    flat = out.view(n * m, c, dv)
+    torch.bmm(q_in, states.view(n * m, dk, dv), out=flat)  # the state read
+    flat.baddbmm_(intra.reshape(n * m, c, c), v_new.view(n * m, c, dv))  # + within the chunk
+    return state
+
+
+def _chunks(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """[B, T, H, ...] → [n, B, H, C, ...] float32, contiguous, T zero-padded to n·c."""
+    b, t = x.shape[:2]
+    x = x.float()
+    if n * c > t:
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, n * c - t))
+    x = x.view(b, n, c, *x.shape[2:])  # [B, n, C, H, ...]
+    return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
 
 
 def _chunk_segments(
-    layout: SegmentLayout, c: int
+    layout: SegmentLayout, n: int, c: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How the segments of [B, T] rows fall into chunks of `c` tokens (T padded to n·c,
-    each padded slot a segment of its own). Returns, with a broadcast head axis:
-    same [B, 1, n, C, C] bool (tokens i, j of a chunk in one segment); cont [B, 1, n, C]
-    float (token of the segment the chunk opens with, begun in an earlier chunk: it
-    reads the state carried in); last [B, 1, n, C] float (token of the segment the chunk
-    ends in: it writes the state carried out); carry [B, 1, n] float (the chunk
-    continues one segment throughout: the state carried in survives it)."""
+    """How the segments of [B, T] rows fall into n chunks of `c` tokens (T padded to n·c,
+    each padded slot a segment of its own), chunk-major. Returns
+    drop [n, B, C, C] bool (token j is not an earlier token of i's segment: the pair
+    terms skip it); cont [n, B, C] float (token of the segment the chunk opens with,
+    begun in an earlier chunk: it reads the state carried in); last [n, B, C] float
+    (token of the segment the chunk ends in: it writes the state carried out); carry
+    [n, B] float (the chunk continues one segment throughout: the state carried in
+    survives it)."""
     b, t = layout.segment.shape
-    pad = (c - t % c) % c
-    n = (t + pad) // c
-    seg = F.pad(layout.segment, (0, pad), value=-1)  # [B, T']
-    if pad:  # ids past any real one (those are < T)
-        seg[:, t:] = t + torch.arange(pad, device=seg.device)
-    off = F.pad(layout.offset, (0, pad))  # [B, T']
-    seg, off = seg.view(b, 1, n, c), off.view(b, 1, n, c)  # [B, 1, n, C]
-    same = seg[..., :, None] == seg[..., None, :]  # [B, 1, n, C, C]
-    cont = ((seg == seg[..., :1]) & (off[..., :1] > 0)).float()  # [B, 1, n, C]
-    last = (seg == seg[..., -1:]).float()  # [B, 1, n, C]
-    return same, cont, last, cont[..., -1]
+    seg, off = layout.segment, layout.offset
+    if n * c > t:  # ids past any real one (those are < T)
+        extra = t + torch.arange(n * c - t, device=seg.device)
+        seg = torch.cat([seg, extra.expand(b, -1)], dim=1)  # [B, n·C]
+        off = F.pad(off, (0, n * c - t))
+    seg, off = seg.view(b, n, c).transpose(0, 1), off.view(b, n, c).transpose(0, 1)  # [n, B, C]
+    ar = torch.arange(c, device=seg.device)
+    drop = (seg[..., :, None] != seg[..., None, :]) | (ar[None, :] > ar[:, None])
+    cont = ((seg == seg[..., :1]) & (off[..., :1] > 0)).float()
+    last = (seg == seg[..., -1:]).float()
+    return drop, cont, last, cont[..., -1]
 
 
 def ssd_varlen(
@@ -246,43 +331,39 @@ def ssd_varlen(
 
     x [B, T, H, P]; dt [B, T, H] (after dt_bias, softplus and the clamp: what the scan
     multiplies by); a [H] (A, < 0); b_in, c_in [B, T, G, N] (G groups, each shared by
-    H / G heads). Returns y [B, T, H, P] float32 without the D skip term (the caller adds
-    it, as transformers' `mamba2_chunk_scan` does). Chunked as that function is, with
-    the pair decays summed per segment as its `segment_sum` does (a cumulative sum of
-    the masked log decays, not a difference of two long sums), and the same
+    H / G consecutive heads). Returns y [B, T, H, P] float32 without the D skip term (the
+    caller adds it, as transformers' `mamba2_chunk_scan` does). Chunked as that function
+    is, with the pair decays summed per segment as its `segment_sum` does (a cumulative
+    sum of the masked log decays, not a difference of two long sums), and the same
     segment handling as `gated_delta_rule_varlen`."""
     bsz, t, h, p = x.shape
     g = b_in.shape[2]
+    r, c = h // g, chunk
+    n = -(-t // c)
     x = x.float() * dt[..., None].float()  # [B, T, H, P] discretised input
     log_a = a.float() * dt.float()  # [B, T, H] log decay per token
-    bb, cc = (y.float().repeat_interleave(h // g, dim=2) for y in (b_in, c_in))  # [B, T, H, N]
-    pad = (chunk - t % chunk) % chunk
-    n = (t + pad) // chunk
-    same, cont, last, carry = _chunk_segments(layout, chunk)
-    # [B, H, n, C, d] and [B, H, n, C]
-    x, bb, cc = (F.pad(y, (0, 0, 0, 0, 0, pad)).permute(0, 2, 1, 3).unflatten(2, (n, chunk))
-                 for y in (x, bb, cc))  # fmt: skip
-    log_a = F.pad(log_a, (0, 0, 0, pad)).transpose(1, 2).unflatten(2, (n, chunk))
-    cum = log_a.cumsum(-1)  # [B, H, n, C] log decay from the chunk start
-    # segment_sum: L[i, j] = Σ_{j < s ≤ i} log_a[s] (−inf above the diagonal)
-    tri = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device)
-    seg_sum = log_a[..., :, None].expand(*log_a.shape, chunk)  # [.., s, j] = a[s]
-    seg_sum = seg_sum.masked_fill(~tri.tril(-1), 0).cumsum(dim=-2)  # [.., i, j]
-    seg_sum = seg_sum.masked_fill(~tri.tril(0), float("-inf"))
-    pair = seg_sum.exp() * same  # [B, H, n, C, C]
-    scores = (cc @ bb.transpose(-1, -2)) * pair  # [B, H, n, C, C]
-    y = scores @ x  # [B, H, n, C, P] the intra-chunk terms
-    decay_in = cum.exp() * cont  # [B, H, n, C]
-    decay_out = (cum[..., -1:] - cum).exp() * last  # [B, H, n, C]
-    writes = (bb * decay_out[..., None]).transpose(-1, -2) @ x  # [B, H, n, N, P]
-    chunk_decay = (cum[..., -1].exp() * carry)[..., None, None]  # [B, H, n, 1, 1]
-    state = x.new_zeros((bsz, h, bb.shape[-1], p))  # [B, H, N, P]
-    reads = torch.empty_like(y)
-    for i in range(n):
-        reads[:, :, i] = cc[:, :, i] @ state  # [B, H, C, P]
-        state = state * chunk_decay[:, :, i] + writes[:, :, i]
-    y = y + reads * decay_in[..., None]
-    return y.flatten(2, 3)[:, :, :t].transpose(1, 2)  # [B, T, H, P]
+    x, log_a = _chunks(x, n, c), _chunks(log_a, n, c)  # [n, B, H, C, P], [n, B, H, C]
+    bb, cc = _chunks(b_in, n, c), _chunks(c_in, n, c)  # [n, B, G, C, N]: heads share them
+    drop, cont, last, carry = _chunk_segments(layout, n, c)
+    cum = log_a.cumsum(-1)  # [n, B, H, C] log decay from the chunk start
+    # segment_sum: L[i, j] = Σ_{j < s ≤ i} log_a[s], then −inf off the segment's pairs
+    below = torch.ones(c, c, dtype=torch.bool, device=x.device).tril(-1)  # [s, j]: s > j
+    pair = torch.where(below, log_a[..., :, None], 0.0).cumsum_(dim=-2)  # [n, B, H, C, C]
+    pair = pair.masked_fill_(drop[:, :, None], float("-inf")).exp_().view(n, bsz, g, r, c, c)
+    scores = pair.mul_((cc @ bb.transpose(-1, -2))[:, :, :, None])  # [n, B, G, r, C, C]
+    x = x.view(n, bsz, g, r, c, p)
+    y = scores @ x  # [n, B, G, r, C, P] the intra-chunk terms
+    keep = ((cum[..., -1:] - cum).exp_() * last[:, :, None]).view(n, bsz, g, r, c, 1)
+    writes = (bb[:, :, :, None] * keep).transpose(-1, -2) @ x  # [n, B, G, r, N, P]
+    chunk_decay = (cum[..., -1].exp() * carry[:, :, None]).view(n, bsz, g, r, 1, 1)
+    states = torch.empty_like(writes)  # the state before each chunk
+    states[0].zero_()
+    for i in range(n - 1):
+        torch.addcmul(writes[i], states[i], chunk_decay[i], out=states[i + 1])
+    decay_in = (cum.exp() * cont[:, :, None]).view(n, bsz, g, r, c, 1)
+    y.addcmul_(cc[:, :, :, None] @ states, decay_in)  # + the state read
+    y = y.view(n, bsz, h, c, p).permute(1, 0, 3, 2, 4).reshape(bsz, n * c, h, p)
+    return y[:, :t]  # [B, T, H, P]
 
 
 def _gated_delta_rule_fla(

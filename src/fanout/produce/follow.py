@@ -74,7 +74,9 @@ Chunk c's rows are numbered after the earlier chunks'; window w holds rows [w·R
 (w+1)·R) in that order, each chunk's rows shuffled by (seed, 0, c) as the on-policy
 stream's epoch 0 (fanout.produce.onpolicy). While following, only full windows are
 claimed; the stream ends (`total_windows` known) after `--follow-idle-s` without a new
-record, its last window possibly shorter. One epoch only, one producer (--replicas
+record, its last window possibly shorter; records read since the last chunk are cut
+into one more then, even when all were held out (a chunk with no rows): held-out records
+and counts are only saved with a chunk. One epoch only, one producer (--replicas
 would need every replica to cut the same chunks from one moving source).
 """
 
@@ -144,6 +146,7 @@ class FollowStream:
         self.missing: dict[str, float] = {}  # file key -> when a listing first missed it
         self.pending: list[dict[str, Any]] = []  # records read, not yet in a chunk
         self.pending_since: float | None = None
+        self.uncut = 0  # records read since the last cut (held out ones too)
         self.clock: Callable[[], float] = time.monotonic  # a seam: benchmarks set their own
         self.last_record = self.clock()
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -298,6 +301,7 @@ class FollowStream:
         doc, "Rows across chunks"); end the stream after --follow-idle-s without a record."""
         now = self.clock()
         got = self._read()
+        self.uncut += got
         self.pending_at += [now] * got
         if got and self.pending_since is None:
             self.pending_since = now
@@ -314,6 +318,8 @@ class FollowStream:
         if due or ((self.carry or self.pending) and (idle or waited >= bound)):
             self._cut(end=idle)
         if idle and not self.pending and not self.carry:
+            if self.uncut:  # read since the last cut, all held out: a last chunk, no rows,
+                self._cut(end=True)  # commits them (heldout.jsonl, counts, positions)
             self.ended = True
 
     def _read(self) -> int:
@@ -425,6 +431,7 @@ class FollowStream:
         self.carry_at = [at[n - 1] for n in carried]
         self.pending, self.pending_where, self.pending_since = [], [], None
         self.pending_at = []
+        self.uncut = 0
         self._add(part, keep)
         log.info("--follow: chunk %d: %d records (%d carried on), %d rows so far (%s)",
                  c, chunk.records, len(carried), self.rows.num_rows, self.counts)  # fmt: skip

@@ -7,8 +7,11 @@ The tables carry the snapshot's own numbers (each cell's `data-key` names the fi
 the server, from the samples the server keeps in memory (fanout.status.serve):
 windows live vs K, each replica's rate, each draft's lag and EAL, over time; and, for a
 live run, the served draft's τ on new held-out traffic with a warning when it drifted
-(from the snapshot's durable drift records, so its history outlives the server). No script
-and no network: the page reloads itself (`<meta http-equiv="refresh">`).
+(from the snapshot's durable drift records, so its history outlives the server). What
+the text status says of a live loop is here too, in its words: STALLED first (nothing
+trained for longer than --stalled-after-s), `fanout promote`'s newest decision with its
+acceptance FLOOR warning, and the verifier versions of a run whose verifier changes. No
+script and no network: the page reloads itself (`<meta http-equiv="refresh">`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from fanout.status.schema import StatusSnapshot
-from fanout.status.table import serving_now_text
+from fanout.status.table import promote_texts, serving_now_text
 
 # Okabe-Ito's colour-blind-safe colours (its yellow left out: unreadable on white), and
 # dash patterns: series i gets both, so two lines differ even in grey or to one who
@@ -256,6 +259,52 @@ def drift_html(s: StatusSnapshot) -> str:
     return f"<h2>drift</h2>{warn}{head}{plot}"
 
 
+def stalled_html(s: StatusSnapshot) -> str:
+    """The run is STALLED (the text status's first line after the header): a warning at
+    the top of the page; empty while healthy."""
+    if s.stalled is None:
+        return ""
+    return (
+        f'<p class="warn">STALLED: <span data-key="stalled.text">'
+        f"{html.escape(s.stalled.text)}</span></p>"
+    )
+
+
+def promote_html(s: StatusSnapshot) -> str:
+    """`fanout promote --run-dir`'s newest decision, and the FLOOR warning when its
+    candidate was at the acceptance floor (not served); empty when none was recorded."""
+    if s.promote is None:
+        return ""
+    p = s.promote
+    line, floor = promote_texts(p.model_dump(mode="json"))
+    warn = f'<p class="warn" data-key="promote.floor">{html.escape(floor)}</p>' if floor else ""
+    return (
+        f'<h2>promote</h2>{warn}<p data-key="promote.decision">{html.escape(line)}</p>'
+        f'<p class="note">{html.escape(p.why)} · served dir {html.escape(p.served_dir)}</p>'
+    )
+
+
+def verifier_html(s: StatusSnapshot) -> str:
+    """A run whose verifier changes: the newest version, live windows by version, and each
+    consumer's version, lag and windows skipped as too old; empty for another run."""
+    v = s.verifier
+    if v is None:
+        return ""
+    live = ", ".join(f"v{k}: {n}" for k, n in v.live.items()) or "none"
+    rows = "".join(
+        f"<tr><td>{html.escape(c.id)}</td>"
+        f"<td>{'-' if c.verifier_version is None else c.verifier_version}</td>"
+        f"<td>{'-' if c.verifier_lag is None else c.verifier_lag}</td>"
+        f"<td>{c.lag_skipped}</td></tr>"
+        for c in s.consumers
+    )
+    head = "<tr><th>consumer</th><th>at version</th><th>behind</th><th>skipped as too old</th></tr>"
+    return (
+        f'<h2>verifier</h2><p>newest version <span data-key="verifier.newest">{v.newest}</span>'
+        f" · live windows by version: {html.escape(live)}</p><table>{head}{rows}</table>"
+    )
+
+
 def _cell(key: str, value: object) -> str:
     shown = "-" if value is None else value
     return f'<td data-key="{html.escape(key)}">{html.escape(str(shown))}</td>'
@@ -296,13 +345,16 @@ def page_html(s: StatusSnapshot, samples: Sequence[Sample], refresh_s: float) ->
 <html><head><meta charset="utf-8"><meta http-equiv="refresh" content="{refresh_s:g}">
 <title>fanout status {html.escape(s.run_dir)}</title><style>{STYLE}</style></head><body>
 <h1>fanout run {html.escape(s.run_dir)}</h1>
+{stalled_html(s)}
 <p>stream {html.escape(s.stream_id)} · length {s.stream.length_windows or "∞"} windows ·
 producer <span data-key="producer.state">{html.escape(producer)}</span> ·
 taken {time.strftime("%H:%M:%S", time.localtime(s.taken_wall))}</p>
 {plots_html(samples)}
 <p class="note">{len(samples)} samples over the last {span:.0f} s, one every
 {refresh_s:g} s and one per request, kept in this server's memory</p>
+{promote_html(s)}
 {drift_html(s)}
+{verifier_html(s)}
 <h2>totals</h2><table>{totals}</table>
 <h2>replicas</h2>{_table(dump["replicas"], REPLICA_COLS, "replicas", "rank")}
 <h2>consumers</h2>{_table(dump["consumers"], CONSUMER_COLS, "consumers", "id")}

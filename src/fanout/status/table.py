@@ -191,20 +191,25 @@ def format_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def promote_texts(p: dict[str, Any]) -> tuple[str, str | None]:
+    """A promote decision's line, and the floor warning when its candidate was at the
+    acceptance floor (one wording for the table and the page)."""
+    tau = "unmeasured" if p.get("candidate_tau") is None else f"τ {p['candidate_tau']:.2f}"
+    did = f"promoted as {p.get('version')}" if p["promoted"] else "not promoted"
+    floor = (
+        f"FLOOR: its drafts are (next to) never accepted ({tau}); it is not served. "
+        "Is its trainer training, on this verifier?"
+    )
+    return f"{p['time']}: {p['candidate']} ({tau}) {did}", floor if p.get("floor") else None
+
+
 def _promote_lines(p: dict[str, Any] | None) -> list[str]:
     """`fanout promote --run-dir`'s newest decision; loud when its candidate was at the
     acceptance floor (never served)."""
     if not p:
         return []
-    tau = "unmeasured" if p.get("candidate_tau") is None else f"τ {p['candidate_tau']:.2f}"
-    did = f"promoted as {p.get('version')}" if p["promoted"] else "not promoted"
-    out = ["", f"promote  {p['time']}: {p['candidate']} ({tau}) {did}"]
-    if p.get("floor"):
-        out.append(
-            f"  FLOOR: its drafts are (next to) never accepted ({tau}); it is not served. "
-            "Is its trainer training, on this verifier?"
-        )
-    return out
+    line, floor = promote_texts(p)
+    return ["", f"promote  {line}", *([f"  {floor}"] if floor else [])]
 
 
 def _verifier_lines(s: dict[str, Any]) -> list[str]:

@@ -19,12 +19,22 @@ through `loss()`) and every trainable parameter to get a gradient each step,
 which a step whose rows hold no anchors on one rank does not give. For a draft
 of a few layers one collective per step is cheap; DDP's overlap of communication
 with backward would buy little. Backend: NCCL on CUDA, gloo on CPU.
+
+A rank that dies (killed, its host lost) makes the next collective of every other
+rank fail: at once where its sockets were closed (its kernel lives on: a process
+killed), else at the process group's timeout (`timeout_s`, 30 min: a host gone
+silent). Each failed collective is RankLost, one line naming the rank that saw it;
+the trainer then saves, records `stopped` and exits 1 (fanout.train.ending), and
+torchrun ends the rest of the group (docs/operations.md, "Faults on a cluster").
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,7 +42,16 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from fanout.errors import RankLost
+
 log = logging.getLogger(__name__)
+
+# The process group's bound on one collective (a peer silent that long is gone).
+TIMEOUT_S = 1800.0
+# gloo and NCCL raise a lost peer as a plain RuntimeError (a DistError in newer torch)
+# whose text says what failed: a closed socket, a reset, a timeout (as
+# fanout.produce.tp_capture's followers judge theirs)
+_COMM_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout")
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,7 @@ class DataParallel:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    timeout_s: float = TIMEOUT_S  # the process group's, for RankLost's line
 
     @property
     def enabled(self) -> bool:
@@ -50,7 +70,7 @@ class DataParallel:
         return self.rank == 0
 
     @classmethod
-    def from_env(cls, device: str = "cpu", timeout_s: float = 1800.0) -> DataParallel:
+    def from_env(cls, device: str = "cpu", timeout_s: float = TIMEOUT_S) -> DataParallel:
         """The torchrun environment's ranks (a process group is started when WORLD_SIZE > 1);
         a single process (rank 0 of 1) otherwise."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -66,7 +86,7 @@ class DataParallel:
                 "nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s)
             )
         log.info("data parallel: rank %d of %d (local %d)", rank, world, local)
-        return cls(rank, world, local)
+        return cls(rank, world, local, timeout_s)
 
     def device(self, requested: str) -> torch.device:
         """`cuda` means this rank's GPU (LOCAL_RANK) under torchrun."""
@@ -77,7 +97,7 @@ class DataParallel:
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
         if not self.enabled:
             return
-        with torch.no_grad():
+        with torch.no_grad(), self._peers():
             for p in model.parameters():
                 dist.broadcast(p.data, src=0)
 
@@ -89,7 +109,8 @@ class DataParallel:
         params = [p for p in model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = _flatten_dense_tensors(grads)  # [sum of numels]
-        dist.all_reduce(flat)
+        with self._peers():
+            dist.all_reduce(flat)
         flat.div_(self.world)
         for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
             if p.grad is None:
@@ -102,7 +123,8 @@ class DataParallel:
         if not self.enabled:
             return flag
         t = torch.tensor([int(flag)], device=self._collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self._peers():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def mean(self, values: list[float]) -> list[float]:
@@ -110,7 +132,8 @@ class DataParallel:
         if not self.enabled:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
-        dist.all_reduce(t)
+        with self._peers():
+            dist.all_reduce(t)
         return (t / self.world).tolist()
 
     def from_main(self, values: list[int]) -> list[int]:
@@ -119,8 +142,31 @@ class DataParallel:
         if not self.enabled:
             return values
         t = torch.tensor(values, dtype=torch.int64, device=self._collective_device())
-        dist.broadcast(t, src=0)
+        with self._peers():
+            dist.broadcast(t, src=0)
         return [int(x) for x in t.tolist()]
+
+    @contextlib.contextmanager
+    def _peers(self) -> Iterator[None]:
+        """A collective; a peer found gone in it is RankLost (one line), not a traceback
+        out of torch, so the trainer saves and records how it ended (fanout.train.ending)."""
+        try:
+            yield
+        except RuntimeError as e:  # torch's DistError is one
+            text = str(e).strip()
+            if not isinstance(e, dist.DistError) and not any(
+                m in text.lower() for m in _COMM_MARKERS
+            ):
+                raise
+            # gloo's first sentence, without its source location: "Connection closed by
+            # peer [ADDR]:PORT" names the lost rank's host
+            first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0]) if text else ""
+            first = first.split(". ")[0][:200] or type(e).__name__
+            raise RankLost(
+                f"data-parallel rank {self.rank} of {self.world}: a collective failed, so "
+                f"another rank is gone (its process died or its host was lost, or it was "
+                f"silent past the process group's timeout, {self.timeout_s:g} s): {first}"
+            ) from None
 
     def _collective_device(self) -> torch.device:
         return (

@@ -179,14 +179,14 @@ class Trainer:
         )
         # EAL of the last logged steps: the train-time estimate a checkpoint records
         self.recent_eal: collections.deque[float] = collections.deque(maxlen=RECENT_EAL_STEPS)
-        self.evaluator = PeriodicEval(cfg, self.device)  # --eval-every
+        self.evaluator = PeriodicEval(cfg, self.device, self.versions)  # --eval-every
         self.seq_len = contract.seq_len
         # steps of this process with a supervised token (on any rank), and the run of
         # steps without one that is going on (NO_TOKEN_STEPS of them end the trainer)
         self.supervised_steps = self.no_token_streak = 0
         self.nonfinite_steps = self.nonfinite_streak = 0  # skipped: loss NaN or inf
         self._warned_no_tokens = False
-        self._in_step = False
+        self._waiting = False  # for the next batch: the one time a signal stops at once
         self._stop_requested = False
         self.interrupted = False
         self.startup.mark("ready")
@@ -240,13 +240,15 @@ class Trainer:
     def request_stop(self, signum: int, _frame: Any) -> None:
         """SIGINT/SIGTERM handler: finish the step in progress (ack, log), save, stop.
 
-        Outside a step (waiting for a window) nothing is half-done: stop at once.
+        While waiting for a window nothing is half-done: stop at once. Anywhere else (a
+        step, a save, the summary after the stream ended) the flag is all it sets: raising
+        there would cut a save short or end a finished trainer with a traceback.
         """
-        log.warning("signal %d: stopping after the current step and saving", signum)
-        if self._in_step:
-            self._stop_requested = True
-        else:
+        if self._waiting:
+            log.warning("signal %d: stopping (waiting for a window) and saving", signum)
             raise KeyboardInterrupt
+        log.warning("signal %d: stopping after the current step and saving", signum)
+        self._stop_requested = True
 
     # ---- training -------------------------------------------------------------------
 
@@ -287,7 +289,6 @@ class Trainer:
                     last = rec
                     bar.update(rec, batch, stream.state_dict()["cursor"])
                     self._after_step(rec)
-                    self._in_step = False
                     self._check_supervised(rec["step"])
                     follow_plan(self, stream, bar)
                     if self.dp.agree(self._stop_requested):  # every rank stops after this step
@@ -355,9 +356,13 @@ class Trainer:
             return stream.wait_state is None or stream.wait_state.counts
 
         waits.begin(what, after_s=waits.every_s, counts=counts)
+        self._waiting = True
         try:
+            if self._stop_requested:  # signalled between steps (a skipped batch): stop now
+                raise KeyboardInterrupt
             batch = next(batches, None)
         finally:
+            self._waiting = False
             waits.end()
         self.startup.mark("first_batch")
         return batch
@@ -372,7 +377,6 @@ class Trainer:
     def _step(self, stream: ConsumerStream, batch: Batch, t_fetch: float) -> dict[str, Any]:
         """One optimizer step on `batch`, then the ack of its rows (only then: the step
         that consumed them is done); returns the step's log record."""
-        self._in_step = True
         t0 = time.perf_counter()
         # its verifier version's frozen tensors first, and its age's loss weight
         w = self.versions.prepare(self.draft, batch, self._lag) if self.versions else 1.0
