@@ -38,7 +38,7 @@ from fanout.bench.assets import generate_corpus
 from fanout.train.trainlog import read_train_log
 from netns_hosts import Host, Hosts
 from test_host_faults import Gate
-from test_hosts import LAUNCH, LAUNCH_VARS, _acked, _config, _q
+from test_hosts import LAUNCH_VARS, _acked, _config, _q, launch_role
 from tiny_run import build_tiny_assets, tiny_producer_config, wait_for
 
 K = 3
@@ -98,11 +98,7 @@ def test_a_dp_rank_host_lost_ends_the_dp_trainer_in_one_line_and_it_resumes_else
         procs: dict[str, subprocess.Popen[Any]] = {}
 
         def launch(name: str, host: Host, role: str, env: dict[str, str], *flags: str) -> None:
-            with (logs / f"{name}.log").open("w") as log:
-                procs[name] = host.popen(
-                    ["bash", str(LAUNCH), role, *flags], env=base | env, stdout=log,
-                    stderr=subprocess.STDOUT,
-                )  # fmt: skip
+            procs[name] = launch_role(host, role, base | env, logs / f"{name}.log", *flags)
 
         def text(name: str) -> str:
             return (logs / f"{name}.log").read_text(errors="replace")

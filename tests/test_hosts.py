@@ -164,6 +164,15 @@ SCENARIO = Size(chats=24, epochs=1, follow=16, gateway_s=0, deadline_s=900)
 SOAK = Size(chats=48, epochs=40, follow=480, gateway_s=900, deadline_s=3600)
 
 
+def launch_role(host: Host, role: str, env: dict[str, str], log: Path, *flags: str) -> Any:
+    """`scripts/launch.sh ROLE FLAGS` on `host` with `env` (its settings, as the recipes
+    give them), stdout and stderr to `log`: the one way these tests start a role."""
+    with log.open("w") as out:
+        return host.popen(
+            ["bash", str(LAUNCH), role, *flags], env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
 def _q(pg: Postgres, schema: str, sql: str) -> list[tuple[Any, ...]]:
     """Rows of `sql` in the run of `schema`; [] while that run is not made yet."""
     from fanout.coord.coordinator import Coordinator
@@ -298,11 +307,7 @@ def _scenario(tmp_path: Path, size: Size) -> None:
         started: dict[str, tuple[str, Host]] = {}
 
         def launch(name: str, host: Host, role: str, env: dict[str, Any], *flags: str) -> None:
-            with (logs / f"{name}.log").open("w") as log:
-                procs[name] = host.popen(
-                    ["bash", str(LAUNCH), role, *flags], env=base | env, stdout=log,
-                    stderr=subprocess.STDOUT,
-                )  # fmt: skip
+            procs[name] = launch_role(host, role, base | env, logs / f"{name}.log", *flags)
             started[name] = (role, host)
 
         main_db, follow_db = pg.url("hosts_run"), pg.url("hosts_follow")
