@@ -141,6 +141,71 @@ def test_a_follow_start_slower_than_its_idle_end_is_a_short_stream(tmp_path: Pat
     assert stream.counts["records"] == len(chats)
 
 
+# ---- replicas on two hosts starting in one run dir over sshfs ------------------------------
+
+_TWO_STARTS = """
+import json, sys, time
+from pathlib import Path
+from fanout.coord.pathlock import PathLock
+from fanout.errors import ConfigError, RoleHeld
+from fanout.produce.run_start import CreatedPaths
+from fanout.store.rundir import RunDir
+
+root, go, rounds, rank = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+out = []
+for i in range(rounds):  # released together on even rounds, staggered by 0-45 ms on odd
+    at = go + i * 0.5 + (rank * 0.015 * (i % 4) if i % 2 else 0.0)
+    time.sleep(max(0.0, at - time.time()))
+    run = root / f"round{i}"
+    lock = PathLock(RunDir(run).join_lock, f"round {i}")
+    try:
+        lock.acquire()
+    except RoleHeld:
+        out.append("held")
+        continue
+    except ConfigError as e:
+        out.append(f"error: {e}")
+        continue
+    # a start that then failed before creating the run: it noted what was missing,
+    # made the folders, and cleans up, while the other host's replica uses them
+    created = CreatedPaths.note(run, None, lock, rank, 2)
+    RunDir(run).create()
+    lock.release()
+    time.sleep(0.05)
+    created.discard_if_unused(None, False, f"h{rank}:1")
+    out.append("ok" if RunDir(run).tmp.is_dir() else "removed tmp/")
+print(json.dumps(out))
+"""
+
+
+def test_replicas_on_two_hosts_start_together_in_one_sshfs_run_dir(tmp_path: Path) -> None:
+    """CI: replica 1 of the scenario lost the exclusive create of producer.join.lock to
+    replica 0 on another host, and sshfs said EPERM (SFTP's generic failure), not EEXIST:
+    its start failed ("cannot create the lock file"), and its cleanup removed the tmp/
+    it had found missing, which replica 0 had made and was publishing into: window 0
+    failed three captures. Here two hosts race to take one lock file and make one run's
+    folders, 12 rounds, together and staggered: a lost create is a lost race, and a
+    failed start on a network filesystem removes nothing of the run dir."""
+    root = tmp_path / "shared"
+    root.mkdir()
+    rounds = 12
+    with Hosts(3) as hs:
+        files, a, b = hs
+        hs.share(root, exporter=files)
+        go = time.time() + 5.0  # the hosts share this machine's clock
+        argv = [sys.executable, "-c", _TWO_STARTS, str(root), str(go), str(rounds)]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+        procs = [h.popen([*argv, str(r)], **pipes) for r, h in enumerate((a, b))]
+        outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        got = json.loads(out)
+        assert len(got) == rounds, got
+        assert [g for g in got if g not in ("ok", "held")] == [], got
+    for i in range(rounds):
+        assert (root / f"round{i}" / "tmp").is_dir(), i
+
+
 # ---- the scenario: every role on a host of its own, each started by scripts/launch.sh ----
 
 LAUNCH = REPO / "scripts" / "launch.sh"

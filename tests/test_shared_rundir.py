@@ -128,7 +128,9 @@ def test_a_second_commit_keeps_the_first_entry_a_reader_holds(tmp_path: Path) ->
 
 def test_commit_dir_once_loses_to_a_rename_race_and_uses_the_winner(tmp_path: Path) -> None:
     """The winner commits between the loser's look and its rename (as on another host):
-    the loser's rename fails and it keeps the winner's entry, without an error."""
+    the loser keeps the winner's entry, without an error, and never moves it (it did:
+    set it aside as "incomplete" and put it back, and in that moment a replica on
+    another host reading its own new entry found its shard gone)."""
     final = tmp_path / "entry"
     mine, theirs = (
         tmp_path / f"entry.tmp{netfs.temp_tag()}",
@@ -146,8 +148,16 @@ def test_commit_dir_once_loses_to_a_rename_race_and_uses_the_winner(tmp_path: Pa
             return False
         return (p / MANIFEST).is_file()
 
-    assert FileSystem().commit_dir_once(mine, final, complete) is False
+    moved: list[Path] = []
+
+    class Renames(FileSystem):
+        def rename(self, src: Any, dst: Any) -> None:
+            moved.append(Path(src))
+            super().rename(src, dst)
+
+    assert Renames().commit_dir_once(mine, final, complete) is False
     assert (final / MANIFEST).read_bytes() == b"theirs" and not mine.exists()
+    assert final not in moved, moved
 
 
 # ---- 3. no lock across hosts through a lock file ---------------------------------------

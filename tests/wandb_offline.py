@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,12 +64,30 @@ def _key(item: Any) -> str:
     return item.key or ".".join(item.nested_key)
 
 
-def read_offline_runs(root: str | Path) -> list[OfflineRun]:
-    """Every offline run W&B wrote under `root` (its `wandb/` directory), oldest first."""
+def _finished_records(path: Path, wait_s: float) -> list[Any]:
+    """The records of a run's log once it holds the run's `exit` record. `run.finish()`
+    can return before W&B's writer process has flushed the log (seen in CI: a log of its
+    header alone), so this waits up to `wait_s` for the writer, then returns what is there
+    (a test's assertions then say what is missing)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            recs = _records(path)
+        except Exception:  # a record half written: read again
+            recs = None
+        done = recs is not None and any(r.WhichOneof("record_type") == "exit" for r in recs)
+        if done or time.monotonic() > deadline:
+            return recs if recs is not None else _records(path)
+        time.sleep(0.2)
+
+
+def read_offline_runs(root: str | Path, wait_s: float = 120.0) -> list[OfflineRun]:
+    """Every offline run W&B wrote under `root` (its `wandb/` directory), oldest first,
+    each read once its log is complete (waiting up to `wait_s` for W&B's writer)."""
     runs = []
     for path in sorted(Path(root).glob("wandb/offline-run-*/run-*.wandb")):
         run = OfflineRun()
-        for rec in _records(path):
+        for rec in _finished_records(path, wait_s):
             kind = rec.WhichOneof("record_type")
             if kind == "run":
                 r = rec.run

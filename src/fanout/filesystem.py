@@ -501,8 +501,15 @@ class FileSystem:
             shutil.rmtree(tmp, ignore_errors=True)
             return False
         self._sync_tree(tmp)
-        if os.path.lexists(final):  # outdated or incomplete: set aside, never reused
-            old = final.with_name(f".{final.name}.old-{temp_tag()}")
+        if os.path.lexists(final):
+            # another writer's entry, renamed into place since the first look (or not yet
+            # shown whole on this host): moving it aside even for a moment fails its
+            # readers (seen: a replica on another host lost its own shard under it).
+            # Only one still incomplete after the stale-view wait is debris.
+            if _complete_within(final, complete):
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+            old = final.with_name(f".{final.name}.old-{temp_tag()}")  # set aside, never reused
             with contextlib.suppress(FileNotFoundError):
                 self.rename(final, old)
                 if complete(old):  # another writer's, committed since we looked: put it back
@@ -515,19 +522,27 @@ class FileSystem:
         except OSError as e:
             if e.errno not in _RENAME_LOST and not os.path.lexists(final):
                 raise AtomicWriteError("rename", final, e) from e  # EIO, ENOSPC: not a race
-            deadline = time.monotonic() + stale_view_s(final.parent)
-            while True:
-                if complete(final):
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    return False
-                if time.monotonic() >= deadline:
-                    raise AtomicWriteError("rename", final, e) from e
-                time.sleep(0.1)
+            if not _complete_within(final, complete):
+                raise AtomicWriteError("rename", final, e) from e
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
         try:
             self.fsync_dir(final.parent)
         except OSError as e:
             raise AtomicWriteError("fsync directory", final.parent, e) from e
         return True
+
+
+def _complete_within(final: Path, complete: Callable[[Path], bool]) -> bool:
+    """Is `final` complete, now or within `stale_view_s` (another host's new entry may
+    show up whole here late; on a local disk: one look)?"""
+    deadline = time.monotonic() + stale_view_s(final.parent)
+    while True:
+        if complete(final):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 class FaultyFileSystem(FileSystem):

@@ -221,18 +221,27 @@ class PathLock:
         try:
             while True:
                 parent.parent.mkdir(parents=True, exist_ok=True)
-                with contextlib.suppress(FileExistsError):
+                try:
                     parent.mkdir()
                     self.made_parent = True
+                except OSError:  # there already (sshfs: EPERM for a mkdir another host won)
+                    if not parent.is_dir():
+                        raise
                 try:  # O_EXCL: whether this process made the file is known, not guessed
                     fd = os.open(self.path, excl, 0o644)
                     self.made_file = True
                     return fd
                 except FileExistsError:
-                    with contextlib.suppress(FileNotFoundError):
-                        return os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                    pass
                 except FileNotFoundError:
-                    pass  # the directory went meanwhile: make it again
+                    continue  # the directory went meanwhile: make it again
+                except PermissionError:
+                    # sshfs reports an O_EXCL create that lost to another host's as
+                    # EPERM (SFTP's generic failure), not EEXIST: lost if the file is there
+                    if not self.path.exists():
+                        raise
+                with contextlib.suppress(FileNotFoundError):
+                    return os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
             raise ConfigError(
                 f"{self.label}: cannot create the lock file {self.path}: {e.strerror or e}"

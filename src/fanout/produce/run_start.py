@@ -27,7 +27,8 @@ run, or join it", so exactly one creates it; on several hosts sharing the run di
 before it publishes its first window removes exactly what it created, under the join
 lock and only while no other replica is starting — no skeleton of a run that never
 produced anything is left for trainers to find, and an existing run, or another
-producer's, is never touched.
+producer's, is never touched. On a network filesystem it removes nothing: another
+host's replica may be starting there, unordered by any lock file.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from fanout.coord.grants import ProducerPlan
 from fanout.coord.pathlock import PathLock
 from fanout.errors import ConfigError, ContractMismatch, FanoutError, RoleHeld
 from fanout.filesystem import FileSystem
+from fanout.netfs import on_network_filesystem
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store
 
@@ -357,6 +359,9 @@ class CreatedPaths:
     new_db: Path | None  # a SQLite database elsewhere (--db-path) that did not exist
     join_is_new: bool  # the join lock's file was not there
     db_path: str | None = None  # --db-path
+    # the run dir is on a network filesystem: another host may be starting in it now,
+    # and no lock file orders starts across hosts, so nothing here is surely this start's
+    shared_across_hosts: bool = False
 
     @classmethod
     def note(
@@ -381,6 +386,7 @@ class CreatedPaths:
             new_db=new_db,
             join_is_new=not rd.join_lock.exists(),
             db_path=db_path,
+            shared_across_hosts=on_network_filesystem(rd.root),
         )
 
     def discard_if_unused(self, coord: Coordinator | None, created_db: bool, owner: str) -> bool:
@@ -401,6 +407,18 @@ class CreatedPaths:
             owner: the producer's owner id (`host:pid`), as run() registers it.
         """
         if self.run_existed:
+            return False
+        if self.shared_across_hosts:
+            # What was missing when noted may be another host's replica's by now (it made
+            # tmp/ and windows/, and is loading its verifier before it creates the run):
+            # removing it broke that replica's first window. The skeleton stays; a start
+            # again reuses it.
+            log.info(
+                "%s: stopped before publishing a window; left the run dir as it is (on a "
+                "network filesystem a replica on another host may be starting in it, and "
+                "a lock file orders nothing across hosts)",
+                self.root,
+            )
             return False
         mine = [] if self.lock.held else [self.lock]  # taken again if the start released it
         others = [start_lock(self.root, r, self.replicas) for r in range(self.replicas)
