@@ -1,6 +1,6 @@
 """RL co-training: a draft following a verifier in training vs the same draft frozen at its first version.
 
-    .venv/bin/python benchmarks/rl_follow.py --json benchmarks/results/rl_follow.json  # ≈ 7 min, 2 loaded cores (+3 the 1st time)
+    .venv/bin/python benchmarks/rl_follow.py --json benchmarks/results/rl_follow.json  # ≈ 9 min, 2 loaded cores (+3 the 1st time)
     .venv/bin/python benchmarks/rl_follow.py --versions 8 --every-s 60 --records 320   # more versions, more traffic
 
 Run from the repository root. Issue #52 item 5, end to end on CPU, in one run:
@@ -26,6 +26,11 @@ Run from the repository root. Issue #52 item 5, end to end on CPU, in one run:
    fanout.decode.eval.EvalSession): τ (mean accepted length, the verifier's own token
    counted) with its 95% interval, and followed / frozen (goal ≥ 1.3) with the bounds
    both intervals give it; the frozen draft also against v0001, its own version.
+   The same-steps control (benchmarks/rl_follow_control.py; --no-same-steps: none): the
+   frozen draft stopped at the freeze, the followed one trained on for as many steps
+   again, so that ratio mixes following with more steps; the same draft trained from its
+   start on v0001's traffic alone, captured with v0001, for the followed draft's steps
+   exactly, is decoded beside them: followed / same-steps is the gain at equal steps.
 6. Swap latency per version: the flip of `current` → the producer's `verifier version …
    loaded` log line (every window after it is captured with it), goal ≤ one window's
    capture + publish (the producer's mean) + that load; and → the first window file
@@ -78,6 +83,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from drift import append, latest, lines_of, settled, start, step_of, stop  # noqa: E402
 from record import Recorder, Row  # noqa: E402  (sibling scripts)
+from rl_follow_control import control_row, same_steps  # noqa: E402
 
 GOAL = 1.3  # τ of the followed draft over the frozen one's, against the newest version
 FLAT = 1.1  # the run dir's peak, second half of the run over first half
@@ -344,7 +350,8 @@ def live(a: argparse.Namespace, assets: Any) -> dict[str, Any]:
     return {"policy": policy_dir, "frozen": frozen, "followed": latest(save), "t0": t0,
             "freeze": freeze, "versions": versions, "windows": watcher.windows,
             "disk": watcher.disk, "producer_log": logs / "producer.log", "save": save,
-            "appended": appended, "lag_skipped": skipped}  # fmt: skip
+            "appended": appended, "lag_skipped": skipped, "first": first, "pcfg": pcfg,
+            "tcfg": tcfg}  # fmt: skip
 
 
 def tau(vdir: Path, drafts: dict[str, Path], prompts: Path, a: argparse.Namespace) -> dict:
@@ -454,12 +461,17 @@ def record_rows(res: dict[str, Any], a: argparse.Namespace) -> list[Row]:
             spread_kind="bounds from both 95% CIs", n=e["prompts"], n_of="prompts",
             goal=f">= {GOAL}", met=res["tau_ratio"] >= GOAL, conditions=size),
     ]  # fmt: skip
+    if res.get("same_steps"):  # the control trained as long as the followed draft
+        rows.append(control_row(e, res["same_steps"], GOAL, size))
     taus = [("tau_followed_newest", e, "followed", "against the newest version, the draft "
              "trained with --follow-verifier"),
             ("tau_frozen_newest", e, "frozen", "against the newest version, the draft frozen "
              "at the first version"),
             ("tau_frozen_first", f, "frozen", "of the frozen draft against its own, first version")]  # fmt: skip
-    for name, ev, k, what in taus if f else taus[:2]:
+    if "same_steps" in e:
+        taus.insert(2, ("tau_same_steps_newest", e, "same_steps", "against the newest version, "
+                        "the draft trained as many steps on the first version's traffic alone"))  # fmt: skip
+    for name, ev, k, what in taus if f else taus[:-1]:
         t = ev[k]
         rows.append(Row(stage="eval", name=name, what=f"RL co-training: τ {what}", result=t["tau"],
                         spread=tuple(t["ci95"]) if t["ci95"] else None, spread_kind="95% CI",
@@ -544,6 +556,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-prompts", type=int, default=32, help="prompts never appended")
     ap.add_argument("--eval-new-tokens", type=int, default=48)
     ap.add_argument("--no-first-eval", action="store_true", help="no τ against v0001")
+    ap.add_argument("--no-same-steps", action="store_true", help="no same-steps control")
     ap.add_argument("--settle-s", type=float, default=8.0, help="caught up: steps still this long")
     ap.add_argument("--catch-up-s", type=float, default=600.0, help="wait for the trainer")
     ap.add_argument("--disk-every-s", type=float, default=2.0, help="disk samples")
@@ -570,6 +583,12 @@ def main(argv: list[str] | None = None) -> int:
                        generate_corpus(a.eval_prompts, seed=a.seed + 2))  # fmt: skip
     versions = sorted((lv["policy"] / VERSIONS).iterdir())
     drafts = {"followed": lv["followed"], "frozen": lv["frozen"]}
+    control = None
+    if not a.no_same_steps:  # the followed draft's steps, on v0001's traffic alone
+        drafts["same_steps"], control = same_steps(
+            Path(a.work) / "same", versions[0], lv["first"], step_of(lv["followed"]),
+            lv["freeze"]["steps"],
+            lv["pcfg"], lv["tcfg"], a.catch_up_s)  # fmt: skip
     ev = tau(versions[-1], drafts, held, a)
     first = None if a.no_first_eval else tau(versions[0], {"frozen": lv["frozen"]}, held, a)
     ta, tb = ev["followed"]["tau"], ev["frozen"]["tau"]
@@ -579,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "eval_newest": ev, "eval_first": first, "tau_ratio": ta / tb,
         "tau_ratio_bounds": [ca[0] / cb[1], ca[1] / cb[0]] if ca and cb else None,
+        "same_steps": control,
         "swaps": lat, "producer": per_window, "disk": dk, "disk_samples": lv["disk"],
         "freeze": lv["freeze"], "appended": lv["appended"], "lag_skipped": lv["lag_skipped"],
         "steps": len(read_train_log(lv["save"])), "steps_by_version": steps_by_version(lv["save"]),

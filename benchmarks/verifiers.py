@@ -49,16 +49,24 @@
    - `loop`: each document by itself in plain transformers (batch 1), as in part 1.
    Goal: packed >= 3x the per-document path's tokens/s on the CPU.
 
-Peak memory is the process's resident high-water mark during the call above the
-resident set before it (Linux: `/proc/self/status` VmHWM, reset through
-`/proc/self/clear_refs` before each call; glibc's malloc told to map every allocation of
-128 KiB or more on its own and trimmed before each call, so freed memory does not stay
-resident): torch's CPU tensors are allocated outside Python's allocator, where
-`tracemalloc` does not see them. Every timing is the best of
-`--repeats` calls after a warm-up (T >= 16k: one call, no warm-up, the dense path takes
-a minute there). fp32 on the CPU, torch's default threads, wall time (on a shared,
-loaded machine `--threads 1 --clock cpu`: one thread, timed by the process's CPU time,
-measures the code rather than the scheduler; the hybrids' conditions name both).
+Peak memory is the process's resident high-water mark during the call above the resident
+set before it (Linux: `/proc/self/status` VmHWM, reset through `/proc/self/clear_refs`
+before each call; glibc's malloc told to map every allocation of 128 KiB or more on its
+own and trimmed before each call, so freed memory does not stay resident): torch's CPU
+tensors are allocated outside Python's allocator, where `tracemalloc` does not see them.
+That setting makes every large tensor a fresh mapping, page-faulted in on first touch,
+which a long-running producer does not pay (glibc raises its mapping threshold to the
+largest block freed, up to 32 MiB, and then reuses the heap) and which charged the
+packed rows' 2-8 MiB tensors up to half their CPU time, where the loop over single
+documents, its tensors mostly under 128 KiB, paid little (part 4, before #53's change:
+Qwen3.5 packed 0.60 s, 0.26 s of it in the kernel; loop 0.56 s, 0.07 s in the kernel):
+so the timed calls run with glibc's steady state (threshold 32 MiB, trimmed past 64
+MiB), after one call under the 128 KiB setting that measures the peak. Every timing is
+the best of `--repeats` calls after a warm-up (T >= 16k: one call, no warm-up, timed and
+measured under the 128 KiB setting, the dense path takes a minute there). fp32 on the
+CPU, torch's default threads, wall time (on a shared, loaded machine `--threads 1
+--clock cpu`: one thread, timed by the process's CPU time, measures the code rather than
+the scheduler; the hybrids' conditions name both).
 """
 
 from __future__ import annotations
@@ -99,18 +107,32 @@ def _status(field: str) -> int:
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-# glibc: every allocation of 128 KiB or more is its own mapping, given back on free (the
-# default threshold grows with use, and memory under it stays resident once freed), so
-# the resident set follows what is live
-_LIBC.mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def _malloc_for(memory: bool) -> None:
+    """glibc's thresholds for a call measured for memory: every allocation of 128 KiB or
+    more its own mapping, given back on free (memory under the default, growing threshold
+    stays resident once freed), so the resident set follows what is live. For a timed
+    call: the steady state glibc's dynamic threshold reaches in a long-running process
+    (its maximum, 32 MiB, trimmed past twice that), so no call pays page faults for
+    memory a producer would have reused."""
+    mmap = 128 << 10 if memory else 32 << 20
+    _LIBC.mallopt(M_MMAP_THRESHOLD, mmap)
+    _LIBC.mallopt(M_TRIM_THRESHOLD, 2 * mmap)
+
+
+_malloc_for(memory=True)
 
 
 def measure(
     fn: Callable[[], Any], repeats: int, warm: bool = True, device: str = "cpu"
 ) -> tuple[float, int]:
     """(best seconds of `repeats` calls, peak resident bytes above the resident set
-    before a call, the largest over the calls). On CUDA: device memory, the allocator's
-    peak above what was allocated before the call, each call synchronised."""
+    before a call, the largest over the calls). On the CPU with `warm`: a warm-up, one
+    call for the peak, then a warm-up and the timed calls under glibc's steady state
+    (`_malloc_for`). On CUDA: device memory, the allocator's peak above what was
+    allocated before the call, each call synchronised."""
     if warm:
         fn()
     best, peak = float("inf"), 0
@@ -125,14 +147,25 @@ def measure(
             best = min(best, time.perf_counter() - t0)
             peak = max(peak, torch.cuda.max_memory_allocated() - before)
         return best, peak
-    for _ in range(repeats):
+    for _ in range(1 if warm else repeats):
         _LIBC.malloc_trim(0)  # freed heap memory back to the OS: RSS = what is live
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         before = _status("VmRSS")
         t0 = CLOCK[0]()
         fn()
-        best = min(best, CLOCK[0]() - t0)
+        if not warm:  # T >= 16k: the one call is timed under the 128 KiB setting too
+            best = min(best, CLOCK[0]() - t0)
         peak = max(peak, _status("VmHWM") - before)
+    if warm:
+        _malloc_for(memory=False)
+        try:
+            fn()  # the heap grown to what the calls reuse
+            for _ in range(repeats):
+                t0 = CLOCK[0]()
+                fn()
+                best = min(best, CLOCK[0]() - t0)
+        finally:
+            _malloc_for(memory=True)
     return best, peak
 
 
@@ -397,7 +430,8 @@ def hybrid_records(a: argparse.Namespace, hybrid: list[dict[str, Any]]) -> list[
     for r in hybrid:
         arch = r["arch"]
         cls = (ZOO | HYBRID_AND_SPARSE)[arch].model_class
-        cond = (f"{a.device} fp32, {torch.get_num_threads()} threads, {a.clock} clock, {cls} H {a.hidden} x "
+        cond = (f"{a.device} fp32, {torch.get_num_threads()} threads, {a.clock} clock"
+                f"{', glibc malloc at steady state' if a.device == 'cpu' else ''}, {cls} H {a.hidden} x "
                 f"{len(r['layer_types'])} layers "
                 f"({', '.join(r['layer_types'])}), heads of 16, vocab {a.vocab}, {r['rows']} rows "
                 f"x {r['T']:,} tokens, {r['documents']} documents of {a.hybrid_doc_tokens} "

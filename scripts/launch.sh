@@ -13,7 +13,9 @@
 #                    growing log
 #   trainer          fanout train: one draft, one process
 #   dp-trainer       torchrun ... -m fanout.cli train: this node's ranks of a
-#                    data-parallel draft (c10d rendezvous across FANOUT_NNODES nodes)
+#                    data-parallel draft (c10d rendezvous across FANOUT_NNODES nodes);
+#                    torchrun as python -m fanout.train.dplaunch: its flags, a failed
+#                    rank in one line instead of torch's ChildFailedError traceback
 #   status           fanout status --serve: Prometheus /metrics, /status.json, a page
 #
 # Environment (unset = the flag is not passed, so FANOUT_CONFIG or fanout's default holds):
@@ -128,7 +130,8 @@ case "$role" in
     train_flags
     nnodes=$(pos_int FANOUT_NNODES "${FANOUT_NNODES:-1}")
     nproc=$(pos_int FANOUT_NPROC_PER_NODE "${FANOUT_NPROC_PER_NODE:-1}")
-    run=("$py" -m torch.distributed.run --nnodes "$nnodes" --nproc-per-node "$nproc")
+    # torchrun's agent and flags, a failed rank reported in one line (fanout.train.dplaunch)
+    run=("$py" -m fanout.train.dplaunch --nnodes "$nnodes" --nproc-per-node "$nproc")
     if [ "$nnodes" = 1 ] && [ -z "${FANOUT_RDZV_ENDPOINT:-}" ]; then
       run+=(--standalone)
     else

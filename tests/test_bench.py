@@ -271,11 +271,11 @@ def test_a_run_with_replicas_reports_a_row_per_replica_and_their_total(tmp_path:
     ]
 
 
-def test_plots_tell_the_drafts_and_the_live_lines_apart(
+def test_plots_tell_the_drafts_and_the_ready_lines_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """steps.png: drafts that step at one pace keep apart (a marker and dash each);
-    live.png: ready windows solid on the left axis, MiB dashed on the right, one legend;
+    ready.png: ready windows solid on the left axis, MiB dashed on the right, one legend;
     titles say what the scenario runs, not its key (issue #45)."""
     import matplotlib
 
@@ -299,16 +299,16 @@ def test_plots_tell_the_drafts_and_the_live_lines_apart(
     run = ScenarioRun("1p3c", tmp_path / "1p3c", [], [root], 1000.0, 1005.0)
     assert write_plots({"scenarios": {"1p3c": sc}}, [(run, tel)], tmp_path)[:2] == [
         "steps.png",
-        "live.png",
+        "ready.png",
     ]
-    steps, live = (f.axes for f in figs[:2])
+    steps, ready_axes = (f.axes for f in figs[:2])
     a, b = steps[0].get_lines()
     assert (a.get_linestyle(), a.get_marker()) != (b.get_linestyle(), b.get_marker())
     assert steps[0].get_title() == "1 producer → 2 drafts: steps"
-    ready, mib = live[0].get_lines()[0], live[1].get_lines()[0]
+    ready, mib = ready_axes[0].get_lines()[0], ready_axes[1].get_lines()[0]
     assert ready.get_linestyle() == "-" and mib.get_linestyle() == "--"
-    assert "solid" in live[0].get_ylabel() and "dashed" in live[1].get_ylabel()
-    legend = live[0].get_legend()
+    assert "solid" in ready_axes[0].get_ylabel() and "dashed" in ready_axes[1].get_ylabel()
+    legend = ready_axes[0].get_legend()
     assert legend is not None and len(legend.get_texts()) == 2
 
 
@@ -351,7 +351,7 @@ def _check_valid_report(rep: dict[str, Any], out: Path) -> None:
     assert on_disk["aggregate_speedup_vs_unshared"] == rep["aggregate_speedup_vs_unshared"]
     md = (out / "report.md").read_text()
     assert ("Validity rules" in md and "AMD" in md) or "hardware" in md
-    for png in ("steps.png", "live.png", "util.png"):
+    for png in ("steps.png", "ready.png", "util.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     tel = sc["telemetry"]
     assert tel["host_only"] or tel["gpu"]["available"]

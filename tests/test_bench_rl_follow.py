@@ -143,4 +143,10 @@ def test_smallest_run_writes_a_complete_record(tmp_path: Path) -> None:
     assert set(raw["windows_by_version"]) == {"v0001", "v0002"}
     assert raw["steps_by_version"].get("v0002", 0) >= 1
     assert rows["version_swap_s"]["n"] == 1 and "rl_follow_disk_flat" in rows
+    # the same-steps control: trained exactly as many steps as the followed draft
+    control, same = raw["same_steps"], rows["tau_ratio_rl_follow_same_steps"]
+    assert control["steps"] == control["asked"] >= 1 and control["passes"] >= 2
+    assert same["result"] == pytest.approx(
+        followed["result"] / rows["tau_same_steps_newest"]["result"], rel=1e-3
+    )
     assert rec["plots"] and rec["plots"][0]["kind"] == "line"

@@ -164,11 +164,11 @@ def test_the_slurm_batch_script_starts_every_role_through_the_launcher(tmp_path:
         assert line.endswith(f"--replicas 2 --replica-rank {rank}"), line
     (train,) = [x for x in lines if x.startswith(f"{py} -m fanout.cli train ")]
     assert "--consumer-id b16 --save-path /shared/drafts/b16" in train
-    dp = [x for x in lines if "torch.distributed.run" in x]
+    dp = [x for x in lines if "fanout.train.dplaunch" in x]
     assert len(dp) == 2  # one torchrun per node, both at the same rendezvous
     assert dp[0] == dp[1]
     assert dp[0].startswith(
-        f"{py} -m torch.distributed.run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
+        f"{py} -m fanout.train.dplaunch --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
         "--rdzv-endpoint node3:29400 --rdzv-id 4242 -m fanout.cli train "
     ), dp[0]
     (status,) = [x for x in lines if " -m fanout.cli status " in x]

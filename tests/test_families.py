@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from fanout.bench.assets import generate_corpus, tiny_qwen3_verifier, write_jsonl
@@ -32,7 +33,9 @@ from fanout.checkpoints.resume import load_checkpoint
 from fanout.checkpoints.save import save_checkpoint
 from fanout.cli import build_parser
 from fanout.errors import CheckpointError, ConfigError
+from fanout.families.chain import ChainFamily
 from fanout.families.registry import FAMILIES, family, family_of_draft
+from fanout.model.draft_config import ChainConfig
 from fanout.produce.capture_for import capture_fields
 from fanout.produce.config import ProducerConfig
 from fanout.train.config import TrainConfig
@@ -98,6 +101,54 @@ def test_a_family_declares_its_config_and_model_once(name: str) -> None:
     assert fam.draft_class.config_class is fam.config_class
     assert fam.model_ref.split(":")[0] == f"fanout.families.{name}.model"
     assert issubclass(fam.draft_class, Draft)
+
+
+# a tiny draft's shapes, what every family's config takes beside its recipe
+SHAPES: dict[str, Any] = {
+    "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256, "mask_token_id": 255,
+    "target_layer_ids": [1],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_config_is_frozen_and_refuses_unknown_fields(name: str) -> None:
+    """DraftConfig declares frozen / extra="forbid" once; every family's config (its
+    recipe mixin first among its bases) inherits both."""
+    fam = FAMILIES[name]
+    cfg = fam.config_class(**SHAPES, block_size=fam.block_size_for(4))
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.hidden_size = 64  # type: ignore[misc]
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        fam.config_class(**SHAPES, block_size=fam.block_size_for(4), not_a_field=1)
+
+
+@pytest.mark.parametrize(
+    ("name", "fc_norm", "on"),
+    [("eagle3", False, True), ("eagle3", True, False), ("peagle", False, False),
+     ("peagle", True, False)],
+)  # fmt: skip
+def test_an_unset_norm_before_fc_is_what_the_familys_trainer_resolves(
+    name: str, fc_norm: bool, on: bool
+) -> None:
+    """`--norm-before-fc` unset (None, EAGLE-3's flag): on unless --fc-norm for EAGLE-3,
+    off for P-EAGLE (speculators' trainers), resolved by their shared ChainConfig."""
+    fam = FAMILIES[name]
+    width = fam.block_size_for(4)
+    cfg = fam.config_class(**SHAPES, block_size=width, fc_norm=fc_norm, norm_before_fc=None)
+    assert isinstance(cfg, ChainConfig) and cfg.norm_before_fc is on
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if isinstance(f, ChainFamily)])
+def test_every_chain_familys_steps_flag_says_what_it_means(name: str) -> None:
+    """A chain family's steps flag (`SharedRule.steps_field`) is `steps_flag`'s: at least
+    one step, its help saying what it means to eval and the verify width."""
+    fam = FAMILIES[name]
+    assert isinstance(fam, ChainFamily)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        fam.recipe(**{fam.steps_field: 0})
+    help_ = fam.recipe.model_fields[fam.steps_field].description or ""
+    assert "--num-speculative-tokens" in help_ and help_.endswith("verify width = this + 1")
 
 
 def test_unknown_family_is_refused_naming_the_known_ones() -> None:

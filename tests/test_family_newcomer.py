@@ -46,14 +46,14 @@ class ToyFlashConfig(ToyFlashRecipe, DraftConfig):
 
 
 class ToyFlash(Family):
-    name: ClassVar[str] = "toyflash"
-    model_ref: ClassVar[str] = "fanout.families.toyflash.model:ToyFlashDraft"
-    config_class: ClassVar[type[DraftConfig]] = ToyFlashConfig
-    recipe: ClassVar[type[BaseModel]] = ToyFlashRecipe
+    name = "toyflash"
+    model_ref = "fanout.families.toyflash.model:ToyFlashDraft"
+    config_class = ToyFlashConfig
+    recipe = ToyFlashRecipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 4}
-    speculators_model_type: ClassVar[str] = "toyflash"
-    architectures: ClassVar[tuple[str, ...]] = ("ToyFlashDraftModel",)
-    serving_method: ClassVar[str] = "dflash"
+    speculators_model_type = "toyflash"
+    architectures = ("ToyFlashDraftModel",)
+    serving_method = "dflash"
 
     def serving_fields(self) -> list[str]:
         return ["toyflash_flat_weights"]

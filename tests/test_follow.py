@@ -510,6 +510,28 @@ def test_rows_carry_across_chunks_and_what_all_acknowledged_leaves_the_disk(
     assert chunks[0].records + sum(new) == 80  # every record once in some chunk's rows
 
 
+def _stream_on_a_fake_clock(
+    assets: Path, src: Path, run: Path, **fields: Any
+) -> tuple[Any, Coordinator, FollowStream, list[float]]:
+    """A follow stream of `src` attached to a new run, on a clock the test moves
+    (`now[0]`), --follow-idle-s 5: (its config, the coordinator, the stream, now)."""
+    cfg = tiny_producer_config(
+        assets, run, follow=str(src), data=[], follow_idle_s=5.0,
+        cache_dir=str(assets / "cache"), **fields,
+    )  # fmt: skip
+    cache = str(assets / "cache")
+    co = Coordinator.create(run, make_contract())
+    p = co.register_producer(make_contract())
+    s = FollowStream(
+        lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, RunDir(run).create()
+    )
+    s.fs.makedirs(s.dir)
+    now = [0.0]
+    s.clock = lambda: now[0]
+    s.attach(co, p)
+    return cfg, co, s, now
+
+
 def test_a_held_out_record_read_after_the_last_chunk_is_kept_at_the_idle_end(
     assets: Path, tmp_path: Path
 ) -> None:
@@ -519,19 +541,9 @@ def test_a_held_out_record_read_after_the_last_chunk_is_kept_at_the_idle_end(
     committed counts ever had it. The idle end now cuts a last chunk (no rows) when
     records arrived after the last one. A fake clock: no timing."""
     src, run = tmp_path / "log.jsonl", tmp_path / "run"
-    cfg = tiny_producer_config(
-        assets, run, follow=str(src), data=[], follow_chunk_records=3, follow_idle_s=5.0,
-        holdout_fraction=0.5, cache_dir=str(assets / "cache"),
-    )  # fmt: skip
-    cache = str(assets / "cache")
-    rd = RunDir(run).create()
-    co = Coordinator.create(run, make_contract())
-    p = co.register_producer(make_contract())
-    s = FollowStream(lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, rd)
-    s.fs.makedirs(s.dir)
-    now = [0.0]
-    s.clock = lambda: now[0]
-    s.attach(co, p)
+    cfg, co, s, now = _stream_on_a_fake_clock(
+        assets, src, run, follow_chunk_records=3, holdout_fraction=0.5
+    )
     pool = _source_records(40, start=300)
     kept = [r for r in pool if not s._held_out(r)][:3]
     held = next(r for r in pool if s._held_out(r))
@@ -551,5 +563,45 @@ def test_a_held_out_record_read_after_the_last_chunk_is_kept_at_the_idle_end(
     assert pos is not None and (pos["records"], pos["heldout"]) == (4, 1), pos
     assert [c.records for c in co.follow_chunks()] == [3, 0]  # the last one: no rows
     co.close()
-    again = FollowStream.open(lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, rd)
+    cache = str(assets / "cache")
+    again = FollowStream.open(
+        lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, RunDir(run)
+    )
     assert len(again.files) == 2 and again.rows.num_rows == s.rows.num_rows  # resumes it
+
+
+def test_a_skipped_line_read_after_the_last_chunk_is_counted_at_the_idle_end(
+    assets: Path, tmp_path: Path
+) -> None:
+    """A line that is not a chat, read after the last chunk was cut, then --follow-idle-s
+    ended the stream: no record was pending or carried, so no chunk was cut again and the
+    committed counts (`fanout status`, /metrics) never had the skip, nor the position its
+    bytes (a restart read it again). The idle end now cuts a last chunk (no rows) when a
+    line was skipped after the last one. A fake clock: no timing."""
+    src, run = tmp_path / "log.jsonl", tmp_path / "run"
+    cfg, co, s, now = _stream_on_a_fake_clock(
+        assets, src, run, follow_chunk_records=100, follow_flush_s=1.0
+    )
+    src.write_text("".join(json.dumps(r) + "\n" for r in _source_records(3, start=500)))
+    s.poll()  # three records read at t=0
+    now[0] = 1.0
+    s.poll()  # they waited --follow-flush-s: a chunk keeping all their rows, none carried
+    assert [c.records for c in co.follow_chunks()] == [3] and not s.pending and not s.carry
+    with open(src, "a") as f:
+        f.write('{"messages": "not a list"}\nthis is not json\n')
+    now[0] = 2.0
+    s.poll()  # read: both skipped, nothing pending
+    now[0] = 7.0
+    s.poll()  # --follow-idle-s without a record: the end
+    assert s.ended
+    pos = co.follow_position()
+    assert pos is not None and (pos["records"], pos["skipped"]) == (3, 2), pos
+    chunks = co.follow_chunks()
+    assert [c.records for c in chunks] == [3, 0]  # the last one: no rows
+    assert list(chunks[-1].positions.values()) == [src.stat().st_size]  # read to the end
+    co.close()
+    cache = str(assets / "cache")
+    again = FollowStream.open(
+        lambda chunk: cfg.prepare_config(cache, data=[chunk]), cfg, RunDir(run)
+    )
+    assert again.counts["skipped"] == 2 and again.rows.num_rows == s.rows.num_rows

@@ -14,7 +14,8 @@ Once the DP trainer has acked a window, rank 1's host dies (every process SIGKIL
 once: `Host.lose`). What docs/operations.md ("Faults on a cluster") promises, checked
 here: rank 0's next collective fails (the peer's sockets are gone) and the DP trainer
 ends with one line naming the lost rank and the checkpoint it saved, exit non-zero,
-no traceback from fanout (torchrun's agent adds its own ChildFailedError report);
+no traceback (torchrun's agent runs as fanout.train.dplaunch, which reports the failed
+rank in one line of its own, carrying that rank's line, not torch's ChildFailedError);
 rank 0 recorded `stopped`, rank 1 is declared `lost` after ttl; at most K windows
 live; the producer and the other trainer go on. Restarted with --resume on the
 surviving host and a new one, the DP trainer continues from that checkpoint and
@@ -45,9 +46,10 @@ K = 3
 TTL_S = 8.0
 SCHEMA = "dp_lost"
 DEADLINE_S = 600  # a bound on a hang, not a timing: the test ends well before
-ERROR_LINE = re.compile(r"^.*fanout train: error: .+$", re.M)
-# a traceback through fanout's own code (torchrun's agent adds its own report of a
-# failed worker, ChildFailedError: torch's, not fanout's)
+# a rank's line (the launcher's own line, `fanout dp-launch: error: ...`, carries it too)
+ERROR_LINE = re.compile(r"^(?!fanout dp-launch:).*fanout train: error: .+$", re.M)
+LAUNCHER_LINE = re.compile(r"^fanout dp-launch: .+$", re.M)
+# a traceback through fanout's own code
 FANOUT_FRAME = re.compile(r'File ".*/fanout/[^"]+\.py"')
 
 
@@ -147,18 +149,27 @@ def test_a_dp_rank_host_lost_ends_the_dp_trainer_in_one_line_and_it_resumes_else
             assert code != 0, out[-3000:]
             errors = ERROR_LINE.findall(out)
             assert not FANOUT_FRAME.search(out), out[-3000:]  # no traceback through fanout
+            launcher = LAUNCHER_LINE.findall(out)
+            assert len(launcher) == 1 and "ChildFailedError" not in out, out[-3000:]
             if lost:
-                # the rank left stops in one line; torchrun's agent then reports that
-                # worker's exit (ChildFailedError: torch's traceback, its only one)
+                # the rank left stops in one line; the launcher's names it, its host, its
+                # exit and carries its line; no traceback at all (torch's or fanout's)
                 assert len(errors) == 1, out[-3000:]
                 assert "data-parallel rank 0 of 2: a collective failed" in errors[0], errors
-                assert out.count("Traceback") == out.count("ChildFailedError:") == 1, out[-3000:]
+                assert "Traceback" not in out, out[-3000:]
+                assert launcher[0] == (
+                    f"fanout dp-launch: error: rank 0 (local 0) on {up.name} exited with "
+                    f"code 1: {errors[0]}"
+                ), launcher
             else:
                 # the lost host held the c10d store: the agent left fails on its own
-                # (RendezvousConnectionError, torch's tracebacks) and SIGTERMs its worker,
-                # which stops either way: this line (RankLost) or a signal's `stopped`
+                # (RendezvousConnectionError: the launcher's one line) and SIGTERMs its
+                # worker, which stops either way: this line (RankLost) or a signal's
+                # `stopped`
                 assert len(errors) <= 1, out[-3000:]
                 assert all("data-parallel rank 1 of 2: a collective" in e for e in errors), errors
+                assert launcher[0].startswith("fanout dp-launch: error: "), launcher
+                assert f" on {up.name} " in launcher[0], launcher
             # the rank left said how it ended; the lost one could not: lost by ttl
             wait_for(lambda: states().get(f"dp:dp{lost}", (0, ""))[1] == "lost", left(),
                      f"rank {lost} to be declared lost", poll_s=0.5)  # fmt: skip
@@ -246,7 +257,7 @@ def test_a_collective_whose_peer_is_gone_is_one_rank_lost_line(
         assert str(got.value) == (
             "data-parallel rank 0 of 2: a collective failed, so another rank is gone (its "
             "process died or its host was lost, or it was silent past the process group's "
-            "timeout, 1800 s): Connection closed by peer [10.213.7.6]:56457"
+            "timeout, --dp-timeout-s 1800): Connection closed by peer [10.213.7.6]:56457"
         )
 
     def bug(*_a: Any, **_k: Any) -> None:

@@ -108,11 +108,12 @@ def test_packed_attention_is_full_attention_only() -> None:
 
 
 def test_a_block_reads_keys_back_to_its_own_document_start_only() -> None:
-    # row 0: documents of 100 tokens (a block's first query is < 100 into its document);
-    # row 1: one document of 4 blocks. Blocks are bucketed by how far back their own
-    # document began, so row 0's blocks read one block of earlier keys, not row 1's three.
-    t = 4 * pa.BLOCK
-    docs = torch.stack([torch.arange(t) // 100, torch.zeros(t, dtype=torch.long)])
+    # row 0: documents of L < BLOCK tokens (a block's first query is < L into its
+    # document); row 1: one document of 4 blocks. Blocks are bucketed by how far back
+    # their own document began, so row 0's blocks read one block of earlier keys, not
+    # row 1's three.
+    t, doc_len = 4 * pa.BLOCK, pa.BLOCK * 100 // 128
+    docs = torch.stack([torch.arange(t) // doc_len, torch.zeros(t, dtype=torch.long)])
     blocks = pa._Blocks.of(_layout(docs))
     back = {int(f): bk.back for bk in blocks.buckets for f in bk.flat}  # block → its keys back
     assert blocks.back == 3 * pa.BLOCK

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fanout.coord.coordinator import ProducerPlan
+from fanout.coord.grants import ProducerPlan
 from fanout.status.page import COLOURS, DASHES, Sample, nice_ticks, plots_html
 from fanout.status.serve import StatusServer
 from test_coordinator import new_run, produce

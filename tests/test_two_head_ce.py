@@ -188,6 +188,7 @@ def test_bf16_within_stated_tolerance() -> None:
         ({"b": "short"}, "expected e"),
         ({"w": "short"}, "row_weight"),
         ({"teacher": "short"}, "teacher"),
+        ({"target": "short"}, "expected target"),
     ],
 )
 def test_bad_inputs_are_refused(change: dict[str, Any], msg: str) -> None:

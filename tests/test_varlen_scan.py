@@ -223,7 +223,7 @@ def test_the_fla_path_hands_each_segment_to_the_kernel_as_a_varlen_sequence() ->
     doc, _spans = _doc_ids()
     lay = SegmentLayout.from_document_ids(doc)
     q, k, v, decay, beta = _qkv()
-    got = _gated_delta_rule_fla(fake_fla, q, k, v, decay, beta, lay, True)
+    got = _gated_delta_rule_fla(fake_fla, (q, k, v, decay, beta), lay, True)
     want = gated_delta_rule_varlen(q, k, v, decay, beta, lay)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert calls == [lay.cu_seqlens.tolist()]

@@ -23,6 +23,7 @@ from typing import NoReturn
 
 from fanout.errors import FanoutError
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
+from fanout.train.dplaunch import tell_agent
 
 # name -> (module, one-line help). Each module defines add_arguments(p) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {}
@@ -143,14 +144,21 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _failed(command: str, e: FanoutError) -> int:
+    """A command's one-line error, on stderr and, under torchrun, in the file its agent
+    reads the rank's failure from (fanout.train.dplaunch names it in its own line)."""
+    line = f"fanout {command}: error: {e}"
+    print(line, file=sys.stderr)
+    tell_agent(line)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         early_check(argv)
     except FanoutError as e:
-        print(f"fanout {next(a for a in argv if not a.startswith('-'))}: error: {e}",
-              file=sys.stderr)  # fmt: skip
-        return 1
+        return _failed(next(a for a in argv if not a.startswith("-")), e)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
@@ -161,8 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args, args.command) or 0)
     except FanoutError as e:
-        print(f"fanout {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(args.command, e)
     except KeyboardInterrupt:
         print(f"fanout {args.command}: interrupted", file=sys.stderr)
         return 130

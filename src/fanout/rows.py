@@ -18,7 +18,9 @@ LOSS_MASK = "loss_mask"  # [R, T] uint8: 1 where the token is supervised (assist
 DOCUMENT_IDS = "document_ids"  # [R, T] int32: the document of each position, -1 on padding
 POSITION_IDS = "position_ids"  # [R, T] int32: the position within its document
 TARGET_IDS = "target_ids"  # [R, T] int32: the verifier's greedy prediction of token t+1
-LAST_HIDDEN_STATES = "last_hidden_states"  # [R, T, H]: the verifier's last (normed) states
+# [R, T, H]: the verifier's last (normed) states, times its logit scale where it has one
+# (Falcon-H1): its logits are last_hidden_states · Wᵀ (fanout.model.verifier_dir)
+LAST_HIDDEN_STATES = "last_hidden_states"
 HIDDEN_STATES = "hidden_states"  # file: `hidden_states.<layer>` [R, T, H]; batch: [B, T, k·H]
 HIDDEN_STATES_SCALE = "hidden_states_scale"  # fp8 scales: `.<layer>` [R, T]; batch [B, T, k]
 

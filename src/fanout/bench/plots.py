@@ -1,10 +1,10 @@
-"""The plots of a bench report: steps.png, live.png, util.png, curves.png.
+"""The plots of a bench report: steps.png, ready.png, util.png, curves.png.
 
     from fanout.bench.plots import write_plots
     names = write_plots(report, runs, out_dir)   # runs: [(ScenarioRun, telemetry.jsonl)]
 
-Per scenario: each consumer's steps over time, the live windows (ready, and MiB on
-disk) per run dir, host CPU and GPU utilization (from the telemetry JSONL), and the
+Per scenario: each consumer's steps over time, the ready windows (and MiB on disk)
+per run dir, host CPU and GPU utilization (from the telemetry JSONL), and the
 drafts' learning curves (loss and train-time EAL against step, from train_log.jsonl).
 matplotlib with the Agg backend: no display needed; imported only when plotting.
 """
@@ -24,14 +24,14 @@ from fanout.train.trainlog import read_train_log
 def write_plots(
     rep: dict[str, Any], runs: Sequence[tuple[ScenarioRun, Path]], out: Path
 ) -> list[str]:
-    """steps.png, live.png, util.png, curves.png (Agg backend: no display needed)."""
+    """steps.png, ready.png, util.png, curves.png (Agg backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(runs)
-    figs: dict[str, Any] = {k: plt.subplots(1, n, figsize=(5 * n, 3.6), squeeze=False) for k in ("steps", "live", "util")}  # fmt: skip
+    figs: dict[str, Any] = {k: plt.subplots(1, n, figsize=(5 * n, 3.6), squeeze=False) for k in ("steps", "ready", "util")}  # fmt: skip
     for i, (run, tel) in enumerate(runs):
         sc = rep["scenarios"][run.name]
         title = scenario_title(run.name, len(sc["consumers"]))
@@ -45,14 +45,14 @@ def write_plots(
             ax.legend(fontsize=7)
         samples = read_samples(tel) if tel.is_file() else []
         t = [x["t_wall"] - run.started_wall for x in samples]
-        ax = figs["live"][1][0][i]
+        ax = figs["ready"][1][0][i]
         ax2 = ax.twinx()
         for c, r in enumerate(run.run_dirs):  # a colour per run dir; windows solid, MiB dashed
             ready = [x.get("extra", {}).get(str(r), {}).get("ready_windows", 0) for x in samples]
-            live = [x.get("run_dirs", {}).get(str(r), {}).get("bytes", 0) / 2**20 for x in samples]
+            mib = [x.get("run_dirs", {}).get(str(r), {}).get("bytes", 0) / 2**20 for x in samples]
             ax.step(t, ready, where="post", color=f"C{c}", label=f"{r.name}: ready windows")
-            ax2.plot(t, live, "--", color=f"C{c}", alpha=0.7, label=f"{r.name}: MiB on disk")
-        ax.set(title=f"{title}: live windows", xlabel="s", ylabel="ready windows (solid)")
+            ax2.plot(t, mib, "--", color=f"C{c}", alpha=0.7, label=f"{r.name}: MiB on disk")
+        ax.set(title=f"{title}: ready windows", xlabel="s", ylabel="ready windows (solid)")
         ax2.set_ylabel("MiB on disk (dashed)")
         lines = [h for a in (ax, ax2) for h in a.get_legend_handles_labels()[0]]
         if lines:  # one legend for both axes

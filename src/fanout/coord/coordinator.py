@@ -41,29 +41,21 @@ fanout.coord speaks SQL: everything else calls named methods.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from fanout.contract import CaptureContract
-from fanout.coord import postgresdb, reads, records, retention, schema, sqlitedb, waits
+from fanout.coord import postgresdb, reads, records, retention, schema, sqlitedb
 from fanout.coord.claims import Claims
 from fanout.coord.core import Location, RunDb
 from fanout.coord.eviction import Eviction
-from fanout.coord.follow_log import FollowChunk, FollowLog
-from fanout.coord.grants import (
-    Claim,
-    ConsumerReg,
-    Lease,
-    ProducerPlan,
-    ProducerReg,
-    PublishedLike,
-    WindowFiles,
-)
+from fanout.coord.follow_log import FollowLog
+from fanout.coord.grants import ConsumerReg, ProducerReg, WindowFiles
 from fanout.coord.leasing import Leasing
 from fanout.coord.retention import RunConfig
 from fanout.coord.roles import Roles
@@ -75,10 +67,26 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Coordinator", "Location", "RunConfig"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 def _root(run_dir: Any) -> Path:
     """A run directory given as a path or as a fanout.store.rundir.RunDir."""
     return Path(run_dir if isinstance(run_dir, (str, os.PathLike)) else run_dir.root).absolute()
+
+
+def _forward(
+    part: str, method: Callable[Concatenate[Any, P], R]
+) -> Callable[Concatenate[Any, P], R]:
+    """`method` of the part a Coordinator holds as attribute `part`, as a Coordinator
+    method: one line into the part that owns the call, whose signature and docstring
+    it is (mypy checks the arguments against the part's; help() shows its docstring)."""
+
+    def call(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(getattr(self, part), *args, **kwargs)
+
+    return functools.update_wrapper(call, method)
 
 
 class Coordinator:
@@ -299,24 +307,16 @@ class Coordinator:
             return None
 
     # ---- roles (fanout.coord.roles) ---------------------------------------------
+    # A call that only passes a part's call through is that method (_forward): its
+    # signature and docstring are written once, in the part.
 
-    def register_producer(
-        self,
-        contract: CaptureContract,
-        owner: str = "",
-        *,
-        takeover: bool = False,
-        rank: int | None = 0,
-        plan: ProducerPlan | None = None,
-    ) -> ProducerReg:
-        """Become the run's producer, or producer replica `rank` of `plan.replicas` (None:
-        a free rank, a crashed holder's first): fences that rank's previous holder and
-        releases its claims. RoleHeld while a live process holds it (every rank, for None), unless
-        `takeover`; a crashed or finished one is replaced without asking. PlanMismatch
-        when live replicas run with another data plan (`plan`)."""
-        return self.roles.register_producer(
-            contract, owner, takeover=takeover, rank=rank, plan=plan
-        )
+    register_producer = _forward("roles", Roles.register_producer)
+    free_rank_order = _forward("roles", Roles.free_rank_order)
+    check_plan = _forward("roles", Roles.check_plan)
+    register_consumer = _forward("roles", Roles.register_consumer)
+    heartbeat = _forward("roles", Roles.heartbeat)
+    reclaim_lost = _forward("roles", Roles.reclaim_lost)
+    detach_consumer = _forward("roles", Roles.detach_consumer)
 
     def check_producer_role(
         self, takeover: bool = False, rank: int | None = 0, replicas: int = 1
@@ -327,38 +327,6 @@ class Coordinator:
         if not takeover:
             self.roles.check_producer_role(rank, replicas)
 
-    def free_rank_order(self, replicas: int) -> list[int]:
-        """The ranks a replica started without --replica-rank tries, in order: a crashed
-        or lost holder's first, then one never taken, then a finished one's."""
-        return self.roles.free_rank_order(replicas)
-
-    def check_plan(self, rank: int, plan: ProducerPlan) -> None:
-        """PlanMismatch now if live producer replicas (other than `rank`) run with another
-        data plan: a replica learns it before it loads anything."""
-        self.roles.check_plan(rank, plan)
-
-    def register_consumer(
-        self,
-        name: str,
-        dp_rank: int = 0,
-        expect: dict[str, Any] | None = None,
-        cursor: int | None = None,
-        *,
-        takeover: bool = False,
-        about: dict[str, Any] | None = None,
-    ) -> ConsumerReg:
-        """Join (or rejoin) as `name:dp<rank>`; `cursor` resumes from a checkpoint;
-        `about` (family, data-parallel world, ...) is for `fanout status` (fanout.coord.records).
-
-        A rejoin keeps the stored cursor unless `cursor` is given (which may move it
-        back: that window is then recaptured), fences the previous incarnation and
-        drops its leases. RoleHeld while another live process holds this id, unless
-        `takeover`. ContractMismatch names every expected field that differs.
-        """
-        return self.roles.register_consumer(
-            name, dp_rank, expect, cursor, takeover=takeover, about=about
-        )
-
     def check_consumer_role(self, name: str, dp_rank: int = 0, takeover: bool = False) -> None:
         """Raise RoleHeld now if a live process holds consumer `name:dp<rank>` (and not
         `takeover`): a second trainer learns it before it builds anything or takes its
@@ -366,51 +334,14 @@ class Coordinator:
         if not takeover:
             self.roles.check_consumer_role(f"{name}:dp{dp_rank}")
 
-    def heartbeat(self, reg: ConsumerReg | ProducerReg) -> None:
-        """Prove liveness (increments the heartbeat counter). Fenced."""
-        self.roles.heartbeat(reg)
-
-    def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
-        """Declare lost every process whose heartbeat stood still for ttl_s (on this
-        process's clock); release its leases/claims and fence it. Returns their ids."""
-        return self.roles.reclaim_lost(exclude)
-
-    def detach_consumer(self, consumer_id: str, *, force: bool = False) -> list[str]:
-        """`fanout detach`: release a stopped or lost consumer (or, with `force`, an
-        active one) so it no longer holds windows back. One line per consumer."""
-        return self.roles.detach_consumer(consumer_id, force=force)
-
     # ---- the producer's work (fanout.coord.claims) ------------------------------
 
-    def claim(
-        self, preg: ProducerReg, end: int | None = None, upto: int | None = None
-    ) -> Claim | None:
-        """Claim the next window to capture (demand first); None when at capacity, every
-        window is claimed, or the stream (the run's total_windows, or `end`) is fully
-        produced. `upto`: no new window past it for now (not an end)."""
-        return self.claims.claim(preg, end, upto)
-
-    def renew(self, claim: Claim) -> None:
-        """Heartbeat while capturing one long window; StaleLease if the claim was lost."""
-        self.claims.renew(claim)
-
-    def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
-        """Record a durable, final-named window file (Store.publish's result) as ready."""
-        self.claims.publish_ready(claim, published)
-
-    def fail(self, claim: Claim, reason: str) -> None:
-        """A capture failed: requeue the window (retried first) or, after max_attempts, fail it."""
-        self.claims.fail(claim, reason)
-
-    def wait_for_capacity(self, preg: ProducerReg, timeout_s: float) -> bool:
-        """Block while there is no room (K windows live, or K − 1 and the slowest
-        consumer's next needed window cannot be claimed: fanout.coord.retention); apply
-        the lag policy. False on timeout."""
-        return self.claims.wait_for_capacity(preg, timeout_s)
-
-    def blocked_by(self) -> str:
-        """While blocked at K: who holds the producer back and the ways out, in words."""
-        return self.claims.blocked_by()
+    claim = _forward("claims", Claims.claim)
+    renew = _forward("claims", Claims.renew)
+    publish_ready = _forward("claims", Claims.publish_ready)
+    fail = _forward("claims", Claims.fail)
+    wait_for_capacity = _forward("claims", Claims.wait_for_capacity)
+    blocked_by = _forward("claims", Claims.blocked_by)
 
     def finish_producer(self, preg: ProducerReg, stream_end: int | None = None) -> None:
         """A replica's clean exit: state 'finished', its claims released; `stream_end`
@@ -425,52 +356,18 @@ class Coordinator:
 
     # ---- a followed source (fanout.coord.follow_log) -----------------------------
 
-    def commit_follow_chunk(self, preg: ProducerReg, chunk: FollowChunk) -> FollowChunk:
-        """Commit `produce --follow`'s next chunk (its file already written) and the
-        source position after it, in one transaction fenced by the producer's token."""
-        return self.follow_log.commit(preg, chunk)
-
-    def follow_chunks(self) -> list[FollowChunk]:
-        """The committed chunks of a followed source, in order (a producer resumes here)."""
-        return self.follow_log.chunks()
-
-    def follow_position(self) -> dict[str, Any] | None:
-        """Chunks committed and records read / held out / skipped (None: not followed)."""
-        return self.follow_log.position()
+    commit_follow_chunk = _forward("follow_log", FollowLog.commit)
+    follow_chunks = _forward("follow_log", FollowLog.chunks)
+    follow_position = _forward("follow_log", FollowLog.position)
 
     # ---- the consumers' work (fanout.coord.leasing) -----------------------------
 
-    def acquire(
-        self,
-        reg: ConsumerReg,
-        timeout_s: float | None = None,
-        window: int | None = None,
-        cancel: threading.Event | None = None,
-        on_wait: Callable[[waits.WaitState], None] | None = None,
-    ) -> Lease | None:
-        """Lease the window at the cursor (or `window` ≥ cursor), waiting until it is
-        ready; None at the end of the stream (fanout.coord.leasing.Leasing.acquire)."""
-        return self.leasing.acquire(reg, timeout_s, window, cancel, on_wait)
-
-    def ack(self, lease: Lease) -> None:
-        """The window was consumed: drop the lease, advance the cursor."""
-        self.leasing.ack(lease)
-
-    def release(self, lease: Lease) -> bool:
-        """Give a lease back without consuming it (cursor unchanged). False if not held."""
-        return self.leasing.release(lease)
-
-    def report_corrupt(self, lease: Lease, reason: str) -> None:
-        """Quarantine the leased file and queue the window for recapture (new generation)."""
-        self.leasing.report_corrupt(lease, reason)
-
-    def finish(self, reg: ConsumerReg) -> None:
-        """The consumer reached its own end: 'finished', it holds nothing back."""
-        self.leasing.finish(reg)
-
-    def stop(self, reg: ConsumerReg) -> None:
-        """The consumer exits before its end: 'stopped', its cursor still holds windows."""
-        self.leasing.stop(reg)
+    acquire = _forward("leasing", Leasing.acquire)
+    ack = _forward("leasing", Leasing.ack)
+    release = _forward("leasing", Leasing.release)
+    report_corrupt = _forward("leasing", Leasing.report_corrupt)
+    finish = _forward("leasing", Leasing.finish)
+    stop = _forward("leasing", Leasing.stop)
 
     def count_lag_skipped(self, reg: ConsumerReg, n: int = 1) -> None:
         """`n` more windows this consumer acks without training: captured too many
@@ -489,17 +386,9 @@ class Coordinator:
 
     # ---- eviction (fanout.coord.eviction) ---------------------------------------
 
-    def evict(self) -> int:
-        """Evict every evictable window now (also done by ack and the producer's wait)."""
-        return self.eviction.evict()
-
-    def wants_file(self, window: int, generation: int) -> bool:
-        """For the sweeper: must window `window` generation `generation`'s file stay?"""
-        return self.eviction.wants_file(window, generation)
-
-    def sweep(self) -> Any:
-        """Finish interrupted evictions, then let the store remove debris and orphans."""
-        return self.eviction.sweep()
+    evict = _forward("eviction", Eviction.evict)
+    wants_file = _forward("eviction", Eviction.wants_file)
+    sweep = _forward("eviction", Eviction.sweep)
 
     def acked_by_all(self) -> int:
         """Every window below this one is acknowledged by every counted consumer

@@ -98,7 +98,8 @@ class FollowLog:
         return str(self.run.meta(cur, "stream_id"))
 
     def commit(self, preg: ProducerReg, chunk: FollowChunk) -> FollowChunk:
-        """Commit `chunk` (its file already written): fenced by the producer's token,
+        """Commit `produce --follow`'s next chunk (its file already written) and the
+        source position after it, in one transaction fenced by the producer's token,
         and only as the next chunk of the stream. Returns it as stored."""
         with self.run.write() as cur:
             self.roles.check_producer(cur, preg.token, preg.rank)
@@ -121,7 +122,8 @@ class FollowLog:
         return stored
 
     def chunks(self) -> list[FollowChunk]:
-        """The run's committed chunks, in chunk order (empty: not a followed run)."""
+        """The run's committed chunks, in chunk order (empty: not a followed run): a
+        producer resumes here."""
         q = self.run.conn.execute
         stream = self._stream(self.run.conn)
         rows = q(

@@ -23,6 +23,7 @@ reopens a stream whose end was recorded (fanout.coord.waits).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -100,9 +101,13 @@ class Roles:
         rank: int | None = 0,
         plan: ProducerPlan | None = None,
     ) -> ProducerReg:
-        """Become producer replica `rank` (None: the first free of `plan.replicas`):
-        fences that rank's previous holder and releases its claims (counted in
-        `claims_reclaimed`: another replica, or this one, captures them again)."""
+        """Become the run's producer, or producer replica `rank` of `plan.replicas` (None:
+        a free rank, a crashed holder's first, in free_rank_order): fences that rank's
+        previous holder and releases its claims (counted in `claims_reclaimed`: another
+        replica, or this one, captures them again). RoleHeld while a live process holds
+        it (every rank, for None), unless `takeover`; a crashed or finished one is
+        replaced without asking. PlanMismatch when live replicas run with another data
+        plan (`plan`)."""
         if contract != self.run.contract:
             raise ContractMismatch(self.run.contract.diff(contract), where="producer")
         plan = plan or ProducerPlan()
@@ -164,7 +169,8 @@ class Roles:
             waits.reopen_stream(cur)
 
     def check_plan(self, rank: int, plan: ProducerPlan) -> None:
-        """PlanMismatch now if live replicas (other than `rank`) run another data plan."""
+        """PlanMismatch now if live producer replicas (other than `rank`) run with another
+        data plan: a replica learns it before it loads anything."""
         self._plan_check(self.run.conn, rank, plan)
 
     def _plan_check(self, cur: schema.Sql, rank: int, plan: ProducerPlan) -> bool:
@@ -209,8 +215,15 @@ class Roles:
         takeover: bool = False,
         about: dict[str, Any] | None = None,
     ) -> ConsumerReg:
-        """Join (or rejoin) as `name:dp<rank>` at `cursor` (default: the stored one);
-        `about` is what `fanout status` shows of it (fanout.coord.records)."""
+        """Join (or rejoin) as `name:dp<rank>`; `cursor` resumes from a checkpoint;
+        `about` (family, data-parallel world, ...) is what `fanout status` shows of it
+        (fanout.coord.records).
+
+        A rejoin keeps the stored cursor unless `cursor` is given (which may move it
+        back: that window is then recaptured), fences the previous incarnation and
+        drops its leases. RoleHeld while another live process holds this id, unless
+        `takeover`. ContractMismatch names every expected field that differs.
+        """
         if not name or ":" in name:
             raise ConfigError(f"consumer name {name!r}: must be non-empty without ':'")
         cid = f"{name}:dp{dp_rank}"
@@ -410,29 +423,28 @@ class Roles:
         and what decides on the counter (a reclaim's `hb_seq=?`) or changes the row's
         token or state (a registration, a reclaim, a detach) is ordered against it by
         the row's lock, and sees it (PostgreSQL re-reads a row it waited for)."""
+        conn = self.run.conn
+        ident: int | str  # the role's row: its key
+        says_why: Callable[[], object]  # raises the error that names why a beat missed
         if isinstance(reg, ProducerReg):
-            n = self.run.conn.write_row(
-                "UPDATE producers SET hb_seq=hb_seq+1, hb_wall=? WHERE rank=? AND token=? "
-                "AND state=?",
-                (wall(), reg.rank, reg.token, ACTIVE),
-            )
-            if not n:
-                self.check_producer(self.run.conn, reg.token, reg.rank)
-                raise StaleLease(f"{reg.role_id}: token {reg.token} is stale")  # not reached
+            table, column, ident, role = "producers", "rank", reg.rank, reg.role_id
+            says_why = functools.partial(self.check_producer, conn, reg.token, reg.rank)
         else:
-            n = self.run.conn.write_row(
-                "UPDATE consumers SET hb_seq=hb_seq+1, hb_wall=? WHERE id=? AND token=? "
-                "AND state=?",
-                (wall(), reg.consumer_id, reg.token, ACTIVE),
-            )
-            if not n:
-                self.check_consumer(self.run.conn, reg.consumer_id, reg.token)
-                raise StaleLease(f"consumer {reg.consumer_id}: token {reg.token} is stale")
+            table, column, ident = "consumers", "id", reg.consumer_id
+            role = f"consumer {reg.consumer_id}"
+            says_why = functools.partial(self.check_consumer, conn, reg.consumer_id, reg.token)
+        if not conn.write_row(
+            f"UPDATE {table} SET hb_seq=hb_seq+1, hb_wall=? WHERE {column}=? AND token=? "
+            "AND state=?",
+            (wall(), ident, reg.token, ACTIVE),
+        ):
+            says_why()
+            raise StaleLease(f"{role}: token {reg.token} is stale")  # not reached
 
     def reclaim_lost(self, exclude: Iterable[str] = ()) -> list[str]:
         """Declare lost every process whose heartbeat counter stood still for ttl_s
-        on this process's own clock; release its leases/claims and fence it. Producer
-        replicas are `producer:r<rank>` here (grants.producer_id)."""
+        on this process's own clock; release its leases/claims and fence it. Returns
+        their ids: producer replicas are `producer:r<rank>` here (grants.producer_id)."""
         consumers = self.run.conn.execute(
             "SELECT id, token, hb_seq FROM consumers WHERE state=?", (ACTIVE,)
         ).fetchall()

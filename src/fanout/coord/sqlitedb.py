@@ -16,12 +16,18 @@ Errors are classified by SQLite's result code (`sqlite_errorcode`), never by rea
 messages: BUSY/LOCKED → `CoordinatorBusy`, FULL → `CoordinatorFull`,
 NOTADB/CORRUPT → `NotACoordinatorDatabase`, CANTOPEN/READONLY/PERM/IOERR →
 `CoordinatorUnavailable` (`typed_error`).
+
+The WAL stays bounded while readers overlap (`SqliteDatabase.bound_wal`, #52): a
+connection that commits with the `-wal` file past WAL_STARVED_PAGES empties it with
+`PRAGMA wal_checkpoint(TRUNCATE)`, tried for at most CHECKPOINT_WAIT_S while readers
+are in it; tests/test_follow_wal.py shows the growth it stops.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import sqlite3
 import time
@@ -42,6 +48,32 @@ from fanout.errors import (
 from fanout.netfs import filesystem_type, is_network_filesystem
 
 log = logging.getLogger("fanout.coord.coordinator")
+
+# Checkpoints (WAL -> database file) are the only fsyncs left in WAL with synchronous=
+# NORMAL; one per 4000 pages (16 MiB of WAL) instead of SQLite's 1000 amortizes them
+# over ~1000 lease cycles.
+AUTOCHECKPOINT_PAGES = 4000
+# Checkpoint starvation (#52: a followed run goes on for hours). The automatic
+# checkpoint (PASSIVE, by the connection whose commit took the WAL past
+# AUTOCHECKPOINT_PAGES) copies frames only up to the oldest open reader's snapshot, and
+# the WAL restarts from its start only when no reader uses it. Readers whose short
+# transactions overlap (trainers polling, `fanout status` scrapes) can leave one in it at
+# every checkpoint; the WAL then grows by every commit for the run's life (~115 KB a
+# window; tests/test_follow_wal.py: 110 MiB over 1000 windows). journal_size_limit does
+# not help: it truncates only a WAL that restarted. A WAL that restarts never passes
+# much over AUTOCHECKPOINT_PAGES, so one twice that big is starved: the connection that
+# commits then checkpoints with TRUNCATE, tried again every CHECKPOINT_RETRY_S for up to
+# CHECKPOINT_WAIT_S, each try without waiting. One try with SQLite's busy handler waits
+# instead, but on the read-lock slot of a reader older than the WAL's end, which a newer
+# reader can take over and hold: with the readers of tests/test_follow_wal.py it waited
+# the whole second and failed, where a new try sees that slot's newer mark.
+# Each try copies what no older reader still reads; once all is copied, new readers read
+# the database file, and the next try after the WAL's last readers ended empties it.
+# Writers go on between tries. A reader that stays longer (a transaction left open)
+# cannot be waited out: the next attempt comes WAL_RETRY_PAGES later, with a warning.
+WAL_STARVED_PAGES = 2 * AUTOCHECKPOINT_PAGES
+WAL_RETRY_PAGES = AUTOCHECKPOINT_PAGES
+CHECKPOINT_WAIT_S, CHECKPOINT_RETRY_S = 1.0, 0.002
 
 
 def check_local_filesystem(db_path: Path, mountinfo: str | None = None) -> None:
@@ -128,10 +160,9 @@ def _connect(db_path: Path, busy_timeout_s: float) -> sqlite3.Connection:
     # so a lost row only means a window is captured again. FULL would fsync per
     # lease/ack and cap the coordinator at the disk's fsync rate.
     conn.execute("PRAGMA synchronous=NORMAL")
-    # Checkpoints (WAL -> database file) are the only fsyncs left; one per 4000 pages
-    # (16 MiB of WAL) instead of SQLite's 1000 amortizes them over ~1000 lease cycles.
-    # journal_size_limit truncates the WAL back afterwards, so disk use stays flat.
-    conn.execute("PRAGMA wal_autocheckpoint=4000")
+    # AUTOCHECKPOINT_PAGES says why 4000. journal_size_limit truncates a WAL that
+    # restarted back to 64 MiB; one that cannot restart is SqliteDatabase.bound_wal's.
+    conn.execute(f"PRAGMA wal_autocheckpoint={AUTOCHECKPOINT_PAGES}")
     conn.execute("PRAGMA journal_size_limit=67108864")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
@@ -190,6 +221,12 @@ class SqliteDatabase:
         self.raw = connect(path, busy_timeout_s=busy_timeout_s)
         self._busy_ms = int(busy_timeout_s * 1000)
         self._armed: int | None = None  # data_version when arm() was called
+        # bound_wal: a WAL frame is a page and its 24-byte header
+        frame = int(self.execute("PRAGMA page_size").fetchone()[0]) + 24
+        self.wal = Path(f"{path}-wal")
+        self._starved_bytes = WAL_STARVED_PAGES * frame
+        self._retry_bytes = WAL_RETRY_PAGES * frame
+        self._checkpoint_at = self._starved_bytes  # the WAL size of the next try
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
         try:
@@ -259,7 +296,7 @@ class SqliteDatabase:
         while True:
             try:
                 conn.execute("COMMIT")
-                return
+                break
             except sqlite3.Error as e:
                 if not _is_busy(e):
                     self._rollback()
@@ -268,6 +305,48 @@ class SqliteDatabase:
                     self._rollback()
                     raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
                 time.sleep(0.002)
+        self.bound_wal()  # committed: what it does (or fails to do) is not the caller's
+
+    def bound_wal(self) -> bool:
+        """After a commit: empty a starved WAL (AUTOCHECKPOINT_PAGES and WAL_STARVED_PAGES
+        say why). One stat per commit; True when this call emptied it."""
+        try:
+            size = os.stat(self.wal).st_size
+        except OSError:  # no WAL yet, or another connection's TRUNCATE just won
+            return False
+        if size < self._starved_bytes:  # it restarts, or another connection emptied it
+            self._checkpoint_at = self._starved_bytes
+        if size < self._checkpoint_at:
+            return False
+        deadline = time.monotonic() + CHECKPOINT_WAIT_S
+        self.raw.execute("PRAGMA busy_timeout=0")  # tries, not one wait (WAL_STARVED_PAGES)
+        try:
+            while True:
+                failed = None
+                try:
+                    busy = int(self.raw.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0])
+                except sqlite3.Error as e:  # the commit stands: not the caller's error
+                    busy, failed = 1, None if _is_busy(e) else e  # busy: another checkpoints
+                if not busy or failed or time.monotonic() >= deadline:
+                    break
+                time.sleep(CHECKPOINT_RETRY_S)
+        finally:
+            self.raw.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+        if busy:
+            self._checkpoint_at = size + self._retry_bytes
+            why = (
+                f"checkpointing it failed ({failed})" if failed else
+                f"readers kept it in use for {CHECKPOINT_WAIT_S:g} s of tries (a read "
+                "transaction left open, a process stopped mid-read?)"
+            )  # fmt: skip
+            log.warning("%s: the WAL is %.0f MiB and %s; it grows until it can be emptied "
+                        "(tried again at %.0f MiB)", self.wal, size / (1 << 20), why,
+                        self._checkpoint_at / (1 << 20))  # fmt: skip
+            return False
+        self._checkpoint_at = self._starved_bytes
+        log.info("%s: the WAL was %.0f MiB, starved by overlapping readers; emptied",
+                 self.wal, size / (1 << 20))  # fmt: skip
+        return True
 
     def batch(self, statements: Sequence[Statement], notify: str | None = "") -> list[Rows]:
         """The statements one after another in one `write` (one host: no round trips to

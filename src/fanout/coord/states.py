@@ -29,11 +29,14 @@ parameters; no module spells a role state as a literal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
+from typing import Concatenate, ParamSpec
 
 from fanout.coord.database import Sql, Statement, wall
 from fanout.errors import IllegalTransition
+
+P = ParamSpec("P")
 
 
 class W(StrEnum):
@@ -111,23 +114,17 @@ def check(src: W | Iterable[W], dst: W) -> tuple[W, ...]:
     return srcs
 
 
-def move(
-    cur: Sql,
-    src: W | Iterable[W],
-    dst: W,
-    where: str,
-    params: Sequence[object] = (),
-    *,
-    also: str = "",
-    also_params: Sequence[object] = (),
-) -> int:
-    """Move the windows in state `src` that match `where` to `dst`; returns how many moved.
+def _run(statement: Callable[P, Statement]) -> Callable[Concatenate[Sql, P], int]:
+    """The call that runs a `statement` builder's statement on `cur` and returns how
+    many rows it changed: `move(cur, ...)` is `move_statement(...)` run now. The
+    builders are for a batch of statements sent at once
+    (fanout.coord.database.Database.batch); one signature and one check serve both."""
 
-    `also`: more `col=?` assignments made in the same statement (with `also_params`).
-    Rows in another state are left alone, so a move that lost a race changes nothing.
-    """
-    sql, args = move_statement(src, dst, where, params, also=also, also_params=also_params)
-    return int(cur.execute(sql, args).rowcount)
+    def run(cur: Sql, /, *args: P.args, **kwargs: P.kwargs) -> int:
+        return int(cur.execute(*statement(*args, **kwargs)).rowcount)
+
+    run.__doc__ = f"`{statement.__name__}` (its docstring) run on `cur` now: rows changed."
+    return run
 
 
 def move_statement(
@@ -140,15 +137,22 @@ def move_statement(
     also_params: Sequence[object] = (),
     returning: str = "",
 ) -> Statement:
-    """`move`'s statement, checked the same way, for a batch of statements sent at once
-    (fanout.coord.database.Database.batch); `returning`: the columns of each moved row
-    it returns."""
+    """Move the windows in state `src` that match `where` to `dst` (`move` returns how
+    many moved; this builds its statement, for a batch).
+
+    `also`: more `col=?` assignments made in the same statement (with `also_params`).
+    Rows in another state are left alone, so a move that lost a race changes nothing.
+    `returning`: the columns of each moved row the statement returns (in a batch).
+    """
     srcs = check(src, dst)
     sets = "state=?, updated_at=?" + (f", {also}" if also else "")
     sql = f"UPDATE windows SET {sets} WHERE state IN {sql_in(srcs)} AND ({where})"
     if returning:
         sql += f" RETURNING {returning}"
     return sql, (dst.value, wall(), *also_params, *params)
+
+
+move = _run(move_statement)
 
 
 def move_windows(
@@ -170,28 +174,24 @@ def release_claims(cur: Sql, rank: int) -> int:
     )  # fmt: skip
 
 
-def insert_queued(cur: Sql, window: int, demand: bool) -> None:
+def insert_queued_statement(window: int, demand: bool) -> Statement:
     """A window's row is born queued: a new window (`demand` False) or one whose evicted
     row was compacted away and that a consumer wants again (`demand` True). That one was
     published before, so its row starts at `captures` 1 (how many more is forgotten with
-    the row): its next publish is counted as the recapture it is (fanout.coord.claims)."""
-    cur.execute(*insert_queued_statement(window, demand))
-
-
-def insert_queued_statement(window: int, demand: bool) -> Statement:
-    """`insert_queued`'s statement, for a batch."""
+    the row): its next publish is counted as the recapture it is (fanout.coord.claims).
+    `insert_queued` runs it now."""
     return (
         "INSERT INTO windows(window, state, demand, captures, updated_at) VALUES (?, ?, ?, ?, ?)",
         (window, W.QUEUED.value, int(demand), int(demand), wall()),
     )
 
 
-def compact_evicted(cur: Sql, below: int) -> None:
-    """Delete evicted rows below `below`: a missing row below next_window reads as
-    evicted (fanout.coord.leasing), so metadata stays flat however long the stream."""
-    cur.execute(*compact_statement(below))
-
-
 def compact_statement(below: int) -> Statement:
-    """`compact_evicted`'s statement, for a batch."""
+    """Delete evicted rows below `below`: a missing row below next_window reads as
+    evicted (fanout.coord.leasing), so metadata stays flat however long the stream.
+    `compact_evicted` runs it now."""
     return f"DELETE FROM windows WHERE state IN {sql_in([W.EVICTED])} AND window < ?", (below,)
+
+
+insert_queued = _run(insert_queued_statement)
+compact_evicted = _run(compact_statement)

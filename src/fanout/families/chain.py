@@ -153,8 +153,8 @@ class EagleFamily(ChainFamily):
     speculators' `Eagle3SpeculatorConfig` layout (a Llama layer config)."""
 
     recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "loss_type": "kl"}
-    serving_method: ClassVar[str] = "eagle3"
-    layer_ids_field: ClassVar[str] = "eagle_aux_hidden_state_layer_ids"
+    serving_method = "eagle3"
+    layer_ids_field = "eagle_aux_hidden_state_layer_ids"
 
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         return vllm_default_layers(num_verifier_layers)

@@ -22,6 +22,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from fanout.contract import DraftLayerIds
 from fanout.errors import ConfigError
 from fanout.flags import field_flag, flag_name, flag_options
+from fanout.rows import TARGET_IDS
 
 
 def default_gamma(block_size: int) -> float:
@@ -112,6 +113,24 @@ class SharedRule:
         return None
 
 
+def steps_flag(default: int, what: str) -> Any:
+    """The field of a chain drafter's steps flag (its config's `SharedRule.steps_field`):
+    at least 1; its help is `what`, then what every steps flag means."""
+    return Field(
+        default,
+        ge=1,
+        description=f"{what}; the tokens one drafting step proposes (fanout eval's default "
+        "--num-speculative-tokens); verify width = this + 1",
+    )
+
+
+def between(cfg: BaseModel, field: str, relation: str, other: str) -> str:
+    """The one line a config check raises when two of `cfg`'s fields disagree, naming
+    both with their values: `between(cfg, "conv_group_size", "must divide",
+    "hidden_size")` -> "conv_group_size (12) must divide hidden_size (32)"."""
+    return f"{field} ({getattr(cfg, field)}) {relation} {other} ({getattr(cfg, other)})"
+
+
 class DraftConfig(DraftRecipe):
     """Shape and training semantics of one draft: the DraftRecipe plus what the
     verifier and the run fix (shapes, vocabulary, mask id, layers). Validated at
@@ -141,8 +160,7 @@ class DraftConfig(DraftRecipe):
     def _check(self) -> DraftConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
+                between(self, "num_attention_heads", "must be a multiple of", "num_key_value_heads")
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
@@ -204,6 +222,16 @@ def fc_norm_problem(norm_before_fc: bool | None, fc_norm: bool) -> str | None:
     return None
 
 
+# The one value each of these shared recipe fields takes in an EAGLE-style draft (its
+# config's `SharedRule.accepts`): its steps weigh by its family's own flag, not gamma or
+# D-PACE, and its targets are the verifier's distribution, not the data tokens.
+EAGLE_ACCEPTS: Mapping[str, Any] = {
+    "gamma": None,
+    "loss_weighting": "exp",
+    "label_source": TARGET_IDS,
+}
+
+
 class ChainConfig(DraftConfig):
     """What the EAGLE-style chain drafters (EAGLE-3, P-EAGLE; fanout.model.chain_draft)
     share beyond DraftConfig: one draft layer by default, the first over `[embedding ;
@@ -211,8 +239,6 @@ class ChainConfig(DraftConfig):
     against the verifier's distribution. The norm flags default off, as speculators'
     `Eagle3SpeculatorConfig` (drafts converted from elsewhere); each family's config
     sets what its trainer resolves."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     # the reference recipe where a draft is built directly (`fanout train` passes them)
     num_layers: int = Field(1, ge=1, description="draft decoder layers (EAGLE-3: one)")
@@ -232,6 +258,16 @@ class ChainConfig(DraftConfig):
         False, description="the first layer's residual is the normed hidden state"
     )
     embed_requires_grad: bool = Field(False, description="train the embedding")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_norm_before_fc(cls, data: Any) -> Any:
+        # unset (EAGLE-3's flag, None): the family's default, which its trainer resolves,
+        # off where fc_norm is on (they are exclusive)
+        if isinstance(data, dict) and data.get("norm_before_fc") is None:
+            on = cls.model_fields["norm_before_fc"].default and not data.get("fc_norm", False)
+            return {**data, "norm_before_fc": on}
+        return data
 
     @model_validator(mode="after")
     def _check_fc_norms(self) -> ChainConfig:

@@ -50,21 +50,10 @@ from fanout.ops.varlen_scan import (
 RECURRENT_TYPES = ALONE_TYPES
 
 
-def gated_delta_net(
-    m: Any,
-    layout: SegmentLayout,
-    hidden_states: torch.Tensor,
-    cache: Any = None,
-    attention_mask: Any = None,
-    **_kwargs: Any,
-) -> torch.Tensor:
+def gated_delta_net(m: Any, layout: SegmentLayout, hidden_states: torch.Tensor) -> torch.Tensor:
     """Qwen3-Next / Qwen3.5 `…GatedDeltaNet.forward` over packed rows [B, T, H] → [B, T, H]:
     projections, causal conv1d (silu), gated delta rule with l2-normed q and k, gated
-    RMS norm, output projection, as transformers has them; both scans reset per document.
-    `attention_mask` (the 4D masks of the attention layers) is not read: the layout
-    says where documents start."""
-    if cache is not None:
-        raise RuntimeError("packed recurrent layers run without a cache (use_cache=False)")
+    RMS norm, output projection, as transformers has them; both scans reset per document."""
     x = hidden_states
     b, t, _ = x.shape
     if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next: q, k, v, z interleaved per key head
@@ -89,19 +78,10 @@ def gated_delta_net(
     return m.out_proj(o)
 
 
-def short_conv(
-    m: Any,
-    layout: SegmentLayout,
-    hidden_states: torch.Tensor,
-    cache: Any = None,
-    attention_mask: Any = None,
-    **_kwargs: Any,
-) -> torch.Tensor:
+def short_conv(m: Any, layout: SegmentLayout, hidden_states: torch.Tensor) -> torch.Tensor:
     """LFM2's `…ShortConv.forward` (LFM2, LFM2-MoE, LFM3) over packed rows [B, T, H] →
     [B, T, H]: in_proj into gates B, C and input x, the depthwise causal conv of B·x (no
     activation) reset per document, C times it, out_proj."""
-    if cache is not None:
-        raise RuntimeError("packed recurrent layers run without a cache (use_cache=False)")
     bcx = m.in_proj(hidden_states).transpose(-1, -2)  # [B, 3H, T]
     b_gate, c_gate, x = bcx.chunk(3, dim=-2)  # [B, H, T] each
     y = causal_conv1d_varlen(b_gate * x, m.conv.weight.squeeze(1), m.conv.bias, layout)
@@ -109,14 +89,7 @@ def short_conv(
     return m.out_proj(y)
 
 
-def mamba2_mixer(
-    m: Any,
-    layout: SegmentLayout,
-    hidden_states: torch.Tensor,
-    cache: Any = None,
-    attention_mask: Any = None,
-    **_kwargs: Any,
-) -> torch.Tensor:
+def mamba2_mixer(m: Any, layout: SegmentLayout, hidden_states: torch.Tensor) -> torch.Tensor:
     """Nemotron-H's `NemotronHMamba2Mixer.forward` and Falcon-H1's `FalconH1Mixer.forward`
     (their torch path, as at inference) over packed rows [B, T, H] → [B, T, H]: in_proj
     into gate, x·B·C and dt (Falcon-H1: the input scaled by `ssm_in_multiplier`, the
@@ -126,8 +99,6 @@ def mamba2_mixer(
     same at any chunk, in another float order; the pair terms cost T × chunk per head,
     and the released 128 / 256 would cost 2-4× more than 64 where heads are small); the gated
     group RMS norm (Falcon-H1 without `mamba_rms_norm`: the silu gate alone); out_proj."""
-    if cache is not None:
-        raise RuntimeError("packed recurrent layers run without a cache (use_cache=False)")
     b, t, _ = hidden_states.shape
     dtype = hidden_states.dtype
     x_in = hidden_states * getattr(m, "ssm_in_multiplier", 1.0)
@@ -158,7 +129,26 @@ def mamba2_mixer(
     return m.out_proj(y.to(dtype))
 
 
-Forward = Callable[..., torch.Tensor]
+Forward = Callable[[Any, SegmentLayout, torch.Tensor], torch.Tensor]
+
+
+def _packed_forward(
+    forward: Forward,
+    m: Any,
+    layout: SegmentLayout,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: Any = None,
+    **_kwargs: Any,
+) -> torch.Tensor:
+    """A mixer's forward inside `packed_mixers`, called as transformers calls the
+    module's own: `forward(m, layout, hidden_states)`. `attention_mask` (the 4D masks of
+    the attention layers) is not read: the layout says where documents start."""
+    if cache is not None:
+        raise RuntimeError("packed recurrent layers run without a cache (use_cache=False)")
+    return forward(m, layout, hidden_states)
+
+
 # transformers classes whose forward is re-stated here, by class name
 FORWARDS: dict[str, Forward] = {
     "Qwen3NextGatedDeltaNet": gated_delta_net,
@@ -196,7 +186,7 @@ def packed_mixers(mixers: dict[int, Any], layout: SegmentLayout) -> Iterator[Non
         yield
         return
     for m in mixers.values():
-        m.forward = partial(FORWARDS[type(m).__name__], m, layout)
+        m.forward = partial(_packed_forward, FORWARDS[type(m).__name__], m, layout)
     try:
         yield
     finally:

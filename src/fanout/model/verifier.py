@@ -92,6 +92,7 @@ from fanout.model.verifier_config import (  # noqa: F401 - re-exported: callers 
 from fanout.model.verifier_dir import (  # noqa: F401 - re-exported: callers import them here
     check_verifier_dir,
     config_hash,
+    logit_scale,
     max_position_embeddings,
     weights_fingerprint,
 )
@@ -110,7 +111,9 @@ class Capture:
 
     layers: tuple[torch.Tensor, ...]  # n × [B, T, H] storage dtype, in capture_layer_ids order
     target_ids: torch.Tensor  # [B, T] int32 — argmax of logits at t (prediction of token t+1)
-    last_hidden_states: torch.Tensor | None  # [B, T, H] storage dtype (bf16 for fp8), or None
+    # [B, T, H] storage dtype (bf16 for fp8), or None: the final-normed states times the
+    # logit scale (Falcon-H1's lm_head_multiplier), so that logits = last · Wᵀ
+    last_hidden_states: torch.Tensor | None
     layer_scales: tuple[torch.Tensor, ...] | None = None  # n × [B, T] float32 with fp8 storage
     # [n, B, T, 3] float32: each captured token's min, max and sum over H, taken from the
     # layer output before storage (fanout.produce.capture_check reads them)
@@ -171,6 +174,10 @@ class Verifier:
         self.device = device
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.storage_dtype = DTYPES[config.storage_dtype]
+        # what the forward multiplies its logits by after the head (Falcon-H1's
+        # lm_head_multiplier): stored last_hidden_states carry it, so that every
+        # family's teacher, last_hidden_states · Wᵀ, is the verifier's own logits
+        self.logit_scale = logit_scale(model.config.to_dict(), config.path)
         # last_hidden_states are stored as bf16 under fp8 storage (they feed a KL loss
         # through the frozen head, where per-token scales would only add error).
         self.last_hidden_dtype = torch.bfloat16 if self.storage_dtype == FP8 else self.storage_dtype
@@ -346,7 +353,8 @@ class Verifier:
         target = self._greedy_ids(last)  # [B, T] int32
         last_store = None
         if self.config.store_last_hidden_states:
-            last_store = last.to(self.last_hidden_dtype)
+            scaled = last if self.logit_scale == 1.0 else last * self.logit_scale
+            last_store = scaled.to(self.last_hidden_dtype)
         return Capture(
             layers=hidden,
             target_ids=target,

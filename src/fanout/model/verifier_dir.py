@@ -17,12 +17,19 @@ the final norm `model.final_layernorm` (Falcon-H1) or `model.embedding_norm` (LF
 `backbone.embeddings` / `backbone.norm_f` text model (Nemotron-H); the layer count is
 the per-layer list's length where a config lists its layers (`num_hidden_layers`:
 Nemotron-H's `layers_block_type`, its config.json having no `num_hidden_layers`).
+A verifier whose forward scales its logits after the head (Falcon-H1's
+`lm_head_multiplier`: `logit_scale`, looked up by model_type) has its final-norm gain
+read times that scale, as the captured `last_hidden_states` are: the verifier's logits
+are `rms_norm(h) · gain · Wᵀ` and `last_hidden_states · Wᵀ` for every verifier, the
+head staying the stored one (docs/producer.md, "Logit and embedding multipliers").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,6 +162,16 @@ _ONE_PLUS_NORM = frozenset(
         "recurrent_gemma",
     }
 )
+# The scalar a model_type's forward multiplies its logits by after the head (muP-trained
+# models), by the text-config field that holds it. Falcon-H1: `lm_head(h) *
+# lm_head_multiplier` (transformers' FalconH1ForCausalLM; vLLM's logits processor
+# `scale`). fanout's "final state" is what the head multiplies, logits = state · Wᵀ, for
+# every verifier: the scale goes into the final-norm gain (`read_text_tensors`) and the
+# captured `last_hidden_states` (`Verifier.capture`), never into the head, which a
+# serving engine hands a draft unscaled. Looked up by model_type, as `_ONE_PLUS_NORM`: a
+# field of the same name elsewhere is not this scale. A model_type joins with a test
+# against transformers' forward (tests/test_logit_scale.py).
+_LOGIT_SCALE_FIELDS = {"falcon_h1": "lm_head_multiplier"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +182,7 @@ class TextTensors:
     norm: str  # [H] final norm
     head: str | None  # [V, H] lm_head; None: tied to the embedding
     norm_offset: float  # the final norm's gain is weight + norm_offset (Gemma-style: 1)
+    logit_scale: float = 1.0  # the forward's logits are head(h) · logit_scale (Falcon-H1)
 
     @property
     def tied(self) -> bool:
@@ -183,9 +201,10 @@ def text_tensors(vdir: Path) -> TextTensors:
     `language_model.model.`, `backbone.`) that holds both tensors of one of
     `_TEXT_NAMES`' layouts (`embed_tokens` + `norm`, `final_layernorm` or
     `embedding_norm`; `embeddings` + `norm_f`). The head is tied when the config says
-    so (`tied_head`); when it says nothing, when no head tensor exists. Raises
-    ConfigError naming the directory and what is missing (a declared untied head
-    without an `lm_head.weight` included)."""
+    so (`tied_head`); when it says nothing, when no head tensor exists. The logit
+    scale is `logit_scale`'s. Raises ConfigError naming the directory and what is
+    missing (a declared untied head without an `lm_head.weight` included) or
+    malformed."""
     keys = _tensor_names(vdir)
     top = _read_config(vdir)
     found = next(
@@ -209,19 +228,44 @@ def text_tensors(vdir: Path) -> TextTensors:
         )
     text = top.get("text_config", top)
     offset = 1.0 if str(text.get("model_type", "")).lower() in _ONE_PLUS_NORM else 0.0
-    return TextTensors(embed, norm, None if tied or head is None else head, offset)
+    scale = logit_scale(top, vdir / "config.json")
+    return TextTensors(embed, norm, None if tied or head is None else head, offset, scale)
+
+
+def logit_scale(config: Mapping[str, Any], where: Path | str) -> float:
+    """The scalar the verifier's forward multiplies its logits by after the head
+    (`_LOGIT_SCALE_FIELDS`: Falcon-H1's `lm_head_multiplier`), from its config (a
+    `config.json`'s object; a multimodal one's `text_config`): 1.0 for every other
+    model_type and where the field is unset. ConfigError naming `where` and the field
+    when it is not a positive finite number (a negative one would reverse the argmax)."""
+    c = config.get("text_config") or config
+    field = _LOGIT_SCALE_FIELDS.get(str(c.get("model_type", "")).lower())
+    v = None if field is None else c.get(field)
+    if v is None:
+        return 1.0
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+        raise ConfigError(
+            f"{where}: {field} must be a positive number (what the model multiplies its "
+            f"logits by), got {v!r}"
+        )
+    return float(v)
 
 
 def read_text_tensors(vdir: Path) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The verifier's text embedding [V, H], head [V, H] (None when tied to the
-    embedding) and final-norm gain [H] (the stored weight + `norm_offset`, what the norm
-    multiplies by: float32 where an offset was added), as stored, located by
-    `text_tensors`."""
+    """The verifier's text embedding [V, H] and head [V, H] (None when tied to the
+    embedding), as stored, and its final-norm gain [H] as the head reads it: (the stored
+    weight + `norm_offset`) · `logit_scale`, so that the verifier's logits are
+    `rms_norm(h) · gain · Wᵀ` (float32 where an offset or a scale was applied; the
+    stored tensor itself otherwise); located by `text_tensors`."""
     names = text_tensors(vdir)
     t = read_verifier_tensors(vdir, names.names())
     norm = t[names.norm]
     if names.norm_offset:
         norm = norm.float() + names.norm_offset  # w + 1 is not exact in bf16
+    if names.logit_scale != 1.0:
+        # Falcon-H1's lm_head_multiplier: the draft's final norm starts at the verifier's
+        # logit scale, and the head stays the one serving engines share with drafts
+        norm = norm.float() * names.logit_scale
     return t[names.embed], None if names.head is None else t[names.head], norm
 
 

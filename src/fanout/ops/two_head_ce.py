@@ -291,10 +291,13 @@ def _check(
     e: torch.Tensor | None,
     a: torch.Tensor,
     b: torch.Tensor | None,
+    target: torch.Tensor | None,
     teacher: torch.Tensor | None,
     row_weight: torch.Tensor | None,
 ) -> None:
     n = x.shape[0]
+    if target is not None and target.shape != (n,):
+        raise ValueError(f"expected target [{n}], got {tuple(target.shape)}")
     if x.dim() != 2 or a.dim() != 2 or x.shape[1] != a.shape[1]:
         raise ValueError(
             f"expected x [N, H] and a [V, H], got {tuple(x.shape)} and {tuple(a.shape)}"
@@ -331,7 +334,7 @@ def _apply(
     chunk_rows: int | None,
     mix: tuple[float, float] = (1.0, 0.0),
 ) -> TwoHeadOut:
-    _check(x, e, a, b, teacher, row_weight)
+    _check(x, e, a, b, target, teacher, row_weight)
     t = None if teacher is None else teacher.detach()
     w = None if row_weight is None else row_weight.detach()
     loss, rows, pred, accept = _TwoHeadLinear.apply(
@@ -375,8 +378,6 @@ def two_head_cross_entropy_and_argmax(
         ...     torch.randint(0, 10, (8,)), row_weight=torch.ones(8))
         >>> out.loss.backward()
     """
-    if target.shape != (x.shape[0],):
-        raise ValueError(f"expected target [{x.shape[0]}], got {tuple(target.shape)}")
     return _apply(x, e, a, b, target.long(), teacher, row_weight, "ce", ignore_index, chunk_rows)
 
 
@@ -422,8 +423,6 @@ def two_head_ce_tv_and_argmax(
         ...     ce_weight=0.1, tv_weight=0.9, row_weight=torch.ones(8))
         >>> out.loss.backward()
     """
-    if target.shape != (x.shape[0],):
-        raise ValueError(f"expected target [{x.shape[0]}], got {tuple(target.shape)}")
     mix = (float(ce_weight), float(tv_weight))
     return _apply(
         x, e, a, b, target.long(), teacher, row_weight, "cetv", ignore_index, chunk_rows, mix
@@ -461,10 +460,7 @@ class TwoHeadTerms:
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
         teacher: torch.Tensor, *, ce_weight: float, tv_weight: float, ignore_index: int = -100,
     ) -> None:  # fmt: skip
-        n = x.shape[0]
-        _check(x, None, a, None, teacher, None)
-        if target.shape != (n,):
-            raise ValueError(f"expected target [{n}], got {tuple(target.shape)}")
+        _check(x, None, a, None, target, teacher, None)
         if b is not None and (b.dim() != 2 or b.shape[0] != a.shape[0]):
             raise ValueError(f"expected b [{a.shape[0]}, r], got {tuple(b.shape)}")
         self.x, self.a, self.b = x, a, b

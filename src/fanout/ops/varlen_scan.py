@@ -61,7 +61,9 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64  # transformers' chunk_size for the gated delta rule
-GROUP_FLOATS = 1 << 16  # CPU: a group of chunks' pair terms, 256 KiB (L2-sized; measured)
+# CPU: a group of chunks' pair terms, 1 MiB (measured, benchmarks/verifiers.py part 4:
+# 256 KiB groups of heads of 16 ran 2 chunks a group, 3-4% slower in Python overhead)
+GROUP_FLOATS = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +193,7 @@ def gated_delta_rule_varlen(
     is installed (its reference in tests)."""
     fla = _fla_kernel() if kernel and q.is_cuda else None
     if fla is not None:
-        return _gated_delta_rule_fla(fla, q, k, v, g, beta, layout, use_qk_l2norm)
+        return _gated_delta_rule_fla(fla, (q, k, v, g, beta), layout, use_qk_l2norm)
     dtype = v.dtype
     b, t, _hk, dk = k.shape
     hv, dv = v.shape[-2:]
@@ -368,16 +370,14 @@ def ssd_varlen(
 
 def _gated_delta_rule_fla(
     fla: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    qkvgb: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     layout: SegmentLayout,
     use_qk_l2norm: bool,
 ) -> torch.Tensor:
     """fla's chunk_gated_delta_rule on the rows flattened to one sequence of B·T tokens,
-    one varlen sequence per segment (`cu_seqlens`): its state restarts at each."""
+    one varlen sequence per segment (`cu_seqlens`): its state restarts at each.
+    `qkvgb`: `gated_delta_rule_varlen`'s q, k, v, g, beta."""
+    q, k, v, g, beta = qkvgb
     b, t = q.shape[:2]
     hk, hv = k.shape[2], v.shape[2]
     if hk != hv:

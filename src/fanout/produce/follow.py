@@ -74,10 +74,11 @@ Chunk c's rows are numbered after the earlier chunks'; window w holds rows [w·R
 (w+1)·R) in that order, each chunk's rows shuffled by (seed, 0, c) as the on-policy
 stream's epoch 0 (fanout.produce.onpolicy). While following, only full windows are
 claimed; the stream ends (`total_windows` known) after `--follow-idle-s` without a new
-record, its last window possibly shorter; records read since the last chunk are cut
-into one more then, even when all were held out (a chunk with no rows): held-out records
-and counts are only saved with a chunk. One epoch only, one producer (--replicas
-would need every replica to cut the same chunks from one moving source).
+record, its last window possibly shorter; the lines read since the last chunk are cut
+into one more then, even when every one was held out or skipped (a chunk with no rows):
+held-out records, counts and the source position are only saved with a chunk. One
+epoch only, one producer (--replicas would need every replica to cut the same chunks
+from one moving source).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class FollowStream:
         self.missing: dict[str, float] = {}  # file key -> when a listing first missed it
         self.pending: list[dict[str, Any]] = []  # records read, not yet in a chunk
         self.pending_since: float | None = None
-        self.uncut = 0  # records read since the last cut (held out ones too)
+        self.uncut = 0  # lines read since the last cut (held out and skipped ones too)
         self.clock: Callable[[], float] = time.monotonic  # a seam: benchmarks set their own
         self.last_record = self.clock()
         self.counts = dict.fromkeys(COUNTS, 0)
@@ -318,8 +319,9 @@ class FollowStream:
         if due or ((self.carry or self.pending) and (idle or waited >= bound)):
             self._cut(end=idle)
         if idle and not self.pending and not self.carry:
-            if self.uncut:  # read since the last cut, all held out: a last chunk, no rows,
-                self._cut(end=True)  # commits them (heldout.jsonl, counts, positions)
+            if self.uncut:  # read since the last cut, all held out or skipped: a last
+                self._cut(end=True)  # chunk, no rows, commits them (heldout.jsonl, counts,
+                # positions), or `fanout status` and /metrics never count them
             self.ended = True
 
     def _read(self) -> int:
@@ -377,6 +379,7 @@ class FollowStream:
             conv = to_conversation(chat, detect_format([chat], self.fmt), str(path), 0)
         except (ValueError, BadRow, ConfigError) as e:
             self.counts["skipped"] += 1
+            self.uncut += 1  # its count is committed with a chunk (`poll`'s idle end)
             # a BadRow names a line of a file; here the place is the byte offset above
             why = f"field {e.field!r}: {e.reason}" if isinstance(e, BadRow) else str(e)
             log.warning("--follow: %s: not a chat record, skipped (%s)", where, why)

@@ -38,7 +38,7 @@ RESUME_MAY_CHANGE = frozenset(
         "checkpoint_every_s", "keep_checkpoints", "ema_decay", "eval_every", "eval_data",
         "eval_tokenizer", "eval_prompts", "eval_max_new_tokens", "log_every", "logger",
         "wandb_project", "wandb_group", "progress", "device", "adamw_backend",
-        "max_nonfinite_steps", "max_verifier_lag",
+        "max_nonfinite_steps", "max_verifier_lag", "dp_timeout_s",
     }
 )  # fmt: skip
 
@@ -169,6 +169,15 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, VersionOptions, T
     device: str = Field(
         "cpu",
         description="training device: cpu | cuda | cuda:N (under torchrun, cuda = LOCAL_RANK)",
+    )
+    dp_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="under torchrun, how long a rank waits in one collective for the other "
+        "ranks (the process group's timeout): a rank silent that long (its host cut off or "
+        "frozen) is taken as lost and the others stop in one line (RankLost), saving a "
+        "checkpoint. Keep it above the longest one rank works while the others wait "
+        "(rank 0 saving a checkpoint or running --eval-every)",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="compute dtype (bf16 autocast on CUDA)"

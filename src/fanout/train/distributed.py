@@ -22,8 +22,9 @@ with backward would buy little. Backend: NCCL on CUDA, gloo on CPU.
 
 A rank that dies (killed, its host lost) makes the next collective of every other
 rank fail: at once where its sockets were closed (its kernel lives on: a process
-killed), else at the process group's timeout (`timeout_s`, 30 min: a host gone
-silent). Each failed collective is RankLost, one line naming the rank that saw it;
+killed), else at the process group's timeout (`timeout_s`: the trainer's
+--dp-timeout-s, 30 min unless set: a host gone silent, cut off or frozen). Each
+failed collective is RankLost, one line naming the rank that saw it;
 the trainer then saves, records `stopped` and exits 1 (fanout.train.ending), and
 torchrun ends the rest of the group (docs/operations.md, "Faults on a cluster").
 """
@@ -46,7 +47,8 @@ from fanout.errors import RankLost
 
 log = logging.getLogger(__name__)
 
-# The process group's bound on one collective (a peer silent that long is gone).
+# The process group's bound on one collective (a peer silent that long is gone); the
+# trainer's --dp-timeout-s (fanout.train.config) sets it, this is its default.
 TIMEOUT_S = 1800.0
 # gloo and NCCL raise a lost peer as a plain RuntimeError (a DistError in newer torch)
 # whose text says what failed: a closed socket, a reset, a timeout (as
@@ -165,7 +167,8 @@ class DataParallel:
             raise RankLost(
                 f"data-parallel rank {self.rank} of {self.world}: a collective failed, so "
                 f"another rank is gone (its process died or its host was lost, or it was "
-                f"silent past the process group's timeout, {self.timeout_s:g} s): {first}"
+                f"silent past the process group's timeout, --dp-timeout-s {self.timeout_s:g}): "
+                f"{first}"
             ) from None
 
     def _collective_device(self) -> torch.device:

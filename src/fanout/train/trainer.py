@@ -50,6 +50,7 @@ from fanout.tracking import WandbRun, group_for
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import Batch, ConsumerStream
 from fanout.train.distributed import DataParallel
+from fanout.train.dplaunch import tell_agent
 from fanout.train.ema import WeightEMA
 from fanout.train.ending import Ending, summary
 from fanout.train.evaluation import PeriodicEval
@@ -97,7 +98,7 @@ class Trainer:
         self.versions = None if start is None else VersionFollower(root, start, cfg)
         self._lag = 0  # versions the batch in hand is behind the newest
         self.cfg = cfg
-        self.dp = DataParallel.from_env(cfg.device)
+        self.dp = DataParallel.from_env(cfg.device, cfg.dp_timeout_s)
         self.rank = self.dp.rank if self.dp.enabled else cfg.dp_rank
         torch.manual_seed(cfg.seed)
         self.device = self.dp.device(cfg.device)
@@ -597,4 +598,5 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     except FanoutError as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
+        tell_agent(f"{p.prog}: error: {e}")  # for fanout.train.dplaunch's line
         return 1

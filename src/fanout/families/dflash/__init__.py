@@ -8,17 +8,15 @@ the verifier's greedy tokens with exp decay; served by vLLM under method `dflash
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from fanout.families.base import Family
 
 
 class DFlash(Family):
-    name: ClassVar[str] = "dflash"
-    model_ref: ClassVar[str] = "fanout.families.dflash.model:DFlashDraft"
-    speculators_model_type: ClassVar[str] = "dflash"
-    architectures: ClassVar[tuple[str, ...]] = ("DFlashDraftModel",)
-    serving_method: ClassVar[str] = "dflash"
+    name = "dflash"
+    model_ref = "fanout.families.dflash.model:DFlashDraft"
+    speculators_model_type = "dflash"
+    architectures = ("DFlashDraftModel",)
+    serving_method = "dflash"
 
 
 FAMILY = DFlash()

@@ -19,24 +19,21 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
-
 from fanout.families.base import Family
 from fanout.families.dflash2.config import DFlash2Config, DFlash2Recipe
-from fanout.model.draft_config import DraftConfig
 
 
 class DFlash2(Family):
-    name: ClassVar[str] = "dflash2"
-    model_ref: ClassVar[str] = "fanout.families.dflash2.model:DFlash2Draft"
-    context_ref: ClassVar[str | None] = "fanout.families.dflash2.propose:SelectorContext"
-    config_class: ClassVar[type[DraftConfig]] = DFlash2Config
-    recipe: ClassVar[type[BaseModel]] = DFlash2Recipe
+    name = "dflash2"
+    model_ref = "fanout.families.dflash2.model:DFlash2Draft"
+    context_ref = "fanout.families.dflash2.propose:SelectorContext"
+    config_class = DFlash2Config
+    recipe = DFlash2Recipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
-    speculators_model_type: ClassVar[str] = "dflash2"
-    architectures: ClassVar[tuple[str, ...]] = ("DFlash2DraftModel",)
-    serving_method: ClassVar[str] = "dflash"
-    sliding_window_non_causal: ClassVar[bool] = True
+    speculators_model_type = "dflash2"
+    architectures = ("DFlash2DraftModel",)
+    serving_method = "dflash"
+    sliding_window_non_causal = True
 
     def serving_fields(self) -> list[str]:
         """The DFlash2SpeculatorConfig fields beyond DFlash's (selector_loss_alpha is a

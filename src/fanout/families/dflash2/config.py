@@ -13,9 +13,9 @@ speculators 0.9.0's (`DFlash2SpeculatorConfig`, and its trainer's `DFlash2Args` 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from fanout.model.draft_config import DraftConfig
+from fanout.model.draft_config import DraftConfig, between
 
 
 class DFlash2Recipe(BaseModel):
@@ -43,25 +43,14 @@ class DFlash2Config(DFlash2Recipe, DraftConfig):
     in the vocabulary, and the vocabulary is the verifier's own (speculators' DFlash2 and
     vLLM's selector index their codebooks and top-k by verifier token id)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     @model_validator(mode="after")
     def _check_dflash2(self) -> DFlash2Config:
         if self.hidden_size % self.conv_group_size:
-            raise ValueError(
-                f"conv_group_size ({self.conv_group_size}) must divide hidden_size "
-                f"({self.hidden_size})"
-            )
+            raise ValueError(between(self, "conv_group_size", "must divide", "hidden_size"))
         if self.conv_kernel_size > self.block_size:
-            raise ValueError(
-                f"conv_kernel_size ({self.conv_kernel_size}) cannot exceed block_size "
-                f"({self.block_size})"
-            )
+            raise ValueError(between(self, "conv_kernel_size", "cannot exceed", "block_size"))
         if self.selector_top_k > self.vocab_size:
-            raise ValueError(
-                f"selector_top_k ({self.selector_top_k}) cannot exceed vocab_size "
-                f"({self.vocab_size})"
-            )
+            raise ValueError(between(self, "selector_top_k", "cannot exceed", "vocab_size"))
         if self.draft_vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"draft_vocab_size={self.draft_vocab_size}: DFlash2 needs the verifier's full "

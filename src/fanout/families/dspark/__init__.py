@@ -15,28 +15,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
-
 from fanout.families.base import Family
 from fanout.families.dspark.config import DSparkConfig, DSparkRecipe
-from fanout.model.draft_config import DraftConfig
 
 
 class DSpark(Family):
-    name: ClassVar[str] = "dspark"
-    model_ref: ClassVar[str] = "fanout.families.dspark.model:DSparkDraft"
-    context_ref: ClassVar[str | None] = "fanout.families.dspark.propose:DSparkContext"
-    config_class: ClassVar[type[DraftConfig]] = DSparkConfig
-    recipe: ClassVar[type[BaseModel]] = DSparkRecipe
+    name = "dspark"
+    model_ref = "fanout.families.dspark.model:DSparkDraft"
+    context_ref = "fanout.families.dspark.propose:DSparkContext"
+    config_class = DSparkConfig
+    recipe = DSparkRecipe
     # speculators' DSpark recipe: block 8 (its config default), 512 anchors (its CLI
     # default, as DFlash's; 3072 is only DSparkDraftModel's fallback without the CLI)
     recipe_defaults: ClassVar[dict[str, Any]] = {"block_size": 8}
-    speculators_model_type: ClassVar[str] = "dspark"
+    speculators_model_type = "dspark"
     # what speculators' save_pretrained of a DSparkDraftModel writes (the model class;
     # its config's own default, "DSparkSpeculator", is replaced on save)
-    architectures: ClassVar[tuple[str, ...]] = ("DSparkDraftModel",)
-    serving_method: ClassVar[str] = "dspark"
-    sample_from_anchor: ClassVar[bool] = True
+    architectures = ("DSparkDraftModel",)
+    serving_method = "dspark"
+    sample_from_anchor = True
 
     def serving_fields(self) -> list[str]:
         return [

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from fanout.model.draft_config import DraftConfig
 
@@ -63,8 +63,6 @@ class DSparkRecipe(BaseModel):
 
 class DSparkConfig(DSparkRecipe, DraftConfig):
     """One DSpark draft: the DFlash backbone's shape and recipe plus DSpark's heads."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     # Not a flag: speculators declares three variants, fanout implements (and so
     # trains) the first; a checkpoint naming another is refused when it is read.

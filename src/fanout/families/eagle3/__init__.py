@@ -16,30 +16,25 @@ layers vLLM's default (2, n//2, n-3) in HF numbering. Its checkpoint is speculat
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from pydantic import BaseModel
-
 from fanout.families.base import Family
 from fanout.families.chain import EagleFamily, vllm_default_layers
 from fanout.families.eagle3.config import Eagle3Config, Eagle3Recipe
-from fanout.model.draft_config import DraftConfig
 
 
 class Eagle3(EagleFamily):
     """The EAGLE layout (fanout.families.chain.EagleFamily) with training-time test: its
     chain is `--ttt-steps` long, its embedding the verifier's, frozen."""
 
-    name: ClassVar[str] = "eagle3"
-    model_ref: ClassVar[str] = "fanout.families.eagle3.model:Eagle3Draft"
-    context_ref: ClassVar[str] = "fanout.families.eagle3.propose:Eagle3Context"
-    config_class: ClassVar[type[DraftConfig]] = Eagle3Config
-    recipe: ClassVar[type[BaseModel]] = Eagle3Recipe
-    speculators_model_type: ClassVar[str] = "eagle3"
+    name = "eagle3"
+    model_ref = "fanout.families.eagle3.model:Eagle3Draft"
+    context_ref = "fanout.families.eagle3.propose:Eagle3Context"
+    config_class = Eagle3Config
+    recipe = Eagle3Recipe
+    speculators_model_type = "eagle3"
     # what speculators' save_pretrained of an Eagle3DraftModel writes
-    architectures: ClassVar[tuple[str, ...]] = ("Eagle3DraftModel",)
+    architectures = ("Eagle3DraftModel",)
     # speculators' EAGLE-3 checkpoint carries the verifier's embedding too (frozen)
-    frozen_tensors: ClassVar[frozenset[str]] = Family.frozen_tensors | {"embed_tokens.weight"}
+    frozen_tensors = Family.frozen_tensors | {"embed_tokens.weight"}
 
 
 FAMILY = Eagle3()

@@ -27,22 +27,24 @@ is refused otherwise) plus those fields. Of the shared recipe fields an EAGLE-3 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from fanout.model.draft_config import ChainConfig, SharedRule, fc_norm_problem
-from fanout.rows import TARGET_IDS
+from fanout.model.draft_config import (
+    EAGLE_ACCEPTS,
+    ChainConfig,
+    SharedRule,
+    fc_norm_problem,
+    steps_flag,
+)
 
 
 class Eagle3Recipe(BaseModel):
     """EAGLE-3's flags (speculators' EAGLE-3 trainer defaults)."""
 
-    ttt_steps: int = Field(
-        3,
-        ge=1,
-        description="EAGLE-3: training-time-test steps (the draft unrolled on its own "
-        "hidden states; also the default --num-speculative-tokens at eval)",
+    ttt_steps: int = steps_flag(
+        3, "EAGLE-3: training-time-test steps, the draft unrolled on its own hidden states"
     )
     ttt_step_loss_decay: float = Field(
         1.0, gt=0, description="EAGLE-3: loss weight of TTT step s is decay**s"
@@ -77,11 +79,10 @@ class Eagle3Config(Eagle3Recipe, ChainConfig):
     `[embedding ; hidden]`; the chain drafters' shared fields, `ChainConfig`), the
     verifier's layers it fuses, and its TTT recipe."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     shared_rule: ClassVar[SharedRule] = SharedRule(
         "EAGLE-3",
         steps_field="ttt_steps",
-        accepts={"gamma": None, "loss_weighting": "exp", "label_source": TARGET_IDS},
+        accepts=EAGLE_ACCEPTS,
         why="EAGLE-3 weighs its TTT steps by --ttt-step-loss-decay, not gamma or a block "
         "weighting, and trains on the verifier's distribution (its last hidden states), "
         "not on the data tokens",
@@ -90,14 +91,6 @@ class Eagle3Config(Eagle3Recipe, ChainConfig):
     norm_before_fc: bool = Field(
         True, description="one RMSNorm over the concatenated auxiliary states before fc"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _resolve_norm_before_fc(cls, data: Any) -> Any:
-        # the recipe's None: on unless fc_norm (speculators' trainer resolves it on)
-        if isinstance(data, dict) and data.get("norm_before_fc") is None:
-            return {**data, "norm_before_fc": not data.get("fc_norm", False)}
-        return data
 
     @model_validator(mode="after")
     def _check_frozen_embedding(self) -> Eagle3Config:

@@ -23,7 +23,9 @@ and, with CE, the verifier's argmax at every position (step s reads position t+s
 
 Semantics decided here (`tests/test_family_eagle3.py` pins each against speculators):
 - Last hidden states: fanout captures them after the verifier's final norm; speculators
-  applies `verifier_norm` to pre-norm ones. The teacher is the same.
+  applies `verifier_norm` to pre-norm ones. The teacher is the same, but for a verifier
+  that scales its logits (Falcon-H1's `lm_head_multiplier`), whose scale fanout's
+  stored states carry and speculators' teacher lacks (docs/producer.md).
 - Supervision: step s of row t counts iff `loss_mask[t+s+2]` (the predicted token) and
   that token is in row t's document. speculators reads the mask at t+s+1 (the fed
   token) and across documents; fanout reads it at the predicted token, as every fanout

@@ -38,8 +38,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
-from pydantic import BaseModel
-
 from fanout.errors import ConfigError
 from fanout.families.chain import ChainFamily
 from fanout.families.mtp.config import MTPConfig, MTPRecipe
@@ -57,15 +55,15 @@ class MTP(ChainFamily):
     """One MTP layer drafting a chain (`--mtp-steps` long); the verifier's last layer its
     only input."""
 
-    name: ClassVar[str] = "mtp"
-    model_ref: ClassVar[str] = "fanout.families.mtp.model:MTPDraft"
-    context_ref: ClassVar[str] = "fanout.families.mtp.propose:MTPContext"
-    config_class: ClassVar[type[DraftConfig]] = MTPConfig
-    recipe: ClassVar[type[BaseModel]] = MTPRecipe
+    name = "mtp"
+    model_ref = "fanout.families.mtp.model:MTPDraft"
+    context_ref = "fanout.families.mtp.propose:MTPContext"
+    config_class = MTPConfig
+    recipe = MTPRecipe
     recipe_defaults: ClassVar[dict[str, Any]] = {"num_layers": 1, "label_source": INPUT_IDS}
-    speculators_model_type: ClassVar[str] = "mtp"
-    architectures: ClassVar[tuple[str, ...]] = ("MTPDraftModel",)
-    serving_method: ClassVar[str] = "mtp"
+    speculators_model_type = "mtp"
+    architectures = ("MTPDraftModel",)
+    serving_method = "mtp"
 
     def default_layers(self, num_verifier_layers: int) -> list[int]:
         """The verifier's last decoder layer (speculators' `[num_hidden_layers]`)."""

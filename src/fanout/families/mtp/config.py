@@ -32,20 +32,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
-from fanout.model.draft_config import DraftConfig, SharedRule
+from fanout.model.draft_config import DraftConfig, SharedRule, steps_flag
 
 
 class MTPRecipe(BaseModel):
     """MTP's flags (speculators' MTP trainer defaults)."""
 
-    mtp_steps: int = Field(
-        3,
-        ge=1,
-        description="MTP: steps the layer is unrolled on its own output in training (the "
-        "tokens one drafting step proposes; verify width mtp_steps + 1)",
-    )
+    mtp_steps: int = steps_flag(3, "MTP: steps the layer is unrolled on its own output in training")
     mtp_step_weight_beta: float = Field(
         0.6, gt=0, description="MTP: step k's loss weight is beta**k / sum_j beta**j (FastMTP)"
     )
@@ -56,7 +51,6 @@ class MTPConfig(MTPRecipe, DraftConfig):
     norm(hidden)])`, then `final_layernorm`: Qwen3's, or with `layer_config` the hybrid
     verifier's own full-attention layer) and its step recipe."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     shared_rule: ClassVar[SharedRule] = SharedRule(
         "MTP",
         steps_field="mtp_steps",

@@ -19,9 +19,7 @@ how `fanout eval` decodes it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-from pydantic import BaseModel
+from typing import Any
 
 from fanout.families.chain import EagleFamily
 from fanout.families.peagle.config import PEagleConfig, PEagleRecipe
@@ -33,14 +31,14 @@ class PEagle(EagleFamily):
     """The EAGLE layout (fanout.families.chain.EagleFamily: layers, capture, vocabulary,
     config layout) with P-EAGLE's depths as its chain, its embedding trained."""
 
-    name: ClassVar[str] = "peagle"
-    model_ref: ClassVar[str] = "fanout.families.peagle.model:PEagleDraft"
-    context_ref: ClassVar[str] = "fanout.families.peagle.propose:PEagleContext"
-    config_class: ClassVar[type[DraftConfig]] = PEagleConfig
-    recipe: ClassVar[type[BaseModel]] = PEagleRecipe
-    speculators_model_type: ClassVar[str] = "peagle"
-    architectures: ClassVar[tuple[str, ...]] = ("PEagleDraftModel",)
-    serving_method: ClassVar[str] = "eagle3"  # with parallel drafting
+    name = "peagle"
+    model_ref = "fanout.families.peagle.model:PEagleDraft"
+    context_ref = "fanout.families.peagle.propose:PEagleContext"
+    config_class = PEagleConfig
+    recipe = PEagleRecipe
+    speculators_model_type = "peagle"
+    architectures = ("PEagleDraftModel",)
+    serving_method = "eagle3"  # with parallel drafting
 
     def row_length_error(self, recipe: dict[str, Any], seq_len: int, where: str) -> str | None:
         if seq_len >= 3:  # row 0 predicts token 2; deeper positions are sampled where they fit

@@ -27,23 +27,17 @@ fields a P-EAGLE draft:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 
-from fanout.model.draft_config import ChainConfig, SharedRule
-from fanout.rows import TARGET_IDS
+from fanout.model.draft_config import EAGLE_ACCEPTS, ChainConfig, SharedRule, steps_flag
 
 
 class PEagleRecipe(BaseModel):
     """P-EAGLE's flags (speculators' P-EAGLE trainer defaults)."""
 
-    num_depths: int = Field(
-        8,
-        ge=1,
-        description="P-EAGLE: parallel depths drafted in one forward (the tokens one "
-        "drafting step proposes; verify width num_depths + 1)",
-    )
+    num_depths: int = steps_flag(8, "P-EAGLE: parallel depths drafted in one forward")
     down_sample_ratio: float = Field(
         0.7, gt=0, le=1, description="P-EAGLE: COD sampling keeps ratio**d of depth d's seeds"
     )
@@ -61,11 +55,10 @@ class PEagleConfig(PEagleRecipe, ChainConfig):
     """One P-EAGLE draft: EAGLE-3's layer over `[embedding ; fused hidden]` (one by
     default), the learned `mask_hidden` for depths >= 1, and its COD recipe."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     shared_rule: ClassVar[SharedRule] = SharedRule(
         "P-EAGLE",
         steps_field="num_depths",
-        accepts={"gamma": None, "loss_weighting": "exp", "label_source": TARGET_IDS},
+        accepts=EAGLE_ACCEPTS,
         why="P-EAGLE weighs every sampled position 1 against the verifier's distribution "
         "(its last hidden states)",
     )
@@ -80,14 +73,6 @@ class PEagleConfig(PEagleRecipe, ChainConfig):
     embed_requires_grad: bool = Field(
         True, description="train the embedding (speculators' P-EAGLE does; the mask token's row)"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _resolve_norm_before_fc(cls, data: Any) -> Any:
-        # unset (the EAGLE-3 flag's None): P-EAGLE's trainer resolves it off
-        if isinstance(data, dict) and data.get("norm_before_fc") is None:
-            return {**data, "norm_before_fc": False}
-        return data
 
 
 __all__ = ["PEagleConfig", "PEagleRecipe"]

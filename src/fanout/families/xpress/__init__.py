@@ -22,29 +22,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
-
 from fanout.families.base import Family
 from fanout.families.xpress.config import XPressConfig, XPressRecipe
-from fanout.model.draft_config import DraftConfig
 
 
 class XPress(Family):
-    name: ClassVar[str] = "xpress"
-    model_ref: ClassVar[str] = "fanout.families.xpress.model:XPressDraft"
-    context_ref: ClassVar[str | None] = "fanout.families.xpress.propose:XPressContext"
-    config_class: ClassVar[type[DraftConfig]] = XPressConfig
-    recipe: ClassVar[type[BaseModel]] = XPressRecipe
+    name = "xpress"
+    model_ref = "fanout.families.xpress.model:XPressDraft"
+    context_ref = "fanout.families.xpress.propose:XPressContext"
+    config_class = XPressConfig
+    recipe = XPressRecipe
     # speculators' XPress recipe: block 16 (DraftRecipe's too), 512 anchors, gamma 4.0
     # (its trainer's dflash_decay_gamma default, not fanout's block-16 value 7)
     recipe_defaults: ClassVar[dict[str, Any]] = {"gamma": 4.0}
-    speculators_model_type: ClassVar[str] = "xpress"
+    speculators_model_type = "xpress"
     # what speculators' save_pretrained of an XPressDraftModel writes (the model class;
     # its config's own default, "XPressSpeculator", is replaced on save)
-    architectures: ClassVar[tuple[str, ...]] = ("XPressDraftModel",)
+    architectures = ("XPressDraftModel",)
     # no vLLM method: speculators' algorithm name (fanout eval runs its reference decoding)
-    serving_method: ClassVar[str] = "xpress"
-    served_by_vllm: ClassVar[bool] = False  # speculators' reference decoding in eval
+    serving_method = "xpress"
+    served_by_vllm = False  # speculators' reference decoding in eval
 
     def serving_fields(self) -> list[str]:
         return ["xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes"]

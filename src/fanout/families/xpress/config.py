@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from fanout.model.draft_config import DraftConfig, SharedRule
 
@@ -79,7 +79,6 @@ class XPressRecipe(BaseModel):
 class XPressConfig(XPressRecipe, DraftConfig):
     """One XPress draft: the DFlash backbone's shape and recipe plus the refiner."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
     shared_rule: ClassVar[SharedRule] = SharedRule(
         "XPress",
         accepts={"loss_type": "ce", "loss_weighting": "exp"},
