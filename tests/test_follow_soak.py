@@ -600,7 +600,9 @@ def _check_rollbacks(decisions: list[dict[str, Any]], rolled: list[str]) -> None
             assert d["to"] not in gone, f"rollback to {d['to']}, rolled back before: {d}"
             gone.add(d["from"])
             barred.append((Path(d["from_candidate"]), d["from_step"]))
-        elif d.get("promoted"):
+        elif d.get("promoted") and d["version"] not in gone:
+            # (a promoter appends its line after its version went live: a rollback of
+            # that version can come first in the log; the line is that version's own)
             c, step = Path(d["candidate"]), d["candidate_step"]
             for was, was_step in barred:
                 assert c != was, f"{c} promoted again after its rollback: {d}"
@@ -681,3 +683,7 @@ def test_the_live_loop_for_half_an_hour_keeps_the_disk_flat(assets: Path, tmp_pa
     assert made > 1000 and got["watch"].most_chunks <= 150, (made, got["watch"].most_chunks)
     prepared = list((tmp_path / "cache" / "prepared").glob("*"))
     assert len(prepared) <= 150, len(prepared)
+    # the coordinator's own file too: each chunk's row kept every followed file's
+    # position (116 MB after this soak, growing quadratically), now only the newest's
+    db = Path(got["run"]) / "coordinator.sqlite3"
+    assert db.stat().st_size < 16 * 2**20, f"{db}: {db.stat().st_size / 2**20:.1f} MiB"

@@ -268,6 +268,25 @@ def test_a_rollback_sticks_until_a_later_step_exists(world: dict[str, Any], tmp_
     assert (served / CURRENT).resolve().name == "v0003"
 
 
+def test_a_rollback_before_the_promoters_decision_line_still_bars_its_checkpoint(
+    world: dict[str, Any], tmp_path: Path
+) -> None:
+    """#52's half-hour soak: a rollback ran after a promoter flipped `current` to a new
+    version and before it appended that decision's line; the rollback found no line
+    naming the version's checkpoint, recorded `from_candidate: null`, and so barred
+    nothing (the checkpoint could be promoted again). Each version now records where it
+    came from, and the rollback reads it there."""
+    served = Served(tmp_path / "served")
+    served.promote(world["good"], keep=10)  # v0001
+    served.promote(world["bad"], keep=10)  # v0002 live; its decision line not written yet
+    rolled = served.rollback_record(*served.rollback())
+    served.record(rolled)
+    step = json.loads((world["bad"] / "training_state.json").read_text())["step"]
+    assert (rolled["from"], rolled["to"]) == ("v0002", "v0001")
+    assert (rolled["from_candidate"], rolled["from_step"]) == (str(world["bad"].resolve()), step)
+    assert served.barred(world["bad"], step) is not None
+
+
 def test_a_second_rollback_never_re_serves_the_first_ones_version(
     world: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -49,7 +49,10 @@ class FollowChunk(BaseModel):
     chunk: int = Field(ge=0, description="RUN_DIR/follow/chunk-<chunk>-<digest>.jsonl")
     records: int = Field(ge=0, description="its lines (records that enter windows)")
     digest: str = Field(description="fanout.hashing digest of the chunk file's bytes")
-    positions: dict[str, int] = Field(description="bytes read per source file (dev:ino) after it")
+    positions: dict[str, int] = Field(
+        description="bytes read per source file (dev:ino) after it; kept for the newest "
+        "chunk only (an older chunk's is {})"
+    )
     counts: dict[str, int] = Field(description="records, heldout, skipped, split so far")
     rows: int | None = Field(
         None, ge=0, description="its rows in the stream (None: committed by an older fanout)"
@@ -119,6 +122,13 @@ class FollowLog:
                  json.dumps(stored.positions, sort_keys=True),
                  _counts_column(stored), stored.committed_wall),
             )  # fmt: skip
+            # Only the newest chunk's positions are read (a producer resumes there). Each
+            # row kept every file ever followed: over a half-hour soak of a rotated log
+            # (1,700 files, 5,760 chunks) the rows grew quadratically, to 116 MB.
+            cur.execute(
+                "UPDATE follow_chunks SET positions='{}' WHERE stream=? AND chunk=?",
+                (stream, stored.chunk - 1),
+            )
         return stored
 
     def chunks(self) -> list[FollowChunk]:

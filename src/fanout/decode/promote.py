@@ -97,6 +97,11 @@ log = logging.getLogger(__name__)
 
 SERVED_FILES = ("config.json", "model.safetensors", MARKER, "training_state.json", "README.md")
 REQUIRED = SERVED_FILES[:3]  # a version without them is not a checkpoint an engine loads
+# Written into each version with its files: the checkpoint (and step) it was promoted
+# from. A rollback reads it there, not from the decision log: a promoter's decision line
+# is appended after its version went live, so a rollback run in between found no line
+# and barred nothing (the half-hour soak: v0501 rolled back, its checkpoint not barred).
+PROMOTED_FROM = "promoted_from.json"
 FLOOR_EXIT = 3  # `--once` when the candidate is at the acceptance floor (1: bad input)
 
 
@@ -148,6 +153,8 @@ class Served:
                             f"{checkpoint}: its {name} went away while it was copied (its "
                             "trainer pruned it); not promoted"
                         ) from None
+            origin = {"candidate": str(checkpoint.resolve()), "step": _step(checkpoint)}
+            self.fs.write_new(tmp / PROMOTED_FROM, json.dumps(origin).encode())
             self.fs.commit_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,14 +178,19 @@ class Served:
 
     def rollback_record(self, was: Path, now: Path) -> dict[str, Any]:
         """The decision line of a rollback from `was` to `now`: it names the checkpoint
-        (and step) `was` was promoted from, so that `barred` keeps it off serving."""
-        made = [d for d in _jsonl(self.root / DECISIONS)
-                if d.get("promoted") and d.get("version") == was.name]  # fmt: skip
+        (and step) `was` was promoted from (its PROMOTED_FROM; the decision log's line
+        for a version promoted before that file), so that `barred` keeps it off serving."""
+        try:
+            origin = json.loads((was / PROMOTED_FROM).read_text())
+        except (OSError, ValueError):
+            made = [d for d in _jsonl(self.root / DECISIONS)
+                    if d.get("promoted") and d.get("version") == was.name]  # fmt: skip
+            origin = {"candidate": made[-1].get("candidate"),
+                      "step": made[-1].get("candidate_step")} if made else {}  # fmt: skip
         return {
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rollback": True,
             "from": was.name, "to": now.name,
-            "from_candidate": made[-1].get("candidate") if made else None,
-            "from_step": made[-1].get("candidate_step") if made else None,
+            "from_candidate": origin.get("candidate"), "from_step": origin.get("step"),
         }  # fmt: skip
 
     def barred(self, candidate: Path, step: int | None) -> str | None:
