@@ -23,7 +23,7 @@ from typing import NoReturn
 
 from fanout.errors import FanoutError
 from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
-from fanout.train.dplaunch import tell_agent
+from fanout.train.dplaunch import failed
 
 # name -> (module, one-line help). Each module defines add_arguments(p) and run(args) -> int.
 COMMANDS: dict[str, tuple[str, str]] = {}
@@ -147,10 +147,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def _failed(command: str, e: FanoutError) -> int:
     """A command's one-line error, on stderr and, under torchrun, in the file its agent
     reads the rank's failure from (fanout.train.dplaunch names it in its own line)."""
-    line = f"fanout {command}: error: {e}"
-    print(line, file=sys.stderr)
-    tell_agent(line)
-    return 1
+    return failed(f"fanout {command}", e)
 
 
 def main(argv: list[str] | None = None) -> int:

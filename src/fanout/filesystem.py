@@ -45,13 +45,12 @@ import os
 import shutil
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, overload
 
-from fanout.netfs import StrPath, stale_view_s, temp_tag
+from fanout.netfs import StrPath, complete_within, temp_tag
 
 # What write() accepts: anything exposing the buffer protocol, passed as a memoryview
 # when it is not bytes (numpy arrays, mmap slices) so no copy is made.
@@ -502,11 +501,10 @@ class FileSystem:
             return False
         self._sync_tree(tmp)
         if os.path.lexists(final):
-            # another writer's entry, renamed into place since the first look (or not yet
-            # shown whole on this host): moving it aside even for a moment fails its
-            # readers (seen: a replica on another host lost its own shard under it).
-            # Only one still incomplete after the stale-view wait is debris.
-            if _complete_within(final, complete):
+            # another writer's entry, committed since the first look or not yet shown
+            # whole here: moved aside even for a moment, its readers lose files (a
+            # replica on another host did). Only one incomplete after the wait is debris.
+            if complete_within(final, complete):
                 shutil.rmtree(tmp, ignore_errors=True)
                 return False
             old = final.with_name(f".{final.name}.old-{temp_tag()}")  # set aside, never reused
@@ -522,7 +520,7 @@ class FileSystem:
         except OSError as e:
             if e.errno not in _RENAME_LOST and not os.path.lexists(final):
                 raise AtomicWriteError("rename", final, e) from e  # EIO, ENOSPC: not a race
-            if not _complete_within(final, complete):
+            if not complete_within(final, complete):
                 raise AtomicWriteError("rename", final, e) from e
             shutil.rmtree(tmp, ignore_errors=True)
             return False
@@ -531,18 +529,6 @@ class FileSystem:
         except OSError as e:
             raise AtomicWriteError("fsync directory", final.parent, e) from e
         return True
-
-
-def _complete_within(final: Path, complete: Callable[[Path], bool]) -> bool:
-    """Is `final` complete, now or within `stale_view_s` (another host's new entry may
-    show up whole here late; on a local disk: one look)?"""
-    deadline = time.monotonic() + stale_view_s(final.parent)
-    while True:
-        if complete(final):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
 
 
 class FaultyFileSystem(FileSystem):

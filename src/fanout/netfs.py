@@ -131,6 +131,17 @@ def stale_view_s(path: StrPath) -> float:
     return 5.0 if on_network_filesystem(path) else 0.0
 
 
+def complete_within(entry: Path, complete: Callable[[Path], bool]) -> bool:
+    """Is `entry` complete (`complete(entry)`), now or within `stale_view_s` (another
+    host's new entry may show up whole here late; on a local disk: one look)?"""
+    deadline = time.monotonic() + stale_view_s(entry.parent)
+    while not complete(entry):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 @functools.cache
 def kernel_identity() -> str:
     """This boot of this kernel and our pid namespace, "<boot id>/<pid ns>": where a pid

@@ -53,6 +53,15 @@ def tell_agent(line: str) -> None:
         pass
 
 
+def failed(prog: str, e: BaseException) -> int:
+    """A command's one-line error (`PROG: error: E`) on stderr and, under torchrun, in
+    the file its agent reads (`tell_agent`); returns the exit status, 1."""
+    line = f"{prog}: error: {e}"
+    print(line, file=sys.stderr)
+    tell_agent(line)
+    return FAILED
+
+
 def failure_line(failures: dict[int, Any], host: str) -> str:
     """One line for the ranks of this node that failed (`ChildFailedError.failures`:
     global rank -> torch's ProcessFailure): the first to fail, its exit, its own line."""

@@ -50,7 +50,7 @@ from fanout.tracking import WandbRun, group_for
 from fanout.train.config import TrainConfig
 from fanout.train.consumer import Batch, ConsumerStream
 from fanout.train.distributed import DataParallel
-from fanout.train.dplaunch import tell_agent
+from fanout.train.dplaunch import failed
 from fanout.train.ema import WeightEMA
 from fanout.train.ending import Ending, summary
 from fanout.train.evaluation import PeriodicEval
@@ -597,6 +597,4 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except FanoutError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        tell_agent(f"{p.prog}: error: {e}")  # for fanout.train.dplaunch's line
-        return 1
+        return failed(p.prog, e)  # also for fanout.train.dplaunch's line
