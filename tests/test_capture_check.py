@@ -110,8 +110,8 @@ def _published(run: Path) -> list[int]:
 def test_a_verifier_loaded_as_zeros_is_refused(tiny: Path, tmp_path: Path, overlap: str) -> None:
     # Its captures are all zero: the first window is not published and is captured
     # again; the retry fails too and the producer stops, naming window, layer and row.
-    # (Overlapped, the next check in a row is window 1's, captured while window 0's
-    # check ran.)
+    # (Overlapped, window 1 is captured while window 0's check runs, so which window
+    # fails its second check first depends on scheduling: 0 or 1, never a later one.)
     ver = _zeroed(tiny / "verifier", tmp_path / "zeros")
     run = tmp_path / "run"
     cfg = tiny_producer_config(
@@ -122,8 +122,9 @@ def test_a_verifier_loaded_as_zeros_is_refused(tiny: Path, tmp_path: Path, overl
     with pytest.raises(CaptureCheckFailed) as e:
         p.run()
     msg = str(e.value)
-    w = 0 if overlap == "off" else 1
-    assert e.value.window == w and e.value.layer == LAYERS[0] and e.value.row == 0, msg
+    w = e.value.window
+    assert w in ((0,) if overlap == "off" else (0, 1)), msg
+    assert e.value.layer == LAYERS[0] and e.value.row == 0, msg
     assert msg.startswith(f"window {w}: captured layer 1, row 0: ") and "zero" in msg
     assert p.stats.bad_captures == 2 and p.stats.windows == 0
     assert _published(run) == []

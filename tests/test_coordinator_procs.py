@@ -17,15 +17,16 @@ from typing import Any
 import pytest
 import torch
 
+from coord_children import crashing_producer, cycler, die_in_txn, lease_holder, zombie
 from fanout.coord.coordinator import Coordinator, RunConfig
-from fanout.coord.heartbeat import Heartbeat
 from fanout.coord.postgresdb import PostgresDatabase
-from fanout.errors import CoordinatorBusy, FanoutError, StaleLease
-from fanout.filesystem import FileSystem
+from fanout.errors import CoordinatorBusy
 from fanout.store.store import Published, RunDir, Store, WindowMeta, parse_window_name, window_name
 from test_coordinator import make_contract
 from window_files import window_names
 
+# spawned children run the bodies in coord_children.py: it imports the coordinator only,
+# not this module's torch and test helpers (seconds per child)
 CTX = mp.get_context("spawn")
 
 
@@ -54,22 +55,6 @@ def wait_for(pred: Any, timeout: float = 30.0, what: str = "") -> None:
 # ---- 8 processes × 500 acquire/ack cycles --------------------------------------------
 
 
-def _cycler(root: str, rank: int, cycles: int, out: Any) -> None:
-    co = Coordinator.open(root)
-    reg = co.register_consumer("stress", dp_rank=rank)
-    grants: list[tuple[int, int]] = []
-    errors: list[str] = []
-    for _ in range(cycles):
-        try:
-            lease = co.acquire(reg, timeout_s=60)
-            assert lease is not None
-            grants.append((lease.window, lease.token))
-            co.ack(lease)
-        except (FanoutError, sqlite3.OperationalError) as e:  # must never happen
-            errors.append(repr(e))
-    out.put((rank, grants, errors))
-
-
 def test_eight_processes_no_lock_errors_no_double_grants(db: str | None, tmp_path: Path) -> None:
     procs, cycles = 8, 500 if db is None else 60  # PostgreSQL: a round trip per statement
     rd = RunDir(tmp_path / "run").create()
@@ -77,7 +62,7 @@ def test_eight_processes_no_lock_errors_no_double_grants(db: str | None, tmp_pat
     co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db)
     fake_publish(co, co.register_producer(make_contract()), cycles)
     q = CTX.Queue()
-    ps = [CTX.Process(target=_cycler, args=(str(rd.root), r, cycles, q)) for r in range(procs)]
+    ps = [CTX.Process(target=cycler, args=(str(rd.root), r, cycles, q)) for r in range(procs)]
     for p in ps:
         p.start()
     results = [q.get(timeout=240) for _ in ps]
@@ -98,21 +83,12 @@ def test_eight_processes_no_lock_errors_no_double_grants(db: str | None, tmp_pat
 # ---- SIGKILL inside a write transaction -------------------------------------------------
 
 
-def _die_in_txn(root: str, ready: Any) -> None:
-    co = Coordinator.open(root)
-    with co.conn.write() as cur:
-        cur.execute("UPDATE consumers SET cursor=999")
-        cur.execute("UPDATE counters SET value=123456 WHERE key='evictions'")
-        ready.set()
-        time.sleep(600)  # SIGKILLed here, holding the write lock
-
-
 def test_sigkill_inside_write_transaction(db: str | None, tmp_path: Path) -> None:
     rd = RunDir(tmp_path / "run").create()
     co = Coordinator.create(rd.root, make_contract(), RunConfig(), db_path=db)
     reg = co.register_consumer("a")
     ready = CTX.Event()
-    p = CTX.Process(target=_die_in_txn, args=(str(rd.root), ready))
+    p = CTX.Process(target=die_in_txn, args=(str(rd.root), ready))
     p.start()
     assert ready.wait(60)
     if db is None:
@@ -137,34 +113,6 @@ def test_sigkill_inside_write_transaction(db: str | None, tmp_path: Path) -> Non
 # ---- publish crash points -----------------------------------------------------------
 
 
-class KillAt(FileSystem):
-    """SIGKILL this process right before the n-th call of `op` (a crash, not an error)."""
-
-    def __init__(self, op: str, n: int) -> None:
-        self.op, self.n, self.seen = op, n, 0
-
-    def _before(self, op: str, arg: object) -> None:
-        if op == self.op:
-            self.seen += 1
-            if self.seen == self.n:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _crashing_producer(root: str, op: str, n: int, before_commit: bool) -> None:
-    c = make_contract()
-    co = Coordinator.open(root)
-    store = Store(RunDir(Path(root)), KillAt(op, n), chunk_bytes=64)
-    p = co.register_producer(c)
-    while co.wait_for_capacity(p, 10) and (cl := co.claim(p)) is not None:
-        t = torch.full((2, 64), cl.window, dtype=torch.int32)  # 512 B: several 64 B chunks
-        pub = store.publish(
-            {"x": t}, WindowMeta(c.stream_id, cl.window, cl.generation, 0, *cl.rows)
-        )
-        if before_commit and cl.window == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        co.publish_ready(cl, pub)
-
-
 CRASH_POINTS = [
     ("mid-write", "write", 3, False),
     ("after fsync", "close", 2, False),  # second window: first one committed
@@ -182,7 +130,7 @@ def test_publish_crash_points(
     rd = RunDir(tmp_path / "run").create()
     # K = 4: the three windows of the stream, and the slowest consumer's slot
     co = Coordinator.create(rd.root, c, RunConfig(max_live_windows=4, total_windows=3))
-    p = CTX.Process(target=_crashing_producer, args=(str(rd.root), op, n, before_commit))
+    p = CTX.Process(target=crashing_producer, args=(str(rd.root), c, op, n, before_commit))
     p.start()
     p.join(120)
     assert p.exitcode == -signal.SIGKILL, f"{label}: producer was not killed ({p.exitcode})"
@@ -218,14 +166,6 @@ def test_publish_crash_points(
 # ---- a consumer killed while holding a lease ----------------------------------------
 
 
-def _lease_holder(root: str, name: str, ready: Any) -> None:
-    co = Coordinator.open(root)
-    reg = co.register_consumer(name)
-    assert co.acquire(reg, timeout_s=30) is not None
-    ready.set()
-    time.sleep(600)
-
-
 def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(
     db: str | None, tmp_path: Path
 ) -> None:
@@ -235,7 +175,7 @@ def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(
     co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db)
     fake_publish(co, co.register_producer(make_contract()), 1)
     ready = CTX.Event()
-    p = CTX.Process(target=_lease_holder, args=(str(rd.root), "a", ready))
+    p = CTX.Process(target=lease_holder, args=(str(rd.root), "a", ready))
     p.start()
     assert ready.wait(60)
     _signal(p, signal.SIGKILL)
@@ -263,24 +203,6 @@ def test_killed_consumer_reclaimed_between_ttl_and_twice_ttl(
 # ---- SIGSTOPped zombie ------------------------------------------------------------------
 
 
-def _zombie(root: str, ready: Any, go: Any, out: Any) -> None:
-    co = Coordinator.open(root)
-    reg = co.register_consumer("z")
-    first = co.acquire(reg, timeout_s=30)
-    assert first is not None
-    co.ack(first)
-    lease = co.acquire(reg, timeout_s=30)
-    assert lease is not None and lease.window == 1
-    with Heartbeat(root, reg, interval_s=0.05):
-        ready.set()
-        go.wait(120)  # SIGSTOPped in here, past ttl, then SIGCONTed
-        try:
-            co.ack(lease)
-            out.put("acked")
-        except StaleLease as e:
-            out.put(f"stale: {e}")
-
-
 def test_zombie_ack_is_refused_and_cursor_never_moves_back(db: str | None, tmp_path: Path) -> None:
     ttl = 0.5
     rd = RunDir(tmp_path / "run").create()
@@ -288,7 +210,7 @@ def test_zombie_ack_is_refused_and_cursor_never_moves_back(db: str | None, tmp_p
     co = Coordinator.create(rd.root, make_contract(), cfg, db_path=db)
     fake_publish(co, co.register_producer(make_contract()), 5)
     ready, go, out = CTX.Event(), CTX.Event(), CTX.Queue()
-    p = CTX.Process(target=_zombie, args=(str(rd.root), ready, go, out))
+    p = CTX.Process(target=zombie, args=(str(rd.root), ready, go, out))
     p.start()
     assert ready.wait(60)
     _signal(p, signal.SIGSTOP)

@@ -10,7 +10,9 @@ which folders import torch, what each folder's docstring says it may import, the
 make-up the docs list, the commands that take --config, the run-dir layouts of store.md
 and operations.md, durability, the sealed coordinator, how dev.sh installs torch, and
 that a window's tensor names and train_log.jsonl are each spelled in one module; then
-(issue 54) the reading guide's answer paths and the family tables. What the docs name
+(issue 54) the reading guide's answer paths, the family tables, every `Class.attr`
+and `module.name` the pages give, the extras they install, the modules they run with
+`python -m` and the flags they say a component config declares. What the docs name
 (flags, defaults, variables, files, sections) is tests/test_docs_references.py's.
 """
 
@@ -39,7 +41,18 @@ from fanout.errors import FanoutError
 SRC = Path(fanout.__file__).parent
 REPO = Path(__file__).resolve().parents[1]
 # the core: modules at the bottom of the layers (pyproject's import-linter contract)
-CORE = {"contract", "flags", "rows", "tracking", "filesystem", "netfs", "hashing", "errors", "cli"}
+CORE = {
+    "contract",
+    "flags",
+    "rows",
+    "tracking",
+    "filesystem",
+    "netfs",
+    "hashing",
+    "errors",
+    "ticker",
+    "cli",
+}
 
 
 def _modules() -> list[ModuleType]:
@@ -525,20 +538,33 @@ def test_the_architecture_map_lists_every_module() -> None:
     assert sorted(set(missing)) == [], "not in the map: " + ", ".join(sorted(set(missing)))
 
 
+def _families_named(text: str) -> set[str]:
+    """The family names a sentence gives (`EAGLE-3` is eagle3, `P-EAGLE` peagle)."""
+    words = re.findall(r"[A-Z]-[A-Z]{2,}|[A-Za-z]+(?:-?\d+)?", text)
+    return {w.lower().replace("-", "") for w in words}
+
+
 def test_the_readme_and_pyproject_name_every_draft_family() -> None:
-    """The README's opening paragraph and pyproject's description say what fanout trains:
-    every registered family (`eagle3` is written EAGLE-3, `peagle` P-EAGLE)."""
+    """The README's opening paragraph, pyproject's description, docs/training.md's title
+    and what docs/architecture.md says fanout trains ("What fanout will not do") name
+    every registered family; the families that page says vLLM does not serve are the
+    ones whose `Family.served_by_vllm` is False."""
     import tomllib
 
-    from fanout.families.registry import FAMILIES
+    from fanout.families.registry import FAMILIES, family
 
     readme = (REPO / "README.md").read_text().split("\n\n")
     opening = next(p for p in readme if p.startswith("fanout trains"))
     desc = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["description"]
-    for text in (opening, desc):
-        words = re.findall(r"[A-Z]-[A-Z]{2,}|[A-Za-z]+(?:-?\d+)?", text)
-        named = {w.lower().replace("-", "") for w in words}
-        assert set(FAMILIES) - named == set(), text
+    title = (REPO / "docs" / "training.md").read_text().split("\n", 1)[0]
+    arch = (REPO / "docs" / "architecture.md").read_text()
+    scope = _section(arch, "## What fanout will not do").split("\n- ")[1]
+    for text in (opening, desc, title, scope):
+        assert set(FAMILIES) - _families_named(text) == set(), text
+    served = re.search(r"vLLM serves all but ([^,;)]+)", " ".join(scope.split()))
+    assert served, scope
+    unserved = {n for n in FAMILIES if not family(n).served_by_vllm}
+    assert _families_named(served.group(1)) & set(FAMILIES) == unserved, served.group(0)
 
 
 # ---- issue 54: the reading guide ----------------------------------------------------------
@@ -627,3 +653,198 @@ def test_the_reading_guide_answers_each_question_from_six_files_that_hold_its_na
                 bad.append(f"{question}: `{ref}` is in none of {src}")
         assert "Read: " in body, f"{question}: no reading order"
     assert bad == [], "\n".join(bad)
+
+
+# ---- issue 54: `Class.attr` and `module.name` anywhere in the docs ------------------------
+
+# Classes the docs name by `Class.attr` that belong to other libraries: each must still be
+# in a page and must not be a fanout class (else its attribute is checked like ours).
+OTHER_LIBRARIES_CLASSES = {
+    "EagleProposer": "vLLM's EAGLE proposer (docs/eval.md)",
+    "MTPDraftModel": "speculators' MTP draft (docs/training.md)",
+    "DFlashDraftModel": "speculators' DFlash draft (docs/training.md)",
+    "AutoModelForCausalLM": "transformers (docs/producer.md)",
+    "F": "torch.nn.functional (docs/model.md)",
+}
+# `module.name` spellings whose first part is a fanout module's name but which name no
+# Python object: each must still be in its page and still not resolve (else it is stale).
+NOT_PYTHON_NAMES = {
+    ("operations.md", "coordinator.dbpath"): "a run dir's file",
+    ("benchmarks.md", "coordinator.dbpath"): "a run dir's file",
+    ("benchmarks.md", "assets.verifier_dir"): "a key of the benchmark's config file",
+    ("benchmarks.md", "assets.data"): "a key of the benchmark's config file",
+    ("eval.md", "model.final_layernorm"): "a verifier checkpoint's tensor name",
+    ("eval.md", "model.embedding_norm"): "a verifier checkpoint's tensor name",
+    ("producer.md", "model.final_layernorm"): "a verifier checkpoint's tensor name",
+    ("producer.md", "model.embedding_norm"): "a verifier checkpoint's tensor name",
+    ("training.md", "mtp.fc"): "a verifier checkpoint's tensor name",
+    ("training.md", "mtp.norm"): "a verifier checkpoint's tensor name",
+    ("training.md", "speculators_config.verifier"): "a key of a checkpoint's config.json",
+    ("operations.md", "promote.floor"): "a status page cell's data-key",
+}
+
+
+def _fanout_classes() -> dict[str, list[type]]:
+    """Every class fanout defines, by name (a name two modules define maps to both)."""
+    found: dict[str, list[type]] = {}
+    for m in _modules():
+        for name, obj in vars(m).items():
+            if inspect.isclass(obj) and obj.__module__ == m.__name__:
+                found.setdefault(name, []).append(obj)
+    return found
+
+
+def _has(cls: type, attr: str) -> bool:
+    """`cls.attr` names something real: a class attribute or method, a pydantic or
+    dataclass field, an annotated attribute, or one its methods assign (`self.attr =`)."""
+    if hasattr(cls, attr) or attr in (getattr(cls, "model_fields", None) or {}):
+        return True
+    for k in cls.__mro__:
+        if attr in getattr(k, "__annotations__", {}):
+            return True
+        try:
+            source = inspect.getsource(k)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{re.escape(attr)}\s*(?::[^=\n]+)?=", source):
+            return True
+    return False
+
+
+def _page_refs(pattern: str) -> list[tuple[str, int, str, str]]:
+    """(page, line, first part, attribute) of each backticked `A.b` (or `A.b(...)`)
+    README.md and docs/*.md give, file names (`config.json`) left out."""
+    out = []
+    for path in DOCS:
+        text = path.read_text()
+        for m in re.finditer(rf"`({pattern})\.([A-Za-z_]\w*)(?:\([^`]*\))?`", text):
+            if m.group(2) not in _FILE_SUFFIXES:
+                line = text.count("\n", 0, m.start()) + 1
+                out.append((path.name, line, m.group(1), m.group(2)))
+    return out
+
+
+def test_every_class_attribute_the_docs_name_exists() -> None:
+    """README.md and docs/*.md: each `Class.attr` (`Claims.publish_ready`,
+    `SoakReport.summary()`, `W.READY`, `RunOptions.max_live_windows`) names a fanout class
+    that has that attribute; a renamed class or method fails here. Other libraries'
+    classes are OTHER_LIBRARIES_CLASSES."""
+    classes = _fanout_classes()
+    assert {"Claims", "Coordinator", "W"} <= set(classes)
+    bad, seen = [], set()
+    refs = _page_refs(r"[A-Z][A-Za-z0-9]*")
+    for page, line, cls, attr in refs:
+        if cls in OTHER_LIBRARIES_CLASSES:
+            seen.add(cls)
+            assert cls not in classes, f"{cls} is a fanout class now: drop its exemption"
+        elif cls not in classes:
+            bad.append(f"{page}:{line}: {cls}.{attr}: fanout defines no class {cls}")
+        elif not any(_has(k, attr) for k in classes[cls]):
+            bad.append(f"{page}:{line}: {cls}.{attr}: {cls} has no {attr}")
+    assert bad == [], "\n".join(bad)
+    assert set(OTHER_LIBRARIES_CLASSES) - seen == set(), "exemptions no page mentions any more"
+    assert len(refs) > 100  # the pages were read
+
+
+def test_every_module_name_the_docs_name_exists() -> None:
+    """README.md and docs/*.md: each `module.name` whose first part is the name of a
+    fanout module or package (`retention.claimable`, `states.LIVE`, `numbering.to_serving_layer_ids`)
+    is defined in a module of that name; a renamed or moved function fails here.
+    Spellings that are not Python names are NOT_PYTHON_NAMES."""
+    stems: dict[str, list[ModuleType]] = {}
+    for m in _modules():  # `fanout.x.y` is the dotted-name test's
+        stems.setdefault(m.__name__.rsplit(".", 1)[-1], []).append(m)
+    bad, seen = [], set()
+    refs = [r for r in _page_refs(r"[a-z_][a-z0-9_]*") if r[2] in stems]
+    for page, line, stem, name in refs:
+        ref = f"{stem}.{name}"
+        found = any(hasattr(m, name) for m in stems[stem])
+        if (page, ref) in NOT_PYTHON_NAMES:
+            seen.add((page, ref))
+            assert not found, f"{page}:{line}: {ref} resolves; drop its exemption"
+        elif not found:
+            bad.append(f"{page}:{line}: {ref}: no module named {stem} defines {name}")
+    assert bad == [], "\n".join(bad)
+    assert set(NOT_PYTHON_NAMES) - seen == set(), "exemptions no page mentions any more"
+    assert len(refs) > 50  # the pages were read
+
+
+def test_every_extra_the_docs_install_is_one_pyproject_defines() -> None:
+    """`pip install 'fanout[tp]'` (or `'.[postgres]'`) in README.md and docs/*.md names an
+    optional dependency group of pyproject.toml."""
+    import tomllib
+
+    extras = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    named = {(p.name, e) for p in DOCS for group in
+             re.findall(r"(?:fanout|\.)\[([a-z0-9_,-]+)\]", p.read_text())
+             for e in group.split(",")}  # fmt: skip
+    assert {e for _, e in named} >= {"postgres", "tp"}  # the pages were read
+    assert sorted(f"{page}: [{e}]" for page, e in named if e not in extras) == []
+
+
+def test_the_flags_a_page_says_a_component_declares_are_its_fields() -> None:
+    """docs/training.md: "How the trainer reads the run (`--run-dir`, ...) is declared
+    once, in `fanout.train.consumer.ConsumerOptions`", and the same of the draft's recipe
+    and `DraftRecipe`: the flags listed are exactly that class's fields (by flag name or
+    alias), so a field added to the component or moved out of it fails here."""
+    from fanout.flags import field_aliases, field_flag
+
+    text = " ".join((REPO / "docs" / "training.md").read_text().split())
+    claims = re.findall(
+        r"\(((?:`--[a-z0-9-]+`,? ?)+)\) is declared once, in `(fanout[\w.]+)`", text
+    )
+    assert {c for _, c in claims} >= {
+        "fanout.train.consumer.ConsumerOptions",
+        "fanout.model.draft_config.DraftRecipe",
+    }, claims
+    for listed, ref in claims:
+        found = _lookup(ref)
+        assert found is not None, ref
+        model: Any = found[1]
+        flags = {
+            name: {field_flag(name, f), *field_aliases(f)} for name, f in model.model_fields.items()
+        }
+        named = set(re.findall(r"`(--[a-z0-9-]+)`", listed))
+        covered = {name for name, fl in flags.items() if fl & named}
+        unknown = sorted(f for f in named if not any(f in fl for fl in flags.values()))
+        assert (sorted(set(flags) - covered), unknown) == ([], []), ref
+
+
+def test_every_python_dash_m_the_docs_run_is_a_module_that_runs() -> None:
+    """`python -m fanout.chaos`, `-m fanout.train.dplaunch`, `torchrun ... -m fanout.cli`:
+    each module README.md and docs/*.md run with `-m` has a `__main__.py` or an
+    `if __name__ == "__main__":` block (the names the 2026-12 layout retired aside)."""
+    gone = {ref for _, ref in NOT_IMPORTABLE}
+    bad, seen = [], set()
+    for path in DOCS:
+        for ref in re.findall(r"-m (fanout(?:\.\w+)*)", path.read_text()):
+            seen.add(ref)
+            if ref in gone:
+                continue
+            rel = Path(*ref.split(".")[1:])
+            main = SRC / rel / "__main__.py"
+            module = (SRC / rel).with_suffix(".py")
+            runs = main.is_file() or (
+                module.is_file()
+                and re.search(r"^if __name__ == .__main__.:", module.read_text(), re.M)
+            )
+            if not runs:
+                bad.append(f"{path.name}: python -m {ref}")
+    assert {"fanout.chaos", "fanout.cli", "fanout.train.dplaunch"} <= seen
+    assert bad == [], "\n".join(bad)
+
+
+def test_the_readme_gpu_command_runs_every_test_file_marked_gpu() -> None:
+    """README.md's `pytest -m gpu ...` names every test module that holds a test marked
+    `gpu`, so a GPU check run from it misses none."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    command = re.search(r"`pytest -m gpu ((?:tests/\w+\.py ?)+)`", text)
+    assert command, "README.md lost its `pytest -m gpu ...` command"
+    marked = {
+        f"tests/{f.name}"
+        for f in (REPO / "tests").glob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu\b", f.read_text())
+    }
+    assert marked and set(command.group(1).split()) == marked, (command.group(1), marked)

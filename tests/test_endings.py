@@ -7,11 +7,12 @@ The coordinator cases run in one process on both backends: a stream a producer e
 by design ends for its trainers (a signal leaves it open), a wait for another
 consumer never counts toward the acquire timeout, `detach_consumer` releases a
 stopped consumer and refuses a live one. The process cases run the real `fanout
-produce` / `fanout train` commands: one producer and three trainers with --max-steps
-20 / 200 / none under each lag policy all reach their own ends (exit 0, final
-checkpoint, state finished), the short one's checkpoint resumed later rejoins with
-its evicted windows recaptured; --max-windows ends the stream; a producer killed
-with SIGKILL leaves a trainer that times out with a checkpoint at its last step.
+produce` / `fanout train` commands (forked from a warm forkserver: forked_cli): one
+producer and three trainers with --max-steps 20 / 200 / none under each lag policy
+all reach their own ends (exit 0, final checkpoint, state finished), the short one's
+checkpoint resumed later rejoins with its evicted windows recaptured; --max-windows
+ends the stream; a producer killed with SIGKILL leaves a trainer that times out with
+a checkpoint at its last step.
 Nothing here depends on timing: waits are bounded by conditions seen in the
 database or in a process's output, never by a sleep.
 """
@@ -39,6 +40,7 @@ from fanout.produce.backpressure import BlockedNotice
 from fanout.status.snapshot import snapshot
 from fanout.status.table import format_table
 from fanout.train.trainlog import read_train_log
+from forked_cli import ForkedPopen
 from test_coordinator import new_run, produce
 from test_roles import ENV, Cli, _row, _status, wait_for
 from tiny_run import build_tiny_assets, config_flags, tiny_producer_config
@@ -306,6 +308,16 @@ def _alive(p: Cli) -> bool:
     return True
 
 
+class ForkedCli(Cli):
+    """`Cli`, forked from the warm forkserver (forked_cli): a real `fanout` process
+    without the interpreter start-up and imports each of a test's processes paid."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log = log
+        self.proc = ForkedPopen(list(args), log)  # type: ignore[assignment]
+        self.pid = self.proc.pid
+
+
 class Procs:
     """The `fanout` processes of one test, each logging to its own file; all killed at
     the end, whatever happened."""
@@ -316,7 +328,7 @@ class Procs:
         logs.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, *args: str) -> Cli:
-        self.all.append(Cli(self.logs / f"{name}.log", *args))
+        self.all.append(ForkedCli(self.logs / f"{name}.log", *args))
         return self.all[-1]
 
     def kill_all(self) -> None:

@@ -30,6 +30,7 @@ from fanout.model.draft_config import DraftConfig
 from fanout.model.sampling import Sampling
 from fanout.model.verifier import load_verifier
 from fanout.ops.adamw import make_optimizer
+from forked_cli import ForkedPopen
 from greedy_training import EOS
 from greedy_training import decoder as decoder
 from greedy_training import vdir as vdir
@@ -403,19 +404,37 @@ def test_tau_half_width_decodes_until_every_interval_is_that_narrow(
     assert "eval: " in err and f"{n}/{n} " in err, err
 
 
-def _one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr
-    err = [x for x in r.stderr.splitlines() if "error" in x]
-    assert len(err) == 1 and all(n in err[0] for n in needles), r.stderr
+def _failed_eval(chat_run: dict[str, Path], *extra: str) -> tuple[int, str]:
+    """`fanout eval` forked from the warm forkserver (forked_cli: a real process without
+    its own seven-fold interpreter start-up and imports); (exit code, its stdout and
+    stderr, both written to one log)."""
+    logs = chat_run["root"] / "failed-evals"
+    logs.mkdir(exist_ok=True)
+    log = logs / f"{len(list(logs.iterdir()))}.log"
+    argv = [
+        "eval", "--verifier-name-or-path", str(chat_run["ver"]), "--tokenizer",
+        str(chat_run["tok"]), "--data", str(chat_run["data"]), "--num-prompts", "3",
+        "--max-new-tokens", "24", *extra,
+    ]  # fmt: skip
+    return ForkedPopen(argv, log).wait(600), log.read_text()
+
+
+def _one_line_error(r: tuple[int, str], *needles: str) -> None:
+    code, out = r
+    assert code == 1, out
+    assert "Traceback" not in out
+    err = [x for x in out.splitlines() if "error" in x]
+    assert len(err) == 1 and all(n in err[0] for n in needles), out
 
 
 def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
     other = tiny_qwen3_verifier(tmp_path / "v48", 512, hidden_size=48, num_layers=4, head_dim=8)
     cfg = json.loads((chat_run["b4"] / "config.json").read_text())
-    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--verifier-name-or-path", str(other))
+    r = _failed_eval(
+        chat_run, "--draft", str(chat_run["b4"]), "--verifier-name-or-path", str(other)
+    )
     _one_line_error(r, "hidden_size = 32 but verifier")
-    r = _eval(chat_run, "--draft", str(tmp_path / "nothing"))
+    r = _failed_eval(chat_run, "--draft", str(tmp_path / "nothing"))
     _one_line_error(r, "--draft", "neither a checkpoint dir")
     old = tmp_path / "old"
     old.mkdir()
@@ -423,20 +442,22 @@ def test_cli_named_errors(chat_run: dict[str, Path], tmp_path: Path) -> None:
         (old / f.name).write_bytes(f.read_bytes())
     cfg["fanout"]["format_version"] = 1
     (old / "config.json").write_text(json.dumps(cfg))
-    r = _eval(chat_run, "--draft", str(old))
+    r = _failed_eval(chat_run, "--draft", str(old))
     _one_line_error(r, "format 1")
     (old / "config.json").write_text(
         json.dumps(cfg | {"fanout": cfg["fanout"] | {"format_version": 2}})
     )
     (old / "model.safetensors").unlink()
-    r = _eval(chat_run, "--draft", str(old))
+    r = _failed_eval(chat_run, "--draft", str(old))
     _one_line_error(r, "model.safetensors: missing")
-    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--data", str(tmp_path / "none.jsonl"))
+    r = _failed_eval(
+        chat_run, "--draft", str(chat_run["b4"]), "--data", str(tmp_path / "none.jsonl")
+    )
     _one_line_error(r, "--data")
-    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--temperature", "-1")
+    r = _failed_eval(chat_run, "--draft", str(chat_run["b4"]), "--temperature", "-1")
     _one_line_error(r, "--temperature", "must be >= 0")
-    r = _eval(chat_run, "--draft", str(chat_run["b4"]), "--tau-half-width", "0.1",
-              "--max-prompts", "2")  # fmt: skip
+    r = _failed_eval(chat_run, "--draft", str(chat_run["b4"]), "--tau-half-width", "0.1",
+                     "--max-prompts", "2")  # fmt: skip
     _one_line_error(r, "--max-prompts 2 is below --num-prompts 3")
 
 

@@ -286,3 +286,50 @@ def test_a_command_under_torchrun_tags_its_log_lines(rank: str) -> None:
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert f"[status r{rank}] fanout.t hello" in p.stderr
+
+
+# Every "stop after N" limit the commands have (issue #54: one place for the rule).
+_LIMITS = [
+    ("fanout.train.config", "TrainConfig", "max_steps"),
+    ("fanout.train.consumer", "ConsumerConfig", "max_windows"),
+    ("fanout.produce.config", "ProducerConfig", "max_windows"),
+    ("fanout.regen.regenerate", "RegenerateConfig", "max_records"),
+    ("fanout.bench.config", "AssetsSpec", "conversations"),
+    ("fanout.coord.retention", "RunConfig", "total_windows"),
+]
+
+
+@pytest.mark.parametrize(("module", "config", "field"), _LIMITS)
+def test_every_stop_after_n_limit_is_limit_flags_rule(module: str, config: str, field: str) -> None:
+    """At least 1, None (the default) = no limit: each field's schema is limit_flag's
+    with its own help, so a bound or a default written by hand (gt=0, 0 = off) fails."""
+    import importlib
+
+    from pydantic import create_model
+
+    from fanout.flags import limit_flag
+
+    model = getattr(importlib.import_module(module), config)
+    info = model.model_fields[field]
+    fields: dict[str, Any] = {field: (int | None, limit_flag(info.description or ""))}
+    probe = create_model("Probe", **fields)
+    got = model.model_json_schema()["properties"][field]
+    assert got == probe.model_json_schema()["properties"][field]
+
+
+def test_a_limit_flag_takes_none_and_refuses_0_naming_the_flag() -> None:
+    from fanout.flags import limit_flag
+
+    class Cfg(BaseModel):
+        max_things: int | None = limit_flag("stop after this many things")
+
+    p = argparse.ArgumentParser(prog="t")
+    add_model_flags(p, Cfg)
+    assert "stop after this many things" in p.format_help()
+    assert model_from_args(Cfg, p.parse_args([])).max_things is None
+    assert model_from_args(Cfg, p.parse_args(["--max-things", "none"])).max_things is None
+    assert model_from_args(Cfg, p.parse_args(["--max-things", "3"])).max_things == 3
+    with pytest.raises(
+        ConfigError, match="--max-things: Input should be greater than or equal to 1"
+    ):
+        model_from_args(Cfg, p.parse_args(["--max-things", "0"]))

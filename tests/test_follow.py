@@ -4,8 +4,9 @@
 
 An appender process writes chats (data-stage records and OpenAI request/response log
 pairs, one garbage line) into a directory, splitting records across writes and rotating
-its file half-way; the producer follows it, is killed with -9 and restarted, and ends
-the stream after --follow-idle-s without a record. A consumer process reads every
+its file half-way; the producer follows it, is killed with -9 and restarted (twice: the
+second time once the coordinator deleted the rows of retired chunks), and ends the
+stream after --follow-idle-s without a record. A consumer process reads every
 window. Checked against what the appender wrote: every conversation is in exactly one
 chunk or in the held-out set, held-out ones never in a chunk, every row of every chunk
 reaches the consumer exactly once, and the window files never exceed K.
@@ -105,8 +106,27 @@ def committed(run: Path, db_path: str | None = None) -> list[FollowChunk]:
         return co.follow_chunks()
 
 
+def _pruned(run: Path) -> bool:
+    """Has the run's coordinator deleted the rows of retired chunks (#52)?"""
+    chunks = committed(run)
+    return bool(chunks) and chunks[0].chunk > 0
+
+
 def _chunk(run: Path, c: FollowChunk) -> Path:
     return run / "follow" / chunk_name(c.chunk, c.digest)
+
+
+def _recorded(co: Coordinator) -> list[FollowChunk]:
+    """Every chunk `co` commits from now on, as stored (the table deletes retired rows)."""
+    made: list[FollowChunk] = []
+    real = co.commit_follow_chunk
+
+    def commit(preg: Any, chunk: FollowChunk) -> FollowChunk:
+        made.append(real(preg, chunk))
+        return made[-1]
+
+    co.commit_follow_chunk = commit  # type: ignore[method-assign]
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +162,7 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     src.mkdir()
     recs = _records()
     (tmp_path / "recs.json").write_text(json.dumps(recs))
+    extra = _source_records(300, start=1000)
     go = tmp_path / "go"
     appender = subprocess.Popen([sys.executable, str(assets / "appender.py"), str(src),
                                  str(tmp_path / "recs.json"), str(run / "follow"), str(go)])  # fmt: skip
@@ -173,6 +194,20 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
         prod.send_signal(signal.SIGKILL)
         prod.wait(30)
         prod = _producer(assets, src, run, log, archive)
+        # a second kill once the coordinator deleted retired chunks' rows (#52): traffic
+        # of the test's own (a second file of the source) until it has, then the restart
+        # resumes from the rows left
+        for rec in extra:
+            if _pruned(run):
+                break
+            with open(src / "extra.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            recs.append(rec)
+            time.sleep(0.2)
+        assert _pruned(run), "no retired chunk's row was deleted"
+        prod.send_signal(signal.SIGKILL)
+        prod.wait(30)
+        prod = _producer(assets, src, run, log, archive)
         go.touch()
         assert appender.wait(120) == 0
         assert prod.wait(180) == 0, log.read_text()[-3000:]
@@ -189,17 +224,25 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     assert not [x for x in skips if ":0: field" in x], skips  # a byte offset, not line 0
     # every conversation once: in exactly one committed chunk's rows, or held out. A
     # chunk's file starts with the records the one before it carried (its short rows);
-    # chunks every consumer acknowledged were retired (moved to `archive` here)
+    # chunks every consumer acknowledged were retired (moved to `archive` here), and the
+    # coordinator's rows of the retired ones deleted (#52): the rows left are the newest
     chunks = committed(run)
     kept = sorted((run / "follow").glob("chunk-*.jsonl"))
     retired = sorted(archive.glob("chunk-*.jsonl")) if archive.is_dir() else []
     assert retired and kept, "chunks were retired, the newest kept"
-    assert sorted(p.name for p in kept + retired) == sorted(_chunk(run, c).name for c in chunks)
+    files = sorted(kept + retired, key=lambda p: p.name)  # chunk-<c>-…: in chunk order
+    assert [int(p.name.split("-")[1]) for p in files] == list(range(len(files)))
+    assert [p.name for p in files[-len(chunks) :]] == [_chunk(run, c).name for c in chunks]
     assert kept[-1] == _chunk(run, chunks[-1])  # the newest is never retired
-    body = {p.name: p.read_text().splitlines() for p in kept + retired}
-    lines = [body[_chunk(run, c).name] for c in chunks]
-    assert [len(x) for x in lines] == [c.records for c in chunks]
-    carried_in = [0] + [c.carried for c in chunks[:-1]]
+    lines = [p.read_text().splitlines() for p in files]
+    # a chunk's file starts with the records the one before carried (in both files)
+    carried_in = [0] + [
+        next((n for n, x in enumerate(ls) if x not in set(prev)), len(ls))
+        for ls, prev in zip(lines[1:], lines, strict=False)
+    ]  # fmt: skip
+    for c in chunks:
+        assert len(lines[c.chunk]) == c.records
+        assert c.carried == [*carried_in, 0][c.chunk + 1]
     assert chunks[-1].carried == 0  # the stream's end keeps every row
     assert any(carried_in), "no chunk carried its short rows' records on"
     chunked = [json.loads(x) for ls, n in zip(lines, carried_in, strict=True) for x in ls[n:]]
@@ -212,7 +255,7 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     assert len(got_chunks) == len(set(got_chunks)), "a record was captured twice"
     assert not set(got_chunks) & got_held, "a held-out conversation entered a chunk"
     assert sorted(got_chunks + sorted(got_held)) == want
-    assert 0 < len(got_held) < N  # the fraction held some out, not all
+    assert 0 < len(got_held) < len(recs)  # the fraction held some out, not all
     # every row of the stream reached the reader exactly once, in window order
     seen = [json.loads(x) for x in out.read_text().splitlines()]
     info = json.loads((run / "stream.json").read_text())
@@ -230,9 +273,10 @@ def test_every_record_once_across_a_kill_with_held_out_ones_never_in_a_window(
     # `fanout status` shows the position the coordinator holds
     with Coordinator.open(run) as co:
         snap = snapshot(co)
-    assert snap["follow"] == {**snap["follow"], "chunks": len(chunks), "records": N,
+    n = len(recs)
+    assert snap["follow"] == {**snap["follow"], "chunks": len(files), "records": n,
                               "heldout": len(held), "skipped": 1}  # fmt: skip
-    assert f"follow   {len(chunks)} chunks committed: {N} records read" in format_table(snap)
+    assert f"follow   {len(files)} chunks committed: {n} records read" in format_table(snap)
 
 
 def test_follow_refuses_bad_input_in_one_line(assets: Path, tmp_path: Path) -> None:
@@ -285,6 +329,43 @@ def test_the_coordinator_commits_each_chunk_once_in_order_fenced(
         assert {k: pos[k] for k in ("chunks", "records", "heldout", "skipped")} == {
             "chunks": 2, "records": 8, "heldout": 2, "skipped": 0,
         }  # fmt: skip
+
+
+def test_a_commit_deletes_the_rows_of_retired_chunks_and_the_order_still_holds(
+    db: str | None, tmp_path: Path
+) -> None:
+    """#52: `follow_chunks` kept a row per chunk for the stream's life (~200 B a chunk).
+    A commit now deletes the rows of the chunks below its `retired` (their files were
+    removed), never the newest, on both databases: 50 chunks leave 3 rows. The order is
+    the newest chunk's + 1, so a second committer is still refused; `fanout status`
+    reads the newest row."""
+    co, _, c = new_run(tmp_path, db)
+    p = co.register_producer(c)
+
+    def chunk(i: int, retired: int = 0) -> FollowChunk:
+        return FollowChunk(chunk=i, records=2, digest=f"d{i}", positions={"1:2": i},
+                           counts={"records": 2 * (i + 1), "heldout": 0, "skipped": 0},
+                           rows=1, first_row=i, retired=retired)  # fmt: skip
+
+    for i in range(50):
+        co.commit_follow_chunk(p, chunk(i, retired=max(0, i - 2)))
+        assert len(co.follow_chunks()) <= 3
+    got = co.follow_chunks()
+    assert [x.chunk for x in got] == [47, 48, 49]
+    assert got[-1].positions == {"1:2": 49} and (got[0].first_row, got[-1].retired) == (47, 47)
+    co.commit_follow_chunk(p, chunk(50, retired=99))  # never the newest
+    assert [x.chunk for x in co.follow_chunks()] == [50]
+    # a second committer (one that resumed fewer chunks, or cuts one twice) is refused by
+    # the order, as by the fencing token (the test above): rows or none below
+    for bad in (chunk(0), chunk(49), chunk(50), chunk(52)):
+        with pytest.raises(StaleLease, match="the run has 51 committed chunks"):
+            co.commit_follow_chunk(p, bad)
+    co.commit_follow_chunk(p, chunk(51, retired=50))
+    co.close()
+    with Coordinator.open(tmp_path / "run", db_path=db) as again:
+        assert [x.chunk for x in again.follow_chunks()] == [50, 51]
+        pos = again.follow_position()
+        assert pos is not None and (pos["chunks"], pos["records"]) == (52, 104), pos
 
 
 def _source_records(n: int, start: int = 0) -> list[dict[str, Any]]:
@@ -459,7 +540,9 @@ def test_rows_carry_across_chunks_and_what_all_acknowledged_leaves_the_disk(
     once every consumer acknowledged a chunk's windows its file and its prepared rows
     (the run's cache entry) go: 40 chunks cut, the disk holds a few. A restart resumes
     the retired chunks by their row counts and the newest chunk's carried records; the
-    stream's end keeps every row, and every record is in exactly one chunk's rows."""
+    stream's end keeps every row, and every record is in exactly one chunk's rows. The
+    coordinator's rows go with them (a row per chunk grew the database with the stream):
+    the table holds a few rows, not 40, and a restart after that resumes exactly."""
     from fanout.produce import follow
 
     src, run, cache = tmp_path / "log.jsonl", tmp_path / "run", tmp_path / "cache"
@@ -482,9 +565,10 @@ def test_rows_carry_across_chunks_and_what_all_acknowledged_leaves_the_disk(
     p = co.register_producer(make_contract())
     s = FollowStream(make_prep, cfg, rd)
     s.fs.makedirs(s.dir)
+    made = _recorded(co)  # every commit as stored: the table keeps the newest few
     s.attach(co, p)
     recs = _source_records(80)
-    most = (0, 0)
+    most, rows_most = (0, 0), 0
     for i in range(0, 80, 2):
         with open(src, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in recs[i : i + 2]))
@@ -492,25 +576,39 @@ def test_rows_carry_across_chunks_and_what_all_acknowledged_leaves_the_disk(
         co.register_consumer("t", cursor=s.ready_windows, takeover=True)  # acked all so far
         s.retire()
         most = max(most[0], disk()[0]), max(most[1], disk()[1])
-    chunks = co.follow_chunks()
-    assert len(chunks) == 40 and s.retired >= 30
+        rows_most = max(rows_most, len(co.follow_chunks()))
+    assert [c.chunk for c in made] == list(range(40)) and s.retired >= 30
     # files and cache entries: the chunks of the windows not yet acknowledged, not 40
     assert most[0] <= 14 and most[1] <= 14, most  # ~6 chunks a window, 1 kept back
-    assert any(c.carried for c in chunks) and s.carry
+    # and their coordinator rows: a retired chunk's row goes at the next commit
+    left = co.follow_chunks()
+    assert rows_most <= most[0] + 1 and left[0].chunk > 0, (rows_most, left[0].chunk)
+    assert [c.chunk for c in left] == list(range(left[0].chunk, 40))
+    assert left[-1] == made[-1] and left[0].first_row == s.rows.starts[left[0].chunk]
+    assert co.follow_position() == {**(co.follow_position() or {}), "chunks": 40}
+    assert any(c.carried for c in made) and s.carry
     tokens = s.summary()["row_fill"]
     assert tokens >= follow.FULL_FILL, tokens  # only full rows went out (no record was due)
     # a restart: the retired chunks by their row counts, the newest chunk's carried records
     co.close()
+    # (the chunks whose rows were deleted: one count, on the last of them; the rows from
+    # the first chunk with a row on as before)
     again = FollowStream.open(make_prep, cfg, rd)
     assert again.rows.num_rows == s.rows.num_rows and again.retired == s.retired
-    assert again.carry == s.carry and again.rows.starts == s.rows.starts
+    assert again.carry == s.carry and len(again.files) == len(s.files) == 40
+    base = left[0].chunk
+    assert again.rows.starts[base:] == s.rows.starts[base:]
     with Coordinator.open(run) as co2:
+        later = _recorded(co2)
         again.attach(co2, p)
         again._cut(end=True)  # the stream's end: every row kept, nothing carried on
-        chunks = co2.follow_chunks()
+        assert [c.chunk for c in co2.follow_chunks()][-1] == 40
+    chunks = made + later
+    assert [c.chunk for c in chunks] == list(range(41))
     assert chunks[-1].carried == 0 and not again.carry
     new = [c.records - prev.carried for c, prev in zip(chunks[1:], chunks, strict=False)]
     assert chunks[0].records + sum(new) == 80  # every record once in some chunk's rows
+    assert [c.first_row for c in chunks] == [*s.rows.starts[:40], again.rows.starts[40]]
 
 
 def _stream_on_a_fake_clock(

@@ -72,7 +72,7 @@ def test_bf16_within_stated_tolerance(reduction: str, train_head: bool) -> None:
 
 def test_argmax_and_ignored_rows() -> None:
     x, w, t, _ = _inputs(5)
-    loss, pred = linear_cross_entropy_and_argmax(x, w, t, reduction="none", chunk_rows=9)
+    loss, pred = linear_cross_entropy_and_argmax(x, w, t, chunk_rows=9)
     logits = x @ w.T
     assert torch.equal(pred, logits.argmax(dim=1))
     ignored = t == -100

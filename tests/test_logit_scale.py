@@ -37,7 +37,7 @@ from fanout.families.dflash.model import DFlashDraft
 from fanout.model.verifier import Capture, Verifier, load_verifier
 from fanout.model.verifier_dir import read_text_tensors, text_tensors
 from tiny_run import one_thread  # noqa: F401 (autouse: one intra-op thread)
-from verifier_zoo import VOCAB, build, load_oracle
+from verifier_zoo import build, doc_spans, load_oracle, packed_row
 
 # Falcon-H1's multipliers, none of them 1: the two this file is about near mlx-lm's
 # Falcon-H1 defaults (embedding 5.6569, head 0.039), the per-layer ones arbitrary
@@ -59,19 +59,6 @@ DOCS = (12, 19)  # one packed row of two documents
 @pytest.fixture(scope="module")
 def falcon(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build("falcon_h1", tmp_path_factory.mktemp("falcon") / "v", **MULTIPLIERS)
-
-
-def _row() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids, position_ids, document_ids [1, T] of the packed documents `DOCS`."""
-    ids = torch.randint(1, VOCAB, (1, sum(DOCS)), generator=torch.Generator().manual_seed(3))
-    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
-    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCS)])[None]
-    return ids, pos, doc
-
-
-def _spans() -> list[tuple[int, int]]:
-    ends = torch.tensor(DOCS).cumsum(0).tolist()
-    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 @torch.inference_mode()
@@ -103,15 +90,15 @@ def captured(falcon: Path) -> tuple[Verifier, Capture]:
         capture_layer_ids=["all"],
         store_last_hidden_states=True,
     )
-    return v, v.capture(*_row())
+    return v, v.capture(*packed_row(DOCS))
 
 
 @pytest.fixture(scope="module")
 def oracle(falcon: Path) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     """Per document: its layers' outputs and logits, alone in plain transformers."""
     model = load_oracle("falcon_h1", falcon)
-    ids = _row()[0][0]
-    return [_alone(model, ids[s:e]) for s, e in _spans()]
+    ids = packed_row(DOCS)[0][0]
+    return [_alone(model, ids[s:e]) for s, e in doc_spans(DOCS)]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +119,7 @@ def test_the_teacher_through_the_frozen_head_is_the_verifiers_logits(
     _, cap = captured
     assert cap.last_hidden_states is not None
     head = draft.lm_head_weight  # [V, H] what every family multiplies teacher rows by
-    for k, (s, e) in enumerate(_spans()):
+    for k, (s, e) in enumerate(doc_spans(DOCS)):
         _, logits = oracle[k]
         teacher = cap.last_hidden_states[0, s:e].float() @ head.float().t()  # [n, V]
         _close(teacher, logits, f"document {k}: last_hidden_states · Wᵀ vs model(ids).logits")
@@ -147,7 +134,7 @@ def test_the_drafts_final_norm_reads_the_last_layer_as_the_verifiers_head(
     gain, head = draft.verifier_norm_weight, draft.lm_head_weight
     assert torch.equal(draft.norm.weight.detach(), gain)
     eps = draft.cfg.rms_norm_eps
-    for k, (s, e) in enumerate(_spans()):
+    for k, (s, e) in enumerate(doc_spans(DOCS)):
         _, logits = oracle[k]
         raw = cap.layers[v.num_layers - 1][0, s:e]  # [n, H] the last layer, before the norm
         got = F.rms_norm(raw, (raw.shape[-1],), gain, eps) @ head.t()
@@ -158,7 +145,7 @@ def test_capture_applies_the_verifiers_multipliers_and_the_draft_embeds_raw(
     falcon: Path, captured: tuple[Verifier, Capture], oracle: list[Any], draft: DFlashDraft
 ) -> None:
     _, cap = captured
-    for k, (s, e) in enumerate(_spans()):
+    for k, (s, e) in enumerate(doc_spans(DOCS)):
         layers, _ = oracle[k]
         for j, want in enumerate(layers):
             _close(cap.layers[j][0, s:e], want, f"document {k} layer {j}")

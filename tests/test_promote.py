@@ -33,6 +33,7 @@ from fanout.errors import ConfigError
 from fanout.families.dflash.model import DFlashDraft
 from fanout.filesystem import FaultyFileSystem
 from fanout.ops.adamw import make_optimizer
+from forked_cli import ForkedPopen
 from tiny_run import build_tiny_assets, one_thread  # noqa: F401 (one_thread: autouse)
 
 LAYERS = [1, 2]
@@ -95,6 +96,13 @@ def _cfg(world: dict[str, Any], draft: Path, served: Path, **kw: Any) -> Promote
     return world["base"].model_copy(update={"draft": [str(draft)], "served": str(served)} | kw)
 
 
+def _promote(tmp_path: Path, *args: str) -> tuple[int, str]:
+    """`fanout promote ARGS`, forked from the warm forkserver (forked_cli: a real process
+    without its own interpreter start-up and imports); (exit code, stdout and stderr)."""
+    log = tmp_path / "promote.log"
+    return ForkedPopen(["promote", *args], log).wait(300), log.read_text()
+
+
 def _decisions(served: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (served / DECISIONS).read_text().splitlines()]
 
@@ -155,12 +163,9 @@ def test_rollback_and_pruning_through_the_command(world: dict[str, Any], tmp_pat
     for ckpt in (world["bad"], world["good"], world["bad"], world["good"]):
         served.promote(ckpt, keep=3)
     assert [v.name for v in served.versions()] == ["v0002", "v0003", "v0004"]
-    r = subprocess.run(
-        [sys.executable, "-m", "fanout.cli", "promote", "--served", str(tmp_path / "served"),
-         "--rollback"], capture_output=True, text=True, env=ENV, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    assert "v0004 -> v0003" in r.stdout
+    code, out = _promote(tmp_path, "--served", str(tmp_path / "served"), "--rollback")
+    assert code == 0, out
+    assert "v0004 -> v0003" in out
     assert (tmp_path / "served" / CURRENT).resolve().name == "v0003"
     assert _decisions(tmp_path / "served")[-1] == {**_decisions(tmp_path / "served")[-1],
                                                    "rollback": True, "to": "v0003"}  # fmt: skip
@@ -174,14 +179,13 @@ def test_served_that_is_not_ours_is_refused_in_one_line(
     (other / "weights.bin").write_bytes(b"x")
     with pytest.raises(ConfigError, match="holds something other than promoted checkpoints"):
         Served(other)
-    r = subprocess.run(
-        [sys.executable, "-m", "fanout.cli", "promote", "--served", str(other), "--once",
-         "--draft", str(world["good"]), "--verifier-name-or-path", str(world["ver"]),
-         "--tokenizer", str(world["tok"]), "--data", str(world["held"])],
-        capture_output=True, text=True, env=ENV, timeout=300,
+    code, out = _promote(
+        tmp_path, "--served", str(other), "--once", "--draft", str(world["good"]),
+        "--verifier-name-or-path", str(world["ver"]), "--tokenizer", str(world["tok"]),
+        "--data", str(world["held"]),
     )  # fmt: skip
-    assert r.returncode == 1
-    assert r.stderr.strip().count("\n") == 0 and "--served" in r.stderr, r.stderr
+    assert code == 1
+    assert out.strip().count("\n") == 0 and "--served" in out, out  # stdout empty too
     assert (other / "weights.bin").read_bytes() == b"x"  # nothing touched
 
 
@@ -248,11 +252,8 @@ def test_a_rollback_sticks_until_a_later_step_exists(world: dict[str, Any], tmp_
     served, session = tmp_path / "served", world["session"]
     Served(served).promote(world["bad"], keep=3)  # v0001
     assert decide(_cfg(world, world["good"], served), session)["promoted"]  # v0002
-    r = subprocess.run(
-        [sys.executable, "-m", "fanout.cli", "promote", "--served", str(served), "--rollback"],
-        capture_output=True, text=True, env=ENV, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    code, out = _promote(tmp_path, "--served", str(served), "--rollback")
+    assert code == 0, out
     rolled = _decisions(served)[-1]
     assert rolled["from_candidate"] == str(world["good"].resolve())
     assert rolled["from_step"] == 120

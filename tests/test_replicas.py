@@ -33,10 +33,10 @@ from typing import Any
 import pytest
 import torch
 
+from coord_children import hold, register_and_die
 from fanout.bench.assets import generate_corpus
 from fanout.coord.coordinator import Coordinator, RunConfig
 from fanout.coord.grants import ProducerPlan, ProducerReg
-from fanout.coord.heartbeat import Heartbeat
 from fanout.errors import (
     AcquireTimeout,
     ConfigError,
@@ -46,6 +46,8 @@ from fanout.errors import (
     RoleHeld,
     StaleLease,
 )
+from fanout.produce.config import ProducerConfig
+from fanout.produce.producer import Producer
 from fanout.produce.replicas import rank_of
 from fanout.produce.run_start import take_start_lock
 from fanout.status.snapshot import snapshot
@@ -53,6 +55,7 @@ from fanout.status.table import format_table
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store, WindowReader
 from fanout.store.streaminfo import StreamInfo
+from forked_cli import ForkedPopen
 from test_coordinator import FakeClock, make_contract, new_run, publish
 from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
     build_tiny_assets,
@@ -63,6 +66,8 @@ from tiny_run import (  # noqa: F401 (one_thread: an autouse fixture)
 )
 from window_files import window_names
 
+# spawned children run the bodies in coord_children.py, which imports the coordinator
+# only (this module's imports cost a child seconds)
 CTX = mp.get_context("spawn")
 HOST = socket.gethostname()
 PLAN3 = ProducerPlan(replicas=3)
@@ -253,13 +258,6 @@ def test_a_replica_without_a_rank_takes_a_lost_ones_place_before_a_finished_one(
         x.close()
 
 
-def _register_and_die(root: str, db: str | None, rank: int) -> None:
-    """A process that becomes replica `rank` of 2 and dies without finishing (a crash)."""
-    co = Coordinator.open(root, db_path=db)
-    co.register_producer(make_contract(), rank=rank, plan=ProducerPlan(2))
-    os._exit(0)
-
-
 def test_a_start_without_a_rank_locks_a_crashed_ones_rank_before_a_finished_one(
     db: str | None, tmp_path: Path
 ) -> None:
@@ -269,7 +267,7 @@ def test_a_start_without_a_rank_locks_a_crashed_ones_rank_before_a_finished_one(
     that took rank 0 and left rank 1 'active' behind the dead process)."""
     co, _, c = new_run(tmp_path, db)
     co.finish_producer(co.register_producer(c, rank=0, plan=ProducerPlan(2)))
-    dead = CTX.Process(target=_register_and_die, args=(str(co.root), db, 1))
+    dead = CTX.Process(target=register_and_die, args=(str(co.root), db, c, 1))
     dead.start()
     dead.join(120)
     states = co.conn.execute("SELECT rank, state FROM producers ORDER BY rank").fetchall()
@@ -283,21 +281,12 @@ def test_a_start_without_a_rank_locks_a_crashed_ones_rank_before_a_finished_one(
     co.close()
 
 
-def _hold(root: str, db: str | None, rank: int, ready: Any, go: Any) -> None:
-    """A process holding replica `rank` of 2, heartbeating until `go`."""
-    co = Coordinator.open(root, db_path=db)
-    reg = co.register_producer(make_contract(), rank=rank, plan=ProducerPlan(2))
-    with Heartbeat(root, reg, interval_s=0.05, open_kwargs={"db_path": db}):
-        ready.put(os.getpid())
-        go.wait(120)
-
-
 def test_a_held_rank_and_an_extra_replica_are_refused_naming_the_holders(
     db: str | None, tmp_path: Path
 ) -> None:
     co, _, c = new_run(tmp_path, db)
     ready, go = CTX.Queue(), CTX.Event()
-    procs = [CTX.Process(target=_hold, args=(str(co.root), db, r, ready, go)) for r in (0, 1)]
+    procs = [CTX.Process(target=hold, args=(str(co.root), db, c, r, ready, go)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -364,13 +353,18 @@ ENV = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 class Cli:
-    """A `fanout …` process (or any argv); stdout and stderr go to a file."""
+    """A `fanout …` process, forked from the warm forkserver (forked_cli: without a
+    process's own interpreter start-up and imports), or any `argv` (torchrun); stdout and
+    stderr go to a file."""
 
     def __init__(self, log: Path, *args: str, argv: list[str] | None = None) -> None:
         self.log = log
-        with log.open("w") as f:
-            cmd = argv or [sys.executable, "-m", "fanout.cli", *args]
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, env=ENV)
+        self.proc: subprocess.Popen[bytes] | ForkedPopen
+        if argv is None:
+            self.proc = ForkedPopen(list(args), log)
+        else:
+            with log.open("w") as f:
+                self.proc = subprocess.Popen(argv, stdout=f, stderr=f, env=ENV)
         self.pid = self.proc.pid
 
     def finish(self, timeout: float = 600) -> str:
@@ -388,13 +382,24 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _argv(assets: Path, run: Path, **kw: Any) -> list[str]:
-    """fp32 compute and storage, 4 epochs (~40 windows), K = 3 unless given."""
-    cfg = tiny_producer_config(
+def _cfg(assets: Path, run: Path, **kw: Any) -> ProducerConfig:
+    """fp32 compute and storage, 4 epochs (~24 windows), K = 3 unless given."""
+    return tiny_producer_config(
         assets, run, dtype="float32", storage_dtype="float32", heartbeat_s=0.3,
         cache_dir=str(assets / "cache"), **({"epochs": 4, "max_live_windows": 3} | kw),
     )  # fmt: skip
-    return ["produce", *config_flags(cfg)]
+
+
+def _argv(assets: Path, run: Path, **kw: Any) -> list[str]:
+    """`fanout produce` with `_cfg`'s settings."""
+    return ["produce", *config_flags(_cfg(assets, run, **kw))]
+
+
+def _one_producer(assets: Path, run: Path, **kw: Any) -> None:
+    """The reference run of one producer, made in this process: the Producer `fanout
+    produce` runs, without a second interpreter's start-up (most of a tiny run's time;
+    the replicas compared with it are `fanout produce` processes)."""
+    Producer(_cfg(assets, run, **kw)).run()
 
 
 def _q(run: Path, sql: str) -> list[tuple[Any, ...]]:
@@ -429,7 +434,7 @@ def test_replicas_make_the_windows_one_producer_makes_byte_for_byte(
     one, two = tmp_path / "one", tmp_path / "two"
     logs = tmp_path / "logs"
     logs.mkdir()
-    Cli(logs / "one.log", *_argv(assets, one, max_live_windows=1000)).finish()
+    _one_producer(assets, one, max_live_windows=1000)
     total = StreamInfo.read(RunDir(one)).total_windows  # type: ignore[union-attr]
     assert total is not None and total >= 20
     argv = _argv(assets, two, replicas=2)
@@ -501,7 +506,7 @@ def test_regenerate_splits_its_chunks_among_replicas(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     logs.mkdir()
     one, two = tmp_path / "one", tmp_path / "two"
-    Cli(logs / "one.log", *_argv(root, one, **regen)).finish()
+    _one_producer(root, one, **regen)
     argv = _argv(root, two, replicas=2, **regen)
     reps = [Cli(logs / f"replica-{i}.log", *argv, "--replica-rank", str(i)) for i in range(2)]
     texts = [r.finish() for r in reps]

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -93,4 +95,59 @@ def test_full_database_inside_a_write_is_coordinator_full(tmp_path: Path) -> Non
     with pytest.raises(CoordinatorFull, match=r"c\.sqlite3"), db.write() as cur:
         cur.executemany("INSERT INTO t VALUES (?)", [("x" * 4000,)] * 50)
     assert db.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 0  # rolled back
+    db.close()
+
+
+def test_begin_on_a_locked_database_gives_up_as_coordinator_busy(tmp_path: Path) -> None:
+    holder = sqlitedb.SqliteDatabase(tmp_path / "c.sqlite3")
+    other = sqlitedb.SqliteDatabase(tmp_path / "c.sqlite3")
+    with holder.write() as cur:
+        cur.execute("CREATE TABLE t(a)")
+    busy = pytest.raises(CoordinatorBusy, match="stayed locked for 0 s")
+    with holder.write(), busy, other.write(0.0):  # holder holds the write lock
+        raise AssertionError("BEGIN succeeded under another writer's lock")
+    with other.write() as cur:  # its busy_timeout is back and the lock free: it writes
+        cur.execute("INSERT INTO t VALUES (1)")
+    assert holder.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 1
+    holder.close()
+    other.close()
+
+
+class _BusyCommits:
+    """A sqlite3 connection whose first `n` COMMITs fail as SQLITE_BUSY (a checkpoint
+    holding the lock, which a test cannot time)."""
+
+    def __init__(self, conn: sqlite3.Connection, n: int) -> None:
+        self._conn, self.left, self.commits = conn, n, 0
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        if sql == "COMMIT":
+            self.commits += 1
+            if self.left > 0:
+                self.left -= 1
+                e = sqlite3.OperationalError("database is locked")
+                e.sqlite_errorcode = sqlitedb.SQLITE_BUSY
+                raise e
+        return self._conn.execute(sql, params)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._conn, name)
+
+
+def test_busy_commit_is_retried_then_rolled_back_past_the_deadline(tmp_path: Path) -> None:
+    db = sqlitedb.SqliteDatabase(tmp_path / "c.sqlite3")
+    with db.write() as cur:
+        cur.execute("CREATE TABLE t(a)")
+    real = db.raw
+    db.raw = busy = _BusyCommits(real, 2)  # type: ignore[assignment]
+    with db.write() as cur:
+        cur.execute("INSERT INTO t VALUES (1)")
+    assert busy.commits == 3  # two busy tries, then committed
+    db.raw = busy = _BusyCommits(real, 10**9)  # type: ignore[assignment]
+    locked = pytest.raises(CoordinatorBusy, match="commit failed on a locked database")
+    with locked, db.write(0.0) as cur:
+        cur.execute("INSERT INTO t VALUES (2)")
+    assert not real.in_transaction  # rolled back, not left open
+    db.raw = real
+    assert [r[0] for r in db.execute("SELECT a FROM t").fetchall()] == [1]
     db.close()

@@ -227,9 +227,9 @@ def test_fused_ops_keep_their_precision_under_a_bf16_autocast() -> None:
             two = two_head_cross_entropy_and_argmax(
                 x, e, a, b, target, teacher=teacher, row_weight=torch.ones(n)
             )
-            ce, _ = linear_cross_entropy_and_argmax(x, a, target, reduction="sum")
+            ce, _ = linear_cross_entropy_and_argmax(x, a, target)  # [n]
             kl, _ = linear_kl_div_and_argmax(x, teacher, a)
-        (two.loss + ce + kl.sum()).backward()
+        (two.loss + ce.sum() + kl.sum()).backward()
         assert x.grad is not None and e.grad is not None and b.grad is not None
         return [two.loss, ce, kl, x.grad, e.grad, b.grad]
 

@@ -261,6 +261,24 @@ HYBRID_AND_SPARSE: dict[str, Arch] = {
 }
 
 
+def packed_row(
+    docs: tuple[int, ...], seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids, position_ids, document_ids `[1, T]` of one row packing documents of
+    lengths `docs` (random tokens, positions restarting per document)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (1, sum(docs)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in docs])[None]
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(docs)])[None]
+    return ids, pos, doc
+
+
+def doc_spans(docs: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Each document's `(start, end)` in the packed row of `packed_row(docs)`."""
+    ends = torch.tensor(docs).cumsum(0).tolist()
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
 def _arch(name: str) -> Arch:
     return ZOO[name] if name in ZOO else HYBRID_AND_SPARSE[name]
 

@@ -12,6 +12,7 @@ came from.
 Field types and their flags:
 - `bool`: `--x` / `--no-x` (a field whose flag is already `--no-x`: `--no-x` / `--x`);
   `Literal[...]`: a choice;  `int | None`: 'none' for None;
+  an optional "stop after N" limit (at least 1, None = no limit): `limit_flag(help)`;
 - `list[T]`: `--x A B` (a repeatable field, `flag_options(repeatable=True)`, also
   takes `--x A --x B`);
 - `tuple[str, ...]`: `--x a,b` or `--x a b`;
@@ -20,6 +21,8 @@ Field types and their flags:
 A field whose flag differs from its name says so with
 `Field(..., json_schema_extra=flag_options(flag="--json", metavar="OUT"))`; a renamed
 flag keeps its old name working with `flag_options(aliases=("--old-name",))`.
+A command whose flags are one config's gives fanout.cli its `add_arguments` /
+`config_from_args` through `CommandFlags`.
 The commands' shared flags live here too: `--log-level` (`add_log_level_flag`,
 `configure_logging`), and what every log line says about the process that wrote it:
 its role and torchrun rank (`[produce r1]`, `set_log_role`), and whether it draws a
@@ -37,9 +40,9 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin
+from typing import Any, Generic, Literal, TypeVar, get_args, get_origin
 
-from pydantic import AliasChoices, BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -102,6 +105,15 @@ def flag_options(
     if choices_checked_by_config:
         out["choices_checked_by_config"] = True
     return out
+
+
+def limit_flag(description: str) -> Any:
+    """The field of an optional "stop after N" limit, the one rule every such flag
+    follows: at least 1, None (the default; `--x none`) = no limit, e.g.
+
+        max_steps: int | None = limit_flag("stop after this many optimizer steps")
+    """
+    return Field(None, ge=1, description=description)
 
 
 def _extra(field: FieldInfo) -> dict[str, Any]:
@@ -355,6 +367,28 @@ def model_from_args(model: type[M], args: argparse.Namespace, **fixed: Any) -> M
         return model.model_validate(values)
     except ValidationError as e:
         raise ConfigError(f"invalid {model.__name__} from {source}: {problems(e, model)}") from None
+
+
+class CommandFlags(Generic[M]):
+    """The flags of a command that are one config's fields (`fanout eval`: EvalConfig's):
+    the `add_arguments` / `config_from_args` pair a command module gives fanout.cli (and
+    the tests), written once:
+
+        _FLAGS = CommandFlags(EvalConfig)
+        add_arguments, config_from_args = _FLAGS.add_arguments, _FLAGS.config_from_args
+    """
+
+    def __init__(self, model: type[M]) -> None:
+        self.model = model
+
+    def add_arguments(self, parser: argparse.ArgumentParser, name: str = "") -> None:
+        """One flag per field of the config, and `--config FILE` (`add_model_flags`);
+        `name` is the command's (fanout.cli passes it)."""
+        add_model_flags(parser, self.model)
+
+    def config_from_args(self, args: argparse.Namespace) -> M:
+        """The config from `--config FILE` and flags (flags win)."""
+        return model_from_args(self.model, args)
 
 
 def to_flags(config: type[BaseModel], values: Mapping[str, Any]) -> list[str]:

@@ -26,6 +26,7 @@ from pydantic.fields import FieldInfo
 from fanout.coord.postgresdb import is_url
 from fanout.errors import ConfigError
 from fanout.families.registry import FamilyName
+from fanout.flags import limit_flag
 from fanout.model.verifier import DTypeName
 from fanout.produce.config import ProducerConfig
 from fanout.train.config import TrainConfig
@@ -59,9 +60,7 @@ class AssetsSpec(BaseModel):
         None, description="tokenizer dir; default: the verifier's, or the demo tokenizer"
     )
     data: list[str] | None = Field(None, description="chat data files; default: demo corpus")
-    conversations: int | None = Field(
-        None, ge=1, description="use only the first N conversations (JSONL) of the data"
-    )
+    conversations: int | None = limit_flag("use only the first N conversations (JSONL) of the data")
     demo_conversations: int = Field(4000, ge=1, description="size of the generated corpus")
     demo_train_steps: int = Field(
         200, ge=1, description="training steps of the demo verifier (only if it is used)"

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from fanout.store.rundir import RunDir
+from fanout.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +233,10 @@ class Sampler:
             self.nvml, self.gpu_reason = nvml, ""
         self._lock = threading.Lock()
         self._prev: dict[str, Any] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # a sample at start, one every interval_s, a closing one at stop()
+        self._ticker = Ticker(
+            self._write, interval_s, name="fanout-telemetry", at_once=True, at_stop=self._write
+        )
         self.samples = 0
 
     def add_role(self, name: str, pid: int) -> None:
@@ -299,28 +302,18 @@ class Sampler:
         self._prev = {"t": now, "cpu": cpu, "jiffies": jiff}
         return rec
 
-    def _loop(self) -> None:
-        with self.path.open("a") as f:
-            while True:
-                t0 = time.monotonic()
-                f.write(json.dumps(self.sample()) + "\n")
-                f.flush()
-                self.samples += 1
-                if self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0))):
-                    f.write(json.dumps(self.sample()) + "\n")  # closing sample at stop()
-                    self.samples += 1
-                    return
+    def _write(self) -> None:
+        line = json.dumps(self.sample()) + "\n"
+        with self.path.open("a") as f:  # a line at a time: complete once the call returns
+            f.write(line)
+        self.samples += 1
 
     def start(self) -> Sampler:
-        self._thread = threading.Thread(target=self._loop, name="fanout-telemetry", daemon=True)
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._ticker.stop()
 
     def __enter__(self) -> Sampler:
         return self.start()

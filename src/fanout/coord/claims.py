@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from fanout.coord import retention, schema, states, waits
 from fanout.coord.core import RunDb
 from fanout.coord.database import Statement, wall
 from fanout.coord.eviction import Eviction
-from fanout.coord.grants import Claim, ProducerReg, PublishedLike, producer_id
+from fanout.coord.grants import Claim, ProducerReg, producer_id
 from fanout.coord.liveness import HOLDER_COLUMNS
 from fanout.coord.roles import ACTIVE, Roles
 from fanout.coord.states import RoleState, W
 from fanout.errors import StaleLease
+
+if TYPE_CHECKING:  # the type only: fanout.store.store imports torch, `fanout status` none
+    from fanout.store.store import Published
 
 log = logging.getLogger("fanout.coord.coordinator")
 # A claim's reads, in one statement: the replica's row (fencing), then how many windows
@@ -189,7 +193,7 @@ class Claims:
         ):
             raise self._stale(claim)
 
-    def publish_ready(self, claim: Claim, published: PublishedLike) -> None:
+    def publish_ready(self, claim: Claim, published: Published) -> None:
         """Record a durable, final-named window file (Store.publish's result) as ready.
 
         A window published before (evicted, compacted or quarantined, then wanted

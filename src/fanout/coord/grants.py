@@ -4,7 +4,7 @@
     lease = coord.acquire(reg); print(lease.window, lease.path, lease.rows)
 
 Plain frozen values, beside the few things the coordinator's calls take (a producer's
-plan, what a published window and the window files must provide). Holding a grant
+plan, what the window files must provide). Holding a grant
 proves nothing by itself; every call that uses one re-checks its token inside the
 coordinator's write transaction. The calls that grant them are the coordinator's
 parts: claims (a Claim, by fanout.coord.claims), leases (a Lease, by
@@ -86,21 +86,6 @@ class Lease:
     token: int  # lease fencing token
     epoch: int  # the consumer's token when granted
     rows: tuple[int, int]
-
-
-class PublishedLike(Protocol):
-    """What publish_ready needs of fanout.store.store.Published (read-only members)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def path(self) -> Any: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def checksum(self) -> str: ...
-    @property
-    def verifier_version(self) -> int | None: ...  # `produce --follow-verifier`'s, else None
 
 
 class WindowFiles(Protocol):

@@ -46,6 +46,7 @@ from fanout.coord import states
 from fanout.coord.database import Statement
 from fanout.coord.schema import Sql
 from fanout.coord.states import RoleState, W
+from fanout.flags import limit_flag
 
 # consumers whose cursors hold windows back (states.COUNTED), as an SQL list
 COUNTED_STATES = states.sql_in(states.COUNTED)
@@ -98,9 +99,7 @@ class RunOptions(BaseModel):
 class RunConfig(RunOptions):
     """How a run shares its windows. Stored in the database at create time."""
 
-    total_windows: int | None = Field(
-        None, ge=1, description="Windows in the run; None = endless stream."
-    )
+    total_windows: int | None = limit_flag("Windows in the run; None = endless stream.")
 
 
 Doomed = list[tuple[int, "str | None"]]  # (window, file name) marked 'evicting'

@@ -25,6 +25,7 @@ are in it; tests/test_follow_wal.py shows the growth it stops.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -172,6 +173,15 @@ def _is_busy(e: sqlite3.Error) -> bool:
     return error_code(e) in (SQLITE_BUSY, SQLITE_LOCKED)
 
 
+def _begin_pauses() -> Iterator[float]:
+    """The pauses between BEGIN tries: from 0.1 ms, ×1.5 a try up to 2 ms, each jittered
+    (× 0.5 to 1.5) so that contending processes do not retry in step."""
+    delay = 0.0001
+    while True:
+        yield delay * (0.5 + random.random())
+        delay = min(delay * 1.5, 0.002)
+
+
 def _busy_timeout_of_run(db_path: Path) -> float:
     """The busy timeout the run was created with (RunConfig.busy_timeout_s), else 5 s."""
     probe = sqlite3.connect(db_path, timeout=5.0, isolation_level=None)
@@ -262,25 +272,13 @@ class SqliteDatabase:
         """
         conn = self.raw
         deadline = time.monotonic() + max_wait_s
-        delay = 0.0001
         # Waiting for the write lock is done here, not by SQLite's busy handler: it sleeps
         # 1, 2, 5, 10, ... 100 ms between tries, which under 8 contending processes turns
         # sub-millisecond transactions into tens of milliseconds of idling.
         conn.execute("PRAGMA busy_timeout=0")
         try:
-            while True:
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    break
-                except sqlite3.Error as e:
-                    if not _is_busy(e):
-                        raise self._typed(e) from None
-                    if time.monotonic() > deadline:
-                        raise CoordinatorBusy(
-                            f"coordinator database stayed locked for {max_wait_s:.0f} s: {e}"
-                        ) from None
-                    time.sleep(delay * (0.5 + random.random()))
-                    delay = min(delay * 1.5, 0.002)
+            locked = f"coordinator database stayed locked for {max_wait_s:.0f} s"
+            self._while_busy("BEGIN IMMEDIATE", deadline, _begin_pauses(), locked)
         finally:
             conn.execute(f"PRAGMA busy_timeout={self._busy_ms}")
         cur = conn.cursor()
@@ -293,19 +291,26 @@ class SqliteDatabase:
             self._rollback()
             raise
         # COMMIT in WAL mode can itself be busy only while a checkpoint holds the lock.
+        locked = "commit failed on a locked database"
+        self._while_busy("COMMIT", deadline, itertools.repeat(0.002), locked)
+        self.bound_wal()  # committed: what it does (or fails to do) is not the caller's
+
+    def _while_busy(self, sql: str, deadline: float, pauses: Iterator[float], locked: str) -> None:
+        """Execute `sql` (BEGIN or COMMIT), again after the next of `pauses` while the
+        database is busy (SQLITE_BUSY / SQLITE_LOCKED), until `deadline`: then
+        CoordinatorBusy(`locked: <error>`); any other error typed (`_typed`). Raises with
+        no transaction open: a COMMIT that failed is rolled back (a failed BEGIN has none)."""
         while True:
             try:
-                conn.execute("COMMIT")
-                break
+                self.raw.execute(sql)
+                return
             except sqlite3.Error as e:
-                if not _is_busy(e):
-                    self._rollback()
-                    raise self._typed(e) from None
-                if time.monotonic() > deadline:
-                    self._rollback()
-                    raise CoordinatorBusy(f"commit failed on a locked database: {e}") from None
-                time.sleep(0.002)
-        self.bound_wal()  # committed: what it does (or fails to do) is not the caller's
+                busy = _is_busy(e)
+                if busy and time.monotonic() <= deadline:
+                    time.sleep(next(pauses))
+                    continue
+                self._rollback()
+                raise (CoordinatorBusy(f"{locked}: {e}") if busy else self._typed(e)) from None
 
     def bound_wal(self) -> bool:
         """After a commit: empty a starved WAL (AUTOCHECKPOINT_PAGES and WAL_STARVED_PAGES

@@ -46,7 +46,7 @@ from fanout.data.template import (
 from fanout.data.workers import ChunkResult, ChunkTask, WorkerPool, encode_chunk, shared_pool
 from fanout.errors import BadRow, ConfigError
 from fanout.filesystem import FileSystem
-from fanout.flags import add_model_flags, field_flag, flag_options, model_from_args
+from fanout.flags import CommandFlags, field_flag, flag_options
 from fanout.netfs import host_build_lock, temp_tag
 
 __all__ = [
@@ -523,13 +523,8 @@ def _build(
 # --------------------------------------------------------------------------- CLI
 
 
-def add_arguments(p: argparse.ArgumentParser, name: str = "prepare") -> None:
-    add_model_flags(p, PrepareConfig)
-
-
-def config_from_args(args: argparse.Namespace) -> PrepareConfig:
-    """PrepareConfig from `--config FILE` and flags (flags win)."""
-    return model_from_args(PrepareConfig, args)
+_FLAGS = CommandFlags(PrepareConfig)  # `fanout prepare`'s flags: PrepareConfig's fields
+add_arguments, config_from_args = _FLAGS.add_arguments, _FLAGS.config_from_args
 
 
 def format_summary(ds: PackedDataset) -> str:

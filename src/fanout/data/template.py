@@ -43,9 +43,10 @@ from contextvars import ContextVar
 from datetime import datetime
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import Field
 
 from fanout.data import maskers, masks
 from fanout.data.chat import Conversation
@@ -85,6 +86,13 @@ def tokenizer_fingerprint(tok_dir: str | Path) -> str:
     if not found:
         raise ConfigError(f"--tokenizer: no tokenizer files in {d}")
     return h.hexdigest()
+
+
+# The --tokenizer of a command that defaults it to the verifier directory (`fanout
+# produce`, `fanout regenerate`): one declaration, resolved by tokenizer_dir.
+VerifierTokenizer = Annotated[
+    str | None, Field(description="tokenizer dir (default: the verifier dir)")
+]
 
 
 def tokenizer_dir(tokenizer: str | None, verifier_dir: str) -> str:

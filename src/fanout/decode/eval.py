@@ -39,7 +39,7 @@ from fanout.decode.eval_table import table
 from fanout.decode.spec_decode import Decoder, DecodeResult, Rule, Tie, first_mismatch
 from fanout.errors import BadRow, CheckpointError, ConfigError
 from fanout.families.registry import family_of_draft
-from fanout.flags import add_model_flags, model_from_args
+from fanout.flags import CommandFlags
 from fanout.model.draft import Draft
 from fanout.model.sampling import Sampling
 from fanout.tracking import WandbRun, check_available
@@ -430,13 +430,8 @@ def _hardware(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
-def add_arguments(p: argparse.ArgumentParser, name: str = "eval") -> None:
-    add_model_flags(p, EvalConfig)
-
-
-def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    """EvalConfig from `--config FILE` and flags (flags win)."""
-    return model_from_args(EvalConfig, args)
+_FLAGS = CommandFlags(EvalConfig)  # `fanout eval`'s flags: EvalConfig's fields
+add_arguments, config_from_args = _FLAGS.add_arguments, _FLAGS.config_from_args
 
 
 def run(args: argparse.Namespace, name: str = "eval") -> int:

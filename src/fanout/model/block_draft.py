@@ -238,7 +238,8 @@ class BlockDraft(Draft):
         sup, label = b.sup, b.label
         rows = b.hid[sup]  # [M, H] only supervised slots reach the head
         teacher = self.verifier_rows(batch, b.anchors)[sup] if cfg.loss_type == "kl" else None
-        ce, pred = head_loss(rows, self.lm_head_weight, labels=label[sup], teacher=teacher)
+        head, cap = self.lm_head_weight, self.teacher_softcap
+        ce, pred = head_loss(rows, head, labels=label[sup], teacher=teacher, softcap=cap)
         w = self.slot_weights(ce.detach(), sup, slot_index(sup))  # [M]
         n_tok = int(sup.sum())
         loss = (ce * w).sum() / max(n_tok, 1)

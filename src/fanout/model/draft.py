@@ -13,7 +13,9 @@ drafters) and builds its own modules in `__init__`; the trainer, checkpoint and 
 code see only this class. Frozen buffers (not in `state_dict`): `embed_weight` [V, H],
 `lm_head_weight` [V or draft V, H], `verifier_norm_weight` [H], and for a draft
 vocabulary `d2t` / `t2d` / `t2d_index` (speculators' maps: draft id d -> verifier id
-d + d2t[d]; t2d marks kept verifier ids).
+d + d2t[d]; t2d marks kept verifier ids). `teacher_softcap`: the verifier's logit soft
+cap (Gemma-2's `final_logit_softcapping`; None: none), read with those tensors, that
+every family's KL teacher is capped by (fanout.ops.linear_kl.teacher_logits).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from fanout.errors import ConfigError
 from fanout.model.draft_config import DraftConfig, DraftRecipe, default_target_layer_ids
-from fanout.model.verifier_dir import read_text_tensors, read_verifier_config
+from fanout.model.verifier_dir import read_text_tensors, read_verifier_config, text_tensors
 from fanout.rows import HIDDEN_STATES, INPUT_IDS, LAST_HIDDEN_STATES, PACKED_ROW
 
 
@@ -60,6 +62,7 @@ class Draft(nn.Module):
     lm_head_weight: torch.Tensor
     verifier_norm_weight: torch.Tensor
     t2d_index: torch.Tensor
+    teacher_softcap: float | None = None  # set from the verifier (`with_verifier_tensors`)
 
     def __init__(
         self,
@@ -185,6 +188,7 @@ class Draft(nn.Module):
         embed = embed.to(device).to(dtype)
         head = embed if head is None else head.to(device).to(dtype)  # None: tied
         draft = cls(cfg, embed, head, norm.to(device).to(dtype), draft_vocab_ids)
+        draft.teacher_softcap = text_tensors(Path(verifier_dir)).logit_softcap
         return draft.to(dtype=dtype).to(device=device)
 
     @torch.no_grad()
@@ -206,6 +210,7 @@ class Draft(nn.Module):
                     f"{tuple(mine.shape)}: not a version of the verifier it was built from"
                 )
             mine.copy_(new.to(mine.device))  # cast on the device, as built
+        self.teacher_softcap = text_tensors(Path(verifier_dir)).logit_softcap
 
 
 def check_batch(

@@ -29,15 +29,16 @@ def head_loss(
     *,
     labels: torch.Tensor | None = None,  # [M] draft-vocab labels (CE)
     teacher: torch.Tensor | None = None,  # [M, H] the verifier's final states (KL)
+    softcap: float | None = None,  # the verifier's logit soft cap (`Draft.teacher_softcap`)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss `[M]` (fp32) and the draft's argmax `[M]`: KL(verifier || draft) over
-    the head when `teacher` is given, CE against `labels` otherwise. Never forms the
-    `[M, V]` logits (fanout.ops' chunked paths)."""
+    the head when `teacher` is given (its logits soft-capped by `softcap`), CE against
+    `labels` otherwise. Never forms the `[M, V]` logits (fanout.ops' chunked paths)."""
     if teacher is not None:
-        return linear_kl_div_and_argmax(rows, teacher, head)
+        return linear_kl_div_and_argmax(rows, teacher, head, softcap=softcap)
     if labels is None:
         raise ValueError("head_loss needs labels (CE) or teacher (KL)")
-    return linear_cross_entropy_and_argmax(rows, head, labels, reduction="none")
+    return linear_cross_entropy_and_argmax(rows, head, labels)
 
 
 def slot_index(sup: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,12 @@ the final norm `model.final_layernorm` (Falcon-H1) or `model.embedding_norm` (LF
 the per-layer list's length where a config lists its layers (`num_hidden_layers`:
 Nemotron-H's `layers_block_type`, its config.json having no `num_hidden_layers`).
 A verifier whose forward scales its logits after the head (Falcon-H1's
-`lm_head_multiplier`: `logit_scale`, looked up by model_type) has its final-norm gain
-read times that scale, as the captured `last_hidden_states` are: the verifier's logits
-are `rms_norm(h) · gain · Wᵀ` and `last_hidden_states · Wᵀ` for every verifier, the
-head staying the stored one (docs/producer.md, "Logit and embedding multipliers").
+`lm_head_multiplier`, Granite's `logits_scaling`: `logit_scale`, looked up by
+model_type) has its final-norm gain read times that scale, as the captured
+`last_hidden_states` are: the verifier's logits are `rms_norm(h) · gain · Wᵀ` and
+`last_hidden_states · Wᵀ` for every verifier, the head staying the stored one
+(docs/producer.md, "Logit and embedding multipliers"); one that soft-caps them
+(Gemma-2's `final_logit_softcapping`: `logit_softcap`) has them capped after that.
 """
 
 from __future__ import annotations
@@ -163,15 +165,38 @@ _ONE_PLUS_NORM = frozenset(
     }
 )
 # The scalar a model_type's forward multiplies its logits by after the head (muP-trained
-# models), by the text-config field that holds it. Falcon-H1: `lm_head(h) *
-# lm_head_multiplier` (transformers' FalconH1ForCausalLM; vLLM's logits processor
-# `scale`). fanout's "final state" is what the head multiplies, logits = state · Wᵀ, for
-# every verifier: the scale goes into the final-norm gain (`read_text_tensors`) and the
-# captured `last_hidden_states` (`Verifier.capture`), never into the head, which a
-# serving engine hands a draft unscaled. Looked up by model_type, as `_ONE_PLUS_NORM`: a
-# field of the same name elsewhere is not this scale. A model_type joins with a test
-# against transformers' forward (tests/test_logit_scale.py).
-_LOGIT_SCALE_FIELDS = {"falcon_h1": "lm_head_multiplier"}
+# models), by the text-config field that holds it and whether the forward divides by it.
+# Falcon-H1: `lm_head(h) * lm_head_multiplier` (transformers' FalconH1ForCausalLM; vLLM's
+# logits processor `scale`); Granite's: `lm_head(h) / logits_scaling`; Cohere's
+# `* logit_scale`, HyperCLOVAX's `* logits_scaling`. fanout's "final state" is what the
+# head multiplies, logits = state · Wᵀ, for every verifier: the scale goes into the
+# final-norm gain (`read_text_tensors`) and the captured `last_hidden_states`
+# (`Verifier.capture`), never into the head, which a serving engine hands a draft
+# unscaled. Looked up by model_type, as `_ONE_PLUS_NORM`: a field of the same name
+# elsewhere is not this scale. A model_type joins with a test against transformers'
+# forward (tests/test_logit_scale.py, tests/test_logit_transforms.py).
+_GRANITE = ("logits_scaling", True)
+_LOGIT_SCALE_FIELDS: dict[str, tuple[str, bool]] = {
+    "falcon_h1": ("lm_head_multiplier", False),
+    "granite": _GRANITE,
+    "granite_swa": _GRANITE,
+    "granitemoe": _GRANITE,
+    "granitemoe_swa": _GRANITE,
+    "granitemoehybrid": _GRANITE,
+    "granitemoeshared": _GRANITE,
+    "cohere": ("logit_scale", False),
+    "cohere2": ("logit_scale", False),
+    "hyperclovax": ("logits_scaling", False),
+}
+# The model_types whose causal-LM forward soft-caps its logits after the head and any
+# scale, `tanh(z / cap) · cap` with cap = the config's `final_logit_softcapping` (None:
+# no cap): transformers' Gemma2ForCausalLM, Gemma3ForCausalLM (`gemma3_text`; its
+# multimodal Gemma3ForConditionalGeneration applies none), VaultGemma's. Not linear, so
+# it cannot live in the stored states: the draft takes it from the verifier
+# (`TextTensors.logit_softcap`, `Draft.teacher_softcap`) and the fused losses cap the
+# teacher's logits (fanout.ops.linear_kl.teacher_logits). Keyed by the top-level
+# config's model_type, the class the forward is; tests/test_logit_transforms.py.
+_LOGIT_SOFTCAP_TYPES = frozenset({"gemma2", "gemma3_text", "vaultgemma"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +208,8 @@ class TextTensors:
     head: str | None  # [V, H] lm_head; None: tied to the embedding
     norm_offset: float  # the final norm's gain is weight + norm_offset (Gemma-style: 1)
     logit_scale: float = 1.0  # the forward's logits are head(h) · logit_scale (Falcon-H1)
+    # then tanh(logits / cap) · cap (Gemma-2's final_logit_softcapping); None: no cap
+    logit_softcap: float | None = None
 
     @property
     def tied(self) -> bool:
@@ -202,9 +229,9 @@ def text_tensors(vdir: Path) -> TextTensors:
     `_TEXT_NAMES`' layouts (`embed_tokens` + `norm`, `final_layernorm` or
     `embedding_norm`; `embeddings` + `norm_f`). The head is tied when the config says
     so (`tied_head`); when it says nothing, when no head tensor exists. The logit
-    scale is `logit_scale`'s. Raises ConfigError naming the directory and what is
-    missing (a declared untied head without an `lm_head.weight` included) or
-    malformed."""
+    scale is `logit_scale`'s, the soft cap `logit_softcap`'s. Raises ConfigError naming
+    the directory and what is missing (a declared untied head without an
+    `lm_head.weight` included) or malformed."""
     keys = _tensor_names(vdir)
     top = _read_config(vdir)
     found = next(
@@ -229,25 +256,44 @@ def text_tensors(vdir: Path) -> TextTensors:
     text = top.get("text_config", top)
     offset = 1.0 if str(text.get("model_type", "")).lower() in _ONE_PLUS_NORM else 0.0
     scale = logit_scale(top, vdir / "config.json")
-    return TextTensors(embed, norm, None if tied or head is None else head, offset, scale)
+    cap = logit_softcap(top, vdir / "config.json")
+    return TextTensors(embed, norm, None if tied or head is None else head, offset, scale, cap)
 
 
 def logit_scale(config: Mapping[str, Any], where: Path | str) -> float:
     """The scalar the verifier's forward multiplies its logits by after the head
-    (`_LOGIT_SCALE_FIELDS`: Falcon-H1's `lm_head_multiplier`), from its config (a
-    `config.json`'s object; a multimodal one's `text_config`): 1.0 for every other
-    model_type and where the field is unset. ConfigError naming `where` and the field
-    when it is not a positive finite number (a negative one would reverse the argmax)."""
+    (`_LOGIT_SCALE_FIELDS`: Falcon-H1's `lm_head_multiplier`, 1 / Granite's
+    `logits_scaling`, Cohere's `logit_scale`), from its config (a `config.json`'s object;
+    a multimodal one's `text_config`): 1.0 for every other model_type and where the field
+    is unset. ConfigError naming `where` and the field when it is not a positive finite
+    number (a negative one would reverse the argmax)."""
     c = config.get("text_config") or config
-    field = _LOGIT_SCALE_FIELDS.get(str(c.get("model_type", "")).lower())
-    v = None if field is None else c.get(field)
+    field, divides = _LOGIT_SCALE_FIELDS.get(str(c.get("model_type", "")).lower(), ("", False))
+    v = _positive(c, field, where, "what the model multiplies or divides its logits by")
     if v is None:
         return 1.0
+    return 1.0 / v if divides else v
+
+
+def logit_softcap(config: Mapping[str, Any], where: Path | str) -> float | None:
+    """The soft cap the verifier's forward puts on its logits after the head,
+    `tanh(z / cap) · cap` (`_LOGIT_SOFTCAP_TYPES`: Gemma-2's `final_logit_softcapping`),
+    from its config (a `config.json`'s object): None for every other model_type and
+    where the field is unset (null). ConfigError naming `where` and the field when it is
+    not a positive finite number."""
+    if str(config.get("model_type", "")).lower() not in _LOGIT_SOFTCAP_TYPES:
+        return None
+    return _positive(config, "final_logit_softcapping", where, "the cap on the model's logits")
+
+
+def _positive(c: Mapping[str, Any], field: str, where: Path | str, what: str) -> float | None:
+    """Config field `field` of `c` as a float (None when unset or `field` is empty);
+    ConfigError naming `where` and the field when it is not a positive finite number."""
+    v = c.get(field) if field else None
+    if v is None:
+        return None
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
-        raise ConfigError(
-            f"{where}: {field} must be a positive number (what the model multiplies its "
-            f"logits by), got {v!r}"
-        )
+        raise ConfigError(f"{where}: {field} must be a positive number ({what}), got {v!r}")
     return float(v)
 
 
@@ -263,8 +309,9 @@ def read_text_tensors(vdir: Path) -> tuple[torch.Tensor, torch.Tensor | None, to
     if names.norm_offset:
         norm = norm.float() + names.norm_offset  # w + 1 is not exact in bf16
     if names.logit_scale != 1.0:
-        # Falcon-H1's lm_head_multiplier: the draft's final norm starts at the verifier's
-        # logit scale, and the head stays the one serving engines share with drafts
+        # Falcon-H1's lm_head_multiplier, Granite's logits_scaling: the draft's final norm
+        # starts at the verifier's logit scale, and the head stays the one serving engines
+        # share with drafts
         norm = norm.float() * names.logit_scale
     return t[names.embed], None if names.head is None else t[names.head], norm
 

@@ -2,7 +2,7 @@
 
     from fanout.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_and_argmax
     loss = linear_cross_entropy(x, head_weight, target)                    # mean over kept rows
-    rows, pred = linear_cross_entropy_and_argmax(x, w, t, reduction="none")  # per-row + argmax
+    rows, pred = linear_cross_entropy_and_argmax(x, w, t)                  # per-row + argmax
     (rows * position_weight).sum().backward()
     .venv/bin/python benchmarks/trainer.py --only ce      # memory / time vs naive
 
@@ -270,13 +270,14 @@ def linear_cross_entropy_and_argmax(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    reduction: Reduction = "none",
     ignore_index: int = -100,
     chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like `linear_cross_entropy` (chunked backend) and also the `[N]` argmax of the
-    logits, found in the same pass (accuracy metrics for free).
+    """The `[N]` per-row losses of `linear_cross_entropy(..., reduction="none")`
+    (chunked backend) and the `[N]` argmax of the logits, found in the same pass
+    (accuracy metrics for free). Per row only: the caller weighs the rows (slot weights)
+    before it sums them.
     """
-    _check(x, weight, target, reduction)
-    loss, pred = _ChunkedLinearCE.apply(x, weight, target, ignore_index, reduction, chunk_rows)
+    _check(x, weight, target, "none")
+    loss, pred = _ChunkedLinearCE.apply(x, weight, target, ignore_index, "none", chunk_rows)
     return loss, pred

@@ -14,6 +14,14 @@ drafters' accuracy is measured against: fanout.ops.teacher_head), and stores the
 gradient `(p_d − p_t) @ W` of every row (`[N, H]` fp32); backward only scales it by
 each row's output gradient. The head and the verifier rows get no gradient. Logits and
 softmaxes are fp32.
+
+A verifier whose forward soft-caps its logits (Gemma-2's `final_logit_softcapping`:
+`tanh(z / cap) · cap`, fanout.model.verifier_dir.logit_softcap) has its side capped
+(`softcap`): `teacher_logits` is the verifier's own output, every fused op's teacher
+(here, fanout.ops.teacher_head, fanout.ops.two_head_ce). The draft's side is not: a
+draft's logits are its own, uncapped in serving as in training. The cap is monotonic,
+so the verifier's argmax (its labels, `target_ids`) does not move, but for ties where
+tanh rounds to 1 in fp32 (logits past about 9 caps).
 """
 
 from __future__ import annotations
@@ -25,10 +33,25 @@ import torch
 from fanout.ops.linear_ce import _own_precision, mm_fp32, rows_per_chunk
 
 
+def soft_cap_(z: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """`z` capped in place, `tanh(z / cap) · cap` (transformers' Gemma-2 order of
+    operations), or `z` as it is when `cap` is None."""
+    return z if cap is None else z.div_(cap).tanh_().mul_(cap)
+
+
+def teacher_logits(
+    teacher: torch.Tensor, weight: torch.Tensor, softcap: float | None = None
+) -> torch.Tensor:
+    """The verifier's logits `[N, V]` fp32 from its states `teacher` `[N, H]` through the
+    head `weight` `[V, H]`: `teacher · Wᵀ`, soft-capped by `softcap` (None: not)."""
+    return soft_cap_(mm_fp32(teacher, weight.t()), softcap)
+
+
 class ChunkedLinearKL(torch.autograd.Function):
     """Per row: KL(p_t ‖ p_d), the draft's argmax and, with `labels`, the verifier's
-    (else an empty tensor: no argmax pass); p_d = softmax(x @ W^T), p_t = softmax(teacher
-    @ W^T). Forward stores the input gradient per row, backward scales it."""
+    (else an empty tensor: no argmax pass); p_d = softmax(x @ W^T), p_t = softmax of
+    `teacher_logits(teacher, W, softcap)`. Forward stores the input gradient per row,
+    backward scales it."""
 
     @staticmethod
     def forward(
@@ -38,6 +61,7 @@ class ChunkedLinearKL(torch.autograd.Function):
         weight: torch.Tensor,  # [V, H] frozen head
         chunk_rows: int | None,
         labels_too: bool,
+        softcap: float | None = None,  # the verifier's logit soft cap (Gemma-2)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, h = x.shape
         c = rows_per_chunk(n, 2 * weight.shape[0], chunk_rows)  # two [c, V] blocks live
@@ -49,7 +73,7 @@ class ChunkedLinearKL(torch.autograd.Function):
             for s in range(0, n, c):
                 e = min(s + c, n)
                 log_pd = torch.log_softmax(mm_fp32(x[s:e], weight.t()), dim=-1)  # [c, V]
-                log_pt = torch.log_softmax(mm_fp32(teacher[s:e], weight.t()), dim=-1)
+                log_pt = torch.log_softmax(teacher_logits(teacher[s:e], weight, softcap), -1)
                 pt = log_pt.exp()
                 kl[s:e] = (pt * (log_pt - log_pd)).sum(dim=-1)
                 preds[s:e] = log_pd.argmax(dim=-1)
@@ -65,7 +89,7 @@ class ChunkedLinearKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         (gx,) = ctx.saved_tensors
-        return (gx * g.float()[:, None]).to(ctx.x_dtype), None, None, None, None
+        return (gx * g.float()[:, None]).to(ctx.x_dtype), None, None, None, None, None
 
 
 def linear_kl_div_and_argmax(
@@ -74,9 +98,11 @@ def linear_kl_div_and_argmax(
     weight: torch.Tensor,
     *,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row KL(softmax(teacher @ W.T) ‖ softmax(x @ W.T)) [N] fp32, and argmax of the
-    draft logits [N]. Differentiable in `x` only (the head is frozen in DFlash)."""
+    draft logits [N]; the teacher's logits soft-capped by `softcap` when given (the
+    verifier's, Gemma-2). Differentiable in `x` only (the head is frozen in DFlash)."""
     if x.dim() != 2 or x.shape != teacher.shape or weight.dim() != 2:
         raise ValueError(
             f"expected x and teacher [N, H] and weight [V, H], got {tuple(x.shape)}, "
@@ -86,8 +112,8 @@ def linear_kl_div_and_argmax(
         raise ValueError(f"hidden sizes differ: x {x.shape[1]}, weight {weight.shape[1]}")
     if weight.requires_grad:
         raise ValueError("linear_kl_div_and_argmax keeps the head frozen; detach the weight")
-    kl, pred, _ = ChunkedLinearKL.apply(x, teacher.detach(), weight, chunk_rows, False)
+    kl, pred, _ = ChunkedLinearKL.apply(x, teacher.detach(), weight, chunk_rows, False, softcap)
     return kl, pred
 
 
-__all__ = ["ChunkedLinearKL", "linear_kl_div_and_argmax"]
+__all__ = ["ChunkedLinearKL", "linear_kl_div_and_argmax", "soft_cap_", "teacher_logits"]

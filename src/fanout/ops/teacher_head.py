@@ -13,7 +13,9 @@ they need the verifier's argmax over the same head rows (the label the accuracy 
 measured against). The KL is `fanout.ops.linear_kl`'s op, which returns both argmaxes;
 CE against the argmax is the linear CE on `teacher_argmax`'s labels. The `[N, vocab]`
 logits never exist at once, the head and the verifier rows get no gradient, and logits
-and softmaxes are fp32.
+and softmaxes are fp32. A verifier that soft-caps its logits (Gemma-2) has its
+distribution capped (`softcap`, fanout.ops.linear_kl.teacher_logits); its argmax, a
+monotonic cap's, is the uncapped one's.
 """
 
 from __future__ import annotations
@@ -33,24 +35,24 @@ def teacher_head(
     kl: bool = True,
     chunk_rows: int | None = None,
     label: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss `[N]` fp32 (KL from the verifier's distribution, or CE against its
     argmax), the draft's argmax `[N]` and the verifier's `[N]` (head-row ids: the draft
     vocabulary's), without `[N, V]` logits at once; differentiable in `x` only. CE:
     `label` `[N]`, when given, is `teacher_argmax(teacher, weight)` made once by the
-    caller (EAGLE-3's steps share their verifier rows), and `teacher` is not read."""
+    caller (EAGLE-3's steps share their verifier rows), and `teacher` is not read.
+    `softcap`: the verifier's logit soft cap (KL; None: none)."""
     if not kl:
         # CE needs only the verifier's argmax (of its raw logits, as speculators takes
         # it): one argmax pass, then the fused linear CE — no teacher softmax, no one-hot
         # (0.7x the step of the KL-shaped path for P-EAGLE / EAGLE-3 on CPU).
         if label is None:
             label = teacher_argmax(teacher, weight, chunk_rows)
-        ce, pred = linear_cross_entropy_and_argmax(
-            x, weight, label, reduction="none", chunk_rows=chunk_rows
-        )
+        ce, pred = linear_cross_entropy_and_argmax(x, weight, label, chunk_rows=chunk_rows)
         return ce.float(), pred, label
     loss, pred, label = ChunkedLinearKL.apply(
-        x, teacher.detach(), weight.detach(), chunk_rows, True
+        x, teacher.detach(), weight.detach(), chunk_rows, True, softcap
     )
     return loss, pred, label
 

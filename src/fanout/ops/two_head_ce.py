@@ -21,9 +21,10 @@ backward. Here A (`a`) never gets a gradient, and:
   matmuls in all (two for the logits, three for the gradients) and one for the teacher.
 - `row_weight=None`: `loss` is the `[N]` per-row value; backward recomputes the logits
   chunk by chunk (the per-row output gradients are unknown in forward).
-- `teacher` `[N, H]`: p = softmax(teacher @ A^T) (the frozen head). The KL needs it; the
-  CE uses it only for `accept` = `sum_v min(q_v, p_v)` = 1 - TV(q, p), computed from the
-  same chunk's logits instead of a second pass (DSpark's confidence target).
+- `teacher` `[N, H]`: p = softmax(teacher @ A^T) (the frozen head; Gemma-2's capped by
+  `softcap`: fanout.ops.linear_kl.teacher_logits). The KL needs it; the CE uses it only
+  for `accept` = `sum_v min(q_v, p_v)` = 1 - TV(q, p), computed from the same chunk's
+  logits instead of a second pass (DSpark's confidence target).
 
 - `two_head_ce_tv_and_argmax`: the compound `ce_weight * CE + tv_weight * TV(q, p)` per
   row (speculators' `{"ce": .., "tv": ..}` loss, XPress's), TV = 1 - sum_v min(q_v, p_v)
@@ -48,6 +49,7 @@ import torch
 
 from fanout.ops.argmax import row_argmax
 from fanout.ops.linear_ce import _own_precision, mm_fp32, rows_per_chunk
+from fanout.ops.linear_kl import teacher_logits
 
 Kind = Literal["ce", "kl", "cetv"]
 
@@ -163,6 +165,7 @@ class _TwoHeadLinear(torch.autograd.Function):
         chunk_rows: int | None,
         grad_on: bool,
         mix: tuple[float, float],
+        softcap: float | None,  # the teacher's logit soft cap (Gemma-2), or None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         n, vocab = x.shape[0], a.shape[0]
         need = ctx.needs_input_grad
@@ -194,7 +197,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 t = min(s + c, n)
                 ec = None if e is None else e[s:t]
                 z = _logits(x[s:t], ec, a, b)  # [c, V]
-                tz = None if teacher is None else mm_fp32(teacher[s:t], a.t())  # [c, V]
+                tz = None if teacher is None else teacher_logits(teacher[s:t], a, softcap)
                 tc = None if target is None else target[s:t]
                 grads = gx is not None or ge is not None or gb is not None
                 scale = w[s:t] if w is not None and grads else None  # d(sum_i w_i l_i)/d(l_i)
@@ -207,7 +210,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                     _grads(dz, ec, a, b, gx, ge, gb, s, t)
                 del z, dz
         ctx.kind, ctx.ignore_index, ctx.chunk, ctx.fold = kind, ignore_index, c, fold
-        ctx.mix = mix
+        ctx.mix, ctx.softcap = mix, softcap
         ctx.dtypes = (x.dtype, None if e is None else e.dtype, None if b is None else b.dtype)
         if fold:
             ctx.save_for_backward(gx, ge, gb)
@@ -233,7 +236,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 None if t is None else (t * g).to(dt)
                 for t, dt in ((gx, x_dt), (ge, e_dt), (gb, b_dt))
             ]
-            return out[0], out[1], None, out[2], None, None, None, None, None, None, None, None
+            return out[0], out[1], None, out[2], *[None] * 9
         return _TwoHeadLinear._recompute(ctx, g)
 
     @staticmethod
@@ -250,7 +253,8 @@ class _TwoHeadLinear(torch.autograd.Function):
                 t = min(s + ctx.chunk, n)
                 ec = None if e is None else e[s:t]
                 z = _logits(x[s:t], ec, a, b)
-                tz = None if teacher is None or ctx.kind == "ce" else mm_fp32(teacher[s:t], a.t())
+                no_p = teacher is None or ctx.kind == "ce"
+                tz = None if no_p else teacher_logits(teacher[s:t], a, ctx.softcap)
                 tc = None if target is None else target[s:t]
                 # [c, V] d(loss)/d(logits): scaled by each row's output gradient
                 _, _, _, dz = _chunk(ctx.kind, z, tc, ctx.ignore_index, tz, g[s:t], ctx.mix)
@@ -259,7 +263,7 @@ class _TwoHeadLinear(torch.autograd.Function):
                 del z, dz
         x_dt, e_dt, b_dt = ctx.dtypes
         out = [None if t is None else t.to(dt) for t, dt in ((gx, x_dt), (ge, e_dt), (gb, b_dt))]
-        return out[0], out[1], None, out[2], None, None, None, None, None, None, None, None
+        return out[0], out[1], None, out[2], *[None] * 9
 
 
 def _grads(
@@ -333,12 +337,14 @@ def _apply(
     ignore_index: int,
     chunk_rows: int | None,
     mix: tuple[float, float] = (1.0, 0.0),
+    softcap: float | None = None,
 ) -> TwoHeadOut:
     _check(x, e, a, b, target, teacher, row_weight)
     t = None if teacher is None else teacher.detach()
     w = None if row_weight is None else row_weight.detach()
+    on = torch.is_grad_enabled()
     loss, rows, pred, accept = _TwoHeadLinear.apply(
-        x, e, a, b, target, t, w, kind, ignore_index, chunk_rows, torch.is_grad_enabled(), mix
+        x, e, a, b, target, t, w, kind, ignore_index, chunk_rows, on, mix, softcap
     )
     return TwoHeadOut(loss, loss.detach() if rows is None else rows, pred, accept)
 
@@ -354,6 +360,7 @@ def two_head_cross_entropy_and_argmax(
     row_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> TwoHeadOut:
     """Cross-entropy of the logits `x @ a^T + e @ b^T` against `target`, without `[N, V]`
     logits (module docstring).
@@ -364,7 +371,7 @@ def two_head_cross_entropy_and_argmax(
         b: `[V, r]` second head (trainable or not), None with e.
         target: `[N]` int64 class ids; `ignore_index` rows have CE 0 and no gradient.
         teacher: `[N, H]` rows whose softmax through `a` is p: also return
-            `accept = sum_v min(softmax(logits)_v, p_v)`.
+            `accept = sum_v min(softmax(logits)_v, p_v)`; `softcap` caps its logits.
         row_weight: `[N]` loss weights known now (treated as constants): `loss` is then
             the scalar `sum_i row_weight_i CE_i` and backward costs no matmul.
         chunk_rows: rows per chunk (default: about 256 MiB per live fp32 block).
@@ -378,7 +385,10 @@ def two_head_cross_entropy_and_argmax(
         ...     torch.randint(0, 10, (8,)), row_weight=torch.ones(8))
         >>> out.loss.backward()
     """
-    return _apply(x, e, a, b, target.long(), teacher, row_weight, "ce", ignore_index, chunk_rows)
+    t = target.long()
+    return _apply(
+        x, e, a, b, t, teacher, row_weight, "ce", ignore_index, chunk_rows, softcap=softcap
+    )
 
 
 def two_head_kl_div_and_argmax(
@@ -390,11 +400,12 @@ def two_head_kl_div_and_argmax(
     *,
     row_weight: torch.Tensor | None = None,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> TwoHeadOut:
     """Per-row KL(p || q), p = softmax(teacher @ a^T), q = softmax(x @ a^T + e @ b^T),
     without `[N, V]` logits; arguments and `TwoHeadOut` as
     `two_head_cross_entropy_and_argmax` (`accept` always given here)."""
-    return _apply(x, e, a, b, None, teacher, row_weight, "kl", -100, chunk_rows)
+    return _apply(x, e, a, b, None, teacher, row_weight, "kl", -100, chunk_rows, softcap=softcap)
 
 
 def two_head_ce_tv_and_argmax(
@@ -410,6 +421,7 @@ def two_head_ce_tv_and_argmax(
     row_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> TwoHeadOut:
     """Per-row `ce_weight * CE(target) + tv_weight * TV(q, p)`, q = softmax(x @ a^T +
     e @ b^T), p = softmax(teacher @ a^T), TV = 1 - sum_v min(q_v, p_v) (speculators'
@@ -424,8 +436,9 @@ def two_head_ce_tv_and_argmax(
         >>> out.loss.backward()
     """
     mix = (float(ce_weight), float(tv_weight))
+    t = target.long()
     return _apply(
-        x, e, a, b, target.long(), teacher, row_weight, "cetv", ignore_index, chunk_rows, mix
+        x, e, a, b, t, teacher, row_weight, "cetv", ignore_index, chunk_rows, mix, softcap
     )
 
 
@@ -459,6 +472,7 @@ class TwoHeadTerms:
     def __init__(
         self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None, target: torch.Tensor,
         teacher: torch.Tensor, *, ce_weight: float, tv_weight: float, ignore_index: int = -100,
+        softcap: float | None = None,
     ) -> None:  # fmt: skip
         _check(x, None, a, None, target, teacher, None)
         if b is not None and (b.dim() != 2 or b.shape[0] != a.shape[0]):
@@ -472,7 +486,7 @@ class TwoHeadTerms:
         dev, f32 = x.device, torch.float32
         with torch.no_grad(), _own_precision(dev):
             self.za = mm_fp32(x.detach(), a.t())  # [n, V] the head's logits, every term's
-            self.p = _softmax_(mm_fp32(teacher.detach(), a.t()))  # [n, V] teacher softmax
+            self.p = _softmax_(teacher_logits(teacher.detach(), a, softcap))  # [n, V] p
         self.scratch = torch.empty_like(self.za)
         self.dz_sum = torch.zeros_like(self.za) if self.need_x else None  # sum_j w_j dz_j
         self.gb = (

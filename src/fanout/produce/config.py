@@ -20,8 +20,9 @@ from fanout.coord.heartbeat import HeartbeatOptions
 from fanout.coord.retention import RunOptions
 from fanout.data.cache import PackedDataset
 from fanout.data.prepare import DataOptions, PrepareConfig
+from fanout.data.template import VerifierTokenizer
 from fanout.errors import ConfigError, CorruptPreparedData
-from fanout.flags import problems
+from fanout.flags import limit_flag, problems
 from fanout.model.capture_layers import CaptureLayers
 from fanout.model.verifier import VerifierOptions
 from fanout.produce.capture_for import CaptureForOptions
@@ -80,7 +81,7 @@ class ProducerConfig(
     run_dir: str = Field(description="run directory (windows/, coordinator.sqlite3, ...)")
     verifier_name_or_path: str = Field(description="local HF verifier directory")
     # Not PrepareConfig's: optional here (the verifier directory holds a tokenizer).
-    tokenizer: str | None = Field(None, description="tokenizer dir (default: the verifier dir)")
+    tokenizer: VerifierTokenizer = None
     # Not PrepareConfig's: part of the capture contract, and a row needs room for a block.
     seq_len: int = Field(4096, ge=8, description="tokens per packed row T (contract)")
     allow_seq_len_over_max_positions: bool = Field(
@@ -98,11 +99,9 @@ class ProducerConfig(
         description="publish window w on a background thread while capturing w+1 (two host "
         "buffers); auto = on when the verifier runs on CUDA",
     )
-    max_windows: int | None = Field(
-        None,
-        ge=1,
-        description="end the stream after this many windows (every replica's together; "
-        "tests, benchmarks); a later producer without it continues the stream",
+    max_windows: int | None = limit_flag(
+        "end the stream after this many windows (every replica's together; tests, "
+        "benchmarks); a later producer without it continues the stream"
     )
     summary_json: str | None = Field(
         None, description="also write the final summary (printed as JSON) to this file"

@@ -65,8 +65,10 @@ rows and the stream end's rows are always kept.
 
 Disk stays flat: a chunk whose windows every consumer acknowledged
 (Coordinator.acked_by_all) by `--follow-keep-windows` loses its file and its prepared
-rows (`retire`; never the newest chunk; $FANOUT_FOLLOW_ARCHIVE: files move there). A
-resume keeps its row count; a window of it asked for again raises RowsRetired (its
+rows (`retire`; never the newest chunk; $FANOUT_FOLLOW_ARCHIVE: files move there), and
+the next chunk's commit deletes its coordinator row (`FollowChunk.retired`), so the
+database stays flat too. A resume keeps its row count (each row names where its rows
+start: `first_row`); a window of it asked for again raises RowsRetired (its
 claim fails, the trainer is told it is gone). Nothing retires before
 --expected-consumers registered.
 
@@ -217,11 +219,30 @@ class FollowStream:
     def _resume(self, committed: list[FollowChunk], acked: int) -> None:
         """Rebuild the rows of the committed chunks, each file checked against its digest;
         a chunk whose file was removed because every consumer acknowledged the windows
-        below `acked` (`retire`) keeps only its row count."""
-        for c, rec in enumerate(committed):
+        below `acked` (`retire`) keeps only its row count, and the chunks whose rows the
+        coordinator deleted (below the first committed: fanout.coord.follow_log) the
+        count of rows before it, on the last of them (each chunk keeps its index)."""
+        base = committed[0].chunk if committed else 0
+        if base and committed[0].first_row is None:
+            raise ConfigError(
+                f"{self.dir}: the coordinator holds follow chunks from {base} on without "
+                "where their rows start; the run's follow state is damaged: start a new "
+                "--run-dir"
+            )
+        for c in range(base):  # retired: their rows are read no more, only numbered
+            self.files.append(self._chunk(c, "retired"))
+            self.rows.add(None, rows=committed[0].first_row if c == base - 1 else 0)
+        self.retired = base
+        for c, rec in enumerate(committed, start=base):
             data = self._chunk(c, rec.digest)
+            if rec.first_row not in (None, self.rows.num_rows):
+                raise ConfigError(
+                    f"{data}: follow chunk {c}'s rows start at {self.rows.num_rows} after the "
+                    f"chunks before it, the coordinator committed {rec.first_row}; the run's "
+                    "follow state is damaged: start a new --run-dir"
+                )
             ends = self.rows.num_rows + (rec.rows or 0)
-            gone = not data.exists() and c < len(committed) - 1 and rec.rows is not None
+            gone = not data.exists() and rec is not committed[-1] and rec.rows is not None
             if gone and ends <= acked * self.window_rows and self.retired == c:
                 self.files.append(data)
                 self.rows.add(None, rows=rec.rows)
@@ -250,7 +271,7 @@ class FollowStream:
                     "run's follow state is damaged: start a new --run-dir"
                 )
             self._add(part, keep)
-            if c == len(committed) - 1:  # its short rows' records wait for the next chunk
+            if rec is committed[-1]:  # its short rows' records wait for the next chunk
                 lines = body.decode().splitlines()
                 self.carry = [json.loads(lines[n - 1]) for n in carried]
                 self.carry_where = [f"{data}: line {n}" for n in carried]
@@ -258,8 +279,8 @@ class FollowStream:
         if committed:
             self.positions = dict(committed[-1].positions)
             self.counts = {k: int(committed[-1].counts.get(k, 0)) for k in self.counts}
-            log.info("--follow: resumed %d committed chunks (%s), reading on from there",
-                     len(committed), self.counts)  # fmt: skip
+            log.info("--follow: resumed %d committed chunks (%d retired; %s), reading on "
+                     "from there", len(self.files), self.retired, self.counts)  # fmt: skip
         elif (self.dir / "chunk-000000.json").is_file():  # the manifests of an older fanout
             raise ConfigError(
                 f"{self.dir}: follow chunks with JSON manifests, written before the follow "
@@ -273,7 +294,8 @@ class FollowStream:
         """The producer registered: commit the chunks cut before (in order), and every
         later one as it is cut, in `coord` fenced by `preg` (fanout.coord.follow_log)."""
         resumed = len(self.files) - len(self.uncommitted)
-        if (have := len(coord.follow_chunks())) != resumed:
+        # the newest chunk's index, not a count of rows: retired chunks' rows are deleted
+        if (have := int((coord.follow_position() or {}).get("chunks", 0))) != resumed:
             raise StaleLease(
                 f"--follow: the run has {have} committed chunks, this producer resumed "
                 f"{resumed}: another producer committed while it started; start it again"
@@ -426,7 +448,8 @@ class FollowStream:
         rows = part.num_rows if keep is None else int(keep.size)
         chunk = FollowChunk(chunk=c, records=len(docs), digest=hexdigest(body),
                             positions=dict(self.positions), counts=dict(self.counts),
-                            rows=rows, carried=len(carried), due=due)  # fmt: skip
+                            rows=rows, carried=len(carried), due=due,
+                            first_row=self.rows.num_rows, retired=self.retired)  # fmt: skip
         self._commit(chunk)  # the commit point (before attach: at attach)
         self.files.append(data)
         self.carry = [docs[n - 1] for n in carried]

@@ -52,13 +52,7 @@ from fanout.data.cache import PackedDataset
 from fanout.data.draft_vocab import count_tokens, write_token_counts
 from fanout.errors import CaptureCheckFailed, ConfigError, StorageError
 from fanout.filesystem import FileSystem
-from fanout.flags import (
-    add_model_flags,
-    draws_progress,
-    model_from_args,
-    set_log_role,
-    torchrun_rank,
-)
+from fanout.flags import CommandFlags, draws_progress, set_log_role, torchrun_rank
 from fanout.model.verifier import Verifier
 from fanout.ops.fp8 import FP8
 from fanout.produce.backpressure import BlockedNotice
@@ -519,13 +513,8 @@ class Producer:
             log.warning("could not release claim on window %d: %s", claim.window, e)
 
 
-def add_arguments(p: argparse.ArgumentParser, name: str = "produce") -> None:
-    add_model_flags(p, ProducerConfig)
-
-
-def config_from_args(args: argparse.Namespace) -> ProducerConfig:
-    """ProducerConfig from `--config FILE` and flags (flags win)."""
-    return model_from_args(ProducerConfig, args)
+_FLAGS = CommandFlags(ProducerConfig)  # `fanout produce`'s flags: ProducerConfig's fields
+add_arguments, config_from_args = _FLAGS.add_arguments, _FLAGS.config_from_args
 
 
 def for_families(cfg: ProducerConfig) -> ProducerConfig:

@@ -51,6 +51,7 @@ from fanout.filesystem import FileSystem
 from fanout.netfs import on_network_filesystem
 from fanout.store.rundir import RunDir
 from fanout.store.store import Store
+from fanout.ticker import Ticker
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,7 @@ class StartNotice:
         self._t0 = self._since = clock()
         self._due = self._t0 + every_s
         self._what = "starting"
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker = Ticker(self.tick, min(1.0, every_s), name="start-notice")
 
     def stage(self, what: str) -> None:
         with self._lock:
@@ -101,18 +101,11 @@ class StartNotice:
         return line
 
     def __enter__(self) -> StartNotice:
-        def loop() -> None:
-            while not self._stopped.wait(min(1.0, self.every_s)):
-                self.tick()
-
-        self._thread = threading.Thread(target=loop, name="start-notice", daemon=True)
-        self._thread.start()
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
+        self._ticker.stop()
 
 
 def start_lock(root: Path, rank: int, replicas: int) -> PathLock:

@@ -53,8 +53,9 @@ from fanout.data.chat import (
     to_conversation,
 )
 from fanout.data.prepare import PrepareConfig, existing_files
+from fanout.data.template import VerifierTokenizer
 from fanout.errors import BadRow, ConfigError
-from fanout.flags import add_model_flags, draws_progress, model_from_args
+from fanout.flags import add_model_flags, draws_progress, limit_flag, model_from_args
 from fanout.hashing import hasher, labelled
 from fanout.model.verifier import DTypeName
 from fanout.regen.engine import (
@@ -84,9 +85,10 @@ class RegenerateConfig(ChatFormat, ReadOptions, RegenOptions):
         description="local HF verifier directory (hf engine: required; openai engine: "
         "recorded as the served model's fingerprint when given)",
     )
-    # Not ProducerConfig's: the same meaning, but no component both commands inherit holds
-    # it (PrepareConfig's is required; VerifierOptions carries capture-only fields).
-    tokenizer: str | None = Field(None, description="tokenizer dir (default: the verifier dir)")
+    # Not ProducerConfig's field (no component both commands inherit holds it:
+    # PrepareConfig's is required; VerifierOptions carries capture-only fields), but the
+    # same declaration.
+    tokenizer: VerifierTokenizer = None
     # Not ProducerConfig's (the stream's shuffle seed): the answers' sampling seed.
     seed: int = Field(0, description="sampling seed; each answer's is derived from it")
     # Not VerifierOptions' (nor ProducerConfig's): those also carry capture-only fields
@@ -95,7 +97,7 @@ class RegenerateConfig(ChatFormat, ReadOptions, RegenOptions):
     # Not VerifierOptions' (nor ProducerConfig's), as --device.
     dtype: DTypeName = Field("auto", description="hf engine: auto = bf16 on CUDA, fp32 on CPU")
     records_per_shard: int = Field(64, ge=1, description="input records per output shard")
-    max_records: int | None = Field(None, ge=1, description="only the first N input records")
+    max_records: int | None = limit_flag("only the first N input records")
 
     @field_validator("data")
     @classmethod

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 
 from fanout.coord.postgresdb import redact
 from fanout.families.registry import FamilyOptions
+from fanout.flags import limit_flag
 from fanout.model.draft_config import DraftRecipe
 from fanout.tracking import TrackingOptions, wandb_missing
 from fanout.train.consumer import ConsumerConfig, ConsumerOptions
@@ -93,11 +94,8 @@ class TrainConfig(ConsumerOptions, DraftRecipe, FamilyOptions, VersionOptions, T
         "on-policy stream still regenerating, decided once its rows are recorded); "
         "default: the whole stream",
     )
-    max_steps: int | None = Field(
-        None,
-        ge=1,
-        description="stop after this many optimizer steps (the schedule's total, unless the "
-        "stream ends sooner)",
+    max_steps: int | None = limit_flag(
+        "stop after this many optimizer steps (the schedule's total, unless the stream ends sooner)"
     )
     eval_every: int | None = Field(
         None,

@@ -57,7 +57,7 @@ from fanout.coord.heartbeat import Heartbeat, HeartbeatOptions
 from fanout.coord.waits import WaitState
 from fanout.errors import ConfigError, CorruptWindow
 from fanout.filesystem import FileSystem
-from fanout.flags import flag_options
+from fanout.flags import flag_options, limit_flag
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE, LAST_HIDDEN_STATES, ROW_TENSORS
 from fanout.store.store import RunDir, Store, WindowReader
 from fanout.store.streaminfo import windows_per_step
@@ -118,7 +118,7 @@ class ConsumerConfig(ConsumerOptions):
         1, ge=1, description="data-parallel ranks: each reads rows order[rank::world] of a window"
     )
     row_shuffle_seed: int = Field(0, description="seed of the row order within each window")
-    max_windows: int | None = Field(None, ge=1, description="stop after this cursor (window)")
+    max_windows: int | None = limit_flag("stop after this cursor (window)")
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> ConsumerConfig:

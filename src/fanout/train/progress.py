@@ -26,6 +26,7 @@ from fanout.contract import CaptureContract
 from fanout.errors import ConfigError, CoordinatorBusy, NoCoordinator
 from fanout.flags import log_role, torchrun_rank
 from fanout.store.rundir import RunDir
+from fanout.ticker import Ticker
 from fanout.train.consumer import Batch
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,7 @@ class WaitNotice:
         self._counts: Callable[[], bool] | None = None
         self._since = self._due = self._last = 0.0
         self._counted = self._uncounted = 0.0  # seconds of this wait, by counts()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker: Ticker | None = None
 
     def begin(
         self,
@@ -138,18 +138,12 @@ class WaitNotice:
         return line
 
     def start(self, period_s: float = 0.5) -> WaitNotice:
-        def watch() -> None:
-            while not self._stopped.wait(period_s):
-                self.tick()
-
-        self._thread = threading.Thread(target=watch, name="fanout-wait-notice", daemon=True)
-        self._thread.start()
+        self._ticker = Ticker(self.tick, period_s, name="fanout-wait-notice").start()
         return self
 
     def stop(self) -> None:
-        self._stopped.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._ticker is not None:
+            self._ticker.stop()
 
 
 def wait_for_run(

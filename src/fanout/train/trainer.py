@@ -37,13 +37,7 @@ from fanout.checkpoints.resume import load_checkpoint
 from fanout.checkpoints.save import save_checkpoint
 from fanout.contract import CaptureContract
 from fanout.errors import ConfigError, Detached, FanoutError, NonFiniteLoss, NoSupervisedTokens
-from fanout.flags import (
-    add_log_level_flag,
-    add_model_flags,
-    configure_logging,
-    model_from_args,
-    set_log_role,
-)
+from fanout.flags import CommandFlags, add_log_level_flag, configure_logging, set_log_role
 from fanout.ops.fp8 import dequantize
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 from fanout.tracking import WandbRun, group_for
@@ -550,13 +544,8 @@ class Trainer:
         return extra
 
 
-def add_arguments(p: argparse.ArgumentParser, name: str = "train") -> None:
-    add_model_flags(p, TrainConfig)
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """TrainConfig from `--config FILE` and flags (flags win)."""
-    return model_from_args(TrainConfig, args)
+_FLAGS = CommandFlags(TrainConfig)  # `fanout train`'s flags: TrainConfig's fields
+add_arguments, config_from_args = _FLAGS.add_arguments, _FLAGS.config_from_args
 
 
 def run(args: argparse.Namespace, name: str = "train") -> int:

@@ -85,6 +85,7 @@ from fanout.model.draft import LossOutput
 from fanout.model.draft_config import DraftConfig
 from fanout.model.slot_loss import acceptance, exp_decay, slot_index
 from fanout.ops.linear_ce import mm_fp32, rows_per_chunk
+from fanout.ops.linear_kl import teacher_logits
 from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax, two_head_kl_div_and_argmax
 from fanout.rows import DOCUMENT_IDS, INPUT_IDS, LAST_HIDDEN_STATES, LOSS_MASK, TARGET_IDS
 
@@ -238,13 +239,15 @@ class DSparkDraft(BlockDraft):
         # forward pass (sum_i w_i CE_i). D-PACE weighs by the CE itself: per-row CE, and
         # backward recomputes the logits.
         row_w = decay if cfg.loss_weighting == "exp" else None  # [M]
-        head = self.lm_head_weight
+        head, cap = self.lm_head_weight, self.teacher_softcap
         if cfg.loss_type == "kl":
             assert teacher is not None
-            out = two_head_kl_div_and_argmax(rows, emb, head, w2, teacher, row_weight=row_w)
+            out = two_head_kl_div_and_argmax(
+                rows, emb, head, w2, teacher, row_weight=row_w, softcap=cap
+            )
         else:
             out = two_head_cross_entropy_and_argmax(
-                rows, emb, head, w2, label[sup], teacher=teacher, row_weight=row_w
+                rows, emb, head, w2, label[sup], teacher=teacher, row_weight=row_w, softcap=cap
             )
         if row_w is None:  # D-PACE (the backbone's slot weights) of the detached CE
             ce_sum = (out.loss * self.slot_weights(out.rows, sup, slot)).sum()
@@ -318,7 +321,7 @@ def acceptance_rate(
         e = min(s + c, n)
         q = _corrected_logits(rows[s:e], None if emb is None else emb[s:e], head, w2)
         q = q.softmax(dim=-1)  # [c, V]
-        p = mm_fp32(teacher[s:e], head.t()).softmax(dim=-1)  # [c, V]
+        p = teacher_logits(teacher[s:e], head, draft.teacher_softcap).softmax(dim=-1)  # [c, V]
         out[s:e] = torch.minimum(q, p).sum(dim=-1)
         del q, p
     return out
@@ -332,13 +335,16 @@ def markov_kl_div_and_argmax(
     teacher: torch.Tensor,
     *,
     chunk_rows: int | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row KL(softmax(teacher @ head^T) || softmax(h @ head^T + emb @ w2^T)) `[N]`
     fp32 and the argmax of the corrected logits `[N]`, without `[N, V]` logits;
-    differentiable in `h`, `emb` and `w2` (the head and teacher are frozen). The loss
-    calls `fanout.ops.two_head_ce` itself (with its row weights: no recompute)."""
+    differentiable in `h`, `emb` and `w2` (the head and teacher are frozen; the
+    teacher's logits soft-capped by `softcap`). The loss calls `fanout.ops.two_head_ce`
+    itself (with its row weights: no recompute)."""
+    e, w = emb.to(head.dtype), w2.to(head.dtype)
     out = two_head_kl_div_and_argmax(
-        h, emb.to(head.dtype), head.detach(), w2.to(head.dtype), teacher, chunk_rows=chunk_rows
+        h, e, head.detach(), w, teacher, chunk_rows=chunk_rows, softcap=softcap
     )
     return out.loss, out.pred
 

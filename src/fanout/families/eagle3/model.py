@@ -24,8 +24,9 @@ and, with CE, the verifier's argmax at every position (step s reads position t+s
 Semantics decided here (`tests/test_family_eagle3.py` pins each against speculators):
 - Last hidden states: fanout captures them after the verifier's final norm; speculators
   applies `verifier_norm` to pre-norm ones. The teacher is the same, but for a verifier
-  that scales its logits (Falcon-H1's `lm_head_multiplier`), whose scale fanout's
-  stored states carry and speculators' teacher lacks (docs/producer.md).
+  that scales its logits (Falcon-H1's `lm_head_multiplier`, Granite's `logits_scaling`),
+  whose scale fanout's stored states carry and speculators' teacher lacks, or caps them
+  (Gemma-2), whose cap fanout's KL applies (docs/producer.md).
 - Supervision: step s of row t counts iff `loss_mask[t+s+2]` (the predicted token) and
   that token is in row t's document. speculators reads the mask at t+s+1 (the fed
   token) and across documents; fanout reads it at the predicted token, as every fanout
@@ -97,8 +98,9 @@ class Eagle3Draft(ChainDraft):
                     else labels[:, s + 1 :][sup[:, : labels.shape[1] - s - 1]]
                 )
                 per_row, pred, label = teacher_head(
-                    x, t_rows, head, kl=cfg.loss_type == "kl", label=lab
-                )
+                    x, t_rows, head, kl=cfg.loss_type == "kl", label=lab,
+                    softcap=self.teacher_softcap,
+                )  # fmt: skip
                 loss = loss + cfg.ttt_step_loss_decay**s * per_row.sum() / n
                 right[sup] = pred == label
                 extra[f"loss_{s}"] = float(per_row.detach().sum()) / n

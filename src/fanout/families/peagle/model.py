@@ -242,7 +242,7 @@ class PEagleDraft(ChainDraft):
                 uniq, inv = torch.unique(flat, return_inverse=True)  # [U] <= [M]
                 lab = teacher_argmax(last.flatten(0, 1)[uniq].to(head.dtype), head)[inv]
             per_row, pred, label = teacher_head(
-                x, t_rows, head, kl=cfg.loss_type == "kl", label=lab
+                x, t_rows, head, kl=cfg.loss_type == "kl", label=lab, softcap=self.teacher_softcap
             )
             loss = per_row.sum() / n
             right[sup] = pred == label

@@ -24,9 +24,14 @@ from pydantic import BaseModel, Field, model_validator
 from fanout.model.draft_config import DraftConfig, SharedRule
 
 
+def _option(default: Any, what: str, **bounds: Any) -> Any:
+    """A field of XPress's own: its flag's help says whose it is ("XPress: ...")."""
+    return Field(default, description=f"XPress: {what}", **bounds)
+
+
 def _weight(default: float, term: str) -> Any:
     """The field of one term's weight in XPress's loss: >= 0 (0: the term is off)."""
-    return Field(default, ge=0, description=f"XPress: weight of {term}")
+    return _option(default, f"weight of {term}", ge=0)
 
 
 class XPressRecipe(BaseModel):
@@ -34,17 +39,13 @@ class XPressRecipe(BaseModel):
     Jacobi passes, CE 0.1 + TV 0.9, 3 consistency rounds at weight 0.3, the base anchor
     at 0.6 with the decay)."""
 
-    xpress_rank: int = Field(
-        256, ge=1, description="XPress: low-rank width r of the causal refiner head"
-    )
-    xpress_mlp_ratio: int = Field(
-        2, ge=1, description="XPress: refiner SwiGLU MLP width = rank x this ratio"
-    )
-    num_jacobi_passes: int = Field(
+    xpress_rank: int = _option(256, "low-rank width r of the causal refiner head", ge=1)
+    xpress_mlp_ratio: int = _option(2, "refiner SwiGLU MLP width = rank x this ratio", ge=1)
+    num_jacobi_passes: int = _option(
         6,
+        "parallel refine passes K when drafting (fanout eval; stored in config.json, unused "
+        "in training); 0: the backbone's own argmax",
         ge=0,
-        description="XPress: parallel refine passes K when drafting (fanout eval; stored in "
-        "config.json, unused in training); 0: the backbone's own argmax",
     )
     xpress_ce_weight: float = _weight(
         0.1, 'the CE term of each loss term (speculators\' --loss-fn {"ce": w, ...})'
@@ -55,18 +56,17 @@ class XPressRecipe(BaseModel):
         "(needs --store-last-hidden-states)",
     )
     consistency_weight: float = _weight(0.3, "the free-running Jacobi rounds' mean loss (0: off)")
-    consistency_passes: int = Field(
+    consistency_passes: int = _option(
         3,
+        "free-running rounds in training, each fed the previous one's argmax (stop-grad "
+        "between rounds)",
         ge=0,
-        description="XPress: free-running rounds in training, each fed the previous one's "
-        "argmax (stop-grad between rounds)",
     )
     base_anchor_weight: float = _weight(
         0.6, "the loss on the backbone's own logits (the Jacobi seed)"
     )
-    base_anchor_full_weight: bool = Field(
-        False,
-        description="XPress: the base-anchor term without the slot decay (every slot weight 1)",
+    base_anchor_full_weight: bool = _option(
+        False, "the base-anchor term without the slot decay (every slot weight 1)"
     )
 
     @model_validator(mode="after")

@@ -232,6 +232,7 @@ class XPressDraft(BlockDraft):
             terms = TwoHeadTerms(
                 rows[r0:r1], head, readout, target[r0:r1], teacher[r0:r1],
                 ce_weight=cfg.xpress_ce_weight, tv_weight=cfg.xpress_tv_weight,
+                softcap=self.teacher_softcap,
             )  # fmt: skip
             refine = functools.partial(self._refined, terms, hcache[lo:hi], decayed[r0:r1])
             outs["tf"].append(refine(tf_prev[lo:hi], 1.0))
