@@ -1,7 +1,10 @@
 """Verifiers whose forward transforms its logits after the head: a scale (Granite's
 `logits_scaling`, a divisor; Cohere's `logit_scale` and HyperCLOVAX's `logits_scaling`,
-factors) or a soft cap (Gemma-2's `final_logit_softcapping`: `tanh(z / cap) · cap`).
-What fanout trains a draft against is the verifier's own output logits.
+factors; Inkling's and MiniCPM3's divisors of the states the head reads) or a soft cap
+(Gemma-2's `final_logit_softcapping`: `tanh(z / cap) · cap`; Gemma-3/4, VaultGemma,
+Beam, RecurrentGemma). What fanout trains a draft against is the verifier's own output
+logits; and every transform transformers' causal LMs apply is either handled or listed
+as not handled, with why.
 
 .venv/bin/python -m pytest tests/test_logit_transforms.py -x -q
 
@@ -19,13 +22,21 @@ Checked:
   `softmax(cap · tanh(teacher · Wᵀ / cap))`, forward and backward;
 - every family's loss reads the draft's cap (a KL loss with it differs from one without);
 - other model_types (a field of that name included) and a multimodal Gemma-3 have no
-  cap, and a scale or a cap that is not a positive number is refused in one line.
+  cap, and a scale or a cap that is not a positive number is refused in one line;
+- the scan: each causal LM's forward source (AutoModelForCausalLM's table and every
+  `…ForCausalLM`) that shows a transform (a known field, a tanh, `logits` or
+  `hidden_states` multiplied or divided) is in fanout's tables or `KNOWN_UNHANDLED`;
+  each table entry is found by the scan and has its test here.
 Falcon-H1's `lm_head_multiplier` is tests/test_logit_scale.py's.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +47,12 @@ from fanout.errors import ConfigError
 from fanout.families.dflash.model import DFlashDraft
 from fanout.families.registry import FAMILIES
 from fanout.model.verifier import load_verifier
-from fanout.model.verifier_dir import text_tensors
+from fanout.model.verifier_dir import (
+    _LOGIT_SCALE_FIELDS,
+    _LOGIT_SOFTCAP_FIELDS,
+    _WIDTH_RATIO_SCALES,
+    text_tensors,
+)
 from fanout.ops.linear_kl import linear_kl_div_and_argmax, teacher_logits
 from fanout.ops.teacher_head import teacher_head
 from fanout.ops.two_head_ce import (
@@ -83,18 +99,49 @@ SCALED: dict[str, tuple[str, str, dict[str, Any], float]] = {
         "Cohere2Config", "Cohere2ForCausalLM",
         {"logit_scale": 0.0625, "sliding_window": WINDOW, "num_hidden_layers": 4}, 0.0625,
     ),
+    "cohere2_moe": (
+        "Cohere2MoeConfig", "Cohere2MoeForCausalLM",
+        {"logit_scale": 0.0625, "sliding_window": WINDOW, "num_hidden_layers": 4,
+         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}, 0.0625,
+    ),
+    "cohere_compass_text": (
+        "CohereCompassTextConfig", "CohereCompassForCausalLM",
+        {"logit_scale": 0.0625, "sliding_window": WINDOW,
+         "layer_types": ["sliding_attention", "full_attention"],
+         "rope_parameters": {t: {"rope_type": "default", "rope_theta": 1e4}
+                             for t in ("sliding_attention", "full_attention")}}, 0.0625,
+    ),
     "hyperclovax": (
         "HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", {"logits_scaling": 0.25, **_MUP}, 0.25,
+    ),
+    # divides the final states, not the logits, by a config field: the same linear scale
+    "inkling_text": (
+        "InklingTextConfig", "InklingForCausalLM", {"logits_mup_width_multiplier": 4.0}, 0.25,
+    ),
+    # divides them by hidden_size / dim_model_base (32 / 8), computed, not in config.json
+    "minicpm3": (
+        "MiniCPM3Config", "MiniCPM3ForCausalLM",
+        {"dim_model_base": 8, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 16,
+         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8}, 0.25,
     ),
 }  # fmt: skip
 
 
 def _build_scaled(model_type: str, out: Path) -> tuple[Path, Any]:
     """The tiny random model of `SCALED[model_type]` saved to `out`, and itself (eval)."""
+    return _build_from(*SCALED[model_type][:3], out)
+
+
+def _build_from(
+    cfg_cls: str, model_cls: str, fields: dict[str, Any], out: Path, *, common: bool = True
+) -> tuple[Path, Any]:
+    """A tiny random `model_cls` of config `cfg_cls` (`_COMMON` and 2 layers unless not
+    `common`: a multimodal config takes them in its `text_config`; then `fields`) saved
+    to `out`, and itself (eval)."""
     import transformers
 
-    cfg_cls, model_cls, fields, _ = SCALED[model_type]
-    cfg = getattr(transformers, cfg_cls)(**(_COMMON | {"num_hidden_layers": 2} | fields))
+    base = _COMMON | {"num_hidden_layers": 2} if common else {}
+    cfg = getattr(transformers, cfg_cls)(**(base | fields))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(cfg).float().eval().requires_grad_(False)
     model.save_pretrained(out)
@@ -134,38 +181,75 @@ def test_a_scaled_verifiers_teacher_is_its_logits(model_type: str, tmp_path: Pat
 
 
 @pytest.mark.parametrize("bad", [0, -2.0, "big", float("nan")])
-def test_a_scaling_that_is_not_a_positive_number_is_refused(tmp_path: Path, bad: Any) -> None:
-    path, _ = _build_scaled("granite", tmp_path / "g")
+@pytest.mark.parametrize(
+    ("model_type", "field"), [("granite", "logits_scaling"), ("minicpm3", "dim_model_base")]
+)
+def test_a_scaling_that_is_not_a_positive_number_is_refused(
+    tmp_path: Path, model_type: str, field: str, bad: Any
+) -> None:
+    path, _ = _build_scaled(model_type, tmp_path / "g")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["logits_scaling"] = bad
+    cfg[field] = bad
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as e:
         text_tensors(path)
     msg = str(e.value)
-    assert "\n" not in msg and "logits_scaling" in msg and str(path) in msg
+    assert "\n" not in msg and field in msg and str(path) in msg
 
 
 # ---- the soft cap: Gemma-2's final_logit_softcapping ------------------------------------
 
-CAP = 1.0  # the tiny models' logits reach about ±2.3: far into tanh's bend
-CAPPED = ("gemma2", "gemma3_text", "vaultgemma")
+CAP = 1.0  # the tiny models' logits reach about ±1 to ±2.3: into tanh's bend
+_CAPS = {"final_logit_softcapping": CAP}
+
+
+def _multimodal(text: dict[str, Any]) -> dict[str, Any]:
+    """A tiny Gemma-4 multimodal config's fields: `text` over the zoo's text model, one
+    vision layer, no audio."""
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+              "patch_size": 4}  # fmt: skip
+    return {"text_config": _COMMON | {"num_hidden_layers": 2} | text,
+            "vision_config": vision, "audio_config": None}  # fmt: skip
+
+
+# model_type: (config class, model class, config fields), or None: the zoo's verifier
+CAPPED: dict[str, tuple[str, str, dict[str, Any]] | None] = {
+    "gemma2": None,
+    "gemma3_text": None,
+    "vaultgemma": (
+        "VaultGemmaConfig", "VaultGemmaForCausalLM", {"sliding_window": WINDOW, **_CAPS},
+    ),
+    "beam": ("BeamConfig", "BeamForCausalLM", _CAPS),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", _CAPS),
+    "recurrent_gemma": (  # its own field, always set (30 by default)
+        "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {"logits_soft_cap": CAP},
+    ),
+    # causal only where its default bidirectional attention among image tokens is off
+    # (fanout refuses a verifier that sets use_bidirectional_attention)
+    "gemma4_unified_text": (
+        "Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM",
+        {**_CAPS, "use_bidirectional_attention": None},
+    ),
+    # multimodal: Gemma4ForConditionalGeneration caps by its text config's field
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", _multimodal(_CAPS)),
+    "gemma4_unified": (
+        "Gemma4UnifiedConfig", "Gemma4UnifiedForConditionalGeneration",
+        _multimodal({**_CAPS, "use_bidirectional_attention": None}),
+    ),
+}  # fmt: skip
 
 
 def _build_capped(model_type: str, out: Path) -> tuple[Path, Any]:
     """A tiny random model whose forward soft-caps its logits at `CAP`, and itself."""
-    if model_type != "vaultgemma":
+    spec = CAPPED[model_type]
+    if spec is None:
         path = build(model_type, out, final_logit_softcapping=CAP)
         return path, load_oracle(model_type, path)
-    import transformers
-
-    fields = {"num_hidden_layers": 2, "sliding_window": WINDOW, "final_logit_softcapping": CAP}
-    torch.manual_seed(0)
-    model = transformers.VaultGemmaForCausalLM(transformers.VaultGemmaConfig(**(_COMMON | fields)))
-    model.save_pretrained(out)
-    return out, model.float().eval().requires_grad_(False)
+    return _build_from(*spec, out, common="text_config" not in spec[2])
 
 
-@pytest.mark.parametrize("model_type", CAPPED)
+@pytest.mark.parametrize("model_type", list(CAPPED))
 def test_a_capped_verifiers_teacher_logits_are_its_logits(model_type: str, tmp_path: Path) -> None:
     path, model = _build_capped(model_type, tmp_path / model_type)
     assert text_tensors(path).logit_softcap == CAP
@@ -179,7 +263,7 @@ def test_a_capped_verifiers_teacher_logits_are_its_logits(model_type: str, tmp_p
         got = teacher_logits(last[s:e], draft.lm_head_weight, draft.teacher_softcap)
         assert _rel(got, want) < 1e-5, f"{model_type} document {k}: capped teacher vs logits"
         # the control: the same states through the head, uncapped
-        assert _rel(teacher_logits(last[s:e], draft.lm_head_weight), want) > 0.3
+        assert _rel(teacher_logits(last[s:e], draft.lm_head_weight), want) > 0.1
 
 
 def test_a_verifier_without_a_cap_has_none(tmp_path: Path) -> None:
@@ -206,6 +290,88 @@ def test_a_cap_that_is_not_a_positive_number_is_refused(tmp_path: Path, bad: Any
         text_tensors(path)
     msg = str(e.value)
     assert "\n" not in msg and "final_logit_softcapping" in msg and str(path) in msg
+
+
+# ---- every causal LM of transformers that transforms its logits: handled or listed -------
+
+# The model_types whose causal-LM forward transforms its logits (or the states its head
+# reads) that fanout's tables leave out, each with why. A transform the scan below finds
+# goes into fanout's tables (fanout.model.verifier_dir, with a test above) or here.
+KNOWN_UNHANDLED: dict[str, str] = {
+    # AltUp: each layer outputs 4 states per token; the capture refuses it in one line
+    "gemma3n_text": "Gemma-3n: AltUp layers, not capturable",
+    "gemma3n": "Gemma-3n's multimodal model: the same AltUp text model",
+    # its RMSNorm has no weight: text_tensors finds no final norm and refuses the checkpoint
+    "nanochat": "NanoChat: a parameter-free final norm, no draft can take it",
+    # saved as `model.llm.embed` / `unembed` with attention-residual queries: text_tensors
+    # finds no embedding and final norm, and refuses the checkpoint
+    "inkling2_text": "Inkling-2: a checkpoint layout fanout does not read",
+    "inkling2_loop_text": "Inkling-2 Loop: the same layout",
+    # xLSTM blocks, no decoder `layers`: load_verifier refuses it
+    "xlstm": "xLSTM: no decoder layers to capture",
+}
+# What the forward's source shows of a transform: the fields the known ones read, a tanh or
+# a soft-cap call, `logits` / `hidden_states` multiplied or divided (by anything: a new
+# config field too)
+_TRANSFORM = re.compile(
+    r"final_logit_softcapping|logits?_soft_?cap|soft_?cap\(|logit_scale|logits_scaling"
+    r"|lm_head_multiplier|logits_mup|\btanh\("
+    r"|\b(?:logits|hidden_states|last_hidden_state)\s*[*/]|[*/]\s*(?:logits|hidden_states)\b"
+)
+
+
+def _causal_lms() -> dict[str, str]:
+    """model_type: class name of every causal LM transformers builds from a config class:
+    AutoModelForCausalLM's table (multimodal models' `…ForConditionalGeneration` included)
+    and every `…ForCausalLM` it leaves out."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    names |= {
+        n for n in dir(transformers) if n.endswith("ForCausalLM") and n != "AutoModelForCausalLM"
+    }
+    out = {}
+    for n in sorted(names):
+        config_class: Any = getattr(getattr(transformers, n), "config_class", None)
+        model_type = None if config_class is None else getattr(config_class, "model_type", None)
+        if model_type:
+            out[str(model_type)] = n
+    return out
+
+
+def _forward_code(cls: Any) -> str:
+    """The code of `cls.forward`, its docstring and comments left out."""
+    fn = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    assert isinstance(fn, ast.FunctionDef)
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    return "\n".join(ast.unparse(stmt) for stmt in body)
+
+
+def test_every_logit_transform_in_transformers_is_handled_or_listed() -> None:
+    import transformers
+
+    lms = _causal_lms()
+    assert len(lms) > 150, len(lms)  # the scan sees transformers' causal LMs
+    found = {
+        mt: sorted(
+            {m.group(0) for m in _TRANSFORM.finditer(_forward_code(getattr(transformers, n)))}
+        )
+        for mt, n in lms.items()
+    }
+    found = {mt: hits for mt, hits in found.items() if hits}
+    handled = set(_LOGIT_SCALE_FIELDS) | set(_WIDTH_RATIO_SCALES) | set(_LOGIT_SOFTCAP_FIELDS)
+    new = [f"{mt} ({lms[mt]}): {hits}" for mt, hits in found.items()
+           if mt not in handled and mt not in KNOWN_UNHANDLED]  # fmt: skip
+    assert not new, f"forwards that transform their logits, neither handled nor listed: {new}"
+    # and the scan finds every one it should: a table entry or a listed model_type that it
+    # does not see is stale (or the scan blind)
+    missed = (handled | set(KNOWN_UNHANDLED)) - set(found)
+    assert not missed, f"no transform found in the forwards of {sorted(missed)}"
+    assert not handled & set(KNOWN_UNHANDLED)
+    # every handled model_type is checked against transformers' logits above
+    # (Falcon-H1 in tests/test_logit_scale.py)
+    assert set(SCALED) | set(CAPPED) | {"falcon_h1"} == handled
 
 
 def _op_inputs(n: int = 11, h: int = 8, r: int = 3, v: int = 37) -> dict[str, torch.Tensor]:

@@ -139,13 +139,15 @@ _TEXT_PREFIXES = ("model.", "model.language_model.", "language_model.model.", "b
 # The names a text model gives its input embedding and its final norm (the one after the
 # last decoder layer, before the head), tried in this order under each prefix: most
 # models; Falcon-H1; LFM2 (`embedding_norm`, applied after the last layer whatever its
-# name says); Mamba-style backbones (Nemotron-H). Names, not model types: a checkpoint
-# of another architecture with one of these layouts is read the same way.
+# name says); Mamba-style backbones (Nemotron-H); RecurrentGemma. Names, not model
+# types: a checkpoint of another architecture with one of these layouts is read the
+# same way.
 _TEXT_NAMES = (
     ("embed_tokens", "norm"),
     ("embed_tokens", "final_layernorm"),
     ("embed_tokens", "embedding_norm"),
     ("embeddings", "norm_f"),
+    ("embed_tokens", "final_norm"),
 )
 _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 # model_types whose final norm scales by (1 + w) rather than w (Gemma's RMSNorm; Qwen3.5's
@@ -186,17 +188,42 @@ _LOGIT_SCALE_FIELDS: dict[str, tuple[str, bool]] = {
     "granitemoeshared": _GRANITE,
     "cohere": ("logit_scale", False),
     "cohere2": ("logit_scale", False),
+    "cohere2_moe": ("logit_scale", False),
+    "cohere_compass_text": ("logit_scale", False),
     "hyperclovax": ("logits_scaling", False),
+    # Inkling divides its final states by the width multiplier before the head: the
+    # same linear scale (its `unpadded_vocab_size` slice of the logits is not taken in)
+    "inkling_text": ("logits_mup_width_multiplier", True),
 }
+# model_types whose forward divides the final states by hidden_size / `field` before the
+# head: MiniCPM3's `logits_scaling`, a property of its config computed from
+# `dim_model_base` (not in config.json; unset: hidden_size, a scale of 1). The same
+# linear scale, dim_model_base / hidden_size.
+_WIDTH_RATIO_SCALES: dict[str, str] = {"minicpm3": "dim_model_base"}
 # The model_types whose causal-LM forward soft-caps its logits after the head and any
 # scale, `tanh(z / cap) · cap` with cap = the config's `final_logit_softcapping` (None:
 # no cap): transformers' Gemma2ForCausalLM, Gemma3ForCausalLM (`gemma3_text`; its
-# multimodal Gemma3ForConditionalGeneration applies none), VaultGemma's. Not linear, so
-# it cannot live in the stored states: the draft takes it from the verifier
-# (`TextTensors.logit_softcap`, `Draft.teacher_softcap`) and the fused losses cap the
-# teacher's logits (fanout.ops.linear_kl.teacher_logits). Keyed by the top-level
-# config's model_type, the class the forward is; tests/test_logit_transforms.py.
-_LOGIT_SOFTCAP_TYPES = frozenset({"gemma2", "gemma3_text", "vaultgemma"})
+# multimodal Gemma3ForConditionalGeneration applies none), VaultGemma's, Beam's,
+# Gemma-4's and Gemma-4-Unified's causal and multimodal ones (`gemma4_text`, `gemma4`:
+# the field read from its `text_config`), RecurrentGemma's (`logits_soft_cap`, always
+# set). Not linear, so it cannot live in the stored states: the draft takes it from the
+# verifier (`TextTensors.logit_softcap`, `Draft.teacher_softcap`) and the fused losses
+# cap the teacher's logits (fanout.ops.linear_kl.teacher_logits). Keyed by the top-level
+# config's model_type, the class the forward is, to the field that holds the cap;
+# tests/test_logit_transforms.py (which also fails when transformers gains a forward
+# that transforms its logits and is neither here nor listed as not handled).
+_CAP = "final_logit_softcapping"
+_LOGIT_SOFTCAP_FIELDS: dict[str, str] = {
+    "gemma2": _CAP,
+    "gemma3_text": _CAP,
+    "vaultgemma": _CAP,
+    "beam": _CAP,
+    "gemma4_text": _CAP,
+    "gemma4": _CAP,  # Gemma4ForConditionalGeneration: its text config's cap
+    "gemma4_unified_text": _CAP,
+    "gemma4_unified": _CAP,
+    "recurrent_gemma": "logits_soft_cap",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +253,9 @@ def text_tensors(vdir: Path) -> TextTensors:
 
     The text model is the first of `_TEXT_PREFIXES` (`model.`, `model.language_model.`,
     `language_model.model.`, `backbone.`) that holds both tensors of one of
-    `_TEXT_NAMES`' layouts (`embed_tokens` + `norm`, `final_layernorm` or
-    `embedding_norm`; `embeddings` + `norm_f`). The head is tied when the config says
-    so (`tied_head`); when it says nothing, when no head tensor exists. The logit
+    `_TEXT_NAMES`' layouts (`embed_tokens` + `norm`, `final_layernorm`,
+    `embedding_norm` or `final_norm`; `embeddings` + `norm_f`). The head is tied when
+    the config says so (`tied_head`); when it says nothing, when no head tensor exists. The logit
     scale is `logit_scale`'s, the soft cap `logit_softcap`'s. Raises ConfigError naming
     the directory and what is missing (a declared untied head without an
     `lm_head.weight` included) or malformed."""
@@ -263,12 +290,19 @@ def text_tensors(vdir: Path) -> TextTensors:
 def logit_scale(config: Mapping[str, Any], where: Path | str) -> float:
     """The scalar the verifier's forward multiplies its logits by after the head
     (`_LOGIT_SCALE_FIELDS`: Falcon-H1's `lm_head_multiplier`, 1 / Granite's
-    `logits_scaling`, Cohere's `logit_scale`), from its config (a `config.json`'s object;
+    `logits_scaling`, Cohere's `logit_scale`; `_WIDTH_RATIO_SCALES`: MiniCPM3's
+    dim_model_base / hidden_size), from its config (a `config.json`'s object;
     a multimodal one's `text_config`): 1.0 for every other model_type and where the field
     is unset. ConfigError naming `where` and the field when it is not a positive finite
     number (a negative one would reverse the argmax)."""
     c = config.get("text_config") or config
-    field, divides = _LOGIT_SCALE_FIELDS.get(str(c.get("model_type", "")).lower(), ("", False))
+    model_type = str(c.get("model_type", "")).lower()
+    if model_type in _WIDTH_RATIO_SCALES:  # MiniCPM3: states / (hidden_size / dim_model_base)
+        what = "the width the model's final states are scaled to"
+        base = _positive(c, _WIDTH_RATIO_SCALES[model_type], where, what)
+        width = _positive(c, "hidden_size", where, "the model's width")
+        return 1.0 if base is None or width is None else base / width
+    field, divides = _LOGIT_SCALE_FIELDS.get(model_type, ("", False))
     v = _positive(c, field, where, "what the model multiplies or divides its logits by")
     if v is None:
         return 1.0
@@ -277,13 +311,13 @@ def logit_scale(config: Mapping[str, Any], where: Path | str) -> float:
 
 def logit_softcap(config: Mapping[str, Any], where: Path | str) -> float | None:
     """The soft cap the verifier's forward puts on its logits after the head,
-    `tanh(z / cap) · cap` (`_LOGIT_SOFTCAP_TYPES`: Gemma-2's `final_logit_softcapping`),
-    from its config (a `config.json`'s object): None for every other model_type and
-    where the field is unset (null). ConfigError naming `where` and the field when it is
-    not a positive finite number."""
-    if str(config.get("model_type", "")).lower() not in _LOGIT_SOFTCAP_TYPES:
-        return None
-    return _positive(config, "final_logit_softcapping", where, "the cap on the model's logits")
+    `tanh(z / cap) · cap` (`_LOGIT_SOFTCAP_FIELDS`: Gemma-2's `final_logit_softcapping`),
+    from its config (a `config.json`'s object; a multimodal one's `text_config` holds
+    the field): None for every other model_type and where the field is unset (null).
+    ConfigError naming `where` and the field when it is not a positive finite number."""
+    field = _LOGIT_SOFTCAP_FIELDS.get(str(config.get("model_type", "")).lower(), "")
+    c = config.get("text_config") or config  # Gemma-4's multimodal forward reads its text's
+    return _positive(c, field, where, "the cap on the model's logits")
 
 
 def _positive(c: Mapping[str, Any], field: str, where: Path | str, what: str) -> float | None:
