@@ -184,11 +184,12 @@ class Draft(nn.Module):
         `dtype`. The verifier's tensors move to `device` as stored (bf16 for
         most) and are cast there: half the copy, and a GPU casts in milliseconds what takes
         the CPU seconds (two 151,936 x 4,096 matrices for Qwen3-8B)."""
-        embed, head, norm = read_text_tensors(Path(verifier_dir))  # the text model's
+        names = text_tensors(Path(verifier_dir))  # the text model's
+        embed, head, norm = read_text_tensors(Path(verifier_dir), names)
         embed = embed.to(device).to(dtype)
         head = embed if head is None else head.to(device).to(dtype)  # None: tied
         draft = cls(cfg, embed, head, norm.to(device).to(dtype), draft_vocab_ids)
-        draft.teacher_softcap = text_tensors(Path(verifier_dir)).logit_softcap
+        draft.teacher_softcap = names.logit_softcap
         return draft.to(dtype=dtype).to(device=device)
 
     @torch.no_grad()
@@ -197,7 +198,8 @@ class Draft(nn.Module):
         norm, in place, by those of `verifier_dir`: another version of the same verifier
         (a trainer following `produce --follow-verifier`'s versions). ConfigError when a
         shape differs (not a version of this verifier)."""
-        embed, head, norm = read_text_tensors(Path(verifier_dir))  # the text model's
+        names = text_tensors(Path(verifier_dir))  # the text model's
+        embed, head, norm = read_text_tensors(Path(verifier_dir), names)
         head = embed if head is None else head  # None: tied
         if self.d2t is not None:  # the draft vocabulary's rows, as built
             head = head[self.d2t.cpu() + torch.arange(self.d2t.numel())]
@@ -210,7 +212,7 @@ class Draft(nn.Module):
                     f"{tuple(mine.shape)}: not a version of the verifier it was built from"
                 )
             mine.copy_(new.to(mine.device))  # cast on the device, as built
-        self.teacher_softcap = text_tensors(Path(verifier_dir)).logit_softcap
+        self.teacher_softcap = names.logit_softcap
 
 
 def check_batch(

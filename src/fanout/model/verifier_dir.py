@@ -331,13 +331,16 @@ def _positive(c: Mapping[str, Any], field: str, where: Path | str, what: str) ->
     return float(v)
 
 
-def read_text_tensors(vdir: Path) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def read_text_tensors(
+    vdir: Path, names: TextTensors | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The verifier's text embedding [V, H] and head [V, H] (None when tied to the
     embedding), as stored, and its final-norm gain [H] as the head reads it: (the stored
     weight + `norm_offset`) · `logit_scale`, so that the verifier's logits are
     `rms_norm(h) · gain · Wᵀ` (float32 where an offset or a scale was applied; the
-    stored tensor itself otherwise); located by `text_tensors`."""
-    names = text_tensors(vdir)
+    stored tensor itself otherwise); located by `names` (`text_tensors(vdir)` when not
+    given: a caller that also needs its soft cap looks it up once)."""
+    names = text_tensors(vdir) if names is None else names
     t = read_verifier_tensors(vdir, names.names())
     norm = t[names.norm]
     if names.norm_offset:
