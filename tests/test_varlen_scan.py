@@ -168,6 +168,30 @@ def test_groups_of_chunks_carry_the_state_across(
         torch.testing.assert_close(got[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
 
 
+def test_steep_decays_give_no_subnormal_and_stay_exact() -> None:
+    # Heads that forget fast (log decay -4 to -12 a token): most pair decays of a chunk
+    # fall past e^-87, where exp's float32 result is subnormal (~30x slower on the CPU)
+    # or 0. They are clamped to the smallest normal number's log, weigh nothing at
+    # float32's precision, and each document still equals transformers' run alone.
+    from fanout.ops.varlen_scan import LOG_TINY, _decay_
+
+    logs = torch.linspace(-120.0, 0.0, 4001)
+    got = _decay_(logs.clone())
+    tiny = torch.finfo(torch.float32).tiny  # the smallest normal
+    assert not ((got > 0) & (got < tiny)).any()
+    above = logs >= LOG_TINY
+    torch.testing.assert_close(got[above], logs[above].exp(), rtol=1e-6, atol=0.0)
+    assert float(torch.tensor(LOG_TINY).exp()) >= tiny
+    doc, spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    q, k, v, _, beta = _qkv()
+    steep = -4.0 - 8.0 * torch.rand(v.shape[:3], generator=torch.Generator().manual_seed(3))
+    out = gated_delta_rule_varlen(q, k, v, steep, beta, lay)
+    for b, s, e in spans:
+        want = _alone(q, k, v, steep, beta, b, s, e)
+        torch.testing.assert_close(out[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
+
+
 def test_ssd_varlen_equals_transformers_mamba2_chunk_scan_on_each_document_alone() -> None:
     from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 

@@ -64,6 +64,13 @@ CHUNK = 64  # transformers' chunk_size for the gated delta rule
 # CPU: a group of chunks' pair terms, 1 MiB (measured, benchmarks/verifiers.py part 4:
 # 256 KiB groups of heads of 16 ran 2 chunks a group, 3-4% slower in Python overhead)
 GROUP_FLOATS = 1 << 18
+# the log of float32's smallest normal number (1.18e-38 = e^-87.3): every decay factor
+# (≤ 1) is exponentiated from its log clamped here, so none comes out subnormal. A decay
+# below it weighs nothing at float32's precision, but a subnormal result costs the CPU's
+# exp ~30× (measured: 262k exps of [8, 2, 4, 64, 64] pair decays 0.3 ms, 9.9 ms where they
+# land in (e^-103.9, e^-87.3); decays of random or trained gated-delta heads fall there
+# often: a head's log decay of −5 a token crosses it 18 tokens back)
+LOG_TINY = -87.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,15 +256,15 @@ def _gated_delta_chunks(
     hv, dv = v.shape[2], v.shape[-1]
     r, m = hv // hk, b * hv
     # decay from key j to query i, only within a segment (its g alone is summed there)
-    pair = (cum[..., :, None] - cum[..., None, :]).masked_fill_(drop[:, :, None], float("-inf"))
-    pair = pair.exp_().view(n, b, hk, r, c, c)  # [n, B, Hk, r, C, C]
+    pair = _decay_(cum[..., :, None] - cum[..., None, :]).masked_fill_(drop[:, :, None], 0.0)
+    pair = pair.view(n, b, hk, r, c, c)  # [n, B, Hk, r, C, C]
     k6 = k[:, :, :, None]  # [n, B, Hk, 1, C, dk]
     kt = k6.transpose(-1, -2)  # [n, B, Hk, 1, dk, C]
     beta = beta.view(n, b, hk, r, c, 1)
     ut = ((k6 * beta) @ kt).mul_(pair)  # [n, B, Hk, r, C, C] block-diagonal: one segment's pairs
     intra = pair.mul_(q[:, :, :, None] @ kt)  # [n, B, Hk, r, C, C] (pair's memory)
     # decay of the carried state at each token: only the chunk's first segment reads it
-    decay_in = cum.exp().mul_(cont[:, :, None]).view(n, b, hk, r, c, 1)
+    decay_in = _decay_(cum.clone()).mul_(cont[:, :, None]).view(n, b, hk, r, c, 1)
     rhs = torch.cat([v.view(n, b, hk, r, c, dv) * beta, k6 * (beta * decay_in)], dim=-1)
     sol = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
     del ut, rhs
@@ -265,9 +272,9 @@ def _gated_delta_chunks(
     k_cum = sol[..., dv:].reshape(n, m, c, dk)
     q_in = (q[:, :, :, None] * decay_in).reshape(n * m, c, dk)
     # what the chunk's end keeps of each key: only the chunk's last segment writes
-    keep = ((cum[..., -1:] - cum).exp_() * last[:, :, None]).view(n, b, hk, r, c, 1)
+    keep = (_decay_(cum[..., -1:] - cum) * last[:, :, None]).view(n, b, hk, r, c, 1)
     k_out = (k6 * keep).reshape(n, m, c, dk).transpose(-1, -2)  # [n, m, dk, C]
-    chunk_decay = (cum[..., -1].exp() * carry[:, :, None]).reshape(n, m, 1, 1)
+    chunk_decay = (_decay_(cum[..., -1].clone()) * carry[:, :, None]).reshape(n, m, 1, 1)
     # the sequential part: the state before each chunk, and each chunk's new values
     states = q.new_empty((n, m, dk, dv))
     states[0] = state
@@ -281,6 +288,12 @@ def _gated_delta_chunks(
     torch.bmm(q_in, states.view(n * m, dk, dv), out=flat)  # the state read
     flat.baddbmm_(intra.reshape(n * m, c, c), v_new.view(n * m, c, dv))  # + within the chunk
     return state
+
+
+def _decay_(log_decay: torch.Tensor) -> torch.Tensor:
+    """exp of log decays in place, each clamped to [LOG_TINY, 0] (a decay factor is ≤ 1;
+    entries above 0 are pairs the caller masks out): never a subnormal (LOG_TINY says why)."""
+    return log_decay.clamp_(LOG_TINY, 0.0).exp_()
 
 
 def _chunks(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
@@ -348,21 +361,21 @@ def ssd_varlen(
     bb, cc = _chunks(b_in, n, c), _chunks(c_in, n, c)  # [n, B, G, C, N]: heads share them
     drop, cont, last, carry = _chunk_segments(layout, n, c)
     cum = log_a.cumsum(-1)  # [n, B, H, C] log decay from the chunk start
-    # segment_sum: L[i, j] = Σ_{j < s ≤ i} log_a[s], then −inf off the segment's pairs
+    # segment_sum: L[i, j] = Σ_{j < s ≤ i} log_a[s]; its exp, then 0 off the segment's pairs
     below = torch.ones(c, c, dtype=torch.bool, device=x.device).tril(-1)  # [s, j]: s > j
     pair = torch.where(below, log_a[..., :, None], 0.0).cumsum_(dim=-2)  # [n, B, H, C, C]
-    pair = pair.masked_fill_(drop[:, :, None], float("-inf")).exp_().view(n, bsz, g, r, c, c)
+    pair = _decay_(pair).masked_fill_(drop[:, :, None], 0.0).view(n, bsz, g, r, c, c)
     scores = pair.mul_((cc @ bb.transpose(-1, -2))[:, :, :, None])  # [n, B, G, r, C, C]
     x = x.view(n, bsz, g, r, c, p)
     y = scores @ x  # [n, B, G, r, C, P] the intra-chunk terms
-    keep = ((cum[..., -1:] - cum).exp_() * last[:, :, None]).view(n, bsz, g, r, c, 1)
+    keep = (_decay_(cum[..., -1:] - cum) * last[:, :, None]).view(n, bsz, g, r, c, 1)
     writes = (bb[:, :, :, None] * keep).transpose(-1, -2) @ x  # [n, B, G, r, N, P]
-    chunk_decay = (cum[..., -1].exp() * carry[:, :, None]).view(n, bsz, g, r, 1, 1)
+    chunk_decay = (_decay_(cum[..., -1].clone()) * carry[:, :, None]).view(n, bsz, g, r, 1, 1)
     states = torch.empty_like(writes)  # the state before each chunk
     states[0].zero_()
     for i in range(n - 1):
         torch.addcmul(writes[i], states[i], chunk_decay[i], out=states[i + 1])
-    decay_in = (cum.exp() * cont[:, :, None]).view(n, bsz, g, r, c, 1)
+    decay_in = (_decay_(cum.clone()) * cont[:, :, None]).view(n, bsz, g, r, c, 1)
     y.addcmul_(cc[:, :, :, None] @ states, decay_in)  # + the state read
     y = y.view(n, bsz, h, c, p).permute(1, 0, 3, 2, 4).reshape(bsz, n * c, h, p)
     return y[:, :t]  # [B, T, H, P]
