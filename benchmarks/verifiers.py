@@ -5,7 +5,7 @@
         --json /tmp/verifiers.json
 
 1. Per architecture of the verifier zoo (tests/verifier_zoo.py: tiny random models
-   of 16 real architectures, hidden 32, 2-4 layers, vocabulary 160, windows of 8):
+   of 17 real architectures, hidden 32, 2-4 layers, vocabulary 160, windows of 8):
    - `capture`: `Verifier.capture` over `--rows` packed rows of `--seq-len` tokens
      (documents of 10-80 tokens, so they cross the sliding windows), every layer type's
      rule applied (fanout.model.layer_types);

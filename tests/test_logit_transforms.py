@@ -222,6 +222,9 @@ CAPPED: dict[str, tuple[str, str, dict[str, Any]] | None] = {
     ),
     "beam": ("BeamConfig", "BeamForCausalLM", _CAPS),
     "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", _CAPS),
+    # its final norm has no weight (the draft's gain: ones), and is also applied to the
+    # embeddings before the first layer
+    "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", _CAPS),
     "recurrent_gemma": (  # its own field, always set (30 by default)
         "RecurrentGemmaConfig", "RecurrentGemmaForCausalLM", {"logits_soft_cap": CAP},
     ),
@@ -301,8 +304,6 @@ KNOWN_UNHANDLED: dict[str, str] = {
     # AltUp: each layer outputs 4 states per token; the capture refuses it in one line
     "gemma3n_text": "Gemma-3n: AltUp layers, not capturable",
     "gemma3n": "Gemma-3n's multimodal model: the same AltUp text model",
-    # its RMSNorm has no weight: text_tensors finds no final norm and refuses the checkpoint
-    "nanochat": "NanoChat: a parameter-free final norm, no draft can take it",
     # saved as `model.llm.embed` / `unembed` with attention-residual queries: text_tensors
     # finds no embedding and final norm, and refuses the checkpoint
     "inkling2_text": "Inkling-2: a checkpoint layout fanout does not read",

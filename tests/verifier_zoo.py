@@ -154,6 +154,9 @@ ZOO: dict[str, Arch] = {
         "DeepseekV3ForCausalLM",
     ),
     "phi3": Arch(_cfg("Phi3Config", num_hidden_layers=3), "Phi3ForCausalLM"),
+    # a final norm without a weight (also applied to the embeddings), QK norm, relu²,
+    # logit soft-capping (its default, 15)
+    "nanochat": Arch(_cfg("NanoChatConfig", num_hidden_layers=3), "NanoChatForCausalLM"),
     "olmo2": Arch(_cfg("Olmo2Config", num_hidden_layers=3), "Olmo2ForCausalLM"),
     "gemma2": Arch(  # alternating sliding / full, logit soft-capping
         _cfg("Gemma2Config", num_hidden_layers=4, sliding_window=WINDOW), "Gemma2ForCausalLM"

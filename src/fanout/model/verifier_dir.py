@@ -150,6 +150,9 @@ _TEXT_NAMES = (
     ("embed_tokens", "final_norm"),
 )
 _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+# model_types whose final norm has no weight (an RMSNorm without a gain: NanoChat's): the
+# embedding alone locates the text model, and the gain a draft takes is ones
+_NORM_WITHOUT_WEIGHT = frozenset({"nanochat"})
 # model_types whose final norm scales by (1 + w) rather than w (Gemma's RMSNorm; Qwen3.5's
 # and Qwen3-Next's compute `output * (1.0 + weight)`), matched on the text config's
 # model_type: speculators 0.9.0's GEMMA_STYLE_FINAL_NORM_MODEL_TYPES plus qwen3_next,
@@ -223,6 +226,7 @@ _LOGIT_SOFTCAP_FIELDS: dict[str, str] = {
     "gemma4_unified_text": _CAP,
     "gemma4_unified": _CAP,
     "recurrent_gemma": "logits_soft_cap",
+    "nanochat": _CAP,
 }
 
 
@@ -231,7 +235,7 @@ class TextTensors:
     """Where a verifier checkpoint keeps the text-model tensors a draft takes frozen."""
 
     embed: str  # [V, H] input embedding
-    norm: str  # [H] final norm
+    norm: str | None  # [H] final norm; None: a norm without a weight (a gain of ones)
     head: str | None  # [V, H] lm_head; None: tied to the embedding
     norm_offset: float  # the final norm's gain is weight + norm_offset (Gemma-style: 1)
     logit_scale: float = 1.0  # the forward's logits are head(h) · logit_scale (Falcon-H1)
@@ -244,7 +248,11 @@ class TextTensors:
 
     def names(self) -> list[str]:
         """The tensors to read (the embedding once when the head is tied)."""
-        return [self.embed, self.norm, *([self.head] if self.head else [])]
+        return [
+            self.embed,
+            *([self.norm] if self.norm else []),
+            *([self.head] if self.head else []),
+        ]
 
 
 def text_tensors(vdir: Path) -> TextTensors:
@@ -254,18 +262,25 @@ def text_tensors(vdir: Path) -> TextTensors:
     The text model is the first of `_TEXT_PREFIXES` (`model.`, `model.language_model.`,
     `language_model.model.`, `backbone.`) that holds both tensors of one of
     `_TEXT_NAMES`' layouts (`embed_tokens` + `norm`, `final_layernorm`,
-    `embedding_norm` or `final_norm`; `embeddings` + `norm_f`). The head is tied when
+    `embedding_norm` or `final_norm`; `embeddings` + `norm_f`), or its embedding alone
+    where the model_type's final norm has no weight (`_NORM_WITHOUT_WEIGHT`, NanoChat:
+    `norm` None, a gain of ones). The head is tied when
     the config says so (`tied_head`); when it says nothing, when no head tensor exists. The logit
     scale is `logit_scale`'s, the soft cap `logit_softcap`'s. Raises ConfigError naming
     the directory and what is missing (a declared untied head without an
     `lm_head.weight` included) or malformed."""
     keys = _tensor_names(vdir)
     top = _read_config(vdir)
-    found = next(
+    text = top.get("text_config", top)
+    model_type = str(text.get("model_type", "")).lower()
+    found: tuple[str, str | None] | None = next(
         ((f"{p}{e}.weight", f"{p}{n}.weight") for p in _TEXT_PREFIXES for e, n in _TEXT_NAMES
          if f"{p}{e}.weight" in keys and f"{p}{n}.weight" in keys),
         None,
     )  # fmt: skip
+    if found is None and model_type in _NORM_WITHOUT_WEIGHT:
+        found = next(((f"{p}{e}.weight", None) for p in _TEXT_PREFIXES
+                      for e in dict(_TEXT_NAMES) if f"{p}{e}.weight" in keys), None)  # fmt: skip
     if found is None:
         names = ", ".join(f"{e} + {n}" for e, n in _TEXT_NAMES)
         raise ConfigError(
@@ -280,8 +295,7 @@ def text_tensors(vdir: Path) -> TextTensors:
             f"verifier {vdir}: config.json says tie_word_embeddings false, but its weights "
             f"hold no head ({' or '.join(_HEAD_NAMES)})"
         )
-    text = top.get("text_config", top)
-    offset = 1.0 if str(text.get("model_type", "")).lower() in _ONE_PLUS_NORM else 0.0
+    offset = 1.0 if model_type in _ONE_PLUS_NORM else 0.0
     scale = logit_scale(top, vdir / "config.json")
     cap = logit_softcap(top, vdir / "config.json")
     return TextTensors(embed, norm, None if tied or head is None else head, offset, scale, cap)
@@ -342,7 +356,9 @@ def read_text_tensors(
     given: a caller that also needs its soft cap looks it up once)."""
     names = text_tensors(vdir) if names is None else names
     t = read_verifier_tensors(vdir, names.names())
-    norm = t[names.norm]
+    embed = t[names.embed]
+    # a norm without a weight (NanoChat's): the gain of ones it computes with
+    norm = t[names.norm] if names.norm else embed.new_ones(embed.shape[1])
     if names.norm_offset:
         norm = norm.float() + names.norm_offset  # w + 1 is not exact in bf16
     if names.logit_scale != 1.0:
@@ -350,7 +366,7 @@ def read_text_tensors(
         # starts at the verifier's logit scale, and the head stays the one serving engines
         # share with drafts
         norm = norm.float() * names.logit_scale
-    return t[names.embed], None if names.head is None else t[names.head], norm
+    return embed, None if names.head is None else t[names.head], norm
 
 
 def _tensor_names(vdir: Path) -> set[str]:

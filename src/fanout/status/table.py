@@ -13,6 +13,7 @@ example in the real layout). `--watch` redraws it (fanout.status.watch).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from fanout.coord.states import RoleState, W
@@ -131,24 +132,40 @@ def duration(secs: float | None) -> str:
     return f"{n // 3600}h{n % 3600 // 60:02d}m"
 
 
-CONSUMER_HEADER = (
-    f"{'consumer':<24} {'state':<9} {'cursor':>7} {'lag':>5} {'hb age':>8}  "
-    f"{'holder':<22} {'layers':<16} {'family':<8} {'dp':>5} {'step':>7} {'rows/s':>8} "
-    f"{'eta':>7}  leases"
+def _holder(c: dict[str, Any]) -> str:
+    return f"{c['host']}:{c['pid']}" if c["pid"] is not None else "-"
+
+
+def _dp(c: dict[str, Any]) -> str:
+    return f"{c['dp_rank']}/{c['dp_world']}" if c["dp_world"] is not None else "-"
+
+
+def _or_dash(value: Any, fmt: str = "") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+# the consumer table, one place for its header and its cells: (header, its format spec,
+# the separator after it, a consumer's cell); the last column, its leases, is added per line
+_CONSUMER_COLUMNS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], str]], ...] = (
+    ("consumer", "<24", " ", lambda c: c["id"]),
+    ("state", "<9", " ", lambda c: c["state"]),
+    ("cursor", ">7", " ", lambda c: str(c["cursor"])),
+    ("lag", ">5", " ", lambda c: str(c["lag_windows"])),
+    ("hb age", ">8", "  ", lambda c: f"{c['heartbeat_age_s']:.1f}s"),
+    ("holder", "<22", " ", _holder),
+    ("layers", "<16", " ", lambda c: _layers(c["target_layer_ids"])),
+    ("family", "<8", " ", lambda c: c["family"] or "-"),
+    ("dp", ">5", " ", _dp),
+    ("step", ">7", " ", lambda c: _or_dash(c["step"])),
+    ("rows/s", ">8", " ", lambda c: _or_dash(c["rows_per_s"], ".2f")),
+    ("eta", ">7", "  ", lambda c: duration(c["eta_s"])),
 )
+CONSUMER_HEADER = "".join(f"{h:{spec}}{sep}" for h, spec, sep, _ in _CONSUMER_COLUMNS) + "leases"
 
 
 def _consumer_line(c: dict[str, Any], held: list[str]) -> str:
-    holder = f"{c['host']}:{c['pid']}" if c["pid"] is not None else "-"
-    dp = f"{c['dp_rank']}/{c['dp_world']}" if c["dp_world"] is not None else "-"
-    step = "-" if c["step"] is None else str(c["step"])
-    rate = "-" if c["rows_per_s"] is None else f"{c['rows_per_s']:.2f}"
-    return (
-        f"{c['id']:<24} {c['state']:<9} {c['cursor']:>7} {c['lag_windows']:>5} "
-        f"{c['heartbeat_age_s']:>7.1f}s  {holder:<22} {_layers(c['target_layer_ids']):<16} "
-        f"{c['family'] or '-':<8} {dp:>5} {step:>7} {rate:>8} {duration(c['eta_s']):>7}  "
-        f"{' '.join(held) or '-'}"
-    )
+    cells = "".join(f"{cell(c):{spec}}{sep}" for _, spec, sep, cell in _CONSUMER_COLUMNS)
+    return cells + (" ".join(held) or "-")
 
 
 def format_table(s: dict[str, Any]) -> str:
