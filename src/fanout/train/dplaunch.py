@@ -48,7 +48,11 @@ def tell_agent(line: str) -> None:
         return
     try:
         with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
+            # torch reads the message and the whole second; `time_ns` orders ranks that
+            # failed within one second (failure_line)
+            json.dump(
+                {"message": line, "timestamp": int(time.time()), "time_ns": time.time_ns()}, f
+            )
     except OSError:
         pass
 
@@ -65,14 +69,28 @@ def failed(prog: str, e: BaseException) -> int:
 def failure_line(failures: dict[int, Any], host: str) -> str:
     """One line for the ranks of this node that failed (`ChildFailedError.failures`:
     global rank -> torch's ProcessFailure): the first to fail, its exit, its own line."""
-    # torch's first failure is the earliest (timestamps in whole seconds, so often a tie);
-    # of a tie, a rank that exited on its own beats one the agent then signalled to stop
+    # The first to fail is the earliest by torch's whole seconds; within one second, a
+    # rank that failed on its own beats one the agent then signalled to stop (whose time
+    # is when the agent saw it), then the earlier line (`_failed_at`). A rank can be both:
+    # it wrote its line and was still exiting (a process group torn down, a loaded host)
+    # when another rank's exit made the agent stop the group.
     order = {r: i for i, r in enumerate(failures)}
-    rank = min(failures, key=lambda r: (failures[r].timestamp, failures[r].exitcode < 0, order[r]))
+
+    def first(r: int) -> tuple[int, bool, float, int]:
+        f = failures[r]
+        at = _failed_at(f)
+        return int(at), f.exitcode < 0 and not _own_line(f), at, order[r]
+
+    rank = min(failures, key=first)
     f = failures[rank]
-    how = f"was killed by {f.signal_name()}" if f.exitcode < 0 else f"exited with code {f.exitcode}"
-    line = f"rank {rank} (local {f.local_rank}) on {host} {how}"
     said = _own_line(f)
+    if f.exitcode >= 0:
+        how = f"exited with code {f.exitcode}"
+    elif said:
+        how = f"failed, then was stopped by {f.signal_name()}"
+    else:
+        how = f"was killed by {f.signal_name()}"
+    line = f"rank {rank} (local {f.local_rank}) on {host} {how}"
     if said:
         line += f": {said}"
     # the rest of this node's ranks: mostly the agent's SIGTERM as it stops the group
@@ -80,6 +98,15 @@ def failure_line(failures: dict[int, Any], host: str) -> str:
     if others:
         line += f"; then {', '.join(others)}"
     return line
+
+
+def _failed_at(failure: Any) -> float:
+    """When a rank failed, in seconds: its own line's stamp where fanout wrote it
+    (`tell_agent`'s `time_ns`), else torch's whole second (its @record file's, or when the
+    agent saw the exit)."""
+    data = failure.error_file_data
+    ns = data.get("time_ns") if isinstance(data, dict) else None
+    return ns / 1e9 if isinstance(ns, int) else float(failure.timestamp)
 
 
 def _exit(failure: Any) -> str:
