@@ -253,6 +253,115 @@ def test_the_fla_path_hands_each_segment_to_the_kernel_as_a_varlen_sequence() ->
     assert calls == [lay.cu_seqlens.tolist()]
 
 
+def _runs(seq_idx: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each run of one `seq_idx` value in [B, T]."""
+    out = []
+    for r, row in enumerate(seq_idx.tolist()):
+        s = 0
+        for t in range(1, len(row) + 1):
+            if t == len(row) or row[t] != row[s]:
+                out.append((r, s, t))
+                s = t
+    return out
+
+
+def test_the_conv_kernel_path_hands_the_segments_over_as_seq_idx() -> None:
+    # The CUDA path's plumbing, on the CPU: a stand-in for causal-conv1d's
+    # causal_conv1d_fn that convolves each run of one seq_idx value alone gives what the
+    # torch varlen path gives; it receives the channel-last layout the kernel requires
+    # for seq_idx (a contiguous [B, C, T] input is handed over transposed).
+    from fanout.ops.varlen_scan import _causal_conv1d_kernel
+
+    doc, _spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(len(ROWS), 12, T, generator=g)  # [B, C, T], contiguous
+    w, bias = torch.randn(12, 4, generator=g), torch.randn(12, generator=g)
+    calls: list[torch.Tensor] = []
+
+    def fake_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *,
+                  seq_idx: torch.Tensor, activation: str | None) -> torch.Tensor:  # fmt: skip
+        assert x.stride(1) == 1 and seq_idx.dtype == torch.int32 and activation == "silu"
+        assert b is not None
+        calls.append(seq_idx)
+        out = torch.empty_like(x)
+        for r, s, e in _runs(seq_idx):
+            out[r, :, s:e] = _conv_alone(x[r : r + 1, :, s:e], w, b)[0]
+        return out
+
+    got = _causal_conv1d_kernel(fake_conv, x, w, bias, lay, "silu")
+    want = causal_conv1d_varlen(x, w, bias, lay, activation="silu")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1 and torch.equal(calls[0], lay.segment.int())
+
+
+def test_the_mamba_kernel_path_hands_the_segments_over_as_seq_idx(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same for mamba-ssm's mamba_chunk_scan_combined: a stand-in that runs
+    # transformers' mamba2_chunk_scan on each run of one seq_idx value alone equals the
+    # torch varlen path (on CUDA with mamba-ssm: test_mamba_kernels_equal_the_torch_path).
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
+    from fanout.ops import varlen_scan
+    from fanout.ops.varlen_scan import ssd_varlen
+
+    doc, _spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc)
+    g = torch.Generator().manual_seed(5)
+    b, h, p, groups, n = len(ROWS), 4, 8, 2, 8
+    x = torch.randn(b, T, h, p, generator=g)
+    dt = F.softplus(torch.randn(b, T, h, generator=g))
+    a = -torch.arange(1, h + 1, dtype=torch.float32)
+    bb, cc = (torch.randn(b, T, groups, n, generator=g) for _ in range(2))
+
+    def fake_ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, bb: torch.Tensor,
+                 cc: torch.Tensor, chunk: int, *, seq_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        assert seq_idx.dtype == torch.int32 and chunk == 16
+        out = torch.empty_like(x)
+        for r, s, e in _runs(seq_idx):
+            out[r : r + 1, s:e] = mamba2_chunk_scan(
+                x[r : r + 1, s:e], dt[r : r + 1, s:e], a, bb[r : r + 1, s:e],
+                cc[r : r + 1, s:e], chunk_size=chunk,
+            )  # fmt: skip
+        return out
+
+    class Cuda(torch.Tensor):  # only what ssd_varlen asks of x: is it on CUDA?
+        is_cuda = True
+
+    want = ssd_varlen(x, dt, a, bb, cc, lay, chunk=16)
+    monkeypatch.setattr(varlen_scan, "_ssd_kernel", lambda: fake_ssd)
+    got = ssd_varlen(x.as_subclass(Cuda), dt, a, bb, cc, lay, chunk=16)
+    unused = ssd_varlen(x.as_subclass(Cuda), dt, a, bb, cc, lay, chunk=16, kernel=False)
+    torch.testing.assert_close(got.as_subclass(torch.Tensor), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(unused.as_subclass(torch.Tensor), want, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_mamba_kernels_equal_the_torch_path() -> None:
+    from fanout.ops.varlen_scan import _conv_kernel, _ssd_kernel, ssd_varlen
+
+    if _conv_kernel() is None or _ssd_kernel() is None:
+        pytest.skip("causal-conv1d / mamba-ssm are not installed (pip install fanout[mamba])")
+    doc, _spans = _doc_ids()
+    lay = SegmentLayout.from_document_ids(doc.cuda())
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(len(ROWS), T, 64, generator=g).cuda().transpose(1, 2)  # channel-last
+    w, bias = torch.randn(64, 4, generator=g).cuda(), torch.randn(64, generator=g).cuda()
+    got = causal_conv1d_varlen(x, w, bias, lay, activation="silu")  # the kernel
+    want = causal_conv1d_varlen(x, w, bias, lay, activation="silu", kernel=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    b, h, p, groups, n = len(ROWS), 4, 64, 2, 16
+    xs = torch.randn(b, T, h, p, generator=g).cuda()
+    dt = F.softplus(torch.randn(b, T, h, generator=g)).cuda()
+    a = -torch.arange(1, h + 1, dtype=torch.float32).cuda()
+    bb, cc = (torch.randn(b, T, groups, n, generator=g).cuda() for _ in range(2))
+    got = ssd_varlen(xs, dt, a, bb, cc, lay, chunk=64)
+    want = ssd_varlen(xs, dt, a, bb, cc, lay, chunk=64, kernel=False)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_fla_kernel_equals_the_torch_path() -> None:

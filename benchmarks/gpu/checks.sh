@@ -119,7 +119,9 @@ python3 benchmarks/verifiers.py --device cuda --hidden 1024 --layers 8 --vocab 3
 # packed hybrids (issue #53): Qwen3.5 / Qwen3-Next (gated delta rule), LFM2 (short
 # convolutions), Nemotron-H and Falcon-H1 (Mamba-2) at a verifier-like width, packed rows with per-document resets vs fanout's
 # per-document path vs each document alone; with flash-linear-attention's varlen kernel
-# where its wheels installed (first its exactness against the torch path), else the torch path
+# where its wheels installed (first its exactness against the torch path), else the torch path;
+# causal-conv1d / mamba-ssm (fanout[mamba]) have only sdists that build CUDA extensions:
+# not shipped, their -m gpu test runs only where the machine already has them
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site-hybrid .whl/hybrid/*.whl 2>/dev/null || echo "hybrid wheels: not installed"
 PYTHONPATH=/tmp/site-hybrid:$PYTHONPATH python3 -c "import fla.ops.gated_delta_rule" \

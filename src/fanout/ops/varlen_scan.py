@@ -45,17 +45,22 @@ into `**kwargs` and ignore it (transformers 5.25: qwen3_next / qwen3_5
 start. On CUDA with
 flash-linear-attention installed (`pip install fanout[hybrid]`) the gated delta rule
 runs fla's varlen kernel instead (`cu_seqlens` over the flattened rows); without it,
-this torch path runs there too; the convolutions and Mamba-2 always run here (no
-mamba-ssm / causal-conv1d varlen path yet). The math per chunk is transformers'
+this torch path runs there too. Likewise with causal-conv1d and mamba-ssm installed
+(`pip install fanout[mamba]`: both build CUDA extensions) the convolutions and Mamba-2's
+scan run their kernels, the segments handed over as `seq_idx` (a token's segment index:
+a tap or a state crosses no change of it), else this torch path. The math per chunk is transformers'
 `torch_chunk_gated_delta_rule` and `mamba2_chunk_scan` (Apache-2.0), with the resets
 added.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +127,8 @@ def causal_conv1d_varlen(
     bias: torch.Tensor | None,
     layout: SegmentLayout,
     activation: str | None = None,
+    *,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """Depthwise causal conv1d of [B, C, T] rows, each segment zero-padded on its left:
     out[t] = Σ_j weight[:, j] · x[t − (K − 1 − j)] over sources in t's segment
@@ -131,8 +138,13 @@ def causal_conv1d_varlen(
     half the CPU time of a depthwise conv1d; transformers' torch path is that conv1d,
     the same sum in another float order), then the few tokens nearer their segment's
     start than K − 1, whose taps crossed into the segment before, computed again from
-    their own segment's taps alone (a gather of [P, K, C])."""
+    their own segment's taps alone (a gather of [P, K, C]). On CUDA with causal-conv1d
+    installed (K ≤ 4, its kernel's widths), its kernel instead (`kernel=False`: this
+    path even there, its reference in tests)."""
     k = weight.shape[-1]
+    conv = _conv_kernel() if kernel and x.is_cuda and k <= 4 else None
+    if conv is not None:
+        return _causal_conv1d_kernel(conv, x, weight, bias, layout, activation)
     t = x.shape[-1]
     w = weight.to(x.dtype)
     b_ = None if bias is None else bias.to(x.dtype)
@@ -157,6 +169,25 @@ def causal_conv1d_varlen(
     return out
 
 
+def _causal_conv1d_kernel(
+    conv: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layout: SegmentLayout,
+    activation: str | None,
+) -> torch.Tensor:
+    """causal-conv1d's kernel on [B, C, T] rows, a tap read only where its token's
+    `seq_idx` is the output token's. It takes `seq_idx` in the channel-last layout only
+    (stride 1 along C: what the mixers' transposed projections already are)."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d_varlen: activation {activation!r} (silu or None)")
+    if x.stride(1) != 1:
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    b_ = None if bias is None else bias.to(x.dtype)
+    return conv(x, weight.to(x.dtype), b_, seq_idx=_seq_idx(layout), activation=activation)
+
+
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` (through pinned memory to CUDA: no host sync)."""
     if device.type != "cuda" or x.device.type == "cuda":
@@ -169,15 +200,40 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _fla_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None:
-    """fla's varlen chunked gated delta rule, where flash-linear-attention is installed."""
-    if importlib.util.find_spec("fla") is None:
+@functools.cache
+def _installed(module: str, name: str) -> Callable[..., Any] | None:
+    """`module.name` where its package is installed and imports (its CUDA extension or
+    triton present), else None: the torch path then."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
         return None
     try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:  # an fla without it (or without triton): the torch path
+        found: Callable[..., Any] | None = getattr(importlib.import_module(module), name, None)
+    except (ImportError, OSError):  # built for another torch or CUDA: the torch path
         return None
-    return chunk_gated_delta_rule
+    return found
+
+
+def _fla_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """fla's varlen chunked gated delta rule, where flash-linear-attention is installed."""
+    return _installed("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+
+
+def _conv_kernel() -> Callable[..., torch.Tensor] | None:
+    """causal-conv1d's `causal_conv1d_fn` (its `seq_idx` keeps taps within a segment),
+    where it is installed (`pip install fanout[mamba]`)."""
+    return _installed("causal_conv1d", "causal_conv1d_fn")
+
+
+def _ssd_kernel() -> Callable[..., torch.Tensor] | None:
+    """mamba-ssm's `mamba_chunk_scan_combined` (its `seq_idx` restarts the state at each
+    segment), where it is installed (`pip install fanout[mamba]`)."""
+    return _installed("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
+
+
+def _seq_idx(layout: SegmentLayout) -> torch.Tensor:
+    """The kernels' `seq_idx` [B, T] int32: each token's segment index in its row (a new
+    value at every document start and at each padding token)."""
+    return layout.segment.to(torch.int32).contiguous()
 
 
 def gated_delta_rule_varlen(
@@ -340,6 +396,7 @@ def ssd_varlen(
     layout: SegmentLayout,
     *,
     chunk: int,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """Mamba-2's selective state space (SSD) over packed rows, its state zero at every
     segment start: h_t = exp(dt_t·A) h_{t−1} + dt_t·x_t ⊗ B_t, y_t = C_t · h_t.
@@ -350,7 +407,13 @@ def ssd_varlen(
     caller adds it, as transformers' `mamba2_chunk_scan` does). Chunked as that function
     is, with the pair decays summed per segment as its `segment_sum` does (a cumulative
     sum of the masked log decays, not a difference of two long sums), and the same
-    segment handling as `gated_delta_rule_varlen`."""
+    segment handling as `gated_delta_rule_varlen`. On CUDA with mamba-ssm installed, its
+    `mamba_chunk_scan_combined` with the segments as `seq_idx` instead (`kernel=False`:
+    this path even there, its reference in tests)."""
+    ssd = _ssd_kernel() if kernel and x.is_cuda else None
+    if ssd is not None:
+        # dt as the scan multiplies by it: no bias, softplus or clamp left to the kernel
+        return ssd(x, dt, a.float(), b_in, c_in, chunk, seq_idx=_seq_idx(layout)).float()
     bsz, t, h, p = x.shape
     g = b_in.shape[2]
     r, c = h // g, chunk
