@@ -11,10 +11,10 @@
 
 Publish never leaves a partial file under a final name, and an fsync error
 aborts the window (it is never retried):
-tmp/<name>.<pid>-<rand>.tmp (O_EXCL, 0644) → header with zeroed checksums →
-tensor bytes straight from tensor memory, each tensor hashed chunk by chunk as it
-is written → real header (every tensor's checksum, then the header's own)
-pwritten at offset 0 → fsync → close → link to
+tmp/<name>.<temp_tag()>.tmp (O_EXCL, 0644; fanout.netfs.temp_tag) → header with
+zeroed checksums → tensor bytes straight from tensor memory, each tensor hashed chunk
+by chunk as it is written → real header (every tensor's checksum, then the header's
+own) pwritten at offset 0 → fsync → close → link to
 windows/<name> (fails if it exists) → unlink tmp → fsync windows/: the
 package's one atomic write, `FileSystem.write_atomic(..., overwrite=False)`, with
 a writer that streams and hashes the tensors. The caller then commits the window

@@ -94,7 +94,9 @@ class ConsumerOptions(HeartbeatOptions):
         description="captured layers the draft reads (a batch's hidden_states is their "
         "concatenation, the context a draft reads), always in ascending layer order: "
         "another order is sorted; any subset of the layers the run captured "
-        "(contract.json); default: all of them",
+        "(contract.json); default: all of them for a stream read alone, and under "
+        "`fanout train` the draft family's (every captured layer for DFlash, DFlash2, "
+        "DSpark and XPress; vLLM's three for EAGLE-3 and P-EAGLE; the last for MTP)",
         json_schema_extra=flag_options(aliases=("--target-layer-ids",)),
     )
     takeover: bool = Field(
