@@ -139,10 +139,12 @@ def causal_conv1d_varlen(
     the same sum in another float order), then the few tokens nearer their segment's
     start than K − 1, whose taps crossed into the segment before, computed again from
     their own segment's taps alone (a gather of [P, K, C]). On CUDA with causal-conv1d
-    installed (K ≤ 4, its kernel's widths), its kernel instead (`kernel=False`: this
-    path even there, its reference in tests)."""
+    installed (K of 2-4 and C a multiple of 8, its kernel's limits), its kernel instead
+    (`kernel=False`: this path even there, its reference in tests)."""
     k = weight.shape[-1]
-    conv = _conv_kernel() if kernel and x.is_cuda and k <= 4 else None
+    # the kernel's limits: widths 2-4; channel-last (what seq_idx needs) with C % 8 == 0
+    fits = 2 <= k <= 4 and x.shape[1] % 8 == 0
+    conv = _conv_kernel() if kernel and x.is_cuda and fits else None
     if conv is not None:
         return _causal_conv1d_kernel(conv, x, weight, bias, layout, activation)
     t = x.shape[-1]
@@ -178,8 +180,9 @@ def _causal_conv1d_kernel(
     activation: str | None,
 ) -> torch.Tensor:
     """causal-conv1d's kernel on [B, C, T] rows, a tap read only where its token's
-    `seq_idx` is the output token's. It takes `seq_idx` in the channel-last layout only
-    (stride 1 along C: what the mixers' transposed projections already are)."""
+    `seq_idx` is the output token's. It takes `seq_idx` (int32, contiguous) in the
+    channel-last layout only (stride 1 along C: what the mixers' transposed projections
+    already are)."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"causal_conv1d_varlen: activation {activation!r} (silu or None)")
     if x.stride(1) != 1:
