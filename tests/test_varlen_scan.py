@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -192,19 +193,26 @@ def test_steep_decays_give_no_subnormal_and_stay_exact() -> None:
         torch.testing.assert_close(out[b : b + 1, s:e], want, rtol=1e-4, atol=1e-5)
 
 
+def _ssd_inputs(seed: int, p: int = 8, n: int = 8) -> tuple[Any, ...]:
+    """The layout of ROWS and Mamba-2 scan inputs over it: x [B, T, 4, p], dt [B, T, 4]
+    (after softplus), A [4] < 0, B and C [B, T, 2 groups, n]."""
+    doc, _spans = _doc_ids()
+    g = torch.Generator().manual_seed(seed)
+    b, h, groups = len(ROWS), 4, 2
+    x = torch.randn(b, T, h, p, generator=g)
+    dt = F.softplus(torch.randn(b, T, h, generator=g))
+    a = -torch.arange(1, h + 1, dtype=torch.float32)
+    bb, cc = (torch.randn(b, T, groups, n, generator=g) for _ in range(2))
+    return SegmentLayout.from_document_ids(doc), x, dt, a, bb, cc
+
+
 def test_ssd_varlen_equals_transformers_mamba2_chunk_scan_on_each_document_alone() -> None:
     from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
     from fanout.ops.varlen_scan import ssd_varlen
 
-    doc, spans = _doc_ids()
-    lay = SegmentLayout.from_document_ids(doc)
-    g = torch.Generator().manual_seed(2)
-    b, h, p, groups, n = len(ROWS), 4, 8, 2, 8
-    x = torch.randn(b, T, h, p, generator=g)
-    dt = F.softplus(torch.randn(b, T, h, generator=g))
-    a = -torch.arange(1, h + 1, dtype=torch.float32)
-    bb, cc = (torch.randn(b, T, groups, n, generator=g) for _ in range(2))
+    _doc, spans = _doc_ids()
+    lay, x, dt, a, bb, cc = _ssd_inputs(2)
     got = ssd_varlen(x, dt, a, bb, cc, lay, chunk=16)  # [B, T, H, P]
     for r, s, e in spans:
         want = mamba2_chunk_scan(
@@ -306,14 +314,7 @@ def test_the_mamba_kernel_path_hands_the_segments_over_as_seq_idx(
     from fanout.ops import varlen_scan
     from fanout.ops.varlen_scan import ssd_varlen
 
-    doc, _spans = _doc_ids()
-    lay = SegmentLayout.from_document_ids(doc)
-    g = torch.Generator().manual_seed(5)
-    b, h, p, groups, n = len(ROWS), 4, 8, 2, 8
-    x = torch.randn(b, T, h, p, generator=g)
-    dt = F.softplus(torch.randn(b, T, h, generator=g))
-    a = -torch.arange(1, h + 1, dtype=torch.float32)
-    bb, cc = (torch.randn(b, T, groups, n, generator=g) for _ in range(2))
+    lay, x, dt, a, bb, cc = _ssd_inputs(5)
 
     def fake_ssd(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, bb: torch.Tensor,
                  cc: torch.Tensor, chunk: int, *, seq_idx: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -352,11 +353,7 @@ def test_mamba_kernels_equal_the_torch_path() -> None:
     got = causal_conv1d_varlen(x, w, bias, lay, activation="silu")  # the kernel
     want = causal_conv1d_varlen(x, w, bias, lay, activation="silu", kernel=False)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    b, h, p, groups, n = len(ROWS), 4, 64, 2, 16
-    xs = torch.randn(b, T, h, p, generator=g).cuda()
-    dt = F.softplus(torch.randn(b, T, h, generator=g)).cuda()
-    a = -torch.arange(1, h + 1, dtype=torch.float32).cuda()
-    bb, cc = (torch.randn(b, T, groups, n, generator=g).cuda() for _ in range(2))
+    xs, dt, a, bb, cc = (t.cuda() for t in _ssd_inputs(7, p=64, n=16)[1:])
     got = ssd_varlen(xs, dt, a, bb, cc, lay, chunk=64)
     want = ssd_varlen(xs, dt, a, bb, cc, lay, chunk=64, kernel=False)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
