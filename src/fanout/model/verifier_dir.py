@@ -151,8 +151,10 @@ _TEXT_NAMES = (
 )
 _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 # model_types whose final norm has no weight (an RMSNorm without a gain: NanoChat's): the
-# embedding alone locates the text model, and the gain a draft takes is ones
+# embedding alone (one of `_TEXT_NAMES`' embedding names) locates the text model, and the
+# gain a draft takes is ones
 _NORM_WITHOUT_WEIGHT = frozenset({"nanochat"})
+_EMBED_NAMES = tuple(dict.fromkeys(e for e, _ in _TEXT_NAMES))  # in _TEXT_NAMES' order
 # model_types whose final norm scales by (1 + w) rather than w (Gemma's RMSNorm; Qwen3.5's
 # and Qwen3-Next's compute `output * (1.0 + weight)`), matched on the text config's
 # model_type: speculators 0.9.0's GEMMA_STYLE_FINAL_NORM_MODEL_TYPES plus qwen3_next,
@@ -280,7 +282,7 @@ def text_tensors(vdir: Path) -> TextTensors:
     )  # fmt: skip
     if found is None and model_type in _NORM_WITHOUT_WEIGHT:
         found = next(((f"{p}{e}.weight", None) for p in _TEXT_PREFIXES
-                      for e in dict(_TEXT_NAMES) if f"{p}{e}.weight" in keys), None)  # fmt: skip
+                      for e in _EMBED_NAMES if f"{p}{e}.weight" in keys), None)  # fmt: skip
     if found is None:
         names = ", ".join(f"{e} + {n}" for e, n in _TEXT_NAMES)
         raise ConfigError(
