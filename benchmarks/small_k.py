@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(
                 stage="coordinator", name=f"wait_share_k{k}_{name}",
                 what=f"a slow trainer's time spent waiting at K = {k}, {name} issue #47",
-                result=round(statistics.median(share), 1), unit="%", spread=spread(share),
+                result=round(statistics.median(share), 2), unit="%", spread=spread(share),
                 n=len(share), conditions=cond,
             ))  # fmt: skip
     rec.write(args.json, rows, raw={"runs": runs, "args": vars(args)})

@@ -50,8 +50,8 @@ without a rule runs each document alone too, with one warning at load;
   take it so that no T × T mask exists: full layers run SDPA is_causal, sliding /
   chunked ones fanout.model.local_attention (O(T·w)); with a type without a rule,
   transformers' own attention and masks run every layer.
-Both are checked against each document run alone through plain transformers for 20
-architectures (tests/test_verifier_zoo.py). Attention implementations: `sdpa` (boolean
+Both are checked against each document run alone through plain transformers for every
+architecture of tests/verifier_zoo.py (tests/test_verifier_zoo.py). Attention implementations: `sdpa` (boolean
 masks) and `eager` (additive); a model class without sdpa (gpt-oss: sinks; Gemma-2:
 soft-capping) loads with eager. A multimodal checkpoint (`…ForConditionalGeneration`)
 is captured through its text model: layers, hidden size and vocabulary are the text
