@@ -487,51 +487,47 @@ def _mixer_split(fn: Callable[[], Any], repeats: int) -> tuple[float, float, flo
 
 
 def hybrid_records(a: argparse.Namespace, hybrid: list[dict[str, Any]]) -> list[Row]:
-    rows = []
-    for r in hybrid:
-        arch = r["arch"]
-        cls = (ZOO | HYBRID_AND_SPARSE)[arch].model_class
-        cond = (f"{a.device} fp32, {torch.get_num_threads()} threads, {a.clock} clock"
-                f"{', glibc malloc at steady state' if a.device == 'cpu' else ''}, {cls} H {a.hidden} x "
-                f"{len(r['layer_types'])} layers "
-                f"({', '.join(r['layer_types'])}), heads of 16, vocab {a.vocab}, {r['rows']} rows "
-                f"x {r['T']:,} tokens, {r['documents']} documents of {a.hybrid_doc_tokens} "
-                f"± {a.hybrid_doc_tokens // 3} tokens")  # fmt: skip
-        rows.append(Row(
-            stage="producer", name=f"hybrid_packed_vs_documents_{arch}",
-            what=f"{cls}: capture of packed rows (recurrent layers reset per document) vs "
-            "fanout's per-document path (documents batched by length) (tokens/s; peak "
-            f"{r['packed_peak_mib']:.0f} vs {r['documents_peak_mib']:.0f} MiB)",
-            result=round(r["vs_documents"], 2), unit="×", goal=">= 3", met=r["vs_documents"] >= 3,
-            n=a.repeats, n_of="runs (best)", conditions=cond,
-        ))  # fmt: skip
-        rows.append(Row(
-            stage="producer", name=f"hybrid_packing_bound_{arch}",
-            what=f"{cls}: the most packing can give over the per-document path: its time "
-            "over the packed capture's time outside the recurrent mixers (the ratio were "
-            f"they free; they take {100 * r['packed_mixers_share']:.0f} % of the packed "
-            "capture; the rest, projections, MLPs, attention and the head, both paths run)",
-            result=round(r["bound_vs_documents"], 2), unit="×", n=a.repeats,
-            n_of="runs (best)", conditions=cond,
-        ))  # fmt: skip
-        rows.append(Row(
-            stage="producer", name=f"hybrid_scan_bound_{arch}",
-            what=f"{cls}: the most any scan implementation can give over the per-document "
-            "path: its time over the packed capture's time outside the varlen scans (the "
-            "convolutions and chunked recurrences the mixers call, "
-            f"{100 * r['packed_scans_share']:.0f} % of the packed capture; the mixers' own "
-            "projections and norms stay)",
-            result=round(r["scan_bound_vs_documents"], 2), unit="×", n=a.repeats,
-            n_of="runs (best)", conditions=cond,
-        ))  # fmt: skip
-        rows.append(Row(
-            stage="producer", name=f"hybrid_packed_vs_loop_{arch}",
-            what=f"{cls}: capture of packed rows vs each document by itself in plain "
-            "transformers (tokens/s)",
-            result=round(r["vs_loop"], 2), unit="×", n=a.repeats, n_of="runs (best)",
-            conditions=cond,
-        ))  # fmt: skip
-    return rows
+    return [row for r in hybrid for row in _hybrid_arch_records(a, r)]
+
+
+def _hybrid_arch_records(a: argparse.Namespace, r: dict[str, Any]) -> list[Row]:
+    """One hybrid's rows: packed vs per-document (the goal), its two bounds, vs the loop."""
+    arch = r["arch"]
+    cls = (ZOO | HYBRID_AND_SPARSE)[arch].model_class
+    cond = (f"{a.device} fp32, {torch.get_num_threads()} threads, {a.clock} clock"
+            f"{', glibc malloc at steady state' if a.device == 'cpu' else ''}, {cls} H {a.hidden} x "
+            f"{len(r['layer_types'])} layers "
+            f"({', '.join(r['layer_types'])}), heads of 16, vocab {a.vocab}, {r['rows']} rows "
+            f"x {r['T']:,} tokens, {r['documents']} documents of {a.hybrid_doc_tokens} "
+            f"± {a.hybrid_doc_tokens // 3} tokens")  # fmt: skip
+
+    def ratio(name: str, what: str, key: str, **goal: Any) -> Row:
+        return Row(stage="producer", name=f"{name}_{arch}", what=f"{cls}: {what}",
+                   result=round(r[key], 2), unit="×", n=a.repeats, n_of="runs (best)",
+                   conditions=cond, **goal)  # fmt: skip
+
+    return [
+        ratio("hybrid_packed_vs_documents",
+              "capture of packed rows (recurrent layers reset per document) vs fanout's "
+              "per-document path (documents batched by length) (tokens/s; peak "
+              f"{r['packed_peak_mib']:.0f} vs {r['documents_peak_mib']:.0f} MiB)",
+              "vs_documents", goal=">= 3", met=r["vs_documents"] >= 3),
+        ratio("hybrid_packing_bound",
+              "the most packing can give over the per-document path: its time over the "
+              "packed capture's time outside the recurrent mixers (the ratio were they "
+              f"free; they take {100 * r['packed_mixers_share']:.0f} % of the packed "
+              "capture; the rest, projections, MLPs, attention and the head, both paths "
+              "run)", "bound_vs_documents"),
+        ratio("hybrid_scan_bound",
+              "the most any scan implementation can give over the per-document path: its "
+              "time over the packed capture's time outside the varlen scans (the "
+              "convolutions and chunked recurrences the mixers call, "
+              f"{100 * r['packed_scans_share']:.0f} % of the packed capture; the mixers' "
+              "own projections and norms stay)", "scan_bound_vs_documents"),
+        ratio("hybrid_packed_vs_loop",
+              "capture of packed rows vs each document by itself in plain transformers "
+              "(tokens/s)", "vs_loop"),
+    ]  # fmt: skip
 
 
 def main() -> None:
