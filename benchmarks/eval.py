@@ -6,8 +6,9 @@
     .venv/bin/python benchmarks/eval.py --temperature 0 1 --json /tmp/eval.json  # τ at T=0, 1
     .venv/bin/python benchmarks/eval.py --max-new-tokens 256 --compare-uncached  # draft cache
 
-Reuses the three drafts (block sizes 4 / 8 / 16) of the last `fanout demo` under
-`--demo-dir` when they exist, otherwise trains them with `fanout demo --minutes`.
+Reuses the drafts of the last `fanout demo` (one of each registered family:
+fanout.bench.demo.demo_config) under `--demo-dir` when they exist, otherwise trains
+them with `fanout demo --minutes`.
 Then runs `fanout eval` on `--num-prompts` generated conversations that are not in the
 demo's training corpus and prints, per draft: the acceptance length τ (tokens per
 verifier forward), the checkpoint's train-time EAL, acceptance per block position,

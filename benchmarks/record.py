@@ -2,7 +2,7 @@
 
     from record import Recorder, Row                # benchmarks/*.py (run from the repo root)
     rec = Recorder("store_io", argv)                # commit, date, hardware, load before
-    rec.write(args.json, [Row("store", "publish_vs_raw", "publish vs raw write+fsync",
+    rec.write(args.json, [Row(stage="store", name="publish_vs_raw", what="publish vs raw write+fsync",
               result=1.5, spread=(1.4, 1.6), n=5, goal=">= 0.9", unit="×",
               conditions="256 MiB window")], raw=everything_else)
 

@@ -467,3 +467,35 @@ def test_a_flag_only_error_comes_back_before_torch_is_imported(tmp_path: Path) -
 
     with pytest.raises(ValidationError, match="--replica-rank 3 must be below --replicas 2"):
         ReplicaOptions(replicas=2, replica_rank=3)
+
+
+# ---- flags argparse refuses: the same one line and exit 1 -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog", "says"),
+    [
+        (["nosuch"], "fanout", "invalid choice: 'nosuch'"),
+        (["produce", "--no-such-flag", "x"], "fanout produce", "unrecognized arguments: --no-such-flag x"),
+        (["train", "--max-steps", "abc"], "fanout train", "argument --max-steps: invalid int value: 'abc'"),
+        (["train", "--lr", "fast"], "fanout train", "argument --lr: invalid float value: 'fast'"),
+        (["status", "--log-level", "loud"], "fanout status", "argument --log-level: invalid choice: 'loud'"),
+    ],
+    ids=["command", "unknown-flag", "optional-int", "float", "choice"],
+)  # fmt: skip
+def test_flags_argparse_refuses_are_one_line_and_exit_1(
+    argv: list[str], prog: str, says: str
+) -> None:
+    """Not argparse's usage block and exit 2: the command's own line (naming the command
+    whose flags they are, though the top parser finds the unknown ones) and a pointer to
+    its --help."""
+    line = error_line(fanout(*argv), says)
+    assert line.startswith(f"{prog}: error: ") and line.endswith(f"(see `{prog} --help`)"), line
+
+
+def test_scripts_train_refuses_a_flag_in_one_line() -> None:
+    """scripts/train.py (what torchrun starts) parses with the same parser."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
+    r = subprocess.run([sys.executable, str(script), "--rows-per-step", "many"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    error_line(r, "fanout train: error: argument --rows-per-step: invalid int value: 'many'")

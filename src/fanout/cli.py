@@ -21,8 +21,14 @@ import os
 import sys
 from typing import NoReturn
 
-from fanout.errors import FanoutError
-from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
+from fanout.errors import FanoutError, FlagError
+from fanout.flags import (
+    FlagParser,
+    add_log_level_flag,
+    add_model_flags,
+    configure_logging,
+    model_from_args,
+)
 from fanout.train.dplaunch import failed
 
 # name -> (module, one-line help). Each module defines add_arguments(p) and run(args) -> int.
@@ -132,7 +138,7 @@ _register(
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     # the docstring's first paragraph (its first line alone stops mid-list)
     about = " ".join(__doc__.split("\n\n", 1)[0].split())
-    parser = argparse.ArgumentParser(prog="fanout", description=about)
+    parser = FlagParser(prog="fanout", description=about)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
@@ -157,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     except FanoutError as e:
         return _failed(next(a for a in argv if not a.startswith("-")), e)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except FlagError as e:
+        # argparse refuses a command's unknown flags in the top parser: name the command
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if e.prog == "fanout" and command in COMMANDS:
+            e = FlagError(f"fanout {command}", e.message)
+        return failed(e.prog, e)
     if args.command is None:
         parser.print_help()
         return 2

@@ -170,6 +170,15 @@ class ConfigError(FanoutError):
     """A configuration value is invalid; the message names the field and the source."""
 
 
+class FlagError(ConfigError):
+    """A flag the parser refused (unknown, a value of the wrong type, a choice not
+    offered, a required one missing); `prog` is the command that refused it."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(f"{message} (see `{prog} --help`)")
+        self.prog, self.message = prog, message
+
+
 class NoCoordinator(ConfigError):
     """No coordinator database at the run's location yet: no file, or an empty one (no
     tables: a producer is creating it, or was killed while it did). A trainer started

@@ -1,6 +1,6 @@
 """Command-line flags generated from a component's pydantic config.
 
-    p = argparse.ArgumentParser(); add_model_flags(p, ProducerConfig)
+    p = FlagParser(prog="fanout produce"); add_model_flags(p, ProducerConfig)
     cfg = model_from_args(ProducerConfig, p.parse_args())   # --config FILE + flags
 
 One field, one flag (`max_live_windows` → `--max-live-windows`), help text from
@@ -22,7 +22,10 @@ A field whose flag differs from its name says so with
 `Field(..., json_schema_extra=flag_options(flag="--json", metavar="OUT"))`; a renamed
 flag keeps its old name working with `flag_options(aliases=("--old-name",))`.
 A command whose flags are one config's gives fanout.cli its `add_arguments` /
-`config_from_args` through `CommandFlags`.
+`config_from_args` through `CommandFlags`. The commands parse with `FlagParser`: a
+flag argparse refuses (unknown, a value of the wrong type, a choice not offered) is
+a `FlagError`, one line and exit 1 as every other bad input, not argparse's usage
+block and exit 2.
 The commands' shared flags live here too: `--log-level` (`add_log_level_flag`,
 `configure_logging`), and what every log line says about the process that wrote it:
 its role and torchrun rank (`[produce r1]`, `set_log_role`), and whether it draws a
@@ -46,7 +49,7 @@ from pydantic import AliasChoices, BaseModel, Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from fanout.errors import ConfigError
+from fanout.errors import ConfigError, FlagError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -91,8 +94,7 @@ def flag_options(
     (--help lists them; `to_flags` writes only `flag`), `metavar` names the value in
     --help, `repeatable` lets a list flag be given several times (values add up),
     `choices_checked_by_config` leaves a choice flag's check to the config (a bad name is
-    one line and exit 1, as any bad value, not argparse's usage and exit 2; --help still
-    lists the choices)."""
+    the config's message, as any bad value; --help still lists the choices)."""
     out: dict[str, Any] = {}
     if flag is not None:
         out["flag"] = flag
@@ -170,6 +172,8 @@ def _parse_none(conv: Any) -> Any:
     def parse(s: str) -> Any:
         return None if s.lower() in ("none", "null") else conv(s)
 
+    # argparse names the type in its refusal: "invalid int value: 'abc'"
+    parse.__name__ = getattr(conv, "__name__", "parse")
     return parse
 
 
@@ -426,6 +430,16 @@ def problems(e: ValidationError, model: type[BaseModel] | None = None) -> str:
         return f"{where(err['loc'])}: {err['msg']}"
 
     return "; ".join(one(err) for err in e.errors())
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors raise FlagError instead of printing the usage
+    block and exiting 2: the command prints it as its one line and exits 1 (fanout.cli;
+    under torchrun also in the file the agent reads). Subparsers are FlagParsers too
+    (argparse makes them of the parent's class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise FlagError(self.prog, message)
 
 
 # --------------------------------------------------------------------------- logging

@@ -1,6 +1,6 @@
 """The coordinator's tables, in one schema for both databases that can hold them.
 
-    from fanout.coord import schema
+    from fanout.coord import schema, sqlitedb
     db = sqlitedb.SqliteDatabase(Path("runs/demo/coordinator.sqlite3"))   # or postgresdb
     schema.create_schema(db, {"config": ..., "contract": ..., "stream_id": ...})
     schema.check_schema(db)                      # SchemaVersionError if unknown

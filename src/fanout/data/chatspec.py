@@ -1,7 +1,8 @@
 """ChatSpec: what a worker needs to render, tokenize and mask one tokenizer's chats.
 
     from fanout.data.chatspec import ChatSpec
-    spec = load_chat_spec(tok_dir, cache_root)   # fanout.data.template builds it, cached
+    from fanout.data.template import load_chat_spec
+    spec = load_chat_spec(tok_dir, cache_root)   # builds it once, cached
     spec.template_for(has_tools=False)           # the Jinja source to render with
 
 A small picklable value shared by fanout.data.template (which builds it and renders

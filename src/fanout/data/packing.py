@@ -3,8 +3,8 @@
     from fanout.data.packing import Packer, Doc
     packer = Packer(seq_len=4096, lookahead=64, over_length="split", pad_id=151643)
     for doc in docs:                       # Doc(ids int32 [L], mask uint8 [L], source)
-        for batch in packer.add(doc): ...  # dict of [n, T] arrays, rows as they close
-    last = packer.flush()
+        if (batch := packer.add(doc)) is not None: ...  # [n, T] arrays: rows it closed
+    last = packer.flush()                  # the rows still open (None: none)
 
 Best fit with a bounded look-ahead: up to `lookahead` rows are open at once; each
 document goes into the open row with the least free space that still fits it (a

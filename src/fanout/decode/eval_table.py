@@ -2,7 +2,8 @@
 and the lossless line.
 
     fanout eval --draft runs/demo/drafts/b8 --draft runs/demo/drafts/b4 ...
-    print("\n".join(table(report)))   # report: fanout.decode.eval.evaluate's
+    from fanout.decode.eval_table import table
+    print("\\n".join(table(report)))   # report: fanout.decode.eval.evaluate's
 
 Only formatting and the one rule deciding which of two drafts' τ is higher
 (`tau_verdict`); the report's figures are fanout.decode.eval's.

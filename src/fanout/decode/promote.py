@@ -1,6 +1,6 @@
 """Promote a better draft to serving, atomically: evaluate each new checkpoint against the served one, flip a symlink.
 
-    fanout promote --draft drafts/b16 --served /srv/draft --verifier-name-or-path V \
+    fanout promote --draft drafts/b16 --served /srv/draft --verifier-name-or-path V \\
         --tokenizer V --data heldout.jsonl --num-prompts 32 --once      # cron: decide, exit
     fanout promote ... --poll-s 300                                    # watch for new ones
     fanout promote --served /srv/draft --rollback                       # back one version

@@ -1,7 +1,7 @@
 """What each verifier layer type computes for a document alone: the packing rule.
 
     from fanout.model.layer_types import PackingRule
-    rule = PackingRule.from_config(model.config, "/models/gemma-3-4b")  # strict: refuse unknown
+    rule = PackingRule.from_config(model.config, "/models/gemma-3-4b", strict=True)
     if rule.needs_alone(t):
         ...  # run each document of the rows as its own sequence (fanout.model.verifier)
     else:

@@ -1,6 +1,6 @@
 """Linear CE / KL over two heads, one frozen: logits `x @ A^T + e @ B^T`, chunked over rows.
 
-    from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax
+    from fanout.ops.two_head_ce import two_head_cross_entropy_and_argmax, two_head_kl_div_and_argmax
     out = two_head_cross_entropy_and_argmax(x, e, head, w2, target, row_weight=w, teacher=t)
     (out.loss / n).backward()       # out.loss = sum_i w_i CE_i; grads to x, e and w2 only
     out.rows, out.pred, out.accept  # [N] per-row CE, argmax, sum_v min(q_v, p_v)

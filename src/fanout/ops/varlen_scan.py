@@ -1,6 +1,7 @@
 """Recurrences over packed rows whose state restarts at every document: the varlen scans.
 
-    from fanout.ops.varlen_scan import SegmentLayout, causal_conv1d_varlen, gated_delta_rule_varlen
+    from fanout.ops.varlen_scan import (SegmentLayout, causal_conv1d_varlen,
+                                        gated_delta_rule_varlen, ssd_varlen)
     lay = SegmentLayout.from_document_ids(document_ids)   # [B, T] rows, −1 = padding
     y = causal_conv1d_varlen(x, weight, bias, lay, activation="silu")   # x [B, C, T], weight [C, K]
     o = gated_delta_rule_varlen(q, k, v, g, beta, lay)   # q, k [B, T, Hk, dk]; v [B, T, Hv, dv]

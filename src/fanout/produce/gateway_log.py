@@ -3,7 +3,7 @@
     from fanout.produce.gateway_log import sources, lines, openai_pair, as_record
     for f in sources(Path("/var/log/gateway")):    # File(path, key "dev:ino"), name order
         ...
-    lines(data, start)                              # [(byte offset, line)], complete lines
+    lines(data, start)           # [(byte offset, line)]; data must end at a newline
     openai_pair({"request": {...}, "response": {...}})  # {"messages", "tools"} or None
 
 A file of the source is PATH itself and its siblings named `PATH.*`, or every file of

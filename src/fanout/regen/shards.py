@@ -5,7 +5,7 @@
     out = OutDir("regen/").open(identity)   # the same check, then creates or resumes it
     out.done(3)                             # shard 3's summary, or None
     out.write_shard(3, records, summary)    # records: regenerated chats (dicts)
-    out.finish(summary)                     # regenerated.jsonl + the manifest's totals
+    out.finish(4, totals)                   # shards 0..3 joined, the manifest's totals
 
 Layout:
 - `manifest.json`: the run's identity (inputs' fingerprint, verifier fingerprint,

@@ -2,7 +2,7 @@
 
     from fanout.store.windowfile import WindowMeta, encode_header, hidden_name
     layout = encode_header({hidden_name(9): h9, "input_ids": ids}, meta)   # for a writer
-    layout.header()                            # 8-byte length + header JSON, checksums zeroed
+    prefix, _ = layout.header()                # 8-byte length + header JSON, checksums zeroed
 
 Plain safetensors (8-byte little-endian header length, JSON header, tensor
 bytes), so `safetensors.safe_open` reads it too. Tensors are laid out by falling

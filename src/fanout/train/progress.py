@@ -3,7 +3,8 @@ start-up went (its metrics log: fanout.train.trainlog).
 
     notice = WaitNotice(600.0).start()          # "waiting for window 12 from the producer ..."
     contract = wait_for_run(run_dir, None, 600.0)
-    clock = StartupClock(); ...; clock.mark("ready"); log.info(clock.line("b8"))
+    clock = StartupClock(); clock.mark("run"); ...   # then "ready", "registered", "first_batch"
+    log.info(clock.line("b8"))                  # at the first step: how long each stretch took
     bar = ProgressBar(total=200, initial=0, desc="b8", show=True); bar.update(rec, batch, cursor)
 
 Lines for people go to stderr (above the progress bar when one is drawn); the trainer's

@@ -36,8 +36,21 @@ import torch
 from fanout.checkpoints.resume import load_checkpoint
 from fanout.checkpoints.save import save_checkpoint
 from fanout.contract import CaptureContract
-from fanout.errors import ConfigError, Detached, FanoutError, NonFiniteLoss, NoSupervisedTokens
-from fanout.flags import CommandFlags, add_log_level_flag, configure_logging, set_log_role
+from fanout.errors import (
+    ConfigError,
+    Detached,
+    FanoutError,
+    FlagError,
+    NonFiniteLoss,
+    NoSupervisedTokens,
+)
+from fanout.flags import (
+    CommandFlags,
+    FlagParser,
+    add_log_level_flag,
+    configure_logging,
+    set_log_role,
+)
 from fanout.ops.fp8 import dequantize
 from fanout.rows import HIDDEN_STATES, HIDDEN_STATES_SCALE
 from fanout.tracking import WandbRun, group_for
@@ -578,10 +591,13 @@ def run(args: argparse.Namespace, name: str = "train") -> int:
 def main(argv: list[str] | None = None) -> int:
     """scripts/train.py: `fanout train` with its own parser (torchrun starts this one)."""
     # `fanout train`'s name, so its errors read as the docs (and `fanout train`) print them
-    p = argparse.ArgumentParser(prog="fanout train", description=__doc__.split("\n")[0])
+    p = FlagParser(prog="fanout train", description=__doc__.split("\n")[0])
     add_log_level_flag(p, "info")
     add_arguments(p)
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except FlagError as e:
+        return failed(p.prog, e)
     configure_logging(args, role="train")
     try:
         return run(args)
