@@ -493,6 +493,13 @@ def test_flags_argparse_refuses_are_one_line_and_exit_1(
     assert line.startswith(f"{prog}: error: ") and line.endswith(f"(see `{prog} --help`)"), line
 
 
+def test_python_dash_m_fanout_is_the_command() -> None:
+    """`python -m fanout …` (fanout/__main__.py) runs fanout.cli, its errors included."""
+    r = subprocess.run([sys.executable, "-m", "fanout", "train", "--lr", "fast"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    error_line(r, "fanout train: error: argument --lr: invalid float value: 'fast'")
+
+
 def test_scripts_train_refuses_a_flag_in_one_line() -> None:
     """scripts/train.py (what torchrun starts) parses with the same parser."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "train.py"
