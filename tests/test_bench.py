@@ -396,14 +396,14 @@ def test_role_failure_makes_run_invalid_and_exit_nonzero(
 ) -> None:
     cfg = smoke_config(assets_cache, scenarios=["1p1c"])
     raw = cfg.model_dump()
-    raw["consumers"][0]["extra_args"] = ["--no-such-flag"]  # argparse exits 2
+    raw["consumers"][0]["extra_args"] = ["--no-such-flag"]  # refused: one line, exit 1
     p = tmp_path / "failing.json"
     p.write_text(json.dumps(raw))
     rc = cli_main(["bench", str(p), "--out", str(tmp_path / "out")])
     assert rc == 1
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     assert not rep["valid"]
-    assert any("b4 exited 2" in r for r in rep["reasons"]), rep["reasons"]
+    assert any("b4 exited 1" in r for r in rep["reasons"]), rep["reasons"]
     # The producer, held by a consumer that never came, was stopped: not blamed.
     assert not any("producer exited" in r for r in rep["reasons"]), rep["reasons"]
 
