@@ -21,13 +21,19 @@ from pathlib import Path
 from fanout.chaos.driver import ChaosConfig
 from fanout.chaos.soak import run_rounds
 from fanout.errors import ConfigError
-from fanout.flags import add_log_level_flag, add_model_flags, configure_logging, model_from_args
+from fanout.flags import (
+    FlagParser,
+    add_log_level_flag,
+    add_model_flags,
+    configure_logging,
+    model_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """One flag per ChaosConfig field (fanout.flags, as every `fanout` command), `--config
     FILE`, and `--json OUT` (where the report goes: not part of the run)."""
-    p = argparse.ArgumentParser(prog="python -m fanout.chaos", description=__doc__.split("\n")[0])
+    p = FlagParser(prog="python -m fanout.chaos", description=__doc__.split("\n")[0])
     add_model_flags(p, ChaosConfig)
     p.add_argument("--json", default=None, metavar="OUT", help="write the report here")
     add_log_level_flag(p, default="info")
@@ -35,11 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    configure_logging(a, role="chaos")
     try:
+        a = build_parser().parse_args(argv)
+        configure_logging(a, role="chaos")
         cfg = model_from_args(ChaosConfig, a)
-    except ConfigError as e:
+    except ConfigError as e:  # FlagError too: one line, exit 1
         print(f"python -m fanout.chaos: error: {e}", file=sys.stderr)
         return 1
     rep = run_rounds(cfg)  # rounds until the kill count or the duration is met
