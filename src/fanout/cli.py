@@ -59,10 +59,15 @@ class _Quiet(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+def command_of(argv: list[str]) -> str | None:
+    """The command `argv` names: its first word that is not a flag."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def early_check(argv: list[str]) -> None:
     """Raise ConfigError if `argv`'s command breaks a flag-only rule of its EARLY
     components; anything else (help, a flag the full parser rejects) is left to it."""
-    command = next((a for a in argv if not a.startswith("-")), None)
+    command = command_of(argv)
     if command not in EARLY or {"-h", "--help", *EARLY_UNLESS.get(command, ())} & set(argv):
         return
     rest = argv[argv.index(command) + 1 :]
@@ -140,7 +145,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     about = " ".join(__doc__.split("\n\n", 1)[0].split())
     parser = FlagParser(prog="fanout", description=about)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    wanted = next((a for a in argv if not a.startswith("-")), None)
+    wanted = command_of(argv)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_log_level_flag(p, "info" if name in INFO_LOGGING else "warning")
@@ -161,13 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         early_check(argv)
     except FanoutError as e:
-        return _failed(next(a for a in argv if not a.startswith("-")), e)
+        return _failed(str(command_of(argv)), e)
     parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except FlagError as e:
         # argparse refuses a command's unknown flags in the top parser: name the command
-        command = next((a for a in argv if not a.startswith("-")), None)
+        command = command_of(argv)
         if e.prog == "fanout" and command in COMMANDS:
             e = FlagError(f"fanout {command}", e.message)
         return failed(e.prog, e)

@@ -36,14 +36,7 @@ import torch
 from fanout.checkpoints.resume import load_checkpoint
 from fanout.checkpoints.save import save_checkpoint
 from fanout.contract import CaptureContract
-from fanout.errors import (
-    ConfigError,
-    Detached,
-    FanoutError,
-    FlagError,
-    NonFiniteLoss,
-    NoSupervisedTokens,
-)
+from fanout.errors import ConfigError, Detached, FanoutError, NonFiniteLoss, NoSupervisedTokens
 from fanout.flags import (
     CommandFlags,
     FlagParser,
@@ -595,11 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     add_log_level_flag(p, "info")
     add_arguments(p)
     try:
-        args = p.parse_args(argv)
-    except FlagError as e:
-        return failed(p.prog, e)
-    configure_logging(args, role="train")
-    try:
+        args = p.parse_args(argv)  # a refused flag: FlagError, one line as any other
+        configure_logging(args, role="train")
         return run(args)
     except FanoutError as e:
         return failed(p.prog, e)  # also for fanout.train.dplaunch's line
